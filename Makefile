@@ -1,0 +1,35 @@
+# The two commands: `make demo` and `make test`. Both create .venv when it is missing.
+#
+# TORCH_SPEC chooses the PyTorch build. The default is the CPU build;
+# on a GPU machine pass the pip arguments for the CUDA build you want, e.g.
+#   make demo TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>"
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/trainwise train
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench examples
+
+bench: $(STAMP)
+	$(BIN)/python bench/overhead.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,1 @@
+"""Argument parsing only: each subcommand module has add_parser() and run(args) -> int."""

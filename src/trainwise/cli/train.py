@@ -1,0 +1,79 @@
+"""`trainwise train`: plan (strategy auto), check, launch the workers, summarise."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from trainwise.config import dump_toml, load_config
+from trainwise.hardware import detect_device
+from trainwise.report import render_summary
+from trainwise.run.distributed import dist_env_from
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a model with single, DDP or FSDP2 on torch.distributed",
+        description="Train on the embedded default (tiny GPT, synthetic corpus, 2 workers) "
+        "or on a TOML job. Precedence: defaults < --config < flags < --set.",
+    )
+    p.add_argument("--config", metavar="TOML", help="job file")
+    p.add_argument(
+        "--set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override any key, e.g. --set optim.lr=3e-4 (repeatable)",
+    )
+    p.add_argument("--nproc", type=int, help="workers on this machine (cluster.nproc)")
+    p.add_argument("--strategy", help="auto, single, ddp, fsdp or hsdp (parallel.strategy)")
+    p.add_argument("--precision", help="fp32, bf16 or fp16 (precision.dtype)")
+    p.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
+    p.add_argument("--model", help="preset, 'mlp', 'module:factory' or 'hf:config.json'")
+    p.add_argument("--run-dir", help="run directory (logging.run_dir)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved TOML and exit")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    flags = {
+        "cluster.nproc": args.nproc,
+        "parallel.strategy": args.strategy,
+        "precision.dtype": args.precision,
+        "train.steps": args.steps,
+        "model.name": args.model,
+        "logging.run_dir": args.run_dir,
+    }
+    cfg = load_config(args.config, flags, args.set)
+    if args.print_config:
+        print(dump_toml(cfg), end="")
+        return 0
+
+    # Imported here so that --print-config and config errors stay instant.
+    from trainwise.run.job import prepare_job, resolve_nproc
+    from trainwise.run.launch import launch_workers
+    from trainwise.run.worker import default_run_dir, train, write_run_files
+
+    if dist_env_from().launched:
+        # Started by torchrun or srun: this process is one of the workers.
+        summary = train(cfg)
+        if summary:
+            print(render_summary(summary))
+        return 0
+
+    device = detect_device(cfg.cluster.device)
+    nproc = resolve_nproc(cfg, device)
+    job = prepare_job(cfg, nproc, device)  # every check, before any worker starts
+    run_dir = (
+        Path(cfg.logging.run_dir) if cfg.logging.run_dir else default_run_dir(cfg, job.strategy)
+    )
+    write_run_files(run_dir, cfg, job)
+    if nproc == 1:
+        train(cfg, run_dir)
+    else:
+        launch_workers(run_dir, nproc, cfg.cluster.master_port)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    print(render_summary(summary))
+    return 0

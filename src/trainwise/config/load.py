@@ -1,0 +1,203 @@
+"""Loading a job: defaults < TOML file < command-line flags < ``--set key=value``.
+
+Every problem is collected and raised once as a ConfigError, one line each, naming the
+key, the value, where it came from and what is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+from pydantic import BaseModel, ValidationError
+
+from trainwise.config.schema import JobConfig
+from trainwise.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def load_config(
+    path: str | Path | None = None,
+    flags: dict[str, Any] | None = None,
+    overrides: list[str] | None = None,
+) -> JobConfig:
+    """Build the job config. `flags` maps dotted keys to values (None = not given);
+    `overrides` are ``key=value`` strings whose value is read as TOML (bare words are strings)."""
+    raw: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    if path is not None:
+        raw = read_toml(Path(path))
+        for key in _leaf_keys(raw):
+            origin[key] = str(path)
+    problems: list[str] = []
+    for key, value in (flags or {}).items():
+        if value is not None:
+            _assign(raw, key, value)
+            origin[key] = "--" + key.rsplit(".", 1)[-1].replace("_", "-")
+    for item in overrides or []:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            problems.append(f"--set {item!r}: expected key=value, e.g. --set optim.lr=3e-4")
+            continue
+        _assign(raw, key, parse_value(text.strip()))
+        origin[key] = "--set"
+    if problems:
+        raise ConfigError(problems)
+    try:
+        cfg = JobConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError([_describe(e, origin) for e in err.errors()]) from None
+    problems = check_consistency(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found: check the --config path")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        # The decoder's message ends with "(at line L, column C)"; lead with the location.
+        msg = str(err)
+        m = re.search(r"\(at line (\d+), column (\d+)\)", msg)
+        where = f"{path}:{m.group(1)}:{m.group(2)}" if m else str(path)
+        reason = re.sub(r"\s*\(at line \d+, column \d+\)", "", msg) if m else msg
+        raise ConfigError(f"{where}: TOML syntax error: {reason}; fix the file") from None
+
+
+def parse_value(text: str) -> Any:
+    """A --set value as TOML (numbers, booleans, lists, quoted strings); anything else is a
+    plain string, so `--set model.name=tiny` works without quotes."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def check_consistency(cfg: JobConfig) -> list[str]:
+    """Combinations that are wrong whatever the machine; each line names the keys and the fix."""
+    problems = []
+    name = cfg.model.name
+    custom = ":" in name and not name.startswith("hf:")
+    if cfg.data.dataset == "tokens" and not cfg.data.path:
+        problems.append("data.path is not set but data.dataset = 'tokens': set the token file")
+    if name == "mlp" and cfg.data.dataset != "digits":
+        problems.append(
+            f"model.name = 'mlp' is a classifier but data.dataset = '{cfg.data.dataset}': "
+            "use data.dataset = 'digits'"
+        )
+    if cfg.data.dataset == "digits" and name != "mlp" and not custom:
+        problems.append(
+            f"data.dataset = 'digits' is for classifiers but model.name = '{name}': "
+            "use 'mlp' or your own 'module:factory'"
+        )
+    if cfg.schedule.warmup_steps > cfg.train.steps:
+        problems.append(
+            f"schedule.warmup_steps = {cfg.schedule.warmup_steps} exceeds train.steps = "
+            f"{cfg.train.steps}: lower the warmup"
+        )
+    if cfg.parallel.cpu_offload and cfg.parallel.strategy not in ("auto", "fsdp", "hsdp"):
+        problems.append(
+            f"parallel.cpu_offload = true needs sharding; parallel.strategy = "
+            f"'{cfg.parallel.strategy}': use 'fsdp' or 'hsdp'"
+        )
+    if cfg.parallel.replicate is not None and cfg.parallel.strategy != "hsdp":
+        problems.append(
+            f"parallel.replicate = {cfg.parallel.replicate} applies to hsdp only; "
+            f"parallel.strategy = '{cfg.parallel.strategy}': remove it or use 'hsdp'"
+        )
+    if cfg.checkpoint.enabled:
+        problems.append(
+            "checkpoint.enabled = true: checkpoints are not in this release; remove the key"
+        )
+    return problems
+
+
+def dump_toml(cfg: JobConfig) -> str:
+    """The resolved config as commented TOML that `load_config` reads back to the same value."""
+    out = ["# trainwise job: defaults < file < flags < --set, resolved\n"]
+    for section_name, section in cfg:
+        out.append(f"\n[{section_name}]\n")
+        for key, field in type(section).model_fields.items():
+            value = getattr(section, key)
+            if field.description:
+                out.append(f"# {field.description}\n")
+            if value is None:
+                out.append(f"# {key} = (unset)\n")
+            else:
+                out.append(f"{key} = {toml_value(value)}\n")
+    return "".join(out)
+
+
+def toml_value(value: Any) -> str:
+    """One value as inline TOML (tables and arrays on one line, readable in a config dump)."""
+    if isinstance(value, dict):
+        inner = ", ".join(f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items())
+        return "{ " + inner + " }" if inner else "{}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return tomli_w.dumps({"v": value})[len("v = ") :].strip()
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else tomli_w.dumps({key: 0}).split(" = ")[0]
+
+
+def _assign(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def _leaf_keys(raw: dict[str, Any], prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in raw.items():
+        if isinstance(v, dict) and k != "kwargs":
+            keys += _leaf_keys(v, f"{prefix}{k}.")
+        else:
+            keys.append(prefix + k)
+    return keys
+
+
+def _describe(error: dict, origin: dict[str, str]) -> str:
+    """One line for one pydantic error: key, value, source, what is allowed."""
+    loc = [str(p) for p in error["loc"] if not isinstance(p, int)]
+    key = ".".join(loc)
+    src = origin.get(key) or next(
+        (s for k, s in origin.items() if k.startswith(key + ".")), "defaults"
+    )
+    if error["type"] == "extra_forbidden":
+        allowed = _allowed_keys(loc[:-1])
+        where = f"[{'.'.join(loc[:-1])}]" if len(loc) > 1 else "the top level"
+        return f"unknown key '{key}' (from {src}); keys allowed in {where}: {allowed}"
+    value = error.get("input")
+    msg = error["msg"]
+    if error["type"] == "value_error":
+        msg = msg.removeprefix("Value error, ")
+    return f"{key} = {value!r} (from {src}): {msg}"
+
+
+def _allowed_keys(loc: list[str]) -> str:
+    model: type[BaseModel] = JobConfig
+    for part in loc:
+        field = model.model_fields.get(part)
+        if field is None or not isinstance(field.annotation, type):
+            return "see `trainwise train --print-config`"
+        model = field.annotation  # type: ignore[assignment]
+    return ", ".join(model.model_fields)

@@ -1,0 +1,192 @@
+"""The schema of a job: every key a user can set, its type, default and meaning.
+
+Each field is documented once, here, where it is declared. Values are checked on their
+own here; checks that need the machine (device, world size) live in `trainwise.run.job`.
+Unknown keys are rejected (``extra="forbid"``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Strategy = Literal["auto", "single", "ddp", "fsdp", "hsdp"]
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    name: str = Field(
+        "tiny",
+        description="A GPT preset (tiny, small, gpt2-124m, llama-1b, llama-7b, ...), 'mlp', "
+        "'package.module:factory' for your own model, or 'hf:path/to/config.json'.",
+    )
+    vocab_size: int | None = Field(
+        None, gt=0, description="LM vocabulary; default: the data's vocabulary."
+    )
+    hidden: list[int] = Field(
+        default_factory=lambda: [128, 128], description="Hidden layer widths of the 'mlp' model."
+    )
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability.")
+    kwargs: dict = Field(
+        default_factory=dict, description="Keyword arguments passed to a custom factory."
+    )
+
+
+class DataConfig(Section):
+    dataset: Literal["synthetic", "digits", "tokens"] = Field(
+        "synthetic",
+        description="synthetic: built-in generated language; digits: sklearn's digits "
+        "(for the mlp); tokens: a .bin file of uint16 token ids (data.path).",
+    )
+    path: str | None = Field(None, description="The token file for dataset = 'tokens'.")
+    seq_len: int = Field(64, gt=0, description="Tokens per training sequence.")
+    micro_batch: int = Field(16, gt=0, description="Samples per worker per forward pass.")
+    grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")
+    global_batch: int | None = Field(
+        None,
+        gt=0,
+        description="Samples per optimizer step over all workers; must equal "
+        "micro_batch x grad_accum x data-parallel size. Default: that product.",
+    )
+    val_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="Held-out share for eval.")
+    vocab_size: int = Field(256, ge=2, le=65536, description="Vocabulary of the synthetic corpus.")
+    synthetic_tokens: int = Field(
+        1_000_000, ge=1000, description="Length of the synthetic corpus in tokens."
+    )
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
+    pin_memory: bool = Field(False, description="Pin host memory of batches (GPU only).")
+
+
+class TrainConfig(Section):
+    steps: int = Field(200, gt=0, description="Optimizer steps to run.")
+    seed: int = Field(0, description="Seed for weights, data order and dropout.")
+    grad_clip: float = Field(1.0, ge=0.0, description="Max global gradient norm; 0 disables.")
+    eval_every: int = Field(
+        50, ge=0, description="Evaluate every N steps (and at the end); 0: never."
+    )
+    eval_batches: int = Field(4, gt=0, description="Micro-batches per rank in one evaluation.")
+    compile: bool = Field(False, description="torch.compile each block.")
+
+
+class OptimConfig(Section):
+    name: Literal["adamw", "sgd"] = Field("adamw", description="Optimizer.")
+    lr: float = Field(3e-3, gt=0.0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="Decoupled (AdamW) or L2 (SGD) decay.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum.")
+
+
+class ScheduleConfig(Section):
+    warmup_steps: int = Field(10, ge=0, description="Linear warmup from 0 to optim.lr.")
+    decay: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Shape after warmup, down to min_lr_ratio x lr at the last step."
+    )
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final lr as a share of lr.")
+
+
+class ParallelConfig(Section):
+    strategy: Strategy = Field(
+        "auto",
+        description="auto: ddp when one replica fits in device memory with headroom, else "
+        "fsdp (then fsdp with cpu offload); single: one process; ddp; fsdp (FSDP2); "
+        "hsdp: replicate x shard on a 2-D mesh.",
+    )
+    shard: Literal["full", "grad_op"] = Field(
+        "full",
+        description="fsdp: full = reshard parameters after forward (ZeRO-3); "
+        "grad_op = keep them until backward ends (ZeRO-2).",
+    )
+    cpu_offload: bool = Field(False, description="fsdp: keep sharded state in CPU memory.")
+    replicate: int | None = Field(
+        None, gt=0, description="hsdp: replica groups (default: the number of nodes)."
+    )
+    ac: Literal["none", "selective", "full"] = Field(
+        "none",
+        description="Activation checkpointing: full = every block, selective = every other block.",
+    )
+    headroom: float = Field(
+        0.2, ge=0.0, lt=1.0, description="auto: share of device memory kept free."
+    )
+
+
+class PrecisionConfig(Section):
+    dtype: Precision = Field(
+        "fp32",
+        description="Compute dtype: fp32, bf16 (autocast / FSDP mixed precision), "
+        "fp16 (with gradient scaling; CUDA only).",
+    )
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="fsdp: dtype of the gradient reduce-scatter."
+    )
+    init_scale: float = Field(65536.0, gt=0.0, description="fp16: initial loss scale.")
+
+
+class CheckpointConfig(Section):
+    """Reserved for the checkpoint release: sharded, atomic, verified checkpoints."""
+
+    enabled: bool = Field(
+        False, description="Not available yet: checkpointing arrives with the checkpoint release."
+    )
+
+
+class ClusterConfig(Section):
+    nproc: int | None = Field(
+        None, gt=0, description="Workers on this machine; default: one per GPU, or 2 on CPU."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda if available.")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="auto: nccl on cuda, gloo on cpu."
+    )
+    gpu: str | None = Field(
+        None, description="GPU type from the hardware catalog; default: detected."
+    )
+    device_memory_gb: float | None = Field(
+        None, gt=0.0, description="Memory per device for 'auto'; default: detected."
+    )
+    master_port: int | None = Field(
+        None, gt=0, lt=65536, description="Rendezvous port; default: a free one."
+    )
+
+
+class CostConfig(Section):
+    price_per_gpu_hour: float | None = Field(
+        None, ge=0.0, description="USD per GPU-hour; default: the catalog's figure."
+    )
+
+
+class LoggingConfig(Section):
+    run_dir: str | None = Field(
+        None, description="Run directory; default: runs/<date>-<time>-<model>."
+    )
+    every: int = Field(1, gt=0, description="Write a metrics record every N steps.")
+    print_every: int = Field(10, gt=0, description="Plain progress line every N steps.")
+    progress: Literal["auto", "bar", "lines", "none"] = Field(
+        "auto", description="auto: a bar in a terminal, plain lines otherwise."
+    )
+    tensorboard: bool = Field(True, description="Also write TensorBoard events.")
+    probe_every: int = Field(
+        100,
+        ge=0,
+        description="Every N steps, time one extra forward+backward without communication "
+        "to split exposed gradient sync from compute; 0: never.",
+    )
+
+
+class JobConfig(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    cost: CostConfig = Field(default_factory=CostConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)

@@ -1,0 +1,138 @@
+"""trainwise.data: built-in and user datasets, splits, and the sharded batch sampler.
+
+This package sits on the lowest floor: it imports nothing from trainwise but
+trainwise.errors, and takes plain arguments rather than config objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from torch.utils.data import DataLoader, Dataset
+
+from trainwise.data.datasets import ArrayDataset, TokenWindows, split_arrays, split_tokens
+from trainwise.data.digits import load_digits_arrays
+from trainwise.data.sampler import ShardedBatchSampler
+from trainwise.data.synthetic import build_synthetic_corpus, synthetic_entropy_rate
+from trainwise.data.tokens import open_token_file, token_vocab_size, write_token_file
+from trainwise.errors import DataError
+
+__all__ = [
+    "DATASET_NAMES",
+    "ArrayDataset",
+    "DataInfo",
+    "ShardedBatchSampler",
+    "TokenWindows",
+    "build_datasets",
+    "build_loader",
+    "build_synthetic_corpus",
+    "load_digits_arrays",
+    "open_token_file",
+    "split_arrays",
+    "split_tokens",
+    "synthetic_entropy_rate",
+    "token_vocab_size",
+    "write_token_file",
+]
+
+DATASET_NAMES = ("synthetic", "digits", "tokens")
+
+
+@dataclass
+class DataInfo:
+    """What a model and the throughput meter need to know about the built datasets."""
+
+    task: Literal["lm", "classify"]
+    vocab_size: int | None  # lm: max token id + 1 as used by the corpus
+    in_features: int | None  # classify
+    num_classes: int | None  # classify
+    train_samples: int
+    val_samples: int
+    tokens_per_sample: int  # seq_len for lm, 1 for classify (used for tokens/s)
+
+
+def _lm_datasets(
+    tokens, seq_len: int, val_fraction: float, vocab_size: int, what: str
+) -> tuple[Dataset, Dataset, DataInfo]:
+    train, val = split_tokens(tokens, val_fraction)
+    train_ds = TokenWindows(train, seq_len, source=f"the training split of {what}")
+    val_ds = TokenWindows(
+        val, seq_len, source=f"the validation split (data.val_fraction={val_fraction}) of {what}"
+    )
+    info = DataInfo("lm", vocab_size, None, None, len(train_ds), len(val_ds), seq_len)
+    return train_ds, val_ds, info
+
+
+def build_datasets(
+    name: Literal["synthetic", "digits", "tokens"],
+    *,
+    seq_len: int,
+    val_fraction: float,
+    seed: int,
+    path: str | None = None,
+    vocab_size: int = 256,
+    synthetic_tokens: int = 1_000_000,
+) -> tuple[Dataset, Dataset, DataInfo]:
+    """Build (train, val, info) for a dataset name.
+
+    synthetic: a generated corpus of synthetic_tokens ids over vocab_size, the same on every
+    rank (it depends on seed only). tokens: the uint16 file at path. digits: sklearn's
+    digits, split with a seeded shuffle; seq_len is unused.
+    """
+    if name == "synthetic":
+        corpus = build_synthetic_corpus(synthetic_tokens, vocab_size, seed)
+        what = f"the synthetic corpus ({synthetic_tokens} tokens)"
+        return _lm_datasets(corpus, seq_len, val_fraction, vocab_size, what)
+    if name == "tokens":
+        if path is None:
+            raise DataError(
+                "data.path is not set but data.name='tokens' needs it; set data.path to a uint16 "
+                "token file"
+            )
+        tokens = open_token_file(path)
+        what = f"token file {str(path)!r} ({len(tokens)} tokens)"
+        return _lm_datasets(tokens, seq_len, val_fraction, token_vocab_size(tokens), what)
+    if name == "digits":
+        X, y = load_digits_arrays()
+        (x_tr, y_tr), (x_va, y_va) = split_arrays(X, y, val_fraction, seed)
+        info = DataInfo("classify", None, X.shape[1], int(y.max()) + 1, len(x_tr), len(x_va), 1)
+        return ArrayDataset(x_tr, y_tr), ArrayDataset(x_va, y_va), info
+    raise DataError(f"data.name={name!r} is unknown; choose one of {', '.join(DATASET_NAMES)}")
+
+
+def build_loader(
+    dataset: Dataset,
+    *,
+    micro_batch: int,
+    grad_accum: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    start_step: int = 0,
+    num_steps: int | None = None,
+    shuffle: bool = True,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+) -> DataLoader:
+    """A DataLoader yielding this rank's (x, y) micro-batches via ShardedBatchSampler."""
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
+        raise DataError(f"data.num_workers={num_workers!r} must be an integer >= 0")
+    sampler = ShardedBatchSampler(
+        len(dataset),
+        micro_batch,
+        grad_accum,
+        dp_rank,
+        dp_size,
+        seed=seed,
+        start_step=start_step,
+        num_steps=num_steps,
+        shuffle=shuffle,
+    )
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+    )

@@ -1,0 +1,1 @@
+"""Preflight checks and micro-benchmarks (a later release)."""

@@ -1,0 +1,25 @@
+"""Typed errors of trainwise. Library code raises them; only the CLI turns them into
+messages and exit codes (2 for bad input, before any worker starts)."""
+
+from __future__ import annotations
+
+
+class TrainwiseError(Exception):
+    """Base of every error trainwise raises on purpose."""
+
+
+class ConfigError(TrainwiseError):
+    """Bad input: one or more problems, each a single line naming the key, the value
+    and what is allowed."""
+
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+class ModelError(ConfigError):
+    """A model name, import path or Hugging Face config that cannot be turned into a model."""
+
+
+class DataError(ConfigError):
+    """A dataset name or file that cannot be read as configured."""

@@ -1,0 +1,48 @@
+"""What this machine offers for training: the device kind, its memory and peak rate."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from trainwise.hardware.catalog import GPUSpec, find_gpu
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    kind: str  # "cpu" or "cuda"
+    name: str
+    count: int  # devices on this machine (CPU: 1)
+    memory_bytes: float  # per device; CPU: the machine's RAM
+    bf16: bool
+    fp16: bool
+    gpu: GPUSpec | None  # catalog entry when known
+
+    def peak_flops(self, precision: str) -> float | None:
+        return self.gpu.peak(precision) if self.gpu else None
+
+
+def host_memory_bytes() -> float:
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def detect_device(kind: str = "auto") -> DeviceInfo:
+    """`kind` is cluster.device: auto, cpu or cuda."""
+    use_cuda = torch.cuda.is_available() if kind == "auto" else kind == "cuda"
+    if use_cuda and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return DeviceInfo(
+            kind="cuda",
+            name=props.name,
+            count=torch.cuda.device_count(),
+            memory_bytes=float(props.total_memory),
+            bf16=torch.cuda.is_bf16_supported(),
+            fp16=True,
+            gpu=find_gpu(props.name),
+        )
+    if use_cuda:
+        return DeviceInfo("cuda", "none", 0, 0.0, False, False, None)
+    # CPU autocast runs bf16; fp16 training on CPU is not supported by GradScaler paths we use.
+    return DeviceInfo("cpu", "cpu", 1, host_memory_bytes(), True, False, None)

@@ -1,0 +1,87 @@
+"""The `auto` strategy: one replica fits with headroom -> ddp, else fsdp, else fsdp with
+CPU offload. The decision comes with the sentence that explains it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainwise.plan.memory import MemoryEstimate, Workload, estimate_memory
+
+
+@dataclass(frozen=True)
+class Decision:
+    strategy: str
+    cpu_offload: bool
+    estimate: MemoryEstimate  # per device, for the chosen strategy
+    replica: MemoryEstimate  # one full replica (what ddp would need)
+    budget_bytes: float  # usable device memory after headroom
+    reason: str
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def describe(m: MemoryEstimate) -> str:
+    parts = [
+        ("params", m.params),
+        ("grads", m.grads),
+        ("optimizer", m.optimizer),
+        ("activations", m.activations),
+        ("buffers", m.buffers),
+    ]
+    return " + ".join(f"{name} {fmt_bytes(v)}" for name, v in parts if v)
+
+
+def choose_strategy(
+    w: Workload, world: int, device_bytes: float, headroom: float, shard: str = "full"
+) -> Decision:
+    budget = device_bytes * (1.0 - headroom)
+    replica = estimate_memory(w, "ddp" if world > 1 else "single", world)
+    need = f"one replica needs {fmt_bytes(replica.total)} ({describe(replica)})"
+    room = f"{fmt_bytes(budget)} usable of {fmt_bytes(device_bytes)} per worker"
+    if replica.total <= budget:
+        if world == 1:
+            return Decision(
+                "single",
+                False,
+                replica,
+                replica,
+                budget,
+                f"single: {need}, which fits in {room}; one worker, no communication.",
+            )
+        return Decision(
+            "ddp",
+            False,
+            replica,
+            replica,
+            budget,
+            f"ddp: {need}, which fits in {room}, so each of the {world} workers keeps a full "
+            "copy and only gradients cross the network.",
+        )
+    sharded = estimate_memory(w, "fsdp", world, shard=shard)
+    if world > 1 and sharded.total <= budget:
+        return Decision(
+            "fsdp",
+            False,
+            sharded,
+            replica,
+            budget,
+            f"fsdp: {need}, more than the {room}; sharded over {world} workers it needs "
+            f"{fmt_bytes(sharded.total)} each.",
+        )
+    offload = estimate_memory(w, "fsdp", world, shard=shard, cpu_offload=True)
+    fits = "fits" if offload.total <= budget else "may still not fit"
+    return Decision(
+        "fsdp",
+        True,
+        offload,
+        replica,
+        budget,
+        f"fsdp with cpu offload: {need}; sharded it still needs {fmt_bytes(sharded.total)} per "
+        f"worker, more than the {room}; with parameters, gradients and optimizer state in CPU "
+        f"memory it needs {fmt_bytes(offload.total)} on the device and {fits}.",
+    )

@@ -1,0 +1,35 @@
+"""The terminal summary that ends `trainwise train`, rendered from summary.json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def render_summary(s: dict[str, Any]) -> str:
+    shares = s["stage_share"]
+    stages = " | ".join(
+        f"{name} {shares[key] * 100:.1f}%"
+        for name, key in (
+            ("data wait", "data"),
+            ("compute", "compute"),
+            ("exposed sync", "sync"),
+            ("optimizer", "optim"),
+        )
+    )
+    if s["world"] > 1 and not s.get("sync_measured"):
+        stages += "  (sync not probed)"
+    loss = f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}"
+    if s.get("final_eval_loss") is not None:
+        loss += f"  (held-out {s['final_eval_loss']:.4f})"
+    lines = [
+        "trainwise: training finished",
+        f"  strategy   {s['reason']}",
+        f"  model      {s['model']}, {s['params']:,} parameters, {s['precision']}",
+        f"  steps      {s['steps']} x global batch {s['global_batch']} on "
+        f"{s['world']} x {s['device']}",
+        f"  loss       {loss}",
+        f"  speed      {s['tokens_per_s']:,.0f} tokens/s  (wall {s['wall_s']:.1f} s)",
+        f"  step time  {stages}",
+        f"  run dir    {s['run_dir']}",
+    ]
+    return "\n".join(lines)

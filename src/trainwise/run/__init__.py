@@ -1,0 +1,1 @@
+"""The runtime: launch, strategy wrapping, the training loop and its telemetry."""

@@ -1,0 +1,97 @@
+"""The worker's place in the job (rank, world, local rank) and the process group.
+
+Ranks come from torchrun's variables, or from Slurm's when started with srun; a worker
+started by `trainwise train --nproc N` gets torchrun's variables from the elastic agent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    local_world: int = 1
+    launched: bool = False  # True when a launcher (torchrun, srun, our agent) set the ranks
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def dist_env_from(environ: dict[str, str] | None = None) -> DistEnv:
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(
+            rank=int(env["RANK"]),
+            world=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+            launched=True,
+        )
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return DistEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            local_world=int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]),
+            launched=True,
+        )
+    return DistEnv()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(env: DistEnv, backend: str, device: torch.device) -> None:
+    """Join the job's process group (a group of one when not launched, so that DDP and
+    FSDP can run in a single process)."""
+    if dist.is_initialized():
+        return
+    if not env.launched:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    elif "MASTER_ADDR" not in os.environ:
+        # srun sets no rendezvous address; on one node the loopback is right.
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ.setdefault("MASTER_PORT", "29500")
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        backend=backend,
+        rank=env.rank,
+        world_size=env.world,
+        timeout=timedelta(minutes=10),
+        **kwargs,
+    )
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def get_logger(env: DistEnv) -> logging.Logger:
+    """Rank 0 logs at INFO; the other ranks log warnings only, prefixed with their rank."""
+    log = logging.getLogger("trainwise")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        prefix = "" if env.is_main else f"[rank{env.rank}] "
+        handler.setFormatter(logging.Formatter(prefix + "%(levelname)s %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(logging.INFO if env.is_main else logging.WARNING)
+    return log

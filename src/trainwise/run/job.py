@@ -1,0 +1,234 @@
+"""Resolving a job against the machine: the checks that need the device and the world
+size, and the strategy decision. Runs in the launching process (so bad input stops before
+any worker starts) and again in each worker (the same pure decision, no files needed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainwise.config import JobConfig
+from trainwise.data import DataInfo, build_datasets
+from trainwise.errors import ConfigError
+from trainwise.hardware import GB, DeviceInfo
+from trainwise.models import ModelSpec, count_parameters, resolve_shape
+from trainwise.models.gpt import GPTShape
+from trainwise.plan import Decision, Workload, choose_strategy, describe, estimate_memory, fmt_bytes
+from trainwise.plan.flops import flops_per_token
+
+
+@dataclass
+class Job:
+    cfg: JobConfig
+    world: int
+    device: DeviceInfo
+    backend: str
+    strategy: str  # resolved: single, ddp, fsdp or hsdp
+    cpu_offload: bool
+    replicate: int  # hsdp replica groups (1 otherwise)
+    decision: Decision
+    model_spec: ModelSpec
+    params: int
+    shape: GPTShape | None
+    data: DataInfo
+    datasets: tuple[Any, Any] = field(repr=False, default=(None, None))
+
+    @property
+    def dp_size(self) -> int:
+        return 1 if self.strategy == "single" else self.world
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.data.micro_batch * self.cfg.data.grad_accum * self.dp_size
+
+    @property
+    def flops_per_token(self) -> float | None:
+        return flops_per_token(self.shape, self.cfg.data.seq_len) if self.shape else None
+
+    def summary_dict(self) -> dict[str, Any]:
+        """What job.json records about the decision (the report reads it)."""
+        est = self.decision.estimate
+        return {
+            "world": self.world,
+            "device": self.device.name,
+            "device_kind": self.device.kind,
+            "backend": self.backend,
+            "strategy": self.strategy,
+            "requested_strategy": self.cfg.parallel.strategy,
+            "cpu_offload": self.cpu_offload,
+            "replicate": self.replicate,
+            "reason": self.decision.reason,
+            "params": self.params,
+            "global_batch": self.global_batch,
+            "tokens_per_step": self.global_batch * self.data.tokens_per_sample,
+            "flops_per_token": self.flops_per_token,
+            "memory_estimate": {
+                "params": est.params,
+                "grads": est.grads,
+                "optimizer": est.optimizer,
+                "activations": est.activations,
+                "buffers": est.buffers,
+                "total": est.total,
+            },
+            "device_budget_bytes": self.decision.budget_bytes,
+        }
+
+
+def resolve_nproc(cfg: JobConfig, device: DeviceInfo) -> int:
+    if cfg.cluster.nproc is not None:
+        return cfg.cluster.nproc
+    if cfg.parallel.strategy == "single":
+        return 1
+    return max(device.count, 1) if device.kind == "cuda" else 2
+
+
+def prepare_job(cfg: JobConfig, world: int, device: DeviceInfo) -> Job:
+    """Every machine-dependent check, collected and raised once; then the decision."""
+    problems: list[str] = []
+    c = cfg
+    if device.kind == "cuda" and device.count == 0:
+        problems.append(
+            "cluster.device = 'cuda' but no CUDA device is visible: use 'cpu' or 'auto'"
+        )
+    backend = c.cluster.backend
+    if backend == "auto":
+        backend = "nccl" if device.kind == "cuda" else "gloo"
+    if backend == "nccl" and device.kind != "cuda":
+        problems.append("cluster.backend = 'nccl' needs CUDA devices: use 'gloo' on CPU")
+    dtype = c.precision.dtype
+    if dtype == "fp16" and not device.fp16:
+        problems.append(
+            f"precision.dtype = 'fp16' cannot run on {device.kind}: gradient scaling for fp16 "
+            "needs a CUDA device; use 'bf16' or 'fp32'"
+        )
+    if dtype == "bf16" and not device.bf16:
+        problems.append(
+            f"precision.dtype = 'bf16' is not supported by {device.name}: use 'fp16' or 'fp32'"
+        )
+    if device.kind == "cuda" and device.count and world > device.count:
+        problems.append(
+            f"cluster.nproc = {world} exceeds the {device.count} visible GPUs: lower --nproc"
+        )
+    strategy = c.parallel.strategy
+    if strategy == "single" and world > 1:
+        problems.append(
+            f"parallel.strategy = 'single' runs one worker but cluster.nproc = {world}: "
+            "use --nproc 1, or ddp / fsdp"
+        )
+    replicate = 1
+    if strategy == "hsdp":
+        replicate = c.parallel.replicate or 1
+        if world % replicate:
+            problems.append(
+                f"parallel.replicate = {replicate} does not divide the world size {world}: "
+                f"hsdp needs replicate x shard = world"
+            )
+
+    # The data decides the vocabulary and the classifier's shape.
+    try:
+        train_ds, val_ds, info = build_datasets(
+            c.data.dataset,
+            seq_len=c.data.seq_len,
+            val_fraction=c.data.val_fraction,
+            seed=c.train.seed,
+            path=c.data.path,
+            vocab_size=c.data.vocab_size,
+            synthetic_tokens=c.data.synthetic_tokens,
+        )
+    except ConfigError as err:
+        raise ConfigError(problems + err.problems) from None
+
+    spec = ModelSpec(
+        name=c.model.name,
+        vocab_size=c.model.vocab_size or info.vocab_size,
+        seq_len=c.data.seq_len,
+        in_features=info.in_features,
+        num_classes=info.num_classes,
+        hidden=tuple(c.model.hidden),
+        dropout=c.model.dropout,
+        kwargs=dict(c.model.kwargs),
+    )
+    if c.model.vocab_size and info.vocab_size and c.model.vocab_size < info.vocab_size:
+        problems.append(
+            f"model.vocab_size = {c.model.vocab_size} is smaller than the data's vocabulary "
+            f"({info.vocab_size} token ids): raise it or leave it unset"
+        )
+    try:
+        params = count_parameters(spec)
+        shape = resolve_shape(spec)
+    except ConfigError as err:
+        raise ConfigError(problems + err.problems) from None
+
+    dp = 1 if strategy == "single" or (strategy == "auto" and world == 1) else world
+    g = c.data.micro_batch * c.data.grad_accum * dp
+    if c.data.global_batch is not None and c.data.global_batch != g:
+        problems.append(
+            f"data.global_batch = {c.data.global_batch} is not micro_batch({c.data.micro_batch})"
+            f" x grad_accum({c.data.grad_accum}) x data-parallel size({dp}) = {g}: "
+            "change one of them so that they agree"
+        )
+    elif g > info.train_samples:
+        problems.append(
+            f"global batch {g} = micro_batch({c.data.micro_batch}) x grad_accum"
+            f"({c.data.grad_accum}) x data-parallel size({dp}) exceeds the "
+            f"{info.train_samples} training samples: lower data.micro_batch"
+        )
+    if problems:
+        raise ConfigError(problems)
+
+    workload = Workload(
+        params=params,
+        shape=shape,
+        seq_len=c.data.seq_len,
+        micro_batch=c.data.micro_batch,
+        precision=dtype,
+        optimizer=c.optim.name,
+        ac=c.parallel.ac,
+    )
+    device_bytes = (
+        c.cluster.device_memory_gb * GB
+        if c.cluster.device_memory_gb
+        # CPU workers share the machine's memory.
+        else device.memory_bytes / (world if device.kind == "cpu" else 1)
+    )
+    decision = decide(workload, strategy, world, device_bytes, c, replicate)
+    return Job(
+        cfg=c,
+        world=world,
+        device=device,
+        backend=backend,
+        strategy=decision.strategy,
+        cpu_offload=decision.cpu_offload,
+        replicate=replicate,
+        decision=decision,
+        model_spec=spec,
+        params=params,
+        shape=shape,
+        data=info,
+        datasets=(train_ds, val_ds),
+    )
+
+
+def decide(
+    w: Workload, strategy: str, world: int, device_bytes: float, c: JobConfig, replicate: int
+) -> Decision:
+    if strategy == "auto":
+        return choose_strategy(w, world, device_bytes, c.parallel.headroom, c.parallel.shard)
+    offload = c.parallel.cpu_offload
+    shard_degree = world // replicate if strategy == "hsdp" else None
+    est = estimate_memory(w, strategy, world, c.parallel.shard, offload, shard_degree)
+    replica = estimate_memory(w, "ddp" if world > 1 else "single", world)
+    if est.total > device_bytes:
+        raise ConfigError(
+            f"parallel.strategy = '{strategy}' needs {fmt_bytes(est.total)} per worker "
+            f"({describe(est)}) but a device has {fmt_bytes(device_bytes)}: use 'auto', "
+            "'fsdp', parallel.cpu_offload = true, or a smaller data.micro_batch"
+        )
+    how = " with cpu offload" if offload else ""
+    reason = (
+        f"{strategy}{how} (set by parallel.strategy): {fmt_bytes(est.total)} per worker "
+        f"({describe(est)}); one replica would need {fmt_bytes(replica.total)}."
+    )
+    return Decision(
+        strategy, offload, est, replica, device_bytes * (1 - c.parallel.headroom), reason
+    )

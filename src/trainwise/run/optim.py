@@ -1,0 +1,42 @@
+"""Optimizer and learning-rate schedule from the config."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from trainwise.config.schema import OptimConfig, ScheduleConfig
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.name == "sgd":
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
+
+
+def lr_factor(step: int, total: int, cfg: ScheduleConfig) -> float:
+    """Multiplier of the peak lr at `step` (0-based): linear warmup, then decay to
+    min_lr_ratio at the last step."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.decay == "constant":
+        return 1.0
+    span = max(total - cfg.warmup_steps - 1, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    shape = 1.0 - progress if cfg.decay == "linear" else cosine
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, total_steps: int, cfg: ScheduleConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, total_steps, cfg)
+    )

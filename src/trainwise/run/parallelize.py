@@ -1,0 +1,134 @@
+"""Strategy wrapping: a few `apply_*` functions, and `parallelize()` that picks among them.
+
+Everything here composes PyTorch's own pieces: activation checkpointing's wrapper,
+torch.compile, DistributedDataParallel and FSDP2's `fully_shard` on a DeviceMesh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from trainwise.run.precision import TORCH_DTYPES
+
+
+def apply_ac(model: nn.Module, blocks: list[nn.Module], mode: str) -> list[nn.Module]:
+    """Wrap blocks in activation checkpointing: `full` every block, `selective` every other
+    one (layer-wise selective AC). Returns the new block list."""
+    if mode == "none" or not blocks:
+        return blocks
+    wrapped = []
+    for i, block in enumerate(blocks):
+        if mode == "full" or i % 2 == 0:
+            new = checkpoint_wrapper(block, preserve_rng_state=False)
+            _replace_child(model, block, new)
+            wrapped.append(new)
+        else:
+            wrapped.append(block)
+    return wrapped
+
+
+def apply_compile(blocks: list[nn.Module]) -> None:
+    """Compile each block in place: repeated blocks share one compiled graph."""
+    for block in blocks:
+        block.compile()
+
+
+def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    mesh: DeviceMesh,
+    reshard_after_forward: bool,
+    param_dtype: str,
+    reduce_dtype: str,
+    cpu_offload: bool,
+) -> nn.Module:
+    """FSDP2: one `fully_shard` per block (its own all-gather / reduce-scatter unit, so
+    communication overlaps the neighbouring block's compute), then one on the root for the
+    rest (embeddings, final norm, head)."""
+    mp = MixedPrecisionPolicy(
+        param_dtype=TORCH_DTYPES[param_dtype], reduce_dtype=TORCH_DTYPES[reduce_dtype]
+    )
+    kwargs = {"mesh": mesh, "mp_policy": mp}
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root's parameters are needed again first in backward: keep them gathered.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return model
+
+
+def build_mesh(strategy: str, world: int, replicate: int, device_type: str) -> DeviceMesh | None:
+    if strategy == "fsdp":
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    if strategy == "hsdp":
+        return init_device_mesh(
+            device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
+        )
+    return None
+
+
+def parallelize(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    *,
+    strategy: str,
+    device: torch.device,
+    world: int,
+    replicate: int = 1,
+    shard: str = "full",
+    precision: str = "fp32",
+    reduce_dtype: str = "fp32",
+    cpu_offload: bool = False,
+    ac: str = "none",
+    compile: bool = False,
+) -> nn.Module:
+    """The one place a strategy is applied: AC, then compile, then the data-parallel wrapper
+    (torchtitan's order: FSDP must see the final modules)."""
+    blocks = apply_ac(model, blocks, ac)
+    if compile:
+        apply_compile(blocks)
+    if strategy == "single":
+        return model
+    if strategy == "ddp":
+        return apply_ddp(model, device)
+    mesh = build_mesh(strategy, world, replicate, device.type)
+    return apply_fsdp(
+        model,
+        blocks,
+        mesh,
+        reshard_after_forward=(shard == "full"),
+        param_dtype=precision,
+        reduce_dtype=reduce_dtype,
+        cpu_offload=cpu_offload,
+    )
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> object:
+    """Context for one micro-batch: gradients are synchronised only on the last one."""
+    if isinstance(model, DistributedDataParallel):
+        return contextlib.nullcontext() if enabled else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
+        model.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()
+
+
+def _replace_child(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    for parent in root.modules():
+        for name, child in parent.named_children():
+            if child is old:
+                setattr(parent, name, new)  # ModuleList children are named "0", "1", ...
+                return
+    raise ValueError("block to wrap is not part of the model")

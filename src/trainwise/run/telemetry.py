@@ -1,0 +1,162 @@
+"""Telemetry of a step: the record schema (defined once), the clocks that fill it, and the
+writers (metrics.jsonl, TensorBoard, a progress bar or plain lines) on rank 0.
+
+The stages are the ones the planner and the report speak in: data wait, compute
+(forward + backward), exposed gradient sync, optimizer.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+STAGES = ("data_s", "compute_s", "sync_s", "optim_s")
+
+
+@dataclass
+class StepRecord:
+    """One line of metrics.jsonl: every field is present; null means not measured."""
+
+    step: int  # 1-based optimizer step
+    loss: float  # training loss, averaged over all data-parallel ranks
+    eval_loss: float | None  # held-out loss, on evaluation steps
+    lr: float
+    grad_norm: float  # global norm before clipping
+    step_s: float  # wall time of the step
+    data_s: float  # waiting for batches
+    compute_s: float  # forward + backward, less the exposed sync
+    sync_s: float | None  # exposed gradient sync (from the latest probe); null before one
+    optim_s: float  # clipping, optimizer and scheduler step
+    tokens: int  # tokens processed so far, all ranks
+    tokens_per_s: float
+    samples_per_s: float
+    mfu: float | None  # model FLOPs utilisation; null when the device's peak is unknown
+    mem_bytes: int  # peak CUDA memory allocated, or peak RSS of the process on CPU
+    mem_kind: str  # "cuda_peak" or "rss_peak"
+    elapsed_s: float  # since the loop started
+    time: float  # unix time
+
+
+RECORD_FIELDS = tuple(f.name for f in fields(StepRecord))
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda_peak"
+    # ru_maxrss is in KiB on Linux.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024), "rss_peak"
+
+
+class StageClock:
+    """Times stages of a step. CUDA events on GPU (read after the step's own sync for the
+    loss, so no synchronisation is added); perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._marks: list[tuple[str, object]] = []
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._marks.append((name, ev))
+        else:
+            self._marks.append((name, time.perf_counter()))
+
+    def spans(self) -> dict[str, float]:
+        """Seconds from each mark to the next, keyed by the later mark's name."""
+        out: dict[str, float] = {}
+        for (_, a), (name, b) in zip(self._marks, self._marks[1:], strict=False):
+            if self.cuda:
+                b.synchronize()  # type: ignore[union-attr]
+                dt = a.elapsed_time(b) / 1000.0  # type: ignore[union-attr]
+            else:
+                dt = b - a  # type: ignore[operator]
+            out[name] = out.get(name, 0.0) + dt
+        self._marks.clear()
+        return out
+
+
+class MetricsWriter:
+    """metrics.jsonl (one record per line, flushed) and optional TensorBoard events."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool):
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def write(self, rec: StepRecord) -> None:
+        self._file.write(json.dumps(asdict(rec)) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in asdict(rec).items():
+                if isinstance(value, (int, float)) and key not in ("step", "time"):
+                    self._tb.add_scalar(f"train/{key}", value, rec.step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class Progress:
+    """A progress bar with ETA in a terminal, plain lines every `every` steps otherwise."""
+
+    def __init__(self, total: int, mode: str, every: int):
+        self.total = total
+        self.every = every
+        if mode == "auto":
+            mode = "bar" if sys.stdout.isatty() else "lines"
+        self.mode = mode
+        self._bar = None
+        if mode == "bar":
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+            from rich.progress import (
+                Progress as RichProgress,
+            )
+
+            self._bar = RichProgress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+            )
+            self._task = self._bar.add_task("train", total=total, info="")
+            self._bar.start()
+
+    def update(self, rec: StepRecord) -> None:
+        info = f"loss {rec.loss:.4f}  {rec.tokens_per_s:,.0f} tok/s"
+        if self._bar is not None:
+            self._bar.update(self._task, completed=rec.step, info=info)
+        elif self.mode == "lines" and (rec.step % self.every == 0 or rec.step == self.total):
+            eta = (self.total - rec.step) * rec.elapsed_s / rec.step
+            extra = f"  eval {rec.eval_loss:.4f}" if rec.eval_loss is not None else ""
+            print(f"step {rec.step}/{self.total}  {info}{extra}  eta {eta:.0f}s", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
