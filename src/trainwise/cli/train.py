@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 from trainwise.config import dump_toml, load_config
@@ -37,6 +39,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def add_import_roots(config: str | None) -> None:
+    """Let `model.name = "module:factory"` find modules beside the job file and in the
+    current directory, here and in the workers (which inherit PYTHONPATH)."""
+    roots = [os.getcwd()] + ([str(Path(config).resolve().parent)] if config else [])
+    for root in reversed(roots):
+        if root not in sys.path:
+            sys.path.insert(0, root)
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(roots + ([old] if old else []))
+
+
 def run(args: argparse.Namespace) -> int:
     flags = {
         "cluster.nproc": args.nproc,
@@ -46,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         "model.name": args.model,
         "logging.run_dir": args.run_dir,
     }
+    add_import_roots(args.config)
     cfg = load_config(args.config, flags, args.set)
     if args.print_config:
         print(dump_toml(cfg), end="")

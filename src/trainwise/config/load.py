@@ -101,11 +101,6 @@ def check_consistency(cfg: JobConfig) -> list[str]:
             f"data.dataset = 'digits' is for classifiers but model.name = '{name}': "
             "use 'mlp' or your own 'module:factory'"
         )
-    if cfg.schedule.warmup_steps > cfg.train.steps:
-        problems.append(
-            f"schedule.warmup_steps = {cfg.schedule.warmup_steps} exceeds train.steps = "
-            f"{cfg.train.steps}: lower the warmup"
-        )
     if cfg.parallel.cpu_offload and cfg.parallel.strategy not in ("auto", "fsdp", "hsdp"):
         problems.append(
             f"parallel.cpu_offload = true needs sharding; parallel.strategy = "

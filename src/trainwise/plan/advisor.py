@@ -37,7 +37,12 @@ def describe(m: MemoryEstimate) -> str:
 
 
 def choose_strategy(
-    w: Workload, world: int, device_bytes: float, headroom: float, shard: str = "full"
+    w: Workload,
+    world: int,
+    device_bytes: float,
+    headroom: float,
+    shard: str = "full",
+    allow_offload: bool = True,
 ) -> Decision:
     budget = device_bytes * (1.0 - headroom)
     replica = estimate_memory(w, "ddp" if world > 1 else "single", world)
@@ -63,7 +68,17 @@ def choose_strategy(
             "copy and only gradients cross the network.",
         )
     sharded = estimate_memory(w, "fsdp", world, shard=shard)
-    if world > 1 and sharded.total <= budget:
+    if world > 1 and (sharded.total <= budget or not allow_offload):
+        if sharded.total > budget:  # no offload target (CPU workers): say so, do not hide it
+            return Decision(
+                "fsdp",
+                False,
+                sharded,
+                replica,
+                budget,
+                f"fsdp: {need}, more than the {room}; sharded over {world} workers it needs "
+                f"{fmt_bytes(sharded.total)} each, which may still not fit (no GPU to offload from).",
+            )
         return Decision(
             "fsdp",
             False,

@@ -21,6 +21,12 @@ def render_summary(s: dict[str, Any]) -> str:
     loss = f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}"
     if s.get("final_eval_loss") is not None:
         loss += f"  (held-out {s['final_eval_loss']:.4f})"
+    per_sample = s.get("tokens_per_sample", 1)
+    speed = (
+        f"{s['tokens_per_s']:,.0f} tokens/s"
+        if per_sample > 1
+        else f"{s['tokens_per_s']:,.0f} samples/s"
+    )
     lines = [
         "trainwise: training finished",
         f"  strategy   {s['reason']}",
@@ -28,7 +34,7 @@ def render_summary(s: dict[str, Any]) -> str:
         f"  steps      {s['steps']} x global batch {s['global_batch']} on "
         f"{s['world']} x {s['device']}",
         f"  loss       {loss}",
-        f"  speed      {s['tokens_per_s']:,.0f} tokens/s  (wall {s['wall_s']:.1f} s)",
+        f"  speed      {speed}  (wall {s['wall_s']:.1f} s)",
         f"  step time  {stages}",
         f"  run dir    {s['run_dir']}",
     ]

@@ -115,6 +115,11 @@ def prepare_job(cfg: JobConfig, world: int, device: DeviceInfo) -> Job:
             f"parallel.strategy = 'single' runs one worker but cluster.nproc = {world}: "
             "use --nproc 1, or ddp / fsdp"
         )
+    if c.parallel.cpu_offload and device.kind != "cuda":
+        problems.append(
+            "parallel.cpu_offload = true moves sharded state from GPU to host memory and needs "
+            f"a CUDA device; on {device.kind} the state is in host memory already: remove it"
+        )
     replicate = 1
     if strategy == "hsdp":
         replicate = c.parallel.replicate or 1
@@ -191,7 +196,7 @@ def prepare_job(cfg: JobConfig, world: int, device: DeviceInfo) -> Job:
         # CPU workers share the machine's memory.
         else device.memory_bytes / (world if device.kind == "cpu" else 1)
     )
-    decision = decide(workload, strategy, world, device_bytes, c, replicate)
+    decision = decide(workload, strategy, world, device_bytes, c, replicate, device.kind)
     return Job(
         cfg=c,
         world=world,
@@ -210,10 +215,23 @@ def prepare_job(cfg: JobConfig, world: int, device: DeviceInfo) -> Job:
 
 
 def decide(
-    w: Workload, strategy: str, world: int, device_bytes: float, c: JobConfig, replicate: int
+    w: Workload,
+    strategy: str,
+    world: int,
+    device_bytes: float,
+    c: JobConfig,
+    replicate: int,
+    device_kind: str,
 ) -> Decision:
     if strategy == "auto":
-        return choose_strategy(w, world, device_bytes, c.parallel.headroom, c.parallel.shard)
+        return choose_strategy(
+            w,
+            world,
+            device_bytes,
+            c.parallel.headroom,
+            c.parallel.shard,
+            allow_offload=device_kind == "cuda",
+        )
     offload = c.parallel.cpu_offload
     shard_degree = world // replicate if strategy == "hsdp" else None
     est = estimate_memory(w, strategy, world, c.parallel.shard, offload, shard_degree)

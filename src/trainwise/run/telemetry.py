@@ -88,7 +88,7 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path, tensorboard: bool):
         self.path = run_dir / "metrics.jsonl"
-        self._file = self.path.open("a")
+        self._file = self.path.open("w")  # a new run starts a new record
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -274,6 +274,7 @@ def _train(cfg: JobConfig, job: Job, env: DistEnv, device: torch.device, run_dir
         "final_eval_loss": last_eval,
         "tokens": c.train.steps * tokens_per_step,
         "tokens_per_s": steady_steps * tokens_per_step / timed,
+        "tokens_per_sample": job.data.tokens_per_sample,
         "wall_s": wall,
         "stage_share": {k.removesuffix("_s"): totals[k] / timed for k in STAGES},
         "sync_measured": distributed and probe_every > 0,

@@ -1,0 +1,323 @@
+"""Overhead of trainwise against a minimal hand-written torchrun loop, side by side.
+
+For each strategy (ddp, fsdp) it runs, in alternating order round after round (so that
+drift of the machine falls on both alike):
+
+- `trainwise train` with its defaults (telemetry every step, the loss averaged over
+  ranks, probe steps, TensorBoard, progress lines) except evaluation, which is off
+  because the raw loop has none;
+- `bench/raw_loop.py` under `python -m torch.distributed.run`: the same model, data,
+  optimizer, schedule, clipping and DDP / FSDP2 wrapping, with nothing else in the loop.
+
+Both get the same number of workers, micro batch, steps, fp32, and OMP_NUM_THREADS=1.
+Throughput is steady state: the tokens of the steps after the warm-up step W, over the
+wall time from the end of step W to the end of the last step (trainwise: `elapsed_s` of
+metrics.jsonl, which includes everything its loop does between steps; raw: rank 0's
+perf_counter at the end of each step). Process start-up, data building and wrapping are
+outside the window for both. It prints the median tokens/s of each, their min-max, and
+the ratio trainwise / raw per strategy (target >= 0.97).
+
+    .venv/bin/python bench/overhead.py            # 150 steps, 3 rounds, ddp and fsdp
+    .venv/bin/python bench/overhead.py --quick    # 40 steps, 1 round: a smoke run
+
+Not part of `make test`: it takes minutes and its figures depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+RAW_LOOP = Path(__file__).resolve().with_name("raw_loop.py")
+TARGET = 0.97
+SYSTEMS = ("trainwise", "raw")
+
+
+@dataclass
+class Run:
+    system: str
+    strategy: str
+    round: int
+    tokens_per_s: float
+    ms_per_step: float  # steady-state wall time per step
+    final_loss: float
+    wall_s: float  # the whole subprocess, start-up included
+    # trainwise only: what its own step clock saw (Stepper.step) vs the wall per step; the
+    # difference is spent outside the step (logging, loss all-reduce, probe pass, ...).
+    step_clock_ms: float | None = None
+    probe_ms: float | None = None  # the probes' extra passes, spread over the window's steps
+    probe_steps: list[int] = field(default_factory=list)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="trainwise vs a minimal torchrun loop: steady-state tokens/s ratio."
+    )
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 150)")
+    p.add_argument("--rounds", type=int, default=None, help="runs of each (default 3)")
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the window")
+    p.add_argument("--strategies", default="ddp,fsdp", help="comma-separated: ddp, fsdp")
+    p.add_argument("--nproc", type=int, default=2, help="workers per run")
+    p.add_argument("--micro-batch", type=int, default=16, help="samples per worker per step")
+    p.add_argument("--quick", action="store_true", help="40 steps, 1 round (smoke run)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra trainwise override, e.g. logging.tensorboard=false, to attribute overhead",
+    )
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = p.parse_args(argv)
+    args.steps = args.steps or (40 if args.quick else 150)
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    bad = [s for s in args.strategies if s not in ("ddp", "fsdp")]
+    if bad:
+        p.error(f"--strategies: unknown {', '.join(bad)}; choose among ddp, fsdp")
+    if not 1 <= args.warmup < args.steps - 1:
+        p.error(f"--warmup {args.warmup} must be >= 1 and leave steps to time (--steps)")
+    return args
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # Explicit for both: trainwise would otherwise pick cores // nproc, torchrun 1.
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def run_child(cmd: list[str], timeout: float) -> float:
+    """Run one job to completion; returns its wall seconds, or exits with its output."""
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            cmd, env=child_env(), capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        sys.exit(f"timed out after {timeout:.0f} s: {' '.join(cmd)}")
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-4000:]
+        sys.exit(f"failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+    return time.perf_counter() - t0
+
+
+def window(ends: list[float], warmup: int) -> tuple[float, int]:
+    """(seconds, steps) from the end of step `warmup` (1-based) to the end of the last."""
+    return ends[-1] - ends[warmup - 1], len(ends) - warmup
+
+
+def probe_every(run_dir: Path) -> int:
+    """The run's probe period, from the resolved config it wrote (--set may change it)."""
+    from trainwise.config import load_config
+
+    return load_config(run_dir / "config.toml").logging.probe_every
+
+
+def is_probe_step(step: int, every: int) -> bool:
+    # As trainwise.run.worker: FIRST_PROBE_STEP .. +2, then every `every` steps.
+    from trainwise.run.worker import FIRST_PROBE_STEP
+
+    first = FIRST_PROBE_STEP <= step < FIRST_PROBE_STEP + 3
+    return every > 0 and (first or step % every == 0)
+
+
+def run_trainwise(strategy: str, rnd: int, args: argparse.Namespace, tmp: Path) -> Run:
+    run_dir = tmp / f"trainwise-{strategy}-{rnd}"
+    cmd = [
+        sys.executable, "-m", "trainwise", "train",
+        "--nproc", str(args.nproc),
+        "--strategy", strategy,
+        "--steps", str(args.steps),
+        "--precision", "fp32",
+        "--run-dir", str(run_dir),
+        "--set", "model.name=tiny",
+        "--set", f"data.micro_batch={args.micro_batch}",
+        "--set", "train.eval_every=0",  # the raw loop does not evaluate
+    ]  # fmt: skip
+    for kv in args.overrides:
+        cmd += ["--set", kv]
+    wall = run_child(cmd, timeout=120 + 3 * args.steps)
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r for r in recs}
+    if sorted(by_step) != list(range(1, args.steps + 1)):
+        sys.exit(f"{run_dir}/metrics.jsonl lacks steps: the window needs a record per step")
+    ends = [by_step[s]["elapsed_s"] for s in range(1, args.steps + 1)]
+    seconds, steps = window(ends, args.warmup)
+    tokens = by_step[args.steps]["tokens"] - by_step[args.warmup]["tokens"]
+    timed = [by_step[s] for s in range(args.warmup + 1, args.steps + 1)]
+    probes = [r["step"] for r in timed if is_probe_step(r["step"], probe_every(run_dir))]
+    return Run(
+        system="trainwise",
+        strategy=strategy,
+        round=rnd,
+        tokens_per_s=tokens / seconds,
+        ms_per_step=1000 * seconds / steps,
+        final_loss=by_step[args.steps]["loss"],
+        wall_s=wall,
+        step_clock_ms=1000 * sum(r["step_s"] for r in timed) / steps,
+        # A probe step's step_s leaves out one of its two forward+backward passes, the one
+        # without gradient sync, which is its compute_s.
+        probe_ms=1000 * sum(by_step[s]["compute_s"] for s in probes) / steps,
+        probe_steps=probes,
+    )
+
+
+def run_raw(strategy: str, rnd: int, args: argparse.Namespace, tmp: Path) -> Run:
+    out = tmp / f"raw-{strategy}-{rnd}.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node", str(args.nproc),
+        str(RAW_LOOP),
+        "--strategy", strategy,
+        "--steps", str(args.steps),
+        "--micro-batch", str(args.micro_batch),
+        "--out", str(out),
+    ]  # fmt: skip
+    wall = run_child(cmd, timeout=120 + 3 * args.steps)
+    rec = json.loads(out.read_text())
+    seconds, steps = window(rec["step_end_s"], args.warmup)
+    return Run(
+        system="raw",
+        strategy=strategy,
+        round=rnd,
+        tokens_per_s=rec["tokens_per_step"] * steps / seconds,
+        ms_per_step=1000 * seconds / steps,
+        final_loss=rec["final_loss"],
+        wall_s=wall,
+    )
+
+
+def fmt_k(x: float) -> str:
+    return f"{x / 1000:.1f}k"
+
+
+def summarize(strategy: str, runs: list[Run]) -> dict:
+    mine = {s: [r for r in runs if r.strategy == strategy and r.system == s] for s in SYSTEMS}
+    tps = {s: [r.tokens_per_s for r in mine[s]] for s in SYSTEMS}
+    med = {s: statistics.median(tps[s]) for s in SYSTEMS}
+    # Paired per round: both runs of a round saw the same state of the machine.
+    pairs = zip(mine["trainwise"], mine["raw"], strict=True)
+    paired = [t.tokens_per_s / r.tokens_per_s for t, r in pairs]
+    tw = mine["trainwise"]
+    return {
+        "strategy": strategy,
+        "trainwise_tokens_per_s": med["trainwise"],
+        "raw_tokens_per_s": med["raw"],
+        "trainwise_range": [min(tps["trainwise"]), max(tps["trainwise"])],
+        "raw_range": [min(tps["raw"]), max(tps["raw"])],
+        "ratio": med["trainwise"] / med["raw"],
+        "paired_ratio_range": [min(paired), max(paired)],
+        "meets_target": med["trainwise"] / med["raw"] >= TARGET,
+        "ms_per_step": {s: statistics.median(r.ms_per_step for r in mine[s]) for s in SYSTEMS},
+        "trainwise_step_clock_ms": statistics.median(r.step_clock_ms or 0.0 for r in tw),
+        "trainwise_probe_ms": statistics.median(r.probe_ms or 0.0 for r in tw),
+        "trainwise_probe_steps": tw[-1].probe_steps,
+        "final_loss": {s: mine[s][-1].final_loss for s in SYSTEMS},
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    header = ("strategy", "trainwise tok/s", "raw tok/s", "ratio", "per-round", "target")
+    lines = []
+    for r in rows:
+        tw_lo, tw_hi = r["trainwise_range"]
+        raw_lo, raw_hi = r["raw_range"]
+        p_lo, p_hi = r["paired_ratio_range"]
+        lines.append(
+            (
+                r["strategy"],
+                f"{r['trainwise_tokens_per_s']:,.0f} ({fmt_k(tw_lo)}-{fmt_k(tw_hi)})",
+                f"{r['raw_tokens_per_s']:,.0f} ({fmt_k(raw_lo)}-{fmt_k(raw_hi)})",
+                f"{r['ratio']:.3f}",
+                f"{p_lo:.3f}-{p_hi:.3f}",
+                f">= {TARGET}: {'ok' if r['meets_target'] else 'BELOW'}",
+            )
+        )
+    widths = [max(len(row[i]) for row in (header, *lines)) for i in range(len(header))]
+    for row in (header, *lines):
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def print_notes(rows: list[dict]) -> None:
+    """Where the time goes, per step: what tells overhead inside trainwise's step (its
+    step clock vs the raw loop) from overhead between steps (wall vs its step clock)."""
+    print()
+    for r in rows:
+        ms = r["ms_per_step"]
+        inside = r["trainwise_step_clock_ms"]
+        probe = r["trainwise_probe_ms"]
+        between = ms["trainwise"] - inside
+        loss = r["final_loss"]
+        same = abs(loss["trainwise"] - loss["raw"]) <= 1e-4 * abs(loss["raw"])
+        print(
+            f"{r['strategy']}: ms/step raw {ms['raw']:.2f}, trainwise {ms['trainwise']:.2f}"
+            f" = {inside:.2f} in its step clock + {probe:.2f} probe passes"
+            f" (steps {r['trainwise_probe_steps']}) + {between - probe:.2f} else between"
+            f" steps (loss all-reduce, metrics, TensorBoard);"
+            f" final loss {loss['trainwise']:.4f} vs {loss['raw']:.4f}"
+            f" ({'same' if same else 'DIFFERENT: the loops do not train alike'})"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print(
+        f"trainwise vs raw torchrun loop: {args.nproc} workers, tiny GPT, micro batch "
+        f"{args.micro_batch}, {args.steps} steps (window after step {args.warmup}), "
+        f"{args.rounds} round(s), fp32, OMP_NUM_THREADS=1",
+        flush=True,
+    )
+    # Anything else running on the machine shows up as noise: make it visible.
+    load_before = os.getloadavg()[0]
+    runners = {"trainwise": run_trainwise, "raw": run_raw}
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="trainwise-overhead-") as tmp:
+        for strategy in args.strategies:
+            for rnd in range(args.rounds):
+                # Alternate who goes first, so a warming or cooling machine favours neither.
+                order = SYSTEMS if rnd % 2 == 0 else SYSTEMS[::-1]
+                for system in order:
+                    run = runners[system](strategy, rnd, args, Path(tmp))
+                    runs.append(run)
+                    print(
+                        f"  {strategy} round {rnd + 1}/{args.rounds} {system:9s} "
+                        f"{run.tokens_per_s:10,.0f} tok/s  {run.ms_per_step:6.2f} ms/step  "
+                        f"(process {run.wall_s:.1f} s)",
+                        flush=True,
+                    )
+    rows = [summarize(s, runs) for s in args.strategies]
+    print()
+    print_table(rows)
+    print_notes(rows)
+    load_after = os.getloadavg()[0]
+    print(
+        f"load average (1 min) {load_before:.2f} before, {load_after:.2f} after, on "
+        f"{os.cpu_count()} cores: well above {args.nproc} means other work shared the cores"
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        payload = {
+            "settings": settings,
+            "load_average": [load_before, load_after],
+            "results": rows,
+            "runs": [asdict(r) for r in runs],
+        }
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The CLI as a user types it: the demo job, bad input, --print-config, the examples."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tomllib
+from pathlib import Path
+
+import pytest
+from helpers import QUIET, read_records, run_cli
+
+from trainwise.config import load_config
+from trainwise.run.telemetry import RECORD_FIELDS
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO / "examples").glob("*.toml"))
+
+
+def test_demo_job_learns_and_records_every_step(workdir: Path):
+    """`make demo` runs `trainwise train` with no arguments: this is that job."""
+    res = run_cli("train", cwd=workdir, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (run_dir,) = list((workdir / "runs").iterdir())
+    records = read_records(run_dir)
+    steps = load_config().train.steps
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for r in records:
+        assert tuple(r) == RECORD_FIELDS
+        assert r["loss"] > 0 and r["step_s"] > 0 and r["tokens_per_s"] > 0
+    assert records[-1]["loss"] <= records[0]["loss"] / 2
+    assert records[-1]["eval_loss"] is not None
+
+    job = json.loads((run_dir / "job.json").read_text())
+    assert (job["strategy"], job["world"], job["backend"]) == ("ddp", 2, "gloo")
+    out = res.stdout
+    assert "training finished" in out
+    assert "ddp: one replica needs" in out and "MB" in out  # the reason, with its figures
+    assert "tokens/s" in out and "exposed sync" in out and "data wait" in out
+    assert f"run dir    runs/{run_dir.name}" in out
+    assert (run_dir / "config.toml").is_file() and (run_dir / "summary.json").is_file()
+    assert any((run_dir / "tensorboard").iterdir())
+
+
+BAD_INPUTS = {
+    "unknown strategy": (["--strategy", "fdsp"], "parallel.strategy"),
+    "unknown key": (["--set", "optim.lrr=0.1"], "optim.lrr"),
+    "batch does not divide": (["--set", "data.global_batch=30"], "data.global_batch"),
+    "model import fails": (["--model", "no_such_module_xyz:build"], "no_such_module_xyz"),
+    "precision the device cannot run": (["--precision", "fp16"], "precision.dtype"),
+    "zero steps": (["--steps", "0"], "train.steps"),
+    "negative steps": (["--steps", "-5"], "train.steps"),
+    "toml syntax error": (["--config", "bad.toml"], "bad.toml:3"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_exit_2_and_no_worker(workdir: Path, case: str):
+    (workdir / "bad.toml").write_text('[optim]\nlr = 3e-4\nname = "adamw\n')
+    args, must_name = BAD_INPUTS[case]
+    res = run_cli("train", *args, cwd=workdir)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("trainwise: error: ") and must_name in lines[0]
+    assert not (workdir / "runs").exists(), "a run directory means the job started"
+    assert res.stdout == ""
+
+
+def test_print_config_loads_back_to_the_same_config(workdir: Path):
+    args = [
+        "--config",
+        str(REPO / "examples" / "mlp_digits.toml"),
+        "--set",
+        "optim.lr=0.05",
+        "--steps",
+        "7",
+        "--set",
+        "model.kwargs={a = 1}",
+    ]
+    res = run_cli("train", *args, "--print-config", cwd=workdir)
+    assert res.returncode == 0, res.stderr
+    dumped = workdir / "resolved.toml"
+    dumped.write_text(res.stdout)
+    again = load_config(dumped)
+    assert again.optim.lr == 0.05 and again.train.steps == 7 and again.model.name == "mlp"
+    assert again == load_config(
+        REPO / "examples" / "mlp_digits.toml",
+        {"train.steps": 7},
+        ["optim.lr=0.05", "model.kwargs={a = 1}"],
+    )
+    assert (
+        run_cli("train", "--config", str(dumped), "--print-config", cwd=workdir).stdout
+        == res.stdout
+    )
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_every_example_runs(workdir: Path, example: Path):
+    assert tomllib.loads(example.read_text())  # plain TOML
+    shutil.copytree(REPO / "examples", workdir / "examples")
+    res = run_cli(
+        "train",
+        "--config",
+        f"examples/{example.name}",
+        "--steps",
+        "6",
+        "--run-dir",
+        "run",
+        *QUIET,
+        cwd=workdir,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = read_records(workdir / "run")
+    assert len(records) == 6 and records[-1]["loss"] < records[0]["loss"]
