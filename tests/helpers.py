@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 # Quiet, fast, loopback-only runs: every test job sets these.
 QUIET = ["--set", "logging.progress=none", "--set", "logging.tensorboard=false"]
 

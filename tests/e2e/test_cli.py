@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import tomllib
 from pathlib import Path
 
 import pytest
-from helpers import QUIET, read_records, run_cli
+import tomllib
 
+from helpers import QUIET, read_records, run_cli
 from trainwise.config import load_config
 from trainwise.run.telemetry import RECORD_FIELDS
 
