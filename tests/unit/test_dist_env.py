@@ -22,9 +22,7 @@ def test_torchrun_without_local_variables():
 
 
 def test_torchrun_wins_over_slurm():
-    env = dist_env_from(
-        {"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "5", "SLURM_NTASKS": "6"}
-    )
+    env = dist_env_from({"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "5", "SLURM_NTASKS": "6"})
     assert (env.rank, env.world) == (1, 2)
 
 
@@ -42,7 +40,12 @@ def test_slurm_variables():
 
 def test_slurm_plain_tasks_per_node():
     env = dist_env_from(
-        {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "4"}
+        {
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "4",
+            "SLURM_LOCALID": "0",
+            "SLURM_NTASKS_PER_NODE": "4",
+        }
     )
     assert env == DistEnv(rank=0, world=4, local_rank=0, local_world=4, launched=True)
 

@@ -231,11 +231,6 @@ def test_resolve_nproc_cuda_is_one_per_gpu():
     assert resolve_nproc(load_config(), NO_GPU) == 1  # max(0, 1)
 
 
-@pytest.mark.xfail(
-    reason="advisor.py:67 (called from job.py:222): with world 1 on CPU, auto falls through to "
-    "fsdp + cpu_offload, the combination prepare_job itself rejects on CPU",
-    strict=True,
-)
 def test_auto_on_one_cpu_worker_never_picks_cpu_offload():
     job = prepare_job(cfg("cluster.device_memory_gb=0.0001"), 1, CPU)
     assert job.cpu_offload is False

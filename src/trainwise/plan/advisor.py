@@ -68,25 +68,26 @@ def choose_strategy(
             "copy and only gradients cross the network.",
         )
     sharded = estimate_memory(w, "fsdp", world, shard=shard)
-    if world > 1 and (sharded.total <= budget or not allow_offload):
-        if sharded.total > budget:  # no offload target (CPU workers): say so, do not hide it
-            return Decision(
-                "fsdp",
-                False,
-                sharded,
-                replica,
-                budget,
-                f"fsdp: {need}, more than the {room}; sharded over {world} workers it needs "
-                f"{fmt_bytes(sharded.total)} each, which may still not fit (no GPU to offload from).",
-            )
+    over = f"{need}, more than the {room}"
+    if world > 1 and sharded.total <= budget:
         return Decision(
             "fsdp",
             False,
             sharded,
             replica,
             budget,
-            f"fsdp: {need}, more than the {room}; sharded over {world} workers it needs "
-            f"{fmt_bytes(sharded.total)} each.",
+            f"fsdp: {over}; sharded over {world} workers it needs {fmt_bytes(sharded.total)} each.",
+        )
+    if not allow_offload:  # CPU workers: nowhere to offload to; say so rather than hide it
+        best, est = ("fsdp", sharded) if world > 1 else ("single", replica)
+        return Decision(
+            best,
+            False,
+            est,
+            replica,
+            budget,
+            f"{best}: {over}; with no GPU to offload from it needs {fmt_bytes(est.total)} per "
+            "worker and may still not fit.",
         )
     offload = estimate_memory(w, "fsdp", world, shard=shard, cpu_offload=True)
     fits = "fits" if offload.total <= budget else "may still not fit"
@@ -96,7 +97,7 @@ def choose_strategy(
         offload,
         replica,
         budget,
-        f"fsdp with cpu offload: {need}; sharded it still needs {fmt_bytes(sharded.total)} per "
-        f"worker, more than the {room}; with parameters, gradients and optimizer state in CPU "
-        f"memory it needs {fmt_bytes(offload.total)} on the device and {fits}.",
+        f"fsdp with cpu offload: {over}; sharded it still needs {fmt_bytes(sharded.total)} per "
+        f"worker; with parameters, gradients and optimizer state in host memory it needs "
+        f"{fmt_bytes(offload.total)} on the device and {fits}.",
     )

@@ -53,10 +53,11 @@ def activation_bytes(w: Workload) -> float:
     scale = BYTES[w.precision] / 2  # the paper's counts are for 16-bit activations
     per_layer = s * b * h * (34 + 5 * a * s / h) * scale
     block_input = s * b * h * BYTES[w.precision]
-    if w.ac == "full":
-        layers = L * block_input + per_layer  # saved inputs + one block recomputed
-    elif w.ac == "selective":  # every other block checkpointed
-        layers = (L - L // 2) * per_layer + (L // 2) * block_input
+    # Checkpointed blocks keep only their input, plus one block's activations while it is
+    # recomputed in backward; `selective` checkpoints blocks 0, 2, 4, ... (run.parallelize).
+    k = {"full": L, "selective": (L + 1) // 2}.get(w.ac, 0)
+    if k:
+        layers = (L - k) * per_layer + (k - 1) * block_input + per_layer
     else:
         layers = L * per_layer
     logits = s * b * w.shape.vocab_size * 4 * 2  # fp32 logits and their gradient
