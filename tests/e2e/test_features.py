@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import QUIET, read_records, run_cli
 
+from helpers import QUIET, read_records, run_cli
 from trainwise.data import build_synthetic_corpus, write_token_file
 
 pytestmark = pytest.mark.e2e
@@ -19,9 +19,21 @@ def test_training_on_a_token_file(workdir: Path):
     assert tokens.max() >= 256  # ids past one byte: the file really is uint16
     write_token_file(workdir / "corpus.bin", tokens)
     res = run_cli(
-        "train", "--nproc", "1", "--steps", "30", "--run-dir", "run", *QUIET,
-        "--set", "data.dataset='tokens'", "--set", "data.path='corpus.bin'",
-        "--set", "data.seq_len=32", cwd=workdir,
+        "train",
+        "--nproc",
+        "1",
+        "--steps",
+        "30",
+        "--run-dir",
+        "run",
+        *QUIET,
+        "--set",
+        "data.dataset='tokens'",
+        "--set",
+        "data.path='corpus.bin'",
+        "--set",
+        "data.seq_len=32",
+        cwd=workdir,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     records = read_records(workdir / "run")
@@ -33,8 +45,17 @@ def test_training_on_a_token_file(workdir: Path):
 def test_compile_and_activation_checkpointing_match_eager(workdir: Path):
     common = ["train", "--nproc", "1", "--steps", "4", *QUIET]
     eager = run_cli(*common, "--run-dir", "eager", cwd=workdir)
-    fast = run_cli(*common, "--run-dir", "compiled", "--set", "train.compile=true",
-                   "--set", "parallel.ac='full'", cwd=workdir, timeout=600)
+    fast = run_cli(
+        *common,
+        "--run-dir",
+        "compiled",
+        "--set",
+        "train.compile=true",
+        "--set",
+        "parallel.ac='full'",
+        cwd=workdir,
+        timeout=600,
+    )
     assert eager.returncode == 0 and fast.returncode == 0, fast.stderr[-3000:]
     a = [r["loss"] for r in read_records(workdir / "eager")]
     b = [r["loss"] for r in read_records(workdir / "compiled")]
