@@ -86,7 +86,7 @@ class Stepper:
         self.optimizer.zero_grad(set_to_none=True)
         clock.mark("optim")
         if not (read_clock or probe):
-            clock._marks.clear()
+            clock.discard()  # not read this step: no device sync for it
             return StepResult(total, norm, None, None)
         spans = clock.spans()
         probe_sync = None

@@ -69,6 +69,9 @@ class StageClock:
         else:
             self._marks.append((name, time.perf_counter()))
 
+    def discard(self) -> None:
+        self._marks.clear()
+
     def spans(self) -> dict[str, float]:
         """Seconds from each mark to the next, keyed by the later mark's name."""
         out: dict[str, float] = {}

@@ -6,9 +6,7 @@ one worker."""
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,6 @@ from trainwise.config import JobConfig, dump_toml, load_config
 from trainwise.data import build_loader
 from trainwise.hardware import detect_device
 from trainwise.models import build_model
-from trainwise.plan.flops import mfu
 from trainwise.run.distributed import (
     DistEnv,
     destroy_process_group,
@@ -34,16 +31,7 @@ from trainwise.run.loop import Stepper, evaluate, mean_over_ranks
 from trainwise.run.optim import build_optimizer, build_scheduler
 from trainwise.run.parallelize import parallelize
 from trainwise.run.precision import autocast_context, build_grad_scaler
-from trainwise.run.telemetry import (
-    STAGES,
-    MetricsWriter,
-    Progress,
-    StepRecord,
-    peak_memory,
-)
-
-FIRST_PROBE_STEP = 3  # after the first steps' one-off costs (allocations, warm caches)
-PROBE_WINDOW = 5  # exposed sync = median of the latest probes: one probe is noisy on CPU
+from trainwise.run.recorder import Recorder
 
 
 def default_run_dir(cfg: JobConfig, strategy: str) -> Path:
@@ -159,104 +147,35 @@ def _train(cfg: JobConfig, job: Job, env: DistEnv, device: torch.device, run_dir
         )
 
     stepper = Stepper(
-        model,
-        bundle.loss_fn,
-        optimizer,
-        scheduler,
-        scaler,
-        autocast,
-        c.data.grad_accum,
-        c.train.grad_clip,
-        device,
-    )
-    distributed = job.strategy != "single" and env.world > 1
-    probe_every = c.logging.probe_every if distributed else 0
-    tokens_per_step = job.global_batch * job.data.tokens_per_sample
+        model, bundle.loss_fn, optimizer, scheduler, scaler, autocast,
+        c.data.grad_accum, c.train.grad_clip, device,
+    )  # fmt: skip
     peak = job.device.peak_flops(c.precision.dtype)
-    fpt = job.flops_per_token
+    recorder = Recorder(
+        steps=c.train.steps, cfg=c.logging, is_main=env.is_main, run_dir=run_dir,
+        distributed=job.strategy != "single" and env.world > 1,
+        tokens_per_step=job.global_batch * job.data.tokens_per_sample,
+        tokens_per_sample=job.data.tokens_per_sample, flops_per_token=job.flops_per_token,
+        peak_flops_total=peak * env.world if peak else None, device=device,
+    )  # fmt: skip
 
-    writer = MetricsWriter(run_dir, c.logging.tensorboard) if env.is_main else None
-    progress = (
-        Progress(c.train.steps, c.logging.progress, c.logging.print_every)
-        if env.is_main and c.logging.progress != "none"
-        else None
-    )
-    probe_sync: float | None = None if distributed else 0.0
-    probes: list[float] = []
-    totals = dict.fromkeys(("step_s", *STAGES), 0.0)  # steady steps only
-    steady_steps = 0
-    first_loss = last_loss = last_eval = None
     batches = iter(loader)
-    start = time.perf_counter()
     for step in range(1, c.train.steps + 1):
-        probe = probe_every > 0 and (
-            FIRST_PROBE_STEP <= step < FIRST_PROBE_STEP + 3 or step % probe_every == 0
-        )
-        is_eval = c.train.eval_every > 0 and (
-            step % c.train.eval_every == 0 or step == c.train.steps
-        )
-        write = step % c.logging.every == 0 or step == c.train.steps or is_eval or step == 1
-        res = stepper.step(batches, probe=probe, read_clock=write)
-        if res.probe_sync_s is not None:
-            probes = (probes + [res.probe_sync_s])[-PROBE_WINDOW:]
-            probe_sync = statistics.median(probes)
-        if not write:
+        every = c.train.eval_every
+        is_eval = every > 0 and (step % every == 0 or step == c.train.steps)
+        read = recorder.read_now(step, is_eval)
+        res = stepper.step(batches, probe=recorder.probe_now(step), read_clock=read)
+        recorder.observe_probe(res)
+        if not read:
             continue
         loss = mean_over_ranks(res.loss)
-        spans = res.spans or {}
-        compute = spans.get("compute", 0.0)
-        if res.probe_sync_s is not None:
-            sync = res.probe_sync_s  # compute above ran without communication
-        else:
-            sync = None if probe_sync is None else min(probe_sync, compute)
-            compute -= sync or 0.0
-        data_s, optim_s = spans.get("data", 0.0), spans.get("optim", 0.0)
-        step_s = data_s + compute + (sync or 0.0) + optim_s
         eval_loss = None
         if is_eval:
             eval_loss = evaluate(model, bundle.loss_fn, eval_batches(), autocast, device)
-            last_eval = eval_loss
-        first_loss = loss if first_loss is None else first_loss
-        last_loss = loss
-        if step >= FIRST_PROBE_STEP or c.train.steps < FIRST_PROBE_STEP:
-            steady_steps += 1
-            stage_values = (step_s, data_s, compute, sync or 0.0, optim_s)
-            for k, v in zip(("step_s", *STAGES), stage_values, strict=True):
-                totals[k] += v
-        if env.is_main:
-            mem, kind = peak_memory(device)
-            tps = tokens_per_step / step_s if step_s > 0 else 0.0
-            rec = StepRecord(
-                step=step,
-                loss=loss,
-                eval_loss=eval_loss,
-                lr=scheduler.get_last_lr()[0],
-                grad_norm=float(res.grad_norm),
-                step_s=step_s,
-                data_s=data_s,
-                compute_s=compute,
-                sync_s=sync,
-                optim_s=optim_s,
-                tokens=step * tokens_per_step,
-                tokens_per_s=tps,
-                samples_per_s=tps / job.data.tokens_per_sample,
-                mfu=mfu(tps, fpt, peak * env.world) if peak and fpt else None,
-                mem_bytes=mem,
-                mem_kind=kind,
-                elapsed_s=time.perf_counter() - start,
-                time=time.time(),
-            )
-            writer.write(rec)
-            if progress:
-                progress.update(rec)
-    wall = time.perf_counter() - start
-    if progress:
-        progress.close()
-    if writer:
-        writer.close()
+        recorder.record(step, res, loss, eval_loss, scheduler.get_last_lr()[0])
+    figures = recorder.finish()
     if not env.is_main:
         return None
-    timed = totals["step_s"] or 1.0
     summary = {
         "run_dir": str(run_dir),
         "model": c.model.name,
@@ -269,15 +188,8 @@ def _train(cfg: JobConfig, job: Job, env: DistEnv, device: torch.device, run_dir
         "precision": c.precision.dtype,
         "steps": c.train.steps,
         "global_batch": job.global_batch,
-        "first_loss": first_loss,
-        "final_loss": last_loss,
-        "final_eval_loss": last_eval,
-        "tokens": c.train.steps * tokens_per_step,
-        "tokens_per_s": steady_steps * tokens_per_step / timed,
-        "tokens_per_sample": job.data.tokens_per_sample,
-        "wall_s": wall,
-        "stage_share": {k.removesuffix("_s"): totals[k] / timed for k in STAGES},
-        "sync_measured": distributed and probe_every > 0,
+        "tokens": c.train.steps * job.global_batch * job.data.tokens_per_sample,
+        **figures,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

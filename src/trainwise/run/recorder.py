@@ -1,0 +1,130 @@
+"""From step results to records: when to probe and when to read the clocks, the split of
+a step into stages, the metrics written on rank 0, and the totals behind the summary."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from trainwise.config.schema import LoggingConfig
+from trainwise.plan.flops import mfu
+from trainwise.run.loop import StepResult
+from trainwise.run.telemetry import STAGES, MetricsWriter, Progress, StepRecord, peak_memory
+
+FIRST_PROBE_STEP = 3  # after the first steps' one-off costs (allocations, warm caches)
+FIRST_PROBES = 3  # probes in a row at the start, so the first estimate is a median
+PROBE_WINDOW = 5  # exposed sync = median of the latest probes: one probe is noisy on CPU
+
+
+class Recorder:
+    def __init__(
+        self,
+        *,
+        steps: int,
+        cfg: LoggingConfig,
+        is_main: bool,
+        run_dir: Path,
+        distributed: bool,
+        tokens_per_step: int,
+        tokens_per_sample: int,
+        flops_per_token: float | None,
+        peak_flops_total: float | None,
+        device: torch.device,
+    ):
+        self.steps = steps
+        self.cfg = cfg
+        self.is_main = is_main
+        self.probe_every = cfg.probe_every if distributed else 0
+        self.tokens_per_step = tokens_per_step
+        self.tokens_per_sample = tokens_per_sample
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops_total
+        self.device = device
+        self.sync_estimate: float | None = None if distributed else 0.0
+        self._probes: list[float] = []
+        self.totals = dict.fromkeys(("step_s", *STAGES), 0.0)  # steady steps only
+        self.steady_steps = 0
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
+        self.last_eval: float | None = None
+        self.writer = MetricsWriter(run_dir, cfg.tensorboard) if is_main else None
+        show = is_main and cfg.progress != "none"
+        self.progress = Progress(steps, cfg.progress, cfg.print_every) if show else None
+        self.start = time.perf_counter()
+
+    def probe_now(self, step: int) -> bool:
+        if not self.probe_every:
+            return False
+        first = FIRST_PROBE_STEP <= step < FIRST_PROBE_STEP + FIRST_PROBES
+        return first or step % self.probe_every == 0
+
+    def read_now(self, step: int, is_eval: bool) -> bool:
+        last = step == self.steps
+        return step == 1 or last or is_eval or step % self.cfg.every == 0
+
+    def observe_probe(self, res: StepResult) -> None:
+        if res.probe_sync_s is not None:
+            self._probes = (self._probes + [res.probe_sync_s])[-PROBE_WINDOW:]
+            self.sync_estimate = statistics.median(self._probes)
+
+    def record(
+        self, step: int, res: StepResult, loss: float, eval_loss: float | None, lr: float
+    ) -> None:
+        spans = res.spans or {}
+        data_s, optim_s = spans.get("data", 0.0), spans.get("optim", 0.0)
+        compute = spans.get("compute", 0.0)
+        if res.probe_sync_s is not None:
+            sync = res.probe_sync_s  # this step's compute ran without communication
+        else:
+            sync = None if self.sync_estimate is None else min(self.sync_estimate, compute)
+            compute -= sync or 0.0
+        step_s = data_s + compute + (sync or 0.0) + optim_s
+
+        self.first_loss = loss if self.first_loss is None else self.first_loss
+        self.last_loss = loss
+        if eval_loss is not None:
+            self.last_eval = eval_loss
+        if step >= FIRST_PROBE_STEP or self.steps < FIRST_PROBE_STEP:
+            self.steady_steps += 1
+            values = (step_s, data_s, compute, sync or 0.0, optim_s)
+            for key, value in zip(("step_s", *STAGES), values, strict=True):
+                self.totals[key] += value
+        if not self.is_main:
+            return
+        mem, kind = peak_memory(self.device)
+        tps = self.tokens_per_step / step_s if step_s > 0 else 0.0
+        use_mfu = self.peak and self.flops_per_token
+        rec = StepRecord(
+            step=step, loss=loss, eval_loss=eval_loss, lr=lr, grad_norm=float(res.grad_norm),
+            step_s=step_s, data_s=data_s, compute_s=compute, sync_s=sync, optim_s=optim_s,
+            tokens=step * self.tokens_per_step, tokens_per_s=tps,
+            samples_per_s=tps / self.tokens_per_sample,
+            mfu=mfu(tps, self.flops_per_token, self.peak) if use_mfu else None,
+            mem_bytes=mem, mem_kind=kind, elapsed_s=time.perf_counter() - self.start,
+            time=time.time(),
+        )  # fmt: skip
+        self.writer.write(rec)
+        if self.progress:
+            self.progress.update(rec)
+
+    def finish(self) -> dict:
+        """Close the writers; the figures of the summary."""
+        wall = time.perf_counter() - self.start
+        if self.progress:
+            self.progress.close()
+        if self.writer:
+            self.writer.close()
+        timed = self.totals["step_s"] or 1.0
+        return {
+            "first_loss": self.first_loss,
+            "final_loss": self.last_loss,
+            "final_eval_loss": self.last_eval,
+            "tokens_per_s": self.steady_steps * self.tokens_per_step / timed,
+            "tokens_per_sample": self.tokens_per_sample,
+            "wall_s": wall,
+            "stage_share": {k.removesuffix("_s"): self.totals[k] / timed for k in STAGES},
+            "sync_measured": self.probe_every > 0,
+        }
