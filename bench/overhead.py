@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -96,19 +97,34 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_child(cmd: list[str], timeout: float) -> float:
-    """Run one job to completion; returns its wall seconds, or exits with its output."""
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(
-            cmd, env=child_env(), capture_output=True, text=True, timeout=timeout, check=False
+def run_child(cmd: list[str], timeout: float, attempts: int = 2) -> float:
+    """Run one job to completion and return its wall seconds. A failed or hung job is
+    retried once (a rendezvous port taken by another process between being picked and
+    bound fails a start now and then); a second failure exits with the job's output."""
+    for attempt in range(1, attempts + 1):
+        t0 = time.perf_counter()
+        # A session of its own, so that a hung job is killed with all its workers.
+        proc = subprocess.Popen(
+            cmd,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
-    except subprocess.TimeoutExpired:
-        sys.exit(f"timed out after {timeout:.0f} s: {' '.join(cmd)}")
-    if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-4000:]
-        sys.exit(f"failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
-    return time.perf_counter() - t0
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+            why = f"exit {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            why = f"timed out after {timeout:.0f} s"
+        if proc.returncode == 0:
+            return time.perf_counter() - t0
+        message = f"{why}: {' '.join(cmd)}"
+        if attempt < attempts:
+            print(f"  retrying, {message}", flush=True)
+    sys.exit(f"failed, {message}\n{output[-4000:]}")
 
 
 def window(ends: list[float], warmup: int) -> tuple[float, int]:
@@ -123,12 +139,13 @@ def probe_every(run_dir: Path) -> int:
     return load_config(run_dir / "config.toml").logging.probe_every
 
 
-def is_probe_step(step: int, every: int) -> bool:
-    # As trainwise.run.worker: FIRST_PROBE_STEP .. +2, then every `every` steps.
-    from trainwise.run.worker import FIRST_PROBE_STEP
+# trainwise's probe schedule (trainwise.run.recorder): steps 3, 4, 5, then every
+# logging.probe_every steps. Spelled out rather than imported: it only labels the notes.
+FIRST_PROBES = range(3, 6)
 
-    first = FIRST_PROBE_STEP <= step < FIRST_PROBE_STEP + 3
-    return every > 0 and (first or step % every == 0)
+
+def is_probe_step(step: int, every: int) -> bool:
+    return every > 0 and (step in FIRST_PROBES or step % every == 0)
 
 
 def run_trainwise(strategy: str, rnd: int, args: argparse.Namespace, tmp: Path) -> Run:
@@ -146,7 +163,7 @@ def run_trainwise(strategy: str, rnd: int, args: argparse.Namespace, tmp: Path) 
     ]  # fmt: skip
     for kv in args.overrides:
         cmd += ["--set", kv]
-    wall = run_child(cmd, timeout=120 + 3 * args.steps)
+    wall = run_child(cmd, timeout=90 + args.steps)
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r for r in recs}
     if sorted(by_step) != list(range(1, args.steps + 1)):
@@ -155,7 +172,8 @@ def run_trainwise(strategy: str, rnd: int, args: argparse.Namespace, tmp: Path) 
     seconds, steps = window(ends, args.warmup)
     tokens = by_step[args.steps]["tokens"] - by_step[args.warmup]["tokens"]
     timed = [by_step[s] for s in range(args.warmup + 1, args.steps + 1)]
-    probes = [r["step"] for r in timed if is_probe_step(r["step"], probe_every(run_dir))]
+    every = probe_every(run_dir)
+    probes = [r["step"] for r in timed if is_probe_step(r["step"], every)]
     return Run(
         system="trainwise",
         strategy=strategy,
@@ -184,7 +202,7 @@ def run_raw(strategy: str, rnd: int, args: argparse.Namespace, tmp: Path) -> Run
         "--micro-batch", str(args.micro_batch),
         "--out", str(out),
     ]  # fmt: skip
-    wall = run_child(cmd, timeout=120 + 3 * args.steps)
+    wall = run_child(cmd, timeout=90 + args.steps)
     rec = json.loads(out.read_text())
     seconds, steps = window(rec["step_end_s"], args.warmup)
     return Run(

@@ -86,10 +86,12 @@ def test_metrics_round_trip(tmp_path):
 def test_metrics_are_flushed_after_each_record(tmp_path):
     writer = MetricsWriter(tmp_path, tensorboard=False)
     writer.write(record(1))
+    writer.sync()
     # Readable before close: a crash must not lose written steps.
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
-    writer.write(record(2))
-    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    writer.write(record(2), record(3))
+    writer.sync()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
     writer.close()
 
 

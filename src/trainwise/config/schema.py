@@ -164,7 +164,12 @@ class LoggingConfig(Section):
     run_dir: str | None = Field(
         None, description="Run directory; default: runs/<date>-<time>-<model>."
     )
-    every: int = Field(1, gt=0, description="Write a metrics record every N steps.")
+    flush_every: int = Field(
+        10,
+        gt=0,
+        description="Average the losses over ranks and write the buffered per-step records "
+        "every N steps (one collective per N steps, none per step).",
+    )
     print_every: int = Field(10, gt=0, description="Plain progress line every N steps.")
     progress: Literal["auto", "bar", "lines", "none"] = Field(
         "auto", description="auto: a bar in a terminal, plain lines otherwise."

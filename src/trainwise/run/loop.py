@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -10,15 +11,29 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from trainwise.run.parallelize import set_gradient_sync
-from trainwise.run.telemetry import StageClock
+from trainwise.run.telemetry import Marks, StageClock, resolve_spans
 
 
 @dataclass
 class StepResult:
+    """What a step leaves for the recorder; nothing here has been synchronised yet."""
+
     loss: torch.Tensor  # local mean loss of the step (not yet averaged over ranks)
     grad_norm: torch.Tensor
-    spans: dict[str, float] | None  # stage seconds when read; None when not read this step
-    probe_sync_s: float | None  # exposed sync measured by this step's probe
+    marks: Marks  # stage marks: data, compute, last (the syncing micro-batch), probe, optim
+    probe: bool  # the step ran the probe pass
+    end: float  # perf_counter when the step returned (host time)
+
+    def spans(self) -> tuple[dict[str, float], float | None]:
+        """Stage seconds (data, compute, optim) and, on a probe step, the exposed sync."""
+        spans = resolve_spans(self.marks)
+        probe_sync = None
+        if self.probe:
+            # The probe pass repeats the last micro-batch's compute; what it took beyond
+            # the first pass is communication the step could not hide.
+            probe_sync = max(0.0, spans.pop("probe") - spans["last"])
+        spans["compute"] = spans.get("compute", 0.0) + spans.pop("last")
+        return spans, probe_sync
 
 
 class Stepper:
@@ -56,7 +71,7 @@ class Stepper:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss.detach()
 
-    def step(self, batches, probe: bool, read_clock: bool) -> StepResult:
+    def step(self, batches, probe: bool) -> StepResult:
         clock = self.clock
         clock.mark("start")
         total = torch.zeros((), device=self.device)
@@ -74,9 +89,13 @@ class Stepper:
             clock.mark("probe")
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        # torchtitan's way: one all-reduce for the norm of sharded gradients, then clip with
+        # the plain tensor (clip_grad_norm_ on DTensors would reduce it twice).
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -85,25 +104,16 @@ class Stepper:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         clock.mark("optim")
-        if not (read_clock or probe):
-            clock.discard()  # not read this step: no device sync for it
-            return StepResult(total, norm, None, None)
-        spans = clock.spans()
-        probe_sync = None
-        if probe:
-            # The probe pass repeats the last micro-batch's compute; what it took beyond
-            # the first pass is communication the step could not hide.
-            probe_sync = max(0.0, spans.pop("probe") - spans["last"])
-        spans["compute"] = spans.get("compute", 0.0) + spans.pop("last")
-        return StepResult(total, norm, spans, probe_sync)
+        return StepResult(total, norm, clock.take(), probe, time.perf_counter())
 
 
-def mean_over_ranks(value: torch.Tensor) -> float:
+def mean_over_ranks(values: torch.Tensor) -> list[float]:
+    """Element-wise mean over all ranks, in one collective."""
+    values = values.detach().float().reshape(-1).clone()
     if dist.is_initialized() and dist.get_world_size() > 1:
-        value = value.detach().clone()
-        dist.all_reduce(value)  # SUM: gloo has no AVG
-        value /= dist.get_world_size()
-    return float(value)
+        dist.all_reduce(values)  # SUM: gloo has no AVG
+        values /= dist.get_world_size()
+    return values.tolist()
 
 
 @torch.no_grad()
@@ -117,4 +127,4 @@ def evaluate(model, loss_fn, batches, autocast, device: torch.device) -> float:
             total += loss_fn(model(x.to(device)), y.to(device)).float()
         n += 1
     model.train()
-    return mean_over_ranks(total / max(n, 1))
+    return mean_over_ranks(total / max(n, 1))[0]

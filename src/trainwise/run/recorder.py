@@ -1,5 +1,6 @@
-"""From step results to records: when to probe and when to read the clocks, the split of
-a step into stages, the metrics written on rank 0, and the totals behind the summary."""
+"""From step results to records: when to probe, the split of a step into stages, the loss
+averaged over ranks (one collective per flush, not per step), the metrics written on rank
+0, and the totals behind the summary."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from trainwise.config.schema import LoggingConfig
 from trainwise.plan.flops import mfu
-from trainwise.run.loop import StepResult
+from trainwise.run.loop import StepResult, mean_over_ranks
 from trainwise.run.telemetry import STAGES, MetricsWriter, Progress, StepRecord, peak_memory
 
 FIRST_PROBE_STEP = 3  # after the first steps' one-off costs (allocations, warm caches)
@@ -45,6 +46,7 @@ class Recorder:
         self.device = device
         self.sync_estimate: float | None = None if distributed else 0.0
         self._probes: list[float] = []
+        self._pending: list[tuple[int, StepResult, float, float | None]] = []
         self.totals = dict.fromkeys(("step_s", *STAGES), 0.0)  # steady steps only
         self.steady_steps = 0
         self.first_loss: float | None = None
@@ -61,23 +63,40 @@ class Recorder:
         first = FIRST_PROBE_STEP <= step < FIRST_PROBE_STEP + FIRST_PROBES
         return first or step % self.probe_every == 0
 
-    def read_now(self, step: int, is_eval: bool) -> bool:
-        last = step == self.steps
-        return step == 1 or last or is_eval or step % self.cfg.every == 0
+    def add(self, step: int, res: StepResult, lr: float, eval_loss: float | None = None) -> None:
+        """Keep a step; every `flush_every` steps, at evaluations and at the end, average the
+        losses over ranks in one collective and write the records. Every rank calls this
+        at the same steps."""
+        self._pending.append((step, res, lr, eval_loss))
+        if step % self.cfg.flush_every == 0 or step == self.steps or eval_loss is not None:
+            self.flush()
 
-    def observe_probe(self, res: StepResult) -> None:
-        if res.probe_sync_s is not None:
-            self._probes = (self._probes + [res.probe_sync_s])[-PROBE_WINDOW:]
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        losses = mean_over_ranks(torch.stack([res.loss for _, res, _, _ in self._pending]))
+        records = [
+            self._record(step, res, loss, lr, eval_loss)
+            for (step, res, lr, eval_loss), loss in zip(self._pending, losses, strict=True)
+        ]
+        self._pending.clear()
+        if self.is_main:
+            self.writer.write(*records)
+            if self.progress:
+                for rec in records:
+                    self.progress.update(rec)
+
+    def _record(
+        self, step: int, res: StepResult, loss: float, lr: float, eval_loss: float | None
+    ) -> StepRecord:
+        spans, probe_sync = res.spans()
+        if probe_sync is not None:
+            self._probes = (self._probes + [probe_sync])[-PROBE_WINDOW:]
             self.sync_estimate = statistics.median(self._probes)
-
-    def record(
-        self, step: int, res: StepResult, loss: float, eval_loss: float | None, lr: float
-    ) -> None:
-        spans = res.spans or {}
         data_s, optim_s = spans.get("data", 0.0), spans.get("optim", 0.0)
         compute = spans.get("compute", 0.0)
-        if res.probe_sync_s is not None:
-            sync = res.probe_sync_s  # this step's compute ran without communication
+        if probe_sync is not None:
+            sync = probe_sync  # this step's compute ran without communication
         else:
             sync = None if self.sync_estimate is None else min(self.sync_estimate, compute)
             compute -= sync or 0.0
@@ -92,26 +111,21 @@ class Recorder:
             values = (step_s, data_s, compute, sync or 0.0, optim_s)
             for key, value in zip(("step_s", *STAGES), values, strict=True):
                 self.totals[key] += value
-        if not self.is_main:
-            return
         mem, kind = peak_memory(self.device)
         tps = self.tokens_per_step / step_s if step_s > 0 else 0.0
         use_mfu = self.peak and self.flops_per_token
-        rec = StepRecord(
+        return StepRecord(
             step=step, loss=loss, eval_loss=eval_loss, lr=lr, grad_norm=float(res.grad_norm),
             step_s=step_s, data_s=data_s, compute_s=compute, sync_s=sync, optim_s=optim_s,
             tokens=step * self.tokens_per_step, tokens_per_s=tps,
             samples_per_s=tps / self.tokens_per_sample,
             mfu=mfu(tps, self.flops_per_token, self.peak) if use_mfu else None,
-            mem_bytes=mem, mem_kind=kind, elapsed_s=time.perf_counter() - self.start,
-            time=time.time(),
+            mem_bytes=mem, mem_kind=kind, elapsed_s=res.end - self.start, time=time.time(),
         )  # fmt: skip
-        self.writer.write(rec)
-        if self.progress:
-            self.progress.update(rec)
 
     def finish(self) -> dict:
-        """Close the writers; the figures of the summary."""
+        """Flush, close the writers; the figures of the summary."""
+        self.flush()
         wall = time.perf_counter() - self.start
         if self.progress:
             self.progress.close()

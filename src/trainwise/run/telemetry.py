@@ -8,8 +8,10 @@ The stages are the ones the planner and the report speak in: data wait, compute
 from __future__ import annotations
 
 import json
+import queue
 import resource
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -53,9 +55,13 @@ def peak_memory(device: torch.device) -> tuple[int, str]:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024), "rss_peak"
 
 
+Marks = list[tuple[str, object]]
+
+
 class StageClock:
-    """Times stages of a step. CUDA events on GPU (read after the step's own sync for the
-    loss, so no synchronisation is added); perf_counter on CPU."""
+    """Times stages of a step: CUDA events on GPU, perf_counter on CPU. Marks are taken
+    per step and resolved later, when the recorder flushes (on GPU that waits only for
+    events already long done), so timing adds no synchronisation to a step."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -69,25 +75,32 @@ class StageClock:
         else:
             self._marks.append((name, time.perf_counter()))
 
-    def discard(self) -> None:
-        self._marks.clear()
+    def take(self) -> Marks:
+        """This step's marks; the clock starts empty for the next step."""
+        marks, self._marks = self._marks, []
+        return marks
 
     def spans(self) -> dict[str, float]:
-        """Seconds from each mark to the next, keyed by the later mark's name."""
-        out: dict[str, float] = {}
-        for (_, a), (name, b) in zip(self._marks, self._marks[1:], strict=False):
-            if self.cuda:
-                b.synchronize()  # type: ignore[union-attr]
-                dt = a.elapsed_time(b) / 1000.0  # type: ignore[union-attr]
-            else:
-                dt = b - a  # type: ignore[operator]
-            out[name] = out.get(name, 0.0) + dt
-        self._marks.clear()
-        return out
+        return resolve_spans(self.take())
+
+
+def resolve_spans(marks: Marks) -> dict[str, float]:
+    """Seconds from each mark to the next, summed by the later mark's name."""
+    out: dict[str, float] = {}
+    for (_, a), (name, b) in zip(marks, marks[1:], strict=False):
+        if isinstance(b, float):
+            dt = b - a  # type: ignore[operator]
+        else:
+            b.synchronize()  # type: ignore[union-attr]
+            dt = a.elapsed_time(b) / 1000.0  # type: ignore[union-attr]
+        out[name] = out.get(name, 0.0) + dt
+    return out
 
 
 class MetricsWriter:
-    """metrics.jsonl (one record per line, flushed) and optional TensorBoard events."""
+    """metrics.jsonl (one record per line) and optional TensorBoard events, written by a
+    background thread: a TensorBoard record costs about a millisecond of protobuf work
+    that the training loop should not wait for."""
 
     def __init__(self, run_dir: Path, tensorboard: bool):
         self.path = run_dir / "metrics.jsonl"
@@ -97,19 +110,48 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self._queue: queue.Queue[list[StepRecord] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._drain, name="trainwise-metrics", daemon=True)
+        self._thread.start()
 
-    def write(self, rec: StepRecord) -> None:
-        self._file.write(json.dumps(asdict(rec)) + "\n")
-        self._file.flush()
+    def write(self, *records: StepRecord) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"writing {self.path} failed: {self._error}") from self._error
+        self._queue.put(list(records))
+
+    def _drain(self) -> None:
+        while (batch := self._queue.get()) is not None:
+            try:
+                for rec in batch:
+                    self._write_now(rec)
+                self._file.flush()  # on disk batch by batch: a crash loses only the queue
+            except BaseException as err:  # reported to the loop at its next write
+                self._error = err
+            finally:
+                self._queue.task_done()
+
+    def sync(self) -> None:
+        """Wait until every record written so far is in the file."""
+        self._queue.join()
+
+    def _write_now(self, rec: StepRecord) -> None:
+        row = asdict(rec)
+        self._file.write(json.dumps(row) + "\n")
         if self._tb is not None:
-            for key, value in asdict(rec).items():
+            for key, value in row.items():
                 if isinstance(value, (int, float)) and key not in ("step", "time"):
                     self._tb.add_scalar(f"train/{key}", value, rec.step)
 
     def close(self) -> None:
+        """Write what is queued, then close the files."""
+        self._queue.put(None)
+        self._thread.join()
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._error is not None:
+            raise RuntimeError(f"writing {self.path} failed: {self._error}") from self._error
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -27,7 +27,7 @@ from trainwise.run.distributed import (
     init_process_group,
 )
 from trainwise.run.job import Job, prepare_job
-from trainwise.run.loop import Stepper, evaluate, mean_over_ranks
+from trainwise.run.loop import Stepper, evaluate
 from trainwise.run.optim import build_optimizer, build_scheduler
 from trainwise.run.parallelize import parallelize
 from trainwise.run.precision import autocast_context, build_grad_scaler
@@ -163,16 +163,12 @@ def _train(cfg: JobConfig, job: Job, env: DistEnv, device: torch.device, run_dir
     for step in range(1, c.train.steps + 1):
         every = c.train.eval_every
         is_eval = every > 0 and (step % every == 0 or step == c.train.steps)
-        read = recorder.read_now(step, is_eval)
-        res = stepper.step(batches, probe=recorder.probe_now(step), read_clock=read)
-        recorder.observe_probe(res)
-        if not read:
-            continue
-        loss = mean_over_ranks(res.loss)
+        res = stepper.step(batches, probe=recorder.probe_now(step))
+        lr = scheduler.get_last_lr()[0]
         eval_loss = None
         if is_eval:
             eval_loss = evaluate(model, bundle.loss_fn, eval_batches(), autocast, device)
-        recorder.record(step, res, loss, eval_loss, scheduler.get_last_lr()[0])
+        recorder.add(step, res, lr, eval_loss)
     figures = recorder.finish()
     if not env.is_main:
         return None
