@@ -132,20 +132,17 @@ def window(ends: list[float], warmup: int) -> tuple[float, int]:
     return ends[-1] - ends[warmup - 1], len(ends) - warmup
 
 
+def is_probe_step(step: int, every: int) -> bool:
+    from trainwise.run.recorder import is_probe_step as schedule
+
+    return schedule(step, every)
+
+
 def probe_every(run_dir: Path) -> int:
     """The run's probe period, from the resolved config it wrote (--set may change it)."""
     from trainwise.config import load_config
 
     return load_config(run_dir / "config.toml").logging.probe_every
-
-
-# trainwise's probe schedule (trainwise.run.recorder): steps 3, 4, 5, then every
-# logging.probe_every steps. Spelled out rather than imported: it only labels the notes.
-FIRST_PROBES = range(3, 6)
-
-
-def is_probe_step(step: int, every: int) -> bool:
-    return every > 0 and (step in FIRST_PROBES or step % every == 0)
 
 
 def run_trainwise(strategy: str, rnd: int, args: argparse.Namespace, tmp: Path) -> Run:

@@ -120,6 +120,7 @@ def main() -> None:
             "final_loss": float(losses[1]),
         }
         args.out.write_text(json.dumps(record) + "\n")
+    dist.barrier()  # leave together: a rank destroying the group alone can hang on gloo
     dist.destroy_process_group()
 
 

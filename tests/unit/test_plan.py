@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from trainwise.config.schema import ScheduleConfig
-from trainwise.models.gpt import GPTShape
+from trainwise.models.shapes import GPTShape
 from trainwise.plan import (
     BYTES,
     OPTIMIZER_STATE_BYTES,

@@ -175,6 +175,9 @@ class LoggingConfig(Section):
         "auto", description="auto: a bar in a terminal, plain lines otherwise."
     )
     tensorboard: bool = Field(True, description="Also write TensorBoard events.")
+    tensorboard_every: int = Field(
+        10, gt=0, description="TensorBoard points every N steps (metrics.jsonl has every step)."
+    )
     probe_every: int = Field(
         100,
         ge=0,

@@ -1,149 +1,38 @@
-"""The model registry: turns a `ModelSpec` (what the config says) into a `ModelBundle` (what
-the runtime trains). The rest of trainwise imports models only from here."""
+"""Models: GPT shapes and presets (plain data, no torch), the GPT, the MLP, your own model
+by import path, Hugging Face configs, and the registry that turns a config into a module.
+
+The rest of trainwise imports models only from here. Shapes load without torch, so the
+planner stays instant; everything else loads on first use.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+import importlib
+from typing import Any
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from trainwise.models.shapes import PRESETS, GPTShape
 
-from trainwise.errors import ModelError
-from trainwise.models.custom import build_custom, load_factory
-from trainwise.models.gpt import GPT, PRESETS, Block, GPTShape
-from trainwise.models.hf import HFCausalLM, build_hf
-from trainwise.models.mlp import MLPClassifier
+_LAZY = {
+    "GPT": "gpt",
+    "Block": "gpt",
+    "MLPClassifier": "mlp",
+    "HFCausalLM": "hf",
+    "build_custom": "custom",
+    "load_factory": "custom",
+    "ModelBundle": "registry",
+    "ModelSpec": "registry",
+    "build_model": "registry",
+    "count_parameters": "registry",
+    "cross_entropy_loss": "registry",
+    "model_kind": "registry",
+    "preset_names": "registry",
+    "resolve_shape": "registry",
+}
 
-__all__ = [
-    "GPT",
-    "PRESETS",
-    "Block",
-    "GPTShape",
-    "HFCausalLM",
-    "MLPClassifier",
-    "ModelBundle",
-    "ModelSpec",
-    "build_custom",
-    "build_model",
-    "count_parameters",
-    "cross_entropy_loss",
-    "load_factory",
-    "model_kind",
-    "preset_names",
-    "resolve_shape",
-]
+__all__ = ["PRESETS", "GPTShape", *_LAZY]
 
 
-@dataclass
-class ModelSpec:
-    """What the config says about the model."""
-
-    name: str  # a preset name | "mlp" | "pkg.mod:factory" | "hf:<config.json or folder>"
-    vocab_size: int | None = None  # LMs: overrides the preset's vocab (the data decides it)
-    seq_len: int | None = None  # GPT presets: overrides max_seq_len
-    in_features: int | None = None  # mlp
-    num_classes: int | None = None  # mlp
-    hidden: tuple[int, ...] = (128, 128)  # mlp
-    dropout: float = 0.0
-    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to a custom factory
-
-
-@dataclass
-class ModelBundle:
-    """What the runtime gets."""
-
-    module: nn.Module
-    loss_fn: Callable[[Tensor, Tensor], Tensor]  # (output, target) -> mean loss
-    blocks: list[nn.Module]  # units for FSDP / activation checkpointing; may be empty
-    shape: GPTShape | None  # set for GPT presets (FLOPs and memory formulas)
-
-
-def cross_entropy_loss(output: Tensor, target: Tensor) -> Tensor:
-    """Mean cross entropy over the last dim of `output`; leading dims are flattened, so it
-    fits LM logits [B, T, V] with targets [B, T] and classifier logits [B, C] with [B]."""
-    if output.shape[:-1] != target.shape:
-        raise ModelError(
-            f"loss: output shape {list(output.shape)} does not match target "
-            f"shape {list(target.shape)}; cross entropy wants logits [..., C] and "
-            "targets [...]; give a custom model its own loss_fn"
-        )
-    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
-
-
-def preset_names() -> list[str]:
-    return list(PRESETS)
-
-
-def model_kind(name: str) -> Literal["preset", "mlp", "custom", "hf"]:
-    if name in PRESETS:
-        return "preset"
-    if name == "mlp":
-        return "mlp"
-    if name.startswith("hf:"):
-        return "hf"
-    if ":" in name:
-        return "custom"
-    raise ModelError(
-        f"model.name = {name!r}: not a preset ({', '.join(PRESETS)}), 'mlp', "
-        "'package.module:factory' or 'hf:path/to/config.json'"
-    )
-
-
-def resolve_shape(spec: ModelSpec) -> GPTShape | None:
-    """The preset's shape with vocab_size / seq_len overrides applied; None for other kinds."""
-    if model_kind(spec.name) != "preset":
-        return None
-    overrides: dict[str, int] = {}
-    if spec.vocab_size is not None:
-        overrides["vocab_size"] = spec.vocab_size
-    if spec.seq_len is not None:
-        overrides["max_seq_len"] = spec.seq_len
-    # replace() re-runs GPTShape validation on the overridden values.
-    return replace(PRESETS[spec.name], **overrides)
-
-
-def _blocks_of(module: nn.Module) -> list[nn.Module]:
-    for attr in ("blocks", "layers"):
-        units = getattr(module, attr, None)
-        if isinstance(units, nn.ModuleList):
-            return list(units)
-    return []
-
-
-def build_model(spec: ModelSpec) -> ModelBundle:
-    """Build on the current default device; the caller seeds the RNG."""
-    kind = model_kind(spec.name)
-    if not 0.0 <= spec.dropout < 1.0:
-        raise ModelError(f"model.dropout = {spec.dropout!r}: must be in [0, 1)")
-    if kind == "preset":
-        shape = resolve_shape(spec)
-        gpt = GPT(shape, dropout=spec.dropout)
-        return ModelBundle(gpt, cross_entropy_loss, list(gpt.blocks), shape)
-    if kind == "mlp":
-        missing = [
-            f"model.{k} is required for model.name = 'mlp'; set it (the data usually decides it)"
-            for k in ("in_features", "num_classes")
-            if getattr(spec, k) is None
-        ]
-        if missing:
-            raise ModelError(missing)
-        mlp = MLPClassifier(spec.in_features, spec.num_classes, spec.hidden, spec.dropout)
-        return ModelBundle(mlp, cross_entropy_loss, list(mlp.blocks), None)
-    if kind == "hf":
-        lm = build_hf(spec.name[len("hf:") :], vocab_size=spec.vocab_size)
-        return ModelBundle(lm, cross_entropy_loss, list(lm.blocks), None)
-    module, loss_fn = build_custom(spec.name, spec.kwargs)
-    return ModelBundle(module, loss_fn or cross_entropy_loss, _blocks_of(module), None)
-
-
-def count_parameters(spec: ModelSpec) -> int:
-    """Parameter count without allocating: presets analytically, others built on meta."""
-    shape = resolve_shape(spec)
-    if shape is not None:
-        return shape.num_params()
-    with torch.device("meta"):
-        module = build_model(spec).module
-    return sum(p.numel() for p in module.parameters())  # parameters() dedups tied weights
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'trainwise.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"trainwise.models.{_LAZY[name]}"), name)

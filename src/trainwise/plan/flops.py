@@ -8,7 +8,7 @@ free, the LM head is not (tied or not).
 
 from __future__ import annotations
 
-from trainwise.models.gpt import GPTShape
+from trainwise.models.shapes import GPTShape
 
 
 def matmul_params(shape: GPTShape) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainwise.models.gpt import GPTShape
+from trainwise.models.shapes import GPTShape
 from trainwise.plan.precision import BYTES, OPTIMIZER_STATE_BYTES
 
 MASTER_BYTES = 4  # parameters and gradients are kept in fp32; compute copies in `precision`

@@ -80,7 +80,9 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device) -> None
 
 
 def destroy_process_group() -> None:
+    """Leave the job: wait for every rank, then tear the group down."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

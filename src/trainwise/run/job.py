@@ -12,7 +12,7 @@ from trainwise.data import DataInfo, build_datasets
 from trainwise.errors import ConfigError
 from trainwise.hardware import GB, DeviceInfo
 from trainwise.models import ModelSpec, count_parameters, resolve_shape
-from trainwise.models.gpt import GPTShape
+from trainwise.models.shapes import GPTShape
 from trainwise.plan import Decision, Workload, choose_strategy, describe, estimate_memory, fmt_bytes
 from trainwise.plan.flops import flops_per_token
 

@@ -20,6 +20,14 @@ FIRST_PROBES = 3  # probes in a row at the start, so the first estimate is a med
 PROBE_WINDOW = 5  # exposed sync = median of the latest probes: one probe is noisy on CPU
 
 
+def is_probe_step(step: int, probe_every: int) -> bool:
+    """Probes run on a few steps in a row after warm-up, then every `probe_every` steps."""
+    if not probe_every:
+        return False
+    first = FIRST_PROBE_STEP <= step < FIRST_PROBE_STEP + FIRST_PROBES
+    return first or step % probe_every == 0
+
+
 class Recorder:
     def __init__(
         self,
@@ -52,16 +60,15 @@ class Recorder:
         self.first_loss: float | None = None
         self.last_loss: float | None = None
         self.last_eval: float | None = None
-        self.writer = MetricsWriter(run_dir, cfg.tensorboard) if is_main else None
+        self.writer = (
+            MetricsWriter(run_dir, cfg.tensorboard, cfg.tensorboard_every) if is_main else None
+        )
         show = is_main and cfg.progress != "none"
         self.progress = Progress(steps, cfg.progress, cfg.print_every) if show else None
         self.start = time.perf_counter()
 
     def probe_now(self, step: int) -> bool:
-        if not self.probe_every:
-            return False
-        first = FIRST_PROBE_STEP <= step < FIRST_PROBE_STEP + FIRST_PROBES
-        return first or step % self.probe_every == 0
+        return is_probe_step(step, self.probe_every)
 
     def add(self, step: int, res: StepResult, lr: float, eval_loss: float | None = None) -> None:
         """Keep a step; every `flush_every` steps, at evaluations and at the end, average the

@@ -57,11 +57,13 @@ def train(cfg: JobConfig, run_dir: Path | None = None) -> dict[str, Any] | None:
     job = prepare_job(cfg, env.world, info)
     if job.strategy != "single" or env.world > 1:
         init_process_group(env, job.backend, device)
-    try:
-        run_dir = _agree_run_dir(env, cfg, job, run_dir)
-        return _train(cfg, job, env, device, run_dir, log)
-    finally:
-        destroy_process_group()
+    run_dir = _agree_run_dir(env, cfg, job, run_dir)
+    summary = _train(cfg, job, env, device, run_dir, log)
+    # Only after success, and together: destroying the group while a peer is failing or
+    # still in a collective can deadlock (torchtitan learned the same); a failing worker
+    # just exits and the agent stops the others.
+    destroy_process_group()
+    return summary
 
 
 def _agree_run_dir(env: DistEnv, cfg: JobConfig, job: Job, run_dir: Path | None) -> Path:

@@ -1,0 +1,192 @@
+"""GPT shapes as plain data: the dimensions of a decoder-only transformer, its exact
+parameter count, and the named presets. No torch here, so that the planner can size a
+70B model without importing it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from trainwise.errors import ModelError
+
+_NORMS = ("layernorm", "rmsnorm")
+_MLPS = ("gelu", "swiglu")
+_POS = ("learned", "rope")
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """Everything that decides a GPT's parameters and FLOPs."""
+
+    n_layer: int
+    d_model: int
+    n_head: int
+    n_kv_head: int
+    d_ff: int
+    vocab_size: int
+    max_seq_len: int
+    norm: Literal["layernorm", "rmsnorm"]
+    mlp: Literal["gelu", "swiglu"]
+    pos: Literal["learned", "rope"]
+    tie_embeddings: bool
+    bias: bool
+    # Rotary base frequency; only read when pos == "rope" (Llama 2: 1e4, Llama 3: 5e5).
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        for name in (
+            "n_layer",
+            "d_model",
+            "n_head",
+            "n_kv_head",
+            "d_ff",
+            "vocab_size",
+            "max_seq_len",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                problems.append(f"model shape {name} = {value!r}: must be a positive integer")
+        for name, allowed in (("norm", _NORMS), ("mlp", _MLPS), ("pos", _POS)):
+            if getattr(self, name) not in allowed:
+                problems.append(
+                    f"model shape {name} = {getattr(self, name)!r}: "
+                    f"must be one of {', '.join(allowed)}"
+                )
+        if problems:  # the divisibility checks below need valid integers
+            raise ModelError(problems)
+        if self.d_model % self.n_head:
+            problems.append(
+                f"model shape d_model = {self.d_model} is not divisible by "
+                f"n_head = {self.n_head}; pick n_head dividing d_model"
+            )
+        elif self.pos == "rope" and self.head_dim % 2:
+            problems.append(
+                f"model shape head_dim = d_model / n_head = {self.head_dim} is odd; "
+                "rope needs an even head_dim, change d_model or n_head"
+            )
+        if self.n_head % self.n_kv_head:
+            problems.append(
+                f"model shape n_head = {self.n_head} is not divisible by "
+                f"n_kv_head = {self.n_kv_head}; pick n_kv_head dividing n_head"
+            )
+        if not self.rope_theta > 0:
+            problems.append(f"model shape rope_theta = {self.rope_theta!r}: must be > 0")
+        if problems:
+            raise ModelError(problems)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def num_params(self) -> int:
+        """Exact parameter count of `GPT(self)`, tied weights counted once."""
+        d, f, v, hd = self.d_model, self.d_ff, self.vocab_size, self.head_dim
+        q_dim, kv_dim = self.n_head * hd, self.n_kv_head * hd
+        norm = d * (2 if self.norm == "layernorm" and self.bias else 1)
+        attn = d * q_dim + 2 * d * kv_dim + q_dim * d
+        n_in = 2 if self.mlp == "swiglu" else 1  # swiglu has a gate and an up projection
+        mlp = n_in * d * f + f * d
+        if self.bias:
+            attn += q_dim + 2 * kv_dim + d
+            mlp += n_in * f + d
+        block = 2 * norm + attn + mlp
+        total = v * d + self.n_layer * block + norm
+        if self.pos == "learned":
+            total += self.max_seq_len * d
+        if not self.tie_embeddings:
+            total += v * d
+        return total
+
+
+def _gpt2(n_layer: int, d_model: int, n_head: int) -> GPTShape:
+    return GPTShape(
+        n_layer=n_layer,
+        d_model=d_model,
+        n_head=n_head,
+        n_kv_head=n_head,
+        d_ff=4 * d_model,
+        vocab_size=50257,
+        max_seq_len=1024,
+        norm="layernorm",
+        mlp="gelu",
+        pos="learned",
+        tie_embeddings=True,
+        bias=True,
+    )
+
+
+def _llama(
+    n_layer: int,
+    d_model: int,
+    n_head: int,
+    n_kv_head: int,
+    d_ff: int,
+    vocab_size: int,
+    max_seq_len: int,
+    tie: bool,
+    rope_theta: float = 10000.0,
+) -> GPTShape:
+    return GPTShape(
+        n_layer=n_layer,
+        d_model=d_model,
+        n_head=n_head,
+        n_kv_head=n_kv_head,
+        d_ff=d_ff,
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        norm="rmsnorm",
+        mlp="swiglu",
+        pos="rope",
+        tie_embeddings=tie,
+        bias=False,
+        rope_theta=rope_theta,
+    )
+
+
+PRESETS: dict[str, GPTShape] = {
+    # CPU-sized, for tests and smoke runs (byte vocabulary).
+    "tiny": GPTShape(
+        n_layer=2,
+        d_model=64,
+        n_head=4,
+        n_kv_head=4,
+        d_ff=256,
+        vocab_size=256,
+        max_seq_len=128,
+        norm="layernorm",
+        mlp="gelu",
+        pos="learned",
+        tie_embeddings=True,
+        bias=True,
+    ),
+    # CPU-friendly, Llama-style so the rmsnorm/swiglu/rope/GQA path gets real use (~6M).
+    "small": GPTShape(
+        n_layer=6,
+        d_model=256,
+        n_head=8,
+        n_kv_head=4,
+        d_ff=1024,
+        vocab_size=256,
+        max_seq_len=256,
+        norm="rmsnorm",
+        mlp="swiglu",
+        pos="rope",
+        tie_embeddings=True,
+        bias=False,
+    ),
+    # openai-community/gpt2 config.json: n_layer 12, n_embd 768, n_head 12, n_positions 1024.
+    "gpt2-124m": _gpt2(12, 768, 12),
+    # openai-community/gpt2-medium config.json: n_layer 24, n_embd 1024, n_head 16.
+    "gpt2-350m": _gpt2(24, 1024, 16),
+    # meta-llama/Llama-3.2-1B config.json: 16 layers, hidden 2048, 32 heads, 8 kv heads,
+    # intermediate 8192, vocab 128256, tied, rope_theta 5e5 (context cut to 2048 for planning).
+    "llama-1b": _llama(16, 2048, 32, 8, 8192, 128256, 2048, tie=True, rope_theta=500000.0),
+    # meta-llama/Llama-2-7b-hf config.json: 32 layers, hidden 4096, 32 heads, inter. 11008.
+    "llama-7b": _llama(32, 4096, 32, 32, 11008, 32000, 4096, tie=False),
+    # meta-llama/Llama-2-13b-hf config.json: 40 layers, hidden 5120, 40 heads, inter. 13824.
+    "llama-13b": _llama(40, 5120, 40, 40, 13824, 32000, 4096, tie=False),
+    # meta-llama/Llama-2-70b-hf config.json: 80 layers, hidden 8192, 64 heads, 8 kv heads,
+    # intermediate 28672.
+    "llama-70b": _llama(80, 8192, 64, 8, 28672, 32000, 4096, tie=False),
+}
