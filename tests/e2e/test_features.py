@@ -33,6 +33,8 @@ def test_training_on_a_token_file(workdir: Path):
         "data.path='corpus.bin'",
         "--set",
         "data.seq_len=32",
+        "--set",
+        "data.num_workers=1",  # batches from a DataLoader worker process
         cwd=workdir,
     )
     assert res.returncode == 0, res.stderr[-3000:]

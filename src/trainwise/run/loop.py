@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -44,12 +46,12 @@ class Stepper:
 
     def __init__(
         self,
-        model,
-        loss_fn,
-        optimizer,
-        scheduler,
-        scaler,
-        autocast,
+        model: torch.nn.Module,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        scaler: torch.amp.GradScaler | None,
+        autocast: Callable[[], AbstractContextManager],
         grad_accum: int,
         grad_clip: float,
         device: torch.device,
@@ -71,7 +73,7 @@ class Stepper:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss.detach()
 
-    def step(self, batches, probe: bool) -> StepResult:
+    def step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], probe: bool) -> StepResult:
         clock = self.clock
         clock.mark("start")
         total = torch.zeros((), device=self.device)
@@ -117,7 +119,13 @@ def mean_over_ranks(values: torch.Tensor) -> list[float]:
 
 
 @torch.no_grad()
-def evaluate(model, loss_fn, batches, autocast, device: torch.device) -> float:
+def evaluate(
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    autocast: Callable[[], AbstractContextManager],
+    device: torch.device,
+) -> float:
     """Mean held-out loss over this rank's batches, averaged over ranks."""
     model.eval()
     total = torch.zeros((), device=device)

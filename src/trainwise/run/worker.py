@@ -6,6 +6,7 @@ one worker."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -84,7 +85,14 @@ def _agree_run_dir(env: DistEnv, cfg: JobConfig, job: Job, run_dir: Path | None)
     return run_dir
 
 
-def _train(cfg: JobConfig, job: Job, env: DistEnv, device: torch.device, run_dir: Path, log):
+def _train(
+    cfg: JobConfig,
+    job: Job,
+    env: DistEnv,
+    device: torch.device,
+    run_dir: Path,
+    log: logging.Logger,
+) -> dict[str, Any] | None:
     c = cfg
     log.info(
         "trainwise: %s on %d x %s, %s",
