@@ -71,7 +71,7 @@ def test_srun_variables_make_workers(workdir: Path):
     procs = []
     for rank in (0, 1):
         env = cli_env()
-        env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+        env.update(SLURM_STEP_ID="0", SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
                    SLURM_NTASKS_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "trainwise", "train", "--steps", "3", "--strategy", "fsdp",

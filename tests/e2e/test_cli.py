@@ -52,6 +52,7 @@ BAD_INPUTS = {
     "zero steps": (["--steps", "0"], "train.steps"),
     "negative steps": (["--steps", "-5"], "train.steps"),
     "toml syntax error": (["--config", "bad.toml"], "bad.toml:3"),
+    "run dir is a file": (["--run-dir", "bad.toml"], "logging.run_dir"),
 }
 
 

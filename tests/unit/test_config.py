@@ -292,13 +292,28 @@ def test_load_config_raises_consistency_problems(bad, phrase, ok):
     assert phrase in problems[0]
 
 
-def test_hsdp_cpu_offload_and_auto_cpu_offload_are_consistent():
-    for strategy in ("auto", "fsdp", "hsdp"):
+def test_cpu_offload_is_for_sharded_strategies_chosen_by_hand():
+    for strategy in ("fsdp", "hsdp"):
         cfg = JobConfig.model_validate({"parallel": {"cpu_offload": True, "strategy": strategy}})
         assert check_consistency(cfg) == []
-    for strategy in ("single", "ddp"):
+    for strategy in ("single", "ddp", "auto"):  # auto decides offload itself
         cfg = JobConfig.model_validate({"parallel": {"cpu_offload": True, "strategy": strategy}})
         assert len(check_consistency(cfg)) == 1
+
+
+@pytest.mark.parametrize("betas", ["[1.5, 0.9]", "[0.9, -0.1]", "[0.9, 1.0]"])
+def test_adamw_betas_outside_0_1_are_rejected(betas):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[f"optim.betas={betas}"])
+    assert all(p.startswith("optim.betas = ") for p in info.value.problems)
+
+
+def test_a_config_file_that_is_not_utf8_is_one_clear_error(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_bytes(b"[optim]\nlr = 0.1 # \xff\xfe\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in info.value.problems[0] and "UTF-8" in info.value.problems[0]
 
 
 # --- dump_toml -------------------------------------------------------------------------------

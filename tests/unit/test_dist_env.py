@@ -29,6 +29,7 @@ def test_torchrun_wins_over_slurm():
 def test_slurm_variables():
     env = dist_env_from(
         {
+            "SLURM_STEP_ID": "0",
             "SLURM_PROCID": "5",
             "SLURM_NTASKS": "6",
             "SLURM_LOCALID": "1",
@@ -41,6 +42,7 @@ def test_slurm_variables():
 def test_slurm_plain_tasks_per_node():
     env = dist_env_from(
         {
+            "SLURM_STEP_ID": "0",
             "SLURM_PROCID": "0",
             "SLURM_NTASKS": "4",
             "SLURM_LOCALID": "0",
@@ -48,6 +50,12 @@ def test_slurm_plain_tasks_per_node():
         }
     )
     assert env == DistEnv(rank=0, world=4, local_rank=0, local_world=4, launched=True)
+
+
+def test_the_batch_script_of_an_allocation_is_not_a_worker():
+    # sbatch's batch step has SLURM_PROCID=0 and SLURM_NTASKS>1 but is not an srun step.
+    env = dist_env_from({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0"})
+    assert env.launched is False
 
 
 def test_single_task_slurm_is_not_launched():

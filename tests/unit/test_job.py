@@ -234,3 +234,25 @@ def test_resolve_nproc_cuda_is_one_per_gpu():
 def test_auto_on_one_cpu_worker_never_picks_cpu_offload():
     job = prepare_job(cfg("cluster.device_memory_gb=0.0001"), 1, CPU)
     assert job.cpu_offload is False
+
+
+def test_gpu_count_is_checked_per_machine_not_per_job():
+    # 2 machines x 4 GPUs: a world of 8 with 4 workers here is fine...
+    job = prepare_job(cfg(), 8, GPU4, local_world=4)
+    assert job.world == 8 and job.dp_size == 8
+    # ...5 workers on a machine with 4 GPUs is not.
+    with pytest.raises(ConfigError) as info:
+        prepare_job(cfg(), 10, GPU4, local_world=5)
+    assert any("cluster.nproc = 5 exceeds the 4 visible GPUs" in p for p in info.value.problems)
+
+
+def test_a_held_out_split_smaller_than_the_ranks_is_an_error():
+    # 1400 tokens, 5 % held out = 70 tokens -> one 64-token window for 2 ranks.
+    problems = problems_of(cfg("data.synthetic_tokens=1400", "data.micro_batch=2"), 2, CPU)
+    assert len(problems) == 1
+    assert "holds out 1 samples" in problems[0] and "train.eval_every = 0" in problems[0]
+    # Without evaluation the same data is fine.
+    job = prepare_job(
+        cfg("data.synthetic_tokens=1400", "data.micro_batch=2", "train.eval_every=0"), 2, CPU
+    )
+    assert job.strategy == "ddp"

@@ -297,6 +297,9 @@ FACTORIES = textwrap.dedent("""
     def make_list():
         return [Net()]
 
+    def make_broken():
+        raise ValueError("width must be even")
+
     NOT_CALLABLE = 42
 """)
 
@@ -339,6 +342,7 @@ def test_custom_factory_returning_module_and_loss(factories: str) -> None:
         ("tw_test_factories:missing", "has no attribute 'missing'"),
         ("tw_test_factories:NOT_CALLABLE", "'NOT_CALLABLE' is a int, not a callable"),
         ("tw_test_factories:make_list", "returned a list; it must return an nn.Module"),
+        ("tw_test_factories:make_broken", "the factory raised ValueError: width must be even"),
     ],
 )
 def test_custom_factory_errors(factories: str, path: str, needle: str | None) -> None:

@@ -65,7 +65,13 @@ def read_toml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} not found: check the --config path")
     try:
-        return tomllib.loads(path.read_text())
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(
+            f"config file {path} cannot be read ({err}): give a UTF-8 TOML file"
+        ) from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         # The decoder's message ends with "(at line L, column C)"; lead with the location.
         msg = str(err)
@@ -101,7 +107,12 @@ def check_consistency(cfg: JobConfig) -> list[str]:
             f"data.dataset = 'digits' is for classifiers but model.name = '{name}': "
             "use 'mlp' or your own 'module:factory'"
         )
-    if cfg.parallel.cpu_offload and cfg.parallel.strategy not in ("auto", "fsdp", "hsdp"):
+    if cfg.parallel.cpu_offload and cfg.parallel.strategy == "auto":
+        problems.append(
+            "parallel.cpu_offload = true with parallel.strategy = 'auto': auto decides offload "
+            "from the memory estimate; set parallel.strategy = 'fsdp' to force it"
+        )
+    elif cfg.parallel.cpu_offload and cfg.parallel.strategy not in ("fsdp", "hsdp"):
         problems.append(
             f"parallel.cpu_offload = true needs sharding; parallel.strategy = "
             f"'{cfg.parallel.strategy}': use 'fsdp' or 'hsdp'"

@@ -7,11 +7,12 @@ Unknown keys are rejected (``extra="forbid"``).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 Strategy = Literal["auto", "single", "ddp", "fsdp", "hsdp"]
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 Precision = Literal["fp32", "bf16", "fp16"]
 
 
@@ -77,7 +78,7 @@ class OptimConfig(Section):
     name: Literal["adamw", "sgd"] = Field("adamw", description="Optimizer.")
     lr: float = Field(3e-3, gt=0.0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="Decoupled (AdamW) or L2 (SGD) decay.")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
     eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum.")
 
@@ -104,7 +105,7 @@ class ParallelConfig(Section):
     )
     cpu_offload: bool = Field(False, description="fsdp: keep sharded state in CPU memory.")
     replicate: int | None = Field(
-        None, gt=0, description="hsdp: replica groups (default: the number of nodes)."
+        None, gt=0, description="hsdp: replica groups, e.g. the number of nodes (default 1)."
     )
     ac: Literal["none", "selective", "full"] = Field(
         "none",

@@ -68,6 +68,11 @@ def build_custom(
             f"{sorted(kwargs)} failed ({_first_line(exc)}); match model.kwargs "
             "to the factory's parameters"
         ) from exc
+    except Exception as exc:  # the user's code failed: one line, not a traceback
+        raise ModelError(
+            f"model.name = {path!r}: the factory raised {_first_line(exc)}; "
+            "fix the factory or model.kwargs"
+        ) from exc
     if isinstance(result, nn.Module):
         return result, None
     if (

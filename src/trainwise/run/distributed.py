@@ -40,7 +40,9 @@ def dist_env_from(environ: dict[str, str] | None = None) -> DistEnv:
             local_world=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
             launched=True,
         )
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+    # Only inside an srun step (SLURM_STEP_ID): the batch script of an allocation has
+    # SLURM_PROCID=0 too, and must not wait for ranks that were never started.
+    if "SLURM_STEP_ID" in env and "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         return DistEnv(
             rank=int(env["SLURM_PROCID"]),
             world=int(env["SLURM_NTASKS"]),

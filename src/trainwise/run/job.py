@@ -82,8 +82,12 @@ def resolve_nproc(cfg: JobConfig, device: DeviceInfo) -> int:
     return max(device.count, 1) if device.kind == "cuda" else 2
 
 
-def prepare_job(cfg: JobConfig, world: int, device: DeviceInfo) -> Job:
-    """Every machine-dependent check, collected and raised once; then the decision."""
+def prepare_job(
+    cfg: JobConfig, world: int, device: DeviceInfo, local_world: int | None = None
+) -> Job:
+    """Every machine-dependent check, collected and raised once; then the decision.
+    `world` is the whole job; `local_world` the workers on this machine (default: all)."""
+    local = local_world or world
     problems: list[str] = []
     c = cfg
     if device.kind == "cuda" and device.count == 0:
@@ -105,9 +109,9 @@ def prepare_job(cfg: JobConfig, world: int, device: DeviceInfo) -> Job:
         problems.append(
             f"precision.dtype = 'bf16' is not supported by {device.name}: use 'fp16' or 'fp32'"
         )
-    if device.kind == "cuda" and device.count and world > device.count:
+    if device.kind == "cuda" and device.count and local > device.count:
         problems.append(
-            f"cluster.nproc = {world} exceeds the {device.count} visible GPUs: lower --nproc"
+            f"cluster.nproc = {local} exceeds the {device.count} visible GPUs: lower --nproc"
         )
     strategy = c.parallel.strategy
     if strategy == "single" and world > 1:
@@ -172,6 +176,12 @@ def prepare_job(cfg: JobConfig, world: int, device: DeviceInfo) -> Job:
             f" x grad_accum({c.data.grad_accum}) x data-parallel size({dp}) = {g}: "
             "change one of them so that they agree"
         )
+    elif c.train.eval_every and info.val_samples < dp:
+        problems.append(
+            f"data.val_fraction = {c.data.val_fraction} holds out {info.val_samples} samples, "
+            f"fewer than the {dp} data-parallel ranks that evaluate: raise data.val_fraction "
+            "or set train.eval_every = 0"
+        )
     elif g > info.train_samples:
         problems.append(
             f"global batch {g} = micro_batch({c.data.micro_batch}) x grad_accum"
@@ -194,7 +204,7 @@ def prepare_job(cfg: JobConfig, world: int, device: DeviceInfo) -> Job:
         c.cluster.device_memory_gb * GB
         if c.cluster.device_memory_gb
         # CPU workers share the machine's memory.
-        else device.memory_bytes / (world if device.kind == "cpu" else 1)
+        else device.memory_bytes / (local if device.kind == "cpu" else 1)
     )
     decision = decide(workload, strategy, world, device_bytes, c, replicate, device.kind)
     return Job(

@@ -42,7 +42,8 @@ class Stepper:
     """Runs training steps on a parallelized model. The probe (on chosen steps) runs every
     micro-batch without gradient sync, then the last micro-batch again with its loss
     multiplied by zero and the sync on: the gradients are bit-for-bit those of a normal
-    step, and the difference in time between the two last passes is the exposed sync."""
+    step, and the difference in time between the two last passes is the exposed sync.
+    (A model with BatchNorm would see its running statistics updated twice.)"""
 
     def __init__(
         self,
@@ -87,7 +88,10 @@ class Stepper:
             total += self._forward_backward(x, y, sync, 1.0 / self.grad_accum)
             clock.mark("last" if a == self.grad_accum - 1 else "compute")
         if probe:
-            self._forward_backward(x, y, True, 0.0)
+            # Restore the RNG afterwards: the probe must not shift later dropout masks.
+            devices = [self.device] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+                self._forward_backward(x, y, True, 0.0)
             clock.mark("probe")
         if self.scaler:
             self.scaler.unscale_(self.optimizer)

@@ -26,7 +26,8 @@ def apply_ac(model: nn.Module, blocks: list[nn.Module], mode: str) -> list[nn.Mo
     wrapped = []
     for i, block in enumerate(blocks):
         if mode == "full" or i % 2 == 0:
-            new = checkpoint_wrapper(block, preserve_rng_state=False)
+            # Recomputation must draw the same dropout masks as the forward did.
+            new = checkpoint_wrapper(block, preserve_rng_state=True)
             _replace_child(model, block, new)
             wrapped.append(new)
         else:

@@ -18,6 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainwise.config import JobConfig, dump_toml, load_config
 from trainwise.data import build_loader
+from trainwise.errors import ConfigError
 from trainwise.hardware import detect_device
 from trainwise.models import build_model
 from trainwise.run.distributed import (
@@ -42,9 +43,15 @@ def default_run_dir(cfg: JobConfig, strategy: str) -> Path:
 
 
 def write_run_files(run_dir: Path, cfg: JobConfig, job: Job) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(dump_toml(cfg))
-    (run_dir / "job.json").write_text(json.dumps(job.summary_dict(), indent=2) + "\n")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(dump_toml(cfg))
+        (run_dir / "job.json").write_text(json.dumps(job.summary_dict(), indent=2) + "\n")
+    except OSError as err:
+        raise ConfigError(
+            f"logging.run_dir = '{run_dir}' cannot be used ({err.strerror or err}): "
+            "choose a writable directory"
+        ) from None
 
 
 def train(cfg: JobConfig, run_dir: Path | None = None) -> dict[str, Any] | None:
@@ -55,7 +62,7 @@ def train(cfg: JobConfig, run_dir: Path | None = None) -> dict[str, Any] | None:
     device = torch.device("cuda", env.local_rank) if info.kind == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    job = prepare_job(cfg, env.world, info)
+    job = prepare_job(cfg, env.world, info, env.local_world)
     if job.strategy != "single" or env.world > 1:
         init_process_group(env, job.backend, device)
     run_dir = _agree_run_dir(env, cfg, job, run_dir)
@@ -142,7 +149,9 @@ def _train(
         num_workers=c.data.num_workers,
         pin_memory=c.data.pin_memory and device.type == "cuda",
     )
+    # Every rank evaluates the same number of distinct held-out samples; none repeats.
     eval_mb = min(c.data.micro_batch, max(1, len(val_ds) // (dp_size * c.train.eval_batches)))
+    eval_steps = max(1, min(c.train.eval_batches, len(val_ds) // (dp_size * eval_mb)))
 
     def eval_batches():
         return build_loader(
@@ -152,7 +161,7 @@ def _train(
             dp_rank=dp_rank,
             dp_size=dp_size,
             seed=c.train.seed,
-            num_steps=c.train.eval_batches,
+            num_steps=eval_steps,
             shuffle=False,
         )
 
