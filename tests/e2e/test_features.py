@@ -1,8 +1,9 @@
-"""Features through the CLI on one process: your own token file, torch.compile with
-activation checkpointing."""
+"""Features through the CLI: your own token file, torch.compile with activation
+checkpointing, a Hugging Face model sharded with FSDP2."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -62,3 +63,21 @@ def test_compile_and_activation_checkpointing_match_eager(workdir: Path):
     a = [r["loss"] for r in read_records(workdir / "eager")]
     b = [r["loss"] for r in read_records(workdir / "compiled")]
     assert b == pytest.approx(a, rel=1e-4)
+
+
+def test_a_hugging_face_config_trains_sharded(workdir: Path):
+    pytest.importorskip("transformers")
+    config = {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 256, "max_position_embeddings": 128,
+    }  # fmt: skip
+    (workdir / "config.json").write_text(json.dumps(config))
+    res = run_cli(
+        "train", "--model", "hf:config.json", "--strategy", "fsdp", "--nproc", "2",
+        "--steps", "10", "--run-dir", "run", *QUIET, cwd=workdir,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((workdir / "run" / "job.json").read_text())["strategy"] == "fsdp"
+    records = read_records(workdir / "run")
+    assert len(records) == 10 and records[-1]["loss"] < records[0]["loss"] - 0.5
