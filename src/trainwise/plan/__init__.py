@@ -3,7 +3,7 @@
 from trainwise.plan.advisor import Decision, choose_strategy, describe, fmt_bytes
 from trainwise.plan.flops import flops_per_token, matmul_params, mfu
 from trainwise.plan.memory import MemoryEstimate, Workload, activation_bytes, estimate_memory
-from trainwise.plan.precision import BYTES, OPTIMIZER_STATE_BYTES, compute_bytes
+from trainwise.plan.precision import BYTES, OPTIMIZER_STATE_BYTES
 
 __all__ = [
     "BYTES",
@@ -13,7 +13,6 @@ __all__ = [
     "Workload",
     "activation_bytes",
     "choose_strategy",
-    "compute_bytes",
     "describe",
     "estimate_memory",
     "flops_per_token",

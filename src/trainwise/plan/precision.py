@@ -7,7 +7,3 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Bytes of optimizer state per parameter (fp32 states): AdamW keeps exp_avg and
 # exp_avg_sq, SGD with momentum keeps one buffer.
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd": 4}
-
-
-def compute_bytes(precision: str) -> int:
-    return BYTES[precision]

@@ -11,8 +11,7 @@ from trainwise.config import JobConfig
 from trainwise.data import DataInfo, build_datasets
 from trainwise.errors import ConfigError
 from trainwise.hardware import GB, DeviceInfo
-from trainwise.models import ModelSpec, count_parameters, resolve_shape
-from trainwise.models.shapes import GPTShape
+from trainwise.models import GPTShape, ModelSpec, count_parameters, resolve_shape
 from trainwise.plan import Decision, Workload, choose_strategy, describe, estimate_memory, fmt_bytes
 from trainwise.plan.flops import flops_per_token
 
@@ -42,6 +41,10 @@ class Job:
         return self.cfg.data.micro_batch * self.cfg.data.grad_accum * self.dp_size
 
     @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.data.tokens_per_sample
+
+    @property
     def flops_per_token(self) -> float | None:
         return flops_per_token(self.shape, self.cfg.data.seq_len) if self.shape else None
 
@@ -60,7 +63,7 @@ class Job:
             "reason": self.decision.reason,
             "params": self.params,
             "global_batch": self.global_batch,
-            "tokens_per_step": self.global_batch * self.data.tokens_per_sample,
+            "tokens_per_step": self.tokens_per_step,
             "flops_per_token": self.flops_per_token,
             "memory_estimate": {
                 "params": est.params,

@@ -173,7 +173,7 @@ def _train(
     recorder = Recorder(
         steps=c.train.steps, cfg=c.logging, is_main=env.is_main, run_dir=run_dir,
         distributed=job.strategy != "single" and env.world > 1,
-        tokens_per_step=job.global_batch * job.data.tokens_per_sample,
+        tokens_per_step=job.tokens_per_step,
         tokens_per_sample=job.data.tokens_per_sample, flops_per_token=job.flops_per_token,
         peak_flops_total=peak * env.world if peak else None, device=device,
     )  # fmt: skip
@@ -203,7 +203,7 @@ def _train(
         "precision": c.precision.dtype,
         "steps": c.train.steps,
         "global_batch": job.global_batch,
-        "tokens": c.train.steps * job.global_batch * job.data.tokens_per_sample,
+        "tokens": c.train.steps * job.tokens_per_step,
         **figures,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
