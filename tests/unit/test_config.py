@@ -221,7 +221,7 @@ def test_every_problem_is_one_line(tmp_path):
     cases = [
         {"overrides": ["noequals"]},
         {"overrides": ["optim.lrr=1", "foo.bar=1", "parallel.strategy=fdsp"]},
-        {"overrides": ["data.dataset=tokens", "checkpoint.enabled=true"]},
+        {"overrides": ["data.dataset=tokens", "checkpoint.interval=0"]},
         {"overrides": ['model.kwargs="not a table"', "optim.betas=[1]"]},
         {"path": broken},
         {"path": tmp_path / "absent.toml"},
@@ -267,7 +267,11 @@ RULES = [
         "parallel.replicate",
         {"parallel": {"replicate": 2, "strategy": "hsdp"}},
     ),
-    ({"checkpoint": {"enabled": True}}, "checkpoint.enabled", {"checkpoint": {"enabled": False}}),
+    (
+        {"train": {"nonfinite": "rollback"}, "checkpoint": {"enabled": False}},
+        "train.nonfinite",
+        {"train": {"nonfinite": "rollback"}, "checkpoint": {"enabled": True}},
+    ),
 ]
 
 

@@ -122,9 +122,10 @@ def check_consistency(cfg: JobConfig) -> list[str]:
             f"parallel.replicate = {cfg.parallel.replicate} applies to hsdp only; "
             f"parallel.strategy = '{cfg.parallel.strategy}': remove it or use 'hsdp'"
         )
-    if cfg.checkpoint.enabled:
+    if cfg.train.nonfinite == "rollback" and not cfg.checkpoint.enabled:
         problems.append(
-            "checkpoint.enabled = true: checkpoints are not in this release; remove the key"
+            "train.nonfinite = 'rollback' reloads the last checkpoint, but checkpoint.enabled = "
+            "false: enable checkpoints or choose 'skip' or 'stop'"
         )
     return problems
 
@@ -136,12 +137,13 @@ def dump_toml(cfg: JobConfig) -> str:
         out.append(f"\n[{section_name}]\n")
         for key, field in type(section).model_fields.items():
             value = getattr(section, key)
+            name = field.alias or key  # e.g. checkpoint.async (a Python keyword)
             if field.description:
                 out.append(f"# {field.description}\n")
             if value is None:
-                out.append(f"# {key} = (unset)\n")
+                out.append(f"# {name} = (unset)\n")
             else:
-                out.append(f"{key} = {toml_value(value)}\n")
+                out.append(f"{name} = {toml_value(value)}\n")
     return "".join(out)
 
 
@@ -206,4 +208,4 @@ def _allowed_keys(loc: list[str]) -> str:
         if field is None or not isinstance(field.annotation, type):
             return "see `trainwise train --print-config`"
         model = field.annotation  # type: ignore[assignment]
-    return ", ".join(model.model_fields)
+    return ", ".join(f.alias or name for name, f in model.model_fields.items())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Strategy = Literal["auto", "single", "ddp", "fsdp", "hsdp"]
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
@@ -72,6 +72,14 @@ class TrainConfig(Section):
     )
     eval_batches: int = Field(4, gt=0, description="Micro-batches per rank in one evaluation.")
     compile: bool = Field(False, description="torch.compile each block.")
+    nonfinite: Literal["skip", "rollback", "stop"] = Field(
+        "skip",
+        description="On a non-finite loss or gradient norm: skip the update (stop after "
+        "train.max_skips in a row), rollback to the last checkpoint, or stop.",
+    )
+    max_skips: int = Field(
+        10, ge=1, description="Non-finite steps in a row tolerated before the run stops."
+    )
 
 
 class OptimConfig(Section):
@@ -114,6 +122,12 @@ class ParallelConfig(Section):
     headroom: float = Field(
         0.2, ge=0.0, lt=1.0, description="auto: share of device memory kept free."
     )
+    timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        description="A collective that has not completed after this many seconds fails the "
+        "step (and the elastic agent restarts the group).",
+    )
 
 
 class PrecisionConfig(Section):
@@ -129,10 +143,54 @@ class PrecisionConfig(Section):
 
 
 class CheckpointConfig(Section):
-    """Reserved for the checkpoint release: sharded, atomic, verified checkpoints."""
+    """Sharded (torch.distributed.checkpoint), atomic, verified checkpoints and resume."""
 
-    enabled: bool = Field(
-        False, description="Not available yet: checkpointing arrives with the checkpoint release."
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    enabled: bool = Field(True, description="Write checkpoints during training.")
+    dir: str | None = Field(None, description="Checkpoint folder; default: <run_dir>/checkpoints.")
+    interval: int | Literal["auto"] = Field(
+        100,
+        description="Save every N steps, or 'auto': the Young/Daly optimum from the measured "
+        "save stall and cluster.mtbf_hours, recomputed as measurements come in.",
+    )
+
+    @field_validator("interval", mode="before")
+    @classmethod
+    def _steps_or_auto(cls, value: object) -> object:
+        if value == "auto" or (
+            isinstance(value, int) and not isinstance(value, bool) and value > 0
+        ):
+            return value
+        raise ValueError("must be a whole number of steps >= 1 or 'auto'")
+
+    every_minutes: float | None = Field(
+        None, gt=0.0, description="Also save when this many minutes passed since the last save."
+    )
+    save_final: bool = Field(True, description="Save after the last step (for export).")
+    keep_last: int = Field(
+        2, ge=1, description="Keep the newest N checkpoints; older ones are deleted after a save."
+    )
+    keep_every: int | None = Field(
+        None, gt=0, description="Also keep every checkpoint whose step is a multiple of N."
+    )
+    resume: str = Field(
+        "auto",
+        description="auto: from the newest valid checkpoint of the run, fresh when none ever "
+        "existed; never: start fresh; or the path of a checkpoint to start from.",
+    )
+    async_save: bool = Field(
+        False,
+        alias="async",
+        description="Save in the background (DCP async_save): the loop stalls only while the "
+        "state is copied to host memory; at most one save in flight.",
+    )
+    verify: Literal["full", "fast"] = Field(
+        "full",
+        description="On load: full = sizes and sha256 of every file; fast = sizes only.",
+    )
+    max_restarts: int = Field(
+        3, ge=0, description="Times torchrun's elastic agent restarts the workers after a failure."
     )
 
 
@@ -152,6 +210,13 @@ class ClusterConfig(Section):
     )
     master_port: int | None = Field(
         None, gt=0, lt=65536, description="Rendezvous port; default: a free one."
+    )
+    nodes: int = Field(1, gt=0, description="Machines in the job (for failure rates and plans).")
+    mtbf_hours: float = Field(
+        6000.0,
+        gt=0.0,
+        description="Mean time between failures of one node, in hours (Llama 3 saw 419 "
+        "interruptions in 54 days on 2,048 nodes: about 6,300 h per node).",
     )
 
 
