@@ -33,6 +33,7 @@ def record(step: int, **kw) -> StepRecord:
         compute_s=0.25,
         sync_s=None,
         optim_s=0.0625,
+        ckpt_s=0.0,
         tokens=1024 * step,
         tokens_per_s=1000.0,
         samples_per_s=15.625,
@@ -41,6 +42,7 @@ def record(step: int, **kw) -> StepRecord:
         mem_kind="rss_peak",
         elapsed_s=2.0 * step,
         time=1.7e9 + step,
+        attempt=0,
     )
     values.update(kw)
     return StepRecord(**values)
@@ -56,7 +58,7 @@ def test_record_fields_are_the_dataclass_fields():
 
 
 def test_record_fields_include_the_stages():
-    assert STAGES == ("data_s", "compute_s", "sync_s", "optim_s")
+    assert STAGES == ("data_s", "compute_s", "sync_s", "optim_s", "ckpt_s")
     for stage in STAGES:
         assert stage in RECORD_FIELDS
 

@@ -59,9 +59,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_process_group(env: DistEnv, backend: str, device: torch.device) -> None:
+def init_process_group(
+    env: DistEnv, backend: str, device: torch.device, timeout_s: float = 600.0
+) -> None:
     """Join the job's process group (a group of one when not launched, so that DDP and
-    FSDP can run in a single process)."""
+    FSDP can run in a single process). A collective not done after `timeout_s` raises."""
     if dist.is_initialized():
         return
     if not env.launched:
@@ -76,7 +78,7 @@ def init_process_group(env: DistEnv, backend: str, device: torch.device) -> None
         backend=backend,
         rank=env.rank,
         world_size=env.world,
-        timeout=timedelta(minutes=10),
+        timeout=timedelta(seconds=timeout_s),
         **kwargs,
     )
 

@@ -25,6 +25,7 @@ class StepResult:
     marks: Marks  # stage marks: data, compute, last (the syncing micro-batch), probe, optim
     probe: bool  # the step ran the probe pass
     end: float  # perf_counter when the step returned (host time)
+    finite: bool = True  # False: non-finite gradient norm, the update was skipped
 
     def spans(self) -> tuple[dict[str, float], float | None]:
         """Stage seconds (data, compute, optim) and, on a probe step, the exposed sync."""
@@ -67,10 +68,13 @@ class Stepper:
         self.grad_clip = grad_clip if grad_clip > 0 else math.inf
         self.device = device
         self.clock = StageClock(device)
+        self.poison = False
 
     def _forward_backward(self, x, y, sync: bool, scale: float) -> torch.Tensor:
         with set_gradient_sync(self.model, sync), self.autocast():
             loss = self.loss_fn(self.model(x), y) * scale
+            if self.poison:
+                loss = loss * float("nan")  # a fault injected by a test
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss.detach()
 
@@ -101,16 +105,20 @@ class Stepper:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
+        # The guard: the norm is global (identical on every rank), so every rank skips the
+        # same update. Reading it costs one host sync per step; fp16's scaler does its own.
+        finite = self.scaler is not None or bool(torch.isfinite(norm))
         if self.scaler:
+            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
             self.scaler.step(self.optimizer)
             self.scaler.update()
-        else:
+        elif finite:
+            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
             self.optimizer.step()
-        self.scheduler.step()
+        self.scheduler.step()  # a skipped step still moves the schedule: lr stays a function of step
         self.optimizer.zero_grad(set_to_none=True)
         clock.mark("optim")
-        return StepResult(total, norm, clock.take(), probe, time.perf_counter())
+        return StepResult(total, norm, clock.take(), probe, time.perf_counter(), finite)
 
 
 def mean_over_ranks(values: torch.Tensor) -> list[float]:

@@ -42,8 +42,12 @@ class Recorder:
         flops_per_token: float | None,
         peak_flops_total: float | None,
         device: torch.device,
+        start_step: int = 0,
+        attempt: int = 0,
     ):
         self.steps = steps
+        self.start_step = start_step
+        self.attempt = attempt
         self.cfg = cfg
         self.is_main = is_main
         self.probe_every = cfg.probe_every if distributed else 0
@@ -54,37 +58,46 @@ class Recorder:
         self.device = device
         self.sync_estimate: float | None = None if distributed else 0.0
         self._probes: list[float] = []
-        self._pending: list[tuple[int, StepResult, float, float | None]] = []
+        self._pending: list[tuple[int, StepResult, float, float | None, float]] = []
         self.totals = dict.fromkeys(("step_s", *STAGES), 0.0)  # steady steps only
         self.steady_steps = 0
         self.first_loss: float | None = None
         self.last_loss: float | None = None
         self.last_eval: float | None = None
         self.writer = (
-            MetricsWriter(run_dir, cfg.tensorboard, cfg.tensorboard_every) if is_main else None
+            MetricsWriter(run_dir, cfg.tensorboard, cfg.tensorboard_every, append=start_step > 0)
+            if is_main
+            else None
         )
         show = is_main and cfg.progress != "none"
         self.progress = Progress(steps, cfg.progress, cfg.print_every) if show else None
         self.start = time.perf_counter()
 
     def probe_now(self, step: int) -> bool:
-        return is_probe_step(step, self.probe_every)
+        return is_probe_step(step - self.start_step, self.probe_every)
 
-    def add(self, step: int, res: StepResult, lr: float, eval_loss: float | None = None) -> None:
+    def add(
+        self,
+        step: int,
+        res: StepResult,
+        lr: float,
+        eval_loss: float | None = None,
+        ckpt_s: float = 0.0,
+    ) -> None:
         """Keep a step; every `flush_every` steps, at evaluations and at the end, average the
         losses over ranks in one collective and write the records. Every rank calls this
         at the same steps."""
-        self._pending.append((step, res, lr, eval_loss))
+        self._pending.append((step, res, lr, eval_loss, ckpt_s))
         if step % self.cfg.flush_every == 0 or step == self.steps or eval_loss is not None:
             self.flush()
 
     def flush(self) -> None:
         if not self._pending:
             return
-        losses = mean_over_ranks(torch.stack([res.loss for _, res, _, _ in self._pending]))
+        losses = mean_over_ranks(torch.stack([pending[1].loss for pending in self._pending]))
         records = [
-            self._record(step, res, loss, lr, eval_loss)
-            for (step, res, lr, eval_loss), loss in zip(self._pending, losses, strict=True)
+            self._record(step, res, loss, lr, eval_loss, ckpt_s)
+            for (step, res, lr, eval_loss, ckpt_s), loss in zip(self._pending, losses, strict=True)
         ]
         self._pending.clear()
         if self.is_main:
@@ -94,7 +107,13 @@ class Recorder:
                     self.progress.update(rec)
 
     def _record(
-        self, step: int, res: StepResult, loss: float, lr: float, eval_loss: float | None
+        self,
+        step: int,
+        res: StepResult,
+        loss: float,
+        lr: float,
+        eval_loss: float | None,
+        ckpt_s: float,
     ) -> StepRecord:
         spans, probe_sync = res.spans()
         if probe_sync is not None:
@@ -107,15 +126,15 @@ class Recorder:
         else:
             sync = None if self.sync_estimate is None else min(self.sync_estimate, compute)
             compute -= sync or 0.0
-        step_s = data_s + compute + (sync or 0.0) + optim_s
+        step_s = data_s + compute + (sync or 0.0) + optim_s + ckpt_s
 
         self.first_loss = loss if self.first_loss is None else self.first_loss
         self.last_loss = loss
         if eval_loss is not None:
             self.last_eval = eval_loss
-        if step >= FIRST_PROBE_STEP or self.steps < FIRST_PROBE_STEP:
+        if step >= self.start_step + FIRST_PROBE_STEP or self.steps < FIRST_PROBE_STEP:
             self.steady_steps += 1
-            values = (step_s, data_s, compute, sync or 0.0, optim_s)
+            values = (step_s, data_s, compute, sync or 0.0, optim_s, ckpt_s)
             for key, value in zip(("step_s", *STAGES), values, strict=True):
                 self.totals[key] += value
         mem, kind = peak_memory(self.device)
@@ -124,10 +143,12 @@ class Recorder:
         return StepRecord(
             step=step, loss=loss, eval_loss=eval_loss, lr=lr, grad_norm=float(res.grad_norm),
             step_s=step_s, data_s=data_s, compute_s=compute, sync_s=sync, optim_s=optim_s,
+            ckpt_s=ckpt_s,
             tokens=step * self.tokens_per_step, tokens_per_s=tps,
             samples_per_s=tps / self.tokens_per_sample,
             mfu=mfu(tps, self.flops_per_token, self.peak) if use_mfu else None,
             mem_bytes=mem, mem_kind=kind, elapsed_s=res.end - self.start, time=time.time(),
+            attempt=self.attempt,
         )  # fmt: skip
 
     def finish(self) -> dict:

@@ -2,7 +2,7 @@
 writers (metrics.jsonl, TensorBoard, a progress bar or plain lines) on rank 0.
 
 The stages are the ones the planner and the report speak in: data wait, compute
-(forward + backward), exposed gradient sync, optimizer.
+(forward + backward), exposed gradient sync, optimizer, checkpoint stall.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-STAGES = ("data_s", "compute_s", "sync_s", "optim_s")
+STAGES = ("data_s", "compute_s", "sync_s", "optim_s", "ckpt_s")
 
 
 @dataclass
@@ -35,6 +35,7 @@ class StepRecord:
     compute_s: float  # forward + backward, less the exposed sync
     sync_s: float | None  # exposed gradient sync (from the latest probe); null before one
     optim_s: float  # clipping, optimizer and scheduler step
+    ckpt_s: float  # the loop blocked by a checkpoint save (staging only when async)
     tokens: int  # tokens processed so far, all ranks
     tokens_per_s: float
     samples_per_s: float
@@ -43,6 +44,7 @@ class StepRecord:
     mem_kind: str  # "cuda_peak" or "rss_peak"
     elapsed_s: float  # since the loop started
     time: float  # unix time
+    attempt: int  # elastic restart count: a resumed run repeats the steps since its checkpoint
 
 
 RECORD_FIELDS = tuple(f.name for f in fields(StepRecord))
@@ -104,9 +106,12 @@ class MetricsWriter:
     and thinned, because on a machine with a core per worker it still takes a core's time
     (bench/overhead.py measured 4 % at every step on 2 cores)."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool, tensorboard_every: int = 1):
+    def __init__(
+        self, run_dir: Path, tensorboard: bool, tensorboard_every: int = 1, append: bool = False
+    ):
         self.path = run_dir / "metrics.jsonl"
-        self._file = self.path.open("w")  # a new run starts a new record
+        # A resumed run continues the record; a fresh one starts a new one.
+        self._file = self.path.open("a" if append else "w")
         self._tb = None
         self._tb_every = tensorboard_every
         if tensorboard:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
+from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -18,9 +20,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainwise.config import JobConfig, dump_toml, load_config
 from trainwise.data import build_loader
-from trainwise.errors import ConfigError
+from trainwise.errors import ConfigError, TrainwiseError
 from trainwise.hardware import detect_device
 from trainwise.models import build_model
+from trainwise.run.checkpoint import Checkpointer, Resumed
+from trainwise.run.checkpoint_store import CheckpointError, config_hash
+from trainwise.run.control import Control
 from trainwise.run.distributed import (
     DistEnv,
     destroy_process_group,
@@ -28,12 +33,20 @@ from trainwise.run.distributed import (
     get_logger,
     init_process_group,
 )
+from trainwise.run.events import append_event, read_events, retry_cost
+from trainwise.run.faults import Faults
 from trainwise.run.job import Job, prepare_job
 from trainwise.run.loop import Stepper, evaluate
 from trainwise.run.optim import build_optimizer, build_scheduler
 from trainwise.run.parallelize import parallelize
 from trainwise.run.precision import autocast_context, build_grad_scaler
 from trainwise.run.recorder import Recorder
+
+MAX_ROLLBACKS = 3
+
+
+class GuardError(TrainwiseError):
+    """The non-finite guard stopped the run (policy stop, or too many skips/rollbacks)."""
 
 
 def default_run_dir(cfg: JobConfig, strategy: str) -> Path:
@@ -64,7 +77,7 @@ def train(cfg: JobConfig, run_dir: Path | None = None) -> dict[str, Any] | None:
         torch.cuda.set_device(device)
     job = prepare_job(cfg, env.world, info, env.local_world)
     if job.strategy != "single" or env.world > 1:
-        init_process_group(env, job.backend, device)
+        init_process_group(env, job.backend, device, cfg.parallel.timeout_s)
     run_dir = _agree_run_dir(env, cfg, job, run_dir)
     summary = _train(cfg, job, env, device, run_dir, log)
     # Only after success, and together: destroying the group while a peer is failing or
@@ -138,17 +151,6 @@ def _train(
         return autocast_context(job.strategy, c.precision.dtype, device)
 
     train_ds, val_ds = job.datasets
-    loader = build_loader(
-        train_ds,
-        micro_batch=c.data.micro_batch,
-        grad_accum=c.data.grad_accum,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        seed=c.train.seed,
-        num_steps=c.train.steps,
-        num_workers=c.data.num_workers,
-        pin_memory=c.data.pin_memory and device.type == "cuda",
-    )
     # Every rank evaluates the same number of distinct held-out samples; none repeats.
     eval_mb = min(c.data.micro_batch, max(1, len(val_ds) // (dp_size * c.train.eval_batches)))
     eval_steps = max(1, min(c.train.eval_batches, len(val_ds) // (dp_size * eval_mb)))
@@ -169,6 +171,40 @@ def _train(
         model, bundle.loss_fn, optimizer, scheduler, scaler, autocast,
         c.data.grad_accum, c.train.grad_clip, device,
     )  # fmt: skip
+    distributed = dist.is_initialized()
+    ckpt = Checkpointer(
+        c.checkpoint, root=checkpoint_root(c, run_dir), run_dir=run_dir, rank=env.rank,
+        world=env.world, is_main=env.is_main, device=device, model=model,
+        optimizer=optimizer, scheduler=scheduler, scaler=scaler, total_steps=c.train.steps,
+        meta={
+            "strategy": job.strategy, "dp_size": dp_size, "model": c.model.name,
+            "model_spec": asdict(job.model_spec), "config_hash": config_hash(dump_toml(c)),
+        },
+        mtbf_hours=c.cluster.mtbf_hours, nodes=c.cluster.nodes, log=log,
+    )  # fmt: skip
+    control = Control(distributed)
+    faults = Faults(env.rank, run_dir)
+    ckpt.before_commit = lambda step: faults.pause("pause_in_save", step)
+
+    # Resume: the newest valid checkpoint (or none), the same on every rank.
+    path, skipped = ckpt.find()
+    resumed = ckpt.load(path) if path else Resumed()
+    resumed.skipped = skipped
+    log.info("trainwise: %s", resumed.line())
+    if env.is_main and path:
+        append_event(
+            run_dir, "resume", attempt=faults.attempt, step=resumed.step, path=str(path),
+            rng=resumed.rng, skipped=skipped, from_world=resumed.trainer.get("world_size"),
+            from_strategy=resumed.trainer.get("strategy"),
+        )  # fmt: skip
+    data_state = {"global_batch": job.global_batch, "seed": c.train.seed}
+    if resumed.trainer.get("data", data_state) != data_state:
+        raise CheckpointError(
+            f"the checkpoint at {path} was written with data {resumed.trainer['data']} but this "
+            f"run has {data_state}; resume with the same global batch and seed, or set "
+            "checkpoint.resume = 'never'"
+        )
+
     peak = job.device.peak_flops(c.precision.dtype)
     recorder = Recorder(
         steps=c.train.steps, cfg=c.logging, is_main=env.is_main, run_dir=run_dir,
@@ -176,21 +212,91 @@ def _train(
         tokens_per_step=job.tokens_per_step,
         tokens_per_sample=job.data.tokens_per_sample, flops_per_token=job.flops_per_token,
         peak_flops_total=peak * env.world if peak else None, device=device,
+        start_step=resumed.step, attempt=faults.attempt,
     )  # fmt: skip
 
-    batches = iter(loader)
-    for step in range(1, c.train.steps + 1):
-        every = c.train.eval_every
-        is_eval = every > 0 and (step % every == 0 or step == c.train.steps)
-        res = stepper.step(batches, probe=recorder.probe_now(step))
-        lr = scheduler.get_last_lr()[0]
-        eval_loss = None
-        if is_eval:
-            eval_loss = evaluate(model, bundle.loss_fn, eval_batches(), autocast, device)
-        recorder.add(step, res, lr, eval_loss)
+    def batches_from(step: int):
+        # The sampler's stream depends on (seed, global batch, step) only: the same samples
+        # follow step `step` whatever the number of ranks (resharding skips and repeats none).
+        return iter(
+            build_loader(
+                train_ds, micro_batch=c.data.micro_batch, grad_accum=c.data.grad_accum,
+                dp_rank=dp_rank, dp_size=dp_size, seed=c.train.seed, start_step=step,
+                num_steps=c.train.steps - step, num_workers=c.data.num_workers,
+                pin_memory=c.data.pin_memory and device.type == "cuda",
+            )
+        )  # fmt: skip
+
+    step = resumed.step
+    batches = batches_from(step)
+    skips_in_a_row = 0
+    rollbacks = 0
+    preempted = None
+    if env.is_main:
+        append_event(run_dir, "ready", attempt=faults.attempt, step=step, world=env.world)
+    control.install()
+    try:
+        while step < c.train.steps:
+            step += 1
+            faults.hang(step)
+            stepper.poison = faults.nan(step)
+            res = stepper.step(batches, probe=recorder.probe_now(step))
+            if not res.finite:
+                policy = c.train.nonfinite
+                skips_in_a_row += 1
+                if env.is_main:
+                    append_event(run_dir, "nonfinite", step=step, policy=policy)
+                log.warning(
+                    "trainwise: step %d: non-finite loss or gradient norm (%s)", step, policy
+                )
+                if policy == "stop" or skips_in_a_row > c.train.max_skips:
+                    raise GuardError(
+                        f"step {step}: non-finite loss or gradient norm"
+                        + (f" {skips_in_a_row} steps in a row" if policy != "stop" else "")
+                        + f" (train.nonfinite = '{policy}'): lower optim.lr, raise "
+                        "train.grad_clip or check the data; the last checkpoint is intact"
+                    )
+                if policy == "rollback":
+                    step, batches = _rollback(ckpt, step, rollbacks, log), None
+                    rollbacks += 1
+                    batches = batches_from(step)
+                    if env.is_main:
+                        append_event(run_dir, "rollback", to_step=step)
+                    continue
+            else:
+                skips_in_a_row = 0
+            lr = scheduler.get_last_lr()[0]
+            every = c.train.eval_every
+            eval_loss = None
+            if every > 0 and (step % every == 0 or step == c.train.steps):
+                eval_loss = evaluate(model, bundle.loss_fn, eval_batches(), autocast, device)
+            if env.is_main and ckpt.wanted(step):
+                control.request_save()
+            stop, save_now = control.exchange()
+            stall = 0.0
+            if stop or save_now or ckpt.due(step):
+                tokens = step * job.tokens_per_step
+                stall = ckpt.save(
+                    step, tokens, time.time(), data_state, sync=stop
+                ) if ckpt.cfg.enabled or stop else 0.0  # fmt: skip
+            recorder.add(step, res, lr, eval_loss, ckpt_s=stall)
+            faults.pause("pause", step)
+            if stop:
+                preempted = control.signal_name or "signal"
+                break
+        ckpt.close()
+    finally:
+        control.close()
     figures = recorder.finish()
+    if preempted:
+        log.info("trainwise: preempted (%s) after step %d; checkpoint saved", preempted, step)
+        if env.is_main:
+            append_event(run_dir, "preempted", step=step, signal=preempted)
+    elif env.is_main:
+        append_event(run_dir, "finish", step=step)
     if not env.is_main:
         return None
+    cost = retry_cost(read_events(run_dir), env.world)
     summary = {
         "run_dir": str(run_dir),
         "model": c.model.name,
@@ -202,12 +308,40 @@ def _train(
         "device": job.device.name,
         "precision": c.precision.dtype,
         "steps": c.train.steps,
+        "last_step": step,
+        "preempted": preempted,
+        "resumed_from": resumed.step if path else None,
+        "resume": resumed.line(),
         "global_batch": job.global_batch,
-        "tokens": c.train.steps * job.tokens_per_step,
+        "tokens": step * job.tokens_per_step,
+        "retry_cost": asdict(cost),
+        "retry_line": cost.summary_line(),
         **figures,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _rollback(ckpt: Checkpointer, step: int, rollbacks: int, log: logging.Logger) -> int:
+    """Reload the newest valid checkpoint in place; returns the step to continue from."""
+    if rollbacks >= MAX_ROLLBACKS:
+        raise GuardError(
+            f"step {step}: still non-finite after {rollbacks} rollbacks: the fault repeats from "
+            "the checkpoint; lower optim.lr or check the data"
+        )
+    path, _ = ckpt.find()
+    if path is None:
+        raise GuardError(
+            f"step {step}: non-finite loss and no checkpoint to roll back to: save earlier "
+            "(checkpoint.interval) or use train.nonfinite = 'skip'"
+        )
+    resumed = ckpt.load(path)
+    log.warning("trainwise: step %d: rolled back to step %d (%s)", step, resumed.step, path)
+    return resumed.step
+
+
+def checkpoint_root(cfg: JobConfig, run_dir: Path) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
 
 
 @record

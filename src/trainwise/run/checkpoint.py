@@ -1,0 +1,396 @@
+"""Saving and loading a run's full training state with torch.distributed.checkpoint (DCP).
+
+A checkpoint holds the model and optimizer (sharded as they live: DCP writes each rank's
+shards and reshards on load), the trainer's progress (step, tokens, LR schedule, loss
+scaler, data position) in trainer.json, and every rank's RNG states under rng/. It is
+written into `step-XXXXXXXX.tmp/` and committed by rank 0 (manifest last, then rename):
+see checkpoint_store. Checkpoint I/O runs on its own gloo process group, so a background
+save never interleaves with the training collectives of the default group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from trainwise import __version__
+from trainwise.config.schema import CheckpointConfig
+from trainwise.plan.reliability import interval_steps
+from trainwise.run import checkpoint_store as store
+from trainwise.run.checkpoint_store import CheckpointError
+from trainwise.run.events import append_event
+
+TRAINER_FILE = "trainer.json"
+RNG_DIR = "rng"
+AUTO_FIRST_SAVE = 10  # interval = "auto": the first save (to measure the stall) at this step
+
+
+def rng_file(rank: int) -> str:
+    return f"{RNG_DIR}/rank-{rank:05d}.pt"
+
+
+def capture_rng(device: torch.device) -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+
+
+def restore_rng(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+@dataclass
+class Resumed:
+    """Where a run continues from."""
+
+    step: int = 0
+    tokens: int = 0
+    path: Path | None = None
+    skipped: list[str] = field(default_factory=list)  # "<dir>: <problem>" per invalid one
+    rng: str = "restored"  # restored | reseeded (another world size) | fresh
+    trainer: dict[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        """The first line of a resumed (or fresh) run."""
+        skipped = (
+            f"; skipped {len(self.skipped)} invalid: " + "; ".join(self.skipped)
+            if self.skipped
+            else ""
+        )
+        if self.path is None:
+            return "starting fresh (no checkpoint to resume from)" + skipped
+        return (
+            f"resuming from step {self.step} ({self.path}, written by "
+            f"{self.trainer.get('world_size')} x {self.trainer.get('strategy')}; RNG "
+            f"{self.rng}){skipped}"
+        )
+
+
+@dataclass
+class _InFlight:
+    step: int
+    future: Future
+    thread: threading.Thread | None
+    error: BaseException | None = None
+
+
+class Checkpointer:
+    """Saves on the configured interval and resumes a run; one per worker, same calls on
+    every rank."""
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        *,
+        root: Path,
+        run_dir: Path,
+        rank: int,
+        world: int,
+        is_main: bool,
+        device: torch.device,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        scaler: Any,
+        total_steps: int,
+        meta: dict[str, Any],
+        mtbf_hours: float,
+        nodes: int,
+        log: logging.Logger,
+    ):
+        self.cfg = cfg
+        self.root = root
+        self.run_dir = run_dir
+        self.rank = rank
+        self.world = world
+        self.is_main = is_main
+        self.device = device
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.total_steps = total_steps
+        self.meta = meta  # strategy, dp_size, model_spec, config_hash, data state shape
+        self.mtbf_hours = mtbf_hours
+        self.nodes = nodes
+        self.log = log
+        # DCP's own group: an async save's collectives run in a thread and must not share
+        # a group with training collectives (gloo matches operations by order).
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.inflight: _InFlight | None = None
+        self.last_save_step = 0
+        self.last_save_time = time.monotonic()
+        self.stalls: list[float] = []
+        self.auto_every: int | None = None
+        self.before_commit: Any = None  # a test's fault injection point: f(step)
+        self._last_tick: float | None = None
+        self._step_s: list[float] = []
+
+    # -- schedule ---------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether `step` is a save step by the step-based rules (the same on every rank).
+        Time-based rules are decided by rank 0 and agreed through the run's control flags."""
+        if not self.cfg.enabled or step == self.last_save_step:
+            return False
+        if step == self.total_steps and self.cfg.save_final:
+            return True
+        if self.cfg.interval == "auto":  # later auto saves come from rank 0's wanted()
+            # The first save (fresh or resumed) measures the stall.
+            return not self.stalls and step - self.last_save_step == AUTO_FIRST_SAVE
+        return step % self.cfg.interval == 0
+
+    def wanted(self, step: int) -> bool:
+        """Rank 0's clock-based wish to save after `step` (every_minutes, or the auto
+        interval once a stall is measured). Clocks differ between ranks, so the wish is
+        agreed through the control flags, never acted on directly."""
+        now = time.monotonic()
+        if self._last_tick is not None and step != self.last_save_step + 1:
+            self._step_s = (self._step_s + [now - self._last_tick])[-50:]
+        self._last_tick = now
+        if not self.cfg.enabled:
+            return False
+        minutes = self.cfg.every_minutes
+        if minutes and now - self.last_save_time >= minutes * 60:
+            return True
+        if self.cfg.interval == "auto" and self.stalls and self._step_s:
+            self._update_auto_interval(float(np.median(self._step_s)))
+            return self.auto_every is not None and step - self.last_save_step >= self.auto_every
+        return False
+
+    def _update_auto_interval(self, step_s: float) -> None:
+        """Young/Daly: the interval that minimises expected loss, from the measured stall
+        (median of the saves so far) and the cluster's failure rate."""
+        stall = max(float(np.median(self.stalls)), 1e-6)
+        every = interval_steps(stall, step_s, self.mtbf_hours, self.nodes, self.total_steps)
+        if every != self.auto_every:
+            self.log.info(
+                "trainwise: checkpoint interval auto = %d steps (save stall %.3f s, step %.3f s,"
+                " MTBF %.0f h per node x %d nodes)",
+                every, stall, step_s, self.mtbf_hours, self.nodes,
+            )  # fmt: skip
+        self.auto_every = every
+
+    # -- save -------------------------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def _trainer_state(self, step: int, tokens: int, data_state: dict[str, Any]) -> dict:
+        return {
+            "step": step,
+            "tokens": tokens,
+            "world_size": self.world,
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "data": data_state,
+            **self.meta,
+        }
+
+    def save(
+        self, step: int, tokens: int, step_time: float, data_state: dict, *, sync: bool = False
+    ) -> float:
+        """Write a checkpoint of the state after `step`; returns the loop's stall in seconds.
+        Async (unless `sync`): returns once the state is staged in host memory; the write
+        and the commit finish in the background. At most one save is in flight."""
+        t0 = time.perf_counter()
+        self.wait()  # at most one in flight: the previous one must be committed first
+        tmp = store.tmp_dir(self.root, step)
+        try:
+            tmp.joinpath(RNG_DIR).mkdir(parents=True, exist_ok=True)
+            torch.save(capture_rng(self.device), tmp / rng_file(self.rank))
+            if self.is_main:
+                trainer = self._trainer_state(step, tokens, data_state)
+                (tmp / TRAINER_FILE).write_text(json.dumps(trainer, indent=1) + "\n")
+            state = self._state()
+            use_async = self.cfg.async_save and not sync
+            if use_async:
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+            else:
+                dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
+        except Exception as err:  # noqa: BLE001 - every rank gets DCP's error; report one line
+            raise _save_error(step, tmp, err) from None
+        stall = time.perf_counter() - t0
+        self.stalls.append(stall)
+        self.last_save_step = step
+        self.last_save_time = time.monotonic()
+        info = {"step": step, "tokens": tokens, "step_time": step_time, "stall_s": stall}
+        if self.before_commit is not None:
+            self.before_commit(step)
+        if not use_async:
+            if self.is_main:
+                self._commit(info, t0, async_save=False)
+            return time.perf_counter() - t0
+        flight = _InFlight(step, future, None)
+        if self.is_main:
+            flight.thread = threading.Thread(
+                target=self._finish_async, args=(flight, info, t0), daemon=True
+            )
+            flight.thread.start()
+        self.inflight = flight
+        return stall
+
+    def _finish_async(self, flight: _InFlight, info: dict, t0: float) -> None:
+        try:
+            flight.future.result()
+            self._commit(info, t0, async_save=True)
+        except BaseException as err:  # noqa: BLE001 - reported by wait() on the loop's thread
+            flight.error = err
+
+    def _commit(self, info: dict, t0: float, async_save: bool) -> None:
+        step = info["step"]
+        final = store.final_dir(self.root, step)
+        if final.exists():  # left by an abandoned line of this run (resume = "never")
+            shutil.rmtree(final)
+        fields = {
+            **info,
+            "world_size": self.world,
+            "dp_size": self.meta["dp_size"],
+            "strategy": self.meta["strategy"],
+            "config_hash": self.meta["config_hash"],
+            "trainwise_version": __version__,
+            "torch_version": torch.__version__,
+            "created": time.time(),
+            "async_save": async_save,
+        }
+        fields["save_s"] = time.perf_counter() - t0
+        manifest = store.commit(store.tmp_dir(self.root, step), final, fields)
+        deleted = store.apply_retention(self.root, self.cfg.keep_last, self.cfg.keep_every)
+        append_event(
+            self.run_dir, "checkpoint", step=step, step_time=info["step_time"],
+            stall_s=info["stall_s"], save_s=manifest.save_s, bytes=manifest.total_bytes,
+            path=str(final), async_save=async_save, deleted=[p.name for p in deleted],
+        )  # fmt: skip
+
+    def wait(self) -> None:
+        """Finish the save in flight (if any); a failed background save raises here and
+        never leaves a checkpoint that looks valid."""
+        flight, self.inflight = self.inflight, None
+        if flight is None:
+            return
+        try:
+            flight.future.result()
+        except Exception as err:  # noqa: BLE001
+            raise _save_error(flight.step, store.tmp_dir(self.root, flight.step), err) from None
+        if flight.thread is not None:
+            flight.thread.join()
+            if flight.error is not None:
+                err = flight.error
+                raise _save_error(flight.step, store.tmp_dir(self.root, flight.step), err)
+
+    # -- load -------------------------------------------------------------------------
+
+    def find(self) -> tuple[Path | None, list[str]]:
+        """Rank 0 picks the checkpoint to resume from (cleaning interrupted saves first);
+        every rank gets the same answer."""
+        box: list[Any] = [None, [], None]
+        if self.is_main:
+            try:
+                box = [*self._find_on_main(), None]
+            except CheckpointError as err:
+                box = [None, [], str(err)]
+        if dist.is_initialized():
+            dist.broadcast_object_list(box, src=0)
+        path, skipped, error = box
+        if error:
+            raise CheckpointError(error)
+        return (Path(path) if path else None), skipped
+
+    def _find_on_main(self) -> tuple[str | None, list[str]]:
+        resume = self.cfg.resume
+        if resume == "never":
+            return None, []
+        if resume != "auto":
+            path = Path(resume)
+            problems = store.verify(path, self.cfg.verify)
+            if problems:
+                raise CheckpointError(
+                    f"checkpoint.resume = '{resume}' is not a valid checkpoint ({problems[0]}); "
+                    "choose another with `trainwise checkpoints RUN`"
+                )
+            return str(path), []
+        removed = store.clean_incomplete(self.root)
+        for path in removed:
+            self.log.warning("trainwise: removed an interrupted save: %s", path)
+        best, skipped = store.find_latest_valid(self.root, self.cfg.verify)
+        notes = [f"{info.path.name}: {info.problems[0]}" for info in skipped]
+        for info in skipped:
+            append_event(
+                self.run_dir, "checkpoint_skipped", path=str(info.path), problems=info.problems
+            )
+            self.log.warning(
+                "trainwise: checkpoint %s is invalid and skipped: %s",
+                info.path,
+                "; ".join(info.problems),
+            )
+        if best is None and skipped:
+            raise CheckpointError(
+                f"no valid checkpoint in {self.root}: {len(skipped)} found, all invalid "
+                f"({notes[0]}); set checkpoint.resume = 'never' to start over"
+            )
+        return (str(best.path) if best else None), notes
+
+    def load(self, path: Path) -> Resumed:
+        """Load model, optimizer and trainer state from `path` into this rank, resharding
+        to the current strategy and world size."""
+        trainer = json.loads((path / TRAINER_FILE).read_text())
+        state = self._state()
+        dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        self.scheduler.load_state_dict(trainer["scheduler"])
+        if self.scaler is not None and trainer.get("scaler"):
+            self.scaler.load_state_dict(trainer["scaler"])
+        rng = "reseeded"
+        rng_path = path / rng_file(self.rank)
+        if trainer.get("world_size") == self.world and rng_path.exists():
+            restore_rng(torch.load(rng_path, weights_only=False), self.device)
+            rng = "restored"
+        self.last_save_step = trainer["step"]
+        return Resumed(trainer["step"], trainer["tokens"], path, [], rng, trainer)
+
+    def close(self) -> None:
+        self.wait()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
+
+def _save_error(step: int, tmp: Path, err: BaseException) -> CheckpointError:
+    """One line for a failed save; disk-full named as such. The partial directory is left
+    for the next start to clean; the previous checkpoint is untouched."""
+    text = str(err).strip().splitlines()
+    reason = text[-1] if text else type(err).__name__
+    if "No space left" in str(err) or "ENOSPC" in str(err) or "errno 28" in str(err).lower():
+        reason = "no space left on the device"
+    return CheckpointError(
+        f"checkpoint of step {step} could not be written to {tmp.parent} ({reason}); the "
+        "previous checkpoint is intact: free space or set checkpoint.dir, then run again "
+        "to resume"
+    )

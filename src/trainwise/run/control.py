@@ -1,0 +1,90 @@
+"""Decisions every rank must take at the same step: stop for preemption, save now.
+
+Slurm and Kubernetes send SIGTERM (or SIGUSR1 with `--signal`) before they kill a job. The
+first signal asks the run to finish its step, save and exit 0; a second one exits at once.
+A signal reaches the ranks at slightly different moments, and time-based save decisions
+are taken on rank 0's clock, so the flags are agreed with a MAX all-reduce on a gloo group
+of their own: issued after each step, waited for after the next one, so it overlaps a
+whole step and adds no synchronisation to the loop. Every rank acts on the same step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP, SAVE = 0, 1
+
+
+class Control:
+    def __init__(self, distributed: bool):
+        self.group = dist.new_group(backend="gloo") if distributed else None
+        self.signal: int | None = None
+        self._local = torch.zeros(2, dtype=torch.int32)
+        self._pending: tuple[object, torch.Tensor] | None = None
+        self._previous: dict[int, object] = {}
+
+    # -- signals ----------------------------------------------------------------------
+
+    def install(self) -> None:
+        for sig in PREEMPT_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.signal is not None:
+            # Second signal: no more grace. The last committed checkpoint stays valid.
+            print(f"trainwise: second {signal.Signals(signum).name}: exiting now", file=sys.stderr)
+            os._exit(128 + signum)
+        self.signal = signum
+        self._local[STOP] = 1
+
+    @property
+    def signal_name(self) -> str | None:
+        return signal.Signals(self.signal).name if self.signal else None
+
+    # -- agreement --------------------------------------------------------------------
+
+    def request_save(self) -> None:
+        self._local[SAVE] = 1
+
+    def exchange(self) -> tuple[bool, bool]:
+        """Call once after every step on every rank: returns (stop, save) as agreed for
+        this step (from the exchange issued after the previous step) and issues the next
+        exchange. Without a process group the local flags apply at once."""
+        if self.group is None:
+            stop, save = bool(self._local[STOP]), bool(self._local[SAVE])
+            self._local[SAVE] = 0
+            return stop, save
+        agreed = (False, False)
+        if self._pending is not None:
+            work, flags = self._pending
+            work.wait()
+            agreed = (bool(flags[STOP]), bool(flags[SAVE]))
+        flags = self._local.clone()
+        self._local[SAVE] = 0
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._pending = (work, flags)
+        return agreed
+
+    def drain(self) -> None:
+        """Wait for the exchange in flight (before the group goes away)."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
+    def close(self) -> None:
+        self.drain()
+        self.uninstall()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None

@@ -1,0 +1,224 @@
+"""The fault and event log of a run: ``runs/<name>/events.jsonl``.
+
+One JSON object per line, ``{"time": <unix seconds>, "kind": <one of KINDS>, ...fields}``.
+The launcher and rank 0 both append to it, so each line goes out in one ``os.write`` on a
+descriptor opened with ``O_APPEND``: the kernel places every such write at the end of the
+file atomically with respect to other appenders, so small lines never interleave. A process
+killed mid-write can leave a truncated last line; ``read_events`` skips it.
+
+Fields per kind, as the runtime writes them:
+
+- ``start``: the launcher began the run.
+- ``ready`` {attempt, step}: workers are about to train (built, any checkpoint loaded);
+  ``step`` is the step the run continues from (0 when fresh). One per attempt, from rank 0.
+- ``resume`` {step, path}: a checkpoint was loaded.
+- ``failure`` {rank, exit_code, signal, pid}: the launcher saw a worker die (``signal`` is a
+  name or null). One incident can log several (one per rank).
+- ``checkpoint`` {step, step_time, stall_s, save_s, bytes, path, async}: a committed
+  checkpoint; ``step_time`` is when that step finished training (the state it holds).
+- ``checkpoint_failed`` / ``checkpoint_skipped``: a save that did not commit, or was not tried.
+- ``preempted`` {step, signal}: a planned stop after a synchronous checkpoint (not a failure).
+- ``nonfinite`` / ``rollback``: a non-finite loss, and the rollback to a checkpoint it caused.
+- ``finish``: the run ended normally.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+EVENTS_FILE = "events.jsonl"
+KINDS = (
+    "start",
+    "ready",
+    "resume",
+    "failure",
+    "checkpoint",
+    "checkpoint_failed",
+    "checkpoint_skipped",
+    "preempted",
+    "nonfinite",
+    "rollback",
+    "finish",
+)
+
+
+def append_event(run_dir: Path, kind: str, **fields: Any) -> dict[str, Any]:
+    """Append one event to ``run_dir/events.jsonl`` and return it as written.
+
+    ``time`` is ``time.time()`` unless ``fields`` gives one. An unknown ``kind`` raises
+    ValueError. The line is written with a single ``os.write`` on an ``O_APPEND`` descriptor,
+    so lines from several processes never interleave. ``run_dir`` is created if missing.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown event kind {kind!r}; expected one of {', '.join(KINDS)}")
+    t = fields.pop("time", None)
+    event: dict[str, Any] = {"time": time.time() if t is None else t, "kind": kind, **fields}
+    data = (json.dumps(event, default=str) + "\n").encode("utf-8")
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / EVENTS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        written = os.write(fd, data)
+        if written < len(data):  # not expected for a regular file; finish rather than lose it
+            os.write(fd, data[written:])
+    finally:
+        os.close(fd)
+    return event
+
+
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    """Every event of ``run_dir/events.jsonl`` in file order; ``[]`` when there is no file.
+    A line that is not a JSON object (truncated by a crash mid-write, or garbled) is skipped."""
+    path = Path(run_dir) / EVENTS_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    events: list[dict[str, Any]] = []
+    for line in raw.decode("utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            events.append(obj)
+    return events
+
+
+@dataclass
+class RetryCost:
+    """What failures cost a run, from its event log.
+
+    failures: incidents (a death of one or more ranks, and the restart it caused).
+    downtime_s: seconds from each failure until training resumed (restart, rendezvous,
+        rebuilding, loading the checkpoint).
+    recomputed_s: seconds of training lost because they came after the last checkpoint, and
+        so had to be done again.
+    total_s: downtime_s + recomputed_s.
+    gpu_hours: total_s times the number of GPUs, in hours.
+    """
+
+    failures: int
+    downtime_s: float
+    recomputed_s: float
+    total_s: float
+    gpu_hours: float
+
+    def summary_line(self) -> str:
+        """One line for a report, e.g. ``2 failures cost 41.2 s (12.0 s restarting, 29.2 s
+        recomputing) = 0.0229 GPU-h``."""
+        noun = "failure" if self.failures == 1 else "failures"
+        return (
+            f"{self.failures} {noun} cost {self.total_s:.1f} s "
+            f"({self.downtime_s:.1f} s restarting, {self.recomputed_s:.1f} s recomputing) "
+            f"= {self.gpu_hours:.4f} GPU-h"
+        )
+
+
+def _time(event: dict[str, Any]) -> float | None:
+    t = event.get("time")
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        return None
+    return float(t)
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def retry_cost(events: list[dict[str, Any]], gpus: int) -> RetryCost:
+    """Downtime and recomputation that failures cost, from a run's events (any order).
+
+    Events are sorted by time and split into windows at each ``ready``; the failures in one
+    window are one incident, at F = the earliest of them (several ranks dying together, or a
+    second death during the restart, count once). For each incident:
+
+    - recomputed = F − max(the window's ready time, the newest ``step_time`` of a
+      ``checkpoint`` committed at or before F whose step_time is at or after that ready time):
+      the work since the last checkpoint of that attempt, which is redone.
+    - downtime = the next ``ready`` time − F; 0 when there is none (the run died for good).
+
+    A window with no failure event that is followed by a ``ready`` of a higher attempt (the
+    launcher died before it could log, say) is an incident too, at F = its last event: its
+    recomputed time is then an underestimate (work after the last logged event counts as
+    downtime instead; their sum is right). ``preempted`` and ``finish`` are planned stops:
+    failures logged after one in the same window are part of that stop, and a restart after
+    one costs nothing here. Failures before the first ``ready`` (an attempt that died while building) cost
+    downtime only, since no step had trained.
+    """
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be an integer >= 1, got {gpus!r}")
+    timed = [(t, e) for e in events if (t := _time(e)) is not None]
+    timed.sort(key=lambda te: te[0])  # stable: ties keep their log order
+    ready_idx = [i for i, (_, e) in enumerate(timed) if e.get("kind") == "ready"]
+    checkpoints = [
+        (t, st)
+        for t, e in timed
+        if e.get("kind") == "checkpoint" and (st := _num(e.get("step_time"))) is not None
+    ]
+
+    # Windows: [start of log, first ready), then [ready_k, ready_k+1), ..., [last ready, end).
+    bounds = [0, *ready_idx, len(timed)]
+    incidents = 0
+    downtime = 0.0
+    recomputed = 0.0
+    for w in range(len(bounds) - 1):
+        lo, hi = bounds[w], bounds[w + 1]
+        if lo == hi:
+            continue
+        window = timed[lo:hi]
+        ready_t: float | None = None
+        attempt: float | None = None
+        if window[0][1].get("kind") == "ready":
+            ready_t = window[0][0]
+            attempt = _num(window[0][1].get("attempt"))
+        next_ready = timed[hi] if hi < len(timed) else None
+
+        fail_times: list[float] = []
+        stopped = False  # a planned stop ("preempted" or "finish") came first
+        for t, e in window:
+            kind = e.get("kind")
+            if kind in ("preempted", "finish"):
+                stopped = True
+            elif kind == "failure" and not stopped:
+                fail_times.append(t)
+
+        if fail_times:
+            f = fail_times[0]
+        elif (
+            not stopped
+            and ready_t is not None
+            and next_ready is not None
+            and attempt is not None
+            and (next_attempt := _num(next_ready[1].get("attempt"))) is not None
+            and next_attempt > attempt
+        ):
+            f = window[-1][0]  # an unlogged failure: the last sign of life (underestimate)
+        else:
+            continue
+
+        incidents += 1
+        if ready_t is not None:
+            saved = [st for ct, st in checkpoints if ct <= f and st >= ready_t]
+            base = max([ready_t, *saved])
+            recomputed += max(0.0, f - base)
+        if next_ready is not None:
+            downtime += max(0.0, next_ready[0] - f)
+
+    total = downtime + recomputed
+    return RetryCost(
+        failures=incidents,
+        downtime_s=downtime,
+        recomputed_s=recomputed,
+        total_s=total,
+        gpu_hours=total * gpus / 3600.0,
+    )

@@ -1,0 +1,86 @@
+"""Fault injection points for tests: the real failure comes from outside (the test sends
+SIGKILL to a pid, fills a disk, flips bytes); these points only make *when* deterministic.
+
+`TRAINWISE_FAULTS` holds `;`-separated faults `KIND@key=value,...`:
+- `pause@step=N,rank=R`: after step N, rank R writes `RUN_DIR/faults/pause-step-N.pid` and
+  waits to be killed (or until `seconds`, default forever).
+- `pause_in_save@step=N,rank=R`: the same, inside the save of step N, after this rank's
+  shards are written and before the commit.
+- `nan@step=N`: the loss of step N is multiplied by NaN on every rank.
+- `hang@step=N,rank=R,seconds=S`: rank R sleeps S seconds before step N's collectives.
+Each fires on the first attempt only (TORCHELASTIC_RESTART_COUNT = 0) unless `always=1`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV = "TRAINWISE_FAULTS"
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int | None = None
+    seconds: float | None = None
+    always: bool = False
+
+
+def parse_faults(text: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        kind, _, args = item.partition("@")
+        values = dict(pair.split("=", 1) for pair in args.split(",") if pair)
+        faults.append(
+            Fault(
+                kind=kind,
+                step=int(values["step"]),
+                rank=int(values["rank"]) if "rank" in values else None,
+                seconds=float(values["seconds"]) if "seconds" in values else None,
+                always=values.get("always") == "1",
+            )
+        )
+    return faults
+
+
+class Faults:
+    def __init__(self, rank: int, run_dir: Path, environ: dict[str, str] | None = None):
+        env = os.environ if environ is None else environ
+        self.rank = rank
+        self.run_dir = run_dir
+        self.attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.faults = parse_faults(env.get(ENV, ""))
+
+    def fires(self, kind: str, step: int) -> Fault | None:
+        for f in self.faults:
+            mine = f.kind == kind and f.step == step and f.rank in (None, self.rank)
+            if mine and (f.always or self.attempt == 0):
+                return f
+        return None
+
+    def pause(self, kind: str, step: int) -> None:
+        """Announce this process's pid and wait (for the test's SIGKILL)."""
+        fault = self.fires(kind, step)
+        if fault is None:
+            return
+        folder = self.run_dir / "faults"
+        folder.mkdir(parents=True, exist_ok=True)
+        marker = folder / f"{kind}-step-{step}.pid"
+        part = marker.with_suffix(".part")
+        part.write_text(str(os.getpid()))
+        part.rename(marker)  # the test sees the whole pid or nothing
+        deadline = time.monotonic() + (fault.seconds if fault.seconds is not None else 1e9)
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def hang(self, step: int) -> None:
+        fault = self.fires("hang", step)
+        if fault is not None:
+            time.sleep(fault.seconds or 0.0)
+
+    def nan(self, step: int) -> bool:
+        return self.fires("nan", step) is not None
