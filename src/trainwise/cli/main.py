@@ -7,10 +7,10 @@ import argparse
 import sys
 
 from trainwise import __version__
-from trainwise.cli import train
+from trainwise.cli import checkpoints, export, train
 from trainwise.errors import ConfigError, TrainwiseError
 
-COMMANDS = (train,)
+COMMANDS = (train, checkpoints, export)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Imported here so that --print-config and config errors stay instant.
     from trainwise.run.job import prepare_job, resolve_nproc
-    from trainwise.run.launch import launch_workers
+    from trainwise.run.launch import Preempted, launch_workers
     from trainwise.run.worker import default_run_dir, train, write_run_files
 
     if dist_env_from().launched:
@@ -84,10 +84,14 @@ def run(args: argparse.Namespace) -> int:
         Path(cfg.logging.run_dir) if cfg.logging.run_dir else default_run_dir(cfg, job.strategy)
     )
     write_run_files(run_dir, cfg, job)
-    if nproc == 1:
-        train(cfg, run_dir)
-    else:
-        launch_workers(run_dir, nproc, cfg.cluster.master_port)
+    try:
+        if nproc == 1:
+            train(cfg, run_dir)
+        else:
+            launch_workers(run_dir, nproc, cfg.cluster.master_port, cfg.checkpoint.max_restarts)
+    except Preempted as stop:
+        print(f"trainwise: {stop}")
+        return 0
     summary = json.loads((run_dir / "summary.json").read_text())
     print(render_summary(summary))
     return 0

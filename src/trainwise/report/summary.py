@@ -14,7 +14,9 @@ def render_summary(s: dict[str, Any]) -> str:
             ("compute", "compute"),
             ("exposed sync", "sync"),
             ("optimizer", "optim"),
+            ("checkpoint", "ckpt"),
         )
+        if key in shares
     )
     if s["world"] > 1 and not s.get("sync_measured"):
         stages += "  (sync not probed)"
@@ -27,8 +29,11 @@ def render_summary(s: dict[str, Any]) -> str:
         if per_sample > 1
         else f"{s['tokens_per_s']:,.0f} samples/s"
     )
+    head = "trainwise: training finished"
+    if s.get("preempted"):
+        head = f"trainwise: preempted by {s['preempted']} after step {s['last_step']}; saved"
     lines = [
-        "trainwise: training finished",
+        head,
         f"  strategy   {s['reason']}",
         f"  model      {s['model']}, {s['params']:,} parameters, {s['precision']}",
         f"  steps      {s['steps']} x global batch {s['global_batch']} on "
@@ -38,4 +43,8 @@ def render_summary(s: dict[str, Any]) -> str:
         f"  step time  {stages}",
         f"  run dir    {s['run_dir']}",
     ]
+    if s.get("resumed_from") is not None:
+        lines.insert(-1, f"  resumed    {s['resume']}")
+    if s.get("retry_cost", {}).get("failures"):
+        lines.insert(-1, f"  failures   {s['retry_line']}")
     return "\n".join(lines)

@@ -44,6 +44,7 @@ KINDS = (
     "nonfinite",
     "rollback",
     "finish",
+    "fatal",  # an error a restart cannot fix (disk full, no valid checkpoint, the guard)
 )
 
 

@@ -5,6 +5,7 @@ any worker starts) and again in each worker (the same pure decision, no files ne
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from trainwise.config import JobConfig
@@ -115,6 +116,13 @@ def prepare_job(
     if device.kind == "cuda" and device.count and local > device.count:
         problems.append(
             f"cluster.nproc = {local} exceeds the {device.count} visible GPUs: lower --nproc"
+        )
+    resume = c.checkpoint.resume
+    if resume not in ("auto", "never") and not (Path(resume) / "manifest.json").is_file():
+        what = "does not exist" if not Path(resume).exists() else "has no manifest.json"
+        problems.append(
+            f"checkpoint.resume = '{resume}' {what}: give a committed checkpoint directory "
+            "(`trainwise checkpoints RUN` lists them), 'auto' or 'never'"
         )
     strategy = c.parallel.strategy
     if strategy == "single" and world > 1:

@@ -2,24 +2,65 @@
 
 The agent runs `python -m trainwise.run.worker RUN_DIR` per worker with torchrun's
 variables set; the workers inherit this terminal, so their output and tracebacks reach
-the user directly. A failed worker surfaces here as a LaunchError naming its rank.
+the user directly. When a worker dies the agent restarts the whole group (up to
+`max_restarts` times) and the workers resume from the last checkpoint; each failure is
+appended to the run's events. A failed run surfaces here as a LaunchError naming the rank.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import sys
+import time
 import uuid
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainwise.errors import TrainwiseError
+from trainwise.run.events import append_event, read_events
+
+# Set for the workers: a worker that hits an error no restart can fix records it and exits
+# 0, so that the agent does not restart the group for nothing; the launcher reports it.
+LAUNCHER_ENV = "TRAINWISE_LAUNCHER"
+# The agent forwards these to the workers; SIGUSR1 is what `sbatch --signal` usually sends.
+HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+SHUTDOWN_GRACE_S = 120  # how long a signalled worker may take to save before SIGKILL
 
 
 class LaunchError(TrainwiseError):
     """A worker failed; the message names the rank, the exit code and the error."""
+
+
+class Preempted(TrainwiseError):  # noqa: N818 - an outcome, reported with exit status 0
+    """The run was stopped by a signal after saving a checkpoint."""
+
+
+class _FailureEvents(logging.Handler):
+    """Turns the agent's "worker failed" log record into a `failure` event (the agent
+    keeps no other record of failures it restarts from)."""
+
+    def __init__(self, run_dir: Path):
+        super().__init__(logging.ERROR)
+        self.run_dir = run_dir
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not str(record.msg).startswith("failed (exitcode") or len(record.args or ()) < 3:
+            return
+        exitcode, local_rank, pid = record.args[:3]  # type: ignore[index]
+        sig = None
+        if isinstance(exitcode, int) and exitcode < 0:
+            try:
+                sig = signal.Signals(-exitcode).name
+            except ValueError:
+                sig = str(-exitcode)
+        append_event(
+            self.run_dir, "failure", rank=local_rank, exit_code=exitcode, signal=sig, pid=pid
+        )
 
 
 def launch_workers(
@@ -27,6 +68,11 @@ def launch_workers(
 ) -> None:
     # Each worker gets its share of the cores, not all of them (oversubscription on CPU).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", HANDLED_SIGNALS)
+    os.environ[LAUNCHER_ENV] = "1"
+    # A restarted group sharing the rendezvous store with the failed one can read its stale
+    # addresses and fail to connect (pytorch/pytorch#135712): one fresh store per attempt.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -37,11 +83,24 @@ def launch_workers(
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
+        shutdown_timeout=SHUTDOWN_GRACE_S,
     )
+    handler = _FailureEvents(run_dir)
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    agent_log.addHandler(handler)
+    started = time.time()
     try:
         elastic_launch(config, entrypoint=sys.executable)(
             "-m", "trainwise.run.worker", str(run_dir)
         )
+    except SignalException as err:
+        stopped = _events_since(run_dir, started, "preempted")
+        if stopped:
+            raise Preempted(
+                f"preempted by {stopped[-1].get('signal')} after step {stopped[-1].get('step')}; "
+                "the checkpoint is saved: run the same command again to resume"
+            ) from None
+        raise LaunchError(f"stopped by {signal.Signals(err.sigval).name} before a save") from None
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         message = failure.message
@@ -51,3 +110,18 @@ def launch_workers(
         raise LaunchError(
             f"worker rank {rank} failed with exit code {failure.exitcode}: {first}"
         ) from None
+    finally:
+        agent_log.removeHandler(handler)
+    fatal = _events_since(run_dir, started, "fatal")
+    if fatal:
+        raise LaunchError(fatal[-1].get("message", "a worker stopped the run"))
+    stopped = _events_since(run_dir, started, "preempted")
+    if stopped:
+        raise Preempted(
+            f"preempted by {stopped[-1].get('signal')} after step {stopped[-1].get('step')}; "
+            "the checkpoint is saved: run the same command again to resume"
+        )
+
+
+def _events_since(run_dir: Path, since: float, kind: str) -> list[dict]:
+    return [e for e in read_events(run_dir) if e["kind"] == kind and e["time"] >= since]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -36,6 +37,7 @@ from trainwise.run.distributed import (
 from trainwise.run.events import append_event, read_events, retry_cost
 from trainwise.run.faults import Faults
 from trainwise.run.job import Job, prepare_job
+from trainwise.run.launch import LAUNCHER_ENV
 from trainwise.run.loop import Stepper, evaluate
 from trainwise.run.optim import build_optimizer, build_scheduler
 from trainwise.run.parallelize import parallelize
@@ -350,7 +352,15 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     run_dir = Path(args[0])
     cfg = load_config(run_dir / "config.toml")
-    train(cfg, run_dir)
+    try:
+        train(cfg, run_dir)
+    except TrainwiseError as err:
+        if not os.environ.get(LAUNCHER_ENV):
+            raise
+        # No restart can fix this (disk full, no valid checkpoint, the guard): record it and
+        # exit 0 so the agent does not restart the group; the launcher reports the message.
+        message = str(err).replace("\n", "; ")
+        append_event(run_dir, "fatal", rank=dist_env_from().rank, message=message)
     return 0
 
 

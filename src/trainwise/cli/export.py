@@ -1,0 +1,90 @@
+"""`trainwise export`: write a checkpoint's model weights to one safetensors or torch file."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from trainwise.errors import ConfigError
+
+_SUFFIX_FORMATS = {
+    ".safetensors": "safetensors",
+    ".pt": "torch",
+    ".pth": "torch",
+    ".bin": "torch",
+}
+_DEFAULT_SUFFIX = {"safetensors": ".safetensors", "torch": ".pt"}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="export checkpoint weights to safetensors or torch.save",
+        description="Read the model weights of a sharded checkpoint (any strategy, any world "
+        "size) in this one process and write them as one file that the plain model loads "
+        "with load_state_dict(strict=True).",
+    )
+    # dest is not "run": the dispatcher calls args.run.
+    p.add_argument("target", metavar="RUN", help="run directory or checkpoint directory")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the newest valid one)")
+    p.add_argument(
+        "--format",
+        choices=("safetensors", "torch"),
+        help="file format (default: from the -o suffix; .safetensors, or .pt/.pth/.bin)",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        metavar="OUT",
+        help="output file (default: RUN/model-step-XXXXXXXX.safetensors; in the current "
+        "directory when RUN is a checkpoint directory)",
+    )
+    p.set_defaults(run=run)
+
+
+def output_format(out: Path | None, fmt: str | None) -> str:
+    """The format to write: --format when given, else the one the OUT suffix names."""
+    if fmt is not None:
+        return fmt
+    if out is None:
+        return "safetensors"
+    suffix = out.suffix.lower()
+    if suffix not in _SUFFIX_FORMATS:
+        raise ConfigError(
+            f"-o {out}: cannot tell the format from the suffix {suffix or '(none)'!r}; "
+            "end it in .safetensors, .pt, .pth or .bin, or give --format"
+        )
+    return _SUFFIX_FORMATS[suffix]
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here so that `trainwise --help` does not import torch.
+    from trainwise.run.checkpoint_store import CheckpointError
+    from trainwise.run.export import checkpoint_step, export_weights, resolve_checkpoint
+
+    source = Path(args.target)
+    out = Path(args.output) if args.output else None
+    fmt = output_format(out, args.format)
+    if not source.is_dir():
+        raise ConfigError(
+            f"{source}: no such run directory; give runs/NAME (or a checkpoint directory)"
+        )
+    try:
+        checkpoint = resolve_checkpoint(source, args.step)
+    except CheckpointError as err:
+        # Nothing to export from what was asked: bad input, like a wrong path.
+        raise ConfigError(str(err)) from None
+    if out is None:
+        step = checkpoint_step(checkpoint)
+        name = f"model-step-{step:08d}" if step is not None else f"model-{checkpoint.name}"
+        # Beside the run's other outputs; a checkpoint directory given directly is left
+        # untouched (an extra file there is not in its manifest), so the cwd gets it.
+        base = Path(".") if checkpoint.resolve() == source.resolve() else source
+        out = base / (name + _DEFAULT_SUFFIX[fmt])
+    result = export_weights(checkpoint, out, fmt)  # type: ignore[arg-type]
+    mb = result["bytes"] / 1e6
+    print(
+        f"trainwise: wrote {out} ({result['tensors']} tensors, {mb:.1f} MB, {fmt}) "
+        f"from step {result['step']} ({checkpoint})"
+    )
+    return 0

@@ -1,0 +1,262 @@
+"""Export the model weights of a sharded checkpoint to one file a plain model can load.
+
+A checkpoint holds the DCP (torch.distributed.checkpoint) shards of
+``{"model": ..., "optim": ...}``, written by every rank. Export reads only the "model" part,
+in this one process, with DCP's own planner and reader: no process group, no model built,
+so a checkpoint of any strategy or world size becomes a flat ``{fqn: full tensor}`` that
+``model.load_state_dict(..., strict=True)`` accepts on the unwrapped model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from trainwise.config import read_toml
+from trainwise.errors import ConfigError
+from trainwise.run.checkpoint_store import (
+    MANIFEST,
+    CheckpointError,
+    find_latest_valid,
+    list_checkpoints,
+    parse_step,
+    read_manifest,
+    verify,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+ExportFormat = Literal["safetensors", "torch"]
+
+_MODEL_KEY = "model"
+_DCP_METADATA = ".metadata"
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    """Where a run keeps its checkpoints: config.toml's ``checkpoint.dir`` (relative paths
+    resolve against the cwd, as the trainer wrote them) or ``RUN/checkpoints``."""
+    run_dir = Path(run_dir)
+    config = run_dir / "config.toml"
+    if config.is_file():
+        # Only this key is read: validating the whole job could fail for reasons unrelated to
+        # finding checkpoints (a config written by another trainwise version, say).
+        try:
+            section = read_toml(config).get("checkpoint", {})
+        except ConfigError as err:
+            raise CheckpointError(
+                f"cannot find the checkpoints of {run_dir}: {err.problems[0]}"
+            ) from None
+        if isinstance(section, dict) and isinstance(section.get("dir"), str) and section["dir"]:
+            return Path(section["dir"])
+    return run_dir / "checkpoints"
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """A directory that looks like one checkpoint (rather than a run or a checkpoint root)."""
+    path = Path(path)
+    return (
+        (path / MANIFEST).is_file()
+        or (path / _DCP_METADATA).is_file()
+        or parse_step(path.name) is not None
+    )
+
+
+def resolve_checkpoint(run_or_ckpt: Path, step: int | None = None) -> Path:
+    """The checkpoint directory to read: ``run_or_ckpt`` itself when it is a checkpoint, else
+    the newest valid checkpoint of the run (``step=None``) or the one of ``step``. Checks
+    sizes against the manifest ("fast" verification). Raises CheckpointError (one line)
+    when nothing valid matches."""
+    path = Path(run_or_ckpt)
+    if not path.is_dir():
+        raise CheckpointError(
+            f"{path} is not a directory: give a run directory (runs/NAME) or a checkpoint "
+            "directory (runs/NAME/checkpoints/step-XXXXXXXX)"
+        )
+
+    if is_checkpoint_dir(path):
+        own = read_manifest(path)
+        own_step = own.step if own is not None else parse_step(path.name)
+        if step is not None and own_step is not None and step != own_step:
+            raise CheckpointError(
+                f"{path} is the checkpoint of step {own_step}, not {step}: drop --step or "
+                "give the run directory"
+            )
+        problems = verify(path, "fast")
+        if problems:
+            raise CheckpointError(
+                f"checkpoint {path} is not valid: {problems[0]}; pick another checkpoint"
+            )
+        return path
+
+    # A run directory, or a checkpoint root given directly.
+    root = checkpoint_root(path) if not _has_step_dirs(path) else path
+    if step is None:
+        found, skipped = find_latest_valid(root, "fast")
+        if found is not None:
+            return found.path
+        if skipped:
+            newest = skipped[0]
+            why = newest.problems[0] if newest.problems else "invalid"
+            raise CheckpointError(
+                f"no valid checkpoint in {root}: all {len(skipped)} are broken (newest, step "
+                f"{newest.step}: {why}); train again to write a new one"
+            )
+        raise CheckpointError(
+            f"no checkpoints in {root}: train with checkpoint.enabled = true (the default) "
+            "or give the run directory that has them"
+        )
+
+    infos = list_checkpoints(root, "none")
+    match = next((info for info in infos if info.step == step), None)
+    if match is None:
+        available = ", ".join(str(info.step) for info in infos) or "none"
+        raise CheckpointError(
+            f"no checkpoint of step {step} in {root} (steps available: {available}); "
+            "pick one of those or drop --step for the newest"
+        )
+    problems = verify(match.path, "fast")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint of step {step} in {root} is not valid: {problems[0]}; pick another step"
+        )
+    return match.path
+
+
+def _has_step_dirs(path: Path) -> bool:
+    """Whether ``path`` is itself a checkpoint root (holds step-XXXXXXXX directories)."""
+    return any(parse_step(child.name) is not None and child.is_dir() for child in path.iterdir())
+
+
+def checkpoint_step(checkpoint: Path) -> int | None:
+    """The step a checkpoint holds: its manifest, else trainer.json, else its name."""
+    checkpoint = Path(checkpoint)
+    manifest = read_manifest(checkpoint)
+    if manifest is not None:
+        return manifest.step
+    try:
+        return int(json.loads((checkpoint / "trainer.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return parse_step(checkpoint.name)
+
+
+def load_model_state(checkpoint: Path) -> dict[str, Any]:
+    """The "model" part of a DCP checkpoint as a flat ``{fqn: value}`` on the CPU, read in this
+    process alone; every sharded tensor comes back whole."""
+    # Private DCP helpers, as torch's own dcp_to_torch_save uses them: the public dcp.load
+    # needs a pre-built state dict to fill (i.e. a model); this planner builds one from the
+    # checkpoint metadata instead, and keys= skips reading the optimizer state.
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / _DCP_METADATA).is_file():
+        raise CheckpointError(
+            f"{checkpoint} has no {_DCP_METADATA}: not a DCP checkpoint; give a checkpoint "
+            "directory written by trainwise train"
+        )
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(
+            state,
+            storage_reader=FileSystemReader(checkpoint),
+            planner=_EmptyStateDictLoadPlanner(keys={_MODEL_KEY}),
+            no_dist=True,
+        )
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        raise CheckpointError(
+            f"cannot read the model weights of {checkpoint}: {_one_line(err)}; verify it with "
+            "`trainwise checkpoints RUN --verify full` and pick a valid one"
+        ) from None
+    model = state.get(_MODEL_KEY)
+    if not isinstance(model, dict) or not model:
+        raise CheckpointError(
+            f"{checkpoint} holds no model weights (no '{_MODEL_KEY}' entry); "
+            "give a checkpoint written by trainwise train"
+        )
+    return model
+
+
+def _one_line(err: BaseException) -> str:
+    """The root cause of a DCP failure in one line. DCP wraps each rank's exception with its
+    traceback in a multi-line CheckpointException; the first wrapped exception is the cause."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        wrapped = next(iter(failures.values()))
+        err = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _independent(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors that each own their whole storage: safetensors refuses tensors
+    sharing memory (tied weights) or views into a larger buffer."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in tensors.items():
+        t = tensor.detach().cpu().contiguous()
+        storage = t.untyped_storage()
+        if t.numel() and (
+            storage.data_ptr() in seen or storage.nbytes() != t.nbytes or t.storage_offset() != 0
+        ):
+            t = t.clone()
+            storage = t.untyped_storage()
+        if t.numel():
+            seen.add(storage.data_ptr())
+        out[name] = t
+    return out
+
+
+def export_weights(checkpoint: Path, out: Path, fmt: ExportFormat) -> dict[str, int | None]:
+    """Write the model weights of ``checkpoint`` to ``out`` as safetensors or a torch.save'd
+    state dict, atomically (``out.part`` then rename). Returns
+    ``{"tensors": n, "bytes": size of the file written, "step": s}``."""
+    import torch  # here, so that finding checkpoints (the CLI listing) needs no torch
+
+    if fmt not in ("safetensors", "torch"):
+        raise CheckpointError(f"export format {fmt!r} is unknown; use safetensors or torch")
+    checkpoint, out = Path(checkpoint), Path(out)
+    step = checkpoint_step(checkpoint)
+    state = load_model_state(checkpoint)
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    others = sorted(k for k in state if k not in tensors)
+    if others and fmt == "safetensors":
+        raise CheckpointError(
+            f"{checkpoint}: model entries {', '.join(others[:3])} are not tensors and "
+            "safetensors holds tensors only; export with --format torch"
+        )
+    tensors = _independent(tensors)
+
+    part = out.with_suffix(out.suffix + ".part")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if fmt == "safetensors":
+            from safetensors.torch import save_file
+
+            metadata = {"format": "trainwise"}
+            if step is not None:
+                metadata["step"] = str(step)  # safetensors metadata values are strings
+            save_file(tensors, str(part), metadata=metadata)
+        else:
+            # Non-tensor entries (module extra state) stay: load_state_dict expects them.
+            torch.save({k: tensors.get(k, state[k]) for k in state}, part)
+        os.replace(part, out)
+    except OSError as err:
+        _discard(part)
+        raise CheckpointError(
+            f"cannot write {out}: {err.strerror or err}; pick a writable path with -o"
+        ) from None
+    except BaseException:
+        _discard(part)  # never leave a half-written .part behind
+        raise
+    return {"tensors": len(tensors), "bytes": out.stat().st_size, "step": step}
+
+
+def _discard(path: Path) -> None:
+    with contextlib.suppress(OSError):  # the original error is the one worth reporting
+        path.unlink(missing_ok=True)

@@ -1,0 +1,416 @@
+"""Unit tests of checkpoint export and listing, in one process without torch.distributed:
+real DCP checkpoints of a tiny GPT (committed by checkpoint_store) are exported to
+safetensors and torch files that a fresh plain model loads strictly and runs bit for bit
+like the trained one; resolve_checkpoint's choices and errors; `trainwise export` and
+`trainwise checkpoints` through the dispatcher."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+
+import trainwise
+from trainwise.cli.main import main
+from trainwise.config import dump_toml, load_config
+from trainwise.models.gpt import GPT
+from trainwise.models.registry import ModelSpec, build_model, resolve_shape
+from trainwise.run.checkpoint_store import (
+    CheckpointError,
+    commit,
+    config_hash,
+    final_dir,
+    tmp_dir,
+)
+from trainwise.run.export import (
+    checkpoint_root,
+    export_weights,
+    load_model_state,
+    resolve_checkpoint,
+)
+
+SPEC = ModelSpec(name="tiny", vocab_size=64, seq_len=16)
+
+
+def batch(seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 64, (4, 16), generator=g)
+
+
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    model.train()
+    for i in range(steps):
+        x = batch(100 + i)
+        logits = model(x)
+        loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), x[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def save_checkpoint(root: Path, step: int, model: nn.Module, opt: torch.optim.Optimizer) -> Path:
+    """What the trainer writes for one rank: DCP state, trainer.json, rng, then commit."""
+    tmp = tmp_dir(root, step)
+    tmp.mkdir(parents=True)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ..." (on purpose)
+        dcp.save(state, checkpoint_id=tmp)
+    trainer = {"step": step, "tokens": step * 64, "strategy": "single", "world_size": 1}
+    (tmp / "trainer.json").write_text(json.dumps(trainer))
+    (tmp / "rng").mkdir()
+    torch.save({"torch": torch.get_rng_state()}, tmp / "rng" / "rank-00000.pt")
+    commit(
+        tmp,
+        final_dir(root, step),
+        {
+            "step": step,
+            "tokens": step * 64,
+            "world_size": 1,
+            "dp_size": 1,
+            "strategy": "single",
+            "config_hash": config_hash("test"),
+            "trainwise_version": trainwise.__version__,
+            "torch_version": torch.__version__,
+            "step_time": time.time(),
+            "stall_s": 0.25,
+            "save_s": 0.5,
+            "async_save": False,
+        },
+    )
+    return final_dir(root, step)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A run directory with checkpoints of steps 2 and 4 of a tiny GPT trained with AdamW,
+    and the trained model's logits on a fixed batch at each step."""
+    run = tmp_path_factory.mktemp("run")
+    (run / "config.toml").write_text(dump_toml(load_config()))
+    torch.manual_seed(0)
+    model = build_model(SPEC).module
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    expected = {}
+    for step in (2, 4):
+        train_steps(model, opt, 2)
+        with torch.no_grad():
+            expected[step] = model(batch())
+        save_checkpoint(run / "checkpoints", step, model, opt)
+    return {"run": run, "expected": expected, "keys": sorted(model.state_dict())}
+
+
+@pytest.fixture
+def run_copy(trained: dict, tmp_path: Path) -> Path:
+    """A private copy of the run, for tests that break or add things."""
+    return Path(shutil.copytree(trained["run"], tmp_path / "run"))
+
+
+def fresh_model(seed: int = 123) -> nn.Module:
+    torch.manual_seed(seed)  # different weights from the trained ones until loaded
+    return build_model(SPEC).module.eval()
+
+
+# --- loading and export ----------------------------------------------------------------------
+
+
+def test_load_model_state_is_the_plain_state_dict(trained: dict):
+    ckpt = final_dir(trained["run"] / "checkpoints", 4)
+    state = load_model_state(ckpt)
+    assert sorted(state) == trained["keys"]  # "model." prefix gone, no optimizer state
+    assert all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in state.values())
+    # tiny ties the head to the embedding: one tensor, no lm_head entry.
+    assert resolve_shape(SPEC).tie_embeddings
+    assert "lm_head.weight" not in state and "tok_emb.weight" in state
+
+
+@pytest.mark.parametrize("fmt, name", [("safetensors", "m.safetensors"), ("torch", "m.pt")])
+def test_export_loads_strictly_and_matches_bit_for_bit(
+    trained: dict, tmp_path: Path, fmt: str, name: str
+):
+    ckpt = final_dir(trained["run"] / "checkpoints", 2)
+    out = tmp_path / "sub" / name
+    result = export_weights(ckpt, out, fmt)
+    assert result == {"tensors": len(trained["keys"]), "bytes": out.stat().st_size, "step": 2}
+    assert not out.with_suffix(out.suffix + ".part").exists()
+
+    if fmt == "safetensors":
+        loaded = load_file(out)
+        with safe_open(out, framework="pt") as f:
+            assert f.metadata() == {"step": "2", "format": "trainwise"}
+    else:
+        loaded = torch.load(out, weights_only=True)
+    model = fresh_model()
+    with torch.no_grad():
+        assert not torch.equal(model(batch()), trained["expected"][2])
+        model.load_state_dict(loaded, strict=True)
+        assert torch.equal(model(batch()), trained["expected"][2])
+
+
+def test_export_untied_gpt(tmp_path: Path):
+    shape = replace(resolve_shape(SPEC), tie_embeddings=False)
+    torch.manual_seed(0)
+    model = GPT(shape)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 2)
+    ckpt = save_checkpoint(tmp_path / "ckpts", 2, model, opt)
+    export_weights(ckpt, tmp_path / "m.safetensors", "safetensors")
+    loaded = load_file(tmp_path / "m.safetensors")
+    assert "lm_head.weight" in loaded
+    torch.manual_seed(1)
+    fresh = GPT(shape).eval()
+    fresh.load_state_dict(loaded, strict=True)
+    with torch.no_grad():
+        assert torch.equal(fresh(batch()), model(batch()))
+
+
+class SharedHead(nn.Module):
+    """Classic weight tying: two module entries share one Parameter, so state_dict() has two
+    keys over one storage (safetensors refuses that unless export makes them independent)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 8)
+        self.head = nn.Linear(8, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x))
+
+
+def test_export_shared_parameters(tmp_path: Path):
+    torch.manual_seed(0)
+    model = SharedHead()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 2)
+    ckpt = save_checkpoint(tmp_path / "ckpts", 2, model, opt)
+    for fmt, name in (("safetensors", "m.safetensors"), ("torch", "m.pt")):
+        export_weights(ckpt, tmp_path / name, fmt)
+        loaded = (
+            load_file(tmp_path / name)
+            if fmt == "safetensors"
+            else torch.load(tmp_path / name, weights_only=True)
+        )
+        assert sorted(loaded) == sorted(model.state_dict())
+        fresh = SharedHead().eval()
+        fresh.load_state_dict(loaded, strict=True)
+        with torch.no_grad():
+            assert torch.equal(fresh(batch()), model(batch()))
+
+
+def test_export_of_a_broken_checkpoint_is_one_line(run_copy: Path, tmp_path: Path):
+    ckpt = final_dir(run_copy / "checkpoints", 4)
+    (ckpt / "__0_0.distcp").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError) as err:
+        export_weights(ckpt, tmp_path / "m.safetensors", "safetensors")
+    assert "\n" not in str(err.value) and str(ckpt) in str(err.value)
+    assert not list(tmp_path.glob("m.safetensors*"))
+    with pytest.raises(CheckpointError, match="no .metadata"):
+        export_weights(run_copy, tmp_path / "m.safetensors", "safetensors")
+
+
+# --- resolve_checkpoint ----------------------------------------------------------------------
+
+
+def test_resolve_newest_and_by_step(trained: dict):
+    run, root = trained["run"], trained["run"] / "checkpoints"
+    assert checkpoint_root(run) == root
+    assert resolve_checkpoint(run, None) == final_dir(root, 4)
+    assert resolve_checkpoint(run, 2) == final_dir(root, 2)
+    assert resolve_checkpoint(root, None) == final_dir(root, 4)  # a checkpoint root works too
+    assert resolve_checkpoint(final_dir(root, 2), None) == final_dir(root, 2)
+    assert resolve_checkpoint(final_dir(root, 2), 2) == final_dir(root, 2)
+
+
+def test_resolve_skips_a_corrupted_newer_checkpoint(run_copy: Path):
+    root = run_copy / "checkpoints"
+    shard = final_dir(root, 4) / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated: fast verification sees it
+    assert resolve_checkpoint(run_copy, None) == final_dir(root, 2)
+    with pytest.raises(CheckpointError, match="step 4 .* not valid") as err:
+        resolve_checkpoint(run_copy, 4)
+    assert "\n" not in str(err.value)
+    with pytest.raises(CheckpointError, match="not valid"):
+        resolve_checkpoint(final_dir(root, 4), None)
+
+
+def test_resolve_errors_are_one_line(run_copy: Path, tmp_path: Path):
+    with pytest.raises(CheckpointError, match=r"steps available: 2, 4") as err:
+        resolve_checkpoint(run_copy, 3)
+    assert "\n" not in str(err.value)
+    with pytest.raises(CheckpointError, match="is the checkpoint of step 2, not 4"):
+        resolve_checkpoint(final_dir(run_copy / "checkpoints", 2), 4)
+    with pytest.raises(CheckpointError, match="not a directory"):
+        resolve_checkpoint(tmp_path / "nope", None)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="no checkpoints in"):
+        resolve_checkpoint(empty, None)
+    for step in (2, 4):
+        (final_dir(run_copy / "checkpoints", step) / "manifest.json").unlink()
+    with pytest.raises(
+        CheckpointError, match=r"no valid checkpoint .* all 2 are broken \(newest, step 4: "
+    ):
+        resolve_checkpoint(run_copy, None)
+
+
+def test_resolve_follows_config_checkpoint_dir(trained: dict, tmp_path: Path):
+    run = tmp_path / "run"
+    run.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(trained["run"] / "checkpoints", elsewhere)
+    cfg = load_config(flags={"checkpoint.dir": str(elsewhere)})
+    (run / "config.toml").write_text(dump_toml(cfg))
+    assert checkpoint_root(run) == elsewhere
+    assert resolve_checkpoint(run, None) == final_dir(elsewhere, 4)
+
+
+# --- the CLI ---------------------------------------------------------------------------------
+
+
+def test_cli_export_default_output(run_copy: Path, capsys: pytest.CaptureFixture):
+    assert main(["export", str(run_copy)]) == 0
+    out = run_copy / "model-step-00000004.safetensors"
+    line = capsys.readouterr().out.strip()
+    assert "\n" not in line and str(out) in line and "tensors" in line and "MB" in line
+    assert "step 4" in line
+    model = fresh_model()
+    model.load_state_dict(load_file(out), strict=True)
+
+
+def test_cli_export_step_and_torch_format(
+    trained: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+):
+    out = tmp_path / "w.pth"
+    assert main(["export", str(trained["run"]), "--step", "2", "-o", str(out)]) == 0
+    assert "step 2" in capsys.readouterr().out
+    model = fresh_model()
+    model.load_state_dict(torch.load(out, weights_only=True), strict=True)
+    with torch.no_grad():
+        assert torch.equal(model(batch()), trained["expected"][2])
+    # --format wins over the suffix.
+    odd = tmp_path / "w.bin"
+    assert main(["export", str(trained["run"]), "--format", "safetensors", "-o", str(odd)]) == 0
+    assert sorted(load_file(odd)) == trained["keys"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["export", "{missing}"], "no such run directory"),
+        (["export", "{run}", "--step", "3"], "steps available: 2, 4"),
+        (["export", "{run}", "-o", "{tmp}/w.txt"], "cannot tell the format"),
+        (["checkpoints", "{missing}"], "no such run directory"),
+        (["checkpoints", "{tmp}"], "no checkpoints in"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(
+    trained: dict, tmp_path: Path, capsys: pytest.CaptureFixture, args: list, message: str
+):
+    paths = {"missing": tmp_path / "nope", "run": trained["run"], "tmp": tmp_path}
+    assert main([a.format(**paths) for a in args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("trainwise: error: ") and message in err
+
+
+def test_cli_checkpoints_json(run_copy: Path, capsys: pytest.CaptureFixture):
+    root = run_copy / "checkpoints"
+    broken = final_dir(root, 4) / "__0_0.distcp"
+    broken.write_bytes(b"x" * broken.stat().st_size)  # same size: only full verify sees it
+    (root / "step-00000006.tmp").mkdir()
+    (root / "step-00000006.tmp" / "__0_0.distcp").write_bytes(b"partial")
+
+    assert main(["checkpoints", str(run_copy), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["status"], r["valid"]) for r in rows] == [
+        (2, "complete", True),
+        (4, "complete", True),
+        (6, "incomplete", False),
+    ]
+    first = rows[0]
+    for key in ("path", "created", "time", "bytes", "tokens", "world_size", "dp_size"):
+        assert first[key] is not None, key
+    assert (first["strategy"], first["async_save"], first["stall_s"], first["save_s"]) == (
+        "single",
+        False,
+        0.25,
+        0.5,
+    )
+    assert first["problems"] == [] and first["bytes"] > 0
+    assert rows[2]["problems"] == ["incomplete (ignored)"] and rows[2]["bytes"] == 7
+
+    assert main(["checkpoints", str(final_dir(root, 2)), "--json", "--verify", "full"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["valid"] for r in rows] == [True, False, False]
+    assert "sha256 mismatch" in rows[1]["problems"][0]
+
+
+def test_cli_checkpoints_table(
+    run_copy: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("COLUMNS", "100")  # rich's width when stdout is not a terminal
+    root = run_copy / "checkpoints"
+    shard = final_dir(root, 4) / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:10])
+    (root / "step-00000006.tmp").mkdir()
+    assert main(["checkpoints", str(run_copy)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert str(root) in lines[0]
+    rows = {line.split()[0]: line for line in lines if line.strip()[:1].isdigit()}
+    assert "✓" in rows["2"] and "single" in rows["2"] and "0.25" in rows["2"]
+    assert "✗" in rows["4"] and "incomplete (ignored)" in rows["6"]
+    # The first problem of the broken one, under the table, its path relative to the step.
+    assert lines[-1].strip().startswith("step 4: ✗ __0_0.distcp: 10 bytes")
+
+
+def test_independent_tensors_satisfy_safetensors(tmp_path: Path):
+    """Tied weights, views into a larger buffer and non-contiguous tensors all become
+    contiguous tensors owning their memory, with the same values."""
+    from safetensors.torch import save_file
+
+    from trainwise.run.export import _independent
+
+    base = torch.arange(12.0).reshape(3, 4)
+    tensors = {"a": base, "b": base, "c": base[1:], "d": base.t(), "e": torch.empty(0)}
+    fixed = _independent(tensors)
+    save_file(fixed, str(tmp_path / "x.safetensors"))
+    loaded = load_file(tmp_path / "x.safetensors")
+    for name, tensor in tensors.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+def test_export_keeps_bf16(tmp_path: Path):
+    torch.manual_seed(0)
+    model = SharedHead().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 1)
+    ckpt = save_checkpoint(tmp_path / "ckpts", 1, model, opt)
+    export_weights(ckpt, tmp_path / "m.safetensors", "safetensors")
+    loaded = load_file(tmp_path / "m.safetensors")
+    assert {t.dtype for t in loaded.values()} == {torch.bfloat16}
+    assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+
+
+def test_cli_export_of_a_checkpoint_dir_writes_to_the_cwd(
+    trained: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+):
+    monkeypatch.chdir(tmp_path)
+    ckpt = final_dir(trained["run"] / "checkpoints", 2)
+    assert main(["export", str(ckpt), "--format", "torch"]) == 0
+    assert (tmp_path / "model-step-00000002.pt").is_file()
+    assert "model-step-00000002.pt" in capsys.readouterr().out
+    assert not list(ckpt.glob("model-*"))  # the checkpoint itself stays as committed
