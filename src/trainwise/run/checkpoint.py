@@ -35,12 +35,12 @@ from trainwise.run.checkpoint_store import CheckpointError
 from trainwise.run.events import append_event
 
 TRAINER_FILE = "trainer.json"
-RNG_DIR = "rng"
+RNG_KEY = "rng"
 AUTO_FIRST_SAVE = 10  # interval = "auto": the first save (to measure the stall) at this step
 
 
-def rng_file(rank: int) -> str:
-    return f"{RNG_DIR}/rank-{rank:05d}.pt"
+def rng_key(rank: int) -> str:
+    return f"rank-{rank:05d}"
 
 
 def capture_rng(device: torch.device) -> dict[str, Any]:
@@ -194,9 +194,14 @@ class Checkpointer:
 
     # -- save -------------------------------------------------------------------------
 
-    def _state(self) -> dict[str, Any]:
+    def _state(self, rng: bool = True) -> dict[str, Any]:
+        """What DCP saves and loads. Each rank's RNG states sit under a key of their own, so
+        they travel with the shards and a failed write fails every rank together."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        state = {"model": model_sd, "optim": optim_sd}
+        if rng:
+            state[RNG_KEY] = {rng_key(self.rank): capture_rng(self.device)}
+        return state
 
     def _trainer_state(self, step: int, tokens: int, data_state: dict[str, Any]) -> dict:
         return {
@@ -218,30 +223,39 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.wait()  # at most one in flight: the previous one must be committed first
         tmp = store.tmp_dir(self.root, step)
+        use_async = self.cfg.async_save and not sync
         try:
-            tmp.joinpath(RNG_DIR).mkdir(parents=True, exist_ok=True)
-            torch.save(capture_rng(self.device), tmp / rng_file(self.rank))
-            if self.is_main:
-                trainer = self._trainer_state(step, tokens, data_state)
-                (tmp / TRAINER_FILE).write_text(json.dumps(trainer, indent=1) + "\n")
+            tmp.mkdir(parents=True, exist_ok=True)
             state = self._state()
-            use_async = self.cfg.async_save and not sync
             if use_async:
                 future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
             else:
                 dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
-        except Exception as err:  # noqa: BLE001 - every rank gets DCP's error; report one line
+        except BaseException as err:  # DCP raises on every rank together; report one line
+            if isinstance(err, KeyboardInterrupt):
+                raise
             raise _save_error(step, tmp, err) from None
         stall = time.perf_counter() - t0
         self.stalls.append(stall)
         self.last_save_step = step
         self.last_save_time = time.monotonic()
-        info = {"step": step, "tokens": tokens, "step_time": step_time, "stall_s": stall}
+        info = {
+            "step": step,
+            "tokens": tokens,
+            "step_time": step_time,
+            "stall_s": stall,
+            "trainer": self._trainer_state(step, tokens, data_state),
+        }
         if self.before_commit is not None:
             self.before_commit(step)
         if not use_async:
+            error = None
             if self.is_main:
-                self._commit(info, t0, async_save=False)
+                try:
+                    self._commit(info, t0, async_save=False)
+                except Exception as err:  # noqa: BLE001
+                    error = str(_save_error(step, tmp, err))
+            self._agree(error)
             return time.perf_counter() - t0
         flight = _InFlight(step, future, None)
         if self.is_main:
@@ -252,6 +266,15 @@ class Checkpointer:
         self.inflight = flight
         return stall
 
+    def _agree(self, error: str | None) -> None:
+        """Rank 0 alone commits; every rank learns whether it worked, so all stop together."""
+        if self.group is not None:
+            box = [error]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            error = box[0]
+        if error:
+            raise CheckpointError(error)
+
     def _finish_async(self, flight: _InFlight, info: dict, t0: float) -> None:
         try:
             flight.future.result()
@@ -261,11 +284,13 @@ class Checkpointer:
 
     def _commit(self, info: dict, t0: float, async_save: bool) -> None:
         step = info["step"]
+        tmp = store.tmp_dir(self.root, step)
+        (tmp / TRAINER_FILE).write_text(json.dumps(info["trainer"], indent=1) + "\n")
         final = store.final_dir(self.root, step)
         if final.exists():  # left by an abandoned line of this run (resume = "never")
             shutil.rmtree(final)
         fields = {
-            **info,
+            **{k: v for k, v in info.items() if k != "trainer"},
             "world_size": self.world,
             "dp_size": self.meta["dp_size"],
             "strategy": self.meta["strategy"],
@@ -276,7 +301,7 @@ class Checkpointer:
             "async_save": async_save,
         }
         fields["save_s"] = time.perf_counter() - t0
-        manifest = store.commit(store.tmp_dir(self.root, step), final, fields)
+        manifest = store.commit(tmp, final, fields)
         deleted = store.apply_retention(self.root, self.cfg.keep_last, self.cfg.keep_every)
         append_event(
             self.run_dir, "checkpoint", step=step, step_time=info["step_time"],
@@ -285,20 +310,25 @@ class Checkpointer:
         )  # fmt: skip
 
     def wait(self) -> None:
-        """Finish the save in flight (if any); a failed background save raises here and
-        never leaves a checkpoint that looks valid."""
+        """Finish the save in flight (if any). Called at the same points on every rank; a
+        failed background save raises here on every rank and never leaves a checkpoint
+        that looks valid."""
         flight, self.inflight = self.inflight, None
         if flight is None:
             return
+        tmp = store.tmp_dir(self.root, flight.step)
         try:
             flight.future.result()
-        except Exception as err:  # noqa: BLE001
-            raise _save_error(flight.step, store.tmp_dir(self.root, flight.step), err) from None
+        except BaseException as err:  # noqa: BLE001 - DCP fails every rank together
+            if isinstance(err, KeyboardInterrupt):
+                raise
+            raise _save_error(flight.step, tmp, err) from None
+        error = None
         if flight.thread is not None:
             flight.thread.join()
             if flight.error is not None:
-                err = flight.error
-                raise _save_error(flight.step, store.tmp_dir(self.root, flight.step), err)
+                error = str(_save_error(flight.step, tmp, flight.error))
+        self._agree(error)
 
     # -- load -------------------------------------------------------------------------
 
@@ -356,7 +386,9 @@ class Checkpointer:
         """Load model, optimizer and trainer state from `path` into this rank, resharding
         to the current strategy and world size."""
         trainer = json.loads((path / TRAINER_FILE).read_text())
-        state = self._state()
+        # RNG states are per rank: restored only at the same world size.
+        same_world = trainer.get("world_size") == self.world
+        state = self._state(rng=same_world)
         dcp.load(state, checkpoint_id=str(path), process_group=self.group)
         set_state_dict(
             self.model,
@@ -367,10 +399,9 @@ class Checkpointer:
         self.scheduler.load_state_dict(trainer["scheduler"])
         if self.scaler is not None and trainer.get("scaler"):
             self.scaler.load_state_dict(trainer["scaler"])
-        rng = "reseeded"
-        rng_path = path / rng_file(self.rank)
-        if trainer.get("world_size") == self.world and rng_path.exists():
-            restore_rng(torch.load(rng_path, weights_only=False), self.device)
+        rng = "kept (written by another world size)"
+        if same_world:
+            restore_rng(state[RNG_KEY][rng_key(self.rank)], self.device)
             rng = "restored"
         self.last_save_step = trainer["step"]
         return Resumed(trainer["step"], trainer["tokens"], path, [], rng, trainer)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,8 +63,9 @@ class Faults:
                 return f
         return None
 
-    def pause(self, kind: str, step: int) -> None:
-        """Announce this process's pid and wait (for the test's SIGKILL)."""
+    def pause(self, kind: str, step: int, until: Callable[[], bool] | None = None) -> None:
+        """Announce this process's pid and wait: for the test's SIGKILL, or until `until()`
+        (e.g. a preemption signal arrived)."""
         fault = self.fires(kind, step)
         if fault is None:
             return
@@ -74,7 +76,7 @@ class Faults:
         part.write_text(str(os.getpid()))
         part.rename(marker)  # the test sees the whole pid or nothing
         deadline = time.monotonic() + (fault.seconds if fault.seconds is not None else 1e9)
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (until and until()):
             time.sleep(0.05)
 
     def hang(self, step: int) -> None:

@@ -282,7 +282,7 @@ def _train(
                     step, tokens, time.time(), data_state, sync=stop
                 ) if ckpt.cfg.enabled or stop else 0.0  # fmt: skip
             recorder.add(step, res, lr, eval_loss, ckpt_s=stall)
-            faults.pause("pause", step)
+            faults.pause("pause", step, until=lambda: control.signal is not None)
             if stop:
                 preempted = control.signal_name or "signal"
                 break
