@@ -1,0 +1,80 @@
+"""Helpers for fault tests: start `trainwise train` in the background, wait for a fault
+point to be reached (a file the worker writes), and read a run's final weights."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from helpers import QUIET, cli_env, run_cli
+
+# A short job with a checkpoint every 4 steps; global batch 16 whatever the world size.
+STEPS = 16
+
+
+def job_args(run_dir: Path, nproc: int, strategy: str, *extra: str) -> list[str]:
+    micro = 16 // nproc
+    return [
+        "train", "--nproc", str(nproc), "--strategy", strategy, "--steps", str(STEPS),
+        "--run-dir", str(run_dir), *QUIET,
+        "--set", f"data.micro_batch={micro}", "--set", "train.eval_every=0",
+        "--set", "checkpoint.interval=4", "--set", "checkpoint.keep_last=3",
+        "--set", "parallel.timeout_s=60", *extra,
+    ]  # fmt: skip
+
+
+def start(args: list[str], cwd: Path, faults: str = "") -> subprocess.Popen:
+    env = cli_env()
+    env["TRAINWISE_FAULTS"] = faults
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainwise", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_pid(proc: subprocess.Popen, marker: Path, timeout: float = 120) -> int:
+    """The pid a paused worker wrote; fails at once if the run ended before pausing."""
+    deadline = time.monotonic() + timeout
+    while not marker.exists():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"run ended before {marker.name}:\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"{marker} did not appear within {timeout} s")
+        time.sleep(0.05)
+    return int(marker.read_text())
+
+
+def kill(pid: int, sig: int = signal.SIGKILL) -> None:
+    os.kill(pid, sig)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def final_weights(run_dir: Path, cwd: Path) -> dict[str, torch.Tensor]:
+    """The run's newest checkpoint, exported through the CLI and loaded back."""
+    out = run_dir / "final.safetensors"
+    done = run_cli("export", str(run_dir), "-o", str(out), cwd=cwd)
+    assert done.returncode == 0, done.stderr
+    return load_file(out)
+
+
+def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs"

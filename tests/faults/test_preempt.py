@@ -1,0 +1,43 @@
+"""Preemption as Slurm and Kubernetes do it: SIGTERM (or SIGUSR1) to `trainwise train`.
+The run finishes its step, saves synchronously and exits 0 with a `preempted` event; the
+same command started again resumes and ends bit-identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+from faulty import assert_identical, final_weights, finish, job_args, start, wait_for_pid
+
+from helpers import run_cli
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM])
+def test_signal_saves_exits_zero_and_resumes_exactly(workdir: Path, sig: signal.Signals):
+    straight = workdir / "straight"
+    done = run_cli(*job_args(straight, 2, "fsdp"), cwd=workdir)
+    assert done.returncode == 0, done.stderr
+
+    run_dir = workdir / "run"
+    args = job_args(run_dir, 2, "fsdp")
+    proc = start(args, workdir, faults="pause@step=6,rank=0")
+    wait_for_pid(proc, run_dir / "faults" / "pause-step-6.pid")
+    proc.send_signal(sig)  # to the launcher, as the scheduler would
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    assert "preempted by" in out and "run the same command again" in out
+    log = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    stop = next(e for e in log if e["kind"] == "preempted")
+    assert stop["signal"] == sig.name
+    saved = [e["step"] for e in log if e["kind"] == "checkpoint"]
+    assert saved[-1] == stop["step"] and stop["step"] < 16
+    assert not any(e["kind"] == "failure" for e in log)
+
+    again = run_cli(*args, cwd=workdir)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming from step {stop['step']}" in again.stderr
+    assert_identical(final_weights(straight, workdir), final_weights(run_dir, workdir))
