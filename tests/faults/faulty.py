@@ -15,16 +15,19 @@ from safetensors.torch import load_file
 
 from helpers import QUIET, cli_env, run_cli
 
-# A short job with a checkpoint every 4 steps; global batch 16 whatever the world size.
-STEPS = 16
+# A short job with a checkpoint every 4 steps and a held-out loss at the end; global batch
+# 16 whatever the world size.
+STEPS = 12
 
 
-def job_args(run_dir: Path, nproc: int, strategy: str, *extra: str) -> list[str]:
+def job_args(
+    run_dir: Path, nproc: int, strategy: str, *extra: str, steps: int = STEPS
+) -> list[str]:
     micro = 16 // nproc
     return [
-        "train", "--nproc", str(nproc), "--strategy", strategy, "--steps", str(STEPS),
+        "train", "--nproc", str(nproc), "--strategy", strategy, "--steps", str(steps),
         "--run-dir", str(run_dir), *QUIET,
-        "--set", f"data.micro_batch={micro}", "--set", "train.eval_every=0",
+        "--set", f"data.micro_batch={micro}", "--set", f"train.eval_every={steps}",
         "--set", "checkpoint.interval=4", "--set", "checkpoint.keep_last=3",
         "--set", "parallel.timeout_s=60", *extra,
     ]  # fmt: skip
@@ -78,3 +81,28 @@ def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), f"{name} differs"
+
+
+class References:
+    """Uninterrupted runs of job_args, each made once per test session on first use and
+    shared (read-only) by the tests that compare against them."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.runs: dict[tuple[int, str], Path] = {}
+        self.exported: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+
+    def run(self, nproc: int, strategy: str) -> Path:
+        key = (nproc, strategy)
+        if key not in self.runs:
+            run_dir = self.root / f"{strategy}-x{nproc}"
+            done = run_cli(*job_args(run_dir, nproc, strategy), cwd=self.root)
+            assert done.returncode == 0, done.stderr
+            self.runs[key] = run_dir
+        return self.runs[key]
+
+    def weights(self, nproc: int, strategy: str) -> dict[str, torch.Tensor]:
+        key = (nproc, strategy)
+        if key not in self.exported:
+            self.exported[key] = final_weights(self.run(nproc, strategy), self.root)
+        return self.exported[key]

@@ -9,7 +9,16 @@ import json
 from pathlib import Path
 
 import pytest
-from faulty import assert_identical, final_weights, finish, job_args, kill, start, wait_for_pid
+from faulty import (
+    References,
+    assert_identical,
+    final_weights,
+    finish,
+    job_args,
+    kill,
+    start,
+    wait_for_pid,
+)
 
 from helpers import run_cli
 
@@ -21,11 +30,7 @@ def events(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_sigkill_restart_resumes_exactly(workdir: Path, strategy: str):
-    straight = workdir / "straight"
-    done = run_cli(*job_args(straight, 2, strategy), cwd=workdir)
-    assert done.returncode == 0, done.stderr
-
+def test_sigkill_restart_resumes_exactly(workdir: Path, reference: References, strategy: str):
     broken = workdir / "broken"
     proc = start(job_args(broken, 2, strategy), workdir, faults="pause@step=10,rank=1")
     pid = wait_for_pid(proc, broken / "faults" / "pause-step-10.pid")
@@ -44,7 +49,7 @@ def test_sigkill_restart_resumes_exactly(workdir: Path, strategy: str):
     assert cost["failures"] == 1 and cost["downtime_s"] > 0 and cost["recomputed_s"] > 0
     assert "1 failure cost" in out
 
-    assert_identical(final_weights(straight, workdir), final_weights(broken, workdir))
+    assert_identical(reference.weights(2, strategy), final_weights(broken, workdir))
 
 
 def test_kill_during_save_keeps_the_previous_checkpoint(workdir: Path):
@@ -62,7 +67,7 @@ def test_kill_during_save_keeps_the_previous_checkpoint(workdir: Path):
     assert resume["step"] == 4  # step 8 never committed
     assert "removed an interrupted save" in err and "step-00000008.tmp" in err
     steps = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert steps == ["step-00000008", "step-00000012", "step-00000016"]  # keep_last = 3
+    assert steps == ["step-00000004", "step-00000008", "step-00000012"]  # keep_last = 3
     listing = run_cli("checkpoints", str(run_dir), "--verify", "full", "--json", cwd=workdir)
     assert listing.returncode == 0, listing.stderr
     assert all(c["valid"] for c in json.loads(listing.stdout))

@@ -9,7 +9,16 @@ import signal
 from pathlib import Path
 
 import pytest
-from faulty import assert_identical, final_weights, finish, job_args, start, wait_for_pid
+from faulty import (
+    STEPS,
+    References,
+    assert_identical,
+    final_weights,
+    finish,
+    job_args,
+    start,
+    wait_for_pid,
+)
 
 from helpers import run_cli
 
@@ -17,11 +26,9 @@ pytestmark = pytest.mark.dist
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM])
-def test_signal_saves_exits_zero_and_resumes_exactly(workdir: Path, sig: signal.Signals):
-    straight = workdir / "straight"
-    done = run_cli(*job_args(straight, 2, "fsdp"), cwd=workdir)
-    assert done.returncode == 0, done.stderr
-
+def test_signal_saves_exits_zero_and_resumes_exactly(
+    workdir: Path, reference: References, sig: signal.Signals
+):
     run_dir = workdir / "run"
     args = job_args(run_dir, 2, "fsdp")
     proc = start(args, workdir, faults="pause@step=6,rank=0")
@@ -34,10 +41,10 @@ def test_signal_saves_exits_zero_and_resumes_exactly(workdir: Path, sig: signal.
     stop = next(e for e in log if e["kind"] == "preempted")
     assert stop["signal"] == sig.name
     saved = [e["step"] for e in log if e["kind"] == "checkpoint"]
-    assert saved[-1] == stop["step"] and stop["step"] < 16
+    assert saved[-1] == stop["step"] and stop["step"] < STEPS
     assert not any(e["kind"] == "failure" for e in log)
 
     again = run_cli(*args, cwd=workdir)
     assert again.returncode == 0, again.stderr
     assert f"resuming from step {stop['step']}" in again.stderr
-    assert_identical(final_weights(straight, workdir), final_weights(run_dir, workdir))
+    assert_identical(reference.weights(2, "fsdp"), final_weights(run_dir, workdir))

@@ -25,6 +25,7 @@ __all__ = [
     "ShardedBatchSampler",
     "TokenWindows",
     "build_datasets",
+    "build_eval_loader",
     "build_loader",
     "build_synthetic_corpus",
     "load_digits_arrays",
@@ -136,3 +137,16 @@ def build_loader(
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
     )
+
+
+def build_eval_loader(
+    dataset: Dataset, *, micro_batch: int, max_batches: int, dp_rank: int, dp_size: int, seed: int
+) -> DataLoader:
+    """Held-out batches, in order: every rank gets the same number of distinct samples and
+    none repeats (a small split gets smaller batches, then fewer of them)."""
+    mb = min(micro_batch, max(1, len(dataset) // (dp_size * max_batches)))
+    steps = max(1, min(max_batches, len(dataset) // (dp_size * mb)))
+    return build_loader(
+        dataset, micro_batch=mb, grad_accum=1, dp_rank=dp_rank, dp_size=dp_size, seed=seed,
+        num_steps=steps, shuffle=False,
+    )  # fmt: skip

@@ -10,6 +10,7 @@ save never interleaves with the training collectives of the default group.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import random
@@ -256,7 +257,9 @@ class Checkpointer:
                 except Exception as err:  # noqa: BLE001
                     error = str(_save_error(step, tmp, err))
             self._agree(error)
-            return time.perf_counter() - t0
+            # A sync save stalls the loop for all of it, commit included.
+            self.stalls[-1] = time.perf_counter() - t0
+            return self.stalls[-1]
         flight = _InFlight(step, future, None)
         if self.is_main:
             flight.thread = threading.Thread(
@@ -301,11 +304,13 @@ class Checkpointer:
             "async_save": async_save,
         }
         fields["save_s"] = time.perf_counter() - t0
+        if not async_save:  # the loop waited for the whole save
+            fields["stall_s"] = fields["save_s"]
         manifest = store.commit(tmp, final, fields)
         deleted = store.apply_retention(self.root, self.cfg.keep_last, self.cfg.keep_every)
         append_event(
             self.run_dir, "checkpoint", step=step, step_time=info["step_time"],
-            stall_s=info["stall_s"], save_s=manifest.save_s, bytes=manifest.total_bytes,
+            stall_s=manifest.stall_s, save_s=manifest.save_s, bytes=manifest.total_bytes,
             path=str(final), async_save=async_save, deleted=[p.name for p in deleted],
         )  # fmt: skip
 
@@ -418,10 +423,37 @@ def _save_error(step: int, tmp: Path, err: BaseException) -> CheckpointError:
     for the next start to clean; the previous checkpoint is untouched."""
     text = str(err).strip().splitlines()
     reason = text[-1] if text else type(err).__name__
-    if "No space left" in str(err) or "ENOSPC" in str(err) or "errno 28" in str(err).lower():
+    if _disk_full(err, tmp.parent):
         reason = "no space left on the device"
     return CheckpointError(
         f"checkpoint of step {step} could not be written to {tmp.parent} ({reason}); the "
         "previous checkpoint is intact: free space or set checkpoint.dir, then run again "
         "to resume"
     )
+
+
+DISK_FULL_FREE_BYTES = 1 << 20  # less free than this after a failed write: the disk is full
+
+
+def _disk_full(err: BaseException, folder: Path) -> bool:
+    """ENOSPC anywhere in the error (DCP wraps each rank's failure), or, because a short
+    write in torch's file writer loses the errno ("unexpected pos ..."), a nearly empty
+    file system right after the failure."""
+    seen: list[BaseException] = []
+    todo = [err]
+    while todo and len(seen) < 32:
+        e = todo.pop()
+        seen.append(e)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        if "No space left" in str(e):
+            return True
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+        for wrapped in getattr(e, "failures", {}).values():  # DCP's CheckpointException
+            inner = getattr(wrapped, "exc", wrapped)
+            if isinstance(inner, BaseException):
+                todo.append(inner)
+    try:
+        return shutil.disk_usage(folder).free < DISK_FULL_FREE_BYTES
+    except OSError:
+        return False

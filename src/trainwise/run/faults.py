@@ -8,7 +8,9 @@ SIGKILL to a pid, fills a disk, flips bytes); these points only make *when* dete
   shards are written and before the commit.
 - `nan@step=N`: the loss of step N is multiplied by NaN on every rank.
 - `hang@step=N,rank=R,seconds=S`: rank R sleeps S seconds before step N's collectives.
-Each fires on the first attempt only (TORCHELASTIC_RESTART_COUNT = 0) unless `always=1`.
+Each fires once, on the first attempt only (TORCHELASTIC_RESTART_COUNT = 0): a transient
+fault, so that a rollback or a restart gets past it. `always=1` fires it every time the
+step is reached, on every attempt: a fault that repeats.
 """
 
 from __future__ import annotations
@@ -55,11 +57,13 @@ class Faults:
         self.run_dir = run_dir
         self.attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.faults = parse_faults(env.get(ENV, ""))
+        self.fired: set[Fault] = set()
 
     def fires(self, kind: str, step: int) -> Fault | None:
         for f in self.faults:
             mine = f.kind == kind and f.step == step and f.rank in (None, self.rank)
-            if mine and (f.always or self.attempt == 0):
+            if mine and (f.always or (self.attempt == 0 and f not in self.fired)):
+                self.fired.add(f)
                 return f
         return None
 

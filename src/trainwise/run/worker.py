@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainwise.config import JobConfig, dump_toml, load_config
-from trainwise.data import build_loader
+from trainwise.data import build_eval_loader, build_loader
 from trainwise.errors import ConfigError, TrainwiseError
 from trainwise.hardware import detect_device
 from trainwise.models import build_model
@@ -153,21 +153,12 @@ def _train(
         return autocast_context(job.strategy, c.precision.dtype, device)
 
     train_ds, val_ds = job.datasets
-    # Every rank evaluates the same number of distinct held-out samples; none repeats.
-    eval_mb = min(c.data.micro_batch, max(1, len(val_ds) // (dp_size * c.train.eval_batches)))
-    eval_steps = max(1, min(c.train.eval_batches, len(val_ds) // (dp_size * eval_mb)))
 
     def eval_batches():
-        return build_loader(
-            val_ds,
-            micro_batch=eval_mb,
-            grad_accum=1,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-            seed=c.train.seed,
-            num_steps=eval_steps,
-            shuffle=False,
-        )
+        return build_eval_loader(
+            val_ds, micro_batch=c.data.micro_batch, max_batches=c.train.eval_batches,
+            dp_rank=dp_rank, dp_size=dp_size, seed=c.train.seed,
+        )  # fmt: skip
 
     stepper = Stepper(
         model, bundle.loss_fn, optimizer, scheduler, scaler, autocast,

@@ -1,0 +1,114 @@
+"""Damaged checkpoints and a diverging loss, on one in-process worker (fast; the restart
+machinery is covered by test_kill): flipped and truncated shard files are found, named and
+skipped; each non-finite policy does what it says."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from faulty import STEPS, References, assert_identical, final_weights, finish, job_args, start
+
+from helpers import read_records
+
+pytestmark = pytest.mark.dist
+
+# One in-process worker. The reference run has checkpoints at 4, 8 and 12 (keep_last = 3).
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["kind"] == kind]
+
+
+def shard(run_dir: Path, step: int) -> Path:
+    files = sorted((run_dir / "checkpoints" / f"step-{step:08d}").glob("*.distcp"))
+    assert files, f"no shard file in step {step}"
+    return files[0]
+
+
+def flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+def run(run_dir: Path, cwd: Path, *extra: str, faults: str = "") -> tuple[int, str, str]:
+    args = job_args(run_dir, 1, "single", *extra)
+    return finish(start(args, cwd, faults=faults))
+
+
+def test_corrupted_and_truncated_checkpoints_are_skipped(workdir: Path, reference: References):
+    run_dir = workdir / "run"
+    shutil.copytree(reference.run(1, "single"), run_dir)
+
+    flipped, cut = shard(run_dir, 12), shard(run_dir, 8)
+    flip(flipped)
+    truncate(cut)
+    rc, _, err = run(run_dir, workdir)
+    assert rc == 0, err
+    warnings = [line for line in err.splitlines() if "is invalid and skipped" in line]
+    assert len(warnings) == 2, err
+    assert str(flipped) in warnings[0] and "sha256 mismatch" in warnings[0]
+    assert str(cut) in warnings[1] and "truncated" in warnings[1]
+    assert "resuming from step 4" in err
+    skipped = events(run_dir, "checkpoint_skipped")
+    assert [Path(e["path"]).name for e in skipped] == ["step-00000012", "step-00000008"]
+    # Steps 5..12 were trained again from step 4's exact state.
+    assert_identical(reference.weights(1, "single"), final_weights(run_dir, workdir))
+
+    for step in (4, 8, 12):
+        flip(shard(run_dir, step))
+    rc, out, err = run(run_dir, workdir)
+    assert rc == 1
+    assert "no valid checkpoint" in err and "checkpoint.resume = 'never'" in err
+    assert "Traceback" not in err and "Traceback" not in out
+
+
+def test_nonfinite_skip_skips_one_update(workdir: Path):
+    rc, _, err = run(workdir / "run", workdir, "--set", "train.nonfinite=skip", faults="nan@step=6")
+    assert rc == 0, err
+    assert "step 6: non-finite loss or gradient norm (skip)" in err
+    assert [e["step"] for e in events(workdir / "run", "nonfinite")] == [6]
+    records = read_records(workdir / "run")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    losses = {r["step"]: r["loss"] for r in records}
+    assert losses[6] != losses[6]  # NaN recorded as it was
+    assert all(losses[s] == losses[s] for s in losses if s != 6)
+
+
+def test_nonfinite_rollback_reloads_the_last_checkpoint(workdir: Path, reference: References):
+    run_dir = workdir / "run"
+    rc, _, err = run(run_dir, workdir, "--set", "train.nonfinite=rollback", faults="nan@step=6")
+    assert rc == 0, err
+    assert "step 6: rolled back to step 4" in err
+    assert [e["to_step"] for e in events(run_dir, "rollback")] == [4]
+    # A transient fault: after the rollback the run is the one that never saw it.
+    assert_identical(reference.weights(1, "single"), final_weights(run_dir, workdir))
+
+
+def test_nonfinite_rollback_gives_up_when_the_fault_repeats(workdir: Path):
+    run_dir = workdir / "run"
+    extra = ("--set", "train.nonfinite=rollback")
+    rc, _, err = run(run_dir, workdir, *extra, faults="nan@step=6,always=1")
+    assert rc == 1
+    assert "still non-finite after 3 rollbacks" in err and "Traceback" not in err
+    assert len(events(run_dir, "rollback")) == 3
+
+
+def test_nonfinite_stop_keeps_the_last_checkpoint(workdir: Path):
+    run_dir = workdir / "run"
+    rc, _, err = run(run_dir, workdir, "--set", "train.nonfinite=stop", faults="nan@step=6")
+    assert rc == 1
+    assert "step 6: non-finite loss or gradient norm (train.nonfinite = 'stop')" in err
+    assert "Traceback" not in err
+    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert saved == ["step-00000004"]

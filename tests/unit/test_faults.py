@@ -1,0 +1,40 @@
+"""The fault injection points: parsing, which rank and attempt they fire on, once or always."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainwise.run.faults import Fault, Faults, parse_faults
+
+
+def faults(text: str, rank: int = 0, attempt: int = 0) -> Faults:
+    env = {"TRAINWISE_FAULTS": text, "TORCHELASTIC_RESTART_COUNT": str(attempt)}
+    return Faults(rank, Path("unused"), env)
+
+
+def test_parse_several():
+    parsed = parse_faults("pause@step=3,rank=1; nan@step=5,always=1;hang@step=2,seconds=1.5")
+    assert parsed == [
+        Fault("pause", 3, rank=1),
+        Fault("nan", 5, always=True),
+        Fault("hang", 2, seconds=1.5),
+    ]
+    assert parse_faults("") == []
+
+
+def test_fires_once_on_the_first_attempt_only():
+    f = faults("nan@step=6")
+    assert [f.nan(s) for s in (5, 6)] == [False, True]
+    assert not f.nan(6)  # a transient fault: the step run again (after a rollback) is clean
+    assert not faults("nan@step=6", attempt=1).nan(6)
+
+
+def test_always_repeats_on_every_attempt():
+    f = faults("nan@step=6,always=1", attempt=2)
+    assert f.nan(6) and f.nan(6)
+
+
+def test_rank_filter():
+    assert faults("hang@step=2,rank=1", rank=1).fires("hang", 2)
+    assert faults("hang@step=2,rank=1", rank=0).fires("hang", 2) is None
+    assert faults("hang@step=2", rank=3).fires("hang", 2)  # no rank: every rank
