@@ -34,6 +34,7 @@ from trainwise.plan.reliability import interval_steps
 from trainwise.run import checkpoint_store as store
 from trainwise.run.checkpoint_store import CheckpointError
 from trainwise.run.events import append_event
+from trainwise.run.peers import classify_text
 
 TRAINER_FILE = "trainer.json"
 RNG_KEY = "rng"
@@ -235,7 +236,7 @@ class Checkpointer:
         except BaseException as err:  # DCP raises on every rank together; report one line
             if isinstance(err, KeyboardInterrupt):
                 raise
-            raise _save_error(step, tmp, err) from None
+            raise self._failed(step, tmp, err) from None
         stall = time.perf_counter() - t0
         self.stalls.append(stall)
         self.last_save_step = step
@@ -256,7 +257,7 @@ class Checkpointer:
                     self._commit(info, t0, async_save=False)
                 except Exception as err:  # noqa: BLE001
                     error = str(_save_error(step, tmp, err))
-            self._agree(error)
+            self._agree(error, step)
             # A sync save stalls the loop for all of it, commit included.
             self.stalls[-1] = time.perf_counter() - t0
             return self.stalls[-1]
@@ -269,14 +270,26 @@ class Checkpointer:
         self.inflight = flight
         return stall
 
-    def _agree(self, error: str | None) -> None:
+    def _agree(self, error: str | None, step: int) -> None:
         """Rank 0 alone commits; every rank learns whether it worked, so all stop together."""
         if self.group is not None:
             box = [error]
             dist.broadcast_object_list(box, src=0, group=self.group)
             error = box[0]
         if error:
+            if self.is_main:
+                append_event(self.run_dir, "checkpoint_failed", step=step, message=error)
             raise CheckpointError(error)
+
+    def _failed(self, step: int, tmp: Path, err: BaseException) -> BaseException:
+        """The error a failed write raises. A collective that timed out or lost its peer
+        is a peer failure (a restart fixes it), not a checkpoint problem."""
+        if classify_text(err):
+            return RuntimeError(f"in the checkpoint save of step {step}: {err}")
+        error = _save_error(step, tmp, err)
+        if self.is_main:
+            append_event(self.run_dir, "checkpoint_failed", step=step, message=str(error))
+        return error
 
     def _finish_async(self, flight: _InFlight, info: dict, t0: float) -> None:
         try:
@@ -327,13 +340,13 @@ class Checkpointer:
         except BaseException as err:  # noqa: BLE001 - DCP fails every rank together
             if isinstance(err, KeyboardInterrupt):
                 raise
-            raise _save_error(flight.step, tmp, err) from None
+            raise self._failed(flight.step, tmp, err) from None
         error = None
         if flight.thread is not None:
             flight.thread.join()
             if flight.error is not None:
                 error = str(_save_error(flight.step, tmp, flight.error))
-        self._agree(error)
+        self._agree(error, flight.step)
 
     # -- load -------------------------------------------------------------------------
 

@@ -16,10 +16,13 @@ Fields per kind, as the runtime writes them:
   name or null). One incident can log several (one per rank).
 - ``checkpoint`` {step, step_time, stall_s, save_s, bytes, path, async}: a committed
   checkpoint; ``step_time`` is when that step finished training (the state it holds).
-- ``checkpoint_failed`` / ``checkpoint_skipped``: a save that did not commit, or was not tried.
+- ``checkpoint_failed`` {step, message}: a save that did not commit (the previous stays valid).
+- ``checkpoint_skipped`` {path, problems}: an invalid checkpoint passed over on resume.
 - ``preempted`` {step, signal}: a planned stop after a synchronous checkpoint (not a failure).
 - ``nonfinite`` / ``rollback``: a non-finite loss, and the rollback to a checkpoint it caused.
 - ``finish``: the run ended normally.
+- ``peer_failure`` {step, stage, rank, cause, absent, detail, message}: a collective timed out
+  or lost its peer; written by each rank that saw it, before it exits for a restart.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ KINDS = (
     "rollback",
     "finish",
     "fatal",  # an error a restart cannot fix (disk full, no valid checkpoint, the guard)
+    "peer_failure",
 )
 
 

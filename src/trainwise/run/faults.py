@@ -83,10 +83,15 @@ class Faults:
         while time.monotonic() < deadline and not (until and until()):
             time.sleep(0.05)
 
-    def hang(self, step: int) -> None:
+    def hang(self, step: int, until: Callable[[], bool] | None = None) -> None:
+        """Sleep before the step's collectives: the peers wait in them (until `until()`,
+        e.g. the agent's SIGTERM once a peer gave up)."""
         fault = self.fires("hang", step)
-        if fault is not None:
-            time.sleep(fault.seconds or 0.0)
+        if fault is None:
+            return
+        deadline = time.monotonic() + (fault.seconds or 0.0)
+        while time.monotonic() < deadline and not (until and until()):
+            time.sleep(0.05)
 
     def nan(self, step: int) -> bool:
         return self.fires("nan", step) is not None

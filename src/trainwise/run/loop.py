@@ -69,6 +69,7 @@ class Stepper:
         self.device = device
         self.clock = StageClock(device)
         self.poison = False
+        self.stage = "the training step"  # where a failed collective was: named in its message
 
     def _forward_backward(self, x, y, sync: bool, scale: float) -> torch.Tensor:
         with set_gradient_sync(self.model, sync), self.autocast():
@@ -84,14 +85,19 @@ class Stepper:
         total = torch.zeros((), device=self.device)
         x = y = None
         for a in range(self.grad_accum):
+            self.stage = "data loading"
             x, y = next(batches)
             x = x.to(self.device, non_blocking=True)
             y = y.to(self.device, non_blocking=True)
             clock.mark("data")
             sync = a == self.grad_accum - 1 and not probe
+            self.stage = f"forward/backward of micro-batch {a + 1}/{self.grad_accum}" + (
+                " (gradient sync)" if sync else ""
+            )
             total += self._forward_backward(x, y, sync, 1.0 / self.grad_accum)
             clock.mark("last" if a == self.grad_accum - 1 else "compute")
         if probe:
+            self.stage = "the probe pass (gradient sync)"
             # Restore the RNG afterwards: the probe must not shift later dropout masks.
             devices = [self.device] if self.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices, device_type=self.device.type):
@@ -101,6 +107,7 @@ class Stepper:
             self.scaler.unscale_(self.optimizer)
         # torchtitan's way: one all-reduce for the norm of sharded gradients, then clip with
         # the plain tensor (clip_grad_norm_ on DTensors would reduce it twice).
+        self.stage = "the gradient-norm all-reduce"
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if isinstance(norm, DTensor):
@@ -108,6 +115,7 @@ class Stepper:
         # The guard: the norm is global (identical on every rank), so every rank skips the
         # same update. Reading it costs one host sync per step; fp16's scaler does its own.
         finite = self.scaler is not None or bool(torch.isfinite(norm))
+        self.stage = "the optimizer step"
         if self.scaler:
             torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
             self.scaler.step(self.optimizer)

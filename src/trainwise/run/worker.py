@@ -41,6 +41,7 @@ from trainwise.run.launch import LAUNCHER_ENV
 from trainwise.run.loop import Stepper, evaluate
 from trainwise.run.optim import build_optimizer, build_scheduler
 from trainwise.run.parallelize import parallelize
+from trainwise.run.peers import BARRIER_S, PeerFailure, absent_ranks, classify, first_line
 from trainwise.run.precision import autocast_context, build_grad_scaler
 from trainwise.run.recorder import Recorder
 
@@ -176,6 +177,9 @@ def _train(
         mtbf_hours=c.cluster.mtbf_hours, nodes=c.cluster.nodes, log=log,
     )  # fmt: skip
     control = Control(distributed)
+    # Kept idle for diagnosis: after a failed collective the survivors meet here to find
+    # which ranks are missing (the default group may be wedged by then).
+    health = dist.new_group(backend="gloo") if distributed else None
     faults = Faults(env.rank, run_dir)
     ckpt.before_commit = lambda step: faults.pause("pause_in_save", step)
 
@@ -228,10 +232,13 @@ def _train(
     if env.is_main:
         append_event(run_dir, "ready", attempt=faults.attempt, step=step, world=env.world)
     control.install()
+    stage = "start-up"
+    failed = False
     try:
         while step < c.train.steps:
             step += 1
-            faults.hang(step)
+            stage = "the training step"
+            faults.hang(step, until=lambda: control.signal is not None)
             stepper.poison = faults.nan(step)
             res = stepper.step(batches, probe=recorder.probe_now(step))
             if not res.finite:
@@ -250,6 +257,7 @@ def _train(
                         "train.grad_clip or check the data; the last checkpoint is intact"
                     )
                 if policy == "rollback":
+                    stage = "the rollback"
                     step, batches = _rollback(ckpt, step, rollbacks, log), None
                     rollbacks += 1
                     batches = batches_from(step)
@@ -262,24 +270,44 @@ def _train(
             every = c.train.eval_every
             eval_loss = None
             if every > 0 and (step % every == 0 or step == c.train.steps):
+                stage = "evaluation"
                 eval_loss = evaluate(model, bundle.loss_fn, eval_batches(), autocast, device)
             if env.is_main and ckpt.wanted(step):
                 control.request_save()
+            stage = "the exchange of control flags"
             stop, save_now = control.exchange()
             stall = 0.0
             if stop or save_now or ckpt.due(step):
+                stage = "the checkpoint save"
                 tokens = step * job.tokens_per_step
                 stall = ckpt.save(
                     step, tokens, time.time(), data_state, sync=stop
                 ) if ckpt.cfg.enabled or stop else 0.0  # fmt: skip
+            stage = "the metrics reduction"
             recorder.add(step, res, lr, eval_loss, ckpt_s=stall)
             faults.pause("pause", step, until=lambda: control.signal is not None)
             if stop:
                 preempted = control.signal_name or "signal"
                 break
+        stage = "the last checkpoint save"
         ckpt.close()
+    except RuntimeError as err:
+        kind = classify(err)
+        if kind is None or not distributed:
+            raise
+        failed = True
+        where = stepper.stage if stage == "the training step" else stage
+        absent = absent_ranks(health, min(BARRIER_S, c.parallel.timeout_s))
+        failure = PeerFailure(step, where, env.rank, kind, absent, first_line(err))
+        line = failure.line(c.parallel.timeout_s)
+        log.error("trainwise: %s", line)
+        append_event(run_dir, "peer_failure", **asdict(failure), message=line)
+        raise SystemExit(1) from None  # no traceback: the line says it; the agent restarts
     finally:
-        control.close()
+        if failed:
+            control.uninstall()  # the groups may be wedged: no drain, no destroy
+        else:
+            control.close()
     figures = recorder.finish()
     if preempted:
         log.info("trainwise: preempted (%s) after step %d; checkpoint saved", preempted, step)

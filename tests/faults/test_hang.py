@@ -1,0 +1,34 @@
+"""A rank that hangs: its peers wait in the step's collective until parallel.timeout_s, say
+in one line which stage they were in and which rank did not answer, and exit; the elastic
+agent restarts the group, which resumes from the last checkpoint and ends bit-identical
+to the run that never hung."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from faulty import References, assert_identical, final_weights, finish, job_args, start
+
+pytestmark = pytest.mark.dist
+
+
+def test_a_hung_rank_is_named_and_the_group_restarts(workdir: Path, reference: References):
+    run_dir = workdir / "run"
+    args = job_args(run_dir, 2, "ddp", "--set", "parallel.timeout_s=5")
+    rc, _, err = finish(start(args, workdir, faults="hang@step=6,rank=1,seconds=300"))
+    assert rc == 0, err
+
+    line = next(x for x in err.splitlines() if "step 6: rank 0 waited" in x)
+    assert "more than 5 s (parallel.timeout_s) in forward/backward" in line
+    assert "(gradient sync)" in line and "rank 1 did not respond" in line
+    assert "Traceback" not in err
+
+    log = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    seen = next(e for e in log if e["kind"] == "peer_failure" and e["rank"] == 0)
+    assert (seen["step"], seen["cause"], seen["absent"]) == (6, "timeout", [1])
+    assert any(e["kind"] == "failure" for e in log)
+    resume = next(e for e in log if e["kind"] == "resume")
+    assert resume["step"] == 4 and resume["attempt"] == 1
+    assert_identical(reference.weights(2, "ddp"), final_weights(run_dir, workdir))
