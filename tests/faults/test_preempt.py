@@ -25,7 +25,7 @@ from helpers import run_cli
 pytestmark = pytest.mark.dist
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_signal_saves_exits_zero_and_resumes_exactly(
     workdir: Path, reference: References, sig: signal.Signals
 ):

@@ -68,7 +68,6 @@ def launch_workers(
 ) -> None:
     # Each worker gets its share of the cores, not all of them (oversubscription on CPU).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", HANDLED_SIGNALS)
     os.environ[LAUNCHER_ENV] = "1"
     # A restarted group sharing the rendezvous store with the failed one can read its stale
     # addresses and fail to connect (pytorch/pytorch#135712): one fresh store per attempt.
@@ -84,6 +83,7 @@ def launch_workers(
         monitor_interval=0.1,
         start_method="spawn",
         shutdown_timeout=SHUTDOWN_GRACE_S,
+        signals_to_handle=HANDLED_SIGNALS,  # LaunchConfig sets TORCHELASTIC_SIGNALS_TO_HANDLE
     )
     handler = _FailureEvents(run_dir)
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
