@@ -70,7 +70,7 @@ class Resumed:
     tokens: int = 0
     path: Path | None = None
     skipped: list[str] = field(default_factory=list)  # "<dir>: <problem>" per invalid one
-    rng: str = "restored"  # restored | reseeded (another world size) | fresh
+    rng: str = "restored"  # restored | kept (written by another world size)
     trainer: dict[str, Any] = field(default_factory=dict)
 
     def line(self) -> str:

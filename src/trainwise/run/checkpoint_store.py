@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -40,6 +41,14 @@ class CheckpointError(TrainwiseError):
 
 
 # --- names ---------------------------------------------------------------------------------
+
+DEFAULT_ROOT = "checkpoints"  # under the run directory
+
+
+def root_for(run_dir: Path, configured: str | None) -> Path:
+    """Where a run keeps its checkpoints: ``checkpoint.dir`` when set (relative paths
+    resolve against the working directory), else ``RUN/checkpoints``."""
+    return Path(configured) if configured else Path(run_dir) / DEFAULT_ROOT
 
 
 def step_dir_name(step: int) -> str:
@@ -135,20 +144,34 @@ def scan_files(directory: Path, with_sha: bool = True) -> list[FileEntry]:
     """Every regular file of a checkpoint directory, recursively, sorted by path. The top-level
     manifest (and a leftover ``manifest.json.part``) is not part of what it describes."""
     directory = Path(directory)
-    entries = []
-    for path in _regular_files(directory):
-        rel = path.relative_to(directory).as_posix()
-        if rel in (MANIFEST, _PART):
-            continue
-        entries.append(
-            FileEntry(
-                path=rel,
-                bytes=path.stat().st_size,
-                sha256=sha256_file(path) if with_sha else "",
-            )
+    paths = [
+        path
+        for path in _regular_files(directory)
+        if path.relative_to(directory).as_posix() not in (MANIFEST, _PART)
+    ]
+    digests = hash_files(paths) if with_sha else {}
+    entries = [
+        FileEntry(
+            path=path.relative_to(directory).as_posix(),
+            bytes=path.stat().st_size,
+            sha256=digests.get(path, ""),
         )
+        for path in paths
+    ]
     entries.sort(key=lambda entry: entry.path)
     return entries
+
+
+HASH_THREADS = min(8, os.cpu_count() or 1)
+
+
+def hash_files(paths: list[Path]) -> dict[Path, str]:
+    """sha256 of several files at once: hashlib releases the GIL on large buffers, so the
+    files of a checkpoint (one or more per rank) hash in parallel threads."""
+    if len(paths) <= 1 or HASH_THREADS == 1:
+        return {path: sha256_file(path) for path in paths}
+    with ThreadPoolExecutor(max_workers=min(HASH_THREADS, len(paths))) as pool:
+        return dict(zip(paths, pool.map(sha256_file, paths), strict=True))
 
 
 def _one_line(error: ValidationError) -> str:
@@ -296,6 +319,7 @@ def _check_files(directory: Path, manifest: Manifest, mode: Literal["full", "fas
             f"{directory / MANIFEST}: manifest says step {manifest.step}, "
             f"the directory name says {name_step} (renamed by hand?)"
         )
+    to_hash: dict[Path, str] = {}
     for entry in manifest.files:
         if _unsafe_path(entry.path):
             problems.append(f"{directory / MANIFEST}: bad file path {entry.path!r} in manifest")
@@ -310,8 +334,14 @@ def _check_files(directory: Path, manifest: Manifest, mode: Literal["full", "fas
                 f"{path}: {size} bytes, manifest says {entry.bytes} (truncated or overwritten)"
             )
             continue  # hashing a file of the wrong size adds nothing
-        if mode == "full" and sha256_file(path) != entry.sha256:
-            problems.append(f"{path}: sha256 mismatch (corrupted)")
+        to_hash[path] = entry.sha256
+    if mode == "full":
+        digests = hash_files(list(to_hash))
+        problems += [
+            f"{path}: sha256 mismatch (corrupted)"
+            for path, expected in to_hash.items()
+            if digests[path] != expected
+        ]
     return problems
 
 

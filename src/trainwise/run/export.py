@@ -24,6 +24,7 @@ from trainwise.run.checkpoint_store import (
     list_checkpoints,
     parse_step,
     read_manifest,
+    root_for,
     verify,
 )
 
@@ -51,8 +52,8 @@ def checkpoint_root(run_dir: Path) -> Path:
                 f"cannot find the checkpoints of {run_dir}: {err.problems[0]}"
             ) from None
         if isinstance(section, dict) and isinstance(section.get("dir"), str) and section["dir"]:
-            return Path(section["dir"])
-    return run_dir / "checkpoints"
+            return root_for(run_dir, section["dir"])
+    return root_for(run_dir, None)
 
 
 def is_checkpoint_dir(path: Path) -> bool:

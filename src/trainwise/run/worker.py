@@ -25,7 +25,7 @@ from trainwise.errors import ConfigError, TrainwiseError
 from trainwise.hardware import detect_device
 from trainwise.models import build_model
 from trainwise.run.checkpoint import Checkpointer, Resumed
-from trainwise.run.checkpoint_store import CheckpointError, config_hash
+from trainwise.run.checkpoint_store import CheckpointError, config_hash, root_for
 from trainwise.run.control import Control
 from trainwise.run.distributed import (
     DistEnv,
@@ -167,7 +167,7 @@ def _train(
     )  # fmt: skip
     distributed = dist.is_initialized()
     ckpt = Checkpointer(
-        c.checkpoint, root=checkpoint_root(c, run_dir), run_dir=run_dir, rank=env.rank,
+        c.checkpoint, root=root_for(run_dir, c.checkpoint.dir), run_dir=run_dir, rank=env.rank,
         world=env.world, is_main=env.is_main, device=device, model=model,
         optimizer=optimizer, scheduler=scheduler, scaler=scaler, total_steps=c.train.steps,
         meta={
@@ -359,10 +359,6 @@ def _rollback(ckpt: Checkpointer, step: int, rollbacks: int, log: logging.Logger
     resumed = ckpt.load(path)
     log.warning("trainwise: step %d: rolled back to step %d (%s)", step, resumed.step, path)
     return resumed.step
-
-
-def checkpoint_root(cfg: JobConfig, run_dir: Path) -> Path:
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
 
 
 @record
