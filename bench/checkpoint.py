@@ -21,7 +21,7 @@ the ratio of that speed to the raw write (saves) or raw read (loads): 1.0 is as 
 the raw disk, 0.5 takes twice as long. Then two targets: sync save >= 0.5 x raw write, and
 async stall <= 0.1 x sync save. The sha256 row is the hashing share of the sync save (paid
 again on resume when checkpoint.verify = "full"). The two Checkpointers live through all
-rounds, as in a run (DCP still builds a fresh stager, with fresh host buffers, per save).
+rounds, as in a run: the async one keeps its stager, and so its host buffers, between saves.
 
     .venv/bin/python bench/checkpoint.py                  # 300 MB, 3 rounds
     .venv/bin/python bench/checkpoint.py --mb 20 --rounds 1 --json
