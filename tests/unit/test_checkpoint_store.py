@@ -415,3 +415,24 @@ def test_module_does_not_import_torch():
         check=True,
     )
     assert result.stdout.strip() == "False"
+
+
+def test_scan_files_reuses_hashes_the_writers_computed(tmp_path: Path):
+    (tmp_path / "__0_0.distcp").write_bytes(b"rank zero")
+    (tmp_path / "__1_0.distcp").write_bytes(b"rank one")
+    known = {
+        "__0_0.distcp": cs.FileEntry(path="__0_0.distcp", bytes=9, sha256="from-rank-0"),
+        "__1_0.distcp": cs.FileEntry(path="__1_0.distcp", bytes=3, sha256="stale"),  # size off
+    }
+    entries = {e.path: e.sha256 for e in cs.scan_files(tmp_path, known=known)}
+    assert entries["__0_0.distcp"] == "from-rank-0"  # taken as given: not read again
+    assert entries["__1_0.distcp"] == hashlib.sha256(b"rank one").hexdigest()
+
+
+def test_hash_files_in_threads_matches_one_by_one(tmp_path: Path):
+    paths = []
+    for i in range(5):
+        path = tmp_path / f"f{i}"
+        path.write_bytes(os.urandom(100_000 + i))
+        paths.append(path)
+    assert cs.hash_files(paths) == {p: cs.sha256_file(p) for p in paths}

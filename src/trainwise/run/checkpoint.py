@@ -98,8 +98,9 @@ class Resumed:
 class _InFlight:
     step: int
     future: Future
-    thread: threading.Thread | None
-    error: BaseException | None = None
+    thread: threading.Thread | None = None
+    upload_error: BaseException | None = None  # DCP's write failed (on every rank)
+    error: BaseException | None = None  # hashing, gathering or the commit failed
 
 
 class Checkpointer:
@@ -264,24 +265,45 @@ class Checkpointer:
         if self.before_commit is not None:
             self.before_commit(step)
         if not use_async:
-            error = None
-            if self.is_main:
+            known, error = self._gather_hashes(tmp)
+            if self.is_main and error is None:
                 try:
-                    self._commit(info, t0, async_save=False)
+                    self._commit(info, t0, async_save=False, known=known)
                 except Exception as err:  # noqa: BLE001
                     error = str(_save_error(step, tmp, err))
             self._agree(error, step)
             # A sync save stalls the loop for all of it, commit included.
             self.stalls[-1] = time.perf_counter() - t0
             return self.stalls[-1]
-        flight = _InFlight(step, future, None)
-        if self.is_main:
-            flight.thread = threading.Thread(
-                target=self._finish_async, args=(flight, info, t0), daemon=True
-            )
-            flight.thread.start()
+        flight = _InFlight(step, future)
+        flight.thread = threading.Thread(
+            target=self._finish_async, args=(flight, info, t0), daemon=True
+        )
+        flight.thread.start()
         self.inflight = flight
         return stall
+
+    def _gather_hashes(self, tmp: Path) -> tuple[dict[str, store.FileEntry], str | None]:
+        """Each rank hashes the files it wrote (DCP names them ``__<rank>_<n>.distcp``), so
+        that rank 0 does not read every rank's bytes; rank 0 gets them all. Files nobody
+        claimed (another naming, .metadata) rank 0 hashes itself at the commit."""
+        try:
+            paths = sorted(tmp.glob(f"__{self.rank}_*.distcp"))
+            digests = store.hash_files(paths)
+            mine: list | str = [(p.name, p.stat().st_size, digests[p]) for p in paths]
+        except OSError as err:
+            mine = f"rank {self.rank} could not hash its files: {err}"
+        parts: list[Any] = [mine]
+        if self.group is not None:
+            parts = [None] * self.world if self.is_main else []
+            dist.gather_object(mine, parts if self.is_main else None, dst=0, group=self.group)
+        known: dict[str, store.FileEntry] = {}
+        for part in parts if self.is_main else []:
+            if isinstance(part, str):
+                return {}, part
+            for name, size, sha in part:
+                known[name] = store.FileEntry(path=name, bytes=size, sha256=sha)
+        return known, None
 
     def _agree(self, error: str | None, step: int) -> None:
         """Rank 0 alone commits; every rank learns whether it worked, so all stop together."""
@@ -305,13 +327,25 @@ class Checkpointer:
         return error
 
     def _finish_async(self, flight: _InFlight, info: dict, t0: float) -> None:
+        """On every rank, in the background: wait for DCP's write, hash this rank's files,
+        and (rank 0) commit. Errors are reported by wait() on the loop's thread."""
         try:
             flight.future.result()
-            self._commit(info, t0, async_save=True)
-        except BaseException as err:  # noqa: BLE001 - reported by wait() on the loop's thread
+        except BaseException as err:  # noqa: BLE001 - DCP fails every rank together
+            flight.upload_error = err
+            return
+        try:
+            known, error = self._gather_hashes(store.tmp_dir(self.root, flight.step))
+            if error:
+                raise CheckpointError(error)
+            if self.is_main:
+                self._commit(info, t0, async_save=True, known=known)
+        except BaseException as err:  # noqa: BLE001
             flight.error = err
 
-    def _commit(self, info: dict, t0: float, async_save: bool) -> None:
+    def _commit(
+        self, info: dict, t0: float, async_save: bool, known: dict[str, store.FileEntry]
+    ) -> None:
         step = info["step"]
         tmp = store.tmp_dir(self.root, step)
         (tmp / TRAINER_FILE).write_text(json.dumps(info["trainer"], indent=1) + "\n")
@@ -332,7 +366,7 @@ class Checkpointer:
         fields["save_s"] = time.perf_counter() - t0
         if not async_save:  # the loop waited for the whole save
             fields["stall_s"] = fields["save_s"]
-        manifest = store.commit(tmp, final, fields)
+        manifest = store.commit(tmp, final, fields, known=known)
         deleted = store.apply_retention(self.root, self.cfg.keep_last, self.cfg.keep_every)
         append_event(
             self.run_dir, "checkpoint", step=step, step_time=info["step_time"],
@@ -348,24 +382,23 @@ class Checkpointer:
         if flight is None:
             return
         tmp = store.tmp_dir(self.root, flight.step)
-        try:
-            flight.future.result()
-        except BaseException as err:  # noqa: BLE001 - DCP fails every rank together
-            if isinstance(err, KeyboardInterrupt):
-                raise
-            raise self._failed(flight.step, tmp, err) from None
-        error = None
         if flight.thread is not None:
             flight.thread.join()
-            if flight.error is not None:
-                error = str(_save_error(flight.step, tmp, flight.error))
-        self._agree(error, flight.step)
+        if flight.upload_error is not None:
+            raise self._failed(flight.step, tmp, flight.upload_error) from None
+        error = None
+        if flight.error is not None:
+            if not self.is_main and classify_text(flight.error):
+                raise RuntimeError(f"in the checkpoint save of step {flight.step}: {flight.error}")
+            error = str(_save_error(flight.step, tmp, flight.error))
+        self._agree(error if self.is_main else None, flight.step)
 
     # -- load -------------------------------------------------------------------------
 
     def find(self) -> tuple[Path | None, list[str]]:
         """Rank 0 picks the checkpoint to resume from (cleaning interrupted saves first);
         every rank gets the same answer."""
+        self.wait()  # a rollback may come while a save is in flight
         box: list[Any] = [None, [], None]
         if self.is_main:
             try:
@@ -416,6 +449,7 @@ class Checkpointer:
     def load(self, path: Path) -> Resumed:
         """Load model, optimizer and trainer state from `path` into this rank, resharding
         to the current strategy and world size."""
+        self.wait()  # the checkpoint group must be idle
         trainer = json.loads((path / TRAINER_FILE).read_text())
         # RNG states are per rank: restored only at the same world size.
         same_world = trainer.get("world_size") == self.world

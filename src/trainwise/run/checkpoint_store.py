@@ -140,20 +140,33 @@ def _regular_files(directory: Path) -> list[Path]:
     return found
 
 
-def scan_files(directory: Path, with_sha: bool = True) -> list[FileEntry]:
+def scan_files(
+    directory: Path, with_sha: bool = True, known: dict[str, FileEntry] | None = None
+) -> list[FileEntry]:
     """Every regular file of a checkpoint directory, recursively, sorted by path. The top-level
-    manifest (and a leftover ``manifest.json.part``) is not part of what it describes."""
+    manifest (and a leftover ``manifest.json.part``) is not part of what it describes.
+    ``known`` holds entries already hashed elsewhere (each rank hashes the files it wrote),
+    keyed by relative path; one is used only if the file still has its size."""
     directory = Path(directory)
+    known = known or {}
     paths = [
         path
         for path in _regular_files(directory)
         if path.relative_to(directory).as_posix() not in (MANIFEST, _PART)
     ]
-    digests = hash_files(paths) if with_sha else {}
+    sizes = {path: path.stat().st_size for path in paths}
+
+    def reusable(path: Path) -> FileEntry | None:
+        entry = known.get(path.relative_to(directory).as_posix())
+        return entry if entry is not None and entry.bytes == sizes[path] else None
+
+    todo = [path for path in paths if reusable(path) is None]
+    digests = hash_files(todo) if with_sha else {}
     entries = [
-        FileEntry(
+        reusable(path)
+        or FileEntry(
             path=path.relative_to(directory).as_posix(),
-            bytes=path.stat().st_size,
+            bytes=sizes[path],
             sha256=digests.get(path, ""),
         )
         for path in paths
@@ -241,10 +254,16 @@ def _remove_dir(path: Path) -> None:
 # --- commit --------------------------------------------------------------------------------
 
 
-def commit(tmp: Path, final: Path, manifest_fields: dict[str, Any]) -> Manifest:
+def commit(
+    tmp: Path,
+    final: Path,
+    manifest_fields: dict[str, Any],
+    known: dict[str, FileEntry] | None = None,
+) -> Manifest:
     """Seal a finished save: write the manifest into ``tmp`` last, then rename ``tmp`` to
-    ``final``. ``manifest_fields`` holds every Manifest field but ``files`` (scanned here);
-    ``created`` defaults to now. Returns the manifest written."""
+    ``final``. ``manifest_fields`` holds every Manifest field but ``files`` (scanned here,
+    reusing the ``known`` hashes of files hashed by the ranks that wrote them); ``created``
+    defaults to now. Returns the manifest written."""
     tmp, final = Path(tmp), Path(final)
     if not tmp.is_dir():
         raise CheckpointError(
@@ -263,7 +282,7 @@ def commit(tmp: Path, final: Path, manifest_fields: dict[str, Any]) -> Manifest:
 
     # Data first: every byte the manifest describes must be durable before the manifest is.
     _fsync_tree(tmp)
-    fields = {"created": time.time(), **manifest_fields, "files": scan_files(tmp)}
+    fields = {"created": time.time(), **manifest_fields, "files": scan_files(tmp, known=known)}
     try:
         manifest = Manifest(**fields)
     except ValidationError as e:
