@@ -117,13 +117,6 @@ def _train(
     log: logging.Logger,
 ) -> dict[str, Any] | None:
     c = cfg
-    log.info(
-        "trainwise: %s on %d x %s, %s",
-        c.model.name,
-        env.world,
-        job.device.name,
-        job.decision.reason,
-    )
 
     # Same seed on every rank: identical initial weights whatever the strategy.
     torch.manual_seed(c.train.seed)
@@ -187,7 +180,11 @@ def _train(
     path, skipped = ckpt.find()
     resumed = ckpt.load(path) if path else Resumed()
     resumed.skipped = skipped
-    log.info("trainwise: %s", resumed.line())
+    log.info("trainwise: %s", resumed.line())  # first: where this run continues from
+    log.info(
+        "trainwise: %s on %d x %s, %s", c.model.name, env.world, job.device.name,
+        job.decision.reason,
+    )  # fmt: skip
     if env.is_main and path:
         append_event(
             run_dir, "resume", attempt=faults.attempt, step=resumed.step, path=str(path),
