@@ -69,3 +69,18 @@ def test_async_stall_is_below_the_sync_stall(tmp_path: Path):
     for run_dir in (sync_dir, async_dir):
         (info,) = list_checkpoints(run_dir / "checkpoints", "full")
         assert info.valid, info.problems
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_missing_items_finds_what_a_failed_writer_thread_left_out(tmp_path: Path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from trainwise.run.checkpoint import missing_items
+
+    state = {"a": torch.ones(64), "b": torch.zeros(8, 8), "note": {"text": "bytes item"}}
+    metadata = dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path), thread_count=2))
+    assert missing_items(metadata) == 0
+    dropped = next(iter(metadata.storage_data))
+    del metadata.storage_data[dropped]  # what a writer thread dying mid-file leaves
+    assert missing_items(metadata) == 1

@@ -25,11 +25,9 @@ from helpers import run_cli
 pytestmark = pytest.mark.dist
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
-def test_signal_saves_exits_zero_and_resumes_exactly(
-    workdir: Path, reference: References, sig: signal.Signals
-):
-    run_dir = workdir / "run"
+def preempt(workdir: Path, run_dir: Path, sig: signal.Signals) -> dict:
+    """Start the job, send `sig` to the launcher once rank 0 paused after step 6, check
+    the clean stop; returns the `preempted` event."""
     args = job_args(run_dir, 2, "fsdp")
     proc = start(args, workdir, faults="pause@step=6,rank=0")
     wait_for_pid(proc, run_dir / "faults" / "pause-step-6.pid")
@@ -43,8 +41,18 @@ def test_signal_saves_exits_zero_and_resumes_exactly(
     saved = [e["step"] for e in log if e["kind"] == "checkpoint"]
     assert saved[-1] == stop["step"] and stop["step"] < STEPS
     assert not any(e["kind"] == "failure" for e in log)
+    return stop
 
-    again = run_cli(*args, cwd=workdir)
+
+def test_sigterm_saves_exits_zero_and_resumes_exactly(workdir: Path, reference: References):
+    run_dir = workdir / "run"
+    stop = preempt(workdir, run_dir, signal.SIGTERM)
+    again = run_cli(*job_args(run_dir, 2, "fsdp"), cwd=workdir)
     assert again.returncode == 0, again.stderr
     assert f"resuming from step {stop['step']}" in again.stderr
     assert_identical(reference.weights(2, "fsdp"), final_weights(run_dir, workdir))
+
+
+def test_sigusr1_is_a_preemption_too(workdir: Path):
+    """What `sbatch --signal=USR1@90` sends; the launcher must forward it, not die of it."""
+    preempt(workdir, workdir / "run", signal.SIGUSR1)

@@ -1,8 +1,20 @@
-"""The one-line diagnosis of a failed collective."""
+"""The one-line diagnosis of a failed collective, and the disk-full judgement of a failed
+save: what counts and what does not."""
 
 from __future__ import annotations
 
-from trainwise.run.peers import PeerFailure, absent_ranks, classify, classify_text, first_line
+import errno
+from pathlib import Path
+
+from trainwise.run.checkpoint import _disk_full
+from trainwise.run.peers import (
+    PeerError,
+    PeerFailure,
+    absent_ranks,
+    classify,
+    find_peer_error,
+    last_line,
+)
 
 GLOO_TIMEOUT = (
     "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
@@ -10,16 +22,42 @@ GLOO_TIMEOUT = (
 )
 
 
-def test_classify():
+class Wrapped:  # DCP's _WrappedException: the rank's exception under .exc
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class CheckpointException(BaseException):  # DCP's: failures by rank, text with tracebacks
+    def __init__(self, failures: dict[int, Wrapped], text: str):
+        super().__init__(text)
+        self.failures = failures
+
+
+def test_classify_matches_the_backends_wording_only():
     assert classify(RuntimeError(GLOO_TIMEOUT)) == "timeout"
-    assert classify(RuntimeError("Connection reset by peer")) == "lost"
+    assert classify(RuntimeError("Connection closed by peer [127.0.0.1]:8595")) == "lost"
+    assert classify(RuntimeError("Read error: Connection reset by peer")) == "lost"
     assert classify(RuntimeError("CUDA out of memory")) is None
+    assert classify(RuntimeError("DataLoader timed out after 5 seconds")) is None
+    assert classify(RuntimeError("cannot open /scratch/timeout_exp/x")) is None
     assert classify(ValueError(GLOO_TIMEOUT)) is None  # not from the backend
-    assert classify_text(BaseException("rank 1: Connection closed by peer")) == "lost"
+    assert classify(PeerError("lost", "anything")) == "lost"
 
 
-def test_first_line_drops_the_source_location():
-    assert first_line(RuntimeError(GLOO_TIMEOUT)) == (
+def test_find_peer_error_looks_inside_dcp_failures_not_at_their_text():
+    lost = RuntimeError("Connection closed by peer [10.0.0.2]:29500")
+    found = find_peer_error(CheckpointException({1: Wrapped(lost)}, "rank 1 failed"))
+    assert found is not None and found.cause == "lost"
+    # A disk error under a path that happens to contain "timeout": not a peer failure.
+    denied = PermissionError(13, "Permission denied", "/scratch/timeout_exp/__0_0.distcp")
+    assert find_peer_error(CheckpointException({0: Wrapped(denied)}, str(denied))) is None
+    chained = RuntimeError("save failed")
+    chained.__cause__ = RuntimeError(GLOO_TIMEOUT)
+    assert find_peer_error(chained).cause == "timeout"
+
+
+def test_last_line_drops_the_source_location():
+    assert last_line(RuntimeError(GLOO_TIMEOUT)) == (
         "Timed out waiting 5000ms for recv operation to complete"
     )
 
@@ -31,8 +69,21 @@ def test_line_names_stage_and_ranks():
     assert "ranks 1, 3 did not respond" in line and "restarts the group" in line
     lost = PeerFailure(2, "evaluation", 1, "lost", None, "reset").line(600)
     assert "lost its connection to a peer in evaluation" in lost
-    assert "could not tell which rank" in lost
+    assert "a peer process exited" in lost
+    unknown = PeerFailure(2, "evaluation", 1, "timeout", None, "t").line(600)
+    assert "could not tell which rank is missing" in unknown
 
 
 def test_absent_ranks_without_a_group_is_unknown():
     assert absent_ranks(None) is None
+
+
+def test_disk_full_needs_the_errno_or_a_short_write_on_a_full_disk(tmp_path: Path):
+    assert _disk_full(OSError(errno.ENOSPC, "No space left on device"), tmp_path)
+    assert _disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"), tmp_path)
+    nested = CheckpointException({1: Wrapped(OSError(errno.ENOSPC, "x"))}, "rank 1 failed")
+    assert _disk_full(nested, tmp_path)
+    # This test's folder has room: a short write here is not a full disk, and neither is
+    # any other error.
+    assert not _disk_full(RuntimeError("unexpected pos 704 vs 598"), tmp_path)
+    assert not _disk_full(PermissionError(13, "Permission denied"), tmp_path)

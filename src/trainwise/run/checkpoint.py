@@ -19,6 +19,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -36,14 +38,32 @@ from trainwise.plan.reliability import interval_steps
 from trainwise.run import checkpoint_store as store
 from trainwise.run.checkpoint_store import CheckpointError
 from trainwise.run.events import append_event
-from trainwise.run.peers import classify_text
+from trainwise.run.peers import PeerError, find_peer_error
 
 TRAINER_FILE = "trainer.json"
 RNG_KEY = "rng"
 AUTO_FIRST_SAVE = 10  # interval = "auto": the first save (to measure the stall) at this step
 # Files each rank writes in parallel threads (DCP's FileSystemWriter), later hashed in
-# parallel too: one file per rank leaves a core idle on write and on sha256.
+# parallel too: one file per rank leaves a core idle on write and on sha256. (A failed
+# extra thread is caught by missing_items and the excepthook below.)
 WRITE_THREADS = 2
+
+
+WRITER_THREAD = "_write_files_from_queue"  # DCP's extra writer threads are named after it
+
+
+def missing_items(metadata: Metadata) -> int:
+    """Items DCP planned to save but has no storage record for. DCP's extra writer threads
+    (thread_count > 1) end with an exception that nothing re-raises: their items are then
+    silently missing from the checkpoint. Counting them catches that."""
+    stored = metadata.storage_data or {}
+    missing = 0
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            missing += sum(MetadataIndex(fqn, c.offsets) not in stored for c in md.chunks)
+        elif MetadataIndex(fqn) not in stored:
+            missing += 1
+    return missing
 
 
 def rng_key(rank: int) -> str:
@@ -101,6 +121,8 @@ class _InFlight:
     thread: threading.Thread | None = None
     upload_error: BaseException | None = None  # DCP's write failed (on every rank)
     error: BaseException | None = None  # hashing, gathering or the commit failed
+    peer: PeerError | None = None  # ... because a peer was lost
+    message: str = ""  # the error's line, judged when it happened
 
 
 class Checkpointer:
@@ -126,6 +148,7 @@ class Checkpointer:
         mtbf_hours: float,
         nodes: int,
         log: logging.Logger,
+        timeout_s: float = 600.0,
     ):
         self.cfg = cfg
         self.root = root
@@ -145,12 +168,21 @@ class Checkpointer:
         self.log = log
         # DCP's own group: an async save's collectives run in a thread and must not share
         # a group with training collectives (gloo matches operations by order).
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.group = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            if dist.is_initialized()
+            else None
+        )
         self.inflight: _InFlight | None = None
         # One stager for the whole run: it keeps its host buffers between saves (a fresh
         # one per save would allocate, and page-fault through, the whole state each time).
         cuda = device.type == "cuda"
         self.stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
+        # A failing DCP writer thread is caught here rather than printed as a traceback;
+        # the save then fails on every rank with one line (see _write_failure).
+        self.writer_errors: list[BaseException] = []
+        self._previous_hook = threading.excepthook
+        threading.excepthook = self._on_thread_error
         self.last_save_step = 0
         self.last_save_time = time.monotonic()
         self.stalls: list[float] = []
@@ -158,6 +190,22 @@ class Checkpointer:
         self.before_commit: Any = None  # a test's fault injection point: f(step)
         self._last_tick: float | None = None
         self._step_s: list[float] = []
+
+    def _on_thread_error(self, args: Any) -> None:
+        if args.thread is not None and WRITER_THREAD in args.thread.name and args.exc_value:
+            self.writer_errors.append(args.exc_value)
+            return
+        self._previous_hook(args)
+
+    def _write_failure(self, metadata: Any) -> str | None:
+        """Why DCP's write is incomplete on this rank, or None: a writer thread's error, or
+        items without data."""
+        errors, self.writer_errors = self.writer_errors, []
+        if errors:
+            return f"rank {self.rank}: a writer thread failed: {errors[0]}"
+        if isinstance(metadata, Metadata) and (n := missing_items(metadata)):
+            return f"rank {self.rank}: DCP recorded no data for {n} items"
+        return None
 
     # -- schedule ---------------------------------------------------------------------
 
@@ -246,7 +294,7 @@ class Checkpointer:
                     async_stager=self.stager,
                 )  # fmt: skip
             else:
-                dcp.save(state, storage_writer=writer, process_group=self.group)
+                metadata = dcp.save(state, storage_writer=writer, process_group=self.group)
         except BaseException as err:  # DCP raises on every rank together; report one line
             if isinstance(err, KeyboardInterrupt):
                 raise
@@ -265,7 +313,7 @@ class Checkpointer:
         if self.before_commit is not None:
             self.before_commit(step)
         if not use_async:
-            known, error = self._gather_hashes(tmp)
+            known, error = self._gather_hashes(tmp, self._write_failure(metadata))
             if self.is_main and error is None:
                 try:
                     self._commit(info, t0, async_save=False, known=known)
@@ -283,14 +331,18 @@ class Checkpointer:
         self.inflight = flight
         return stall
 
-    def _gather_hashes(self, tmp: Path) -> tuple[dict[str, store.FileEntry], str | None]:
+    def _gather_hashes(
+        self, tmp: Path, failure: str | None
+    ) -> tuple[dict[str, store.FileEntry], str | None]:
         """Each rank hashes the files it wrote (DCP names them ``__<rank>_<n>.distcp``), so
-        that rank 0 does not read every rank's bytes; rank 0 gets them all. Files nobody
-        claimed (another naming, .metadata) rank 0 hashes itself at the commit."""
+        that rank 0 does not read every rank's bytes; rank 0 gets them all, or the first
+        rank's `failure` (an incomplete write) to report. Files nobody claimed (another
+        naming, .metadata) rank 0 hashes itself at the commit."""
+        mine: list | str
         try:
             paths = sorted(tmp.glob(f"__{self.rank}_*.distcp"))
-            digests = store.hash_files(paths)
-            mine: list | str = [(p.name, p.stat().st_size, digests[p]) for p in paths]
+            digests = store.hash_files(paths) if failure is None else {}
+            mine = failure or [(p.name, p.stat().st_size, digests[p]) for p in paths]
         except OSError as err:
             mine = f"rank {self.rank} could not hash its files: {err}"
         parts: list[Any] = [mine]
@@ -305,12 +357,16 @@ class Checkpointer:
                 known[name] = store.FileEntry(path=name, bytes=size, sha256=sha)
         return known, None
 
-    def _agree(self, error: str | None, step: int) -> None:
-        """Rank 0 alone commits; every rank learns whether it worked, so all stop together."""
+    def _agree(self, error: str | None, step: int, peer: str | None = None) -> None:
+        """Rank 0 alone commits; every rank learns whether it worked, so all stop together:
+        with a CheckpointError, or with a PeerError (`peer` = its cause) when a rank was
+        lost during the save, which a restart fixes."""
         if self.group is not None:
-            box = [error]
+            box = [(error, peer)]
             dist.broadcast_object_list(box, src=0, group=self.group)
-            error = box[0]
+            error, peer = box[0]
+        if error and peer:
+            raise PeerError(peer, error)
         if error:
             if self.is_main:
                 append_event(self.run_dir, "checkpoint_failed", step=step, message=error)
@@ -319,8 +375,9 @@ class Checkpointer:
     def _failed(self, step: int, tmp: Path, err: BaseException) -> BaseException:
         """The error a failed write raises. A collective that timed out or lost its peer
         is a peer failure (a restart fixes it), not a checkpoint problem."""
-        if classify_text(err):
-            return RuntimeError(f"in the checkpoint save of step {step}: {err}")
+        peer = find_peer_error(err)
+        if peer is not None:
+            return PeerError(peer.cause, f"in the checkpoint save of step {step}: {peer}")
         error = _save_error(step, tmp, err)
         if self.is_main:
             append_event(self.run_dir, "checkpoint_failed", step=step, message=str(error))
@@ -330,18 +387,22 @@ class Checkpointer:
         """On every rank, in the background: wait for DCP's write, hash this rank's files,
         and (rank 0) commit. Errors are reported by wait() on the loop's thread."""
         try:
-            flight.future.result()
+            metadata = flight.future.result()
         except BaseException as err:  # noqa: BLE001 - DCP fails every rank together
             flight.upload_error = err
             return
+        tmp = store.tmp_dir(self.root, flight.step)
         try:
-            known, error = self._gather_hashes(store.tmp_dir(self.root, flight.step))
+            known, error = self._gather_hashes(tmp, self._write_failure(metadata))
             if error:
                 raise CheckpointError(error)
             if self.is_main:
                 self._commit(info, t0, async_save=True, known=known)
         except BaseException as err:  # noqa: BLE001
             flight.error = err
+            # Judged now, not at the next wait(): free space may have changed by then.
+            flight.peer = find_peer_error(err)
+            flight.message = str(_save_error(flight.step, tmp, err))
 
     def _commit(
         self, info: dict, t0: float, async_save: bool, known: dict[str, store.FileEntry]
@@ -386,12 +447,15 @@ class Checkpointer:
             flight.thread.join()
         if flight.upload_error is not None:
             raise self._failed(flight.step, tmp, flight.upload_error) from None
-        error = None
-        if flight.error is not None:
-            if not self.is_main and classify_text(flight.error):
-                raise RuntimeError(f"in the checkpoint save of step {flight.step}: {flight.error}")
-            error = str(_save_error(flight.step, tmp, flight.error))
-        self._agree(error if self.is_main else None, flight.step)
+        if flight.peer is not None and not self.is_main:
+            raise flight.peer  # the group is broken: rank 0's broadcast will not come
+        error = peer = None
+        if flight.error is not None and flight.peer is not None:
+            error = f"in the checkpoint save of step {flight.step}: {flight.peer}"
+            peer = flight.peer.cause
+        elif flight.error is not None:
+            error = flight.message
+        self._agree(error if self.is_main else None, flight.step, peer if self.is_main else None)
 
     # -- load -------------------------------------------------------------------------
 
@@ -474,6 +538,7 @@ class Checkpointer:
     def close(self) -> None:
         self.wait()
         self.stager.close()
+        threading.excepthook = self._previous_hook
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
@@ -493,27 +558,32 @@ def _save_error(step: int, tmp: Path, err: BaseException) -> CheckpointError:
     )
 
 
-DISK_FULL_FREE_BYTES = 1 << 20  # less free than this after a failed write: the disk is full
+DISK_FULL_FREE_BYTES = 1 << 20  # less free than this after a short write: the disk is full
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+DISK_FULL_TEXTS = ("no space left", "disk quota exceeded")
+SHORT_WRITE_TEXTS = ("unexpected pos", "file write failed")  # torch's writer, errno lost
 
 
 def _disk_full(err: BaseException, folder: Path) -> bool:
-    """ENOSPC anywhere in the error (DCP wraps each rank's failure), or, because a short
-    write in torch's file writer loses the errno ("unexpected pos ..."), a nearly empty
-    file system right after the failure."""
-    seen: list[BaseException] = []
-    todo = [err]
-    while todo and len(seen) < 32:
+    """ENOSPC or EDQUOT anywhere in the error (DCP wraps each rank's failure); or a short
+    write in torch's file writer, which loses the errno, on a nearly full file system."""
+    todo, seen, short_write = [err], 0, False
+    while todo and seen < 64:
         e = todo.pop()
-        seen.append(e)
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        seen += 1
+        text = str(e).lower()
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
             return True
-        if "No space left" in str(e):
+        if any(t in text for t in DISK_FULL_TEXTS):
             return True
+        short_write = short_write or any(t in text for t in SHORT_WRITE_TEXTS)
         todo += [x for x in (e.__cause__, e.__context__) if x is not None]
         for wrapped in getattr(e, "failures", {}).values():  # DCP's CheckpointException
             inner = getattr(wrapped, "exc", wrapped)
             if isinstance(inner, BaseException):
                 todo.append(inner)
+    if not short_write:
+        return False
     try:
         return shutil.disk_usage(folder).free < DISK_FULL_FREE_BYTES
     except OSError:

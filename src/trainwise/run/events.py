@@ -21,7 +21,7 @@ Fields per kind, as the runtime writes them:
 - ``preempted`` {step, signal}: a planned stop after a synchronous checkpoint (not a failure).
 - ``nonfinite`` / ``rollback``: a non-finite loss, and the rollback to a checkpoint it caused.
 - ``finish``: the run ended normally.
-- ``peer_failure`` {step, stage, rank, cause, absent, detail, message}: a collective timed out
+- ``peer_failure`` {step, stage, rank, cause, absent, detail, message, traceback}: a collective timed out
   or lost its peer; written by each rank that saw it, before it exits for a restart.
 """
 

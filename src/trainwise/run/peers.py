@@ -17,8 +17,15 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-TIMEOUT_MARKERS = ("timed out", "timeout")
-LOST_MARKERS = ("connection reset", "connection closed", "broken pipe", "connection refused")
+# The backends' own wording (gloo; NCCL's watchdog), matched on RuntimeErrors only: a path
+# or a DataLoader message that merely contains "timeout" is not a peer failure.
+TIMEOUT_MARKERS = ("timed out waiting", "collective operation timeout")
+LOST_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "remote worker crashing",
+    "nccl communicator was aborted",
+)
 BARRIER_S = 10.0  # how long the survivors wait for each other while finding the absent
 
 
@@ -38,24 +45,35 @@ class PeerFailure:
             what = f"lost its connection to a peer in {self.stage}"
         if self.absent:
             who = ", ".join(map(str, self.absent))
-            whom = f"rank{'s' if len(self.absent) > 1 else ''} {who} did not respond"
+            whom = (
+                f"rank{'s' if len(self.absent) > 1 else ''} {who} did not respond (stuck or dead)"
+            )
+        elif self.cause == "lost":
+            whom = "a peer process exited (the launcher's failure event names it)"
         else:
             whom = "the other ranks could not tell which rank is missing"
         return (
-            f"step {self.step}: rank {self.rank} {what}; {whom} (stuck or dead); the elastic "
+            f"step {self.step}: rank {self.rank} {what}; {whom}; the elastic "
             f"agent restarts the group from the last checkpoint [{self.detail}]"
         )
 
 
+class PeerError(RuntimeError):
+    """A collective failed because of another rank (raised where the backend's own error
+    was wrapped, e.g. inside a checkpoint save)."""
+
+    def __init__(self, cause: str, message: str):
+        super().__init__(message)
+        self.cause = cause  # "timeout" | "lost"
+
+
 def classify(err: BaseException) -> str | None:
-    """'timeout' or 'lost' for a failed collective (a RuntimeError from the backend);
-    None for any other error."""
-    return classify_text(err) if isinstance(err, RuntimeError) else None
-
-
-def classify_text(err: BaseException) -> str | None:
-    """The same judgement from the text alone, for errors that wrap the backend's (DCP's
-    CheckpointException gathers every rank's failure)."""
+    """'timeout' or 'lost' for a collective that failed because of a peer; None for any
+    other error."""
+    if isinstance(err, PeerError):
+        return err.cause
+    if not isinstance(err, RuntimeError):
+        return None
     text = str(err).lower()
     if any(m in text for m in TIMEOUT_MARKERS):
         return "timeout"
@@ -64,9 +82,27 @@ def classify_text(err: BaseException) -> str | None:
     return None
 
 
+def find_peer_error(err: BaseException) -> PeerError | None:
+    """A peer failure anywhere inside `err`: its cause chain, or the per-rank failures that
+    DCP's CheckpointException gathers."""
+    todo, seen = [err], 0
+    while todo and seen < 64:
+        e = todo.pop()
+        seen += 1
+        cause = classify(e)
+        if cause:
+            return e if isinstance(e, PeerError) else PeerError(cause, last_line(e))
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+        for wrapped in getattr(e, "failures", {}).values():
+            inner = getattr(wrapped, "exc", wrapped)
+            if isinstance(inner, BaseException):
+                todo.append(inner)
+    return None
+
+
 def absent_ranks(group: dist.ProcessGroup | None, seconds: float = BARRIER_S) -> list[int] | None:
     """The ranks that do not reach a monitored barrier within `seconds` (gloo only). Rank 0
-    learns the full list; another rank learns only whether rank 0 answered."""
+    learns the full list; another rank learns nothing (None) when anyone is missing."""
     if group is None:
         return None
     try:
@@ -76,13 +112,14 @@ def absent_ranks(group: dist.ProcessGroup | None, seconds: float = BARRIER_S) ->
         found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
         if found:
             return [int(r) for r in found.group(1).replace(" ", "").split(",") if r]
-        if "rank 0" in text.lower():
-            return [0]
+        # Another rank than 0 only learns that rank 0 gave up (perhaps because a third rank
+        # is missing): rank 0's own line names them.
         return None
     return []  # everyone answered: the failed collective's peer has recovered or restarted
 
 
-def first_line(err: BaseException) -> str:
+def last_line(err: BaseException) -> str:
+    """The backend's message: its last line, without gloo's "[path/file.cc:78] " prefix."""
     text = str(err).strip().splitlines()
     line = text[-1] if text else type(err).__name__
-    return re.sub(r"^\[[^\]]*\] ", "", line)  # drop gloo's "[path/file.cc:78] " prefix
+    return re.sub(r"^\[[^\]]*\] ", "", line)

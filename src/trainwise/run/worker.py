@@ -10,8 +10,9 @@ import logging
 import os
 import sys
 import time
+import traceback
 from dataclasses import asdict
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from trainwise.run.launch import LAUNCHER_ENV
 from trainwise.run.loop import Stepper, evaluate
 from trainwise.run.optim import build_optimizer, build_scheduler
 from trainwise.run.parallelize import parallelize
-from trainwise.run.peers import BARRIER_S, PeerFailure, absent_ranks, classify, first_line
+from trainwise.run.peers import BARRIER_S, PeerFailure, absent_ranks, classify, last_line
 from trainwise.run.precision import autocast_context, build_grad_scaler
 from trainwise.run.recorder import Recorder
 
@@ -168,11 +169,16 @@ def _train(
             "model_spec": asdict(job.model_spec), "config_hash": config_hash(dump_toml(c)),
         },
         mtbf_hours=c.cluster.mtbf_hours, nodes=c.cluster.nodes, log=log,
+        timeout_s=c.parallel.timeout_s,
     )  # fmt: skip
-    control = Control(distributed)
+    control = Control(distributed, c.parallel.timeout_s)
     # Kept idle for diagnosis: after a failed collective the survivors meet here to find
     # which ranks are missing (the default group may be wedged by then).
-    health = dist.new_group(backend="gloo") if distributed else None
+    health = (
+        dist.new_group(backend="gloo", timeout=timedelta(seconds=c.parallel.timeout_s))
+        if distributed
+        else None
+    )
     faults = Faults(env.rank, run_dir)
     ckpt.before_commit = lambda step: faults.pause("pause_in_save", step)
 
@@ -294,11 +300,18 @@ def _train(
             raise
         failed = True
         where = stepper.stage if stage == "the training step" else stage
-        absent = absent_ranks(health, min(BARRIER_S, c.parallel.timeout_s))
-        failure = PeerFailure(step, where, env.rank, kind, absent, first_line(err))
+        # A hang needs the diagnosis; a lost peer exited, and the agent reports which (no
+        # need to hold up the restart by a barrier).
+        absent = (
+            absent_ranks(health, min(BARRIER_S, c.parallel.timeout_s))
+            if kind == "timeout"
+            else None
+        )
+        failure = PeerFailure(step, where, env.rank, kind, absent, last_line(err))
         line = failure.line(c.parallel.timeout_s)
         log.error("trainwise: %s", line)
-        append_event(run_dir, "peer_failure", **asdict(failure), message=line)
+        trace = "".join(traceback.format_exception(err))  # kept for a post-mortem
+        append_event(run_dir, "peer_failure", **asdict(failure), message=line, traceback=trace)
         raise SystemExit(1) from None  # no traceback: the line says it; the agent restarts
     finally:
         if failed:
