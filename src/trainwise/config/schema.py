@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from trainwise.hardware.catalog import find_gpu, gpu_names
+
 Strategy = Literal["auto", "single", "ddp", "fsdp", "hsdp"]
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -205,6 +207,14 @@ class ClusterConfig(Section):
     gpu: str | None = Field(
         None, description="GPU type from the hardware catalog; default: detected."
     )
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, value: str | None) -> str | None:
+        if value is not None and find_gpu(value) is None:
+            raise ValueError(f"is not in the hardware catalog; known: {', '.join(gpu_names())}")
+        return value
+
     device_memory_gb: float | None = Field(
         None, gt=0.0, description="Memory per device for 'auto'; default: detected."
     )

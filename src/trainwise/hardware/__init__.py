@@ -5,17 +5,33 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainwise.hardware.catalog import GB, GPUS, TFLOP, GPUSpec, find_gpu
+from trainwise.hardware.catalog import (
+    GB,
+    TFLOP,
+    Catalog,
+    CatalogError,
+    GPUSpec,
+    Link,
+    default_catalog,
+    find_gpu,
+    gpu_names,
+    load_catalog,
+)
 
 __all__ = [
     "GB",
-    "GPUS",
     "TFLOP",
+    "Catalog",
+    "CatalogError",
     "DeviceInfo",
     "GPUSpec",
+    "Link",
+    "default_catalog",
     "detect_device",
     "find_gpu",
+    "gpu_names",
     "host_memory_bytes",
+    "load_catalog",
 ]
 
 

@@ -1,92 +1,189 @@
-"""The hardware catalog: accelerators as data, each figure with its source.
-
-Peak rates are dense (no structured sparsity) tensor-core figures from the vendors'
-datasheets. Prices are typical on-demand cloud list prices per GPU-hour (late 2025) and
-are assumptions: set `cost.price_per_gpu_hour` for your own contract.
-"""
+"""The hardware catalog: accelerators and the links between them, read from catalog.toml
+(the data, each figure with its source, lives there and nowhere else). No torch here: the
+planner reads the catalog in a process that never imports torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 TFLOP = 1e12
 GB = 1e9
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+SCOPES = ("intra", "inter")
+
+
+class CatalogError(ValueError):
+    """A catalog file that does not hold what the code needs (one line, naming the key)."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link between GPUs: NVLink or PCIe within a node, a network between nodes."""
+
+    name: str
+    scope: str  # "intra" | "inter"
+    bytes_per_s: float  # per GPU and per direction
+    source: str
 
 
 @dataclass(frozen=True)
 class GPUSpec:
     name: str
-    memory_bytes: float
-    peak_flops: dict[str, float]  # by precision: fp32 (TF32 tensor cores where present), bf16, fp16
-    price_per_hour: float
+    memory_bytes: float  # 0 for "cpu": the machine's RAM, detected at run time
+    peak_flops: dict[str, float]  # dense FLOP/s by precision; absent = not supported
+    price_per_hour: float  # USD per GPU-hour, an assumption (see catalog.toml)
     source: str
-    aliases: tuple[str, ...] = ()
+    intra_node: Link | None = None
+    aliases: tuple[str, ...] = field(default=())
 
     def peak(self, precision: str) -> float | None:
         return self.peak_flops.get(precision)
 
 
-GPUS: dict[str, GPUSpec] = {
-    g.name: g
-    for g in [
-        GPUSpec(
-            "H200",
-            141 * GB,
-            {"fp32": 494 * TFLOP, "bf16": 989 * TFLOP, "fp16": 989 * TFLOP},
-            price_per_hour=4.00,
-            source="NVIDIA H200 datasheet (SXM, dense)",
-        ),
-        GPUSpec(
-            "H100",
-            80 * GB,
-            {"fp32": 494 * TFLOP, "bf16": 989 * TFLOP, "fp16": 989 * TFLOP},
-            price_per_hour=3.00,
-            source="NVIDIA H100 datasheet (SXM5, dense)",
-            aliases=("H100 80GB", "H100 SXM"),
-        ),
-        GPUSpec(
-            "A100-80GB",
-            80 * GB,
-            {"fp32": 156 * TFLOP, "bf16": 312 * TFLOP, "fp16": 312 * TFLOP},
-            price_per_hour=1.80,
-            source="NVIDIA A100 datasheet (SXM4 80GB, dense)",
-            aliases=("A100 80GB", "A100-SXM4-80GB"),
-        ),
-        GPUSpec(
-            "A100-40GB",
-            40 * GB,
-            {"fp32": 156 * TFLOP, "bf16": 312 * TFLOP, "fp16": 312 * TFLOP},
-            price_per_hour=1.30,
-            source="NVIDIA A100 datasheet (SXM4 40GB, dense)",
-            aliases=("A100", "A100-SXM4-40GB"),
-        ),
-        GPUSpec(
-            "L4",
-            24 * GB,
-            {"fp32": 60 * TFLOP, "bf16": 121 * TFLOP, "fp16": 121 * TFLOP},
-            price_per_hour=0.80,
-            source="NVIDIA L4 datasheet (dense)",
-        ),
-        GPUSpec(
-            "V100",
-            32 * GB,
-            {"fp32": 15.7 * TFLOP, "fp16": 125 * TFLOP},
-            price_per_hour=2.50,
-            source="NVIDIA V100 datasheet (SXM2 32GB); no bf16",
-        ),
-    ]
-}
+@dataclass(frozen=True)
+class Catalog:
+    gpus: dict[str, GPUSpec]
+    links: dict[str, Link]
+
+    def gpu(self, name: str) -> GPUSpec | None:
+        return find_gpu(name, self)
+
+    def link(self, name: str) -> Link | None:
+        return self.links.get(name)
 
 
-def find_gpu(name: str) -> GPUSpec | None:
-    """Catalog entry for a user-given name or a CUDA device name ('NVIDIA H100 80GB HBM3')."""
-    wanted = name.upper().replace("NVIDIA", "").strip()
-    for spec in GPUS.values():
-        if wanted == spec.name.upper() or wanted in (a.upper() for a in spec.aliases):
+def _number(value: Any, where: str, *, positive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CatalogError(f"{where} = {value!r} must be a number")
+    if value < 0 or (positive and value == 0):
+        raise CatalogError(f"{where} = {value!r} must be {'> 0' if positive else '>= 0'}")
+    return float(value)
+
+
+def _text(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise CatalogError(f"{where} must be a non-empty string")
+    return value
+
+
+def parse_catalog(data: dict[str, Any], origin: str = "catalog.toml") -> Catalog:
+    """Build and check a catalog from its TOML tables; every problem names its key."""
+    links: dict[str, Link] = {}
+    for name, table in data.get("link", {}).items():
+        where = f"{origin}: link.{name}"
+        scope = table.get("scope")
+        if scope not in SCOPES:
+            raise CatalogError(f"{where}.scope = {scope!r} must be one of {', '.join(SCOPES)}")
+        links[name] = Link(
+            name=name,
+            scope=scope,
+            bytes_per_s=_number(table.get("gbps"), f"{where}.gbps") * GB,
+            source=_text(table.get("source"), f"{where}.source"),
+        )
+    gpus: dict[str, GPUSpec] = {}
+    for name, table in data.get("gpu", {}).items():
+        where = f"{origin}: gpu.{name}"
+        peaks = table.get("peak_tflops")
+        if not isinstance(peaks, dict) or not peaks:
+            raise CatalogError(f"{where}.peak_tflops must be a table of precision = TFLOP/s")
+        unknown = sorted(set(peaks) - set(PRECISIONS))
+        if unknown:
+            raise CatalogError(
+                f"{where}.peak_tflops has {unknown}; precisions are {', '.join(PRECISIONS)}"
+            )
+        link_name = table.get("intra_node")
+        if link_name is not None and links.get(link_name) is None:
+            raise CatalogError(f"{where}.intra_node = {link_name!r} is not a [link.*] table")
+        if link_name is not None and links[link_name].scope != "intra":
+            raise CatalogError(f"{where}.intra_node = {link_name!r} is not an intra-node link")
+        aliases = table.get("aliases", [])
+        if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+            raise CatalogError(f"{where}.aliases must be a list of strings")
+        gpus[name] = GPUSpec(
+            name=name,
+            memory_bytes=_number(table.get("memory_gb"), f"{where}.memory_gb", positive=False) * GB,
+            peak_flops={
+                p: _number(v, f"{where}.peak_tflops.{p}") * TFLOP for p, v in peaks.items()
+            },
+            price_per_hour=_number(
+                table.get("price_per_hour"), f"{where}.price_per_hour", positive=False
+            ),
+            source=_text(table.get("source"), f"{where}.source"),
+            intra_node=links[link_name] if link_name else None,
+            aliases=tuple(aliases),
+        )
+    if not gpus:
+        raise CatalogError(f"{origin}: no [gpu.*] table")
+    return Catalog(gpus, links)
+
+
+def load_catalog(path: Path | None = None) -> Catalog:
+    """The catalog at `path`, or the one shipped with trainwise."""
+    if path is None:
+        return default_catalog()
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+        raise CatalogError(f"{path}: cannot be read as TOML ({err})") from None
+    return parse_catalog(data, str(path))
+
+
+@cache
+def default_catalog() -> Catalog:
+    text = resources.files("trainwise.hardware").joinpath("catalog.toml").read_text("utf-8")
+    return parse_catalog(tomllib.loads(text))
+
+
+def _normal(name: str) -> str:
+    text = name.upper()
+    for noise in ("NVIDIA", "TESLA", "AMD", "INSTINCT"):
+        text = text.replace(noise, " ")
+    return " ".join(text.replace("_", " ").split())
+
+
+def _tokens(name: str) -> set[str]:
+    return set(_normal(name).replace("-", " ").split())
+
+
+def find_gpu(name: str, catalog: Catalog | None = None) -> GPUSpec | None:
+    """The catalog entry for a user-given name or a device name as CUDA reports it
+    ('NVIDIA H100 80GB HBM3', 'NVIDIA A100-SXM4-40GB', 'Tesla T4'); None if unknown."""
+    gpus = (catalog or default_catalog()).gpus
+    wanted = _normal(name)
+    for spec in gpus.values():
+        if wanted in (_normal(n) for n in (spec.name, *spec.aliases)):
             return spec
-    # Device names carry extra words; take the longest catalog name they contain.
-    hits = [s for s in GPUS.values() if s.name.upper().split("-")[0] in wanted]
-    if not hits:
-        return None
-    hits.sort(key=lambda s: ("80GB" in wanted) == ("80GB" in s.name.upper()), reverse=True)
-    return hits[0]
+    # A device name carries extra words: among the entries of its family (the first word
+    # of the catalog name, e.g. H100), take the one sharing the most words with it; ties go
+    # to the first listed (the SXM part, the usual one in training clusters).
+    words = _tokens(name)
+    best: tuple[int, GPUSpec] | None = None
+    for spec in gpus.values():
+        family = _normal(spec.name).split("-")[0]
+        if family not in words:
+            continue
+        score = max(len(words & _tokens(n)) for n in (spec.name, *spec.aliases))
+        if best is None or score > best[0]:
+            best = (score, spec)
+    return best[1] if best else None
+
+
+def gpu_names(catalog: Catalog | None = None) -> list[str]:
+    return list((catalog or default_catalog()).gpus)
+
+
+def __getattr__(name: str) -> Any:
+    # GPUS: the shipped catalog's GPUs by name (read on first use).
+    if name == "GPUS":
+        return default_catalog().gpus
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
