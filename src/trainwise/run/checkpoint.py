@@ -19,7 +19,6 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +36,9 @@ from trainwise.config.schema import CheckpointConfig
 from trainwise.plan.reliability import interval_steps
 from trainwise.run import checkpoint_store as store
 from trainwise.run.checkpoint_store import CheckpointError
+from trainwise.run.distributed import side_group
 from trainwise.run.events import append_event
-from trainwise.run.peers import PeerError, find_peer_error
+from trainwise.run.peers import PeerError, find_peer_error, nested_errors
 
 TRAINER_FILE = "trainer.json"
 RNG_KEY = "rng"
@@ -168,11 +168,7 @@ class Checkpointer:
         self.log = log
         # DCP's own group: an async save's collectives run in a thread and must not share
         # a group with training collectives (gloo matches operations by order).
-        self.group = (
-            dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-            if dist.is_initialized()
-            else None
-        )
+        self.group = side_group(timeout_s) if dist.is_initialized() else None
         self.inflight: _InFlight | None = None
         # One stager for the whole run: it keeps its host buffers between saves (a fresh
         # one per save would allocate, and page-fault through, the whole state each time).
@@ -450,7 +446,7 @@ class Checkpointer:
         if flight.peer is not None and not self.is_main:
             raise flight.peer  # the group is broken: rank 0's broadcast will not come
         error = peer = None
-        if flight.error is not None and flight.peer is not None:
+        if flight.peer is not None:  # set only together with flight.error
             error = f"in the checkpoint save of step {flight.step}: {flight.peer}"
             peer = flight.peer.cause
         elif flight.error is not None:
@@ -567,21 +563,14 @@ SHORT_WRITE_TEXTS = ("unexpected pos", "file write failed")  # torch's writer, e
 def _disk_full(err: BaseException, folder: Path) -> bool:
     """ENOSPC or EDQUOT anywhere in the error (DCP wraps each rank's failure); or a short
     write in torch's file writer, which loses the errno, on a nearly full file system."""
-    todo, seen, short_write = [err], 0, False
-    while todo and seen < 64:
-        e = todo.pop()
-        seen += 1
+    short_write = False
+    for e in nested_errors(err):
         text = str(e).lower()
         if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
             return True
         if any(t in text for t in DISK_FULL_TEXTS):
             return True
         short_write = short_write or any(t in text for t in SHORT_WRITE_TEXTS)
-        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
-        for wrapped in getattr(e, "failures", {}).values():  # DCP's CheckpointException
-            inner = getattr(wrapped, "exc", wrapped)
-            if isinstance(inner, BaseException):
-                todo.append(inner)
     if not short_write:
         return False
     try:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from trainwise.run.distributed import side_group
 
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 STOP, SAVE = 0, 1
@@ -24,11 +25,7 @@ STOP, SAVE = 0, 1
 
 class Control:
     def __init__(self, distributed: bool, timeout_s: float = 600.0):
-        self.group = (
-            dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-            if distributed
-            else None
-        )
+        self.group = side_group(timeout_s) if distributed else None
         self.signal: int | None = None
         self._local = torch.zeros(2, dtype=torch.int32)
         self._pending: tuple[object, torch.Tensor] | None = None

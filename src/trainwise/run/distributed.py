@@ -83,6 +83,13 @@ def init_process_group(
     )
 
 
+def side_group(timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group of all ranks beside the training group (checkpoint I/O, control flags,
+    diagnosis): gloo matches operations by order, so background work needs its own group.
+    It takes the run's collective timeout; new_group's default would be 30 minutes."""
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
 def destroy_process_group() -> None:
     """Leave the job: wait for every rank, then tear the group down."""
     if dist.is_initialized():

@@ -12,6 +12,7 @@ checkpoint."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -82,21 +83,27 @@ def classify(err: BaseException) -> str | None:
     return None
 
 
-def find_peer_error(err: BaseException) -> PeerError | None:
-    """A peer failure anywhere inside `err`: its cause chain, or the per-rank failures that
-    DCP's CheckpointException gathers."""
+def nested_errors(err: BaseException, limit: int = 64) -> Iterator[BaseException]:
+    """`err` and every error inside it: its cause chain, and the per-rank failures that
+    DCP's CheckpointException gathers (each under ``.exc``)."""
     todo, seen = [err], 0
-    while todo and seen < 64:
+    while todo and seen < limit:
         e = todo.pop()
         seen += 1
-        cause = classify(e)
-        if cause:
-            return e if isinstance(e, PeerError) else PeerError(cause, last_line(e))
+        yield e
         todo += [x for x in (e.__cause__, e.__context__) if x is not None]
         for wrapped in getattr(e, "failures", {}).values():
             inner = getattr(wrapped, "exc", wrapped)
             if isinstance(inner, BaseException):
                 todo.append(inner)
+
+
+def find_peer_error(err: BaseException) -> PeerError | None:
+    """A peer failure anywhere inside `err` (see nested_errors)."""
+    for e in nested_errors(err):
+        cause = classify(e)
+        if cause:
+            return e if isinstance(e, PeerError) else PeerError(cause, last_line(e))
     return None
 
 

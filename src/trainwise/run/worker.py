@@ -12,7 +12,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict
-from datetime import datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from trainwise.run.distributed import (
     dist_env_from,
     get_logger,
     init_process_group,
+    side_group,
 )
 from trainwise.run.events import append_event, read_events, retry_cost
 from trainwise.run.faults import Faults
@@ -174,11 +175,7 @@ def _train(
     control = Control(distributed, c.parallel.timeout_s)
     # Kept idle for diagnosis: after a failed collective the survivors meet here to find
     # which ranks are missing (the default group may be wedged by then).
-    health = (
-        dist.new_group(backend="gloo", timeout=timedelta(seconds=c.parallel.timeout_s))
-        if distributed
-        else None
-    )
+    health = side_group(c.parallel.timeout_s) if distributed else None
     faults = Faults(env.rank, run_dir)
     ckpt.before_commit = lambda step: faults.pause("pause_in_save", step)
 
