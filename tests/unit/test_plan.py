@@ -24,6 +24,7 @@ from trainwise.plan import (
     matmul_params,
     mfu,
 )
+from trainwise.plan.memory import activation_bytes_per_token, block_params
 from trainwise.run.optim import lr_factor
 
 # A model of 1000 parameters whose activations are not modelled.
@@ -47,6 +48,7 @@ SHAPE = GPTShape(
 
 
 def _mem(params, grads, optimizer, activations, buffers) -> MemoryEstimate:
+    """Bytes on a CPU device (no CUDA overhead)."""
     return MemoryEstimate(params, grads, optimizer, activations, buffers)
 
 
@@ -60,56 +62,57 @@ def test_precision_and_optimizer_bytes():
 
 
 def test_single():
-    # fp32 params 1000x4, grads 1000x4, AdamW 1000x8, no activations, no buckets.
+    # fp32 params 1000x4, grads 1000x4, AdamW 1000x8, activations unknown, no buffers.
     est = estimate_memory(W, "single", 1)
-    assert est == _mem(4000, 4000, 8000, 0, 0)
+    assert est == _mem(4000, 4000, 8000, None, 0)
+    assert est.model_states == 16000
     assert est.total == 16000
 
 
 def test_ddp_adds_gradient_buckets():
-    # As single, plus a flat fp32 copy of the gradients for the all-reduce: 1000x4.
+    # As single, plus DDP's buckets: a second fp32 copy of the gradients, 1000x4 (DDP docs,
+    # gradient_as_bucket_view: "the saved memory size will be equal to the total gradients
+    # size").
     est = estimate_memory(W, "ddp", 2)
-    assert est == _mem(4000, 4000, 8000, 0, 4000)
+    assert est == _mem(4000, 4000, 8000, None, 4000)
     assert est.total == 20000
     # A world of one all-reduces nothing.
     assert estimate_memory(W, "ddp", 1).buffers == 0
 
 
 def test_fsdp_full_on_world_4():
-    # States / 4: 4000/4, 4000/4, 8000/4. Unknown structure -> the whole model is one block;
-    # full resharding holds the block in use and the prefetched one: 2 x 1000 x 4 bytes.
+    # States / 4: 4000/4, 4000/4, 8000/4. Unknown structure -> the whole model is one unit:
+    # its gathered fp32 parameters 1000x4 and its unsharded fp32 gradients 1000x4.
     est = estimate_memory(W, "fsdp", 4, shard="full")
-    assert est == _mem(1000, 1000, 2000, 0, 8000)
+    assert est == _mem(1000, 1000, 2000, None, 8000)
     assert est.total == 12000
-
-
-def test_fsdp_grad_op_on_world_4():
-    # ZeRO-2: the gathered parameters stay between forward and backward: 1000 x 4 bytes.
-    est = estimate_memory(W, "fsdp", 4, shard="grad_op")
-    assert est == _mem(1000, 1000, 2000, 0, 4000)
 
 
 def test_hsdp_divides_by_the_shard_degree_not_the_world():
     # 4 workers as 2 replicas x 2 shards: states / 2: 2000, 2000, 4000; buffers as fsdp.
     est = estimate_memory(W, "hsdp", 4, shard_degree=2)
-    assert est == _mem(2000, 2000, 4000, 0, 8000)
+    assert est == _mem(2000, 2000, 4000, None, 8000)
     # Without a shard degree hsdp shards over the world, like fsdp.
     assert estimate_memory(W, "hsdp", 4) == estimate_memory(W, "fsdp", 4)
 
 
-def test_cpu_offload_keeps_no_states_on_the_device():
-    # Device: 2 x 1000 x 4 (blocks in flight) + 1000 x 4 (one block's fp32 grads) = 12000.
+def test_cpu_offload_moves_the_states_to_the_host():
     est = estimate_memory(W, "fsdp", 4, cpu_offload=True)
-    assert est == _mem(0, 0, 0, 0, 12000)
+    assert (est.params, est.grads, est.optimizer, est.buffers) == (0, 0, 0, 8000)
+    assert est.host == 1000 + 1000 + 2000  # the sharded states, in host memory
 
 
 def test_precision_changes_compute_copies_not_master_states():
     bf16 = replace(W, precision="bf16")
-    # Master params and grads stay fp32.
-    assert estimate_memory(bf16, "single", 1) == estimate_memory(W, "single", 1)
-    # FSDP's gathered blocks are in the compute dtype: 2 x 1000 x 2 bytes.
-    assert estimate_memory(bf16, "fsdp", 4).buffers == 4000
-    assert estimate_memory(bf16, "fsdp", 4, shard="grad_op").buffers == 2000
+    single = estimate_memory(bf16, "single", 1)
+    # Master params, grads and optimizer state stay fp32; autocast keeps a bf16 copy of
+    # every weight it cast: 1000 x 2.
+    assert single.model_states == estimate_memory(W, "single", 1).model_states
+    assert single.buffers == 2000
+    # FSDP: gathered bf16 params 1000x2 + unsharded bf16 grads 1000x2 + their fp32 copy for
+    # the fp32 reduce-scatter 1000x4 = 8000; with a bf16 reduce, no copy: 4000.
+    assert estimate_memory(bf16, "fsdp", 4).buffers == 8000
+    assert estimate_memory(replace(bf16, reduce_dtype="bf16"), "fsdp", 4).buffers == 4000
 
 
 def test_adamw_vs_sgd_optimizer_bytes():
@@ -119,64 +122,120 @@ def test_adamw_vs_sgd_optimizer_bytes():
     assert estimate_memory(sgd, "fsdp", 4).optimizer == 1000  # 1000 x 4 / 4
 
 
+def test_cuda_adds_the_context_and_fragmentation():
+    # 1 GB of CUDA context + 5 % of the 16000 bytes; CPU workers have neither.
+    est = estimate_memory(W, "single", 1, device="cuda")
+    assert est.overhead == 1e9 + 0.05 * 16000
+    assert est.total == 16000 + 1e9 + 800
+    assert estimate_memory(W, "single", 1).overhead == 0
+
+
 def test_unknown_strategy_is_rejected():
     with pytest.raises(ValueError, match="unknown strategy"):
         estimate_memory(W, "zero9", 2)
 
 
-# --- activation_bytes ------------------------------------------------------------------------
+# --- a GPT's blocks --------------------------------------------------------------------------
 
 
 def _gpt_workload(shape: GPTShape = SHAPE, **kw) -> Workload:
     return Workload(params=shape.num_params(), shape=shape, seq_len=4, micro_batch=2, **kw)
 
 
+SHAPE4 = replace(SHAPE, n_layer=4)
+
+
+def test_block_and_root_params_by_hand():
+    # A block: 2 layernorms 2x(8+8) = 32; attention 8x8 + 2x8x8 + 8x8 = 256 weights and
+    # 8 + 16 + 8 = 32 biases; MLP 8x32 + 32x8 = 512 weights and 32 + 8 biases: 872.
+    # Root: token embedding 16x8 + positions 4x8 + final norm 16 = 176 (the head is tied).
+    assert SHAPE.num_params() == 2 * 872 + 176
+    assert block_params(_gpt_workload()) == (872, 176)
+
+
+def test_fsdp_full_and_grad_op_by_hand():
+    # SHAPE4, fp32, world 4: states 3664 x (4 + 4 + 8) / 4 = 3664 + 3664 + 7328.
+    # full: two gathered blocks 2x872x4 = 6976, the root 176x4 = 704, one block's grads
+    # 872x4 = 3488 -> 11168. grad_op: every block stays gathered (3664 - 176) x 4 = 13952
+    # + 704 + 3488 = 18144. Activations 20224 (next section).
+    w = _gpt_workload(SHAPE4)
+    full = estimate_memory(w, "fsdp", 4, shard="full")
+    grad_op = estimate_memory(w, "fsdp", 4, shard="grad_op")
+    assert (full.params, full.grads, full.optimizer) == (3664, 3664, 7328)
+    assert full.buffers == 11168 and full.total == 14656 + 20224 + 11168
+    assert grad_op.buffers == 18144 and grad_op.total == 14656 + 20224 + 18144
+
+
+# --- activation_bytes ------------------------------------------------------------------------
+
+
 def test_activation_bytes_by_hand_fp32():
-    # s=4, b=2, h=8, a=2, L=2, V=16. s*b*h = 64; 34 + 5*a*s/h = 34 + 5*2*4/8 = 39.
-    # fp32 doubles the paper's 16-bit counts: per layer 64 * 39 * 2 = 4992; two layers 9984.
-    # Logits and their gradient in fp32: s*b*V*4*2 = 4*2*16*8 = 1024.
-    assert activation_bytes(_gpt_workload()) == 9984 + 1024
+    # Per token, fp32 (4 bytes), h=8, q=kv=8, f=32, a=2, V=16:
+    # attention: norm in 32 + norm out 32 + q,k,v projections 4x(8+16) = 96 + SDPA output
+    #   32 + log-sum-exp 4x2 = 8 + out-projection input 32 = 232;
+    # MLP: norm in 32 + norm out 32 + gelu in 4x32 + gelu out 4x32 = 320; block 552.
+    # Head: final norm in/out 64 + logits 4x16 + fp32 upcast, log-softmax and logits grad
+    #   3x4x16 = 192 -> 320. Tokens 4x2 = 8: 8 x (2x552 + 320) = 11392.
+    assert activation_bytes(_gpt_workload()) == 11392
 
 
 def test_activation_bytes_by_hand_bf16():
-    # Per layer 64 * 39 * 1 = 2496, two layers 4992; logits stay fp32: 1024.
-    assert activation_bytes(_gpt_workload(precision="bf16")) == 4992 + 1024
+    # FSDP mixed precision runs all in bf16: attention 16+16+48+16+8+16 = 120, MLP
+    # 16+16+64+64 = 160, head 32 + 32 + 192 (fp32 loss terms) = 256: 8 x (2x280 + 256).
+    assert activation_bytes(_gpt_workload(precision="bf16")) == 6528
+    # Autocast keeps the residual stream and norms in fp32 and saves each linear's bf16
+    # input: attention 32+32+16+48+16+8+16 = 168, MLP 32+32+16+128 = 208, head
+    # 64+16+32+192 = 304: 8 x (2x376 + 304).
+    assert activation_bytes(_gpt_workload(precision="bf16"), autocast=True) == 8448
+
+
+def test_gpt_block_matches_korthikanti_without_scores_and_dropout():
+    # Korthikanti et al. 2022, eq. 1: 34·s·b·h + 5·a·s²·b bytes per layer at 16-bit for a
+    # GPT block (f = 4h, no GQA, learned positions) with dropout and unfused attention.
+    # SDPA drops the a·s² terms; without dropout, trainwise's count lands on the same 34h
+    # per token, plus the log-sum-exp (4 bytes per head).
+    for h, a in ((768, 12), (1024, 16), (4096, 32)):
+        shape = replace(SHAPE, d_model=h, n_head=a, n_kv_head=a, d_ff=4 * h)
+        per = activation_bytes_per_token(shape, "bf16", autocast=False)
+        assert per["layer"] == 34 * h + 4 * a
+
+
+def test_rope_and_gqa_add_what_they_save():
+    rope = replace(SHAPE, pos="rope")
+    base = activation_bytes_per_token(SHAPE, "fp32", False)["layer"]
+    # rope saves the rotated q (8) and k (8), 4 bytes each: +64.
+    assert activation_bytes_per_token(rope, "fp32", False)["layer"] == base + 64
+    gqa = replace(rope, n_kv_head=1)  # kv = 4: projections 4x(8+8) = 64 instead of 96,
+    # rotated k 16 instead of 32, then the repeated k and v 2x4x8 = 64.
+    assert activation_bytes_per_token(gqa, "fp32", False)["layer"] == base + 64 - 32 - 16 + 64
 
 
 def test_activation_bytes_with_checkpointing_by_hand():
-    shape = replace(SHAPE, n_layer=4)
-    # Per layer 4992 (fp32, as above); a block's input s*b*h*4 = 256; logits 1024.
-    none = activation_bytes(_gpt_workload(shape, ac="none"))
-    selective = activation_bytes(_gpt_workload(shape, ac="selective"))
-    full = activation_bytes(_gpt_workload(shape, ac="full"))
-    assert none == 4 * 4992 + 1024  # 20992
-    # selective checkpoints blocks 0 and 2: two blocks keep everything, one checkpointed
-    # block keeps its input, the other is recomputed in full during backward: 16256.
-    assert selective == 2 * 4992 + 1 * 256 + 4992 + 1024
-    # full: three saved inputs + the one block being recomputed: 6784.
-    assert full == 3 * 256 + 4992 + 1024
+    # SHAPE4, fp32: block 552, block input 32, head 320, 8 tokens.
+    none = activation_bytes(_gpt_workload(SHAPE4, ac="none"))
+    selective = activation_bytes(_gpt_workload(SHAPE4, ac="selective"))
+    full = activation_bytes(_gpt_workload(SHAPE4, ac="full"))
+    assert none == 8 * (4 * 552 + 320)
+    # selective checkpoints blocks 0 and 2: at the start of backward 552 + 32 + 552 + 32 +
+    # 320 = 1488; recomputing block 2 holds blocks 0-1 (32 + 552) + 552 = 1136.
+    assert selective == 8 * 1488
+    # full: four inputs + head = 448 at the start; recomputing block 3 holds 3x32 + 552 =
+    # 648, the peak.
+    assert full == 8 * 648
     assert full < selective < none
 
 
-def test_checkpointing_more_blocks_never_needs_more_memory_tiny_preset_depth():
-    # L=2: full = 256 + 4992 = 5248, selective (block 0 only) = 4992 + 4992 = 9984,
-    # none = 2 * 4992 = 9984 (+ logits in each).
-    full = activation_bytes(_gpt_workload(ac="full"))
-    selective = activation_bytes(_gpt_workload(ac="selective"))
-    none = activation_bytes(_gpt_workload(ac="none"))
-    assert full <= selective <= none
-
-
 def test_no_shape_means_no_activations():
-    assert activation_bytes(W) == 0.0
+    assert activation_bytes(W) is None
+    assert estimate_memory(W, "single", 1).activations is None
 
 
 def test_activations_enter_the_estimate():
     w = _gpt_workload()
-    assert estimate_memory(w, "single", 1).activations == 9984 + 1024
+    assert estimate_memory(w, "fsdp", 2).activations == 11392
 
 
-# --- choose_strategy -------------------------------------------------------------------------
+# --- choose_strategy (the runtime's auto) ----------------------------------------------------
 
 
 def test_world_1_that_fits_is_single():
@@ -208,14 +267,15 @@ def test_replica_too_big_but_sharded_fits_is_fsdp():
 
 
 def test_shard_mode_is_passed_through():
-    # grad_op on world 4: 1000 + 1000 + 2000 + 4000 = 8000 fits 9000; full (12000) would not.
-    d = choose_strategy(W, 4, 9_000, 0.0, shard="grad_op")
+    # SHAPE4 on world 4: grad_op 53024 (above) fits 60000; the replica (ddp: 58624 states +
+    # 20224 activations + 14656 buckets) does not.
+    d = choose_strategy(_gpt_workload(SHAPE4), 4, 60_000, 0.0, shard="grad_op")
     assert (d.strategy, d.cpu_offload) == ("fsdp", False)
-    assert d.estimate.total == 8000
+    assert d.estimate.total == 53024
 
 
 def test_neither_fits_offloads_when_allowed():
-    # Sharded 12000 > 5000; offloaded 12000 > 5000 too (unknown structure): may not fit.
+    # Sharded 12000 > 5000; offloaded 8000 > 5000 too: may not fit.
     d = choose_strategy(W, 4, 5_000, 0.0, allow_offload=True)
     assert (d.strategy, d.cpu_offload) == ("fsdp", True)
     assert d.estimate == estimate_memory(W, "fsdp", 4, cpu_offload=True)
@@ -224,17 +284,15 @@ def test_neither_fits_offloads_when_allowed():
 
 
 def test_offload_that_fits_says_so():
-    # A GPT workload of 10000 params with SHAPE's structure (V*d = 128, L = 2):
-    # largest unit max((10000 - 128) / 2, 128) = 4936 params; activations 11008 (above).
-    w = Workload(params=10_000, shape=SHAPE, seq_len=4, micro_batch=2)
-    # fsdp full, world 4: 10000 + 10000 + 20000 + 11008 + 2*4936*4 (=39488) = 90496.
-    # offload: 11008 + 39488 + 4936*4 (=19744) = 70240.
-    assert estimate_memory(w, "fsdp", 4).total == 90496
-    d = choose_strategy(w, 4, 80_000, 0.0)
+    # SHAPE (L=2), fp32, world 4: fsdp full = states 1920x16/4 = 7680 + activations 11392 +
+    # buffers 2x872x4 + 176x4 + 872x4 = 11168 -> 30240; offloaded: 11392 + 11168 = 22560.
+    w = _gpt_workload()
+    assert estimate_memory(w, "fsdp", 4).total == 30240
+    d = choose_strategy(w, 4, 25_000, 0.0)
     assert (d.strategy, d.cpu_offload) == ("fsdp", True)
-    assert d.estimate.total == 70240
+    assert d.estimate.total == 22560
     assert "and fits" in d.reason
-    assert fmt_bytes(70240) in d.reason and fmt_bytes(90496) in d.reason
+    assert fmt_bytes(22560) in d.reason and fmt_bytes(30240) in d.reason
 
 
 def test_neither_fits_without_offload_says_it_may_not_fit():

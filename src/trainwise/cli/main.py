@@ -7,10 +7,10 @@ import argparse
 import sys
 
 from trainwise import __version__
-from trainwise.cli import checkpoints, export, train
+from trainwise.cli import checkpoints, export, plan, train
 from trainwise.errors import ConfigError, TrainwiseError
 
-COMMANDS = (train, checkpoints, export)
+COMMANDS = (plan, train, checkpoints, export)
 
 
 def build_parser() -> argparse.ArgumentParser:

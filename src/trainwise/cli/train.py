@@ -9,9 +9,7 @@ import sys
 from pathlib import Path
 
 from trainwise.config import dump_toml, load_config
-from trainwise.hardware import detect_device
 from trainwise.report import render_summary
-from trainwise.run.distributed import dist_env_from
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -66,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     # Imported here so that --print-config and config errors stay instant.
+    from trainwise.run.distributed import dist_env_from
     from trainwise.run.job import prepare_job, resolve_nproc
     from trainwise.run.launch import Preempted, launch_workers
     from trainwise.run.worker import default_run_dir, train, write_run_files
@@ -76,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         if summary:
             print(render_summary(summary))
         return 0
+
+    from trainwise.hardware import detect_device
 
     device = detect_device(cfg.cluster.device)
     nproc = resolve_nproc(cfg, device)

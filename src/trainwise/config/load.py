@@ -27,12 +27,20 @@ def load_config(
     path: str | Path | None = None,
     flags: dict[str, Any] | None = None,
     overrides: list[str] | None = None,
+    base: dict[str, Any] | None = None,
+    flag_names: dict[str, str] | None = None,
 ) -> JobConfig:
     """Build the job config. `flags` maps dotted keys to values (None = not given);
-    `overrides` are ``key=value`` strings whose value is read as TOML (bare words are strings)."""
+    `overrides` are ``key=value`` strings whose value is read as TOML (bare words are strings).
+    `base` (dotted keys) replaces schema defaults when no file is given (`trainwise plan`'s
+    own defaults); `flag_names` names the flag of a key in error messages."""
     raw: dict[str, Any] = {}
     origin: dict[str, str] = {}
-    if path is not None:
+    if path is None:
+        for key, value in (base or {}).items():
+            _assign(raw, key, value)
+            origin[key] = "defaults"
+    else:
         raw = read_toml(Path(path))
         for key in _leaf_keys(raw):
             origin[key] = str(path)
@@ -40,7 +48,9 @@ def load_config(
     for key, value in (flags or {}).items():
         if value is not None:
             _assign(raw, key, value)
-            origin[key] = "--" + key.rsplit(".", 1)[-1].replace("_", "-")
+            origin[key] = (flag_names or {}).get(key) or "--" + key.rsplit(".", 1)[-1].replace(
+                "_", "-"
+            )
     for item in overrides or []:
         key, sep, text = item.partition("=")
         key = key.strip()

@@ -122,7 +122,11 @@ class ParallelConfig(Section):
         description="Activation checkpointing: full = every block, selective = every other block.",
     )
     headroom: float = Field(
-        0.2, ge=0.0, lt=1.0, description="auto: share of device memory kept free."
+        0.1,
+        ge=0.0,
+        lt=1.0,
+        description="auto and plan: share of device memory kept free beyond the estimate "
+        "(which already counts the CUDA context and fragmentation).",
     )
     timeout_s: float = Field(
         600.0,
@@ -194,6 +198,12 @@ class CheckpointConfig(Section):
     max_restarts: int = Field(
         3, ge=0, description="Times torchrun's elastic agent restarts the workers after a failure."
     )
+    write_gbps: float = Field(
+        2.0,
+        gt=0.0,
+        description="Plan: GB/s one node writes checkpoints at (an assumption; the doctor "
+        "measures it).",
+    )
 
 
 class ClusterConfig(Section):
@@ -216,7 +226,39 @@ class ClusterConfig(Section):
         return value
 
     device_memory_gb: float | None = Field(
-        None, gt=0.0, description="Memory per device for 'auto'; default: detected."
+        None,
+        gt=0.0,
+        description="Memory per device in GB for 'auto' and the plan; default: detected "
+        "(train) or the catalog's figure for cluster.gpu (plan).",
+    )
+    gpu_tflops: float | None = Field(
+        None,
+        gt=0.0,
+        description="Plan: dense peak TFLOP/s per GPU at precision.dtype, replacing the "
+        "catalog's figure (a GPU the catalog lacks).",
+    )
+    intra_node_gbps: float | None = Field(
+        None,
+        gt=0.0,
+        description="Plan: GB/s per GPU and direction within a node; "
+        "default: the catalog's link of cluster.gpu.",
+    )
+    inter_node_gbps: float | None = Field(
+        None,
+        gt=0.0,
+        description="Plan: GB/s per GPU and direction between nodes; "
+        "default: InfiniBand NDR, 50 GB/s (one 400 Gb/s port per GPU).",
+    )
+    host_memory_gb: float | None = Field(
+        None,
+        gt=0.0,
+        description="Plan: host memory per node in GB (cpu offload); default: 256 GB per GPU.",
+    )
+    restart_min: float = Field(
+        10.0,
+        gt=0.0,
+        description="Plan: minutes from a failure to training again (detect, reschedule, "
+        "restart, load the checkpoint); an assumption.",
     )
     master_port: int | None = Field(
         None, gt=0, lt=65536, description="Rendezvous port; default: a free one."
@@ -234,6 +276,63 @@ class CostConfig(Section):
     price_per_gpu_hour: float | None = Field(
         None, ge=0.0, description="USD per GPU-hour; default: the catalog's figure."
     )
+
+
+class PlanConfig(Section):
+    """Inputs only the planner reads (`trainwise plan`); the rest comes from the job."""
+
+    params: int | None = Field(
+        None,
+        gt=0,
+        description="A bare parameter count instead of model.name: model states "
+        "only (activations need a shape).",
+    )
+    layers: int | None = Field(None, gt=0, description="Shape: transformer layers.")
+    hidden: int | None = Field(None, gt=0, description="Shape: model width.")
+    heads: int | None = Field(None, gt=0, description="Shape: attention heads.")
+    kv_heads: int | None = Field(None, gt=0, description="Shape: key/value heads (GQA).")
+    ffn: int | None = Field(None, gt=0, description="Shape: feed-forward width.")
+    vocab: int | None = Field(None, gt=0, description="Shape: vocabulary.")
+    tokens: float | Literal["chinchilla"] | None = Field(
+        None,
+        description="Tokens to train in total; 'chinchilla': 20 per parameter; default: "
+        "train.steps x global batch x data.seq_len.",
+    )
+
+    @field_validator("tokens")
+    @classmethod
+    def _positive_tokens(cls, value: object) -> object:
+        if isinstance(value, float) and not value > 0:
+            raise ValueError("must be > 0 or 'chinchilla'")
+        return value
+
+    gpus: int | None = Field(
+        None, gt=0, description="GPUs in total; default: cluster.nproc x cluster.nodes."
+    )
+    objective: Literal["cost", "time"] = Field(
+        "cost", description="Recommend the cheapest or the fastest strategy that fits."
+    )
+    strategy: (
+        Literal["single", "ddp", "fsdp-grad-op", "fsdp-full", "hsdp", "fsdp-offload"] | None
+    ) = Field(None, description="Plan only this strategy.")
+    efficiency: float = Field(
+        0.4,
+        gt=0.0,
+        le=1.0,
+        description="Achieved share of the GPU's peak FLOP/s in compute (an assumption: "
+        "Llama 3 reports 38-43 % on H100; --calibrate replaces it with a measured one).",
+    )
+    data_samples_per_s: float | None = Field(
+        None, gt=0.0, description="Samples/s one GPU's loader delivers; default: unlimited."
+    )
+    sweep: list[int] | None = Field(None, description="GPU counts to sweep, e.g. [1, 2, 4, 8].")
+
+    @field_validator("sweep")
+    @classmethod
+    def _counts(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or any(n < 1 for n in value)):
+            raise ValueError("must be a non-empty list of GPU counts >= 1")
+        return value
 
 
 class LoggingConfig(Section):
@@ -273,4 +372,5 @@ class JobConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     cost: CostConfig = Field(default_factory=CostConfig)
+    plan: PlanConfig = Field(default_factory=PlanConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)

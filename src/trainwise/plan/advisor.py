@@ -32,6 +32,7 @@ def describe(m: MemoryEstimate) -> str:
         ("optimizer", m.optimizer),
         ("activations", m.activations),
         ("buffers", m.buffers),
+        ("overhead", m.overhead),
     ]
     return " + ".join(f"{name} {fmt_bytes(v)}" for name, v in parts if v)
 
@@ -43,9 +44,10 @@ def choose_strategy(
     headroom: float,
     shard: str = "full",
     allow_offload: bool = True,
+    device: str = "cpu",
 ) -> Decision:
     budget = device_bytes * (1.0 - headroom)
-    replica = estimate_memory(w, "ddp" if world > 1 else "single", world)
+    replica = estimate_memory(w, "ddp" if world > 1 else "single", world, device=device)
     need = f"one replica needs {fmt_bytes(replica.total)} ({describe(replica)})"
     room = f"{fmt_bytes(budget)} usable of {fmt_bytes(device_bytes)} per worker"
     if replica.total <= budget:
@@ -67,7 +69,7 @@ def choose_strategy(
             f"ddp: {need}, which fits in {room}, so each of the {world} workers keeps a full "
             "copy and only gradients cross the network.",
         )
-    sharded = estimate_memory(w, "fsdp", world, shard=shard)
+    sharded = estimate_memory(w, "fsdp", world, shard=shard, device=device)
     over = f"{need}, more than the {room}"
     if world > 1 and sharded.total <= budget:
         return Decision(
@@ -89,7 +91,7 @@ def choose_strategy(
             f"{best}: {over}; with no GPU to offload from it needs {fmt_bytes(est.total)} per "
             "worker and may still not fit.",
         )
-    offload = estimate_memory(w, "fsdp", world, shard=shard, cpu_offload=True)
+    offload = estimate_memory(w, "fsdp", world, shard=shard, cpu_offload=True, device=device)
     fits = "fits" if offload.total <= budget else "may still not fit"
     return Decision(
         "fsdp",

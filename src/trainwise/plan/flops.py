@@ -27,3 +27,20 @@ def flops_per_token(shape: GPTShape, seq_len: int) -> float:
 def mfu(tokens_per_s: float, flops_token: float, peak_flops_total: float) -> float:
     """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices."""
     return tokens_per_s * flops_token / peak_flops_total
+
+
+def model_flops_per_token(params: int, shape: GPTShape | None, seq_len: int) -> float:
+    """Model FLOPs per token (what MFU counts): the GPT formula above, or 6N for a bare
+    parameter count (Kaplan et al., 2020, eq. 2.1: C = 6N per token)."""
+    return flops_per_token(shape, seq_len) if shape is not None else 6.0 * params
+
+
+def recompute_factor(ac: str, n_layer: int) -> float:
+    """Hardware FLOPs over model FLOPs: activation checkpointing runs the forward of a
+    checkpointed block again in backward, 2N of the 6N (Korthikanti et al., 2022, section
+    5: full recomputation costs 33 % more); `selective` checkpoints every other block."""
+    if ac == "full":
+        return 4.0 / 3.0
+    if ac == "selective":
+        return 1.0 + ((n_layer + 1) // 2) / n_layer / 3.0
+    return 1.0

@@ -210,6 +210,7 @@ def prepare_job(
         precision=dtype,
         optimizer=c.optim.name,
         ac=c.parallel.ac,
+        reduce_dtype=c.precision.reduce_dtype,
     )
     device_bytes = (
         c.cluster.device_memory_gb * GB
@@ -252,11 +253,12 @@ def decide(
             c.parallel.headroom,
             c.parallel.shard,
             allow_offload=device_kind == "cuda",
+            device=device_kind,
         )
     offload = c.parallel.cpu_offload
     shard_degree = world // replicate if strategy == "hsdp" else None
-    est = estimate_memory(w, strategy, world, c.parallel.shard, offload, shard_degree)
-    replica = estimate_memory(w, "ddp" if world > 1 else "single", world)
+    est = estimate_memory(w, strategy, world, c.parallel.shard, offload, shard_degree, device_kind)
+    replica = estimate_memory(w, "ddp" if world > 1 else "single", world, device=device_kind)
     if est.total > device_bytes:
         raise ConfigError(
             f"parallel.strategy = '{strategy}' needs {fmt_bytes(est.total)} per worker "

@@ -1,0 +1,132 @@
+"""`trainwise plan`: flags and the job TOML in, the plan out (terminal, JSON, Markdown, HTML).
+Imports no torch unless --simulate asks for a measurement."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from trainwise.errors import ConfigError
+
+# flag -> (config key, argparse type, help). One table: the parser, the key mapping and the
+# flag named in error messages all come from it.
+FLAGS: list[tuple[str, str, type, str]] = [
+    ("--model", "model.name", str, "a GPT preset (llama-7b, gpt2-124m, tiny, ...)"),
+    ("--params", "plan.params", int, "a bare parameter count (model states only)"),
+    ("--layers", "plan.layers", int, "shape: layers"),
+    ("--hidden", "plan.hidden", int, "shape: model width"),
+    ("--heads", "plan.heads", int, "shape: attention heads"),
+    ("--kv-heads", "plan.kv_heads", int, "shape: key/value heads"),
+    ("--ffn", "plan.ffn", int, "shape: feed-forward width"),
+    ("--vocab", "plan.vocab", int, "shape: vocabulary"),
+    ("--seq", "data.seq_len", int, "tokens per sequence"),
+    ("--micro-batch", "data.micro_batch", int, "sequences per GPU per forward pass"),
+    ("--global-batch", "data.global_batch", int, "sequences per optimizer step, all GPUs"),
+    ("--tokens", "plan.tokens", str, "tokens to train in total (e.g. 2e12), or 'chinchilla'"),
+    ("--precision", "precision.dtype", str, "fp32, bf16 or fp16"),
+    ("--optimizer", "optim.name", str, "adamw or sgd"),
+    ("--ac", "parallel.ac", str, "activation checkpointing: none, selective or full"),
+    ("--gpu", "cluster.gpu", str, "GPU type from the hardware catalog"),
+    ("--gpu-mem-gb", "cluster.device_memory_gb", float, "custom GPU: memory in GB"),
+    ("--gpu-tflops", "cluster.gpu_tflops", float, "custom GPU: dense peak TFLOP/s"),
+    ("--gpus", "plan.gpus", int, "GPUs in total"),
+    ("--gpus-per-node", "cluster.nproc", int, "GPUs per node"),
+    ("--intra-node-gbps", "cluster.intra_node_gbps", float, "GB/s per GPU within a node"),
+    ("--inter-node-gbps", "cluster.inter_node_gbps", float, "GB/s per GPU between nodes"),
+    ("--price", "cost.price_per_gpu_hour", float, "USD per GPU-hour"),
+    ("--mtbf-hours", "cluster.mtbf_hours", float, "mean time between failures of one node"),
+    ("--restart-min", "cluster.restart_min", float, "minutes from a failure to training again"),
+    ("--checkpoint-gbps", "checkpoint.write_gbps", float, "GB/s a node writes checkpoints at"),
+    ("--headroom", "parallel.headroom", float, "share of GPU memory kept free"),
+    ("--efficiency", "plan.efficiency", float, "achieved share of peak FLOP/s"),
+    ("--data-rate", "plan.data_samples_per_s", float, "samples/s one GPU's loader delivers"),
+    ("--strategy", "plan.strategy", str, "plan only this strategy"),
+    ("--objective", "plan.objective", str, "cost or time"),
+]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="memory, time and cost of each strategy, and which to use",
+        description="Plan a job before it runs: per-GPU memory, step time, throughput, "
+        "time to train and cost for single, ddp, fsdp (grad_op, full), hsdp and cpu "
+        "offload; the recommendation with its reasons. Without --config it plans "
+        "llama-7b on 8 x H100-SXM in bf16. Precedence: defaults < --config < flags < --set.",
+    )
+    p.add_argument("--config", metavar="TOML", help="the job file `trainwise train` reads")
+    p.add_argument(
+        "--set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override any key, e.g. --set plan.efficiency=0.5 (repeatable)",
+    )
+    for flag, key, kind, text in FLAGS:
+        p.add_argument(flag, type=kind, help=f"{text} ({key})")
+    p.add_argument(
+        "--sweep", metavar="COUNTS", help="GPU counts: 1,2,4,8 or 1..1024 (doubling) (plan.sweep)"
+    )
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print the plan as JSON")
+    out.add_argument("--markdown", action="store_true", help="print the plan as Markdown")
+    p.add_argument("--html", metavar="PATH", help="also write a self-contained HTML page")
+    p.set_defaults(run=run)
+
+
+def load_plan_inputs(args: argparse.Namespace):
+    """The resolved inputs and the sweep counts, or ConfigError (exit 2)."""
+    from trainwise.config import load_config
+    from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
+    from trainwise.plan.planner import parse_sweep
+
+    flags, names = {}, {}
+    for flag, key, _, _ in FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if key == "plan.tokens" and value is not None and value != "chinchilla":
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(
+                    f"--tokens {value!r}: expected a number of tokens (e.g. 2e12) or 'chinchilla'"
+                ) from None
+        flags[key] = value
+        names[key] = flag
+    if args.sweep is not None:
+        try:
+            flags["plan.sweep"] = parse_sweep(args.sweep)
+        except ValueError as err:
+            detail = str(err) if "GPU" in str(err) or "range" in str(err) else repr(args.sweep)
+            raise ConfigError(
+                f"--sweep {detail}: expected counts like 1,2,4,8 or a range like 1..1024"
+            ) from None
+        names["plan.sweep"] = "--sweep"
+    cfg = load_config(args.config, flags, args.set, base=PLAN_DEFAULTS, flag_names=names)
+    return resolve_inputs(cfg), cfg.plan.sweep
+
+
+def run(args: argparse.Namespace) -> int:
+    from trainwise.plan.planner import make_plan
+    from trainwise.plan.record import plan_record
+    from trainwise.report.plan_view import render_markdown, render_terminal
+
+    inputs, sweep = load_plan_inputs(args)
+    plan = make_plan(inputs, sweep)
+    if args.html:
+        from trainwise.report.plan_html import render_html
+
+        path = Path(args.html)
+        try:
+            path.write_text(render_html(plan), encoding="utf-8")
+        except OSError as err:
+            raise ConfigError(f"--html {args.html}: cannot write ({err.strerror})") from None
+    if args.json:
+        json.dump(plan_record(plan), sys.stdout, indent=2)
+        print()
+    elif args.markdown:
+        print(render_markdown(plan))
+    else:
+        render_terminal(plan)
+    return 0

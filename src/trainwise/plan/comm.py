@@ -1,0 +1,132 @@
+"""Communication per training step: the bytes each GPU sends per strategy, the time on the
+bottleneck link, and the part that compute cannot hide.
+
+Ring collectives (the nccl-tests definitions, "PERFORMANCE.md"): over n ranks, an
+all-reduce of S bytes moves 2(n-1)/n x S through each rank's link, an all-gather or a
+reduce-scatter (n-1)/n x S. A collective that spans nodes runs at the inter-node bandwidth
+per GPU (the network is the slowest hop of the ring); within a node, at the NVLink/PCIe
+figure. Volumes per strategy follow ZeRO (Rajbhandari et al., 2020, section 7): DDP
+all-reduces the gradients once per step (no_sync between micro-batches); FSDP all-gathers
+the parameters for forward (and again for backward when `full` reshards after forward) on
+every micro-batch and reduce-scatters the gradients once per step; HSDP does FSDP inside a
+node and all-reduces the gradient shards across nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainwise.plan.precision import BYTES
+
+GRAD_BYTES = 4  # DDP reduces the fp32 gradients of an fp32 module (autocast leaves them fp32)
+DDP_BUCKET_BYTES = 25e6  # DDP's default bucket_cap_mb: the last bucket's all-reduce is exposed
+
+
+def allreduce_factor(n: int) -> float:
+    return 2.0 * (n - 1) / n if n > 1 else 0.0
+
+
+def gather_factor(n: int) -> float:
+    """All-gather and reduce-scatter."""
+    return (n - 1) / n if n > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective in a step: bytes through each GPU's link, on which link."""
+
+    name: str
+    wire_bytes: float
+    bytes_per_s: float
+    overlappable: bool = True
+
+    @property
+    def seconds(self) -> float:
+        return self.wire_bytes / self.bytes_per_s if self.wire_bytes else 0.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """GPUs and the bandwidth per GPU and direction within and between nodes (bytes/s)."""
+
+    gpus: int
+    gpus_per_node: int
+    intra_bps: float
+    inter_bps: float
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.gpus // self.gpus_per_node)
+
+    def link(self, group: int) -> float:
+        """Bandwidth of a collective over `group` consecutive ranks."""
+        return self.inter_bps if group > self.gpus_per_node else self.intra_bps
+
+
+def step_collectives(
+    strategy: str,
+    params: float,
+    layout: Layout,
+    precision: str,
+    reduce_dtype: str,
+    grad_accum: int,
+) -> list[Collective]:
+    """The collectives one optimizer step runs, per GPU."""
+    n = layout.gpus
+    if strategy == "single" or n == 1:
+        return []
+    if strategy == "ddp":
+        return [
+            Collective(
+                "all-reduce grads", allreduce_factor(n) * params * GRAD_BYTES, layout.link(n)
+            )
+        ]
+    gather = params * BYTES[precision]  # FSDP all-gathers param_dtype copies
+    reduce = params * BYTES[reduce_dtype]
+    if strategy == "hsdp":
+        d = min(layout.gpus_per_node, n)
+        r = n // d
+        out = _fsdp(gather, reduce, d, layout.link(d), "full", grad_accum)
+        out.append(
+            Collective(
+                "all-reduce grad shards across nodes",
+                allreduce_factor(r) * reduce / d,
+                layout.inter_bps,
+            )
+        )
+        return out
+    shard = "grad_op" if strategy == "fsdp-grad-op" else "full"
+    return _fsdp(gather, reduce, n, layout.link(n), shard, grad_accum)
+
+
+def _fsdp(gather: float, reduce: float, d: int, bps: float, shard: str, accum: int) -> list:
+    f = gather_factor(d)
+    passes = 2 if shard == "full" else 1  # full gathers again for backward
+    return [
+        Collective("all-gather params", passes * accum * f * gather, bps),
+        Collective("reduce-scatter grads", f * reduce, bps),
+    ]
+
+
+def exposed_seconds(
+    collectives: list[Collective], compute_s: float, strategy: str, unit_fraction: float
+) -> float:
+    """Communication time the step waits for.
+
+    Overlap (Li et al., 2020, "PyTorch Distributed", section 3.2.3 for DDP's bucketed
+    all-reduce during backward; FSDP2 prefetches the next block's all-gather during the
+    current block's compute): collectives hide behind the compute of the step (backward, 2/3
+    of it, for DDP's all-reduce); what exceeds it is exposed. One piece is always exposed:
+    DDP's last bucket, FSDP's first all-gather and last reduce-scatter (`unit_fraction` of
+    the model: one block).
+    """
+    total = sum(c.seconds for c in collectives)
+    if total == 0:
+        return 0.0
+    window = compute_s * (2 / 3 if strategy == "ddp" else 1.0)
+    if strategy == "ddp":
+        c = collectives[0]
+        first = min(c.seconds, DDP_BUCKET_BYTES / c.bytes_per_s)
+    else:
+        first = total * unit_fraction
+    return min(total, max(total - window, 0.0) + first)

@@ -1,0 +1,178 @@
+"""One strategy on one cluster size: memory, step time, throughput, time and money.
+
+Composes the single-purpose models (memory, flops, comm, cost) without adding formulas of
+its own, except the step's assembly: a step is compute, plus the communication compute
+cannot hide, plus the time the GPUs wait for data (the loader runs ahead in background
+workers, so only what exceeds the rest of the step is waited for).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from trainwise.plan.comm import Collective, Layout, exposed_seconds, step_collectives
+from trainwise.plan.cost import CheckpointPlan, Cost, checkpoint_plan, job_cost
+from trainwise.plan.flops import model_flops_per_token, recompute_factor
+from trainwise.plan.inputs import PlanInputs
+from trainwise.plan.memory import MASTER_BYTES, MemoryEstimate, block_params, estimate_memory
+from trainwise.plan.precision import OPTIMIZER_STATE_BYTES
+
+# Assumption: a GPU's share of the host cores applies AdamW to 0.5 G parameters/s (PyTorch's
+# foreach CPU AdamW is memory-bound: ~32 bytes read and written per parameter).
+CPU_OPTIMIZER_PARAMS_PER_S = 5e8
+
+# strategy -> (runtime strategy, fsdp shard, cpu offload)
+RUNTIME = {
+    "single": ("single", "full", False),
+    "ddp": ("ddp", "full", False),
+    "fsdp-grad-op": ("fsdp", "grad_op", False),
+    "fsdp-full": ("fsdp", "full", False),
+    "hsdp": ("hsdp", "full", False),
+    "fsdp-offload": ("fsdp", "full", True),
+}
+
+
+@dataclass(frozen=True)
+class Step:
+    compute: float  # seconds of forward, backward (with recomputation) and optimizer
+    comm: float  # seconds the collectives take on their links
+    exposed_comm: float  # of which the step waits for
+    data: float  # seconds the GPUs wait for the loader
+    total: float
+
+
+@dataclass(frozen=True)
+class StrategyPlan:
+    name: str
+    gpus: int
+    fits: bool
+    memory: MemoryEstimate  # per GPU
+    budget_bytes: float  # per GPU, after headroom
+    host_memory_per_node: float
+    host_fits: bool
+    comm_bytes_per_step_per_gpu: float
+    collectives: list[Collective]
+    step: Step
+    tokens_per_s: float
+    mfu: float
+    scaling_efficiency: float
+    checkpoint: CheckpointPlan
+    cost: Cost
+    notes: list[str]
+
+    @property
+    def hours_to_train(self) -> float:
+        return self.cost.wall_hours
+
+
+def candidate_names(inputs: PlanInputs) -> list[str]:
+    """The strategies worth a row: every one, hsdp only across nodes, ddp only on several
+    GPUs; or just the one asked for."""
+    if inputs.strategy:
+        return [inputs.strategy]
+    names = ["single"]
+    if inputs.gpus > 1:
+        names += ["ddp", "fsdp-grad-op", "fsdp-full"]
+        if inputs.nodes > 1:
+            names.append("hsdp")
+        names.append("fsdp-offload")
+    else:
+        names.append("fsdp-offload")  # one GPU: offload is the way past its memory
+    return names
+
+
+def evaluate(inputs: PlanInputs, name: str) -> StrategyPlan:
+    """`name` on inputs.gpus GPUs (`single` always on one)."""
+    if name == "single":
+        inputs = inputs.with_gpus(1)
+    kind, shard, offload = RUNTIME[name]
+    hw, w = inputs.hardware, inputs.workload
+    gpus = inputs.gpus
+    notes: list[str] = []
+
+    # The global batch over the GPUs: each runs per_gpu samples a step, in micro-batches.
+    global_batch = inputs.global_batch or w.micro_batch * gpus
+    per_gpu = global_batch / gpus
+    if per_gpu < 1:
+        notes.append(
+            f"the global batch of {global_batch} sequences is smaller than {gpus} GPUs: "
+            "some GPUs idle every step"
+        )
+        per_gpu = 1.0
+    accum = max(1, math.ceil(per_gpu / w.micro_batch - 1e-9))
+    micro = max(1, math.ceil(per_gpu / accum - 1e-9))
+    mem_w = replace(w, micro_batch=micro)
+
+    memory = estimate_memory(
+        mem_w,
+        kind,
+        gpus,
+        shard=shard,
+        cpu_offload=offload,
+        shard_degree=inputs.gpus_per_node if kind == "hsdp" else None,
+        device=hw.device,
+    )
+    budget = hw.memory_bytes * (1.0 - inputs.headroom)
+    host_per_node = memory.host * inputs.gpus_per_node
+    host_fits = host_per_node <= hw.host_memory_bytes
+
+    model_flops = model_flops_per_token(w.params, w.shape, w.seq_len)
+    hw_flops = model_flops * recompute_factor(w.ac, w.shape.n_layer if w.shape else 1)
+    rate = hw.peak_flops * inputs.efficiency
+    compute = per_gpu * w.seq_len * hw_flops / rate
+
+    layout = Layout(gpus, inputs.gpus_per_node, hw.intra_bps, hw.inter_bps)
+    comm_kind = "fsdp-full" if name == "fsdp-offload" else name
+    collectives = step_collectives(comm_kind, w.params, layout, w.precision, w.reduce_dtype, accum)
+    if offload:
+        shard_params = w.params / gpus
+        passes = 2 * accum  # the shard goes to the device for each forward and backward gather
+        collectives.append(
+            Collective(
+                "host<->device copies (offload)",
+                (passes + 1) * shard_params * MASTER_BYTES,
+                hw.host_bps,
+            )
+        )
+        compute += shard_params / CPU_OPTIMIZER_PARAMS_PER_S  # the optimizer runs on the host
+    comm = sum(c.seconds for c in collectives)
+    block, _ = block_params(w)
+    exposed = exposed_seconds(collectives, compute, kind, block / w.params)
+    busy = compute + exposed
+    data = 0.0
+    if inputs.data_samples_per_s:
+        data = max(0.0, per_gpu / inputs.data_samples_per_s - busy)
+    total = busy + data
+    step = Step(compute, comm, exposed, data, total)
+
+    tokens_per_step = global_batch * w.seq_len
+    tokens_per_s = tokens_per_step / total
+    mfu = tokens_per_s * model_flops / (gpus * hw.peak_flops)
+    one_gpu_rate = rate / hw_flops  # tokens/s of one GPU that only computes
+    scaling = tokens_per_s / (gpus * one_gpu_rate)
+
+    train_s = inputs.tokens / tokens_per_step * total
+    size = w.params * (MASTER_BYTES + OPTIMIZER_STATE_BYTES[w.optimizer])
+    ckpt = checkpoint_plan(
+        size, inputs.checkpoint_bps, inputs.nodes, train_s, inputs.mtbf_hours, inputs.restart_s
+    )
+    cost = job_cost(gpus, hw.price_per_gpu_hour, train_s, exposed / total, ckpt)
+    return StrategyPlan(
+        name=name,
+        gpus=gpus,
+        fits=memory.total <= budget and host_fits,
+        memory=memory,
+        budget_bytes=budget,
+        host_memory_per_node=host_per_node,
+        host_fits=host_fits,
+        comm_bytes_per_step_per_gpu=sum(c.wire_bytes for c in collectives),
+        collectives=collectives,
+        step=step,
+        tokens_per_s=tokens_per_s,
+        mfu=mfu,
+        scaling_efficiency=scaling,
+        checkpoint=ckpt,
+        cost=cost,
+        notes=notes,
+    )

@@ -1,0 +1,223 @@
+"""The planner's inputs, resolved once from a job config (the same TOML `trainwise train`
+reads, plus its [plan] section) and the hardware catalog. Every figure the models use is
+here with its unit; every default is named where it is set."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, replace
+
+from trainwise.config.schema import JobConfig
+from trainwise.errors import ConfigError
+from trainwise.hardware.catalog import GB, TFLOP, default_catalog, find_gpu
+from trainwise.models.shapes import PRESETS, GPTShape
+from trainwise.plan.memory import Workload
+
+# Defaults of `trainwise plan` without --config: a Llama-2-7B pretraining step on one
+# 8-GPU H100 node (Llama 2 paper: 4M-token batches = 1024 x 4096, bf16, AdamW).
+PLAN_DEFAULTS = {
+    "model.name": "llama-7b",
+    "data.seq_len": 4096,
+    "data.micro_batch": 1,
+    "data.global_batch": 1024,
+    "precision.dtype": "bf16",
+    "optim.name": "adamw",
+    "cluster.gpu": "H100-SXM",
+    "cluster.nproc": 8,
+    "plan.tokens": "chinchilla",
+}
+# Chinchilla-optimal training (Hoffmann et al., 2022): about 20 tokens per parameter.
+TOKENS_PER_PARAM = 20
+DEFAULT_GPU = "H100-SXM"
+DEFAULT_GPUS_PER_NODE = 8
+# Between nodes: one 400 Gb/s InfiniBand NDR port per GPU, as in DGX H100 (catalog link).
+DEFAULT_INTER_LINK = "ib-ndr"
+# Host-device copies of cpu offload go over PCIe (catalog link).
+HOST_LINK = "pcie4"
+# Assumption: 256 GB of host memory per GPU (a DGX H100 has 2 TB for 8).
+HOST_MEMORY_PER_GPU = 256 * GB
+
+STRATEGY_NAMES = ("single", "ddp", "fsdp-grad-op", "fsdp-full", "hsdp", "fsdp-offload")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu: str  # catalog name, or "custom"
+    memory_bytes: float  # per GPU
+    peak_flops: float  # dense, at the plan's precision, per GPU
+    intra_bps: float  # bytes/s per GPU per direction, within a node
+    inter_bps: float  # between nodes
+    host_bps: float  # host <-> device (cpu offload)
+    host_memory_bytes: float  # per node
+    price_per_gpu_hour: float  # USD
+    device: str  # "cuda" or "cpu": whether the CUDA context overhead applies
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    model: str  # preset name, "custom shape" or "params"
+    workload: Workload
+    global_batch: int | None  # sequences per step; None: micro_batch x GPUs (grows with them)
+    tokens: float  # to train, in total
+    gpus: int
+    gpus_per_node: int
+    hardware: Hardware
+    efficiency: float  # achieved share of peak FLOP/s
+    data_samples_per_s: float | None  # per GPU; None: the loader never limits
+    mtbf_hours: float  # per node
+    restart_s: float
+    checkpoint_bps: float  # write bandwidth per node
+    headroom: float
+    objective: str  # "cost" or "time"
+    strategy: str | None  # plan only this one
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.gpus // self.gpus_per_node)
+
+    def with_gpus(self, gpus: int) -> PlanInputs:
+        return replace(self, gpus=gpus, gpus_per_node=min(self.gpus_per_node, gpus))
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        shape = out["workload"].pop("shape")
+        out["workload"]["shape"] = shape
+        out["nodes"] = self.nodes
+        return out
+
+
+def resolve_inputs(cfg: JobConfig) -> PlanInputs:
+    """PlanInputs from a validated job config; combinations the schema cannot judge alone
+    raise ConfigError (one line each)."""
+    p = cfg.plan
+    params, shape, model = _model(cfg)
+    gpu_name = cfg.cluster.gpu or ("cpu" if cfg.cluster.device == "cpu" else DEFAULT_GPU)
+    spec = find_gpu(gpu_name)
+    assert spec is not None  # the schema checked the name
+    precision = cfg.precision.dtype
+    problems = []
+    peak = cfg.cluster.gpu_tflops * TFLOP if cfg.cluster.gpu_tflops else spec.peak(precision)
+    if peak is None:
+        problems.append(
+            f"precision.dtype = '{precision}': the catalog has no {precision} peak for "
+            f"{spec.name}; choose another precision or set cluster.gpu_tflops (--gpu-tflops)"
+        )
+    memory = (
+        cfg.cluster.device_memory_gb * GB if cfg.cluster.device_memory_gb else spec.memory_bytes
+    )
+    if memory == 0:  # the catalog's cpu entry: this machine's RAM
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    per_node = cfg.cluster.nproc or DEFAULT_GPUS_PER_NODE
+    gpus = p.gpus or per_node * cfg.cluster.nodes
+    per_node = min(per_node, gpus)
+    catalog = default_catalog()
+    intra = spec.intra_node.bytes_per_s if spec.intra_node else catalog.links["pcie4"].bytes_per_s
+    micro = cfg.data.micro_batch
+    seq = cfg.data.seq_len
+    if shape is not None and seq > shape.max_seq_len:
+        shape = replace(shape, max_seq_len=seq)  # planning a longer context than the preset's
+    if problems:
+        raise ConfigError(problems)
+    global_batch = cfg.data.global_batch
+    tokens = p.tokens
+    if tokens == "chinchilla":
+        tokens = TOKENS_PER_PARAM * params
+    elif tokens is None:  # what `trainwise train` would run
+        tokens = cfg.train.steps * (global_batch or micro * cfg.data.grad_accum * gpus) * seq
+    return PlanInputs(
+        model=model,
+        workload=Workload(
+            params=params,
+            shape=shape,
+            seq_len=seq,
+            micro_batch=micro,
+            precision=precision,
+            optimizer=cfg.optim.name,
+            ac=cfg.parallel.ac,
+            reduce_dtype=cfg.precision.reduce_dtype,
+        ),
+        global_batch=global_batch,
+        tokens=float(tokens),
+        gpus=gpus,
+        gpus_per_node=per_node,
+        hardware=Hardware(
+            gpu=spec.name
+            if not (cfg.cluster.gpu_tflops or cfg.cluster.device_memory_gb)
+            else f"{spec.name} (custom figures)",
+            memory_bytes=float(memory),
+            peak_flops=float(peak),
+            intra_bps=(cfg.cluster.intra_node_gbps * GB if cfg.cluster.intra_node_gbps else intra),
+            inter_bps=(
+                cfg.cluster.inter_node_gbps * GB
+                if cfg.cluster.inter_node_gbps
+                else catalog.links[DEFAULT_INTER_LINK].bytes_per_s
+            ),
+            host_bps=catalog.links[HOST_LINK].bytes_per_s,
+            host_memory_bytes=(
+                cfg.cluster.host_memory_gb * GB
+                if cfg.cluster.host_memory_gb
+                else HOST_MEMORY_PER_GPU * per_node
+            ),
+            price_per_gpu_hour=(
+                cfg.cost.price_per_gpu_hour
+                if cfg.cost.price_per_gpu_hour is not None
+                else spec.price_per_hour
+            ),
+            device="cpu" if spec.name == "cpu" else "cuda",
+        ),
+        efficiency=p.efficiency,
+        data_samples_per_s=p.data_samples_per_s,
+        mtbf_hours=cfg.cluster.mtbf_hours,
+        restart_s=cfg.cluster.restart_min * 60.0,
+        checkpoint_bps=cfg.checkpoint.write_gbps * GB,
+        headroom=cfg.parallel.headroom,
+        objective=p.objective,
+        strategy=p.strategy,
+    )
+
+
+def _model(cfg: JobConfig) -> tuple[int, GPTShape | None, str]:
+    p = cfg.plan
+    dims = {
+        "n_layer": p.layers,
+        "d_model": p.hidden,
+        "n_head": p.heads,
+        "n_kv_head": p.kv_heads,
+        "d_ff": p.ffn,
+        "vocab_size": p.vocab,
+    }
+    given = {k: v for k, v in dims.items() if v is not None}
+    if p.params is not None:
+        if given:
+            raise ConfigError(
+                "plan.params and a shape (plan.layers, plan.hidden, ...) were both given: "
+                "give one (a bare count plans model states only; a shape adds activations)"
+            )
+        return p.params, None, "params"
+    name = cfg.model.name
+    if name in PRESETS:
+        shape = PRESETS[name]
+    elif given:
+        shape = PRESETS["llama-7b"]  # a Llama-style block; the given dimensions replace its own
+    else:
+        raise ConfigError(
+            f"model.name = '{name}': the planner sizes presets ({', '.join(PRESETS)}), a bare "
+            "parameter count (--params) or a shape (--layers --hidden --heads ...); "
+            "give one of those"
+        )
+    if given:
+        if "n_head" in given and "n_kv_head" not in given:
+            given["n_kv_head"] = given["n_head"]
+        if "d_model" in given and "d_ff" not in given:
+            given["d_ff"] = (
+                _swiglu_ffn(given["d_model"]) if shape.mlp == "swiglu" else 4 * given["d_model"]
+            )
+        shape = replace(shape, **given)  # GPTShape checks divisibility (ModelError, exit 2)
+        name = "custom shape"
+    return shape.num_params(), shape, name
+
+
+def _swiglu_ffn(d_model: int) -> int:
+    """Llama's rule: 2/3 of 4d rounded up to a multiple of 256 (Touvron et al., 2023)."""
+    return 256 * math.ceil(8 * d_model / 3 / 256)

@@ -1,0 +1,379 @@
+"""The plan: every strategy evaluated, the recommendation with its reasons, the three
+questions answered, the warnings, and the scaling sweep with its knee."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from trainwise.plan.advisor import fmt_bytes
+from trainwise.plan.estimate import StrategyPlan, candidate_names, evaluate
+from trainwise.plan.inputs import PlanInputs
+from trainwise.plan.precision import OPTIMIZER_STATE_BYTES
+from trainwise.plan.reliability import SECONDS_PER_HOUR, system_mtbf_s
+
+GB = 1e9
+SMALL_MODEL_PARAMS = 1e9  # the product's guide: under 1B parameters is an `mvp`
+DATA_BOUND_SHARE = 0.10  # the GPUs wait for data more than this share of a step
+HEADROOM_WARNING = 0.10  # less free device memory than this share is a warning
+KNEE_SHARE = 0.5  # past the knee, an added GPU buys less than half of its share
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    gpus: int
+    strategy: str
+    fits: bool
+    tokens_per_s: float
+    scaling_efficiency: float
+    step_s: float
+    hours_to_train: float
+    total_usd: float
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    strategy: str
+    scenario: str  # mvp | ddp | fsdp | offline-batch
+    reasons: list[str]
+
+
+@dataclass(frozen=True)
+class Plan:
+    inputs: PlanInputs
+    strategies: list[StrategyPlan]
+    recommendation: Recommendation
+    questions: list[tuple[str, str]]
+    warnings: list[str]
+    sweep: list[SweepRow] = field(default_factory=list)
+    knees: dict[str, int | None] = field(default_factory=dict)
+
+    def strategy(self, name: str) -> StrategyPlan:
+        return next(s for s in self.strategies if s.name == name)
+
+
+def make_plan(inputs: PlanInputs, sweep: list[int] | None = None) -> Plan:
+    strategies = [evaluate(inputs, name) for name in candidate_names(inputs)]
+    best = _choose(inputs, strategies)
+    single = strategies[0] if strategies[0].name == "single" else evaluate(inputs, "single")
+    scenario = _scenario(inputs, single, strategies)
+    reasons = _reasons(inputs, best, single, strategies, scenario)
+    rows: list[SweepRow] = []
+    knees: dict[str, int | None] = {}
+    if sweep:
+        rows = sweep_rows(inputs, sweep)
+        for name in {r.strategy for r in rows}:
+            knees[name] = knee([r for r in rows if r.strategy == name])
+    warnings = _warnings(inputs, best, single, strategies, knees)
+    questions = [
+        ("Does one replica fit on one GPU?", _fit_answer(inputs, single)),
+        ("Is the interconnect fast enough for sharding?", _network_answer(inputs)),
+        ("What does a crash cost?", _crash_answer(inputs, best)),
+    ]
+    return Plan(
+        inputs=inputs,
+        strategies=strategies,
+        recommendation=Recommendation(best.name, scenario, reasons),
+        questions=questions,
+        warnings=warnings,
+        sweep=rows,
+        knees=knees,
+    )
+
+
+def _choose(inputs: PlanInputs, strategies: list[StrategyPlan]) -> StrategyPlan:
+    """The cheapest (or fastest) that fits on the GPUs asked for; `single` is the one-GPU
+    reference and is chosen only when one GPU is all there is. Nothing fits: the one that
+    needs the least device memory."""
+    pool = [s for s in strategies if s.name != "single" or inputs.gpus == 1] or strategies
+    fitting = [s for s in pool if s.fits]
+    if not fitting:
+        return min(pool, key=lambda s: s.memory.total)
+    if inputs.objective == "time":
+        return min(fitting, key=lambda s: (s.cost.wall_hours, s.cost.total_usd))
+    return min(fitting, key=lambda s: (s.cost.total_usd, s.cost.wall_hours))
+
+
+def _scenario(inputs: PlanInputs, single: StrategyPlan, strategies: list[StrategyPlan]) -> str:
+    """The product's guide: mvp (under 1B parameters, one or two GPUs), ddp (a replica fits
+    one GPU), fsdp (it does not, sharded it does), offline-batch (not even sharded)."""
+    if single.fits:
+        small = inputs.workload.params < SMALL_MODEL_PARAMS and inputs.gpus <= 2
+        return "mvp" if small else "ddp"
+    sharded = [s for s in strategies if s.name.startswith(("fsdp", "hsdp"))]
+    if any(s.fits for s in sharded if s.name != "fsdp-offload"):
+        return "fsdp"
+    return "offline-batch"
+
+
+def _gb(n: float) -> str:
+    return fmt_bytes(n)
+
+
+def _usd(x: float) -> str:
+    return f"${x:,.0f}" if x >= 100 else f"${x:,.2f}"
+
+
+def _hours(h: float) -> str:
+    if h >= 48:
+        return f"{h / 24:,.1f} days"
+    if h >= 1:
+        return f"{h:.1f} h"
+    return f"{h * 60:.1f} min"
+
+
+def _reasons(
+    inputs: PlanInputs,
+    best: StrategyPlan,
+    single: StrategyPlan,
+    strategies: list[StrategyPlan],
+    scenario: str,
+) -> list[str]:
+    hw = inputs.hardware
+    usable = f"{_gb(best.budget_bytes)} usable of {_gb(hw.memory_bytes)} on a {hw.gpu}"
+    out = []
+    if single.fits:
+        out.append(f"One replica needs {_gb(single.memory.total)}, which fits in {usable}.")
+    else:
+        out.append(
+            f"One replica needs {_gb(single.memory.total)}, more than the {usable}; "
+            "it has to be sharded."
+        )
+    if best.fits:
+        out.append(
+            f"{best.name} on {best.gpus} GPU{'s' if best.gpus > 1 else ''} needs "
+            f"{_gb(best.memory.total)} per GPU and trains the {inputs.tokens:.3g} tokens in "
+            f"{_hours(best.hours_to_train)} for {_usd(best.cost.total_usd)} at "
+            f"{_usd(hw.price_per_gpu_hour)} per GPU-hour."
+        )
+        others = [s for s in strategies if s.fits and s is not best and s.name != "single"]
+        key = "wall_hours" if inputs.objective == "time" else "total_usd"
+        for other in sorted(others, key=lambda s: getattr(s.cost, key))[:2]:
+            if key == "total_usd":
+                diff = other.cost.total_usd - best.cost.total_usd
+                out.append(
+                    f"{other.name} also fits but costs {_usd(diff)} more "
+                    f"({_usd(other.cost.total_usd)}), "
+                    f"with {other.step.exposed_comm / other.step.total:.0%} of a step "
+                    "waiting for communication."
+                )
+            else:
+                out.append(
+                    f"{other.name} also fits but takes {_hours(other.hours_to_train)} "
+                    f"against {_hours(best.hours_to_train)}."
+                )
+    else:
+        out.append(
+            f"Nothing fits: {best.name} needs the least, {_gb(best.memory.total)} per GPU "
+            f"against {usable}. Use more GPUs, a smaller micro-batch with gradient "
+            "accumulation, full activation checkpointing, or preemptible capacity for an "
+            "offline run."
+        )
+    if scenario == "offline-batch" and best.fits:
+        out.append(
+            "Only cpu offload fits: expect the host copies and the host optimizer to slow "
+            "each step; suited to offline or preemptible capacity."
+        )
+    return out
+
+
+def _fit_answer(inputs: PlanInputs, single: StrategyPlan) -> str:
+    m, hw = single.memory, inputs.hardware
+    states = (
+        f"model states {_gb(m.model_states)} "
+        f"({4 + 4 + OPTIMIZER_STATE_BYTES[inputs.workload.optimizer]} bytes per parameter: "
+        f"fp32 weights, gradients and {inputs.workload.optimizer} state)"
+    )
+    act = f", activations {_gb(m.activations)}" if m.activations is not None else ""
+    detail = f"{states}{act}, buffers {_gb(m.buffers)}, overhead {_gb(m.overhead)}"
+    if single.fits:
+        return (
+            f"Yes. One replica needs {_gb(m.total)} ({detail}); a {hw.gpu} has "
+            f"{_gb(hw.memory_bytes)}, {_gb(single.budget_bytes)} usable."
+        )
+    return (
+        f"No. One replica needs {_gb(m.total)} ({detail}): {m.total / hw.memory_bytes:.1f}x "
+        f"the {_gb(hw.memory_bytes)} of a {hw.gpu}, {_gb(m.total - single.budget_bytes)} over "
+        "what is usable."
+    )
+
+
+def sharded_name(inputs: PlanInputs) -> str:
+    return "hsdp" if inputs.nodes > 1 else "fsdp-full"
+
+
+def _with_bandwidth(inputs: PlanInputs, bps: float) -> PlanInputs:
+    """The link sharding crosses set to `bps`: between nodes when it spans them, else within."""
+    hw = inputs.hardware
+    if inputs.nodes > 1:
+        hw = replace(hw, inter_bps=bps)
+    else:
+        hw = replace(hw, intra_bps=bps)
+    return replace(inputs, hardware=hw)
+
+
+def bandwidth_where(inputs: PlanInputs, name: str, holds) -> float | None:
+    """The lowest link bandwidth (bytes/s) at which `holds(plan)` is true, by bisection on a
+    log scale between 1 MB/s and 10 TB/s; more bandwidth never slows a step, so `holds` is
+    monotone. None when it does not hold even at 10 TB/s."""
+    lo, hi = math.log(1e6), math.log(1e13)
+    if not holds(evaluate(_with_bandwidth(inputs, math.exp(hi)), name)):
+        return None
+    if holds(evaluate(_with_bandwidth(inputs, math.exp(lo)), name)):
+        return math.exp(lo)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if holds(evaluate(_with_bandwidth(inputs, math.exp(mid)), name)):
+            hi = mid
+        else:
+            lo = mid
+    return math.exp(hi)
+
+
+def _network_answer(inputs: PlanInputs) -> str:
+    if inputs.gpus == 1:
+        return "Not asked: one GPU shards nothing. Plan with --gpus N to see the network's part."
+    name = sharded_name(inputs)
+    one = evaluate(inputs, "single")
+    plan = evaluate(inputs, name)
+    hw = inputs.hardware
+    link = hw.inter_bps if inputs.nodes > 1 else hw.intra_bps
+    where = "between nodes" if inputs.nodes > 1 else "within the node"
+    pays = bandwidth_where(inputs, name, lambda p: p.tokens_per_s > one.tokens_per_s)
+    hides = bandwidth_where(
+        inputs, name, lambda p: p.step.exposed_comm <= 0.1 * p.step.total + 1e-12
+    )
+    share = plan.step.exposed_comm / plan.step.total
+    facts = (
+        f"{name} on {inputs.gpus} GPUs moves {_gb(plan.comm_bytes_per_step_per_gpu)} per GPU "
+        f"per step; at {link / GB:.0f} GB/s per GPU {where} that is {plan.step.comm:.2f} s "
+        f"against {plan.step.compute:.2f} s of compute, {share:.0%} of the step exposed."
+    )
+    limits = []
+    if hides is not None:
+        limits.append(f"Communication stays under 10 % of the step above {hides / GB:.3g} GB/s")
+    if pays is not None:
+        limits.append(f"below {pays / GB:.3g} GB/s, sharding is slower than one GPU")
+    verdict = (
+        "Yes" if share <= 0.1 else ("Barely" if plan.tokens_per_s > one.tokens_per_s else "No")
+    )
+    return f"{verdict}. {facts} " + ("; ".join(limits) + "." if limits else "")
+
+
+def _crash_answer(inputs: PlanInputs, best: StrategyPlan) -> str:
+    ck = best.checkpoint
+    nodes = inputs.nodes if best.name != "single" else 1
+    mtbf_h = system_mtbf_s(inputs.mtbf_hours, nodes) / SECONDS_PER_HOUR
+    share = best.cost.failure_retry_usd / best.cost.total_usd if best.cost.total_usd else 0.0
+    return (
+        f"With {nodes} node{'s' if nodes > 1 else ''} at {inputs.mtbf_hours:,.0f} h MTBF each, "
+        f"the job fails every {_hours(mtbf_h)} on average: about {ck.expected_failures:.2g} "
+        f"failures over {_hours(best.hours_to_train)}. A checkpoint of "
+        f"{_gb(ck.size_bytes)} stalls {ck.save_s:.1f} s; the Young/Daly interval is "
+        f"{ck.interval_min:.0f} min, so a failure costs {ck.loss_per_failure_s / 60:.0f} min "
+        f"(restart {inputs.restart_s / 60:.0f} min + half an interval recomputed). Failures "
+        f"and saves together cost {_usd(best.cost.failure_retry_usd)}, {share:.1%} of the "
+        "total."
+    )
+
+
+def _warnings(
+    inputs: PlanInputs,
+    best: StrategyPlan,
+    single: StrategyPlan,
+    strategies: list[StrategyPlan],
+    knees: dict[str, int | None],
+) -> list[str]:
+    out = list(best.notes)
+    for s in strategies:
+        if s.name == "single" or s.gpus == 1:
+            continue
+        if s.tokens_per_s < single.tokens_per_s:
+            out.append(
+                f"{s.name} on {s.gpus} GPUs is slower than one GPU ({s.tokens_per_s:,.0f} "
+                f"against {single.tokens_per_s:,.0f} tokens/s): the network cannot keep up "
+                "with this model's communication."
+            )
+    if best.step.data > DATA_BOUND_SHARE * best.step.total:
+        out.append(
+            f"Data-bound: the GPUs would wait for data {best.step.data / best.step.total:.0%} "
+            "of each step; add loader workers (data.num_workers), pin memory, or pre-tokenize."
+        )
+    if best.fits and best.memory.total > (1 - HEADROOM_WARNING) * inputs.hardware.memory_bytes:
+        free = 1 - best.memory.total / inputs.hardware.memory_bytes
+        out.append(
+            f"{best.name} leaves {free:.0%} of device memory free: under "
+            f"{HEADROOM_WARNING:.0%}, allocator fragmentation can still run it out of memory."
+        )
+    if not best.host_fits:
+        out.append(
+            f"{best.name} needs {_gb(best.host_memory_per_node)} of host memory per node, more "
+            f"than the {_gb(inputs.hardware.host_memory_bytes)} there."
+        )
+    knee_at = knees.get(best.name)
+    if knee_at is None and best.gpus > 1:
+        counts = [2**k for k in range(int(math.log2(best.gpus)) + 2)]
+        knee_at = knee([_row(inputs.with_gpus(n), best.name) for n in counts])
+    if knee_at is not None and best.gpus > knee_at:
+        out.append(
+            f"{best.gpus} GPUs is past the scaling knee of {best.name} ({knee_at} GPUs): "
+            "beyond it each added GPU buys less than half of its share."
+        )
+    return out
+
+
+def _row(inputs: PlanInputs, name: str) -> SweepRow:
+    s = evaluate(inputs, name)
+    return SweepRow(
+        gpus=s.gpus,
+        strategy=name,
+        fits=s.fits,
+        tokens_per_s=s.tokens_per_s,
+        scaling_efficiency=s.scaling_efficiency,
+        step_s=s.step.total,
+        hours_to_train=s.hours_to_train,
+        total_usd=s.cost.total_usd,
+    )
+
+
+def sweep_rows(inputs: PlanInputs, counts: list[int]) -> list[SweepRow]:
+    rows = []
+    for n in sorted(set(counts)):
+        sized = inputs.with_gpus(n)
+        for name in candidate_names(sized):
+            if name == "single" and n > 1:
+                continue
+            rows.append(_row(sized, name))
+    return rows
+
+
+def knee(rows: list[SweepRow]) -> int | None:
+    """The GPU count past which each added GPU buys less than half of its share: the first
+    count n whose step to the next count adds less than KNEE_SHARE x (tokens/s per GPU at n)
+    per added GPU. None when the curve never bends that far."""
+    rows = sorted(rows, key=lambda r: r.gpus)
+    for a, b in zip(rows, rows[1:], strict=False):
+        per_gpu = a.tokens_per_s / a.gpus
+        gain = (b.tokens_per_s - a.tokens_per_s) / (b.gpus - a.gpus)
+        if gain < KNEE_SHARE * per_gpu:
+            return a.gpus
+    return None
+
+
+def parse_sweep(text: str) -> list[int]:
+    """'1,2,4,8' or '1..1024' (doubling from the first to the last)."""
+    text = text.strip()
+    if ".." in text:
+        first, _, last = text.partition("..")
+        a, b = int(first), int(last)
+        if a < 1 or b < a:
+            raise ValueError(f"{text!r}: a range is FIRST..LAST with 1 <= FIRST <= LAST")
+        out = []
+        while a <= b:
+            out.append(a)
+            a *= 2
+        return out
+    counts = [int(part) for part in text.split(",") if part.strip()]
+    if not counts or any(n < 1 for n in counts):
+        raise ValueError(f"{text!r}: GPU counts must be integers >= 1")
+    return counts

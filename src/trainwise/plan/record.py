@@ -1,0 +1,133 @@
+"""The plan as JSON: the one definition of its schema (documented in the README).
+Units: bytes, seconds, hours, US dollars; shares in [0, 1]."""
+
+from __future__ import annotations
+
+from trainwise.plan.estimate import StrategyPlan
+from trainwise.plan.planner import Plan
+
+SCHEMA_VERSION = 1
+
+
+def _int(x: float | None) -> int | None:
+    return None if x is None else int(round(x))
+
+
+def strategy_record(s: StrategyPlan) -> dict:
+    m = s.memory
+    return {
+        "name": s.name,
+        "gpus": s.gpus,
+        "fits": s.fits,
+        "memory_per_gpu": {
+            "params": _int(m.params),
+            "grads": _int(m.grads),
+            "optimizer": _int(m.optimizer),
+            "model_states": _int(m.model_states),
+            "activations": _int(m.activations),
+            "buffers": _int(m.buffers),
+            "overhead": _int(m.overhead),
+            "total": _int(m.total),
+        },
+        "host_memory_per_node": _int(s.host_memory_per_node),
+        "comm_bytes_per_step_per_gpu": _int(s.comm_bytes_per_step_per_gpu),
+        "step": {
+            "compute": s.step.compute,
+            "comm": s.step.comm,
+            "exposed_comm": s.step.exposed_comm,
+            "data": s.step.data,
+            "total": s.step.total,
+        },
+        "tokens_per_s": s.tokens_per_s,
+        "mfu": s.mfu,
+        "scaling_efficiency": s.scaling_efficiency,
+        "hours_to_train": s.hours_to_train,
+        "cost": {
+            "gpu_hours": s.cost.gpu_hours,
+            "compute_usd": s.cost.compute_usd,
+            "comm_wait_usd": s.cost.comm_wait_usd,
+            "failure_retry_usd": s.cost.failure_retry_usd,
+            "total_usd": s.cost.total_usd,
+        },
+        "checkpoint": {
+            "interval_min": s.checkpoint.interval_min,
+            "expected_failures": s.checkpoint.expected_failures,
+            "save_s": s.checkpoint.save_s,
+            "size_bytes": _int(s.checkpoint.size_bytes),
+        },
+    }
+
+
+def inputs_record(plan: Plan) -> dict:
+    i = plan.inputs
+    w, hw = i.workload, i.hardware
+    shape = None
+    if w.shape is not None:
+        s = w.shape
+        shape = {
+            "layers": s.n_layer,
+            "hidden": s.d_model,
+            "heads": s.n_head,
+            "kv_heads": s.n_kv_head,
+            "ffn": s.d_ff,
+            "vocab": s.vocab_size,
+        }
+    return {
+        "model": i.model,
+        "params": w.params,
+        "shape": shape,
+        "seq_len": w.seq_len,
+        "micro_batch": w.micro_batch,
+        "global_batch": i.global_batch,
+        "tokens": i.tokens,
+        "precision": w.precision,
+        "optimizer": w.optimizer,
+        "ac": w.ac,
+        "gpu": hw.gpu,
+        "gpus": i.gpus,
+        "gpus_per_node": i.gpus_per_node,
+        "nodes": i.nodes,
+        "gpu_memory_bytes": _int(hw.memory_bytes),
+        "gpu_peak_flops": hw.peak_flops,
+        "efficiency": i.efficiency,
+        "intra_node_bytes_per_s": hw.intra_bps,
+        "inter_node_bytes_per_s": hw.inter_bps,
+        "price_per_gpu_hour": hw.price_per_gpu_hour,
+        "mtbf_hours_per_node": i.mtbf_hours,
+        "restart_s": i.restart_s,
+        "checkpoint_bytes_per_s_per_node": i.checkpoint_bps,
+        "data_samples_per_s_per_gpu": i.data_samples_per_s,
+        "headroom": i.headroom,
+        "objective": i.objective,
+    }
+
+
+def plan_record(plan: Plan) -> dict:
+    out = {
+        "schema_version": SCHEMA_VERSION,
+        "inputs": inputs_record(plan),
+        "strategies": [strategy_record(s) for s in plan.strategies],
+        "recommendation": {
+            "strategy": plan.recommendation.strategy,
+            "scenario": plan.recommendation.scenario,
+            "reasons": list(plan.recommendation.reasons),
+        },
+        "questions": [{"question": q, "answer": a} for q, a in plan.questions],
+        "warnings": list(plan.warnings),
+    }
+    if plan.sweep:
+        out["sweep"] = [
+            {
+                "gpus": r.gpus,
+                "strategy": r.strategy,
+                "fits": r.fits,
+                "tokens_per_s": r.tokens_per_s,
+                "scaling_efficiency": r.scaling_efficiency,
+                "step_s": r.step_s,
+                "hours_to_train": r.hours_to_train,
+                "total_usd": r.total_usd,
+            }
+            for r in plan.sweep
+        ]
+        out["knees"] = dict(sorted(plan.knees.items()))
+    return out

@@ -1,0 +1,214 @@
+"""The plan for people: one table (a row per strategy), the recommendation, the three
+questions, the warnings and the sweep — in the terminal (rich) or as Markdown. Both read
+the same rows, so they never disagree."""
+
+from __future__ import annotations
+
+from trainwise.plan.advisor import fmt_bytes
+from trainwise.plan.planner import Plan
+
+MEMORY_COLUMNS = (
+    "strategy",
+    "n",
+    "params",
+    "grads",
+    "optim",
+    "activ",
+    "buffers",
+    "overhd",
+    "total",
+    "fits",
+)
+TIME_COLUMNS = (
+    "strategy",
+    "compute",
+    "comm",
+    "data",
+    "step",
+    "tok/s",
+    "MFU",
+    "time",
+    "cost",
+)
+MEMORY_TITLE = (
+    "Memory per GPU, GB (n: GPUs; activ: activations; overhd: CUDA context + fragmentation)"
+)
+TIME_TITLE = "Step in seconds (comm: exposed communication), throughput, time and cost"
+SWEEP_COLUMNS = ("GPUs", "strategy", "fits", "tokens/s", "scaling", "step s", "time", "cost")
+
+
+def _gb(x: float | None) -> str:
+    return "n/a" if x is None else fmt_bytes(x)
+
+
+def _gb_number(x: float | None) -> str:
+    """GB as a bare number (the table's title carries the unit)."""
+    if x is None:
+        return "n/a"
+    return f"{x / 1e9:.3g}" if x >= 1e7 or x == 0 else f"{x / 1e9:.1e}"
+
+
+def fmt_seconds(x: float) -> str:
+    return "0" if x == 0 else ("<0.01" if x < 0.01 else f"{x:.3g}")
+
+
+def fmt_hours(h: float) -> str:
+    if h >= 48:
+        return f"{h / 24:,.1f} d"
+    if h >= 1:
+        return f"{h:.1f} h"
+    return f"{h * 60:.1f} min"
+
+
+def fmt_usd(x: float) -> str:
+    return f"${x:,.0f}" if x >= 100 else f"${x:,.2f}"
+
+
+def _name(plan: Plan, name: str) -> str:
+    """The recommended strategy is marked with a star (the terminal adds colour)."""
+    return name + ("*" if name == plan.recommendation.strategy else "")
+
+
+def memory_rows(plan: Plan) -> list[list[str]]:
+    rows = []
+    for s in plan.strategies:
+        m = s.memory
+        rows.append(
+            [
+                _name(plan, s.name),
+                str(s.gpus),
+                _gb_number(m.params),
+                _gb_number(m.grads),
+                _gb_number(m.optimizer),
+                _gb_number(m.activations),
+                _gb_number(m.buffers),
+                _gb_number(m.overhead),
+                _gb_number(m.total),
+                "yes" if s.fits else "no",
+            ]
+        )
+    return rows
+
+
+def time_rows(plan: Plan) -> list[list[str]]:
+    return [
+        [
+            _name(plan, s.name),
+            fmt_seconds(s.step.compute),
+            fmt_seconds(s.step.exposed_comm),
+            fmt_seconds(s.step.data),
+            fmt_seconds(s.step.total),
+            f"{s.tokens_per_s:,.0f}",
+            f"{s.mfu:.0%}",
+            fmt_hours(s.hours_to_train),
+            fmt_usd(s.cost.total_usd),
+        ]
+        for s in plan.strategies
+    ]
+
+
+def sweep_rows(plan: Plan) -> list[list[str]]:
+    return [
+        [
+            str(r.gpus),
+            r.strategy + (" (knee)" if plan.knees.get(r.strategy) == r.gpus else ""),
+            "yes" if r.fits else "no",
+            f"{r.tokens_per_s:,.0f}",
+            f"{r.scaling_efficiency:.0%}",
+            f"{r.step_s:.3g}",
+            fmt_hours(r.hours_to_train),
+            fmt_usd(r.total_usd),
+        ]
+        for r in plan.sweep
+    ]
+
+
+def headline(plan: Plan) -> str:
+    i, w = plan.inputs, plan.inputs.workload
+    shape = f"{w.params / 1e9:.2f}B parameters" if w.params >= 1e8 else f"{w.params:,} parameters"
+    batch = f"global batch {i.global_batch}" if i.global_batch else "global batch = micro x GPUs"
+    return (
+        f"{i.model} ({shape}), seq {w.seq_len}, micro-batch {w.micro_batch}, {batch}, "
+        f"{w.precision}, {w.optimizer}, ac {w.ac}; {i.gpus} x {i.hardware.gpu} on "
+        f"{i.nodes} node{'s' if i.nodes > 1 else ''}; {i.tokens:.3g} tokens to train"
+    )
+
+
+def cost_line(plan: Plan) -> str:
+    s = plan.strategy(plan.recommendation.strategy)
+    c = s.cost
+    return (
+        f"Cost of {s.name}: {fmt_usd(c.compute_usd)} compute + {fmt_usd(c.comm_wait_usd)} "
+        f"communication wait + {fmt_usd(c.failure_retry_usd)} failure retry = "
+        f"{fmt_usd(c.total_usd)} ({c.gpu_hours:,.0f} GPU-hours); checkpoint every "
+        f"{s.checkpoint.interval_min:.0f} min."
+    )
+
+
+def render_terminal(plan: Plan, console=None) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = console or Console()
+    console.print(f"[bold]trainwise plan[/]: {escape(headline(plan))}")
+    fits = {s.name: s.fits for s in plan.strategies}
+    for title, columns, rows in (
+        (MEMORY_TITLE, MEMORY_COLUMNS, memory_rows(plan)),
+        (TIME_TITLE, TIME_COLUMNS, time_rows(plan)),
+    ):
+        table = Table(
+            title=title, box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left", padding=(0, 1)
+        )
+        for col in columns:
+            left = col == "strategy"
+            table.add_column(col, justify="left" if left else "right", no_wrap=left)
+        for row in rows:
+            name = row[0].removesuffix("*")
+            style = "bold green" if row[0].endswith("*") else ("" if fits[name] else "dim")
+            table.add_row(*row, style=style)
+        console.print(table)
+    rec = plan.recommendation
+    console.print(f"[bold]Recommendation: {rec.strategy}[/] (scenario: {rec.scenario})")
+    for reason in rec.reasons:
+        console.print(f"  - {escape(reason)}")
+    console.print(f"  {escape(cost_line(plan))}")
+    console.print("\n[bold]The three questions[/]")
+    for q, a in plan.questions:
+        console.print(f"  [bold]{escape(q)}[/] {escape(a)}")
+    if plan.sweep:
+        sweep = Table(title="Scaling sweep", box=box.SIMPLE_HEAD, pad_edge=False)
+        for col in SWEEP_COLUMNS:
+            sweep.add_column(col, justify="left" if col == "strategy" else "right")
+        for row in sweep_rows(plan):
+            sweep.add_row(*row)
+        console.print(sweep)
+    if plan.warnings:
+        console.print("\n[bold yellow]Warnings[/]")
+        for warning in plan.warnings:
+            console.print(f"  ! {escape(warning)}", style="yellow")
+
+
+def _md_table(columns: tuple[str, ...], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return out
+
+
+def render_markdown(plan: Plan) -> str:
+    rec = plan.recommendation
+    out = ["# trainwise plan", "", headline(plan), ""]
+    out += [f"## {MEMORY_TITLE}", ""] + _md_table(MEMORY_COLUMNS, memory_rows(plan))
+    out += ["", f"## {TIME_TITLE}", ""]
+    out += _md_table(TIME_COLUMNS, time_rows(plan))
+    out += ["", f"## Recommendation: {rec.strategy} (scenario: {rec.scenario})", ""]
+    out += [f"- {reason}" for reason in rec.reasons] + [f"- {cost_line(plan)}", ""]
+    out += ["## The three questions", ""]
+    for q, a in plan.questions:
+        out += [f"**{q}** {a}", ""]
+    if plan.sweep:
+        out += ["## Scaling sweep", ""] + _md_table(SWEEP_COLUMNS, sweep_rows(plan)) + [""]
+    if plan.warnings:
+        out += ["## Warnings", ""] + [f"- {w}" for w in plan.warnings] + [""]
+    return "\n".join(out)
