@@ -10,6 +10,7 @@ import pytest
 import tomllib
 
 from helpers import QUIET, read_records, run_cli
+from trainwise.cli.main import main
 from trainwise.config import load_config
 from trainwise.run.telemetry import RECORD_FIELDS
 
@@ -18,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.toml"))
 
 
-def test_demo_job_learns_and_records_every_step(workdir: Path):
+def test_demo_job_learns_and_records_every_step(workdir: Path, capsys):
     """`make demo` runs `trainwise train` with no arguments: this is that job."""
     res = run_cli("train", cwd=workdir, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -41,6 +42,16 @@ def test_demo_job_learns_and_records_every_step(workdir: Path):
     assert f"run dir    runs/{run_dir.name}" in out
     assert (run_dir / "config.toml").is_file() and (run_dir / "summary.json").is_file()
     assert any((run_dir / "tensorboard").iterdir())
+
+    # The finished run calibrates the planner: the efficiency it achieved replaces the
+    # assumed one (`trainwise plan --config ... --calibrate RUN`).
+    capsys.readouterr()
+    args = ["plan", "--config", str(run_dir / "config.toml"), "--calibrate", str(run_dir)]
+    assert main([*args, "--gpu", "cpu", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert 0 < planned["inputs"]["efficiency"] <= 1
+    assert planned["inputs"]["efficiency"] != load_config().plan.efficiency
+    assert "measured in" in planned["inputs"]["calibration"][0]
 
 
 BAD_INPUTS = {

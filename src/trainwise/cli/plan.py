@@ -69,6 +69,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--sweep", metavar="COUNTS", help="GPU counts: 1,2,4,8 or 1..1024 (doubling) (plan.sweep)"
     )
+    p.add_argument(
+        "--calibrate",
+        metavar="RUN_DIR",
+        help="re-plan with the compute efficiency and bandwidth a finished trainwise train "
+        "or doctor run measured",
+    )
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
     out.add_argument("--markdown", action="store_true", help="print the plan as Markdown")
@@ -113,7 +119,12 @@ def run(args: argparse.Namespace) -> int:
     from trainwise.report.plan_view import render_markdown, render_terminal
 
     inputs, sweep = load_plan_inputs(args)
-    plan = make_plan(inputs, sweep)
+    notes: list[str] = []
+    if args.calibrate:
+        from trainwise.plan.calibrate import apply_calibration, read_calibration
+
+        inputs, notes = apply_calibration(inputs, read_calibration(args.calibrate))
+    plan = make_plan(inputs, sweep, notes)
     if args.html:
         from trainwise.report.plan_html import render_html
 

@@ -45,4 +45,6 @@ def detect_device(kind: str = "auto") -> DeviceInfo:
     if use_cuda:
         return DeviceInfo("cuda", "none", 0, 0.0, False, False, None)
     # CPU autocast runs bf16; fp16 training on CPU is not supported by GradScaler paths we use.
-    return DeviceInfo("cpu", "cpu", 1, host_memory_bytes(), True, False, None)
+    # The catalog's `cpu` entry gives CPU runs a (stated, assumed) peak, so that they record
+    # an MFU and can calibrate the planner.
+    return DeviceInfo("cpu", "cpu", 1, host_memory_bytes(), True, False, find_gpu("cpu"))

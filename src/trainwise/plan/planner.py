@@ -47,12 +47,17 @@ class Plan:
     warnings: list[str]
     sweep: list[SweepRow] = field(default_factory=list)
     knees: dict[str, int | None] = field(default_factory=dict)
+    calibration: list[str] = field(
+        default_factory=list
+    )  # measured figures that replaced assumptions
 
     def strategy(self, name: str) -> StrategyPlan:
         return next(s for s in self.strategies if s.name == name)
 
 
-def make_plan(inputs: PlanInputs, sweep: list[int] | None = None) -> Plan:
+def make_plan(
+    inputs: PlanInputs, sweep: list[int] | None = None, calibration: list[str] | None = None
+) -> Plan:
     strategies = [evaluate(inputs, name) for name in candidate_names(inputs)]
     best = _choose(inputs, strategies)
     single = strategies[0] if strategies[0].name == "single" else evaluate(inputs, "single")
@@ -78,6 +83,7 @@ def make_plan(inputs: PlanInputs, sweep: list[int] | None = None) -> Plan:
         warnings=warnings,
         sweep=rows,
         knees=knees,
+        calibration=list(calibration or []),
     )
 
 

@@ -99,6 +99,7 @@ def inputs_record(plan: Plan) -> dict:
         "data_samples_per_s_per_gpu": i.data_samples_per_s,
         "headroom": i.headroom,
         "objective": i.objective,
+        "calibration": list(plan.calibration),
     }
 
 

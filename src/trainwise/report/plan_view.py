@@ -153,6 +153,8 @@ def render_terminal(plan: Plan, console=None) -> None:
 
     console = console or Console()
     console.print(f"[bold]trainwise plan[/]: {escape(headline(plan))}")
+    for note in plan.calibration:
+        console.print(f"  calibrated: {escape(note)}")
     fits = {s.name: s.fits for s in plan.strategies}
     for title, columns, rows in (
         (MEMORY_TITLE, MEMORY_COLUMNS, memory_rows(plan)),
@@ -199,6 +201,9 @@ def _md_table(columns: tuple[str, ...], rows: list[list[str]]) -> list[str]:
 def render_markdown(plan: Plan) -> str:
     rec = plan.recommendation
     out = ["# trainwise plan", "", headline(plan), ""]
+    out += [f"- calibrated: {note}" for note in plan.calibration] + (
+        [""] if plan.calibration else []
+    )
     out += [f"## {MEMORY_TITLE}", ""] + _md_table(MEMORY_COLUMNS, memory_rows(plan))
     out += ["", f"## {TIME_TITLE}", ""]
     out += _md_table(TIME_COLUMNS, time_rows(plan))

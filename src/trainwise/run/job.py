@@ -14,7 +14,7 @@ from trainwise.errors import ConfigError
 from trainwise.hardware import GB, DeviceInfo
 from trainwise.models import GPTShape, ModelSpec, count_parameters, resolve_shape
 from trainwise.plan import Decision, Workload, choose_strategy, describe, estimate_memory, fmt_bytes
-from trainwise.plan.flops import flops_per_token
+from trainwise.plan.flops import flops_per_token, recompute_factor
 
 
 @dataclass
@@ -66,6 +66,13 @@ class Job:
             "global_batch": self.global_batch,
             "tokens_per_step": self.tokens_per_step,
             "flops_per_token": self.flops_per_token,
+            # The hardware FLOPs per model FLOP (activation recomputation) and the peak the
+            # MFU is measured against: what `trainwise plan --calibrate` needs.
+            "recompute_factor": recompute_factor(
+                self.cfg.parallel.ac, self.shape.n_layer if self.shape else 1
+            ),
+            "peak_flops_per_device": self.device.peak_flops(self.cfg.precision.dtype),
+            "precision": self.cfg.precision.dtype,
             "memory_estimate": {
                 "params": est.params,
                 "grads": est.grads,

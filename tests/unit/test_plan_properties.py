@@ -1,0 +1,80 @@
+"""Properties of the planner that must hold for any input (hypothesis): the invariants a
+user relies on when reading a plan, not values."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainwise.config import load_config
+from trainwise.hardware.catalog import gpu_names
+from trainwise.models.shapes import PRESETS
+from trainwise.plan.estimate import evaluate
+from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
+from trainwise.plan.planner import make_plan
+
+GPUS = [g for g in gpu_names() if g not in ("cpu", "T4", "V100")]  # with a bf16 peak
+SHARDED = ("fsdp-grad-op", "fsdp-full", "fsdp-offload")
+
+jobs = st.fixed_dictionaries(
+    {
+        "model.name": st.sampled_from([p for p in PRESETS if p not in ("tiny", "small")]),
+        "cluster.gpu": st.sampled_from(GPUS),
+        "data.seq_len": st.sampled_from([512, 1024, 2048, 4096]),
+        "data.micro_batch": st.integers(1, 8),
+        "data.global_batch": st.sampled_from([None, 64, 512, 1024]),
+        "precision.dtype": st.sampled_from(["fp32", "bf16"]),
+        "parallel.ac": st.sampled_from(["none", "selective", "full"]),
+        "optim.name": st.sampled_from(["adamw", "sgd"]),
+        "plan.gpus": st.sampled_from([1, 2, 4, 8, 16, 64, 256]),
+        "cluster.inter_node_gbps": st.floats(0.1, 200),
+    }
+)
+
+
+def inputs_of(job: dict):
+    return resolve_inputs(load_config(None, job, base=PLAN_DEFAULTS))
+
+
+@settings(max_examples=60, deadline=None)
+@given(jobs, st.sampled_from(SHARDED))
+def test_more_gpus_never_raise_memory_per_gpu_under_sharding(job, name):
+    inputs = inputs_of(job)
+    fewer = evaluate(inputs, name).memory.total
+    more = evaluate(inputs.with_gpus(inputs.gpus * 2), name).memory.total
+    assert more <= fewer * (1 + 1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(jobs, st.floats(1.01, 100.0))
+def test_more_bandwidth_never_slows_a_step(job, factor):
+    inputs = inputs_of(job)
+    hw = inputs.hardware
+    faster = replace(
+        inputs,
+        hardware=replace(hw, intra_bps=hw.intra_bps * factor, inter_bps=hw.inter_bps * factor),
+    )
+    for name in ("ddp", "fsdp-grad-op", "fsdp-full", "hsdp", "fsdp-offload"):
+        assert evaluate(faster, name).step.total <= evaluate(inputs, name).step.total * (1 + 1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(jobs)
+def test_full_never_uses_more_memory_than_grad_op(job):
+    inputs = inputs_of(job)
+    full = evaluate(inputs, "fsdp-full").memory
+    grad_op = evaluate(inputs, "fsdp-grad-op").memory
+    assert full.total <= grad_op.total
+
+
+@settings(max_examples=60, deadline=None)
+@given(jobs)
+def test_the_recommendation_fits_whenever_something_fits(job):
+    plan = make_plan(inputs_of(job))
+    candidates = [s for s in plan.strategies if s.name != "single" or plan.inputs.gpus == 1]
+    if any(s.fits for s in candidates):
+        assert plan.strategy(plan.recommendation.strategy).fits
+    else:
+        assert plan.recommendation.scenario == "offline-batch"

@@ -1,0 +1,361 @@
+"""The planner's models beyond memory (communication, compute, cost, checkpoints, the
+decision, the sweep) against hand arithmetic and published figures. Expected values are
+worked out in the comments from the formulas in the modules' docstrings."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from trainwise.config import load_config
+from trainwise.models.shapes import PRESETS
+from trainwise.plan.comm import Layout, exposed_seconds, step_collectives
+from trainwise.plan.cost import checkpoint_plan, job_cost
+from trainwise.plan.estimate import evaluate
+from trainwise.plan.flops import model_flops_per_token, recompute_factor
+from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
+from trainwise.plan.memory import Workload, estimate_memory
+from trainwise.plan.planner import SweepRow, knee, make_plan, parse_sweep
+from trainwise.plan.record import plan_record
+
+GB = 1e9
+
+
+def plan_inputs(**flags):
+    """Resolved inputs from `trainwise plan`'s defaults and dotted-key flags."""
+    return resolve_inputs(load_config(None, flags, base=PLAN_DEFAULTS))
+
+
+# --- communication ---------------------------------------------------------------------------
+
+NODE = Layout(gpus=4, gpus_per_node=8, intra_bps=100.0, inter_bps=10.0)
+
+
+def test_ddp_all_reduce_volume_by_hand():
+    # Ring all-reduce over 4 ranks: 2 x 3/4 x (1000 params x 4 bytes fp32 grads) = 6000.
+    (c,) = step_collectives("ddp", 1000, NODE, "bf16", "fp32", grad_accum=8)
+    assert c.wire_bytes == 6000  # once per step whatever the accumulation (no_sync)
+    assert c.bytes_per_s == 100.0 and c.seconds == 60.0
+
+
+def test_fsdp_volumes_by_hand():
+    # bf16 all-gathers 1000 x 2 = 2000 bytes, fp32 reduce-scatter 4000, factor 3/4.
+    # full: gathered for forward and again for backward, on each of 2 micro-batches:
+    # 2 x 2 x 0.75 x 2000 = 6000; reduce-scatter once: 3000.
+    gather, scatter = step_collectives("fsdp-full", 1000, NODE, "bf16", "fp32", grad_accum=2)
+    assert (gather.wire_bytes, scatter.wire_bytes) == (6000, 3000)
+    # grad_op keeps the parameters from forward to backward: one gather per micro-batch.
+    gather, scatter = step_collectives("fsdp-grad-op", 1000, NODE, "bf16", "fp32", grad_accum=2)
+    assert (gather.wire_bytes, scatter.wire_bytes) == (3000, 3000)
+
+
+def test_zero_paper_volume_ratios():
+    # Rajbhandari et al. 2020, section 7.2: ZeRO-2 moves the same volume as data parallelism
+    # (2 psi), ZeRO-3 1.5x (3 psi) -- with every collective in one dtype.
+    layout = Layout(64, 8, 1.0, 1.0)
+    ddp = sum(c.wire_bytes for c in step_collectives("ddp", 1e9, layout, "fp32", "fp32", 1))
+    op = sum(c.wire_bytes for c in step_collectives("fsdp-grad-op", 1e9, layout, "fp32", "fp32", 1))
+    full = sum(c.wire_bytes for c in step_collectives("fsdp-full", 1e9, layout, "fp32", "fp32", 1))
+    assert op / ddp == pytest.approx(1.0)
+    assert full / ddp == pytest.approx(1.5)
+
+
+def test_hsdp_shards_within_nodes_and_all_reduces_across():
+    # 16 GPUs, 8 per node: FSDP over 8 (factor 7/8) on NVLink, then an all-reduce of the
+    # gradient shards (4000 / 8 = 500 bytes) over 2 replicas: 2 x 1/2 x 500 = 500 on the network.
+    layout = Layout(16, 8, intra_bps=100.0, inter_bps=10.0)
+    gather, scatter, across = step_collectives("hsdp", 1000, layout, "bf16", "fp32", 1)
+    assert gather.wire_bytes == 2 * 7 / 8 * 2000 and gather.bytes_per_s == 100.0
+    assert scatter.wire_bytes == 7 / 8 * 4000
+    assert across.wire_bytes == 500 and across.bytes_per_s == 10.0
+
+
+def test_a_collective_across_nodes_runs_at_the_network_speed():
+    layout = Layout(16, 8, intra_bps=100.0, inter_bps=10.0)
+    assert layout.nodes == 2
+    assert layout.link(8) == 100.0 and layout.link(16) == 10.0
+    assert step_collectives("single", 1000, layout, "bf16", "fp32", 1) == []
+
+
+def test_exposed_communication_by_hand():
+    (c,) = step_collectives("ddp", 1000, NODE, "fp32", "fp32", 1)  # 60 s on the link
+    # DDP hides its all-reduce behind backward (2/3 of 120 s = 80 s) except the last
+    # bucket (25 MB at 100 B/s, capped at the whole 60 s).
+    assert exposed_seconds([c], 120.0, "ddp", 0.1) == 60.0
+    fast = replace(c, bytes_per_s=1e9)  # 6e-6 s: hidden but for its last bucket (all of it)
+    assert exposed_seconds([fast], 120.0, "ddp", 0.1) == pytest.approx(6e-6)
+    # FSDP: what exceeds the compute, plus the first unit's gather (10 % here):
+    # comm 9000 B at 100 B/s = 90 s, compute 60 s -> 30 + 9 = 39 s.
+    fsdp = step_collectives("fsdp-full", 1000, NODE, "bf16", "fp32", 2)
+    assert exposed_seconds(fsdp, 60.0, "fsdp", 0.1) == pytest.approx(39.0)
+    # Never more than the communication itself.
+    assert exposed_seconds(fsdp, 0.0, "fsdp", 0.5) == pytest.approx(90.0)
+
+
+# --- compute ---------------------------------------------------------------------------------
+
+
+def test_flops_without_a_shape_are_6n():
+    # Kaplan et al. 2020: C = 6N per token.
+    assert model_flops_per_token(1000, None, 4096) == 6000
+
+
+def test_recompute_factor_by_hand():
+    # Full recomputation runs the forward again: (6N + 2N) / 6N = 4/3 (Korthikanti et al.).
+    assert recompute_factor("full", 32) == pytest.approx(4 / 3)
+    assert recompute_factor("none", 32) == 1.0
+    # selective checkpoints 16 of 32 blocks: 1 + 0.5/3.
+    assert recompute_factor("selective", 32) == pytest.approx(1 + 1 / 6)
+
+
+def test_step_compute_by_hand():
+    # llama-7b, seq 4096, global batch 1024 on 8 GPUs: 128 sequences per GPU per step.
+    # FLOPs per token 6 x matmul params + 12 L h s; rate 989 TFLOP/s bf16 x 0.4.
+    inputs = plan_inputs()
+    s = evaluate(inputs, "fsdp-full")
+    shape = PRESETS["llama-7b"]
+    per_token = model_flops_per_token(shape.num_params(), shape, 4096)
+    peak = inputs.hardware.peak_flops
+    assert s.step.compute == pytest.approx(128 * 4096 * per_token / (peak * 0.4))
+    # MFU: model FLOPs achieved over all peaks; compute-bound here, so close to 0.4.
+    assert s.mfu == pytest.approx(s.tokens_per_s * per_token / (8 * peak))
+    assert 0.39 < s.mfu <= 0.4
+
+
+def test_global_batch_smaller_than_gpus_idles_gpus():
+    s = evaluate(plan_inputs(**{"plan.gpus": 16, "data.global_batch": 8}), "ddp")
+    assert any("smaller than 16 GPUs" in note for note in s.notes)
+
+
+# --- cost and checkpoints --------------------------------------------------------------------
+
+
+def test_checkpoint_plan_by_hand():
+    # 100 GB over 2 nodes writing 2 GB/s each: 25 s. System MTBF 1000 h / 2 = 1.8e6 s.
+    # Daly: tau = sqrt(2 x 25 x 1.8e6) - 25 = 9461.83 s. 1e6 s of training: 105.69 saves;
+    # failures over (1e6 + 105.69 x 25) s = 0.55702.
+    ck = checkpoint_plan(100 * GB, 2 * GB, 2, 1e6, 1000.0, 600.0)
+    tau = math.sqrt(2 * 25 * 1.8e6) - 25
+    assert ck.save_s == 25
+    assert ck.interval_min == pytest.approx(tau / 60)
+    assert ck.expected_failures == pytest.approx((1e6 + 1e6 / tau * 25) / 1.8e6)
+    assert ck.loss_per_failure_s == pytest.approx(600 + tau / 2)
+
+
+def test_cost_terms_add_up_by_hand():
+    # 8 GPUs, $2/h, 1 h of steps with 10 % exposed communication; saves every 10 min of 6 s
+    # (6 saves, 36 s), 0.5 failures of 300 s: retry 186 s.
+    ck = checkpoint_plan(1.0, 1.0, 1, 1.0, 1.0, 1.0)
+    ck = replace(ck, interval_min=10.0, save_s=6.0, expected_failures=0.5, loss_per_failure_s=300)
+    c = job_cost(8, 2.0, 3600.0, 0.1, ck)
+    assert c.comm_wait_usd == pytest.approx(0.8 * 2)  # 0.1 h x 8 GPUs
+    assert c.compute_usd == pytest.approx(7.2 * 2)
+    assert c.failure_retry_usd == pytest.approx(186 * 8 / 3600 * 2)
+    assert c.total_usd == pytest.approx(c.compute_usd + c.comm_wait_usd + c.failure_retry_usd)
+    assert c.gpu_hours == pytest.approx(8 + 186 * 8 / 3600)
+    assert c.wall_hours == pytest.approx((3600 + 186) / 3600)
+
+
+def test_every_strategy_cost_adds_up_and_matches_its_hours():
+    plan = make_plan(plan_inputs(**{"plan.gpus": 16}))
+    for s in plan.strategies:
+        c = s.cost
+        assert c.total_usd == pytest.approx(c.compute_usd + c.comm_wait_usd + c.failure_retry_usd)
+        assert c.gpu_hours == pytest.approx(c.wall_hours * s.gpus)
+        assert c.total_usd == pytest.approx(c.gpu_hours * plan.inputs.hardware.price_per_gpu_hour)
+
+
+# --- published memory figures ----------------------------------------------------------------
+
+
+def test_zero_paper_model_states():
+    # Rajbhandari et al. 2020, Figure 1: a 7.5B model with Adam needs 120 GB of model states
+    # per GPU under data parallelism (16 bytes per parameter) and 1.9 GB with ZeRO-3
+    # (P_os+g+p) on 64 GPUs.
+    w = Workload(params=7_500_000_000, shape=None, seq_len=1, micro_batch=1, precision="bf16")
+    assert estimate_memory(w, "ddp", 64).model_states == 120 * GB
+    assert estimate_memory(w, "fsdp", 64).model_states == pytest.approx(1.875 * GB)
+
+
+# --- the decision ----------------------------------------------------------------------------
+
+
+def test_seed_rule_a_replica_that_fits_gets_ddp_on_a_fast_network():
+    plan = make_plan(plan_inputs(**{"model.name": "gpt2-124m", "data.seq_len": 1024}))
+    assert plan.strategy("single").fits
+    assert plan.recommendation.strategy == "ddp"
+    assert plan.recommendation.scenario == "ddp"
+
+
+def test_seed_rule_a_replica_that_does_not_fit_gets_fsdp():
+    plan = make_plan(plan_inputs())  # llama-7b on 8 x H100: 162 GB for one replica
+    assert not plan.strategy("single").fits
+    assert plan.recommendation.strategy in ("fsdp-grad-op", "fsdp-full")
+    assert plan.recommendation.scenario == "fsdp"
+    assert plan.questions[0][1].startswith("No.")
+
+
+def test_seed_rule_slow_network_small_model_warns_sharding_is_slower():
+    plan = make_plan(
+        plan_inputs(
+            **{"model.name": "gpt2-124m", "data.seq_len": 1024, "cluster.intra_node_gbps": 0.05}
+        )
+    )
+    assert any("slower than one GPU" in w for w in plan.warnings)
+    assert plan.questions[1][1].startswith("No.")
+
+
+def test_small_model_on_two_gpus_is_an_mvp():
+    plan = make_plan(
+        plan_inputs(**{"model.name": "gpt2-124m", "data.seq_len": 1024, "plan.gpus": 2})
+    )
+    assert plan.recommendation.scenario == "mvp"
+
+
+def test_nothing_fits_is_offline_batch_with_the_smallest_footprint():
+    plan = make_plan(
+        plan_inputs(**{"model.name": "llama-70b", "cluster.gpu": "A10G", "plan.gpus": 2})
+    )
+    rec = plan.recommendation
+    assert rec.scenario == "offline-batch"
+    chosen = plan.strategy(rec.strategy)
+    assert not chosen.fits
+    assert chosen.memory.total == min(s.memory.total for s in plan.strategies if s.name != "single")
+    assert any(r.startswith("Nothing fits") for r in rec.reasons)
+
+
+def test_objective_time_picks_the_fastest_that_fits():
+    inputs = plan_inputs(**{"plan.objective": "time", "plan.gpus": 16})
+    plan = make_plan(inputs)
+    fitting = [s for s in plan.strategies if s.fits and s.name != "single"]
+    fastest = min(fitting, key=lambda s: s.cost.wall_hours)
+    assert plan.recommendation.strategy == fastest.name
+
+
+def test_hsdp_only_across_nodes():
+    assert "hsdp" not in [s.name for s in make_plan(plan_inputs()).strategies]
+    plan = make_plan(plan_inputs(**{"plan.gpus": 16}))
+    assert "hsdp" in [s.name for s in plan.strategies]
+    assert plan.inputs.nodes == 2
+
+
+def test_one_strategy_when_asked():
+    plan = make_plan(plan_inputs(**{"plan.strategy": "fsdp-full"}))
+    assert [s.name for s in plan.strategies] == ["fsdp-full"]
+
+
+def test_network_answer_states_the_break_even_bandwidth():
+    plan = make_plan(plan_inputs())
+    answer = plan.questions[1][1]
+    assert "GB/s, sharding is slower than one GPU" in answer
+    assert "450 GB/s" in answer  # NVLink 4 from the catalog
+
+
+def test_crash_answer_uses_the_young_daly_interval():
+    plan = make_plan(plan_inputs(**{"plan.gpus": 64}))
+    best = plan.strategy(plan.recommendation.strategy)
+    assert f"{best.checkpoint.interval_min:.0f} min" in plan.questions[2][1]
+    assert "8 nodes" in plan.questions[2][1]
+
+
+# --- sweep and knee --------------------------------------------------------------------------
+
+
+def _rows(points):
+    return [SweepRow(n, "x", True, t, t / n, 1.0, 1.0, 1.0) for n, t in points]
+
+
+def test_knee_by_hand():
+    # 1 -> 2 adds 90 per GPU (>= half of 100); 2 -> 4 adds 30 per GPU, less than half of
+    # 190 / 2 = 95: the knee is at 2.
+    assert knee(_rows([(1, 100), (2, 190), (4, 250)])) == 2
+    assert knee(_rows([(1, 100), (2, 200), (4, 400)])) is None
+
+
+def test_sweep_rows_and_knees_in_the_plan():
+    plan = make_plan(plan_inputs(**{"cluster.inter_node_gbps": 1.0}), parse_sweep("1..64"))
+    assert {r.gpus for r in plan.sweep} == {1, 2, 4, 8, 16, 32, 64}
+    assert plan.knees["fsdp-full"] is not None  # a slow network bends the curve
+    record = plan_record(plan)
+    assert len(record["sweep"]) == len(plan.sweep)
+
+
+def test_past_the_knee_warns():
+    plan = make_plan(plan_inputs(**{"plan.gpus": 64, "cluster.inter_node_gbps": 0.5}))
+    assert any("past the scaling knee" in w for w in plan.warnings)
+
+
+@pytest.mark.parametrize(
+    "text, counts",
+    [("1,2,4,8", [1, 2, 4, 8]), ("1..1024", [2**k for k in range(11)]), ("3..12", [3, 6, 12])],
+)
+def test_parse_sweep(text, counts):
+    assert parse_sweep(text) == counts
+
+
+@pytest.mark.parametrize("text", ["", "a,b", "0,1", "8..2", "1..x"])
+def test_parse_sweep_rejects(text):
+    with pytest.raises(ValueError):
+        parse_sweep(text)
+
+
+# --- the JSON record -------------------------------------------------------------------------
+
+
+def test_json_record_has_the_documented_schema():
+    record = plan_record(make_plan(plan_inputs(), [1, 2]))
+    assert set(record) >= {
+        "inputs",
+        "strategies",
+        "recommendation",
+        "questions",
+        "warnings",
+        "sweep",
+    }
+    assert set(record["recommendation"]) == {"strategy", "scenario", "reasons"}
+    assert all(set(q) == {"question", "answer"} for q in record["questions"])
+    s = record["strategies"][0]
+    assert set(s) >= {
+        "name",
+        "fits",
+        "memory_per_gpu",
+        "host_memory_per_node",
+        "comm_bytes_per_step_per_gpu",
+        "step",
+        "tokens_per_s",
+        "mfu",
+        "scaling_efficiency",
+        "hours_to_train",
+        "cost",
+        "checkpoint",
+    }
+    mem = s["memory_per_gpu"]
+    assert set(mem) >= {
+        "params",
+        "grads",
+        "optimizer",
+        "model_states",
+        "activations",
+        "buffers",
+        "overhead",
+        "total",
+    }
+    assert all(isinstance(v, int) for v in mem.values())
+    assert mem["model_states"] == mem["params"] + mem["grads"] + mem["optimizer"]
+    assert set(s["step"]) == {"compute", "comm", "exposed_comm", "data", "total"}
+    assert set(s["cost"]) == {
+        "gpu_hours",
+        "compute_usd",
+        "comm_wait_usd",
+        "failure_retry_usd",
+        "total_usd",
+    }
+    assert set(s["checkpoint"]) >= {"interval_min", "expected_failures"}
+
+
+def test_bare_parameter_count_has_no_activations():
+    record = plan_record(make_plan(plan_inputs(**{"plan.params": 3_000_000_000})))
+    assert record["inputs"]["shape"] is None
+    assert all(s["memory_per_gpu"]["activations"] is None for s in record["strategies"])
