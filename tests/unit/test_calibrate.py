@@ -31,9 +31,7 @@ def write_run(path: Path, job: dict = JOB, compute: float = 0.008, optim: float 
     for step in range(1, 7):
         slow = step <= 2  # warm-up steps, ten times slower: must be left out
         lines.append(
-            json.dumps(
-                {"step": step, "compute_s": compute * (10 if slow else 1), "optim_s": optim}
-            )
+            json.dumps({"step": step, "compute_s": compute * (10 if slow else 1), "optim_s": optim})
         )
     (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return path

@@ -264,7 +264,7 @@ def test_crash_answer_uses_the_young_daly_interval():
 
 
 def _rows(points):
-    return [SweepRow(n, "x", True, t, t / n, 1.0, 1.0, 1.0) for n, t in points]
+    return [SweepRow(n, "x", True, t, t / n, 1.0, 1.0, 1.0, 100.0 * n) for n, t in points]
 
 
 def test_knee_by_hand():

@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainwise.plan.memory import MemoryEstimate, Workload, estimate_memory
+from trainwise.plan.units import fmt_bytes
+
+__all__ = ["Decision", "choose_strategy", "describe", "fmt_bytes"]
 
 
 @dataclass(frozen=True)
@@ -16,13 +19,6 @@ class Decision:
     replica: MemoryEstimate  # one full replica (what ddp would need)
     budget_bytes: float  # usable device memory after headroom
     reason: str
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
 
 
 def describe(m: MemoryEstimate) -> str:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from trainwise.plan.advisor import fmt_bytes
 from trainwise.plan.estimate import StrategyPlan, candidate_names, evaluate
 from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.precision import OPTIMIZER_STATE_BYTES
 from trainwise.plan.reliability import SECONDS_PER_HOUR, system_mtbf_s
+from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_usd
 
 GB = 1e9
 SMALL_MODEL_PARAMS = 1e9  # the product's guide: under 1B parameters is an `mvp`
@@ -29,6 +29,7 @@ class SweepRow:
     step_s: float
     hours_to_train: float
     total_usd: float
+    ideal_tokens_per_s: float  # the GPUs' count x one GPU that only computes
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,16 @@ class Plan:
     )  # measured figures that replaced assumptions
 
     def strategy(self, name: str) -> StrategyPlan:
-        return next(s for s in self.strategies if s.name == name)
+        for s in self.strategies:
+            if s.name == name:
+                return s
+        raise KeyError(f"no strategy {name!r} in this plan")
 
 
 def make_plan(
-    inputs: PlanInputs, sweep: list[int] | None = None, calibration: list[str] | None = None
+    inputs: PlanInputs, counts: list[int] | None = None, calibration: list[str] | None = None
 ) -> Plan:
+    """The plan of `inputs`; `counts`: the GPU counts of a scaling sweep."""
     strategies = [evaluate(inputs, name) for name in candidate_names(inputs)]
     best = _choose(inputs, strategies)
     single = strategies[0] if strategies[0].name == "single" else evaluate(inputs, "single")
@@ -65,8 +70,8 @@ def make_plan(
     reasons = _reasons(inputs, best, single, strategies, scenario)
     rows: list[SweepRow] = []
     knees: dict[str, int | None] = {}
-    if sweep:
-        rows = sweep_rows(inputs, sweep)
+    if counts:
+        rows = sweep(inputs, counts)
         for name in {r.strategy for r in rows}:
             knees[name] = knee([r for r in rows if r.strategy == name])
     warnings = _warnings(inputs, best, single, strategies, knees)
@@ -112,22 +117,6 @@ def _scenario(inputs: PlanInputs, single: StrategyPlan, strategies: list[Strateg
     return "offline-batch"
 
 
-def _gb(n: float) -> str:
-    return fmt_bytes(n)
-
-
-def _usd(x: float) -> str:
-    return f"${x:,.0f}" if x >= 100 else f"${x:,.2f}"
-
-
-def _hours(h: float) -> str:
-    if h >= 48:
-        return f"{h / 24:,.1f} days"
-    if h >= 1:
-        return f"{h:.1f} h"
-    return f"{h * 60:.1f} min"
-
-
 def _reasons(
     inputs: PlanInputs,
     best: StrategyPlan,
@@ -136,21 +125,21 @@ def _reasons(
     scenario: str,
 ) -> list[str]:
     hw = inputs.hardware
-    usable = f"{_gb(best.budget_bytes)} usable of {_gb(hw.memory_bytes)} on a {hw.gpu}"
+    usable = f"{fmt_bytes(best.budget_bytes)} usable of {fmt_bytes(hw.memory_bytes)} on a {hw.gpu}"
     out = []
     if single.fits:
-        out.append(f"One replica needs {_gb(single.memory.total)}, which fits in {usable}.")
+        out.append(f"One replica needs {fmt_bytes(single.memory.total)}, which fits in {usable}.")
     else:
         out.append(
-            f"One replica needs {_gb(single.memory.total)}, more than the {usable}; "
+            f"One replica needs {fmt_bytes(single.memory.total)}, more than the {usable}; "
             "it has to be sharded."
         )
     if best.fits:
         out.append(
             f"{best.name} on {best.gpus} GPU{'s' if best.gpus > 1 else ''} needs "
-            f"{_gb(best.memory.total)} per GPU and trains the {inputs.tokens:.3g} tokens in "
-            f"{_hours(best.hours_to_train)} for {_usd(best.cost.total_usd)} at "
-            f"{_usd(hw.price_per_gpu_hour)} per GPU-hour."
+            f"{fmt_bytes(best.memory.total)} per GPU and trains the {inputs.tokens:.3g} tokens in "
+            f"{fmt_hours(best.hours_to_train)} for {fmt_usd(best.cost.total_usd)} at "
+            f"{fmt_usd(hw.price_per_gpu_hour)} per GPU-hour."
         )
         others = [s for s in strategies if s.fits and s is not best and s.name != "single"]
         key = "wall_hours" if inputs.objective == "time" else "total_usd"
@@ -158,19 +147,19 @@ def _reasons(
             if key == "total_usd":
                 diff = other.cost.total_usd - best.cost.total_usd
                 out.append(
-                    f"{other.name} also fits but costs {_usd(diff)} more "
-                    f"({_usd(other.cost.total_usd)}), "
+                    f"{other.name} also fits but costs {fmt_usd(diff)} more "
+                    f"({fmt_usd(other.cost.total_usd)}), "
                     f"with {other.step.exposed_comm / other.step.total:.0%} of a step "
                     "waiting for communication."
                 )
             else:
                 out.append(
-                    f"{other.name} also fits but takes {_hours(other.hours_to_train)} "
-                    f"against {_hours(best.hours_to_train)}."
+                    f"{other.name} also fits but takes {fmt_hours(other.hours_to_train)} "
+                    f"against {fmt_hours(best.hours_to_train)}."
                 )
     else:
         out.append(
-            f"Nothing fits: {best.name} needs the least, {_gb(best.memory.total)} per GPU "
+            f"Nothing fits: {best.name} needs the least, {fmt_bytes(best.memory.total)} per GPU "
             f"against {usable}. Use more GPUs, a smaller micro-batch with gradient "
             "accumulation, full activation checkpointing, or preemptible capacity for an "
             "offline run."
@@ -186,20 +175,20 @@ def _reasons(
 def _fit_answer(inputs: PlanInputs, single: StrategyPlan) -> str:
     m, hw = single.memory, inputs.hardware
     states = (
-        f"model states {_gb(m.model_states)} "
+        f"model states {fmt_bytes(m.model_states)} "
         f"({4 + 4 + OPTIMIZER_STATE_BYTES[inputs.workload.optimizer]} bytes per parameter: "
         f"fp32 weights, gradients and {inputs.workload.optimizer} state)"
     )
-    act = f", activations {_gb(m.activations)}" if m.activations is not None else ""
-    detail = f"{states}{act}, buffers {_gb(m.buffers)}, overhead {_gb(m.overhead)}"
+    act = f", activations {fmt_bytes(m.activations)}" if m.activations is not None else ""
+    detail = f"{states}{act}, buffers {fmt_bytes(m.buffers)}, overhead {fmt_bytes(m.overhead)}"
     if single.fits:
         return (
-            f"Yes. One replica needs {_gb(m.total)} ({detail}); a {hw.gpu} has "
-            f"{_gb(hw.memory_bytes)}, {_gb(single.budget_bytes)} usable."
+            f"Yes. One replica needs {fmt_bytes(m.total)} ({detail}); a {hw.gpu} has "
+            f"{fmt_bytes(hw.memory_bytes)}, {fmt_bytes(single.budget_bytes)} usable."
         )
     return (
-        f"No. One replica needs {_gb(m.total)} ({detail}): {m.total / hw.memory_bytes:.1f}x "
-        f"the {_gb(hw.memory_bytes)} of a {hw.gpu}, {_gb(m.total - single.budget_bytes)} over "
+        f"No. One replica needs {fmt_bytes(m.total)} ({detail}): {m.total / hw.memory_bytes:.1f}x "
+        f"the {fmt_bytes(hw.memory_bytes)} of a {hw.gpu}, {fmt_bytes(m.total - single.budget_bytes)} over "
         "what is usable."
     )
 
@@ -251,7 +240,7 @@ def _network_answer(inputs: PlanInputs) -> str:
     )
     share = plan.step.exposed_comm / plan.step.total
     facts = (
-        f"{name} on {inputs.gpus} GPUs moves {_gb(plan.comm_bytes_per_step_per_gpu)} per GPU "
+        f"{name} on {inputs.gpus} GPUs moves {fmt_bytes(plan.comm_bytes_per_step_per_gpu)} per GPU "
         f"per step; at {link / GB:.0f} GB/s per GPU {where} that is {plan.step.comm:.2f} s "
         f"against {plan.step.compute:.2f} s of compute, {share:.0%} of the step exposed."
     )
@@ -273,12 +262,12 @@ def _crash_answer(inputs: PlanInputs, best: StrategyPlan) -> str:
     share = best.cost.failure_retry_usd / best.cost.total_usd if best.cost.total_usd else 0.0
     return (
         f"With {nodes} node{'s' if nodes > 1 else ''} at {inputs.mtbf_hours:,.0f} h MTBF each, "
-        f"the job fails every {_hours(mtbf_h)} on average: about {ck.expected_failures:.2g} "
-        f"failures over {_hours(best.hours_to_train)}. A checkpoint of "
-        f"{_gb(ck.size_bytes)} stalls {ck.save_s:.1f} s; the Young/Daly interval is "
+        f"the job fails every {fmt_hours(mtbf_h)} on average: about {ck.expected_failures:.2g} "
+        f"failures over {fmt_hours(best.hours_to_train)}. A checkpoint of "
+        f"{fmt_bytes(ck.size_bytes)} stalls {ck.save_s:.1f} s; the Young/Daly interval is "
         f"{ck.interval_min:.0f} min, so a failure costs {ck.loss_per_failure_s / 60:.0f} min "
         f"(restart {inputs.restart_s / 60:.0f} min + half an interval recomputed). Failures "
-        f"and saves together cost {_usd(best.cost.failure_retry_usd)}, {share:.1%} of the "
+        f"and saves together cost {fmt_usd(best.cost.failure_retry_usd)}, {share:.1%} of the "
         "total."
     )
 
@@ -313,8 +302,8 @@ def _warnings(
         )
     if not best.host_fits:
         out.append(
-            f"{best.name} needs {_gb(best.host_memory_per_node)} of host memory per node, more "
-            f"than the {_gb(inputs.hardware.host_memory_bytes)} there."
+            f"{best.name} needs {fmt_bytes(best.host_memory_per_node)} of host memory per node, more "
+            f"than the {fmt_bytes(inputs.hardware.host_memory_bytes)} there."
         )
     knee_at = knees.get(best.name)
     if knee_at is None and best.gpus > 1:
@@ -339,10 +328,11 @@ def _row(inputs: PlanInputs, name: str) -> SweepRow:
         step_s=s.step.total,
         hours_to_train=s.hours_to_train,
         total_usd=s.cost.total_usd,
+        ideal_tokens_per_s=s.tokens_per_s / s.scaling_efficiency,
     )
 
 
-def sweep_rows(inputs: PlanInputs, counts: list[int]) -> list[SweepRow]:
+def sweep(inputs: PlanInputs, counts: list[int]) -> list[SweepRow]:
     rows = []
     for n in sorted(set(counts)):
         sized = inputs.with_gpus(n)

@@ -4,8 +4,8 @@ the same rows, so they never disagree."""
 
 from __future__ import annotations
 
-from trainwise.plan.advisor import fmt_bytes
 from trainwise.plan.planner import Plan
+from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_seconds, fmt_usd
 
 MEMORY_COLUMNS = (
     "strategy",
@@ -46,22 +46,6 @@ def _gb_number(x: float | None) -> str:
     if x is None:
         return "n/a"
     return f"{x / 1e9:.3g}" if x >= 1e7 or x == 0 else f"{x / 1e9:.1e}"
-
-
-def fmt_seconds(x: float) -> str:
-    return "0" if x == 0 else ("<0.01" if x < 0.01 else f"{x:.3g}")
-
-
-def fmt_hours(h: float) -> str:
-    if h >= 48:
-        return f"{h / 24:,.1f} d"
-    if h >= 1:
-        return f"{h:.1f} h"
-    return f"{h * 60:.1f} min"
-
-
-def fmt_usd(x: float) -> str:
-    return f"${x:,.0f}" if x >= 100 else f"${x:,.2f}"
 
 
 def _name(plan: Plan, name: str) -> str:
@@ -115,7 +99,7 @@ def sweep_rows(plan: Plan) -> list[list[str]]:
             "yes" if r.fits else "no",
             f"{r.tokens_per_s:,.0f}",
             f"{r.scaling_efficiency:.0%}",
-            f"{r.step_s:.3g}",
+            fmt_seconds(r.step_s),
             fmt_hours(r.hours_to_train),
             fmt_usd(r.total_usd),
         ]

@@ -1,0 +1,420 @@
+"""The plan as one self-contained HTML page: the headline, the recommendation, three
+pictures (memory per GPU, the cost breakdown, the scaling curve), the tables, the three
+questions and the warnings.
+
+Nothing on the page is fetched: the CSS is inline, there is no script, and the pictures are
+matplotlib's SVG written into the page. The numbers in the text and tables come from
+report.plan_view's helpers, so the page, the terminal and the Markdown never disagree.
+
+matplotlib is imported only when a page is rendered. The figures are made with
+`matplotlib.figure.Figure`, not pyplot: nothing is registered in pyplot's global figure
+list (so nothing is left open), and the caller's backend is left alone.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import re
+from collections.abc import Sequence
+
+from trainwise.plan.planner import Plan
+from trainwise.plan.units import fmt_bytes, fmt_usd
+from trainwise.report.plan_view import (
+    MEMORY_COLUMNS,
+    MEMORY_TITLE,
+    SWEEP_COLUMNS,
+    TIME_COLUMNS,
+    TIME_TITLE,
+    cost_line,
+    headline,
+    memory_rows,
+    sweep_rows,
+    time_rows,
+)
+
+GB = 1e9
+# (MemoryEstimate field, legend label, colour): the Okabe-Ito palette, colour-blind safe.
+MEMORY_PARTS = (
+    ("params", "parameters", "#0072B2"),
+    ("grads", "gradients", "#56B4E9"),
+    ("optimizer", "optimizer state", "#009E73"),
+    ("activations", "activations", "#E69F00"),
+    ("buffers", "buffers", "#CC79A7"),
+    ("overhead", "overhead", "#999999"),
+)
+COST_PARTS = (
+    ("compute_usd", "compute", "#0072B2"),
+    ("comm_wait_usd", "communication wait", "#E69F00"),
+    ("failure_retry_usd", "failure retry", "#D55E00"),
+)
+LINE_COLOURS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9", "#000000")
+SWEEP_TITLE = "Scaling sweep"
+# SVG text as <text> elements (small, searchable, read by screen readers) and a fixed hash
+# salt, so the same plan always gives the same page.
+TEXT_SIZE = 9  # points: ticks, axis labels
+NOTE_SIZE = 8  # points: notes on the bars, legends
+LEGEND_SIZE = NOTE_SIZE
+FIGURE_WIDTH = 9.0  # inches; the page scales the pictures down to its width
+SVG_RC = {"svg.fonttype": "none", "svg.hashsalt": "trainwise-plan", "font.size": TEXT_SIZE}
+# Leave out the <metadata> block (a date, matplotlib's address).
+SVG_METADATA = {"Creator": None, "Date": None, "Format": None, "Type": None}
+
+CSS = """
+body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1b1b1b;
+margin:0;background:#fff}
+main{max-width:1000px;margin:0 auto;padding:1.5em}
+h1{margin:.2em 0}h2{margin-top:1.6em;border-bottom:1px solid #ddd;padding-bottom:.2em}
+.headline{color:#444}.cost{font-weight:600}
+figure{margin:1.2em 0}figcaption{color:#555;font-size:.9em}
+svg{max-width:100%;height:auto;display:block}
+table{border-collapse:collapse;margin:.6em 0 1.4em;font-size:.9em}
+caption{text-align:left;font-weight:600;padding:.3em 0}
+th,td{padding:.25em .6em;border-bottom:1px solid #e4e4e4;text-align:right;white-space:nowrap}
+th:first-child,td:first-child,th.l,td.l{text-align:left}
+tr.rec td{background:#e8f5e9;font-weight:600}tr.nofit td{color:#888}
+dt{font-weight:600;margin-top:.8em}dd{margin:.2em 0 0 1.2em}
+.warnings li{color:#8a4b00}
+"""
+
+
+def render_html(plan: Plan) -> str:
+    """The plan as one HTML page (a string), viewable without a network."""
+    e = html.escape
+    rec = plan.recommendation
+    out = [
+        "<!DOCTYPE html>",
+        '<html lang="en">',
+        "<head>",
+        '<meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>trainwise plan: {e(plan.inputs.model)}</title>",
+        f"<style>{CSS}</style>",
+        "</head>",
+        "<body>",
+        "<main>",
+        "<h1>trainwise plan</h1>",
+        f'<p class="headline">{e(headline(plan))}</p>',
+        '<section id="recommendation">',
+        f"<h2>Recommendation: {e(rec.strategy)}</h2>",
+        f"<p>Scenario: <strong>{e(rec.scenario)}</strong></p>",
+        "<ul>",
+        *(f"<li>{e(reason)}</li>" for reason in rec.reasons),
+        "</ul>",
+        f'<p class="cost">{e(cost_line(plan))}</p>',
+        "</section>",
+        '<section id="pictures">',
+        "<h2>Pictures</h2>",
+        *_figures(plan),
+        "</section>",
+        '<section id="tables">',
+        "<h2>Tables</h2>",
+        *_strategy_table(plan, MEMORY_TITLE, MEMORY_COLUMNS, memory_rows(plan)),
+        *_strategy_table(plan, TIME_TITLE, TIME_COLUMNS, time_rows(plan)),
+    ]
+    if plan.sweep:
+        classes = ["" if r.fits else "nofit" for r in plan.sweep]
+        out += _table(SWEEP_TITLE, SWEEP_COLUMNS, sweep_rows(plan), classes)
+    out += ["</section>", '<section id="questions">', "<h2>The three questions</h2>", "<dl>"]
+    for question, answer in plan.questions:
+        out += [f"<dt>{e(question)}</dt>", f"<dd>{e(answer)}</dd>"]
+    out += ["</dl>", "</section>", '<section id="warnings" class="warnings">', "<h2>Warnings</h2>"]
+    if plan.warnings:
+        out += ["<ul>", *(f"<li>{e(w)}</li>" for w in plan.warnings), "</ul>"]
+    else:
+        out.append("<p>None.</p>")
+    out += ["</section>", "</main>", "</body>", "</html>", ""]
+    return "\n".join(out)
+
+
+# Tables
+
+
+def _strategy_table(
+    plan: Plan, title: str, columns: Sequence[str], rows: list[list[str]]
+) -> list[str]:
+    """A table with a row per strategy (in plan.strategies' order, as plan_view builds it):
+    the recommended one highlighted, those that do not fit greyed."""
+    classes = [
+        "rec" if s.name == plan.recommendation.strategy else ("" if s.fits else "nofit")
+        for s in plan.strategies
+    ]
+    return _table(title, columns, rows, classes)
+
+
+def _table(
+    title: str, columns: Sequence[str], rows: list[list[str]], classes: Sequence[str]
+) -> list[str]:
+    e = html.escape
+    out = ["<table>", f"<caption>{e(title)}</caption>", "<thead><tr>"]
+    out += [f'<th scope="col"{_align(c)}>{e(c)}</th>' for c in columns]
+    out += ["</tr></thead>", "<tbody>"]
+    for row, cls in zip(rows, classes, strict=True):
+        cells = "".join(f"<td{_align(c)}>{e(v)}</td>" for c, v in zip(columns, row, strict=True))
+        out.append(f'<tr class="{cls}">{cells}</tr>' if cls else f"<tr>{cells}</tr>")
+    out += ["</tbody>", "</table>"]
+    return out
+
+
+def _align(column: str) -> str:
+    return ' class="l"' if column == "strategy" else ""
+
+
+# Pictures
+
+
+def _figures(plan: Plan) -> list[str]:
+    import matplotlib
+
+    with matplotlib.rc_context(SVG_RC):
+        out = [
+            _figure(
+                _memory_figure(plan),
+                "memory",
+                "memory per GPU",
+                "Memory per GPU by strategy, GB. Solid line: the GPU's memory; dashed: the "
+                "usable budget after headroom.",
+            ),
+            _figure(
+                _cost_figure(plan),
+                "cost",
+                "cost breakdown per strategy",
+                "Cost of the whole training run by strategy: compute, communication wait and "
+                "failure retry (checkpoint stalls, restarts, recomputed work).",
+            ),
+        ]
+        if plan.sweep:
+            out.append(
+                _figure(
+                    _scaling_figure(plan),
+                    "scaling",
+                    "scaling curve: tokens per second versus GPUs",
+                    "Throughput versus GPUs for each strategy. Hollow markers: does not fit; "
+                    "dotted: ideal linear scaling (every GPU computing all the time); "
+                    "rings: the scaling knee.",
+                )
+            )
+    return out
+
+
+def _figure(fig, key: str, label: str, caption: str) -> str:
+    svg = _svg(fig, key, label)
+    return f"<figure>\n{svg}\n<figcaption>{html.escape(caption)}</figcaption>\n</figure>"
+
+
+def _svg(fig, key: str, label: str) -> str:
+    """`fig` as an inline <svg>: the XML prolog, doctype and comments stripped, every id
+    prefixed with `key` (several pictures share a page, and matplotlib numbers its ids the
+    same way in each), a role and an aria-label, and a <title>."""
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", metadata=SVG_METADATA)
+    text = buf.getvalue()
+    text = text[text.index("<svg") :]
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.DOTALL)
+    text = re.sub(r'\bid="', f'id="{key}-', text)
+    text = text.replace('href="#', f'href="#{key}-').replace("url(#", f"url(#{key}-")
+    label = html.escape(label)
+    head_end = text.index(">") + 1
+    head = text[:head_end].replace("<svg ", f'<svg role="img" aria-label="{label}" ', 1)
+    return f"{head}\n<title>{label}</title>{text[head_end:]}".rstrip()
+
+
+def _text_width(texts: Sequence[str], size: float) -> float:
+    """Inches the widest of `texts` (lines of) takes at `size` points."""
+    from matplotlib.font_manager import FontProperties
+    from matplotlib.textpath import text_to_path
+
+    prop = FontProperties(size=size)
+    widths = [
+        text_to_path.get_text_width_height_descent(line, prop, ismath=False)[0]
+        for text in texts
+        for line in text.split("\n")
+    ]
+    return max(widths, default=0.0) / 72.0
+
+
+def _new_figure(width: float, height: float, left: float, bottom: float, legend: Sequence[str]):
+    """A figure with margins in inches, measured rather than found by a layout engine (which
+    draws each figure twice): `left` and `bottom` for the tick labels, the right margin
+    for a legend of the labels `legend` beside the axes."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height))
+    right = _text_width(legend, LEGEND_SIZE) + 0.75
+    fig.subplots_adjust(
+        left=left / width, right=1 - right / width, bottom=bottom / height, top=1 - 0.35 / height
+    )
+    return fig
+
+
+def _legend(ax) -> None:
+    ax.legend(
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+        borderaxespad=0,
+        frameon=False,
+        fontsize=LEGEND_SIZE,
+    )
+
+
+def _strategy_label(plan: Plan, name: str, gpus: int, sep: str = " ") -> str:
+    star = " *" if name == plan.recommendation.strategy else ""
+    return f"{name}{star}{sep}({gpus} GPU{'s' if gpus > 1 else ''})"
+
+
+def _memory_figure(plan: Plan):
+    strategies = plan.strategies
+    hw = plan.inputs.hardware
+    modelled = all(s.memory.activations is not None for s in strategies)
+    parts = [
+        (field, label + ("" if modelled or field != "activations" else " (not modelled)"), c)
+        for field, label, c in MEMORY_PARTS
+    ]
+    lines = [f"{hw.gpu} memory", "usable budget"]
+    ticks = [_strategy_label(plan, s.name, s.gpus) for s in strategies]
+    notes = [
+        fmt_bytes(s.memory.total)
+        + ("" if s.fits else ", does not fit" + ("" if s.host_fits else " (host memory)"))
+        for s in strategies
+    ]
+    left = _text_width(ticks, TEXT_SIZE) + 0.25
+    fig = _new_figure(
+        FIGURE_WIDTH, 0.95 + 0.4 * len(strategies), left, 0.5, [p[1] for p in parts] + lines
+    )
+    ax = fig.add_subplot()
+    ys = list(range(len(strategies)))
+    starts = [0.0] * len(strategies)
+    for field, label, colour in parts:
+        widths = [(getattr(s.memory, field) or 0.0) / GB for s in strategies]
+        ax.barh(ys, widths, left=starts, height=0.6, color=colour, label=label)
+        starts = [a + b for a, b in zip(starts, widths, strict=True)]
+    ax.axvline(hw.memory_bytes / GB, color="#000000", linewidth=1.2, label=lines[0])
+    budgets = {s.budget_bytes for s in strategies}
+    if len(budgets) == 1:
+        ax.axvline(budgets.pop() / GB, color="#000000", linestyle="--", linewidth=1, label=lines[1])
+    else:  # each bar against its own budget
+        for i, s in enumerate(strategies):
+            ax.vlines(
+                s.budget_bytes / GB,
+                i - 0.4,
+                i + 0.4,
+                color="#000000",
+                linestyle="--",
+                linewidth=1,
+                label=lines[1] if i == 0 else None,
+            )
+    # Room on the right of the longest bar for its note: the axes' width in inches against
+    # the data's, so that total + note fits inside.
+    axes_in = ax.get_position().width * FIGURE_WIDTH
+    span = max([s.memory.total for s in strategies] + [hw.memory_bytes]) / GB * 1.05
+    for s, note in zip(strategies, notes, strict=True):
+        room = axes_in - _text_width([note], NOTE_SIZE) - 0.15
+        if room > 0.5:
+            span = max(span, s.memory.total / GB * axes_in / room)
+    for i, (s, note) in enumerate(zip(strategies, notes, strict=True)):
+        ax.text(s.memory.total / GB, i, " " + note, va="center", ha="left", fontsize=NOTE_SIZE)
+    ax.set_xlim(0, span)
+    ax.set_yticks(ys, ticks)
+    ax.set_ylim(len(strategies) - 0.5, -0.5)  # the first strategy on top
+    ax.set_xlabel("GB per GPU")
+    ax.set_title("Memory per GPU", loc="left", fontweight="bold")
+    ax.spines[["top", "right"]].set_visible(False)
+    _legend(ax)
+    return fig
+
+
+def _cost_figure(plan: Plan):
+    from matplotlib.ticker import FuncFormatter
+
+    strategies = plan.strategies
+    top = max([s.cost.total_usd for s in strategies] + [1.0]) * 1.12
+    left = _text_width([fmt_usd(top)], TEXT_SIZE) + 0.45
+    fig = _new_figure(FIGURE_WIDTH, 3.6, left, 0.6, [p[1] for p in COST_PARTS])
+    ax = fig.add_subplot()
+    xs = list(range(len(strategies)))
+    bottom = [0.0] * len(strategies)
+    for field, label, colour in COST_PARTS:
+        heights = [getattr(s.cost, field) for s in strategies]
+        ax.bar(xs, heights, bottom=bottom, width=0.6, color=colour, label=label)
+        bottom = [a + b for a, b in zip(bottom, heights, strict=True)]
+    for i, s in enumerate(strategies):
+        ax.text(
+            i, s.cost.total_usd, fmt_usd(s.cost.total_usd), ha="center", va="bottom", size=NOTE_SIZE
+        )
+    ax.set_ylim(0, top)
+    ax.set_xticks(xs, [_strategy_label(plan, s.name, s.gpus, "\n") for s in strategies])
+    ax.tick_params(axis="x", labelsize=NOTE_SIZE)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: fmt_usd(v) if v else "$0"))
+    ax.set_ylabel("USD, whole run")
+    ax.set_title("Cost breakdown", loc="left", fontweight="bold")
+    ax.spines[["top", "right"]].set_visible(False)
+    _legend(ax)
+    return fig
+
+
+def _scaling_figure(plan: Plan):
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    rows = plan.sweep
+    order = [s.name for s in plan.strategies]
+    swept = {r.strategy for r in rows}
+    names = [n for n in order if n in swept] + sorted(swept - set(order))
+    counts = sorted({r.gpus for r in rows})
+    # Ideal: every GPU computing all the time. The plan's scaling efficiency is tokens/s over
+    # exactly that, so any row gives the one-GPU rate back.
+    per_gpu = {r.gpus: r.ideal_tokens_per_s for r in rows}
+    ideal = [per_gpu[n] for n in counts]
+    top = max([r.tokens_per_s for r in rows] + ideal) * 1.05
+    left = _text_width([f"{top:,.0f}"], TEXT_SIZE) + 0.45
+    labels = [*names, "ideal linear scaling"]
+    fig = _new_figure(FIGURE_WIDTH, 3.8, left, 0.5, labels)
+    ax = fig.add_subplot()
+    if ideal:
+        ax.plot(counts, ideal, linestyle=":", color="#555555", linewidth=1.5, label=labels[-1])
+    for k, name in enumerate(names):
+        colour = LINE_COLOURS[k % len(LINE_COLOURS)]
+        mine = sorted((r for r in rows if r.strategy == name), key=lambda r: r.gpus)
+        ax.plot([r.gpus for r in mine], [r.tokens_per_s for r in mine], color=colour, label=name)
+        fit = [r for r in mine if r.fits]
+        nofit = [r for r in mine if not r.fits]
+        ax.scatter([r.gpus for r in fit], [r.tokens_per_s for r in fit], color=colour, s=24)
+        ax.scatter(
+            [r.gpus for r in nofit],
+            [r.tokens_per_s for r in nofit],
+            facecolors="#ffffff",
+            edgecolors=colour,
+            s=24,
+            zorder=3,
+        )
+        at = plan.knees.get(name)
+        point = next((r for r in mine if r.gpus == at), None)
+        if point is not None:
+            ax.scatter(
+                [point.gpus],
+                [point.tokens_per_s],
+                s=150,
+                facecolors="none",
+                edgecolors="#000000",
+                linewidths=1.2,
+                zorder=4,
+            )
+            ax.annotate(
+                f"knee of {name}",
+                (point.gpus, point.tokens_per_s),
+                xytext=(8, -14),
+                textcoords="offset points",
+                fontsize=NOTE_SIZE,
+            )
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(counts))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax.set_ylim(0, top)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("tokens/s")
+    ax.set_title("Scaling", loc="left", fontweight="bold")
+    ax.grid(True, color="#eeeeee", linewidth=0.8)
+    ax.spines[["top", "right"]].set_visible(False)
+    _legend(ax)
+    return fig
