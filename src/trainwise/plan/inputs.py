@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 from trainwise.config.schema import JobConfig
 from trainwise.errors import ConfigError
@@ -61,7 +61,7 @@ class PlanInputs:
     global_batch: int | None  # sequences per step; None: micro_batch x GPUs (grows with them)
     tokens: float  # to train, in total
     gpus: int
-    gpus_per_node: int
+    node_size: int  # GPUs a node holds
     hardware: Hardware
     efficiency: float  # achieved share of peak FLOP/s
     data_samples_per_s: float | None  # per GPU; None: the loader never limits
@@ -73,18 +73,16 @@ class PlanInputs:
     strategy: str | None  # plan only this one
 
     @property
+    def gpus_per_node(self) -> int:
+        """GPUs used on each node: a job smaller than a node uses part of one."""
+        return min(self.node_size, self.gpus)
+
+    @property
     def nodes(self) -> int:
         return -(-self.gpus // self.gpus_per_node)
 
     def with_gpus(self, gpus: int) -> PlanInputs:
-        return replace(self, gpus=gpus, gpus_per_node=min(self.gpus_per_node, gpus))
-
-    def as_dict(self) -> dict:
-        out = asdict(self)
-        shape = out["workload"].pop("shape")
-        out["workload"]["shape"] = shape
-        out["nodes"] = self.nodes
-        return out
+        return replace(self, gpus=gpus)
 
 
 def resolve_inputs(cfg: JobConfig) -> PlanInputs:
@@ -110,7 +108,6 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     per_node = cfg.cluster.nproc or DEFAULT_GPUS_PER_NODE
     gpus = p.gpus or per_node * cfg.cluster.nodes
-    per_node = min(per_node, gpus)
     catalog = default_catalog()
     intra = spec.intra_node.bytes_per_s if spec.intra_node else catalog.links["pcie4"].bytes_per_s
     micro = cfg.data.micro_batch
@@ -140,7 +137,7 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
         global_batch=global_batch,
         tokens=float(tokens),
         gpus=gpus,
-        gpus_per_node=per_node,
+        node_size=per_node,
         hardware=Hardware(
             gpu=spec.name
             if not (cfg.cluster.gpu_tflops or cfg.cluster.device_memory_gb)
