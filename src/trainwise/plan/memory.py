@@ -60,13 +60,18 @@ class Workload:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per device, by what holds them. `activations` is None when not modelled."""
+    """Bytes per device, by what holds them, and the step's peak. The parts do not peak
+    together (with `zero_grad(set_to_none=True)` there are no gradients while the
+    activations are largest), so `total` is the peak over the step's phases, not their
+    sum. `activations` is None when not modelled."""
 
     params: float
     grads: float
     optimizer: float
     activations: float | None
     buffers: float  # autocast weight copies, DDP buckets, unsharded FSDP blocks
+    peak: float  # the largest of the phases below, before overhead
+    phase: str = ""  # where the peak is: "backward", "block backward" or "optimizer step"
     overhead: float = 0.0  # CUDA context and allocator fragmentation (an assumption)
     host: float = 0.0  # host memory this worker needs (cpu offload)
 
@@ -76,39 +81,56 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        return self.model_states + (self.activations or 0.0) + self.buffers + self.overhead
+        return self.peak + self.overhead
 
 
-def activation_bytes_per_token(shape: GPTShape, precision: str, autocast: bool) -> dict:
-    """Bytes autograd keeps per token: one transformer block (`layer`), the block's input
-    (`block_input`, all a checkpointed block keeps) and the head with its loss (`head`).
+def activation_bytes_per_token(
+    shape: GPTShape, precision: str, autocast: bool, device: str = "cuda"
+) -> dict:
+    """Bytes per token that autograd keeps for one transformer block (`layer`), for a
+    checkpointed block (`block_input`), for the head and its loss at the start of backward
+    (`head`), and the working set while a block runs its backward (`working_set`).
 
     `autocast` (single/ddp in 16-bit): the residual stream and the norms stay fp32 and each
     linear saves the 16-bit copy of its input; under FSDP mixed precision everything runs in
-    the 16-bit parameter dtype.
+    the 16-bit parameter dtype. Checked against PyTorch's memory tracker on fake tensors
+    (`trainwise plan --simulate`).
     """
     e = BYTES[precision]  # compute dtype
-    r = MASTER_BYTES if autocast and precision != "fp32" else e  # residual stream
+    low = precision != "fp32"
+    r = MASTER_BYTES if autocast and low else e  # residual stream and norms
     h, f, v = shape.d_model, shape.d_ff, shape.vocab_size
     q = shape.n_head * shape.head_dim
     kv = shape.n_kv_head * shape.head_dim
-    cast = e if r != e else 0  # the linear's 16-bit copy of an fp32 norm output
-    # Attention: norm input and output, q and kv projections (their outputs are what rope or
-    # SDPA save), rope's rotated q and k, GQA's repeated k and v, SDPA's output and
-    # log-sum-exp (fp32 per head), the out projection's input (a contiguous copy).
-    attn = r * h + r * h + cast * h + e * (q + 2 * kv)
-    if shape.pos == "rope":
-        attn += e * (q + kv)
+    # A norm saves its input; the linear after it saves its (16-bit) output.
+    norm = r * h + e * h
+    if device == "cpu" and shape.norm == "rmsnorm":
+        # CPU runs RMSNorm as composite ops that also keep an fp32 upcast / normalised copy
+        # and the per-token rstd (CUDA has a fused kernel); measured with --simulate.
+        norm += (6 * h + 4) if (low and not autocast) else (4 * h + 4)
+    # What SDPA keeps of q, k, v: rope multiplies by constant tables and GQA's repeat saves
+    # nothing, so SDPA's own inputs are what stays: the projection outputs when neither
+    # applies, the rotated q and k (and v's projection) with rope, q and the repeated k, v
+    # with GQA. Then SDPA's output and log-sum-exp (fp32 per head) and the out projection's
+    # input (a contiguous copy).
     if shape.n_kv_head != shape.n_head:
-        attn += e * 2 * q
-    attn += e * q + 4 * shape.n_head + e * q
-    # MLP: norm input and output, then gelu: up output and gelu output; swiglu: gate output,
-    # silu output, up output and their product.
-    mlp = r * h + r * h + cast * h + e * f * (4 if shape.mlp == "swiglu" else 2)
-    # Head: final norm in/out, the logits, cross entropy's fp32 upcast and log-softmax, and
-    # the fp32 gradient of the logits that exists when backward starts.
-    head = 2 * r * h + cast * h + e * v + 3 * 4 * v
-    return {"layer": attn + mlp, "block_input": r * h, "head": head}
+        qkv = 3 * q
+    elif shape.pos == "rope":
+        qkv = q + 3 * kv
+    else:
+        qkv = q + 2 * kv
+    attn = norm + e * qkv + e * q + 4 * shape.n_head + e * q
+    # MLP: gelu keeps its input and output (the down projection's input); swiglu keeps the
+    # gate output, its silu, the up output and their product.
+    mlp = norm + e * f * (4 if shape.mlp == "swiglu" else 2)
+    # Head: the final norm; the loss (fp32 under autocast, the parameter dtype under FSDP
+    # mixed precision) keeps its log-softmax, and backward starts with two more v-sized
+    # gradients; the logits themselves are freed after the loss.
+    loss = MASTER_BYTES if (autocast or not low) else e
+    head = norm + 3 * loss * v
+    # The gradients of a block's intermediates while it runs backward.
+    working = e * f * (3 if shape.mlp == "swiglu" else 2) + r * h
+    return {"layer": attn + mlp, "block_input": r * h, "head": head, "working_set": working}
 
 
 def checkpointed_blocks(ac: str, n_layer: int) -> set[int]:
@@ -120,19 +142,44 @@ def checkpointed_blocks(ac: str, n_layer: int) -> set[int]:
     return set()
 
 
-def activation_bytes(w: Workload, autocast: bool = False) -> float | None:
-    """Peak of the saved activations of one micro-batch: at the start of backward, or
-    while a checkpointed block is recomputed (the blocks above it already freed, those
-    below still holding what they saved)."""
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Saved activations of one micro-batch at the moments backward can peak."""
+
+    head: float  # while the head and its loss run backward (no block gathered yet)
+    block: float  # while a block runs backward, or a checkpointed one is recomputed
+    rest: float  # what the blocks below the top one still hold once it is done
+
+    @property
+    def peak(self) -> float:
+        return max(self.head, self.block)
+
+
+def activation_profile(
+    w: Workload, autocast: bool = False, device: str = "cuda"
+) -> ActivationProfile | None:
+    """The activations at each moment of backward: the head's (everything saved plus the
+    loss's gradients), the top block's (everything saved plus its working set), each
+    checkpointed block's recomputation (the blocks above it freed, those below still
+    holding what they saved); None for a model without a shape."""
     if w.shape is None:
         return None
-    per = activation_bytes_per_token(w.shape, w.precision, autocast)
+    per = activation_bytes_per_token(w.shape, w.precision, autocast, device)
     ckpt = checkpointed_blocks(w.ac, w.shape.n_layer)
     kept = [per["block_input"] if i in ckpt else per["layer"] for i in range(w.shape.n_layer)]
-    peak = sum(kept) + per["head"]
+    block = sum(kept) + per["working_set"]
     for i in ckpt:
-        peak = max(peak, sum(kept[:i]) + per["layer"])
-    return w.seq_len * w.micro_batch * peak
+        block = max(block, sum(kept[:i]) + per["layer"] + per["working_set"])
+    tokens = w.seq_len * w.micro_batch
+    return ActivationProfile(
+        tokens * (sum(kept) + per["head"]), tokens * block, tokens * sum(kept[:-1])
+    )
+
+
+def activation_bytes(w: Workload, autocast: bool = False, device: str = "cuda") -> float | None:
+    """The peak of one micro-batch's activations (activation_profile)."""
+    profile = activation_profile(w, autocast, device)
+    return None if profile is None else profile.peak
 
 
 def block_params(w: Workload) -> tuple[float, float]:
@@ -156,24 +203,44 @@ def estimate_memory(
     cpu_offload: bool = False,
     shard_degree: int | None = None,
     device: str = "cpu",
+    grad_accum: int = 1,
 ) -> MemoryEstimate:
     """Peak bytes on one device for `strategy` (single, ddp, fsdp, hsdp) over `world` workers;
-    hsdp shards over `shard_degree` (the GPUs of a node) and replicates across."""
+    hsdp shards over `shard_degree` (the GPUs of a node) and replicates across.
+
+    The phases whose largest is the peak (gradients join the first two when micro-batches
+    accumulate into them):
+    - head backward: parameters, optimizer state, the activations and the loss's gradients;
+      FSDP has only the root unit gathered (and, for grad_op, every block);
+    - block backward: the activations and the block's working set; FSDP `full` has the
+      block and the prefetched next one gathered;
+    - end of a block's backward (FSDP): its unsharded gradients and their reduce-scatter
+      copy, the sharded gradients, and the activations still held below it;
+    - optimizer step: parameters, gradients, optimizer state, DDP's buckets, and foreach
+      AdamW's temporaries (one fp32 value per parameter: `_foreach_sqrt`; the CUDA default).
+    """
     n = float(w.params)
     opt = OPTIMIZER_STATE_BYTES[w.optimizer]
     c = BYTES[w.precision]
     low = w.precision != "fp32"
+    step_temp = MASTER_BYTES if w.optimizer == "adamw" and device == "cuda" else 0.0
     if strategy in ("single", "ddp"):
-        act = activation_bytes(w, autocast=True)
-        buffers = n * c if low else 0.0  # autocast's 16-bit weight copies
-        if strategy == "ddp" and world > 1:
-            buffers += n * MASTER_BYTES  # gradient buckets
-        est = MemoryEstimate(n * MASTER_BYTES, n * MASTER_BYTES, n * opt, act, buffers)
-        return _with_overhead(est, device)
+        profile = activation_profile(w, autocast=True, device=device)
+        copies = n * c if low else 0.0  # autocast's 16-bit weight copies
+        buckets = n * MASTER_BYTES if strategy == "ddp" and world > 1 else 0.0
+        p, g, o = n * MASTER_BYTES, n * MASTER_BYTES, n * opt
+        held = p + o + buckets + copies + (g if grad_accum > 1 else 0.0)
+        phases = {
+            "head backward": held + (profile.head if profile else 0.0),
+            "block backward": held + (profile.block if profile else 0.0),
+            "optimizer step": p + g + o + buckets + n * step_temp,
+        }
+        act = profile.peak if profile else None
+        return _estimate(p, g, o, act, buckets + copies, phases, device)
     if strategy not in ("fsdp", "hsdp"):
         raise ValueError(f"unknown strategy {strategy!r}")
     d = shard_degree or world
-    act = activation_bytes(w, autocast=False)
+    profile = activation_profile(w, autocast=False, device=device)
     block, root = block_params(w)
     reduce_copy = MASTER_BYTES if w.reduce_dtype == "fp32" and c != MASTER_BYTES else 0
     grads_in_flight = block * (c + reduce_copy)
@@ -182,16 +249,31 @@ def estimate_memory(
         params_in_flight = (n - root) * c  # every block stays gathered until its backward
     else:
         params_in_flight = min(2, units) * block * c  # the block in use and the prefetched one
-    buffers = params_in_flight + root * c + grads_in_flight
-    states = (n * MASTER_BYTES / d, n * MASTER_BYTES / d, n * opt / d)
-    if cpu_offload:
-        est = MemoryEstimate(0.0, 0.0, 0.0, act, buffers, host=sum(states))
-    else:
-        est = MemoryEstimate(*states, act, buffers)
-    return _with_overhead(est, device)
+    gathered = params_in_flight + root * c
+    p, g, o = n * MASTER_BYTES / d, n * MASTER_BYTES / d, n * opt / d
+    if cpu_offload:  # states and the optimizer step live in host memory
+        host = p + g + o + n / d * step_temp
+        p = g = o = 0.0
+    held = p + o + root * c + (g if grad_accum > 1 else 0.0)
+    at_head = (n - root) * c if shard == "grad_op" else 0.0  # blocks still gathered
+    phases = {
+        "head backward": held + at_head + (profile.head if profile else 0.0),
+        "block backward": held + params_in_flight + (profile.block if profile else 0.0),
+        "end of a block's backward": p
+        + o
+        + g
+        + gathered
+        + grads_in_flight
+        + (profile.rest if profile else 0.0),
+        "optimizer step": p + g + o + (0.0 if cpu_offload else n / d * step_temp),
+    }
+    act = profile.peak if profile else None
+    est = _estimate(p, g, o, act, gathered + grads_in_flight, phases, device)
+    return replace(est, host=host) if cpu_offload else est
 
 
-def _with_overhead(est: MemoryEstimate, device: str) -> MemoryEstimate:
-    if device != "cuda":
-        return est
-    return replace(est, overhead=CUDA_CONTEXT_BYTES + FRAGMENTATION * est.total)
+def _estimate(p, g, o, act, buffers, phases: dict, device: str) -> MemoryEstimate:
+    phase = max(phases, key=phases.get)
+    peak = phases[phase]
+    overhead = CUDA_CONTEXT_BYTES + FRAGMENTATION * peak if device == "cuda" else 0.0
+    return MemoryEstimate(p, g, o, act, buffers, peak, phase, overhead)

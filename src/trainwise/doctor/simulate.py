@@ -1,0 +1,218 @@
+"""Measure the per-rank peak memory of one training step without the memory: trainwise's
+real model and real strategy code (run.parallelize, run.optim, run.precision) on fake
+tensors, over PyTorch's fake process group of the target world size (one process plays
+rank 0; collectives do nothing but have the right buffers), under PyTorch's memory
+trackers (torch.distributed._tools: MemTracker for single/DDP, FSDPMemTracker for FSDP2).
+
+It is a measurement, like the doctor's, so it lives here and `trainwise plan --simulate`
+composes it with the formula. Kernels are this machine's (CPU): the formula it is compared
+with is `estimate_memory(..., device="cpu")`.
+
+Two steps run; the second is read. On the first, AdamW creates its state and DTensor's
+sharding propagation (cached afterwards) runs full-size fake ops that the tracker counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from trainwise.models.shapes import GPTShape
+
+SIMULATED = ("single", "ddp", "fsdp-grad-op", "fsdp-full")  # what one fake rank can play
+STEPS = 2
+
+# Tracker categories (the enums' values) -> the formula's parts.
+PART = {
+    "Parameter": "params",
+    "Sharded Param": "params",
+    "Gradient": "grads",
+    "Sharded Grad": "grads",
+    "Optstate": "optimizer",
+    "OptState": "optimizer",
+    "Activation": "activations",
+    "Temp": "activations",  # intermediates of backward and of recomputation
+    "Unsharded Param": "buffers",
+    "Unsharded Grad": "buffers",
+    "All Gather": "buffers",
+    "Reduce Scatter": "buffers",
+    "Other": "buffers",  # DDP's buckets (relabelled) and the batch
+    "Buffer": "buffers",  # module buffers (rope tables)
+    "Inputs": "buffers",
+}
+
+
+@dataclass(frozen=True)
+class Simulation:
+    strategy: str
+    world: int
+    peak_bytes: int
+    parts: dict[str, int]  # at the peak, by the formula's parts
+
+
+def simulate_step(
+    shape: GPTShape,
+    strategy: str,
+    world: int,
+    precision: str = "fp32",
+    micro_batch: int = 1,
+    seq_len: int | None = None,
+    ac: str = "none",
+    reduce_dtype: str = "fp32",
+    optimizer: str = "adamw",
+) -> Simulation:
+    """The peak of one steady-state training step of a GPT of `shape` under `strategy`
+    (one of SIMULATED) on rank 0 of `world`."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainwise.config.schema import OptimConfig
+    from trainwise.models.gpt import GPT
+    from trainwise.models.registry import cross_entropy_loss
+    from trainwise.run.optim import build_optimizer
+    from trainwise.run.parallelize import parallelize
+    from trainwise.run.precision import autocast_context
+
+    if strategy not in SIMULATED:
+        raise ValueError(f"cannot simulate {strategy!r}; simulated: {', '.join(SIMULATED)}")
+    kind = {"fsdp-grad-op": "fsdp", "fsdp-full": "fsdp"}.get(strategy, strategy)
+    shard = "grad_op" if strategy == "fsdp-grad-op" else "full"
+    world = 1 if kind == "single" else world
+    seq = seq_len or shape.max_seq_len
+    shape = replace(shape, max_seq_len=max(seq, shape.max_seq_len))
+    device = torch.device("cpu")
+    optim_cfg = OptimConfig(name=optimizer)
+    warnings.filterwarnings("ignore", message="DTensor random operators")
+
+    with _fake_world(dist, FakeStore, world), _ddp_on_fake_tensors():
+        # Built on meta outside the fake mode (the model's meta -> to_empty swap fails inside
+        # it), sharded there too (fully_shard builds the mesh), then materialised as fakes.
+        with torch.device("meta"):
+            model = GPT(shape)
+        blocks = list(model.blocks)
+        if kind == "fsdp":
+            model = parallelize(
+                model, blocks, strategy="fsdp", device=device, world=world, shard=shard,
+                precision=precision, reduce_dtype=reduce_dtype, ac=ac,
+            )  # fmt: skip
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device=device)
+            x = torch.randint(0, shape.vocab_size, (micro_batch, seq))
+            y = torch.randint(0, shape.vocab_size, (micro_batch, seq))
+            if kind == "fsdp":
+                opt = build_optimizer(model, optim_cfg)
+                tracker = FSDPMemTracker(model, opt)
+                tracker.track_inputs((x, y))
+            else:
+                tracker = MemTracker()
+                tracker.track_external(model, x, y)
+            with tracker:
+                if kind != "fsdp":
+                    # DDP inside the tracker so that its buckets are seen (as "Other").
+                    before = {id(w) for w, _ in tracker._WINFO.values()}
+                    model = parallelize(
+                        model, blocks, strategy=kind, device=device, world=world,
+                        precision=precision, ac=ac,
+                    )  # fmt: skip
+                    _relabel_new(tracker, before, _MemRefType.OTH, _UpdateType)
+                    if kind == "ddp":
+                        _fake_comm_hook(torch, dist, model, world)
+                    opt = build_optimizer(model, optim_cfg)
+                for _ in range(STEPS):
+                    _reset_peak(tracker)
+                    # The loop's step (run.loop.Stepper) without its data-dependent branches.
+                    with autocast_context(kind, precision, device):
+                        loss = cross_entropy_loss(model(x), y)
+                    loss.backward()
+                    params = [p for p in model.parameters() if p.grad is not None]
+                    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+                    if isinstance(norm, DTensor):
+                        norm = norm.full_tensor()
+                    torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    del loss
+                    snapshot = tracker.get_tracker_snapshot("peak").get(device, {})
+                    tracker.reset_mod_stats()
+    parts = dict.fromkeys(("params", "grads", "optimizer", "activations", "buffers"), 0)
+    for key, value in snapshot.items():
+        name = getattr(key, "value", key)
+        if name != "Total":
+            parts[PART[name]] += int(value)
+    return Simulation(strategy, world, int(snapshot.get("Total", sum(parts.values()))), parts)
+
+
+@contextlib.contextmanager
+def _fake_world(dist, store_cls, world: int) -> Iterator[None]:
+    if dist.is_initialized():
+        raise RuntimeError("simulate_step needs a process without a process group")
+    dist.init_process_group("fake", store=store_cls(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _ddp_on_fake_tensors() -> Iterator[None]:
+    """DDP's construction reads tensor values (the parameter shape check and the broadcast
+    of module states); with fake tensors there are none. Nothing they do allocates."""
+    import torch.nn.parallel.distributed as ddp
+
+    saved = ddp._verify_param_shape_across_processes, ddp._sync_module_states
+    ddp._verify_param_shape_across_processes = lambda *a, **k: None
+    ddp._sync_module_states = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        ddp._verify_param_shape_across_processes, ddp._sync_module_states = saved
+
+
+def _fake_comm_hook(torch, dist, model, world: int) -> None:
+    """The default all-reduce hook gets no result from the fake group's work and DDP's
+    reducer asserts; this hook does the same in place (divide, all-reduce) and returns the
+    bucket. DDP's bucket rebuild after the first step reads values: skipped, which only
+    loses its one-off overlap (the rebuilt buckets have the same total size)."""
+
+    def allreduce(state, bucket):
+        buf = bucket.buffer()
+        buf.div_(world)
+        dist.all_reduce(buf)
+        fut = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+
+    model.register_comm_hook(None, allreduce)
+
+    class NoRebuild:
+        def __init__(self, reducer):
+            object.__setattr__(self, "_reducer", reducer)
+
+        def __getattr__(self, name):
+            return getattr(self._reducer, name)
+
+        def _rebuild_buckets(self):
+            return False
+
+    model.reducer = NoRebuild(model.reducer)
+
+
+def _relabel_new(tracker, before: set[int], reftype, update_type) -> None:
+    """Storages the tracker met since `before` (DDP's buckets) get `reftype`."""
+    for winfo, _ in list(tracker._WINFO.values()):
+        if id(winfo) not in before and winfo.reftype != reftype:
+            old, winfo.reftype = winfo.reftype, reftype
+            tracker._update_snap(update_type.REF, winfo, old_reftype=old)
+
+
+def _reset_peak(tracker) -> None:
+    """The trackers keep their peak across steps and have no API to reset it."""
+    tracker._peak_mem_snap = tracker.get_tracker_snapshot()
+    tracker._peak_mem = {d: s["Total"] for d, s in tracker._peak_mem_snap.items()}
