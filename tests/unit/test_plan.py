@@ -24,7 +24,7 @@ from trainwise.plan import (
     matmul_params,
     mfu,
 )
-from trainwise.plan.memory import activation_bytes_per_token, block_params
+from trainwise.plan.memory import activation_bytes_per_token, activation_profile, block_params
 from trainwise.run.optim import lr_factor
 
 # A model of 1000 parameters whose activations are not modelled.
@@ -47,9 +47,8 @@ SHAPE = GPTShape(
 )
 
 
-def _mem(params, grads, optimizer, activations, buffers) -> MemoryEstimate:
-    """Bytes on a CPU device (no CUDA overhead)."""
-    return MemoryEstimate(params, grads, optimizer, activations, buffers)
+def parts(est: MemoryEstimate) -> tuple:
+    return (est.params, est.grads, est.optimizer, est.activations, est.buffers)
 
 
 def test_precision_and_optimizer_bytes():
@@ -58,40 +57,43 @@ def test_precision_and_optimizer_bytes():
     assert OPTIMIZER_STATE_BYTES == {"adamw": 8, "sgd": 4}
 
 
-# --- estimate_memory, params = 1000, no shape ------------------------------------------------
+# --- estimate_memory, params = 1000, no shape, CPU kernels ------------------------------------
 
 
 def test_single():
-    # fp32 params 1000x4, grads 1000x4, AdamW 1000x8, activations unknown, no buffers.
+    # fp32 params 1000x4, grads 1000x4, AdamW 1000x8, activations unknown, no buffers. The
+    # peak is the optimizer step, where all three exist: 16000.
     est = estimate_memory(W, "single", 1)
-    assert est == _mem(4000, 4000, 8000, None, 0)
+    assert parts(est) == (4000, 4000, 8000, None, 0)
     assert est.model_states == 16000
-    assert est.total == 16000
+    assert (est.total, est.phase) == (16000, "optimizer step")
 
 
 def test_ddp_adds_gradient_buckets():
     # As single, plus DDP's buckets: a second fp32 copy of the gradients, 1000x4 (DDP docs,
     # gradient_as_bucket_view: "the saved memory size will be equal to the total gradients
-    # size").
+    # size"); they live through the whole step.
     est = estimate_memory(W, "ddp", 2)
-    assert est == _mem(4000, 4000, 8000, None, 4000)
+    assert parts(est) == (4000, 4000, 8000, None, 4000)
     assert est.total == 20000
     # A world of one all-reduces nothing.
     assert estimate_memory(W, "ddp", 1).buffers == 0
 
 
 def test_fsdp_full_on_world_4():
-    # States / 4: 4000/4, 4000/4, 8000/4. Unknown structure -> the whole model is one unit:
-    # its gathered fp32 parameters 1000x4 and its unsharded fp32 gradients 1000x4.
+    # States / 4: 1000, 1000, 2000. Unknown structure -> the whole model is one unit: its
+    # gathered fp32 parameters 1000x4 and its unsharded fp32 gradients 1000x4 = 8000 of
+    # buffers. Peak at the end of its backward: 1000 + 2000 + 1000 + 4000 + 4000 = 12000.
     est = estimate_memory(W, "fsdp", 4, shard="full")
-    assert est == _mem(1000, 1000, 2000, None, 8000)
-    assert est.total == 12000
+    assert parts(est) == (1000, 1000, 2000, None, 8000)
+    assert (est.total, est.phase) == (12000, "end of a block's backward")
 
 
 def test_hsdp_divides_by_the_shard_degree_not_the_world():
     # 4 workers as 2 replicas x 2 shards: states / 2: 2000, 2000, 4000; buffers as fsdp.
     est = estimate_memory(W, "hsdp", 4, shard_degree=2)
-    assert est == _mem(2000, 2000, 4000, None, 8000)
+    assert parts(est) == (2000, 2000, 4000, None, 8000)
+    assert est.total == 16000
     # Without a shard degree hsdp shards over the world, like fsdp.
     assert estimate_memory(W, "hsdp", 4) == estimate_memory(W, "fsdp", 4)
 
@@ -99,6 +101,7 @@ def test_hsdp_divides_by_the_shard_degree_not_the_world():
 def test_cpu_offload_moves_the_states_to_the_host():
     est = estimate_memory(W, "fsdp", 4, cpu_offload=True)
     assert (est.params, est.grads, est.optimizer, est.buffers) == (0, 0, 0, 8000)
+    assert est.total == 8000  # the unit's gathered parameters and its gradients
     assert est.host == 1000 + 1000 + 2000  # the sharded states, in host memory
 
 
@@ -122,12 +125,24 @@ def test_adamw_vs_sgd_optimizer_bytes():
     assert estimate_memory(sgd, "fsdp", 4).optimizer == 1000  # 1000 x 4 / 4
 
 
-def test_cuda_adds_the_context_and_fragmentation():
-    # 1 GB of CUDA context + 5 % of the 16000 bytes; CPU workers have neither.
+def test_cuda_adds_the_context_fragmentation_and_foreach_temporaries():
+    # On CUDA AdamW runs foreach: one more fp32 value per parameter at the step, 4000, so
+    # the peak is 20000; then 1 GB of context + 5 % of the peak. CPU workers have neither.
     est = estimate_memory(W, "single", 1, device="cuda")
-    assert est.overhead == 1e9 + 0.05 * 16000
-    assert est.total == 16000 + 1e9 + 800
+    assert est.peak == 20000
+    assert est.overhead == 1e9 + 0.05 * 20000
+    assert est.total == 20000 + 1e9 + 1000
     assert estimate_memory(W, "single", 1).overhead == 0
+
+
+def test_accumulating_micro_batches_keep_the_gradients_through_backward():
+    # With grad_accum 2, the gradients of the first micro-batch are held while the second
+    # runs backward: an unsharded GPT's backward phase then includes them.
+    w = _gpt_workload()
+    one = estimate_memory(w, "single", 1)
+    two = estimate_memory(w, "single", 1, grad_accum=2)
+    assert two.total == one.total + one.grads
+    assert two.phase == one.phase == "block backward"
 
 
 def test_unknown_strategy_is_rejected():
@@ -155,38 +170,52 @@ def test_block_and_root_params_by_hand():
 
 def test_fsdp_full_and_grad_op_by_hand():
     # SHAPE4, fp32, world 4: states 3664 x (4 + 4 + 8) / 4 = 3664 + 3664 + 7328.
-    # full: two gathered blocks 2x872x4 = 6976, the root 176x4 = 704, one block's grads
-    # 872x4 = 3488 -> 11168. grad_op: every block stays gathered (3664 - 176) x 4 = 13952
-    # + 704 + 3488 = 18144. Activations 20224 (next section).
+    # full: two gathered blocks 2x872x4 = 6976 + the root 176x4 = 704, one block's grads
+    # 872x4 = 3488 -> buffers 11168. Activations (next section): head 19712, block 19968,
+    # below the top block 13248. Phases: head 3664 + 7328 + 704 + 19712 = 31408; block
+    # 11696 + 6976 + 19968 = 38640; end of a block's backward 14656 + 7680 + 3488 + 13248
+    # = 39072 (the peak); optimizer step 14656.
     w = _gpt_workload(SHAPE4)
     full = estimate_memory(w, "fsdp", 4, shard="full")
-    grad_op = estimate_memory(w, "fsdp", 4, shard="grad_op")
     assert (full.params, full.grads, full.optimizer) == (3664, 3664, 7328)
-    assert full.buffers == 11168 and full.total == 14656 + 20224 + 11168
-    assert grad_op.buffers == 18144 and grad_op.total == 14656 + 20224 + 18144
+    assert (full.buffers, full.activations) == (11168, 19968)
+    assert (full.total, full.phase) == (39072, "end of a block's backward")
+    # grad_op: every block stays gathered (3664 - 176) x 4 = 13952: buffers 13952 + 704 +
+    # 3488 = 18144; end of a block's backward 14656 + 14656 + 3488 + 13248 = 46048.
+    grad_op = estimate_memory(w, "fsdp", 4, shard="grad_op")
+    assert (grad_op.buffers, grad_op.total) == (18144, 46048)
 
 
-# --- activation_bytes ------------------------------------------------------------------------
+# --- activations -----------------------------------------------------------------------------
+
+
+def test_activation_bytes_per_token_by_hand_fp32():
+    # Per token, fp32 (4 bytes), h=8, q=kv=8, f=32, a=2, V=16, layernorm, no rope or GQA:
+    # attention: norm in 32 + the linears' input 32 + SDPA's q, k, v (the projection
+    #   outputs) 4x(8+16) = 96 + SDPA output 32 + log-sum-exp 4x2 = 8 + out-projection input
+    #   32 = 232; MLP: norm 64 + gelu in and out 2x4x32 = 256 -> 320; block 552.
+    # Head: norm 64 + log-softmax and two gradients of the fp32 loss 3x4x16 = 192 -> 256.
+    # Working set of a block's backward: 2x4x32 + 4x8 = 288.
+    per = activation_bytes_per_token(SHAPE, "fp32", autocast=False)
+    assert per == {"layer": 552, "block_input": 32, "head": 256, "working_set": 288}
 
 
 def test_activation_bytes_by_hand_fp32():
-    # Per token, fp32 (4 bytes), h=8, q=kv=8, f=32, a=2, V=16:
-    # attention: norm in 32 + norm out 32 + q,k,v projections 4x(8+16) = 96 + SDPA output
-    #   32 + log-sum-exp 4x2 = 8 + out-projection input 32 = 232;
-    # MLP: norm in 32 + norm out 32 + gelu in 4x32 + gelu out 4x32 = 320; block 552.
-    # Head: final norm in/out 64 + logits 4x16 + fp32 upcast, log-softmax and logits grad
-    #   3x4x16 = 192 -> 320. Tokens 4x2 = 8: 8 x (2x552 + 320) = 11392.
-    assert activation_bytes(_gpt_workload()) == 11392
+    # 8 tokens; head backward 8 x (2x552 + 256) = 10880; the top block's backward
+    # 8 x (2x552 + 288) = 11136, the peak.
+    profile = activation_profile(_gpt_workload())
+    assert (profile.head, profile.block, profile.rest) == (10880, 11136, 8 * 552)
+    assert activation_bytes(_gpt_workload()) == 11136
 
 
 def test_activation_bytes_by_hand_bf16():
     # FSDP mixed precision runs all in bf16: attention 16+16+48+16+8+16 = 120, MLP
-    # 16+16+64+64 = 160, head 32 + 32 + 192 (fp32 loss terms) = 256: 8 x (2x280 + 256).
-    assert activation_bytes(_gpt_workload(precision="bf16")) == 6528
-    # Autocast keeps the residual stream and norms in fp32 and saves each linear's bf16
-    # input: attention 32+32+16+48+16+8+16 = 168, MLP 32+32+16+128 = 208, head
-    # 64+16+32+192 = 304: 8 x (2x376 + 304).
-    assert activation_bytes(_gpt_workload(precision="bf16"), autocast=True) == 8448
+    # 32+128 = 160, head 32 + 3x2x16 = 128, working set 128 + 16 = 144:
+    # 8 x (2x280 + 144) = 5632.
+    assert activation_bytes(_gpt_workload(precision="bf16")) == 5632
+    # Autocast keeps the residual stream, the norms and the loss in fp32: attention
+    # 48+48+16+8+16 = 136, MLP 48+128 = 176, head 48 + 3x4x16 = 240 -> 8 x (2x312 + 240).
+    assert activation_bytes(_gpt_workload(precision="bf16"), autocast=True) == 6912
 
 
 def test_gpt_block_matches_korthikanti_without_scores_and_dropout():
@@ -200,28 +229,36 @@ def test_gpt_block_matches_korthikanti_without_scores_and_dropout():
         assert per["layer"] == 34 * h + 4 * a
 
 
-def test_rope_and_gqa_add_what_they_save():
-    rope = replace(SHAPE, pos="rope")
+def test_rope_and_gqa_change_what_sdpa_keeps():
     base = activation_bytes_per_token(SHAPE, "fp32", False)["layer"]
-    # rope saves the rotated q (8) and k (8), 4 bytes each: +64.
-    assert activation_bytes_per_token(rope, "fp32", False)["layer"] == base + 64
-    gqa = replace(rope, n_kv_head=1)  # kv = 4: projections 4x(8+8) = 64 instead of 96,
-    # rotated k 16 instead of 32, then the repeated k and v 2x4x8 = 64.
-    assert activation_bytes_per_token(gqa, "fp32", False)["layer"] == base + 64 - 32 - 16 + 64
+    # rope: SDPA keeps the rotated q and k and the kv projection (for v): q + 3kv = 32
+    # values instead of q + 2kv = 24: +8 x 4 bytes.
+    rope = replace(SHAPE, pos="rope")
+    assert activation_bytes_per_token(rope, "fp32", False)["layer"] == base + 32
+    # GQA (one kv head of 4): SDPA keeps q and the repeated k and v, 3 x 8 = 24 values.
+    gqa = replace(rope, n_kv_head=1)
+    assert activation_bytes_per_token(gqa, "fp32", False)["layer"] == base
+
+
+def test_cpu_rmsnorm_keeps_more_than_cuda():
+    # CPU runs RMSNorm as composite ops: + 4h + 4 bytes per norm and token in fp32.
+    rms = replace(SHAPE, norm="rmsnorm", bias=False)
+    cuda = activation_bytes_per_token(rms, "fp32", False, device="cuda")
+    cpu = activation_bytes_per_token(rms, "fp32", False, device="cpu")
+    assert cpu["layer"] - cuda["layer"] == 2 * (4 * 8 + 4)
 
 
 def test_activation_bytes_with_checkpointing_by_hand():
-    # SHAPE4, fp32: block 552, block input 32, head 320, 8 tokens.
+    # SHAPE4, fp32: block 552, block input 32, head 256, working set 288, 8 tokens.
     none = activation_bytes(_gpt_workload(SHAPE4, ac="none"))
     selective = activation_bytes(_gpt_workload(SHAPE4, ac="selective"))
     full = activation_bytes(_gpt_workload(SHAPE4, ac="full"))
-    assert none == 8 * (4 * 552 + 320)
-    # selective checkpoints blocks 0 and 2: at the start of backward 552 + 32 + 552 + 32 +
-    # 320 = 1488; recomputing block 2 holds blocks 0-1 (32 + 552) + 552 = 1136.
-    assert selective == 8 * 1488
-    # full: four inputs + head = 448 at the start; recomputing block 3 holds 3x32 + 552 =
-    # 648, the peak.
-    assert full == 8 * 648
+    assert none == 8 * (4 * 552 + 288)
+    # selective checkpoints blocks 0 and 2: the top block's backward holds 32 + 552 + 32 +
+    # 552 + 288 = 1456; recomputing block 2 holds 32 + 552 + 552 + 288 = 1424.
+    assert selective == 8 * 1456
+    # full: recomputing block 3 holds three inputs 96 + 552 + 288 = 936, the peak.
+    assert full == 8 * 936
     assert full < selective < none
 
 
@@ -232,7 +269,7 @@ def test_no_shape_means_no_activations():
 
 def test_activations_enter_the_estimate():
     w = _gpt_workload()
-    assert estimate_memory(w, "fsdp", 2).activations == 11392
+    assert estimate_memory(w, "fsdp", 2).activations == 11136
 
 
 # --- choose_strategy (the runtime's auto) ----------------------------------------------------
@@ -267,11 +304,11 @@ def test_replica_too_big_but_sharded_fits_is_fsdp():
 
 
 def test_shard_mode_is_passed_through():
-    # SHAPE4 on world 4: grad_op 53024 (above) fits 60000; the replica (ddp: 58624 states +
-    # 20224 activations + 14656 buckets) does not.
-    d = choose_strategy(_gpt_workload(SHAPE4), 4, 60_000, 0.0, shard="grad_op")
+    # SHAPE4 on world 4: grad_op 46048 (above) fits 50000; the replica (ddp: params and
+    # optimizer 43968 + buckets 14656 + activations 19968 in backward) does not.
+    d = choose_strategy(_gpt_workload(SHAPE4), 4, 50_000, 0.0, shard="grad_op")
     assert (d.strategy, d.cpu_offload) == ("fsdp", False)
-    assert d.estimate.total == 53024
+    assert d.estimate.total == 46048
 
 
 def test_neither_fits_offloads_when_allowed():
@@ -284,15 +321,16 @@ def test_neither_fits_offloads_when_allowed():
 
 
 def test_offload_that_fits_says_so():
-    # SHAPE (L=2), fp32, world 4: fsdp full = states 1920x16/4 = 7680 + activations 11392 +
-    # buffers 2x872x4 + 176x4 + 872x4 = 11168 -> 30240; offloaded: 11392 + 11168 = 22560.
+    # SHAPE (L=2), fp32, world 4: fsdp full peaks in the top block's backward: params and
+    # optimizer 1920 + 3840, the root 704, two gathered blocks 6976, activations 11136 =
+    # 24576. Offloaded, the states leave the device: 704 + 6976 + 11136 = 18816.
     w = _gpt_workload()
-    assert estimate_memory(w, "fsdp", 4).total == 30240
-    d = choose_strategy(w, 4, 25_000, 0.0)
+    assert estimate_memory(w, "fsdp", 4).total == 24576
+    d = choose_strategy(w, 4, 20_000, 0.0)
     assert (d.strategy, d.cpu_offload) == ("fsdp", True)
-    assert d.estimate.total == 22560
+    assert d.estimate.total == 18816
     assert "and fits" in d.reason
-    assert fmt_bytes(22560) in d.reason and fmt_bytes(30240) in d.reason
+    assert fmt_bytes(18816) in d.reason and fmt_bytes(24576) in d.reason
 
 
 def test_neither_fits_without_offload_says_it_may_not_fit():

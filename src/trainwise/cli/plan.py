@@ -75,6 +75,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="re-plan with the compute efficiency and bandwidth a finished trainwise train "
         "or doctor run measured",
     )
+    p.add_argument(
+        "--simulate",
+        action="store_true",
+        help="also measure each strategy's peak memory: the real model and strategy code on "
+        "fake tensors and a fake process group, under PyTorch's memory tracker (imports torch)",
+    )
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
     out.add_argument("--markdown", action="store_true", help="print the plan as Markdown")
@@ -124,7 +130,17 @@ def run(args: argparse.Namespace) -> int:
         from trainwise.plan.calibrate import apply_calibration, read_calibration
 
         inputs, notes = apply_calibration(inputs, read_calibration(args.calibrate))
+    if args.simulate and inputs.workload.shape is None:
+        raise ConfigError(
+            "--simulate needs a model to build: give a preset (--model) or a shape "
+            "(--layers --hidden --heads ...) instead of --params"
+        )
     plan = make_plan(inputs, sweep, notes)
+    simulation = None
+    if args.simulate:
+        from trainwise.doctor.simulate import simulate_plan
+
+        simulation = simulate_plan(plan, lambda line: print(line, file=sys.stderr))
     if args.html:
         from trainwise.report.plan_html import render_html
 
@@ -134,10 +150,13 @@ def run(args: argparse.Namespace) -> int:
         except OSError as err:
             raise ConfigError(f"--html {args.html}: cannot write ({err.strerror})") from None
     if args.json:
-        json.dump(plan_record(plan), sys.stdout, indent=2)
+        record = plan_record(plan)
+        if simulation is not None:
+            record["simulation"] = simulation
+        json.dump(record, sys.stdout, indent=2)
         print()
     elif args.markdown:
-        print(render_markdown(plan))
+        print(render_markdown(plan, simulation))
     else:
-        render_terminal(plan)
+        render_terminal(plan, simulation=simulation)
     return 0

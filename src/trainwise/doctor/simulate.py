@@ -216,3 +216,42 @@ def _reset_peak(tracker) -> None:
     """The trackers keep their peak across steps and have no API to reset it."""
     tracker._peak_mem_snap = tracker.get_tracker_snapshot()
     tracker._peak_mem = {d: s["Total"] for d, s in tracker._peak_mem_snap.items()}
+
+
+def simulate_plan(plan, progress=None) -> list[dict]:
+    """Simulate each strategy of `plan` that one fake rank can play, at the plan's GPU
+    count, precision and per-GPU micro-batch; beside each, the formula for the same kernels
+    (this machine's) and the plan's own figure (the target GPU's kernels and overhead)."""
+    from trainwise.plan.estimate import RUNTIME
+    from trainwise.plan.memory import estimate_memory
+
+    inputs = plan.inputs
+    w = inputs.workload
+    if w.shape is None:
+        raise ValueError("a bare parameter count has no model to simulate")
+    rows = []
+    for s in plan.strategies:
+        if s.name not in SIMULATED:
+            continue
+        if progress:
+            progress(f"simulating {s.name} on {s.gpus} fake ranks ...")
+        sim = simulate_step(
+            w.shape, s.name, s.gpus, w.precision, s.micro_batch, w.seq_len, w.ac,
+            w.reduce_dtype, w.optimizer,
+        )  # fmt: skip
+        kind, shard, _ = RUNTIME[s.name]
+        here = estimate_memory(
+            replace(w, micro_batch=s.micro_batch), kind, s.gpus, shard=shard, device="cpu"
+        )
+        rows.append(
+            {
+                "strategy": s.name,
+                "gpus": s.gpus,
+                "simulated_peak_bytes": sim.peak_bytes,
+                "formula_peak_bytes": int(here.total),
+                "gap": (here.total - sim.peak_bytes) / sim.peak_bytes,
+                "plan_total_bytes": int(s.memory.total),
+                "parts": sim.parts,
+            }
+        )
+    return rows

@@ -22,6 +22,7 @@ class Decision:
 
 
 def describe(m: MemoryEstimate) -> str:
+    """The parts and where they peak together (they are not a sum: see MemoryEstimate)."""
     parts = [
         ("params", m.params),
         ("grads", m.grads),
@@ -30,7 +31,8 @@ def describe(m: MemoryEstimate) -> str:
         ("buffers", m.buffers),
         ("overhead", m.overhead),
     ]
-    return " + ".join(f"{name} {fmt_bytes(v)}" for name, v in parts if v)
+    listed = ", ".join(f"{name} {fmt_bytes(v)}" for name, v in parts if v)
+    return f"{listed}; peak in the {m.phase}" if m.phase else listed
 
 
 def choose_strategy(

@@ -46,6 +46,8 @@ class Step:
 class StrategyPlan:
     name: str
     gpus: int
+    micro_batch: int  # sequences per GPU per forward pass (at most the asked one)
+    grad_accum: int  # micro-batches per optimizer step
     fits: bool
     memory: MemoryEstimate  # per GPU
     budget_bytes: float  # per GPU, after headroom
@@ -112,6 +114,7 @@ def evaluate(inputs: PlanInputs, name: str) -> StrategyPlan:
         cpu_offload=offload,
         shard_degree=inputs.gpus_per_node if kind == "hsdp" else None,
         device=hw.device,
+        grad_accum=accum,
     )
     budget = hw.memory_bytes * (1.0 - inputs.headroom)
     host_per_node = memory.host * inputs.gpus_per_node
@@ -161,6 +164,8 @@ def evaluate(inputs: PlanInputs, name: str) -> StrategyPlan:
     return StrategyPlan(
         name=name,
         gpus=gpus,
+        micro_batch=micro,
+        grad_accum=accum,
         fits=memory.total <= budget and host_fits,
         memory=memory,
         budget_bytes=budget,

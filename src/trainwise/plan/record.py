@@ -18,6 +18,8 @@ def strategy_record(s: StrategyPlan) -> dict:
     return {
         "name": s.name,
         "gpus": s.gpus,
+        "micro_batch": s.micro_batch,
+        "grad_accum": s.grad_accum,
         "fits": s.fits,
         "memory_per_gpu": {
             "params": _int(m.params),
@@ -28,6 +30,7 @@ def strategy_record(s: StrategyPlan) -> dict:
             "buffers": _int(m.buffers),
             "overhead": _int(m.overhead),
             "total": _int(m.total),
+            "peak_phase": m.phase,
         },
         "host_memory_per_node": _int(s.host_memory_per_node),
         "comm_bytes_per_step_per_gpu": _int(s.comm_bytes_per_step_per_gpu),

@@ -34,6 +34,11 @@ MEMORY_TITLE = (
     "Memory per GPU, GB (n: GPUs; activ: activations; overhd: CUDA context + fragmentation)"
 )
 TIME_TITLE = "Step in seconds (comm: exposed communication), throughput, time and cost"
+SIMULATION_TITLE = (
+    "Simulated peak per GPU (fake tensors, this machine's kernels) against the formula for "
+    "the same kernels, and the plan's figure for the GPU"
+)
+SIMULATION_COLUMNS = ("strategy", "GPUs", "simulated", "formula", "gap", "plan (GPU)")
 SWEEP_COLUMNS = ("GPUs", "strategy", "fits", "tokens/s", "scaling", "step s", "time", "cost")
 
 
@@ -107,6 +112,20 @@ def sweep_rows(plan: Plan) -> list[list[str]]:
     ]
 
 
+def simulation_rows(rows: list[dict]) -> list[list[str]]:
+    return [
+        [
+            r["strategy"],
+            str(r["gpus"]),
+            fmt_bytes(r["simulated_peak_bytes"]),
+            fmt_bytes(r["formula_peak_bytes"]),
+            f"{r['gap']:+.1%}",
+            fmt_bytes(r["plan_total_bytes"]),
+        ]
+        for r in rows
+    ]
+
+
 def headline(plan: Plan) -> str:
     i, w = plan.inputs, plan.inputs.workload
     shape = f"{w.params / 1e9:.2f}B parameters" if w.params >= 1e8 else f"{w.params:,} parameters"
@@ -129,7 +148,7 @@ def cost_line(plan: Plan) -> str:
     )
 
 
-def render_terminal(plan: Plan, console=None) -> None:
+def render_terminal(plan: Plan, console=None, simulation: list[dict] | None = None) -> None:
     from rich import box
     from rich.console import Console
     from rich.markup import escape
@@ -163,6 +182,15 @@ def render_terminal(plan: Plan, console=None) -> None:
     console.print("\n[bold]The three questions[/]")
     for q, a in plan.questions:
         console.print(f"  [bold]{escape(q)}[/] {escape(a)}")
+    if simulation:
+        sim = Table(
+            title=SIMULATION_TITLE, box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left"
+        )
+        for col in SIMULATION_COLUMNS:
+            sim.add_column(col, justify="left" if col == "strategy" else "right")
+        for row in simulation_rows(simulation):
+            sim.add_row(*row)
+        console.print(sim)
     if plan.sweep:
         sweep = Table(title="Scaling sweep", box=box.SIMPLE_HEAD, pad_edge=False)
         for col in SWEEP_COLUMNS:
@@ -182,7 +210,7 @@ def _md_table(columns: tuple[str, ...], rows: list[list[str]]) -> list[str]:
     return out
 
 
-def render_markdown(plan: Plan) -> str:
+def render_markdown(plan: Plan, simulation: list[dict] | None = None) -> str:
     rec = plan.recommendation
     out = ["# trainwise plan", "", headline(plan), ""]
     out += [f"- calibrated: {note}" for note in plan.calibration] + (
@@ -196,6 +224,9 @@ def render_markdown(plan: Plan) -> str:
     out += ["## The three questions", ""]
     for q, a in plan.questions:
         out += [f"**{q}** {a}", ""]
+    if simulation:
+        out += [f"## {SIMULATION_TITLE}", ""]
+        out += _md_table(SIMULATION_COLUMNS, simulation_rows(simulation)) + [""]
     if plan.sweep:
         out += ["## Scaling sweep", ""] + _md_table(SWEEP_COLUMNS, sweep_rows(plan)) + [""]
     if plan.warnings:
