@@ -107,11 +107,14 @@ def test_cpu_offload_moves_the_states_to_the_host():
 
 def test_precision_changes_compute_copies_not_master_states():
     bf16 = replace(W, precision="bf16")
-    single = estimate_memory(bf16, "single", 1)
-    # Master params, grads and optimizer state stay fp32; autocast keeps a bf16 copy of
-    # every weight it cast: 1000 x 2.
-    assert single.model_states == estimate_memory(W, "single", 1).model_states
-    assert single.buffers == 2000
+    # Master params, grads and optimizer state stay fp32.
+    assert estimate_memory(bf16, "single", 1).states == estimate_memory(W, "single", 1).states
+    # Autocast keeps a bf16 copy of every weight it cast (1920 x 2 = 3840) through backward:
+    # SHAPE in bf16 peaks in the head's backward with params 7680 + AdamW 15360 +
+    # activations 6912 (below) + the copies.
+    single = estimate_memory(_gpt_workload(precision="bf16"), "single", 1)
+    assert (single.phase, single.buffers, single.grads) == ("head backward", 3840, 0)
+    assert single.total == 7680 + 15360 + 6912 + 3840
     # FSDP: gathered bf16 params 1000x2 + unsharded bf16 grads 1000x2 + their fp32 copy for
     # the fp32 reduce-scatter 1000x4 = 8000; with a bf16 reduce, no copy: 4000.
     assert estimate_memory(bf16, "fsdp", 4).buffers == 8000
@@ -138,10 +141,13 @@ def test_cuda_adds_the_context_fragmentation_and_foreach_temporaries():
 def test_accumulating_micro_batches_keep_the_gradients_through_backward():
     # With grad_accum 2, the gradients of the first micro-batch are held while the second
     # runs backward: an unsharded GPT's backward phase then includes them.
+    # SHAPE, fp32: params 7680 + AdamW 15360 + activations 11136 = 34176 in the top block's
+    # backward; with accumulation the gradients (7680) are there too.
     w = _gpt_workload()
     one = estimate_memory(w, "single", 1)
     two = estimate_memory(w, "single", 1, grad_accum=2)
-    assert two.total == one.total + one.grads
+    assert (one.total, one.grads) == (34176, 0)
+    assert (two.total, two.grads) == (34176 + 7680, 7680)
     assert two.phase == one.phase == "block backward"
 
 
@@ -178,7 +184,7 @@ def test_fsdp_full_and_grad_op_by_hand():
     w = _gpt_workload(SHAPE4)
     full = estimate_memory(w, "fsdp", 4, shard="full")
     assert (full.params, full.grads, full.optimizer) == (3664, 3664, 7328)
-    assert (full.buffers, full.activations) == (11168, 19968)
+    assert (full.buffers, full.activations) == (11168, 13248)  # as held at the peak
     assert (full.total, full.phase) == (39072, "end of a block's backward")
     # grad_op: every block stays gathered (3664 - 176) x 4 = 13952: buffers 13952 + 704 +
     # 3488 = 18144; end of a block's backward 14656 + 14656 + 3488 + 13248 = 46048.
@@ -268,8 +274,11 @@ def test_no_shape_means_no_activations():
 
 
 def test_activations_enter_the_estimate():
-    w = _gpt_workload()
-    assert estimate_memory(w, "fsdp", 2).activations == 11136
+    # SHAPE on fsdp x2 peaks at the end of the top block's backward (states 15360, gathered
+    # and in-flight 11168, the bottom block's activations 4416 = 30944) rather than in it
+    # (states without gradients 11520 + root and two blocks 7680 + 11136 = 30336).
+    est = estimate_memory(_gpt_workload(), "fsdp", 2)
+    assert (est.phase, est.activations, est.total) == ("end of a block's backward", 4416, 30944)
 
 
 # --- choose_strategy (the runtime's auto) ----------------------------------------------------

@@ -342,8 +342,17 @@ def test_json_record_has_the_documented_schema():
         "overhead",
         "total",
     }
+    phase = mem.pop("peak_phase")
+    assert phase in (
+        "head backward",
+        "block backward",
+        "end of a block's backward",
+        "optimizer step",
+    )
     assert all(isinstance(v, int) for v in mem.values())
     assert mem["model_states"] == mem["params"] + mem["grads"] + mem["optimizer"]
+    parts = ("model_states", "activations", "buffers", "overhead")
+    assert sum(mem[k] or 0 for k in parts) == pytest.approx(mem["total"], abs=4)
     assert set(s["step"]) == {"compute", "comm", "exposed_comm", "data", "total"}
     assert set(s["cost"]) == {
         "gpu_hours",

@@ -22,7 +22,7 @@ class Decision:
 
 
 def describe(m: MemoryEstimate) -> str:
-    """The parts and where they peak together (they are not a sum: see MemoryEstimate)."""
+    """What the device holds at the peak, part by part."""
     parts = [
         ("params", m.params),
         ("grads", m.grads),
@@ -31,8 +31,7 @@ def describe(m: MemoryEstimate) -> str:
         ("buffers", m.buffers),
         ("overhead", m.overhead),
     ]
-    listed = ", ".join(f"{name} {fmt_bytes(v)}" for name, v in parts if v)
-    return f"{listed}; peak in the {m.phase}" if m.phase else listed
+    return ", ".join(f"{name} {fmt_bytes(v)}" for name, v in parts if v)
 
 
 def choose_strategy(

@@ -60,24 +60,30 @@ class Workload:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per device, by what holds them, and the step's peak. The parts do not peak
+    """Bytes on one device at the step's peak, by what holds them. The parts do not peak
     together (with `zero_grad(set_to_none=True)` there are no gradients while the
-    activations are largest), so `total` is the peak over the step's phases, not their
-    sum. `activations` is None when not modelled."""
+    activations are largest), so they are taken at the phase where their sum is largest:
+    `phase`. `activations` is None when not modelled; `states` is the device's full share
+    of parameters, gradients and optimizer state, whatever the phase."""
 
     params: float
     grads: float
     optimizer: float
     activations: float | None
-    buffers: float  # autocast weight copies, DDP buckets, unsharded FSDP blocks
-    peak: float  # the largest of the phases below, before overhead
-    phase: str = ""  # where the peak is: "backward", "block backward" or "optimizer step"
+    buffers: float  # autocast copies, DDP buckets, gathered FSDP units, optimizer temporaries
+    phase: str = ""  # "head backward", "block backward", "end of a block's backward", ...
     overhead: float = 0.0  # CUDA context and allocator fragmentation (an assumption)
     host: float = 0.0  # host memory this worker needs (cpu offload)
+    states: float = 0.0
 
     @property
     def model_states(self) -> float:
+        """Parameters, gradients and optimizer state resident at the peak."""
         return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> float:
+        return self.model_states + (self.activations or 0.0) + self.buffers
 
     @property
     def total(self) -> float:
@@ -224,23 +230,23 @@ def estimate_memory(
     c = BYTES[w.precision]
     low = w.precision != "fp32"
     step_temp = MASTER_BYTES if w.optimizer == "adamw" and device == "cuda" else 0.0
+    accumulating = grad_accum > 1
     if strategy in ("single", "ddp"):
-        profile = activation_profile(w, autocast=True, device=device)
+        prof = activation_profile(w, autocast=True, device=device)
         copies = n * c if low else 0.0  # autocast's 16-bit weight copies
         buckets = n * MASTER_BYTES if strategy == "ddp" and world > 1 else 0.0
         p, g, o = n * MASTER_BYTES, n * MASTER_BYTES, n * opt
-        held = p + o + buckets + copies + (g if grad_accum > 1 else 0.0)
+        g_bwd = g if accumulating else 0.0
         phases = {
-            "head backward": held + (profile.head if profile else 0.0),
-            "block backward": held + (profile.block if profile else 0.0),
-            "optimizer step": p + g + o + buckets + n * step_temp,
+            "head backward": (p, g_bwd, o, prof and prof.head, buckets + copies),
+            "block backward": (p, g_bwd, o, prof and prof.block, buckets + copies),
+            "optimizer step": (p, g, o, prof and 0.0, buckets + n * step_temp),
         }
-        act = profile.peak if profile else None
-        return _estimate(p, g, o, act, buckets + copies, phases, device)
+        return _at_peak(phases, device, states=p + g + o)
     if strategy not in ("fsdp", "hsdp"):
         raise ValueError(f"unknown strategy {strategy!r}")
     d = shard_degree or world
-    profile = activation_profile(w, autocast=False, device=device)
+    prof = activation_profile(w, autocast=False, device=device)
     block, root = block_params(w)
     reduce_copy = MASTER_BYTES if w.reduce_dtype == "fp32" and c != MASTER_BYTES else 0
     grads_in_flight = block * (c + reduce_copy)
@@ -249,31 +255,36 @@ def estimate_memory(
         params_in_flight = (n - root) * c  # every block stays gathered until its backward
     else:
         params_in_flight = min(2, units) * block * c  # the block in use and the prefetched one
-    gathered = params_in_flight + root * c
-    p, g, o = n * MASTER_BYTES / d, n * MASTER_BYTES / d, n * opt / d
-    if cpu_offload:  # states and the optimizer step live in host memory
-        host = p + g + o + n / d * step_temp
-        p = g = o = 0.0
-    held = p + o + root * c + (g if grad_accum > 1 else 0.0)
     at_head = (n - root) * c if shard == "grad_op" else 0.0  # blocks still gathered
+    p, g, o = n * MASTER_BYTES / d, n * MASTER_BYTES / d, n * opt / d
+    states = p + g + o
+    temp = n / d * step_temp
+    if cpu_offload:  # the states and the optimizer step live in host memory
+        p = g = o = temp = 0.0
+    g_bwd = g if accumulating else 0.0
     phases = {
-        "head backward": held + at_head + (profile.head if profile else 0.0),
-        "block backward": held + params_in_flight + (profile.block if profile else 0.0),
-        "end of a block's backward": p
-        + o
-        + g
-        + gathered
-        + grads_in_flight
-        + (profile.rest if profile else 0.0),
-        "optimizer step": p + g + o + (0.0 if cpu_offload else n / d * step_temp),
-    }
-    act = profile.peak if profile else None
-    est = _estimate(p, g, o, act, gathered + grads_in_flight, phases, device)
-    return replace(est, host=host) if cpu_offload else est
+        "head backward": (p, g_bwd, o, prof and prof.head, root * c + at_head),
+        "block backward": (p, g_bwd, o, prof and prof.block, root * c + params_in_flight),
+        "end of a block's backward": (
+            p, g, o, prof and prof.rest, root * c + params_in_flight + grads_in_flight,
+        ),
+        "optimizer step": (p, g, o, prof and 0.0, temp),
+    }  # fmt: skip
+    est = _at_peak(phases, device, states=states)
+    if cpu_offload:
+        return replace(est, host=states + n / d * step_temp, states=states)
+    return est
 
 
-def _estimate(p, g, o, act, buffers, phases: dict, device: str) -> MemoryEstimate:
-    phase = max(phases, key=phases.get)
-    peak = phases[phase]
+def _at_peak(phases: dict[str, tuple], device: str, states: float) -> MemoryEstimate:
+    """The phase whose parts add up to the most, as a MemoryEstimate (plus the CUDA
+    overhead on a GPU)."""
+
+    def size(parts: tuple) -> float:
+        return sum(x or 0.0 for x in parts)
+
+    phase = max(phases, key=lambda k: size(phases[k]))
+    p, g, o, act, buffers = phases[phase]
+    peak = size(phases[phase])
     overhead = CUDA_CONTEXT_BYTES + FRAGMENTATION * peak if device == "cuda" else 0.0
-    return MemoryEstimate(p, g, o, act, buffers, peak, phase, overhead)
+    return MemoryEstimate(p, g, o, act, buffers, phase, overhead, states=states)

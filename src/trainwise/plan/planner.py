@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from trainwise.plan.advisor import describe
 from trainwise.plan.estimate import StrategyPlan, candidate_names, evaluate
 from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.precision import OPTIMIZER_STATE_BYTES
@@ -174,13 +175,17 @@ def _reasons(
 
 def _fit_answer(inputs: PlanInputs, single: StrategyPlan) -> str:
     m, hw = single.memory, inputs.hardware
+    per_param = 4 + 4 + OPTIMIZER_STATE_BYTES[inputs.workload.optimizer]
     states = (
-        f"model states {fmt_bytes(m.model_states)} "
-        f"({4 + 4 + OPTIMIZER_STATE_BYTES[inputs.workload.optimizer]} bytes per parameter: "
-        f"fp32 weights, gradients and {inputs.workload.optimizer} state)"
+        f"model states {fmt_bytes(m.states)} ({per_param} bytes per parameter: fp32 weights, "
+        f"gradients and {inputs.workload.optimizer} state)"
     )
     act = f", activations {fmt_bytes(m.activations)}" if m.activations is not None else ""
-    detail = f"{states}{act}, buffers {fmt_bytes(m.buffers)}, overhead {fmt_bytes(m.overhead)}"
+    detail = (
+        f"{states}; at its peak, in the {m.phase}: {describe(m)}"
+        if m.phase
+        else f"{states}{act}, buffers {fmt_bytes(m.buffers)}, overhead {fmt_bytes(m.overhead)}"
+    )
     if single.fits:
         return (
             f"Yes. One replica needs {fmt_bytes(m.total)} ({detail}); a {hw.gpu} has "

@@ -31,7 +31,8 @@ TIME_COLUMNS = (
     "cost",
 )
 MEMORY_TITLE = (
-    "Memory per GPU, GB (n: GPUs; activ: activations; overhd: CUDA context + fragmentation)"
+    "Memory per GPU at the step's peak, GB (n: GPUs; activ: activations; overhd: CUDA "
+    "context + fragmentation)"
 )
 TIME_TITLE = "Step in seconds (comm: exposed communication), throughput, time and cost"
 SIMULATION_TITLE = (
