@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import QUIET, cli_env, read_records, run_cli
 
+from helpers import QUIET, cli_env, read_records, run_cli
 from trainwise.run.distributed import free_port
 
 pytestmark = pytest.mark.dist
 
-FAILING_MODEL = '''
+FAILING_MODEL = """
 import os
 import torch
 from torch import nn
@@ -34,15 +34,27 @@ class Fails(nn.Module):
 
 def build():
     return Fails()
-'''
+"""
 
 
 def test_a_failed_worker_reaches_the_terminal(workdir: Path):
     (workdir / "failing_model.py").write_text(FAILING_MODEL)
     res = run_cli(
-        "train", "--model", "failing_model:build", "--set", "data.dataset='digits'",
-        "--nproc", "2", "--strategy", "ddp", "--steps", "3", *QUIET,
-        "--set", "checkpoint.max_restarts=0", cwd=workdir,  # restarts are test_kill's
+        "train",
+        "--model",
+        "failing_model:build",
+        "--set",
+        "data.dataset='digits'",
+        "--nproc",
+        "2",
+        "--strategy",
+        "ddp",
+        "--steps",
+        "3",
+        *QUIET,
+        "--set",
+        "checkpoint.max_restarts=0",
+        cwd=workdir,  # restarts are test_kill's
     )
     assert res.returncode == 1
     assert "Traceback" in res.stderr and "boom on rank 1" in res.stderr
@@ -53,11 +65,24 @@ def test_a_failed_worker_reaches_the_terminal(workdir: Path):
 
 def test_under_torchrun_each_process_is_one_worker(workdir: Path):
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "trainwise", "train", "--steps", "4", "--run-dir", "run", *QUIET,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "trainwise",
+        "train",
+        "--steps",
+        "4",
+        "--run-dir",
+        "run",
+        *QUIET,
     ]
-    res = subprocess.run(cmd, cwd=workdir, env=cli_env(), capture_output=True, text=True,
-                         timeout=240)
+    res = subprocess.run(
+        cmd, cwd=workdir, env=cli_env(), capture_output=True, text=True, timeout=240
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("training finished") == 1  # rank 0 alone reports
     job = json.loads((workdir / "run" / "job.json").read_text())
@@ -72,13 +97,37 @@ def test_srun_variables_make_workers(workdir: Path):
     procs = []
     for rank in (0, 1):
         env = cli_env()
-        env.update(SLURM_STEP_ID="0", SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
-                   SLURM_NTASKS_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "trainwise", "train", "--steps", "3", "--strategy", "fsdp",
-             "--run-dir", "run", *QUIET],
-            cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))
+        env.update(
+            SLURM_STEP_ID="0",
+            SLURM_PROCID=str(rank),
+            SLURM_NTASKS="2",
+            SLURM_LOCALID=str(rank),
+            SLURM_NTASKS_PER_NODE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "trainwise",
+                    "train",
+                    "--steps",
+                    "3",
+                    "--strategy",
+                    "fsdp",
+                    "--run-dir",
+                    "run",
+                    *QUIET,
+                ],
+                cwd=workdir,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     assert "training finished" in outs[0][0] and "training finished" not in outs[1][0]
@@ -88,8 +137,7 @@ def test_srun_variables_make_workers(workdir: Path):
 
 
 def test_one_process_auto_is_single(workdir: Path):
-    res = run_cli("train", "--nproc", "1", "--steps", "3", "--run-dir", "run", *QUIET,
-                  cwd=workdir)
+    res = run_cli("train", "--nproc", "1", "--steps", "3", "--run-dir", "run", *QUIET, cwd=workdir)
     assert res.returncode == 0, res.stderr[-3000:]
     job = json.loads((workdir / "run" / "job.json").read_text())
     assert job["strategy"] == "single" and job["world"] == 1

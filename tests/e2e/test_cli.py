@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -67,11 +68,26 @@ BAD_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_is_one_line_exit_2_and_no_worker(workdir: Path, case: str):
+def _bad_input(root: Path, case: str) -> tuple[Path, object]:
+    workdir = root / case.replace(" ", "_")
+    workdir.mkdir()
     (workdir / "bad.toml").write_text('[optim]\nlr = 3e-4\nname = "adamw\n')
-    args, must_name = BAD_INPUTS[case]
-    res = run_cli("train", *args, cwd=workdir)
+    return workdir, run_cli("train", *BAD_INPUTS[case][0], cwd=workdir)
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Each case in its own directory, two processes at a time (they share nothing)."""
+    root = tmp_path_factory.mktemp("bad-inputs")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {case: pool.submit(_bad_input, root, case) for case in BAD_INPUTS}
+        return {case: future.result() for case, future in futures.items()}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_exit_2_and_no_worker(bad_input_runs, case: str):
+    workdir, res = bad_input_runs[case]
+    must_name = BAD_INPUTS[case][1]
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1, res.stderr
@@ -108,21 +124,28 @@ def test_print_config_loads_back_to_the_same_config(workdir: Path):
     )
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
-def test_every_example_runs(workdir: Path, example: Path):
-    assert tomllib.loads(example.read_text())  # plain TOML
+def _example(root: Path, example: Path) -> tuple[Path, object]:
+    workdir = root / example.stem
     shutil.copytree(REPO / "examples", workdir / "examples")
     res = run_cli(
-        "train",
-        "--config",
-        f"examples/{example.name}",
-        "--steps",
-        "6",
-        "--run-dir",
-        "run",
-        *QUIET,
-        cwd=workdir,
-    )
+        "train", "--config", f"examples/{example.name}", "--steps", "6", "--run-dir", "run",
+        *QUIET, cwd=workdir,
+    )  # fmt: skip
+    return workdir, res
+
+
+@pytest.fixture(scope="module")
+def example_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("examples")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {ex.stem: pool.submit(_example, root, ex) for ex in EXAMPLES}
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_every_example_runs(example_runs, example: Path):
+    assert tomllib.loads(example.read_text())  # plain TOML
+    workdir, res = example_runs[example.stem]
     assert res.returncode == 0, res.stderr[-3000:]
     records = read_records(workdir / "run")
     assert len(records) == 6 and records[-1]["loss"] < records[0]["loss"]
