@@ -42,9 +42,12 @@ def choose_strategy(
     shard: str = "full",
     allow_offload: bool = True,
     device: str = "cpu",
+    grad_accum: int = 1,
 ) -> Decision:
     budget = device_bytes * (1.0 - headroom)
-    replica = estimate_memory(w, "ddp" if world > 1 else "single", world, device=device)
+    replica = estimate_memory(
+        w, "ddp" if world > 1 else "single", world, device=device, grad_accum=grad_accum
+    )
     need = f"one replica needs {fmt_bytes(replica.total)} ({describe(replica)})"
     room = f"{fmt_bytes(budget)} usable of {fmt_bytes(device_bytes)} per worker"
     if replica.total <= budget:
@@ -66,7 +69,7 @@ def choose_strategy(
             f"ddp: {need}, which fits in {room}, so each of the {world} workers keeps a full "
             "copy and only gradients cross the network.",
         )
-    sharded = estimate_memory(w, "fsdp", world, shard=shard, device=device)
+    sharded = estimate_memory(w, "fsdp", world, shard=shard, device=device, grad_accum=grad_accum)
     over = f"{need}, more than the {room}"
     if world > 1 and sharded.total <= budget:
         return Decision(
@@ -88,7 +91,9 @@ def choose_strategy(
             f"{best}: {over}; with no GPU to offload from it needs {fmt_bytes(est.total)} per "
             "worker and may still not fit.",
         )
-    offload = estimate_memory(w, "fsdp", world, shard=shard, cpu_offload=True, device=device)
+    offload = estimate_memory(
+        w, "fsdp", world, shard=shard, cpu_offload=True, device=device, grad_accum=grad_accum
+    )
     fits = "fits" if offload.total <= budget else "may still not fit"
     return Decision(
         "fsdp",

@@ -261,11 +261,17 @@ def decide(
             c.parallel.shard,
             allow_offload=device_kind == "cuda",
             device=device_kind,
+            grad_accum=c.data.grad_accum,
         )
     offload = c.parallel.cpu_offload
     shard_degree = world // replicate if strategy == "hsdp" else None
-    est = estimate_memory(w, strategy, world, c.parallel.shard, offload, shard_degree, device_kind)
-    replica = estimate_memory(w, "ddp" if world > 1 else "single", world, device=device_kind)
+    accum = c.data.grad_accum
+    est = estimate_memory(
+        w, strategy, world, c.parallel.shard, offload, shard_degree, device_kind, accum
+    )
+    replica = estimate_memory(
+        w, "ddp" if world > 1 else "single", world, device=device_kind, grad_accum=accum
+    )
     if est.total > device_bytes:
         raise ConfigError(
             f"parallel.strategy = '{strategy}' needs {fmt_bytes(est.total)} per worker "
