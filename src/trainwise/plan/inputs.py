@@ -38,7 +38,15 @@ HOST_LINK = "pcie4"
 # Assumption: 256 GB of host memory per GPU (a DGX H100 has 2 TB for 8).
 HOST_MEMORY_PER_GPU = 256 * GB
 
-STRATEGY_NAMES = ("single", "ddp", "fsdp-grad-op", "fsdp-full", "hsdp", "fsdp-offload")
+# The plan's names of a shape's dimensions (flags, [plan] keys, JSON) -> GPTShape's fields.
+SHAPE_FIELDS = {
+    "layers": "n_layer",
+    "hidden": "d_model",
+    "heads": "n_head",
+    "kv_heads": "n_kv_head",
+    "ffn": "d_ff",
+    "vocab": "vocab_size",
+}
 
 
 @dataclass(frozen=True)
@@ -176,14 +184,7 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
 
 def _model(cfg: JobConfig) -> tuple[int, GPTShape | None, str]:
     p = cfg.plan
-    dims = {
-        "n_layer": p.layers,
-        "d_model": p.hidden,
-        "n_head": p.heads,
-        "n_kv_head": p.kv_heads,
-        "d_ff": p.ffn,
-        "vocab_size": p.vocab,
-    }
+    dims = {field: getattr(p, key) for key, field in SHAPE_FIELDS.items()}
     given = {k: v for k, v in dims.items() if v is not None}
     if p.params is not None:
         if given:

@@ -4,6 +4,7 @@ Units: bytes, seconds, hours, US dollars; shares in [0, 1]."""
 from __future__ import annotations
 
 from trainwise.plan.estimate import StrategyPlan
+from trainwise.plan.inputs import SHAPE_FIELDS
 from trainwise.plan.planner import Plan
 
 SCHEMA_VERSION = 1
@@ -66,15 +67,7 @@ def inputs_record(plan: Plan) -> dict:
     w, hw = i.workload, i.hardware
     shape = None
     if w.shape is not None:
-        s = w.shape
-        shape = {
-            "layers": s.n_layer,
-            "hidden": s.d_model,
-            "heads": s.n_head,
-            "kv_heads": s.n_kv_head,
-            "ffn": s.d_ff,
-            "vocab": s.vocab_size,
-        }
+        shape = {key: getattr(w.shape, field) for key, field in SHAPE_FIELDS.items()}
     return {
         "model": i.model,
         "params": w.params,
