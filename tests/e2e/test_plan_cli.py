@@ -32,7 +32,8 @@ def test_default_plan_prints_table_recommendation_and_the_three_questions(capsys
     assert "Does one replica fit on one GPU? No." in " ".join(out.split())
     assert "Is the interconnect fast enough for sharding?" in out
     assert "What does a crash cost?" in out
-    assert "compute +" in out and "communication wait +" in out and "failure retry =" in out
+    flat = " ".join(out.split())  # the terminal wraps long lines
+    assert "compute +" in flat and "communication wait +" in flat and "failure retry =" in flat
 
 
 def test_json_follows_the_schema_and_reads_back_the_flags(capsys):
@@ -113,6 +114,10 @@ def test_plan_reads_the_train_job_file(capsys, tmp_path: Path):
         (["--params", "1000", "--layers", "2"], ["plan.params", "shape"]),
         (["--gpu", "T4", "--precision", "bf16"], ["T4", "--gpu-tflops"]),
         (["--strategy", "zero3"], ["plan.strategy", "fsdp-full"]),
+        (["--gpus", "x"], ["--gpus 'x'", "whole number"]),
+        (["--mtbf-hours", "inf"], ["cluster.mtbf_hours", "finite"]),
+        (["--price", "nan"], ["cost.price_per_gpu_hour", "finite"]),
+        (["--tokens", "inf"], ["--tokens", "chinchilla"]),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, args, words):
@@ -124,6 +129,12 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, words):
     for word in words:
         assert word in lines[0]
     assert out == ""
+
+
+def test_whole_numbers_may_be_written_in_e_notation(capsys):
+    code, out, _ = plan(capsys, "--params", "3e9", "--json")
+    assert code == 0
+    assert json.loads(out)["inputs"]["params"] == 3_000_000_000
 
 
 def test_plan_imports_no_torch(tmp_path: Path):

@@ -81,17 +81,29 @@ def test_a_collective_across_nodes_runs_at_the_network_speed():
 
 def test_exposed_communication_by_hand():
     (c,) = step_collectives("ddp", 1000, NODE, "fp32", "fp32", 1)  # 60 s on the link
-    # DDP hides its all-reduce behind backward (2/3 of 120 s = 80 s) except the last
-    # bucket (25 MB at 100 B/s, capped at the whole 60 s).
-    assert exposed_seconds([c], 120.0, "ddp", 0.1) == 60.0
+    # DDP hides its all-reduce behind the last micro-batch's backward (2/3 of 120 s = 80 s)
+    # except the last bucket: 2 x 3/4 x 25 MB at 100 B/s, capped at the whole 60 s.
+    assert exposed_seconds([c], 120.0, "ddp", 0.1, grad_accum=1, gpus=4) == 60.0
     fast = replace(c, bytes_per_s=1e9)  # 6e-6 s: hidden but for its last bucket (all of it)
-    assert exposed_seconds([fast], 120.0, "ddp", 0.1) == pytest.approx(6e-6)
-    # FSDP: what exceeds the compute, plus the first unit's gather (10 % here):
-    # comm 9000 B at 100 B/s = 90 s, compute 60 s -> 30 + 9 = 39 s.
+    assert exposed_seconds([fast], 120.0, "ddp", 0.1, 1, 4) == pytest.approx(6e-6)
+    # With 4 micro-batches only the last one's backward hides it: 2/3 x 30 = 20 s.
+    slow = replace(c, bytes_per_s=0.2e3)  # 30 s
+    assert exposed_seconds([slow], 120.0, "ddp", 0.0, 4, 4) == pytest.approx(30.0)
+    assert exposed_seconds([replace(c, bytes_per_s=1e3)], 120.0, "ddp", 0.0, 4, 4) == (
+        pytest.approx(6.0)  # 6 s all-reduce in a 20 s window: only the bucket, all 6 s
+    )
+
+
+def test_exposed_fsdp_communication_by_hand():
+    # bf16, 4 ranks, 2 micro-batches: gathers 6000 B (60 s at 100 B/s), reduce-scatter
+    # 3000 B (30 s); compute 60 s. The link needs 30 s more than the compute; the
+    # reduce-scatter overruns the last micro-batch's backward (2/3 x 30 = 20 s) by 10 s.
+    # Exposed: max(30, 10) = 30, plus one unit (10 %) of one micro-batch's gathers (30 s)
+    # and of the reduce-scatter (30 s): 6 s -> 36 s.
     fsdp = step_collectives("fsdp-full", 1000, NODE, "bf16", "fp32", 2)
-    assert exposed_seconds(fsdp, 60.0, "fsdp", 0.1) == pytest.approx(39.0)
+    assert exposed_seconds(fsdp, 60.0, "fsdp", 0.1, grad_accum=2) == pytest.approx(36.0)
     # Never more than the communication itself.
-    assert exposed_seconds(fsdp, 0.0, "fsdp", 0.5) == pytest.approx(90.0)
+    assert exposed_seconds(fsdp, 0.0, "fsdp", 0.5, grad_accum=2) == pytest.approx(90.0)
 
 
 # --- compute ---------------------------------------------------------------------------------
@@ -239,6 +251,35 @@ def test_hsdp_only_across_nodes():
     plan = make_plan(plan_inputs(**{"plan.gpus": 16}))
     assert "hsdp" in [s.name for s in plan.strategies]
     assert plan.inputs.nodes == 2
+
+
+def test_hsdp_only_on_whole_nodes():
+    # 12 GPUs at 8 per node: a 1.5-replica mesh the runtime would refuse.
+    assert "hsdp" not in [s.name for s in make_plan(plan_inputs(**{"plan.gpus": 12})).strategies]
+
+
+def test_accumulating_under_fsdp_keeps_unsharded_gradients():
+    # FSDP2 skips the reduce-scatter between micro-batches and keeps every parameter's
+    # unsharded gradient in the reduce dtype (fp32): 6.74e9 x 4 bytes on each GPU.
+    one = evaluate(plan_inputs(**{"data.global_batch": 8}), "fsdp-full")  # 1 per GPU
+    many = evaluate(plan_inputs(), "fsdp-full")  # 128 micro-batches per GPU
+    assert (one.grad_accum, many.grad_accum) == (1, 128)
+    assert many.memory.grads == PRESETS["llama-7b"].num_params() * 4
+    assert many.memory.total > one.memory.total + 23e9  # (27.0 - 3.4) GB more
+
+
+def test_the_scenario_is_the_jobs_even_for_one_asked_strategy():
+    plan = make_plan(plan_inputs(**{"plan.gpus": 16, "plan.strategy": "ddp"}))
+    assert [s.name for s in plan.strategies] == ["ddp"]
+    assert plan.recommendation.scenario == "fsdp"  # fsdp fits, although ddp was asked for
+
+
+def test_network_answer_is_about_the_recommended_strategy():
+    plan = make_plan(
+        plan_inputs(**{"plan.gpus": 64, "model.name": "llama-13b", "data.global_batch": 64})
+    )
+    assert plan.recommendation.strategy in ("fsdp-grad-op", "fsdp-full", "hsdp")
+    assert plan.questions[1][1].split(". ", 1)[1].startswith(plan.recommendation.strategy)
 
 
 def test_one_strategy_when_asked():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -64,8 +65,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=[],
         help="override any key, e.g. --set plan.efficiency=0.5 (repeatable)",
     )
-    for flag, key, kind, text in FLAGS:
-        p.add_argument(flag, type=kind, help=f"{text} ({key})")
+    for flag, key, _, text in FLAGS:
+        # Values stay text here: load_plan_inputs converts them with one-line errors.
+        p.add_argument(flag, help=f"{text} ({key})")
     p.add_argument(
         "--sweep", metavar="COUNTS", help="GPU counts: 1,2,4,8 or 1..1024 (doubling) (plan.sweep)"
     )
@@ -95,15 +97,21 @@ def load_plan_inputs(args: argparse.Namespace):
     from trainwise.plan.planner import parse_sweep
 
     flags, names = {}, {}
-    for flag, key, _, _ in FLAGS:
+    for flag, key, kind, _ in FLAGS:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None and kind is not str:
+            value = _number(flag, value, kind)
         if key == "plan.tokens" and value is not None and value != "chinchilla":
             try:
-                value = float(value)
+                number = float(value)
             except ValueError:
+                number = math.nan
+            if not (math.isfinite(number) and number > 0):
                 raise ConfigError(
-                    f"--tokens {value!r}: expected a number of tokens (e.g. 2e12) or 'chinchilla'"
-                ) from None
+                    f"--tokens {value!r}: expected a number of tokens > 0 (e.g. 2e12) or "
+                    "'chinchilla'"
+                )
+            value = number
         flags[key] = value
         names[key] = flag
     if args.sweep is not None:
@@ -117,6 +125,20 @@ def load_plan_inputs(args: argparse.Namespace):
         names["plan.sweep"] = "--sweep"
     cfg = load_config(args.config, flags, args.set, base=PLAN_DEFAULTS, flag_names=names)
     return resolve_inputs(cfg), cfg.plan.sweep
+
+
+def _number(flag: str, text: str, kind: type) -> int | float:
+    """`text` as the flag's number: whole numbers may be written 7e9; one line if not."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if kind is int and value is not None and math.isfinite(value) and value == int(value):
+        return int(value)
+    if kind is float and value is not None:
+        return value  # the schema rejects what is out of range, naming the key
+    what = "a whole number (e.g. 8 or 7e9)" if kind is int else "a number (e.g. 1.5 or 2e12)"
+    raise ConfigError(f"{flag} {text!r}: expected {what}")
 
 
 def run(args: argparse.Namespace) -> int:

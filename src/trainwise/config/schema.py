@@ -7,6 +7,7 @@ Unknown keys are rejected (``extra="forbid"``).
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -19,7 +20,8 @@ Precision = Literal["fp32", "bf16", "fp16"]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # No inf or nan anywhere: every figure of a job is a finite number.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -151,7 +153,9 @@ class PrecisionConfig(Section):
 class CheckpointConfig(Section):
     """Sharded (torch.distributed.checkpoint), atomic, verified checkpoints and resume."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, populate_by_name=True, allow_inf_nan=False
+    )
 
     enabled: bool = Field(True, description="Write checkpoints during training.")
     dir: str | None = Field(None, description="Checkpoint folder; default: <run_dir>/checkpoints.")
@@ -302,8 +306,8 @@ class PlanConfig(Section):
     @field_validator("tokens")
     @classmethod
     def _positive_tokens(cls, value: object) -> object:
-        if isinstance(value, float) and not value > 0:
-            raise ValueError("must be > 0 or 'chinchilla'")
+        if isinstance(value, float) and not (math.isfinite(value) and value > 0):
+            raise ValueError("must be a finite number > 0 or 'chinchilla'")
         return value
 
     gpus: int | None = Field(

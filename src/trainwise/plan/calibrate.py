@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trainwise.errors import ConfigError
+from trainwise.hardware.catalog import find_gpu
 from trainwise.plan.inputs import PlanInputs
 
 WARMUP_STEPS = 2  # the first steps pay for allocation and autotuning; not steady state
@@ -93,7 +94,13 @@ def _from_train(path: Path, where: str, cal: Calibration) -> Calibration:
     # Achieved FLOP/s of one device while it computes: its tokens x hardware FLOPs per token
     # over forward + backward + optimizer seconds.
     work = tokens / world * flops * job.get("recompute_factor", 1.0)
-    rates = [work / (r["compute_s"] + r["optim_s"]) for r in steady]
+    try:
+        rates = [work / (r["compute_s"] + r["optim_s"]) for r in steady]
+    except (KeyError, TypeError, ZeroDivisionError):
+        raise ConfigError(
+            f"{where}: metrics.jsonl records lack compute_s and optim_s seconds; give a "
+            "run written by trainwise train"
+        ) from None
     efficiency = statistics.median(rates) / peak
     return replace(cal, device=job.get("device"), efficiency=min(efficiency, 1.0))
 
@@ -115,7 +122,8 @@ def apply_calibration(inputs: PlanInputs, cal: Calibration) -> tuple[PlanInputs,
             f"compute efficiency {cal.efficiency:.1%} of peak measured in {cal.source} "
             f"(assumed {inputs.efficiency:.0%})"
         )
-        if cal.device and hw.gpu.split(" ")[0].lower() not in cal.device.lower():
+        measured_on = find_gpu(cal.device) if cal.device else None
+        if cal.device and (measured_on is None or measured_on.name != hw.gpu.split(" ")[0]):
             said.append(
                 f"measured on {cal.device}, planned for {hw.gpu}: the efficiency may not transfer"
             )

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainwise.plan.memory import MASTER_BYTES
 from trainwise.plan.precision import BYTES
 
-GRAD_BYTES = 4  # DDP reduces the fp32 gradients of an fp32 module (autocast leaves them fp32)
+GRAD_BYTES = MASTER_BYTES  # DDP reduces the fp32 gradients (autocast leaves them fp32)
 DDP_BUCKET_BYTES = 25e6  # DDP's default bucket_cap_mb: the last bucket's all-reduce is exposed
 
 
@@ -38,7 +39,9 @@ class Collective:
     name: str
     wire_bytes: float
     bytes_per_s: float
-    overlappable: bool = True
+    # Gathers run on every micro-batch, beside its compute; reductions once per step, in
+    # the last micro-batch's backward.
+    per_micro_batch: bool = False
 
     @property
     def seconds(self) -> float:
@@ -103,30 +106,43 @@ def _fsdp(gather: float, reduce: float, d: int, bps: float, shard: str, accum: i
     f = gather_factor(d)
     passes = 2 if shard == "full" else 1  # full gathers again for backward
     return [
-        Collective("all-gather params", passes * accum * f * gather, bps),
+        Collective("all-gather params", passes * accum * f * gather, bps, per_micro_batch=True),
         Collective("reduce-scatter grads", f * reduce, bps),
     ]
 
 
 def exposed_seconds(
-    collectives: list[Collective], compute_s: float, strategy: str, unit_fraction: float
+    collectives: list[Collective],
+    compute_s: float,
+    strategy: str,
+    unit_fraction: float,
+    grad_accum: int = 1,
+    gpus: int = 1,
 ) -> float:
     """Communication time the step waits for.
 
     Overlap (Li et al., 2020, "PyTorch Distributed", section 3.2.3 for DDP's bucketed
     all-reduce during backward; FSDP2 prefetches the next block's all-gather during the
-    current block's compute): collectives hide behind the compute of the step (backward, 2/3
-    of it, for DDP's all-reduce); what exceeds it is exposed. One piece is always exposed:
-    DDP's last bucket, FSDP's first all-gather and last reduce-scatter (`unit_fraction` of
-    the model: one block).
+    current block's compute): the gathers of every micro-batch hide behind the step's
+    compute; the reductions (DDP's all-reduce, FSDP's reduce-scatter, HSDP's all-reduce
+    across nodes) only behind the last micro-batch's backward (2/3 of its compute), since
+    the others skip synchronisation. What exceeds either window is exposed, plus one piece
+    nothing hides: DDP's last bucket; FSDP's first gather and last reduce-scatter, one unit
+    (`unit_fraction` of the model) each.
     """
-    total = sum(c.seconds for c in collectives)
+    gathers = [c for c in collectives if c.per_micro_batch]
+    reductions = [c for c in collectives if not c.per_micro_batch]
+    t_gather = sum(c.seconds for c in gathers)
+    t_reduce = sum(c.seconds for c in reductions)
+    total = t_gather + t_reduce
     if total == 0:
         return 0.0
-    window = compute_s * (2 / 3 if strategy == "ddp" else 1.0)
+    last_backward = compute_s / grad_accum * 2 / 3
+    waits = max(total - compute_s, t_reduce - last_backward, 0.0)
     if strategy == "ddp":
-        c = collectives[0]
-        first = min(c.seconds, DDP_BUCKET_BYTES / c.bytes_per_s)
+        c = reductions[0]
+        first = min(c.seconds, allreduce_factor(gpus) * DDP_BUCKET_BYTES / c.bytes_per_s)
     else:
-        first = total * unit_fraction
-    return min(total, max(total - window, 0.0) + first)
+        one_gather = t_gather / grad_accum / max(1, len(gathers)) if gathers else 0.0
+        first = unit_fraction * (one_gather + t_reduce)
+    return min(total, waits + first)

@@ -76,8 +76,8 @@ def candidate_names(inputs: PlanInputs) -> list[str]:
     names = ["single"]
     if inputs.gpus > 1:
         names += ["ddp", "fsdp-grad-op", "fsdp-full"]
-        if inputs.nodes > 1:
-            names.append("hsdp")
+        if inputs.nodes > 1 and inputs.gpus % inputs.node_size == 0:
+            names.append("hsdp")  # a full mesh: whole nodes replicate each other
         names.append("fsdp-offload")
     else:
         names.append("fsdp-offload")  # one GPU: offload is the way past its memory
@@ -94,7 +94,7 @@ def evaluate(inputs: PlanInputs, name: str) -> StrategyPlan:
     notes: list[str] = []
 
     # The global batch over the GPUs: each runs per_gpu samples a step, in micro-batches.
-    global_batch = inputs.global_batch or w.micro_batch * gpus
+    global_batch = inputs.global_batch or w.micro_batch * inputs.grad_accum * gpus
     per_gpu = global_batch / gpus
     if per_gpu < 1:
         notes.append(
@@ -136,12 +136,13 @@ def evaluate(inputs: PlanInputs, name: str) -> StrategyPlan:
                 "host<->device copies (offload)",
                 (passes + 1) * shard_params * MASTER_BYTES,
                 hw.host_bps,
+                per_micro_batch=True,
             )
         )
         compute += shard_params / CPU_OPTIMIZER_PARAMS_PER_S  # the optimizer runs on the host
     comm = sum(c.seconds for c in collectives)
     block, _ = block_params(w)
-    exposed = exposed_seconds(collectives, compute, kind, block / w.params)
+    exposed = exposed_seconds(collectives, compute, kind, block / w.params, accum, gpus)
     busy = compute + exposed
     data = 0.0
     if inputs.data_samples_per_s:

@@ -35,6 +35,9 @@ DEFAULT_GPUS_PER_NODE = 8
 DEFAULT_INTER_LINK = "ib-ndr"
 # Host-device copies of cpu offload go over PCIe (catalog link).
 HOST_LINK = "pcie4"
+# Assumption: a model known only by its parameter count is sharded in 32 FSDP units (its
+# blocks; Llama-2-7B has 32 layers): it sizes the gathered units and the exposed gather.
+BARE_COUNT_UNITS = 32
 # Assumption: 256 GB of host memory per GPU (a DGX H100 has 2 TB for 8).
 HOST_MEMORY_PER_GPU = 256 * GB
 
@@ -66,7 +69,8 @@ class Hardware:
 class PlanInputs:
     model: str  # preset name, "custom shape" or "params"
     workload: Workload
-    global_batch: int | None  # sequences per step; None: micro_batch x GPUs (grows with them)
+    global_batch: int | None  # sequences per step; None: micro x accum x GPUs (grows with them)
+    grad_accum: int  # micro-batches per step when the global batch is not given
     tokens: float  # to train, in total
     gpus: int
     node_size: int  # GPUs a node holds
@@ -141,8 +145,10 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
             optimizer=cfg.optim.name,
             ac=cfg.parallel.ac,
             reduce_dtype=cfg.precision.reduce_dtype,
+            units=BARE_COUNT_UNITS if shape is None else None,
         ),
         global_batch=global_batch,
+        grad_accum=cfg.data.grad_accum,
         tokens=float(tokens),
         gpus=gpus,
         node_size=per_node,

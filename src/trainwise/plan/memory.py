@@ -56,6 +56,9 @@ class Workload:
     optimizer: str = "adamw"
     ac: str = "none"
     reduce_dtype: str = "fp32"  # dtype of FSDP's gradient reduce-scatter
+    # FSDP units of a model without a shape (a bare parameter count): an assumption the
+    # planner states; None means the whole model is one unit (unknown custom models).
+    units: int | None = None
 
 
 @dataclass(frozen=True)
@@ -190,9 +193,9 @@ def activation_bytes(w: Workload, autocast: bool = False, device: str = "cuda") 
 
 def block_params(w: Workload) -> tuple[float, float]:
     """(parameters of one transformer block, parameters of the root unit: embeddings, final
-    norm, head). A model without a shape is taken as one unit."""
+    norm, head). A model without a shape is `w.units` equal units (default one)."""
     if w.shape is None:
-        return float(w.params), 0.0
+        return float(w.params) / (w.units or 1), 0.0
     root = w.params - w.shape.n_layer * _one_block(w.shape)
     return float(_one_block(w.shape)), float(root)
 
@@ -250,7 +253,7 @@ def estimate_memory(
     block, root = block_params(w)
     reduce_copy = MASTER_BYTES if w.reduce_dtype == "fp32" and c != MASTER_BYTES else 0
     grads_in_flight = block * (c + reduce_copy)
-    units = w.shape.n_layer if w.shape is not None else 1
+    units = w.shape.n_layer if w.shape is not None else (w.units or 1)
     if shard == "grad_op":
         params_in_flight = (n - root) * c  # every block stays gathered until its backward
     else:
@@ -261,12 +264,15 @@ def estimate_memory(
     temp = n / d * step_temp
     if cpu_offload:  # the states and the optimizer step live in host memory
         p = g = o = temp = 0.0
-    g_bwd = g if accumulating else 0.0
+    # Between micro-batches FSDP2 skips the reduce-scatter (set_requires_gradient_sync
+    # False, run.loop) and keeps every parameter's unsharded gradient, in the reduce dtype.
+    g_bwd = n * BYTES[w.reduce_dtype] if accumulating else 0.0
+    g_end = max(g, g_bwd)
     phases = {
         "head backward": (p, g_bwd, o, prof and prof.head, root * c + at_head),
         "block backward": (p, g_bwd, o, prof and prof.block, root * c + params_in_flight),
         "end of a block's backward": (
-            p, g, o, prof and prof.rest, root * c + params_in_flight + grads_in_flight,
+            p, g_end, o, prof and prof.rest, root * c + params_in_flight + grads_in_flight,
         ),
         "optimizer step": (p, g, o, prof and 0.0, temp),
     }  # fmt: skip

@@ -18,6 +18,9 @@ SMALL_MODEL_PARAMS = 1e9  # the product's guide: under 1B parameters is an `mvp`
 DATA_BOUND_SHARE = 0.10  # the GPUs wait for data more than this share of a step
 HEADROOM_WARNING = 0.10  # less free device memory than this share is a warning
 KNEE_SHARE = 0.5  # past the knee, an added GPU buys less than half of its share
+# Within this share of the best, the simpler strategy wins (fewer moving parts to debug).
+SIMPLER_WITHIN = 0.01
+SIMPLICITY = ("single", "ddp", "fsdp-grad-op", "fsdp-full", "hsdp", "fsdp-offload")
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,13 @@ def make_plan(
     strategies = [evaluate(inputs, name) for name in candidate_names(inputs)]
     best = _choose(inputs, strategies)
     single = strategies[0] if strategies[0].name == "single" else evaluate(inputs, "single")
-    scenario = _scenario(inputs, single, strategies)
+    # The scenario is the job's, whichever strategy was asked for.
+    everything = (
+        [evaluate(inputs, n) for n in candidate_names(replace(inputs, strategy=None))]
+        if inputs.strategy
+        else strategies
+    )
+    scenario = _scenario(inputs, single, everything)
     reasons = _reasons(inputs, best, single, strategies, scenario)
     rows: list[SweepRow] = []
     knees: dict[str, int | None] = {}
@@ -78,7 +87,10 @@ def make_plan(
     warnings = _warnings(inputs, best, single, strategies, knees)
     questions = [
         ("Does one replica fit on one GPU?", _fit_answer(inputs, single)),
-        ("Is the interconnect fast enough for sharding?", _network_answer(inputs)),
+        (
+            "Is the interconnect fast enough for sharding?",
+            _network_answer(inputs, best, everything),
+        ),
         ("What does a crash cost?", _crash_answer(inputs, best)),
     ]
     return Plan(
@@ -94,16 +106,20 @@ def make_plan(
 
 
 def _choose(inputs: PlanInputs, strategies: list[StrategyPlan]) -> StrategyPlan:
-    """The cheapest (or fastest) that fits on the GPUs asked for; `single` is the one-GPU
-    reference and is chosen only when one GPU is all there is. Nothing fits: the one that
-    needs the least device memory."""
+    """The cheapest (or fastest) that fits on the GPUs asked for, the simplest among those
+    within SIMPLER_WITHIN of it; `single` is the one-GPU reference and is chosen only when
+    one GPU is all there is. Nothing fits: the one that needs the least device memory."""
     pool = [s for s in strategies if s.name != "single" or inputs.gpus == 1] or strategies
     fitting = [s for s in pool if s.fits]
     if not fitting:
         return min(pool, key=lambda s: s.memory.total)
-    if inputs.objective == "time":
-        return min(fitting, key=lambda s: (s.cost.wall_hours, s.cost.total_usd))
-    return min(fitting, key=lambda s: (s.cost.total_usd, s.cost.wall_hours))
+
+    def score(s: StrategyPlan) -> float:
+        return s.cost.wall_hours if inputs.objective == "time" else s.cost.total_usd
+
+    best = min(score(s) for s in fitting)
+    close = [s for s in fitting if score(s) <= best * (1 + SIMPLER_WITHIN)]
+    return min(close, key=lambda s: SIMPLICITY.index(s.name))
 
 
 def _scenario(inputs: PlanInputs, single: StrategyPlan, strategies: list[StrategyPlan]) -> str:
@@ -159,6 +175,12 @@ def _reasons(
                     f"against {fmt_hours(best.hours_to_train)}."
                 )
     else:
+        if best.grad_accum > 1 and best.name != "ddp":
+            out.append(
+                f"{best.name} accumulates {best.grad_accum} micro-batches a step, and FSDP keeps "
+                f"every gradient unsharded while it does ({fmt_bytes(best.memory.grads)} per "
+                "GPU): a larger micro-batch or a smaller global batch needs fewer."
+            )
         out.append(
             f"Nothing fits: {best.name} needs the least, {fmt_bytes(best.memory.total)} per GPU "
             f"against {usable}. Use more GPUs, a smaller micro-batch with gradient "
@@ -199,7 +221,8 @@ def _fit_answer(inputs: PlanInputs, single: StrategyPlan) -> str:
 
 
 def sharded_name(inputs: PlanInputs) -> str:
-    return "hsdp" if inputs.nodes > 1 else "fsdp-full"
+    whole_nodes = inputs.nodes > 1 and inputs.gpus % inputs.node_size == 0
+    return "hsdp" if whole_nodes else "fsdp-full"
 
 
 def _with_bandwidth(inputs: PlanInputs, bps: float) -> PlanInputs:
@@ -230,10 +253,17 @@ def bandwidth_where(inputs: PlanInputs, name: str, holds) -> float | None:
     return math.exp(hi)
 
 
-def _network_answer(inputs: PlanInputs) -> str:
+def _network_answer(inputs: PlanInputs, best: StrategyPlan, strategies: list) -> str:
+    """For the recommended strategy when it shards, else the sharded one that fits best."""
     if inputs.gpus == 1:
         return "Not asked: one GPU shards nothing. Plan with --gpus N to see the network's part."
-    name = sharded_name(inputs)
+    sharded = [s for s in strategies if s.name in ("fsdp-grad-op", "fsdp-full", "hsdp")]
+    if best.name in ("fsdp-grad-op", "fsdp-full", "hsdp"):
+        name = best.name
+    elif any(s.fits for s in sharded):
+        name = min((s for s in sharded if s.fits), key=lambda s: s.cost.total_usd).name
+    else:
+        name = sharded_name(inputs)
     one = evaluate(inputs, "single")
     plan = evaluate(inputs, name)
     hw = inputs.hardware
@@ -246,7 +276,7 @@ def _network_answer(inputs: PlanInputs) -> str:
     share = plan.step.exposed_comm / plan.step.total
     facts = (
         f"{name} on {inputs.gpus} GPUs moves {fmt_bytes(plan.comm_bytes_per_step_per_gpu)} per GPU "
-        f"per step; at {link / GB:.0f} GB/s per GPU {where} that is {plan.step.comm:.2f} s "
+        f"per step; with {link / GB:.3g} GB/s per GPU {where} that is {plan.step.comm:.2f} s "
         f"against {plan.step.compute:.2f} s of compute, {share:.0%} of the step exposed."
     )
     limits = []
