@@ -49,26 +49,31 @@ def saved(run_dir: Path) -> dict:
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_async_stall_is_below_the_sync_stall(tmp_path: Path):
+    """The best of three saves each, so that one slow moment of a shared machine (or the
+    async stager's first allocation) does not decide the comparison."""
     parts = trained_state()
     sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
 
     sync = checkpointer(sync_dir, False, parts)
-    sync_stall = sync.save(1, 0, 0.0, {})
+    sync_stalls = [sync.save(step, 0, 0.0, {}) for step in (1, 2, 3)]
     sync.close()
 
     later = checkpointer(async_dir, True, parts)
-    async_stall = later.save(1, 0, 0.0, {})
-    assert later.inflight is not None  # returned before the write finished
-    later.close()  # waits for the background write and commit
+    async_stalls = []
+    for step in (1, 2, 3):
+        async_stalls.append(later.save(step, 0, 0.0, {}))
+        assert later.inflight is not None  # returned before the write finished
+        later.wait()  # so the next save's stall is its own, not the wait for this one
+    later.close()
 
-    print(f"stall: async {async_stall:.3f} s, sync {sync_stall:.3f} s")
-    assert async_stall < sync_stall
+    print(f"stalls: async {async_stalls}, sync {sync_stalls}")
+    assert min(async_stalls) < min(sync_stalls)
     event = saved(async_dir)
     assert event["async_save"] and event["stall_s"] < event["save_s"]
     assert saved(sync_dir)["stall_s"] == saved(sync_dir)["save_s"]  # sync: all of it stalls
     for run_dir in (sync_dir, async_dir):
-        (info,) = list_checkpoints(run_dir / "checkpoints", "full")
-        assert info.valid, info.problems
+        infos = list_checkpoints(run_dir / "checkpoints", "full")
+        assert infos and all(info.valid for info in infos), [i.problems for i in infos]
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
