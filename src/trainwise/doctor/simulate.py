@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from trainwise.models.shapes import GPTShape
+from trainwise.plan.estimate import RUNTIME
 
 SIMULATED = ("single", "ddp", "fsdp-grad-op", "fsdp-full")  # what one fake rank can play
 STEPS = 2
@@ -82,8 +83,7 @@ def simulate_step(
 
     if strategy not in SIMULATED:
         raise ValueError(f"cannot simulate {strategy!r}; simulated: {', '.join(SIMULATED)}")
-    kind = {"fsdp-grad-op": "fsdp", "fsdp-full": "fsdp"}.get(strategy, strategy)
-    shard = "grad_op" if strategy == "fsdp-grad-op" else "full"
+    kind, shard, _ = RUNTIME[strategy]
     world = 1 if kind == "single" else world
     seq = seq_len or shape.max_seq_len
     shape = replace(shape, max_seq_len=max(seq, shape.max_seq_len))
@@ -222,7 +222,6 @@ def simulate_plan(plan, progress=None) -> list[dict]:
     """Simulate each strategy of `plan` that one fake rank can play, at the plan's GPU
     count, precision and per-GPU micro-batch; beside each, the formula for the same kernels
     (this machine's) and the plan's own figure (the target GPU's kernels and overhead)."""
-    from trainwise.plan.estimate import RUNTIME
     from trainwise.plan.memory import estimate_memory
 
     inputs = plan.inputs

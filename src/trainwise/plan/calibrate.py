@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trainwise.errors import ConfigError
-from trainwise.hardware.catalog import find_gpu
+from trainwise.hardware.catalog import GB, find_gpu
 from trainwise.plan.inputs import PlanInputs
 
 WARMUP_STEPS = 2  # the first steps pay for allocation and autotuning; not steady state
@@ -130,14 +130,14 @@ def apply_calibration(inputs: PlanInputs, cal: Calibration) -> tuple[PlanInputs,
         inputs = replace(inputs, efficiency=cal.efficiency)
     if cal.intra_bps:
         said.append(
-            f"within a node {cal.intra_bps / 1e9:.3g} GB/s measured (catalog "
-            f"{hw.intra_bps / 1e9:.3g} GB/s)"
+            f"within a node {cal.intra_bps / GB:.3g} GB/s measured (catalog "
+            f"{hw.intra_bps / GB:.3g} GB/s)"
         )
         hw = replace(hw, intra_bps=cal.intra_bps)
     if cal.inter_bps:
         said.append(
-            f"between nodes {cal.inter_bps / 1e9:.3g} GB/s measured (assumed "
-            f"{hw.inter_bps / 1e9:.3g} GB/s)"
+            f"between nodes {cal.inter_bps / GB:.3g} GB/s measured (assumed "
+            f"{hw.inter_bps / GB:.3g} GB/s)"
         )
         hw = replace(hw, inter_bps=cal.inter_bps)
     return replace(inputs, hardware=hw), said

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainwise.plan.reliability import SECONDS_PER_HOUR, optimal_interval_s, system_mtbf_s
+from trainwise.plan.reliability import SECONDS_PER_HOUR, failure_cost, system_mtbf_s
 
 
 @dataclass(frozen=True)
@@ -48,12 +48,15 @@ def checkpoint_plan(
     over the nodes' summed bandwidth."""
     save_s = size_bytes / (write_bps_per_node * nodes)
     mtbf_s = system_mtbf_s(mtbf_hours_per_node, nodes)
-    tau = optimal_interval_s(save_s, mtbf_s)
+    failure = failure_cost(save_s, restart_s, mtbf_hours_per_node, nodes)
+    tau = failure.interval_s
     saves = train_s / tau
     # Failures arrive over the whole wall time, which the saves lengthen; the retry time
     # itself is second order and left out (first-order model, as Young's).
     failures = (train_s + saves * save_s) / mtbf_s
-    return CheckpointPlan(size_bytes, save_s, tau / 60.0, failures, restart_s + tau / 2.0)
+    return CheckpointPlan(
+        size_bytes, save_s, tau / 60.0, failures, failure.expected_loss_per_failure_s
+    )
 
 
 def job_cost(

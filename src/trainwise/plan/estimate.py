@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from trainwise.plan.comm import Collective, Layout, exposed_seconds, step_collectives
 from trainwise.plan.cost import CheckpointPlan, Cost, checkpoint_plan, job_cost
-from trainwise.plan.flops import model_flops_per_token, recompute_factor
+from trainwise.plan.flops import mfu, model_flops_per_token, recompute_factor
 from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.memory import MASTER_BYTES, MemoryEstimate, block_params, estimate_memory
 from trainwise.plan.precision import OPTIMIZER_STATE_BYTES
@@ -152,7 +152,7 @@ def evaluate(inputs: PlanInputs, name: str) -> StrategyPlan:
 
     tokens_per_step = global_batch * w.seq_len
     tokens_per_s = tokens_per_step / total
-    mfu = tokens_per_s * model_flops / (gpus * hw.peak_flops)
+    utilisation = mfu(tokens_per_s, model_flops, gpus * hw.peak_flops)
     one_gpu_rate = rate / hw_flops  # tokens/s of one GPU that only computes
     scaling = tokens_per_s / (gpus * one_gpu_rate)
 
@@ -176,7 +176,7 @@ def evaluate(inputs: PlanInputs, name: str) -> StrategyPlan:
         collectives=collectives,
         step=step,
         tokens_per_s=tokens_per_s,
-        mfu=mfu,
+        mfu=utilisation,
         scaling_efficiency=scaling,
         checkpoint=ckpt,
         cost=cost,

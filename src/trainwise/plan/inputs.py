@@ -121,7 +121,8 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
     per_node = cfg.cluster.nproc or DEFAULT_GPUS_PER_NODE
     gpus = p.gpus or per_node * cfg.cluster.nodes
     catalog = default_catalog()
-    intra = spec.intra_node.bytes_per_s if spec.intra_node else catalog.links["pcie4"].bytes_per_s
+    # A GPU without an intra-node link in the catalog talks to its peers over PCIe.
+    intra = (spec.intra_node or catalog.links[HOST_LINK]).bytes_per_s
     micro = cfg.data.micro_batch
     seq = cfg.data.seq_len
     if shape is not None and seq > shape.max_seq_len:

@@ -6,14 +6,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from trainwise.hardware.catalog import GB
 from trainwise.plan.advisor import describe
 from trainwise.plan.estimate import StrategyPlan, candidate_names, evaluate
 from trainwise.plan.inputs import PlanInputs
+from trainwise.plan.memory import MASTER_BYTES
 from trainwise.plan.precision import OPTIMIZER_STATE_BYTES
 from trainwise.plan.reliability import SECONDS_PER_HOUR, system_mtbf_s
 from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_usd
 
-GB = 1e9
 SMALL_MODEL_PARAMS = 1e9  # the product's guide: under 1B parameters is an `mvp`
 DATA_BOUND_SHARE = 0.10  # the GPUs wait for data more than this share of a step
 HEADROOM_WARNING = 0.10  # less free device memory than this share is a warning
@@ -197,17 +198,12 @@ def _reasons(
 
 def _fit_answer(inputs: PlanInputs, single: StrategyPlan) -> str:
     m, hw = single.memory, inputs.hardware
-    per_param = 4 + 4 + OPTIMIZER_STATE_BYTES[inputs.workload.optimizer]
+    per_param = 2 * MASTER_BYTES + OPTIMIZER_STATE_BYTES[inputs.workload.optimizer]
     states = (
         f"model states {fmt_bytes(m.states)} ({per_param} bytes per parameter: fp32 weights, "
         f"gradients and {inputs.workload.optimizer} state)"
     )
-    act = f", activations {fmt_bytes(m.activations)}" if m.activations is not None else ""
-    detail = (
-        f"{states}; at its peak, in the {m.phase}: {describe(m)}"
-        if m.phase
-        else f"{states}{act}, buffers {fmt_bytes(m.buffers)}, overhead {fmt_bytes(m.overhead)}"
-    )
+    detail = f"{states}; at its peak, in the {m.phase}: {describe(m)}"
     if single.fits:
         return (
             f"Yes. One replica needs {fmt_bytes(m.total)} ({detail}); a {hw.gpu} has "

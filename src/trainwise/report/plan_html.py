@@ -18,6 +18,7 @@ import io
 import re
 from collections.abc import Sequence
 
+from trainwise.hardware.catalog import GB
 from trainwise.plan.planner import Plan
 from trainwise.plan.units import fmt_bytes, fmt_usd
 from trainwise.report.plan_view import (
@@ -33,7 +34,6 @@ from trainwise.report.plan_view import (
     time_rows,
 )
 
-GB = 1e9
 # (MemoryEstimate field, legend label, colour): the Okabe-Ito palette, colour-blind safe.
 MEMORY_PARTS = (
     ("params", "parameters", "#0072B2"),

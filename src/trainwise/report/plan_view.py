@@ -4,6 +4,7 @@ the same rows, so they never disagree."""
 
 from __future__ import annotations
 
+from trainwise.hardware.catalog import GB
 from trainwise.plan.planner import Plan
 from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_seconds, fmt_usd
 
@@ -51,7 +52,7 @@ def _gb_number(x: float | None) -> str:
     """GB as a bare number (the table's title carries the unit)."""
     if x is None:
         return "n/a"
-    return f"{x / 1e9:.3g}" if x >= 1e7 or x == 0 else f"{x / 1e9:.1e}"
+    return f"{x / GB:.3g}" if x >= 1e7 or x == 0 else f"{x / GB:.1e}"
 
 
 def _name(plan: Plan, name: str) -> str:
@@ -150,10 +151,8 @@ def cost_line(plan: Plan) -> str:
 
 
 def render_terminal(plan: Plan, console=None, simulation: list[dict] | None = None) -> None:
-    from rich import box
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
 
     console = console or Console()
     console.print(f"[bold]trainwise plan[/]: {escape(headline(plan))}")
@@ -164,17 +163,11 @@ def render_terminal(plan: Plan, console=None, simulation: list[dict] | None = No
         (MEMORY_TITLE, MEMORY_COLUMNS, memory_rows(plan)),
         (TIME_TITLE, TIME_COLUMNS, time_rows(plan)),
     ):
-        table = Table(
-            title=title, box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left", padding=(0, 1)
-        )
-        for col in columns:
-            left = col == "strategy"
-            table.add_column(col, justify="left" if left else "right", no_wrap=left)
-        for row in rows:
-            name = row[0].removesuffix("*")
-            style = "bold green" if row[0].endswith("*") else ("" if fits[name] else "dim")
-            table.add_row(*row, style=style)
-        console.print(table)
+        styles = [
+            "bold green" if row[0].endswith("*") else ("" if fits[row[0]] else "dim")
+            for row in rows
+        ]
+        console.print(_rich_table(title, columns, rows, styles, no_wrap_strategy=True))
     rec = plan.recommendation
     console.print(f"[bold]Recommendation: {rec.strategy}[/] (scenario: {rec.scenario})")
     for reason in rec.reasons:
@@ -184,25 +177,40 @@ def render_terminal(plan: Plan, console=None, simulation: list[dict] | None = No
     for q, a in plan.questions:
         console.print(f"  [bold]{escape(q)}[/] {escape(a)}")
     if simulation:
-        sim = Table(
-            title=SIMULATION_TITLE, box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left"
+        console.print(
+            _rich_table(SIMULATION_TITLE, SIMULATION_COLUMNS, simulation_rows(simulation))
         )
-        for col in SIMULATION_COLUMNS:
-            sim.add_column(col, justify="left" if col == "strategy" else "right")
-        for row in simulation_rows(simulation):
-            sim.add_row(*row)
-        console.print(sim)
     if plan.sweep:
-        sweep = Table(title="Scaling sweep", box=box.SIMPLE_HEAD, pad_edge=False)
-        for col in SWEEP_COLUMNS:
-            sweep.add_column(col, justify="left" if col == "strategy" else "right")
-        for row in sweep_rows(plan):
-            sweep.add_row(*row)
-        console.print(sweep)
+        console.print(
+            _rich_table("Scaling sweep", SWEEP_COLUMNS, sweep_rows(plan), title_justify="center")
+        )
     if plan.warnings:
         console.print("\n[bold yellow]Warnings[/]")
         for warning in plan.warnings:
             console.print(f"  ! {escape(warning)}", style="yellow")
+
+
+def _rich_table(
+    title: str,
+    columns: tuple[str, ...],
+    rows: list[list[str]],
+    styles: list[str] | None = None,
+    title_justify: str = "left",
+    no_wrap_strategy: bool = False,
+):
+    """A terminal table: the strategy column left-aligned, the figures right-aligned."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, title_justify=title_justify)
+    for col in columns:
+        left = col == "strategy"
+        table.add_column(
+            col, justify="left" if left else "right", no_wrap=left and no_wrap_strategy
+        )
+    for row, style in zip(rows, styles or [""] * len(rows), strict=True):
+        table.add_row(*row, style=style)
+    return table
 
 
 def _md_table(columns: tuple[str, ...], rows: list[list[str]]) -> list[str]:
