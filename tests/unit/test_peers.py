@@ -87,3 +87,32 @@ def test_disk_full_needs_the_errno_or_a_short_write_on_a_full_disk(tmp_path: Pat
     # any other error.
     assert not _disk_full(RuntimeError("unexpected pos 704 vs 598"), tmp_path)
     assert not _disk_full(PermissionError(13, "Permission denied"), tmp_path)
+
+
+def test_a_failed_dcp_writer_thread_is_collected_and_other_threads_are_not():
+    import threading
+
+    from trainwise.run.checkpoint import WRITER_ERRORS, WRITER_THREAD
+
+    def fail(message: str) -> None:
+        raise OSError(message)
+
+    WRITER_ERRORS.install()
+    WRITER_ERRORS.install()  # idempotent: the hook does not wrap itself
+    seen: list[str] = []
+    previous, WRITER_ERRORS._previous = (
+        WRITER_ERRORS._previous,
+        lambda a: seen.append(str(a.exc_value)),
+    )
+    try:
+        for name, message in ((f"Thread-1 ({WRITER_THREAD})", "disk"), ("other", "elsewhere")):
+            t = threading.Thread(target=fail, args=(message,), name=name)
+            t.start()
+            t.join()
+    finally:
+        WRITER_ERRORS._previous = previous
+    assert [str(e) for e in WRITER_ERRORS.take()] == ["disk"]
+    assert WRITER_ERRORS.take() == []
+    assert seen == ["elsewhere"]  # any other thread's error goes to the previous hook
+    # The hook must not keep a Checkpointer (and its tensors) alive in every later thread.
+    assert "Checkpointer" not in repr(threading.excepthook)

@@ -52,6 +52,37 @@ WRITE_THREADS = 2
 WRITER_THREAD = "_write_files_from_queue"  # DCP's extra writer threads are named after it
 
 
+class _WriterThreadErrors:
+    """Collects the exceptions DCP's extra writer threads end with (nothing re-raises
+    them), instead of printing them as tracebacks. One hook per process, and it holds no
+    Checkpointer: every thread started after the hook is installed keeps it alive in its
+    own closure until that thread ends. A Checkpointer held there would be freed on such a
+    thread (a DataLoader queue's feeder, say) during interpreter shutdown, and freeing its
+    tensors there aborts the process ("terminate called without an active exception")."""
+
+    def __init__(self) -> None:
+        self.errors: list[BaseException] = []
+        self._previous: Any = None
+
+    def install(self) -> None:
+        if self._previous is None:
+            self._previous = threading.excepthook
+            threading.excepthook = self._hook
+
+    def _hook(self, args: Any) -> None:
+        if args.thread is not None and WRITER_THREAD in args.thread.name and args.exc_value:
+            self.errors.append(args.exc_value)
+            return
+        self._previous(args)
+
+    def take(self) -> list[BaseException]:
+        errors, self.errors = self.errors, []
+        return errors
+
+
+WRITER_ERRORS = _WriterThreadErrors()
+
+
 def missing_items(metadata: Metadata) -> int:
     """Items DCP planned to save but has no storage record for. DCP's extra writer threads
     (thread_count > 1) end with an exception that nothing re-raises: their items are then
@@ -174,11 +205,9 @@ class Checkpointer:
         # one per save would allocate, and page-fault through, the whole state each time).
         cuda = device.type == "cuda"
         self.stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
-        # A failing DCP writer thread is caught here rather than printed as a traceback;
-        # the save then fails on every rank with one line (see _write_failure).
-        self.writer_errors: list[BaseException] = []
-        self._previous_hook = threading.excepthook
-        threading.excepthook = self._on_thread_error
+        # A failing DCP writer thread is caught rather than printed as a traceback; the
+        # save then fails on every rank with one line (see _write_failure).
+        WRITER_ERRORS.install()
         self.last_save_step = 0
         self.last_save_time = time.monotonic()
         self.stalls: list[float] = []
@@ -187,16 +216,10 @@ class Checkpointer:
         self._last_tick: float | None = None
         self._step_s: list[float] = []
 
-    def _on_thread_error(self, args: Any) -> None:
-        if args.thread is not None and WRITER_THREAD in args.thread.name and args.exc_value:
-            self.writer_errors.append(args.exc_value)
-            return
-        self._previous_hook(args)
-
     def _write_failure(self, metadata: Any) -> str | None:
         """Why DCP's write is incomplete on this rank, or None: a writer thread's error, or
         items without data."""
-        errors, self.writer_errors = self.writer_errors, []
+        errors = WRITER_ERRORS.take()
         if errors:
             return f"rank {self.rank}: a writer thread failed: {errors[0]}"
         if isinstance(metadata, Metadata) and (n := missing_items(metadata)):
@@ -534,7 +557,6 @@ class Checkpointer:
     def close(self) -> None:
         self.wait()
         self.stager.close()
-        threading.excepthook = self._previous_hook
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
