@@ -7,10 +7,14 @@ from __future__ import annotations
 class TrainwiseError(Exception):
     """Base of every error trainwise raises on purpose."""
 
+    exit_status = 1  # what the CLI exits with
+
 
 class ConfigError(TrainwiseError):
     """Bad input: one or more problems, each a single line naming the key, the value
     and what is allowed."""
+
+    exit_status = 2
 
     def __init__(self, problems: list[str] | str):
         self.problems = [problems] if isinstance(problems, str) else list(problems)

@@ -7,10 +7,10 @@ import argparse
 import sys
 
 from trainwise import __version__
-from trainwise.cli import checkpoints, export, plan, train
+from trainwise.cli import checkpoints, doctor, env, export, plan, train
 from trainwise.errors import ConfigError, TrainwiseError
 
-COMMANDS = (plan, train, checkpoints, export)
+COMMANDS = (plan, train, doctor, env, checkpoints, export)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except TrainwiseError as err:
         print(f"trainwise: {err}", file=sys.stderr)
-        return 1
+        return err.exit_status
     except KeyboardInterrupt:
         print("trainwise: interrupted", file=sys.stderr)
         return 130

@@ -19,6 +19,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Train on the embedded default (tiny GPT, synthetic corpus, 2 workers) "
         "or on a TOML job. Precedence: defaults < --config < flags < --set.",
     )
+    add_job_arguments(p)
+    p.add_argument(
+        "--allow-version-mismatch",
+        action="store_true",
+        default=None,
+        help="train even when ranks run different versions (cluster.allow_version_mismatch)",
+    )
+    p.add_argument("--print-config", action="store_true", help="print the resolved TOML and exit")
+    p.set_defaults(run=run)
+
+
+def add_job_arguments(p: argparse.ArgumentParser) -> None:
+    """The job's flags, shared by train and doctor (the same job, checked or run)."""
     p.add_argument("--config", metavar="TOML", help="job file")
     p.add_argument(
         "--set",
@@ -33,8 +46,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
     p.add_argument("--model", help="preset, 'mlp', 'module:factory' or 'hf:config.json'")
     p.add_argument("--run-dir", help="run directory (logging.run_dir)")
-    p.add_argument("--print-config", action="store_true", help="print the resolved TOML and exit")
-    p.set_defaults(run=run)
+
+
+def job_flags(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "cluster.nproc": args.nproc,
+        "parallel.strategy": args.strategy,
+        "precision.dtype": args.precision,
+        "train.steps": args.steps,
+        "model.name": args.model,
+        "logging.run_dir": args.run_dir,
+    }
 
 
 def add_import_roots(config: str | None) -> None:
@@ -50,12 +72,8 @@ def add_import_roots(config: str | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     flags = {
-        "cluster.nproc": args.nproc,
-        "parallel.strategy": args.strategy,
-        "precision.dtype": args.precision,
-        "train.steps": args.steps,
-        "model.name": args.model,
-        "logging.run_dir": args.run_dir,
+        **job_flags(args),
+        "cluster.allow_version_mismatch": args.allow_version_mismatch,
     }
     add_import_roots(args.config)
     cfg = load_config(args.config, flags, args.set)

@@ -229,6 +229,11 @@ class ClusterConfig(Section):
             raise ValueError(f"is not in the hardware catalog; known: {', '.join(gpu_names())}")
         return value
 
+    allow_version_mismatch: bool = Field(
+        False,
+        description="Train even when ranks run different versions of Python, torch, CUDA, "
+        "NCCL or trainwise (checked at start-up).",
+    )
     device_memory_gb: float | None = Field(
         None,
         gt=0.0,
@@ -339,6 +344,30 @@ class PlanConfig(Section):
         return value
 
 
+# The doctor's checks, in the order they run (trainwise.doctor.checklist implements them).
+CHECK_NAMES = ("versions", "bandwidth", "data", "scaling", "smoke", "memory", "disk")
+CheckName = Literal["versions", "bandwidth", "data", "scaling", "smoke", "memory", "disk"]
+
+
+class DoctorConfig(Section):
+    """How much the doctor measures (`trainwise doctor`)."""
+
+    checks: list[CheckName] | None = Field(
+        None,
+        description="Checks to run (versions, bandwidth, data, scaling, smoke, memory, "
+        "disk); default: all. --only sets it.",
+    )
+    max_message_mb: float | None = Field(
+        None,
+        gt=0.0,
+        description="Largest collective message timed, in MiB; default: 256 on GPU, 64 on CPU.",
+    )
+    iterations: int = Field(5, gt=0, description="Timed iterations per collective and size.")
+    timed_steps: int = Field(4, gt=0, description="Timed training steps per measurement.")
+    smoke_steps: int = Field(8, ge=2, description="Steps of the smoke test on one batch.")
+    data_batches: int = Field(16, gt=0, description="Micro-batches read per loader timing.")
+
+
 class LoggingConfig(Section):
     run_dir: str | None = Field(
         None, description="Run directory; default: runs/<date>-<time>-<model>."
@@ -356,6 +385,13 @@ class LoggingConfig(Section):
     tensorboard: bool = Field(True, description="Also write TensorBoard events.")
     tensorboard_every: int = Field(
         10, gt=0, description="TensorBoard points every N steps (metrics.jsonl has every step)."
+    )
+    data_wait_warn: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="Warn once when the workers wait for data more than this share of the "
+        "steps so far; 0: never.",
     )
     probe_every: int = Field(
         100,
@@ -377,4 +413,5 @@ class JobConfig(Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     cost: CostConfig = Field(default_factory=CostConfig)
     plan: PlanConfig = Field(default_factory=PlanConfig)
+    doctor: DoctorConfig = Field(default_factory=DoctorConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)

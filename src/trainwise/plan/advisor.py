@@ -105,3 +105,14 @@ def choose_strategy(
         f"worker; with parameters, gradients and optimizer state in host memory it needs "
         f"{fmt_bytes(offload.total)} on the device and {fits}.",
     )
+
+
+# What makes a loader keep up: said the same way by the planner, the doctor and the
+# training loop's data-wait warning.
+def loader_fixes(num_workers: int | None = None, cuda: bool = True) -> str:
+    now = f", now {num_workers}" if num_workers is not None else ""
+    fixes = [f"more loader processes (data.num_workers{now})"]
+    if cuda:
+        fixes.append("pinned memory (data.pin_memory = true)")
+    fixes.append("pre-tokenized data read from a file (data.dataset = 'tokens')")
+    return "add " + ", ".join(fixes[:-1]) + " or " + fixes[-1]

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from trainwise.hardware.catalog import GB
-from trainwise.plan.advisor import describe
+from trainwise.plan.advisor import describe, loader_fixes
 from trainwise.plan.estimate import StrategyPlan, candidate_names, evaluate
 from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.memory import MASTER_BYTES
@@ -17,6 +17,7 @@ from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_usd
 
 SMALL_MODEL_PARAMS = 1e9  # the product's guide: under 1B parameters is an `mvp`
 DATA_BOUND_SHARE = 0.10  # the GPUs wait for data more than this share of a step
+COMM_BOUND_SHARE = 0.10  # exposed communication above this share of a step: comm-bound
 HEADROOM_WARNING = 0.10  # less free device memory than this share is a warning
 KNEE_SHARE = 0.5  # past the knee, an added GPU buys less than half of its share
 # Within this share of the best, the simpler strategy wins (fewer moving parts to debug).
@@ -267,7 +268,7 @@ def _network_answer(inputs: PlanInputs, best: StrategyPlan, strategies: list) ->
     where = "between nodes" if inputs.nodes > 1 else "within the node"
     pays = bandwidth_where(inputs, name, lambda p: p.tokens_per_s > one.tokens_per_s)
     hides = bandwidth_where(
-        inputs, name, lambda p: p.step.exposed_comm <= 0.1 * p.step.total + 1e-12
+        inputs, name, lambda p: p.step.exposed_comm <= COMM_BOUND_SHARE * p.step.total + 1e-12
     )
     share = plan.step.exposed_comm / plan.step.total
     facts = (
@@ -281,7 +282,9 @@ def _network_answer(inputs: PlanInputs, best: StrategyPlan, strategies: list) ->
     if pays is not None:
         limits.append(f"below {pays / GB:.3g} GB/s, sharding is slower than one GPU")
     verdict = (
-        "Yes" if share <= 0.1 else ("Barely" if plan.tokens_per_s > one.tokens_per_s else "No")
+        "Yes"
+        if share <= COMM_BOUND_SHARE
+        else ("Barely" if plan.tokens_per_s > one.tokens_per_s else "No")
     )
     return f"{verdict}. {facts} " + ("; ".join(limits) + "." if limits else "")
 
@@ -323,7 +326,7 @@ def _warnings(
     if best.step.data > DATA_BOUND_SHARE * best.step.total:
         out.append(
             f"Data-bound: the GPUs would wait for data {best.step.data / best.step.total:.0%} "
-            "of each step; add loader workers (data.num_workers), pin memory, or pre-tokenize."
+            f"of each step; {loader_fixes()}."
         )
     if best.fits and best.memory.total > (1 - HEADROOM_WARNING) * inputs.hardware.memory_bytes:
         free = 1 - best.memory.total / inputs.hardware.memory_bytes

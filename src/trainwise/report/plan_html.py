@@ -14,13 +14,22 @@ list (so nothing is left open), and the caller's backend is left alone.
 from __future__ import annotations
 
 import html
-import io
-import re
 from collections.abc import Sequence
 
 from trainwise.hardware.catalog import GB
 from trainwise.plan.planner import Plan
 from trainwise.plan.units import fmt_bytes, fmt_usd
+from trainwise.report.figures import (
+    FIGURE_WIDTH,
+    LINE_COLOURS,
+    NOTE_SIZE,
+    SVG_RC,
+    TEXT_SIZE,
+    figure_html,
+    legend,
+    new_figure,
+    text_width,
+)
 from trainwise.report.plan_view import (
     MEMORY_COLUMNS,
     MEMORY_TITLE,
@@ -48,17 +57,7 @@ COST_PARTS = (
     ("comm_wait_usd", "communication wait", "#E69F00"),
     ("failure_retry_usd", "failure retry", "#D55E00"),
 )
-LINE_COLOURS = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9", "#000000")
 SWEEP_TITLE = "Scaling sweep"
-# SVG text as <text> elements (small, searchable, read by screen readers) and a fixed hash
-# salt, so the same plan always gives the same page.
-TEXT_SIZE = 9  # points: ticks, axis labels
-NOTE_SIZE = 8  # points: notes on the bars, legends
-LEGEND_SIZE = NOTE_SIZE
-FIGURE_WIDTH = 9.0  # inches; the page scales the pictures down to its width
-SVG_RC = {"svg.fonttype": "none", "svg.hashsalt": "trainwise-plan", "font.size": TEXT_SIZE}
-# Leave out the <metadata> block (a date, matplotlib's address).
-SVG_METADATA = {"Creator": None, "Date": None, "Format": None, "Type": None}
 
 CSS = """
 body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1b1b1b;
@@ -168,14 +167,14 @@ def _figures(plan: Plan) -> list[str]:
 
     with matplotlib.rc_context(SVG_RC):
         out = [
-            _figure(
+            figure_html(
                 _memory_figure(plan),
                 "memory",
                 "memory per GPU",
                 "Memory per GPU by strategy, GB. Solid line: the GPU's memory; dashed: the "
                 "usable budget after headroom.",
             ),
-            _figure(
+            figure_html(
                 _cost_figure(plan),
                 "cost",
                 "cost breakdown per strategy",
@@ -185,7 +184,7 @@ def _figures(plan: Plan) -> list[str]:
         ]
         if plan.sweep:
             out.append(
-                _figure(
+                figure_html(
                     _scaling_figure(plan),
                     "scaling",
                     "scaling curve: tokens per second versus GPUs",
@@ -195,66 +194,6 @@ def _figures(plan: Plan) -> list[str]:
                 )
             )
     return out
-
-
-def _figure(fig, key: str, label: str, caption: str) -> str:
-    svg = _svg(fig, key, label)
-    return f"<figure>\n{svg}\n<figcaption>{html.escape(caption)}</figcaption>\n</figure>"
-
-
-def _svg(fig, key: str, label: str) -> str:
-    """`fig` as an inline <svg>: the XML prolog, doctype and comments stripped, every id
-    prefixed with `key` (several pictures share a page, and matplotlib numbers its ids the
-    same way in each), a role and an aria-label, and a <title>."""
-    buf = io.StringIO()
-    fig.savefig(buf, format="svg", metadata=SVG_METADATA)
-    text = buf.getvalue()
-    text = text[text.index("<svg") :]
-    text = re.sub(r"<!--.*?-->", "", text, flags=re.DOTALL)
-    text = re.sub(r'\bid="', f'id="{key}-', text)
-    text = text.replace('href="#', f'href="#{key}-').replace("url(#", f"url(#{key}-")
-    label = html.escape(label)
-    head_end = text.index(">") + 1
-    head = text[:head_end].replace("<svg ", f'<svg role="img" aria-label="{label}" ', 1)
-    return f"{head}\n<title>{label}</title>{text[head_end:]}".rstrip()
-
-
-def _text_width(texts: Sequence[str], size: float) -> float:
-    """Inches the widest of `texts` (lines of) takes at `size` points."""
-    from matplotlib.font_manager import FontProperties
-    from matplotlib.textpath import text_to_path
-
-    prop = FontProperties(size=size)
-    widths = [
-        text_to_path.get_text_width_height_descent(line, prop, ismath=False)[0]
-        for text in texts
-        for line in text.split("\n")
-    ]
-    return max(widths, default=0.0) / 72.0
-
-
-def _new_figure(width: float, height: float, left: float, bottom: float, legend: Sequence[str]):
-    """A figure with margins in inches, measured rather than found by a layout engine (which
-    draws each figure twice): `left` and `bottom` for the tick labels, the right margin
-    for a legend of the labels `legend` beside the axes."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height))
-    right = _text_width(legend, LEGEND_SIZE) + 0.75
-    fig.subplots_adjust(
-        left=left / width, right=1 - right / width, bottom=bottom / height, top=1 - 0.35 / height
-    )
-    return fig
-
-
-def _legend(ax) -> None:
-    ax.legend(
-        loc="upper left",
-        bbox_to_anchor=(1.02, 1.0),
-        borderaxespad=0,
-        frameon=False,
-        fontsize=LEGEND_SIZE,
-    )
 
 
 def _strategy_label(plan: Plan, name: str, gpus: int, sep: str = " ") -> str:
@@ -277,8 +216,8 @@ def _memory_figure(plan: Plan):
         + ("" if s.fits else ", does not fit" + ("" if s.host_fits else " (host memory)"))
         for s in strategies
     ]
-    left = _text_width(ticks, TEXT_SIZE) + 0.25
-    fig = _new_figure(
+    left = text_width(ticks, TEXT_SIZE) + 0.25
+    fig = new_figure(
         FIGURE_WIDTH, 0.95 + 0.4 * len(strategies), left, 0.5, [p[1] for p in parts] + lines
     )
     ax = fig.add_subplot()
@@ -308,7 +247,7 @@ def _memory_figure(plan: Plan):
     axes_in = ax.get_position().width * FIGURE_WIDTH
     span = max([s.memory.total for s in strategies] + [hw.memory_bytes]) / GB * 1.05
     for s, note in zip(strategies, notes, strict=True):
-        room = axes_in - _text_width([note], NOTE_SIZE) - 0.15
+        room = axes_in - text_width([note], NOTE_SIZE) - 0.15
         if room > 0.5:
             span = max(span, s.memory.total / GB * axes_in / room)
     for i, (s, note) in enumerate(zip(strategies, notes, strict=True)):
@@ -319,7 +258,7 @@ def _memory_figure(plan: Plan):
     ax.set_xlabel("GB per GPU")
     ax.set_title("Memory per GPU", loc="left", fontweight="bold")
     ax.spines[["top", "right"]].set_visible(False)
-    _legend(ax)
+    legend(ax)
     return fig
 
 
@@ -328,8 +267,8 @@ def _cost_figure(plan: Plan):
 
     strategies = plan.strategies
     top = max([s.cost.total_usd for s in strategies] + [1.0]) * 1.12
-    left = _text_width([fmt_usd(top)], TEXT_SIZE) + 0.45
-    fig = _new_figure(FIGURE_WIDTH, 3.6, left, 0.6, [p[1] for p in COST_PARTS])
+    left = text_width([fmt_usd(top)], TEXT_SIZE) + 0.45
+    fig = new_figure(FIGURE_WIDTH, 3.6, left, 0.6, [p[1] for p in COST_PARTS])
     ax = fig.add_subplot()
     xs = list(range(len(strategies)))
     bottom = [0.0] * len(strategies)
@@ -348,7 +287,7 @@ def _cost_figure(plan: Plan):
     ax.set_ylabel("USD, whole run")
     ax.set_title("Cost breakdown", loc="left", fontweight="bold")
     ax.spines[["top", "right"]].set_visible(False)
-    _legend(ax)
+    legend(ax)
     return fig
 
 
@@ -365,9 +304,9 @@ def _scaling_figure(plan: Plan):
     per_gpu = {r.gpus: r.ideal_tokens_per_s for r in rows}
     ideal = [per_gpu[n] for n in counts]
     top = max([r.tokens_per_s for r in rows] + ideal) * 1.05
-    left = _text_width([f"{top:,.0f}"], TEXT_SIZE) + 0.45
+    left = text_width([f"{top:,.0f}"], TEXT_SIZE) + 0.45
     labels = [*names, "ideal linear scaling"]
-    fig = _new_figure(FIGURE_WIDTH, 3.8, left, 0.5, labels)
+    fig = new_figure(FIGURE_WIDTH, 3.8, left, 0.5, labels)
     ax = fig.add_subplot()
     if ideal:
         ax.plot(counts, ideal, linestyle=":", color="#555555", linewidth=1.5, label=labels[-1])
@@ -416,5 +355,5 @@ def _scaling_figure(plan: Plan):
     ax.set_title("Scaling", loc="left", fontweight="bold")
     ax.grid(True, color="#eeeeee", linewidth=0.8)
     ax.spines[["top", "right"]].set_visible(False)
-    _legend(ax)
+    legend(ax)
     return fig

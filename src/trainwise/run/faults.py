@@ -8,6 +8,7 @@ SIGKILL to a pid, fills a disk, flips bytes); these points only make *when* dete
   shards are written and before the commit.
 - `nan@step=N`: the loss of step N is multiplied by NaN on every rank.
 - `hang@step=N,rank=R,seconds=S`: rank R sleeps S seconds before step N's collectives.
+- `slow_data@seconds=S`: every training sample takes S seconds more to load.
 Each fires once, on the first attempt only (TORCHELASTIC_RESTART_COUNT = 0): a transient
 fault, so that a rollback or a restart gets past it. `always=1` fires it every time the
 step is reached, on every attempt: a fault that repeats.
@@ -20,6 +21,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from torch.utils.data import Dataset
 
 ENV = "TRAINWISE_FAULTS"
 
@@ -41,7 +45,7 @@ def parse_faults(text: str) -> list[Fault]:
         faults.append(
             Fault(
                 kind=kind,
-                step=int(values["step"]),
+                step=int(values.get("step", 0)),
                 rank=int(values["rank"]) if "rank" in values else None,
                 seconds=float(values["seconds"]) if "seconds" in values else None,
                 always=values.get("always") == "1",
@@ -95,3 +99,27 @@ class Faults:
 
     def nan(self, step: int) -> bool:
         return self.fires("nan", step) is not None
+
+
+class SlowDataset(Dataset):
+    """A dataset whose samples each take `seconds` more to load: a slow loader, made."""
+
+    def __init__(self, inner: Any, seconds: float):
+        self.inner = inner
+        self.seconds = seconds
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> Any:
+        time.sleep(self.seconds)
+        return self.inner[index]
+
+
+def slowed(dataset: Any, environ: dict[str, str] | None = None) -> Any:
+    """`dataset`, slowed when TRAINWISE_FAULTS holds `slow_data@seconds=S`."""
+    env = os.environ if environ is None else environ
+    for fault in parse_faults(env.get(ENV, "")):
+        if fault.kind == "slow_data" and fault.seconds:
+            return SlowDataset(dataset, fault.seconds)
+    return dataset

@@ -15,6 +15,7 @@ from trainwise.hardware import GB, DeviceInfo
 from trainwise.models import GPTShape, ModelSpec, count_parameters, resolve_shape
 from trainwise.plan import Decision, Workload, choose_strategy, describe, estimate_memory, fmt_bytes
 from trainwise.plan.flops import flops_per_token, recompute_factor
+from trainwise.run.faults import slowed
 
 
 @dataclass
@@ -239,7 +240,7 @@ def prepare_job(
         params=params,
         shape=shape,
         data=info,
-        datasets=(train_ds, val_ds),
+        datasets=(slowed(train_ds), val_ds),  # slowed only under a test's fault
     )
 
 

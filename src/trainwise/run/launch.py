@@ -64,8 +64,13 @@ class _FailureEvents(logging.Handler):
 
 
 def launch_workers(
-    run_dir: Path, nproc: int, master_port: int | None = None, max_restarts: int = 0
+    run_dir: Path,
+    nproc: int,
+    master_port: int | None = None,
+    max_restarts: int = 0,
+    module: str = "trainwise.run.worker",
 ) -> None:
+    """`python -m MODULE RUN_DIR` on `nproc` workers under the elastic agent."""
     # Each worker gets its share of the cores, not all of them (oversubscription on CPU).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ[LAUNCHER_ENV] = "1"
@@ -90,9 +95,7 @@ def launch_workers(
     agent_log.addHandler(handler)
     started = time.time()
     try:
-        elastic_launch(config, entrypoint=sys.executable)(
-            "-m", "trainwise.run.worker", str(run_dir)
-        )
+        elastic_launch(config, entrypoint=sys.executable)("-m", module, str(run_dir))
     except SignalException as err:
         stopped = _events_since(run_dir, started, "preempted")
         if stopped:
@@ -114,7 +117,9 @@ def launch_workers(
         agent_log.removeHandler(handler)
     fatal = _events_since(run_dir, started, "fatal")
     if fatal:
-        raise LaunchError(fatal[-1].get("message", "a worker stopped the run"))
+        error = LaunchError(fatal[-1].get("message", "a worker stopped the run"))
+        error.exit_status = fatal[-1].get("exit_status", 1)  # 2: the job cannot run as given
+        raise error
     stopped = _events_since(run_dir, started, "preempted")
     if stopped:
         raise Preempted(

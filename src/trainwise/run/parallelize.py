@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -41,9 +42,11 @@ def apply_compile(blocks: list[nn.Module]) -> None:
         block.compile()
 
 
-def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+def apply_ddp(
+    model: nn.Module, device: torch.device, group: dist.ProcessGroup | None = None
+) -> nn.Module:
     ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids)
+    return DistributedDataParallel(model, device_ids=ids, process_group=group)
 
 
 def apply_fsdp(
@@ -71,7 +74,16 @@ def apply_fsdp(
     return model
 
 
-def build_mesh(strategy: str, world: int, replicate: int, device_type: str) -> DeviceMesh | None:
+def build_mesh(
+    strategy: str,
+    world: int,
+    replicate: int,
+    device_type: str,
+    group: dist.ProcessGroup | None = None,
+) -> DeviceMesh | None:
+    """The FSDP mesh over all ranks, or over `group`'s ranks (a 1-D shard mesh)."""
+    if strategy == "fsdp" and group is not None:
+        return DeviceMesh.from_group(group, device_type, mesh_dim_names=("shard",))
     if strategy == "fsdp":
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
     if strategy == "hsdp":
@@ -95,17 +107,19 @@ def parallelize(
     cpu_offload: bool = False,
     ac: str = "none",
     compile: bool = False,
+    group: dist.ProcessGroup | None = None,
 ) -> nn.Module:
     """The one place a strategy is applied: AC, then compile, then the data-parallel wrapper
-    (torchtitan's order: FSDP must see the final modules)."""
+    (torchtitan's order: FSDP must see the final modules). `group`: data parallelism over
+    that group's ranks instead of all (not for hsdp)."""
     blocks = apply_ac(model, blocks, ac)
     if compile:
         apply_compile(blocks)
     if strategy == "single":
         return model
     if strategy == "ddp":
-        return apply_ddp(model, device)
-    mesh = build_mesh(strategy, world, replicate, device.type)
+        return apply_ddp(model, device, group)
+    mesh = build_mesh(strategy, world, replicate, device.type, group)
     return apply_fsdp(
         model,
         blocks,

@@ -22,11 +22,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainwise.config import JobConfig, dump_toml, load_config
 from trainwise.data import build_eval_loader, build_loader
+from trainwise.doctor.versions import require_same_versions
 from trainwise.errors import ConfigError, TrainwiseError
 from trainwise.hardware import detect_device
-from trainwise.models import build_model
 from trainwise.run.checkpoint import Checkpointer, Resumed
-from trainwise.run.checkpoint_store import CheckpointError, config_hash, root_for
+from trainwise.run.checkpoint_store import CheckpointError, config_hash
 from trainwise.run.control import Control
 from trainwise.run.distributed import (
     DistEnv,
@@ -40,12 +40,10 @@ from trainwise.run.events import append_event, read_events, retry_cost
 from trainwise.run.faults import Faults
 from trainwise.run.job import Job, prepare_job
 from trainwise.run.launch import LAUNCHER_ENV
-from trainwise.run.loop import Stepper, evaluate
-from trainwise.run.optim import build_optimizer, build_scheduler
-from trainwise.run.parallelize import parallelize
+from trainwise.run.loop import evaluate
 from trainwise.run.peers import BARRIER_S, PeerFailure, absent_ranks, classify, last_line
-from trainwise.run.precision import autocast_context, build_grad_scaler
 from trainwise.run.recorder import Recorder
+from trainwise.run.trainer import build_checkpointer, build_trainer
 
 MAX_ROLLBACKS = 3
 
@@ -83,6 +81,9 @@ def train(cfg: JobConfig, run_dir: Path | None = None) -> dict[str, Any] | None:
     job = prepare_job(cfg, env.world, info, env.local_world)
     if job.strategy != "single" or env.world > 1:
         init_process_group(env, job.backend, device, cfg.parallel.timeout_s)
+    if env.world > 1 and not cfg.cluster.allow_version_mismatch:
+        # Cheap, and it turns a hang in the first collective into one line.
+        require_same_versions(config_hash(dump_toml(cfg)), env.local_rank)
     run_dir = _agree_run_dir(env, cfg, job, run_dir)
     summary = _train(cfg, job, env, device, run_dir, log)
     # Only after success, and together: destroying the group while a peer is failing or
@@ -120,34 +121,9 @@ def _train(
 ) -> dict[str, Any] | None:
     c = cfg
 
-    # Same seed on every rank: identical initial weights whatever the strategy.
-    torch.manual_seed(c.train.seed)
-    bundle = build_model(job.model_spec)
-    bundle.module.to(device)
-    model = parallelize(
-        bundle.module,
-        bundle.blocks,
-        strategy=job.strategy,
-        device=device,
-        world=env.world,
-        replicate=job.replicate,
-        shard=c.parallel.shard,
-        precision=c.precision.dtype,
-        reduce_dtype=c.precision.reduce_dtype,
-        cpu_offload=job.cpu_offload,
-        ac=c.parallel.ac,
-        compile=c.train.compile,
-    )
-    dp_rank, dp_size = (0, 1) if job.strategy == "single" else (env.rank, env.world)
-    torch.manual_seed(c.train.seed + 1 + dp_rank)  # dropout differs between ranks
-
-    optimizer = build_optimizer(model, c.optim)
-    scheduler = build_scheduler(optimizer, c.train.steps, c.schedule)
-    scaler = build_grad_scaler(job.strategy, c.precision.dtype, device, c.precision.init_scale)
-
-    def autocast():
-        return autocast_context(job.strategy, c.precision.dtype, device)
-
+    t = build_trainer(c, job, device)
+    model, scheduler = t.model, t.scheduler
+    dp_rank, dp_size, stepper = t.dp_rank, t.dp_size, t.stepper
     train_ds, val_ds = job.datasets
 
     def eval_batches():
@@ -156,22 +132,8 @@ def _train(
             dp_rank=dp_rank, dp_size=dp_size, seed=c.train.seed,
         )  # fmt: skip
 
-    stepper = Stepper(
-        model, bundle.loss_fn, optimizer, scheduler, scaler, autocast,
-        c.data.grad_accum, c.train.grad_clip, device,
-    )  # fmt: skip
     distributed = dist.is_initialized()
-    ckpt = Checkpointer(
-        c.checkpoint, root=root_for(run_dir, c.checkpoint.dir), run_dir=run_dir, rank=env.rank,
-        world=env.world, is_main=env.is_main, device=device, model=model,
-        optimizer=optimizer, scheduler=scheduler, scaler=scaler, total_steps=c.train.steps,
-        meta={
-            "strategy": job.strategy, "dp_size": dp_size, "model": c.model.name,
-            "model_spec": asdict(job.model_spec), "config_hash": config_hash(dump_toml(c)),
-        },
-        mtbf_hours=c.cluster.mtbf_hours, nodes=c.cluster.nodes, log=log,
-        timeout_s=c.parallel.timeout_s,
-    )  # fmt: skip
+    ckpt = build_checkpointer(c, job, env, device, run_dir, t, log)
     control = Control(distributed, c.parallel.timeout_s)
     # Kept idle for diagnosis: after a failed collective the survivors meet here to find
     # which ranks are missing (the default group may be wedged by then).
@@ -271,7 +233,7 @@ def _train(
             eval_loss = None
             if every > 0 and (step % every == 0 or step == c.train.steps):
                 stage = "evaluation"
-                eval_loss = evaluate(model, bundle.loss_fn, eval_batches(), autocast, device)
+                eval_loss = evaluate(model, t.loss_fn, eval_batches(), t.autocast, device)
             if env.is_main and ckpt.wanted(step):
                 control.request_save()
             stage = "the exchange of control flags"
@@ -382,7 +344,10 @@ def main(argv: list[str] | None = None) -> int:
         # No restart can fix this (disk full, no valid checkpoint, the guard): record it and
         # exit 0 so the agent does not restart the group; the launcher reports the message.
         message = str(err).replace("\n", "; ")
-        append_event(run_dir, "fatal", rank=dist_env_from().rank, message=message)
+        append_event(
+            run_dir, "fatal", rank=dist_env_from().rank, message=message,
+            exit_status=err.exit_status,
+        )  # fmt: skip
     return 0
 
 

@@ -1,0 +1,87 @@
+"""`trainwise doctor`: the job's preflight checklist on the machines it will run on."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from trainwise.cli.train import add_import_roots, add_job_arguments, job_flags
+from trainwise.config import load_config
+from trainwise.config.schema import CHECK_NAMES
+from trainwise.errors import ConfigError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="preflight checklist: versions, bandwidth, data, scaling, smoke test, memory, disk",
+        description="Run the checks on every worker of the job (same flags and TOML as "
+        "`trainwise train`) and print a numbered checklist. Writes RUN_DIR/doctor.json, "
+        "which `trainwise plan --calibrate RUN_DIR` reads. Exit 1 when a check failed.",
+    )
+    add_job_arguments(p)
+    p.add_argument(
+        "--only",
+        metavar="CHECKS",
+        help=f"comma-separated subset of: {','.join(CHECK_NAMES)} (doctor.checks)",
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--html", metavar="FILE", help="also write the checklist as an HTML page")
+    p.set_defaults(run=run)
+
+
+def parse_only(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CHECK_NAMES]
+    if unknown or not names:
+        raise ConfigError(
+            f"--only {text!r}: {', '.join(unknown) or 'no check named'} is not a check; "
+            f"choose from {', '.join(CHECK_NAMES)}"
+        )
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    flags = {**job_flags(args), "doctor.checks": parse_only(args.only)}
+    add_import_roots(args.config)
+    cfg = load_config(args.config, flags, args.set)
+
+    from trainwise.doctor.runner import read_record, run_doctor
+    from trainwise.hardware import detect_device
+    from trainwise.report.doctor_view import render_html, render_terminal
+    from trainwise.run.distributed import dist_env_from
+    from trainwise.run.job import prepare_job, resolve_nproc
+    from trainwise.run.launch import launch_workers
+    from trainwise.run.worker import default_run_dir, write_run_files
+
+    if dist_env_from().launched:  # started by torchrun or srun: one of the workers
+        record = run_doctor(cfg, Path(cfg.logging.run_dir or default_run_dir(cfg, "doctor")))
+        if record is not None:
+            render_terminal(record)
+        return 1 if record is not None and record.failed else 0
+
+    device = detect_device(cfg.cluster.device)
+    nproc = resolve_nproc(cfg, device)
+    job = prepare_job(cfg, nproc, device)  # bad input stops here, before any worker
+    run_dir = Path(cfg.logging.run_dir) if cfg.logging.run_dir else default_run_dir(cfg, "doctor")
+    write_run_files(run_dir, cfg, job)
+    if nproc == 1:
+        run_doctor(cfg, run_dir)
+    else:
+        launch_workers(run_dir, nproc, cfg.cluster.master_port, module="trainwise.doctor.runner")
+    record = read_record(run_dir)
+    if args.json:
+        sys.stdout.write(record.model_dump_json(indent=1) + "\n")
+    else:
+        render_terminal(record)
+    if args.html:
+        try:
+            Path(args.html).write_text(render_html(record))
+        except OSError as err:
+            raise ConfigError(f"--html {args.html}: cannot be written ({err.strerror})") from None
+        if not args.json:
+            print(f"page: {args.html}")
+    return 1 if record.failed else 0

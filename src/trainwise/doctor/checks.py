@@ -1,0 +1,199 @@
+"""The short checks: versions, collective bandwidth, memory, disk. Each is a function of
+the Context that every rank calls together and that returns the checklist line (the
+figures on rank 0 are the job's: gathered or reduced over ranks)."""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import time
+
+from trainwise.config import dump_toml
+from trainwise.doctor import bandwidth, versions
+from trainwise.doctor.context import Context
+from trainwise.doctor.result import CheckResult
+from trainwise.hardware.catalog import GB
+from trainwise.plan import fmt_bytes
+from trainwise.plan.calibrate import Calibration, apply_calibration
+from trainwise.plan.estimate import evaluate
+from trainwise.plan.planner import COMM_BOUND_SHARE
+from trainwise.run.checkpoint_store import config_hash
+
+FAR_BELOW = 0.5  # a measured speed under half the plan's assumption is a warning
+MEMORY_ERROR = 0.25  # a GPU peak off the plan by more than this share is a warning
+WRITE_PROBE_BYTES = {"cuda": 256 * 2**20, "cpu": 32 * 2**20}  # the write test, at most
+MIN_WRITE_PROBE = 8 * 2**20  # and at least (a smaller write times the cache, not the disk)
+
+
+def _gbps(bps: float | None) -> str:
+    return "-" if bps is None else f"{bps / GB:.3g} GB/s"
+
+
+def check_versions(ctx: Context) -> CheckResult:
+    per_rank = versions.gather_versions(config_hash(dump_toml(ctx.cfg)), ctx.env.local_rank)
+    diffs = versions.differences(per_rank)
+    data = {"ranks": per_rank, "differences": diffs}
+    title = "versions on every rank"
+    if diffs:
+        lines = versions.mismatch_lines(diffs)
+        return CheckResult(
+            name="versions", title=title, status="fail",
+            measured=f"{len(diffs)} of {len(versions.FIELDS)} fields differ",
+            expected="identical on every rank", detail="; ".join(lines),
+            fix="install the same Python, torch, CUDA/NCCL and trainwise on every machine and "
+            "give every rank the same config (trainwise env prints a machine's versions)",
+            data=data,
+        )  # fmt: skip
+    first = per_rank[0]
+    return CheckResult(
+        name="versions", title=title, status="pass",
+        measured=f"identical on {len(per_rank)} rank{'s' if len(per_rank) > 1 else ''}",
+        expected="identical on every rank",
+        detail=f"torch {first['torch']}, python {first['python']}, CUDA {first['cuda']}, "
+        f"NCCL {first['nccl']}, trainwise {first['trainwise']}, code {first['code']}",
+        data=data,
+    )  # fmt: skip
+
+
+def check_bandwidth(ctx: Context) -> CheckResult:
+    title = "collective bandwidth"
+    if ctx.world == 1:
+        return CheckResult(
+            name="bandwidth", title=title, status="skip",
+            detail="one worker: no collective to time (run with --nproc 2 or more)",
+        )  # fmt: skip
+    d = ctx.cfg.doctor
+    max_bytes = int(d.max_message_mb * 2**20) if d.max_message_mb else None
+    max_bytes = max_bytes or bandwidth.MAX_BYTES[ctx.device.type]
+    rows = bandwidth.sweep(max_bytes, d.iterations, ctx.device)
+    busbw = bandwidth.large_message_busbw(rows)
+    assert busbw is not None
+    ctx.measured["intra_node_busbw_bytes_per_s"] = busbw
+    inputs = ctx.plan_inputs()
+    assumed = inputs.hardware.intra_bps
+    # The planner's own model, with the measured link: would sharding be comm-bound?
+    measured_inputs, _ = apply_calibration(inputs, Calibration(source="doctor", intra_bps=busbw))
+    fsdp = evaluate(measured_inputs, "fsdp-full")
+    share = fsdp.step.exposed_comm / fsdp.step.total
+    bound = share > COMM_BOUND_SHARE
+    verdict = (
+        f"at this model size FSDP would wait for communication {share:.0%} of a step "
+        f"({'communication-bound' if bound else 'not communication-bound'}, the limit is "
+        f"{COMM_BOUND_SHARE:.0%})"
+    )
+    slow = busbw < FAR_BELOW * assumed
+    status = "warn" if (slow or bound) else "pass"
+    fix = None
+    if slow:
+        fix = (
+            f"the plan assumed {_gbps(assumed)}: re-plan with the measured figure "
+            f"(trainwise plan --config ... --calibrate {ctx.run_dir})"
+        )
+    elif bound:
+        fix = "prefer ddp or fsdp with shard = 'grad_op', a larger micro-batch, or faster links"
+    largest = max(r.bytes for r in rows)
+    return CheckResult(
+        name="bandwidth", title=title, status=status,
+        measured=f"all_reduce bus {_gbps(busbw)} at {fmt_bytes(largest)}",
+        expected=f"{_gbps(assumed)} per worker (plan)",
+        detail=verdict, fix=fix,
+        data={"rows": [r.as_dict() for r in rows], "fsdp_exposed_share": share},
+    )  # fmt: skip
+
+
+def _resident_bytes() -> float:
+    """Peak resident set of this process (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+
+
+def check_memory(ctx: Context) -> CheckResult:
+    title = "memory per worker"
+    est = ctx.job.decision.estimate.total
+    if ctx.device.type == "cuda":
+        if "smoke_peak_bytes" not in ctx.measured:
+            return CheckResult(
+                name="memory", title=title, status="skip",
+                detail="needs the smoke check's steps (run it too: --only smoke,memory)",
+            )  # fmt: skip
+        peak = ctx.slowest(ctx.measured["smoke_peak_bytes"])
+        budget = ctx.job.decision.budget_bytes
+        error = peak / est - 1 if est else 0.0
+        status = "fail" if peak > budget else ("warn" if abs(error) > MEMORY_ERROR else "pass")
+        fix = None
+        if status == "fail":
+            fix = "the step does not fit: shard (strategy fsdp), checkpoint activations " \
+                  "(parallel.ac) or lower data.micro_batch"  # fmt: skip
+        elif status == "warn":
+            fix = "the plan is off for this model: size the job on the measured peak"
+        return CheckResult(
+            name="memory", title=title, status=status,
+            measured=f"{fmt_bytes(peak)} peak allocated (training step)",
+            expected=f"{fmt_bytes(est)} (plan)",
+            detail=f"the plan is {'over' if error < 0 else 'under'} by {abs(error):.0%}",
+            fix=fix, data={"peak_bytes": peak, "plan_bytes": est, "budget_bytes": budget},
+        )  # fmt: skip
+    rss = ctx.slowest(_resident_bytes())
+    return CheckResult(
+        name="memory", title=title, status="pass",
+        measured=f"{fmt_bytes(rss)} resident (process peak)",
+        expected=f"{fmt_bytes(est)} of tensors (plan)",
+        detail="on CPU the resident set also holds Python, torch's libraries and the "
+        "allocator's cache; the plan counts tensors only",
+        data={"resident_bytes": rss, "plan_bytes": est},
+    )  # fmt: skip
+
+
+def _write_speed(folder, size: int) -> float:
+    """Bytes/s of writing `size` bytes to a file in `folder` and syncing it to disk."""
+    path = folder / f".doctor-write-{os.getpid()}"
+    block = os.urandom(4 * 2**20)
+    try:
+        start = time.perf_counter()
+        with open(path, "wb") as f:
+            for _ in range(max(1, size // len(block))):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        return max(1, size // len(block)) * len(block) / (time.perf_counter() - start)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def check_disk(ctx: Context) -> CheckResult:
+    title = "disk for checkpoints"
+    c = ctx.cfg.checkpoint
+    folder = ctx.run_dir if c.dir is None else ctx.run_dir / c.dir
+    folder = folder if folder.exists() else ctx.run_dir
+    plan = ctx.planned()
+    size = plan.checkpoint.size_bytes
+    kept = c.keep_last + 1  # one more is being written while the last ones are kept
+    free = float(shutil.disk_usage(folder).free)
+    probe = min(max(int(size), MIN_WRITE_PROBE), WRITE_PROBE_BYTES[ctx.device.type])
+    speed = _write_speed(folder, probe)
+    # Every rank writes its shards at once: the node's speed is what the slowest sees.
+    speed = 1.0 / ctx.slowest(1.0 / speed)
+    assumed = c.write_gbps * GB
+    ctx.measured["write_bytes_per_s"] = speed
+    save_s, assumed_s = size / speed, size / assumed
+    need = size * kept
+    status, fix = "pass", None
+    if free < need:
+        status = "fail"
+        fix = f"free {fmt_bytes(need - free)} or set checkpoint.dir / checkpoint.keep_last"
+    elif speed < FAR_BELOW * assumed:
+        status = "warn"
+        fix = (
+            f"set checkpoint.write_gbps = {speed / GB:.3g} so the interval is planned on it, "
+            "or write to faster storage"
+        )
+    return CheckResult(
+        name="disk", title=title, status=status,
+        measured=f"{fmt_bytes(free)} free, writes at {_gbps(speed)}",
+        expected=f"{fmt_bytes(need)} for {kept} checkpoints, {_gbps(assumed)} (plan)",
+        detail=f"a checkpoint of {fmt_bytes(size)} takes {save_s:.3g} s to write here "
+        f"(the plan assumed {assumed_s:.3g} s)",
+        fix=fix,
+        data={"free_bytes": free, "needed_bytes": need, "write_bytes_per_s": speed,
+              "checkpoint_bytes": size, "save_s": save_s, "assumed_save_s": assumed_s},
+    )  # fmt: skip

@@ -1,0 +1,101 @@
+"""What every check gets: the job as it runs at this world size, this rank's place, the
+plan's assumptions for the same job, and a few helpers the checks share (batches held in
+memory, timed training steps, the slowest rank's figure)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainwise.config import JobConfig
+from trainwise.data import build_loader
+from trainwise.hardware import find_gpu
+from trainwise.plan.estimate import RUNTIME, StrategyPlan, evaluate
+from trainwise.plan.inputs import PlanInputs, resolve_inputs
+from trainwise.run.distributed import DistEnv
+from trainwise.run.job import Job
+from trainwise.run.trainer import Trainer
+
+
+@dataclass
+class Context:
+    cfg: JobConfig
+    job: Job
+    env: DistEnv
+    device: torch.device
+    run_dir: Path
+    measured: dict[str, Any] = field(default_factory=dict)  # shared between checks
+
+    @property
+    def world(self) -> int:
+        return self.env.world
+
+    def plan_inputs(self, gpus: int | None = None) -> PlanInputs:
+        """The planner's inputs for this job on this machine's device (the catalog entry
+        it matches), at `gpus` workers (default: this world)."""
+        cfg = self.cfg
+        spec = find_gpu(self.job.device.name) or find_gpu("cpu")
+        assert spec is not None
+        cluster = cfg.cluster.model_copy(update={"gpu": spec.name, "nproc": self.env.local_world})
+        plan = cfg.plan.model_copy(update={"gpus": gpus or self.world, "tokens": None})
+        inputs = resolve_inputs(cfg.model_copy(update={"cluster": cluster, "plan": plan}))
+        return replace(inputs, node_size=self.env.local_world)
+
+    def planned(self, gpus: int | None = None, job: Job | None = None) -> StrategyPlan:
+        """The plan's figures for the job's strategy at `gpus` workers."""
+        return evaluate(self.plan_inputs(gpus), plan_name(job or self.job))
+
+    def slowest(self, seconds: float, group: dist.ProcessGroup | None = None) -> float:
+        """The largest of every rank's `seconds` (a step is as slow as its slowest rank)."""
+        if not dist.is_initialized():
+            return seconds
+        t = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return float(t)
+
+    def batches(self, trainer: Trainer, steps: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One step's micro-batches per step of this rank's data, read once and held on the
+        device: timing the model without the loader."""
+        c = self.cfg
+        loader = build_loader(
+            self.job.datasets[0], micro_batch=c.data.micro_batch, grad_accum=c.data.grad_accum,
+            dp_rank=trainer.dp_rank, dp_size=trainer.dp_size, seed=c.train.seed, num_steps=steps,
+        )  # fmt: skip
+        return [(x.to(self.device), y.to(self.device)) for x, y in loader]
+
+
+def plan_name(job: Job) -> str:
+    """The planner's name for the job's strategy (fsdp-full, fsdp-grad-op, ...)."""
+    shard = job.cfg.parallel.shard
+    for name, (kind, name_shard, offload) in RUNTIME.items():
+        same_shard = kind != "fsdp" or offload or name_shard == shard
+        if kind == job.strategy and offload == job.cpu_offload and same_shard:
+            return name
+    return job.strategy
+
+
+def timed_steps(
+    trainer: Trainer, batches: list, steps: int, ctx: Context, group=None, warmup: int = 1
+) -> tuple[float, list[float]]:
+    """Seconds per step (the slowest rank's mean over `steps` after `warmup`) and the loss
+    of every step, the batches cycled. The ranks of `group` (default: all) call it."""
+    source = itertools.cycle(batches)
+    losses = []
+    for _ in range(warmup):
+        losses.append(float(trainer.stepper.step(source, probe=False).loss))
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    if dist.is_initialized():
+        dist.barrier(group=group)
+    start = time.perf_counter()
+    for _ in range(steps):
+        losses.append(float(trainer.stepper.step(source, probe=False).loss))
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    return ctx.slowest((time.perf_counter() - start) / steps, group), losses

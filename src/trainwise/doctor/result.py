@@ -1,0 +1,67 @@
+"""What a check returns and what the doctor writes: one schema (pydantic) for doctor.json,
+`--json` and the README. `trainwise plan --calibrate` reads the `bandwidth` block.
+
+Pure data: no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+Status = Literal["pass", "warn", "fail", "skip"]
+SYMBOLS: dict[str, str] = {"pass": "✓", "warn": "!", "fail": "✗", "skip": "–"}
+
+
+class CheckResult(BaseModel):
+    """One line of the checklist, with the figures behind it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="The check's key, as --only takes it.")
+    title: str = Field(description="What was checked, in words.")
+    status: Status
+    measured: str = Field("", description="The figure measured here, with its unit.")
+    expected: str = Field("", description="The figure the plan assumed, or the criterion.")
+    detail: str = Field("", description="One sentence: what the figures mean.")
+    fix: str | None = Field(None, description="What to do, on warn or fail.")
+    seconds: float = Field(0.0, ge=0, description="How long the check took.")
+    data: dict[str, Any] = Field(
+        default_factory=dict, description="The measurements behind the line (tables, rows)."
+    )
+
+
+class Bandwidth(BaseModel):
+    """Large-message bus bandwidth (nccl-tests' definition) per GPU, for the planner."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    intra_node_busbw_bytes_per_s: float | None = None
+    inter_node_busbw_bytes_per_s: float | None = None
+
+
+class DoctorRecord(BaseModel):
+    """doctor.json."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    created: float = Field(description="Unix time the doctor finished.")
+    run_dir: str
+    world: int = Field(ge=1, description="Workers the checks ran on.")
+    device: str
+    strategy: str = Field(description="The job's strategy at this world size.")
+    elapsed_s: float = Field(ge=0)
+    checks: list[CheckResult]
+    bandwidth: Bandwidth = Field(default_factory=Bandwidth)
+
+    @property
+    def failed(self) -> bool:
+        return any(c.status == "fail" for c in self.checks)
+
+
+def schema() -> dict[str, Any]:
+    """The JSON Schema of doctor.json (what the README documents)."""
+    return DoctorRecord.model_json_schema()

@@ -1,0 +1,93 @@
+"""The doctor as a worker: join the group, run the checklist on every rank, and on rank 0
+write `doctor.json` (started by the elastic agent as `python -m trainwise.doctor.runner
+RUN_DIR`, or in-process for one worker)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from trainwise.config import JobConfig, load_config
+from trainwise.doctor.checklist import run_checks
+from trainwise.doctor.context import Context
+from trainwise.doctor.result import Bandwidth, DoctorRecord
+from trainwise.errors import TrainwiseError
+from trainwise.hardware import detect_device
+from trainwise.run.distributed import (
+    destroy_process_group,
+    dist_env_from,
+    get_logger,
+    init_process_group,
+)
+from trainwise.run.events import append_event
+from trainwise.run.job import prepare_job
+from trainwise.run.launch import LAUNCHER_ENV
+
+RECORD_FILE = "doctor.json"
+
+
+def run_doctor(cfg: JobConfig, run_dir: Path) -> DoctorRecord | None:
+    """Every selected check on this rank; the record on rank 0 (None elsewhere)."""
+    env = dist_env_from()
+    get_logger(env)
+    info = detect_device(cfg.cluster.device)
+    device = torch.device("cuda", env.local_rank) if info.kind == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    job = prepare_job(cfg, env.world, info, env.local_world)
+    if env.world > 1:
+        init_process_group(env, job.backend, device, cfg.parallel.timeout_s)
+    start = time.perf_counter()
+    ctx = Context(cfg, job, env, device, run_dir)
+    results = run_checks(ctx, cfg.doctor.checks)
+    destroy_process_group()
+    if not env.is_main:
+        return None
+    record = DoctorRecord(
+        created=time.time(), run_dir=str(run_dir), world=env.world, device=job.device.name,
+        strategy=job.strategy, elapsed_s=time.perf_counter() - start, checks=results,
+        bandwidth=Bandwidth(
+            intra_node_busbw_bytes_per_s=ctx.measured.get("intra_node_busbw_bytes_per_s")
+        ),
+    )  # fmt: skip
+    write_record(run_dir, record)
+    return record
+
+
+def write_record(run_dir: Path, record: DoctorRecord) -> None:
+    """doctor.json, whole or not at all."""
+    path = run_dir / RECORD_FILE
+    part = path.with_suffix(".json.part")
+    part.write_text(record.model_dump_json(indent=1) + "\n")
+    os.replace(part, path)
+
+
+def read_record(run_dir: Path) -> DoctorRecord:
+    return DoctorRecord.model_validate_json((run_dir / RECORD_FILE).read_text())
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    run_dir = Path(args[0])
+    cfg = load_config(run_dir / "config.toml")
+    try:
+        run_doctor(cfg, run_dir)
+    except TrainwiseError as err:
+        if not os.environ.get(LAUNCHER_ENV):
+            raise
+        message = str(err).replace("\n", "; ")
+        append_event(
+            run_dir, "fatal", rank=dist_env_from().rank, message=message,
+            exit_status=err.exit_status,
+        )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Does the job scale on these workers? The configured job timed on 1, 2, 4, ... ranks
+inside one launch: ranks 0..k-1 form a process group and train together while the others
+wait, so no relaunch is needed. Batches are held in memory (the data check judges the
+loader). Beside each row, the plan's prediction for the same strategy and world size."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch.distributed as dist
+
+from trainwise.doctor.context import Context, plan_name, timed_steps
+from trainwise.doctor.result import CheckResult
+from trainwise.plan.planner import KNEE_SHARE
+from trainwise.run.job import prepare_job
+from trainwise.run.trainer import build_trainer
+
+
+def worker_counts(world: int) -> list[int]:
+    counts, k = [], 1
+    while k < world:
+        counts.append(k)
+        k *= 2
+    return counts + [world]
+
+
+def _time_world(ctx: Context, k: int) -> tuple[float, str]:
+    """Seconds per step of the job on ranks 0..k-1 (on those ranks; others get 0), and the
+    strategy it ran. Every rank must call it: group creation is collective."""
+    group = dist.new_group(list(range(k)))
+    local = min(k, ctx.env.local_world)
+    job = prepare_job(ctx.cfg, k, ctx.job.device, local)
+    seconds = 0.0
+    if ctx.env.rank < k:
+        trainer = build_trainer(ctx.cfg, job, ctx.device, group=group)
+        batches = ctx.batches(trainer)
+        seconds, _ = timed_steps(trainer, batches, ctx.cfg.doctor.timed_steps, ctx, group)
+        del trainer
+        dist.destroy_process_group(group)
+    dist.barrier()
+    return seconds, plan_name(job)
+
+
+def check_scaling(ctx: Context) -> CheckResult:
+    title = "scaling over workers"
+    if ctx.world == 1:
+        return CheckResult(
+            name="scaling", title=title, status="skip",
+            detail="one worker: nothing to compare (run with --nproc 2 or more)",
+        )  # fmt: skip
+    c = ctx.cfg
+    tokens = c.data.micro_batch * c.data.grad_accum * ctx.job.data.tokens_per_sample
+    rows: list[dict] = []
+    for k in worker_counts(ctx.world):
+        seconds, name = _time_world(ctx, k)
+        seconds = ctx.slowest(seconds)  # rank 0 of the k ranks has it; share it
+        predicted = ctx.planned(k, prepare_job(c, k, ctx.job.device, min(k, ctx.env.local_world)))
+        rows.append(
+            {"workers": k, "strategy": name, "step_s": seconds,
+             "tokens_per_s": k * tokens / seconds, "plan_tokens_per_s": predicted.tokens_per_s}
+        )  # fmt: skip
+    base, plan_base = rows[0]["tokens_per_s"], rows[0]["plan_tokens_per_s"]
+    for row in rows:
+        k = row["workers"]
+        row["efficiency"] = row["tokens_per_s"] / (k * base)
+        row["plan_efficiency"] = row["plan_tokens_per_s"] / (k * plan_base)
+    slower = [
+        b["workers"] for a, b in itertools.pairwise(rows) if b["tokens_per_s"] < a["tokens_per_s"]
+    ]
+    last = rows[-1]
+    status, fix = "pass", None
+    if slower:
+        status = "warn"
+        fix = (
+            f"adding workers made it slower at {', '.join(map(str, slower))} workers: the step "
+            "is too small for its communication; raise data.micro_batch, prefer ddp or "
+            "fsdp with shard = 'grad_op', or use fewer workers"
+        )
+    elif last["efficiency"] < KNEE_SHARE:
+        status = "warn"
+        fix = "each added worker buys less than half of its share: use fewer workers or a " \
+              "larger micro-batch"  # fmt: skip
+    return CheckResult(
+        name="scaling", title=title, status=status,
+        measured=f"{last['efficiency']:.0%} efficiency on {last['workers']} workers "
+        f"({last['tokens_per_s']:,.0f} against {base:,.0f} tokens/s on one)",
+        expected=f"{last['plan_efficiency']:.0%} (plan)",
+        detail="; ".join(
+            f"{r['workers']}: {r['tokens_per_s']:,.0f} tokens/s ({r['efficiency']:.0%})"
+            for r in rows
+        ),
+        fix=fix, data={"rows": rows, "slower_at": slower},
+    )  # fmt: skip

@@ -1,0 +1,121 @@
+"""The training components of a job, built in one place: the model (seeded, on the device,
+wrapped by its strategy), optimizer, schedule, gradient scaler and the Stepper. The worker
+trains with them; the doctor times, overfits and checkpoints them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainwise.config import JobConfig, dump_toml
+from trainwise.models import build_model
+from trainwise.run.checkpoint import Checkpointer
+from trainwise.run.checkpoint_store import config_hash, root_for
+from trainwise.run.distributed import DistEnv
+from trainwise.run.job import Job
+from trainwise.run.loop import Stepper
+from trainwise.run.optim import build_optimizer, build_scheduler
+from trainwise.run.parallelize import parallelize
+from trainwise.run.precision import autocast_context, build_grad_scaler
+
+
+@dataclass
+class Trainer:
+    model: torch.nn.Module
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler | None
+    autocast: Callable[[], AbstractContextManager]
+    stepper: Stepper
+    dp_rank: int
+    dp_size: int
+
+
+def build_trainer(
+    cfg: JobConfig,
+    job: Job,
+    device: torch.device,
+    *,
+    group: dist.ProcessGroup | None = None,
+    precision: str | None = None,
+) -> Trainer:
+    """The job's components on `job.world` ranks: those of `group` when given (the doctor
+    times smaller worlds inside one launch), else the default group. `precision`
+    overrides precision.dtype (the doctor compares with fp32)."""
+    c = cfg
+    dtype = precision or c.precision.dtype
+    if job.strategy == "single":
+        rank, world = 0, 1
+    elif group is not None:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+    else:
+        rank, world = dist.get_rank(), dist.get_world_size()
+    # Same seed on every rank: identical initial weights whatever the strategy.
+    torch.manual_seed(c.train.seed)
+    bundle = build_model(job.model_spec)
+    bundle.module.to(device)
+    model = parallelize(
+        bundle.module,
+        bundle.blocks,
+        strategy=job.strategy,
+        device=device,
+        world=world,
+        replicate=job.replicate,
+        shard=c.parallel.shard,
+        precision=dtype,
+        reduce_dtype=c.precision.reduce_dtype,
+        cpu_offload=job.cpu_offload,
+        ac=c.parallel.ac,
+        compile=c.train.compile,
+        group=group,
+    )
+    dp_rank, dp_size = (0, 1) if job.strategy == "single" else (rank, world)
+    torch.manual_seed(c.train.seed + 1 + dp_rank)  # dropout differs between ranks
+    optimizer = build_optimizer(model, c.optim)
+    scheduler = build_scheduler(optimizer, c.train.steps, c.schedule)
+    scaler = build_grad_scaler(job.strategy, dtype, device, c.precision.init_scale)
+
+    def autocast() -> AbstractContextManager:
+        return autocast_context(job.strategy, dtype, device)
+
+    stepper = Stepper(
+        model, bundle.loss_fn, optimizer, scheduler, scaler, autocast,
+        c.data.grad_accum, c.train.grad_clip, device,
+    )  # fmt: skip
+    return Trainer(
+        model, bundle.loss_fn, optimizer, scheduler, scaler, autocast, stepper, dp_rank, dp_size
+    )
+
+
+def build_checkpointer(
+    cfg: JobConfig,
+    job: Job,
+    env: DistEnv,
+    device: torch.device,
+    run_dir: Path,
+    trainer: Trainer,
+    log: logging.Logger,
+    root: Path | None = None,
+) -> Checkpointer:
+    """The job's Checkpointer over the trainer's state; `root` defaults to the run's
+    checkpoint folder (the doctor gives its own)."""
+    c = cfg
+    return Checkpointer(
+        c.checkpoint, root=root or root_for(run_dir, c.checkpoint.dir), run_dir=run_dir,
+        rank=env.rank, world=env.world, is_main=env.is_main, device=device,
+        model=trainer.model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+        scaler=trainer.scaler, total_steps=c.train.steps,
+        meta={
+            "strategy": job.strategy, "dp_size": trainer.dp_size, "model": c.model.name,
+            "model_spec": asdict(job.model_spec), "config_hash": config_hash(dump_toml(c)),
+        },
+        mtbf_hours=c.cluster.mtbf_hours, nodes=c.cluster.nodes, log=log,
+        timeout_s=c.parallel.timeout_s,
+    )  # fmt: skip
