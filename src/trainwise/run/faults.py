@@ -9,6 +9,8 @@ SIGKILL to a pid, fills a disk, flips bytes); these points only make *when* dete
 - `nan@step=N`: the loss of step N is multiplied by NaN on every rank.
 - `hang@step=N,rank=R,seconds=S`: rank R sleeps S seconds before step N's collectives.
 - `slow_data@seconds=S`: every training sample takes S seconds more to load.
+- `slow_network@gbps=G`: DDP's gradient all-reduce waits as if its link carried G GB/s
+  (nothing on one rank): a job made to scale badly.
 Each fires once, on the first attempt only (TORCHELASTIC_RESTART_COUNT = 0): a transient
 fault, so that a rollback or a restart gets past it. `always=1` fires it every time the
 step is reached, on every attempt: a fault that repeats.
@@ -34,6 +36,7 @@ class Fault:
     step: int
     rank: int | None = None
     seconds: float | None = None
+    gbps: float | None = None
     always: bool = False
 
 
@@ -48,6 +51,7 @@ def parse_faults(text: str) -> list[Fault]:
                 step=int(values.get("step", 0)),
                 rank=int(values["rank"]) if "rank" in values else None,
                 seconds=float(values["seconds"]) if "seconds" in values else None,
+                gbps=float(values["gbps"]) if "gbps" in values else None,
                 always=values.get("always") == "1",
             )
         )
@@ -123,3 +127,30 @@ def slowed(dataset: Any, environ: dict[str, str] | None = None) -> Any:
         if fault.kind == "slow_data" and fault.seconds:
             return SlowDataset(dataset, fault.seconds)
     return dataset
+
+
+def slow_network(model: Any, environ: dict[str, str] | None = None) -> None:
+    """Under `slow_network@gbps=G`, a DDP model's buckets wait the time a ring all-reduce
+    of their bytes takes at G GB/s before they are reduced: the network made slow, the
+    rest of the job unchanged."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainwise.plan.comm import allreduce_factor
+
+    env = os.environ if environ is None else environ
+    gbps = next(
+        (f.gbps for f in parse_faults(env.get(ENV, "")) if f.kind == "slow_network" and f.gbps),
+        None,
+    )
+    if gbps is None or not isinstance(model, DistributedDataParallel):
+        return
+    group = model.process_group
+    factor = allreduce_factor(group.size())
+
+    def hook(state, bucket):  # unannotated: DDP rejects annotations other than its own
+        buffer = bucket.buffer()
+        time.sleep(buffer.numel() * buffer.element_size() * factor / (gbps * 1e9))
+        return default_hooks.allreduce_hook(state, bucket)
+
+    model.register_comm_hook(group, hook)

@@ -4,6 +4,7 @@ averaged over ranks (one collective per flush, not per step), the metrics writte
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from pathlib import Path
@@ -11,12 +12,14 @@ from pathlib import Path
 import torch
 
 from trainwise.config.schema import LoggingConfig
+from trainwise.plan.advisor import loader_fixes
 from trainwise.plan.flops import mfu
 from trainwise.run.loop import StepResult, mean_over_ranks
 from trainwise.run.telemetry import STAGES, MetricsWriter, Progress, StepRecord, peak_memory
 
 FIRST_PROBE_STEP = 3  # after the first steps' one-off costs (allocations, warm caches)
 FIRST_PROBES = 3  # probes in a row at the start, so the first estimate is a median
+DATA_WAIT_AFTER = 5  # steady steps before the data-wait share is judged
 PROBE_WINDOW = 5  # exposed sync = median of the latest probes: one probe is noisy on CPU
 
 
@@ -44,9 +47,11 @@ class Recorder:
         device: torch.device,
         start_step: int = 0,
         attempt: int = 0,
+        num_workers: int = 0,
     ):
         self.steps = steps
         self.start_step = start_step
+        self.num_workers = num_workers  # the loader's, named in the data-wait warning
         self.attempt = attempt
         self.cfg = cfg
         self.is_main = is_main
@@ -61,6 +66,7 @@ class Recorder:
         self._pending: list[tuple[int, StepResult, float, float | None, float]] = []
         self.totals = dict.fromkeys(("step_s", *STAGES), 0.0)  # steady steps only
         self.steady_steps = 0
+        self.data_warned = False
         self.first_loss: float | None = None
         self.last_loss: float | None = None
         self.last_eval: float | None = None
@@ -137,6 +143,7 @@ class Recorder:
             values = (step_s, data_s, compute, sync or 0.0, optim_s, ckpt_s)
             for key, value in zip(("step_s", *STAGES), values, strict=True):
                 self.totals[key] += value
+            self._check_data_wait(step)
         mem, kind = peak_memory(self.device)
         tps = self.tokens_per_step / step_s if step_s > 0 else 0.0
         use_mfu = self.peak and self.flops_per_token
@@ -150,6 +157,23 @@ class Recorder:
             mem_bytes=mem, mem_kind=kind, elapsed_s=res.end - self.start, time=time.time(),
             attempt=self.attempt,
         )  # fmt: skip
+
+    def _check_data_wait(self, step: int) -> None:
+        """Warn once (rank 0) when the steady steps so far waited for data more than
+        logging.data_wait_warn of their time."""
+        limit = self.cfg.data_wait_warn
+        if self.data_warned or not limit or self.steady_steps < DATA_WAIT_AFTER:
+            return
+        share = self.totals["data_s"] / (self.totals["step_s"] or 1.0)
+        if share <= limit:
+            return
+        self.data_warned = True
+        if self.is_main:
+            logging.getLogger("trainwise").warning(
+                "trainwise: step %d: the workers waited for data %.0f%% of the time so far "
+                "(logging.data_wait_warn = %g); %s", step, 100 * share, limit,
+                loader_fixes(self.num_workers, self.device.type == "cuda"),
+            )  # fmt: skip
 
     def finish(self) -> dict:
         """Flush, close the writers; the figures of the summary."""

@@ -18,6 +18,7 @@ from trainwise.models import build_model
 from trainwise.run.checkpoint import Checkpointer
 from trainwise.run.checkpoint_store import config_hash, root_for
 from trainwise.run.distributed import DistEnv
+from trainwise.run.faults import slow_network
 from trainwise.run.job import Job
 from trainwise.run.loop import Stepper
 from trainwise.run.optim import build_optimizer, build_scheduler
@@ -76,6 +77,7 @@ def build_trainer(
         compile=c.train.compile,
         group=group,
     )
+    slow_network(model)  # only under a test's fault
     dp_rank, dp_size = (0, 1) if job.strategy == "single" else (rank, world)
     torch.manual_seed(c.train.seed + 1 + dp_rank)  # dropout differs between ranks
     optimizer = build_optimizer(model, c.optim)

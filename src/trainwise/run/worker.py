@@ -171,7 +171,7 @@ def _train(
         tokens_per_step=job.tokens_per_step,
         tokens_per_sample=job.data.tokens_per_sample, flops_per_token=job.flops_per_token,
         peak_flops_total=peak * env.world if peak else None, device=device,
-        start_step=resumed.step, attempt=faults.attempt,
+        start_step=resumed.step, attempt=faults.attempt, num_workers=c.data.num_workers,
     )  # fmt: skip
 
     def batches_from(step: int):
