@@ -1,0 +1,187 @@
+"""trainwise doctor on real worker processes (gloo): the whole checklist, then each
+failure it exists to catch, made for real: a rank reporting another torch, a slow
+dataset, a slow network, a model that cannot learn."""
+
+from __future__ import annotations
+
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from helpers import QUIET, run_cli
+from trainwise.config.schema import CHECK_NAMES
+from trainwise.doctor.bandwidth import bus_factor
+
+pytestmark = pytest.mark.dist
+
+DOCS_SCHEMA = Path(__file__).parents[2] / "docs" / "doctor.schema.json"
+MISMATCH = {"TRAINWISE_TEST_VERSIONS": json.dumps({"1": {"torch": "9.9.9"}})}
+SLOW_SAMPLE_S = 0.01  # injected per sample: 16 samples a step -> 0.16 s of loading
+SMALL = ["--set", "doctor.max_message_mb=4", "--set", "doctor.iterations=3"]
+
+JOBS = {
+    # name: (args, extra environment)
+    "full": (["doctor", "--nproc", "2", "--run-dir", "full", "--html", "doctor.html", *SMALL], {}),
+    "mismatch": (["doctor", "--nproc", "2", "--run-dir", "mm", "--only", "versions"], MISMATCH),
+    "train_mismatch": (["train", "--nproc", "2", "--steps", "2", "--run-dir", "tm"], MISMATCH),
+    "slow_data": (
+        ["doctor", "--nproc", "2", "--run-dir", "sd", "--only", "data"],
+        {"TRAINWISE_FAULTS": f"slow_data@seconds={SLOW_SAMPLE_S}"},
+    ),
+    "slow_network": (
+        ["doctor", "--nproc", "2", "--run-dir", "sn", "--only", "scaling"],
+        {"TRAINWISE_FAULTS": "slow_network@gbps=0.002"},
+    ),
+    "no_learning": (
+        ["doctor", "--nproc", "1", "--run-dir", "nl", "--only", "smoke",
+         "--set", "optim.lr=1e-9"],
+        {},
+    ),  # fmt: skip
+    "train_slow_data": (
+        ["train", "--nproc", "1", "--steps", "12", "--run-dir", "tsd"],
+        {"TRAINWISE_FAULTS": "slow_data@seconds=0.003"},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """Every job once, two at a time (each leaves a core idle for much of its life)."""
+    root = tmp_path_factory.mktemp("doctor")
+
+    def go(name: str):
+        args, env = JOBS[name]
+        return name, run_cli(*args, *QUIET, cwd=root, env=env, timeout=300)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return root, dict(pool.map(go, JOBS))
+
+
+def _record(root: Path, run_dir: str) -> dict:
+    return json.loads((root / run_dir / "doctor.json").read_text())
+
+
+def _check(record: dict, name: str) -> dict:
+    return next(c for c in record["checks"] if c["name"] == name)
+
+
+def test_the_whole_checklist_runs_on_two_workers(runs):
+    root, res = runs
+    r = res["full"]
+    assert r.returncode in (0, 1), r.stderr[-3000:]
+    record = _record(root, "full")
+    jsonschema.validate(record, json.loads(DOCS_SCHEMA.read_text()))
+    assert [c["name"] for c in record["checks"]] == list(CHECK_NAMES)
+    assert record["world"] == 2
+    by = {c["name"]: c for c in record["checks"]}
+    assert by["versions"]["status"] == "pass"
+    assert by["smoke"]["status"] == "pass", by["smoke"]
+    assert by["data"]["status"] == "pass", by["data"]  # the built-in corpus keeps up
+    assert all(c["status"] != "fail" for c in record["checks"]), record["checks"]
+    assert r.returncode == 0
+    # The checklist as text: numbered, one symbol per check, no colour codes off a terminal.
+    out = r.stdout
+    assert "\x1b[" not in out
+    for i, c in enumerate(record["checks"], 1):
+        assert f"{i:>2}. " in out and c["title"] in out
+    assert "results: full/doctor.json" in out
+    page = (root / "doctor.html").read_text()
+    assert page.count("<svg") == 2 and "http" not in page.replace("http://www.w3.org", "")
+
+
+def test_bandwidth_figures_follow_the_nccl_tests_definitions(runs):
+    root, _ = runs
+    rows = _check(_record(root, "full"), "bandwidth")["data"]["rows"]
+    assert {r["op"] for r in rows} == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
+    for r in rows:
+        assert r["seconds"] > 0 and math.isfinite(r["algbw"]) and r["algbw"] > 0
+        assert r["algbw"] == r["bytes"] / r["seconds"]
+        assert r["busbw"] == r["algbw"] * bus_factor(r["op"], 2)
+    for op in ("all_reduce", "broadcast"):
+        mine = sorted((r for r in rows if r["op"] == op), key=lambda r: r["bytes"])
+        # Latency-bound at 1 KB, much faster per byte at the largest message.
+        assert mine[-1]["busbw"] > 5 * mine[0]["busbw"], mine
+
+
+def test_plan_calibrates_on_the_doctors_bandwidth(runs):
+    root, _ = runs
+    busbw = _record(root, "full")["bandwidth"]["intra_node_busbw_bytes_per_s"]
+    assert busbw and busbw > 0
+    res = run_cli("plan", "--gpus", "2", "--calibrate", "full", "--json", cwd=root)
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(res.stdout)
+    assert plan["inputs"]["intra_node_bytes_per_s"] == pytest.approx(busbw)
+    assert plan["inputs"]["calibration"]
+
+
+def test_a_version_mismatch_fails_the_check_and_stops_training(runs):
+    root, res = runs
+    r = res["mismatch"]
+    assert r.returncode == 1, r.stderr[-2000:]
+    check = _check(_record(root, "mm"), "versions")
+    assert check["status"] == "fail"
+    assert check["data"]["differences"] == {"torch": {check["data"]["ranks"][0]["torch"]: [0],
+                                                      "9.9.9": [1]}}  # fmt: skip
+    assert "torch:" in r.stdout and "9.9.9 on rank 1" in r.stdout
+    t = res["train_mismatch"]
+    assert t.returncode == 2, t.stderr[-2000:]
+    assert "9.9.9 on rank 1" in t.stderr and "--allow-version-mismatch" in t.stderr
+    assert not (root / "tm" / "metrics.jsonl").exists()  # refused before the first step
+
+
+def test_a_slow_dataset_is_reported_data_bound_with_the_injected_share(runs):
+    root, res = runs
+    assert res["slow_data"].returncode == 0, res["slow_data"].stderr[-2000:]
+    check = _check(_record(root, "sd"), "data")
+    assert check["status"] == "warn" and "data-bound" in check["detail"]
+    data = check["data"]
+    injected = SLOW_SAMPLE_S * 16  # data.micro_batch samples per step
+    assert data["data_s"] == pytest.approx(injected, rel=0.2)
+    expected_share = injected / (injected + data["compute_s"])
+    assert data["wait_share"] == pytest.approx(expected_share, rel=0.2)
+    assert "data.num_workers" in check["fix"]
+
+
+def test_the_scaling_check_flags_a_job_made_to_scale_badly(runs):
+    root, res = runs
+    assert res["slow_network"].returncode == 0, res["slow_network"].stderr[-2000:]
+    check = _check(_record(root, "sn"), "scaling")
+    rows = check["data"]["rows"]
+    assert [r["workers"] for r in rows] == [1, 2]
+    assert all(r["tokens_per_s"] > 0 and r["plan_tokens_per_s"] > 0 for r in rows)
+    assert check["status"] == "warn" and check["data"]["slower_at"] == [2]
+    full_rows = _check(_record(root, "full"), "scaling")["data"]["rows"]
+    assert [r["workers"] for r in full_rows] == [1, 2]  # the same rows without the fault
+
+
+def test_the_smoke_test_fails_with_a_reason_on_a_model_that_cannot_learn(runs):
+    root, res = runs
+    r = res["no_learning"]
+    assert r.returncode == 1, r.stderr[-2000:]
+    check = _check(_record(root, "nl"), "smoke")
+    assert check["status"] == "fail"
+    assert "optim.lr (now 1e-09)" in check["fix"]
+    assert check["data"]["checkpoint_differs"] == []  # the round trip itself still worked
+    assert not (root / "nl" / "doctor-smoke").exists()  # its checkpoint is cleaned up
+
+
+def test_training_warns_once_when_it_waits_for_data(runs):
+    _, res = runs
+    r = res["train_slow_data"]
+    assert r.returncode == 0, r.stderr[-2000:]
+    warnings = [line for line in r.stderr.splitlines() if "waited for data" in line]
+    assert len(warnings) == 1 and "data.num_workers" in warnings[0]
+
+
+def test_env_prints_the_versions_a_bug_report_needs(tmp_path: Path):
+    r = run_cli("env", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    import torch
+
+    assert torch.__version__ in r.stdout
+    for label in ("trainwise", "python", "cuda", "backends"):
+        assert any(line.startswith(label) for line in r.stdout.splitlines()), label

@@ -1,0 +1,168 @@
+"""The doctor's pure parts: bus bandwidth factors, message sizes, version differences, the
+data-wait share, the worker counts, the schema and the renderings."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from trainwise.config.schema import CHECK_NAMES
+from trainwise.doctor.bandwidth import bus_factor, message_sizes
+from trainwise.doctor.data_check import wait_share
+from trainwise.doctor.result import CheckResult, DoctorRecord, schema
+from trainwise.doctor.scaling import worker_counts
+from trainwise.doctor.versions import differences, mismatch_lines
+from trainwise.errors import ConfigError
+from trainwise.run.faults import SlowDataset, parse_faults, slowed
+
+DOCS_SCHEMA = Path(__file__).parents[2] / "docs" / "doctor.schema.json"
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 64])
+def test_bus_factors_are_nccl_tests_definitions(n: int):
+    assert bus_factor("all_reduce", n) == pytest.approx(2 * (n - 1) / n)
+    assert bus_factor("all_gather", n) == pytest.approx((n - 1) / n)
+    assert bus_factor("reduce_scatter", n) == pytest.approx((n - 1) / n)
+    assert bus_factor("broadcast", n) == 1.0
+    with pytest.raises(ValueError):
+        bus_factor("all_to_all", n)
+
+
+def test_message_sizes_run_from_1k_to_the_bound_in_whole_elements_per_rank():
+    sizes = message_sizes(64 * 2**20, world=3)
+    assert sizes[0] <= 1024 and sizes[-1] <= 64 * 2**20
+    assert sizes[-1] > 16 * 2**20  # reaches the last step under the bound
+    assert all(s % (4 * 3) == 0 for s in sizes)
+    assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
+
+
+def test_differences_name_the_field_the_values_and_the_ranks():
+    same = {"python": "3.11", "torch": "2.13.0", "code": "abc", "host": "a"}
+    ranks = [same, {**same, "host": "b"}, {**same, "torch": "2.12.1"}, dict(same)]
+    diffs = differences(ranks)
+    assert diffs == {"torch": {"2.13.0": [0, 1, 3], "2.12.1": [2]}}  # host is not compared
+    assert mismatch_lines(diffs) == ["torch: 2.13.0 on ranks 0,1,3; 2.12.1 on rank 2"]
+    assert differences([same, dict(same)]) == {}
+
+
+def test_wait_share_adds_in_line_and_overlaps_with_workers():
+    assert wait_share(0.1, 0.3, workers=0) == pytest.approx(0.25)  # the loader runs in the step
+    assert wait_share(0.1, 0.3, workers=2) == 0.0  # prefetched beside a slower step
+    assert wait_share(0.4, 0.1, workers=1) == pytest.approx(0.75)  # the step waits 0.3 of 0.4
+    assert wait_share(0.0, 0.0, workers=0) == 0.0
+
+
+def test_worker_counts_double_up_to_the_world():
+    assert worker_counts(1) == [1]
+    assert worker_counts(2) == [1, 2]
+    assert worker_counts(6) == [1, 2, 4, 6]
+    assert worker_counts(8) == [1, 2, 4, 8]
+
+
+def test_only_accepts_check_names_and_says_which_one_is_not():
+    from trainwise.cli.doctor import parse_only
+
+    assert parse_only(None) is None
+    assert parse_only("versions, bandwidth") == ["versions", "bandwidth"]
+    with pytest.raises(ConfigError) as err:
+        parse_only("versions,speed")
+    assert "speed" in str(err.value) and "bandwidth" in str(err.value)
+
+
+def test_the_checklist_runs_every_named_check_in_order():
+    from trainwise.doctor.checklist import CHECKS
+
+    assert tuple(CHECKS) == CHECK_NAMES
+
+
+def test_documented_schema_is_the_records_schema():
+    """docs/doctor.schema.json is what DoctorRecord validates; regenerate it on change:
+    python -c "import json; from trainwise.doctor.result import schema; ..."."""
+    assert json.loads(DOCS_SCHEMA.read_text()) == json.loads(json.dumps(schema()))
+
+
+def _record(*statuses: str) -> DoctorRecord:
+    checks = [
+        CheckResult(
+            name=f"c{i}",
+            title=f"check {i}",
+            status=s,
+            measured="1 GB/s",
+            expected="2 GB/s",
+            detail="why",
+            fix="do this" if s in ("warn", "fail") else None,
+        )  # fmt: skip
+        for i, s in enumerate(statuses)
+    ]
+    return DoctorRecord(
+        created=0.0, run_dir="runs/x", world=2, device="cpu", strategy="ddp", elapsed_s=3.0,
+        checks=checks,
+    )  # fmt: skip
+
+
+def test_failed_means_a_check_failed():
+    assert _record("pass", "warn", "skip").failed is False
+    assert _record("pass", "fail").failed is True
+
+
+def test_text_rendering_numbers_the_checks_and_shows_fixes_on_warn_or_fail_only():
+    from trainwise.report.doctor_view import render_text
+
+    text = render_text(_record("pass", "warn", "fail", "skip"))
+    lines = text.splitlines()
+    assert lines[0].startswith("trainwise doctor: 1 passed, 1 warnings, 1 failed, 1 skipped")
+    assert " 1. ✓ check 0: 1 GB/s  (expected 2 GB/s)" in lines
+    assert " 3. ✗ check 2: 1 GB/s  (expected 2 GB/s)" in lines
+    assert text.count("fix: do this") == 2
+    assert "\x1b[" not in text
+
+
+def test_terminal_rendering_has_colour_only_in_a_terminal():
+    import io
+
+    from rich.console import Console
+
+    from trainwise.report.doctor_view import render_terminal
+
+    record = _record("pass", "fail")
+    plain, tty = io.StringIO(), io.StringIO()
+    render_terminal(record, Console(file=plain, force_terminal=False, width=200))
+    render_terminal(record, Console(file=tty, force_terminal=True, width=200))
+    assert "\x1b[" not in plain.getvalue() and "✗ check 1" in plain.getvalue()
+    assert "\x1b[" in tty.getvalue()
+
+
+def test_a_slowed_dataset_sleeps_per_sample_and_keeps_its_items():
+    import time
+
+    faults = parse_faults("slow_data@seconds=0.02;slow_network@gbps=0.5")
+    assert [(f.kind, f.seconds, f.gbps) for f in faults] == [
+        ("slow_data", 0.02, None),
+        ("slow_network", None, 0.5),
+    ]
+    data = [10, 20, 30]
+    assert slowed(data, environ={}) is data
+    slow = slowed(data, environ={"TRAINWISE_FAULTS": "slow_data@seconds=0.02"})
+    assert isinstance(slow, SlowDataset) and len(slow) == 3
+    start = time.perf_counter()
+    assert [slow[i] for i in range(3)] == data
+    assert time.perf_counter() - start >= 0.06
+
+
+def test_the_fsdp_verdict_is_finite_for_the_default_job():
+    """The bandwidth check's verdict comes from the planner: a measured link in, a share out."""
+    from dataclasses import replace
+
+    from trainwise.config import load_config
+    from trainwise.plan.estimate import evaluate
+    from trainwise.plan.inputs import resolve_inputs
+
+    inputs = resolve_inputs(load_config(None, {"cluster.gpu": "cpu", "plan.gpus": 2}))
+    slow = replace(inputs, hardware=replace(inputs.hardware, intra_bps=1e6))
+    fast = replace(inputs, hardware=replace(inputs.hardware, intra_bps=1e12))
+    s, f = evaluate(slow, "fsdp-full").step, evaluate(fast, "fsdp-full").step
+    assert math.isfinite(s.exposed_comm / s.total)
+    assert s.exposed_comm / s.total > f.exposed_comm / f.total
