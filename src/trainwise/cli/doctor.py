@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from trainwise.run.worker import default_run_dir, write_run_files
 
     if dist_env_from().launched:  # started by torchrun or srun: one of the workers
-        record = run_doctor(cfg, Path(cfg.logging.run_dir or default_run_dir(cfg, "doctor")))
+        record = run_doctor(cfg)
         if record is not None:
             render_terminal(record)
         return 1 if record is not None and record.failed else 0

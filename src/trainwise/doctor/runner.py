@@ -27,12 +27,14 @@ from trainwise.run.distributed import (
 from trainwise.run.events import append_event
 from trainwise.run.job import prepare_job
 from trainwise.run.launch import LAUNCHER_ENV
+from trainwise.run.worker import agree_run_dir
 
 RECORD_FILE = "doctor.json"
 
 
-def run_doctor(cfg: JobConfig, run_dir: Path) -> DoctorRecord | None:
-    """Every selected check on this rank; the record on rank 0 (None elsewhere)."""
+def run_doctor(cfg: JobConfig, run_dir: Path | None = None) -> DoctorRecord | None:
+    """Every selected check on this rank; the record on rank 0 (None elsewhere). Without
+    `run_dir` (started by torchrun or srun) rank 0 names it for all."""
     env = dist_env_from()
     get_logger(env)
     info = detect_device(cfg.cluster.device)
@@ -42,6 +44,7 @@ def run_doctor(cfg: JobConfig, run_dir: Path) -> DoctorRecord | None:
     job = prepare_job(cfg, env.world, info, env.local_world)
     if env.world > 1:
         init_process_group(env, job.backend, device, cfg.parallel.timeout_s)
+    run_dir = agree_run_dir(env, cfg, job, run_dir, label="doctor")
     start = time.perf_counter()
     ctx = Context(cfg, job, env, device, run_dir)
     results = run_checks(ctx, cfg.doctor.checks)

@@ -84,7 +84,7 @@ def train(cfg: JobConfig, run_dir: Path | None = None) -> dict[str, Any] | None:
     if env.world > 1 and not cfg.cluster.allow_version_mismatch:
         # Cheap, and it turns a hang in the first collective into one line.
         require_same_versions(config_hash(dump_toml(cfg)), env.local_rank)
-    run_dir = _agree_run_dir(env, cfg, job, run_dir)
+    run_dir = agree_run_dir(env, cfg, job, run_dir)
     summary = _train(cfg, job, env, device, run_dir, log)
     # Only after success, and together: destroying the group while a peer is failing or
     # still in a collective can deadlock (torchtitan learned the same); a failing worker
@@ -93,13 +93,15 @@ def train(cfg: JobConfig, run_dir: Path | None = None) -> dict[str, Any] | None:
     return summary
 
 
-def _agree_run_dir(env: DistEnv, cfg: JobConfig, job: Job, run_dir: Path | None) -> Path:
-    """Rank 0 names the run directory (timestamps differ between processes) and writes the
-    resolved config; every rank gets the same path."""
+def agree_run_dir(
+    env: DistEnv, cfg: JobConfig, job: Job, run_dir: Path | None, label: str | None = None
+) -> Path:
+    """Rank 0 names the run directory (timestamps differ between processes; `label` ends
+    the default name, the strategy by default) and writes the resolved config; every rank
+    gets the same path."""
     if run_dir is None:
-        chosen = (
-            Path(cfg.logging.run_dir) if cfg.logging.run_dir else default_run_dir(cfg, job.strategy)
-        )
+        default = default_run_dir(cfg, label or job.strategy)
+        chosen = Path(cfg.logging.run_dir) if cfg.logging.run_dir else default
         box = [str(chosen)]
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=0)
