@@ -21,7 +21,11 @@ pytestmark = pytest.mark.dist
 DOCS_SCHEMA = Path(__file__).parents[2] / "docs" / "doctor.schema.json"
 MISMATCH = {"TRAINWISE_TEST_VERSIONS": json.dumps({"1": {"torch": "9.9.9"}})}
 SLOW_SAMPLE_S = 0.01  # injected per sample: 16 samples a step -> 0.16 s of loading
-SMALL = ["--set", "doctor.max_message_mb=4", "--set", "doctor.iterations=3"]
+SMALL = [
+    *("--set", "doctor.max_message_mb=4", "--set", "doctor.iterations=3"),
+    *("--set", "doctor.timed_steps=2", "--set", "doctor.smoke_steps=4"),
+    *("--set", "doctor.data_batches=8"),
+]
 
 JOBS = {
     # name: (args, extra environment)
@@ -107,7 +111,7 @@ def test_bandwidth_figures_follow_the_nccl_tests_definitions(runs):
         assert mine[-1]["busbw"] > 5 * mine[0]["busbw"], mine
 
 
-def test_plan_calibrates_on_the_doctors_bandwidth(runs):
+def test_plan_calibrates_on_the_doctors_bandwidth_and_loader(runs):
     root, _ = runs
     busbw = _record(root, "full")["bandwidth"]["intra_node_busbw_bytes_per_s"]
     assert busbw and busbw > 0
@@ -115,6 +119,8 @@ def test_plan_calibrates_on_the_doctors_bandwidth(runs):
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)
     assert plan["inputs"]["intra_node_bytes_per_s"] == pytest.approx(busbw)
+    loader = _record(root, "full")["data_samples_per_s_per_worker"]
+    assert loader > 0 and plan["inputs"]["data_samples_per_s_per_gpu"] == pytest.approx(loader)
     assert plan["inputs"]["calibration"]
 
 

@@ -62,7 +62,7 @@ def check_data(ctx: Context) -> CheckResult:
     mine = next(r for r in rows if r["workers"] == c.data.num_workers)
     share = mine["wait_share"]
     samples = c.data.micro_batch * c.data.grad_accum
-    ctx.measured["data_wait_share"] = share
+    ctx.measured["data_samples_per_s"] = samples / mine["data_s"]
     status, fix = "pass", None
     if share > DATA_BOUND_SHARE:
         status = "warn"

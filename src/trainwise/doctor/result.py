@@ -1,5 +1,6 @@
 """What a check returns and what the doctor writes: one schema (pydantic) for doctor.json,
-`--json` and the README. `trainwise plan --calibrate` reads the `bandwidth` block.
+`--json` and the README. `trainwise plan --calibrate` reads the `bandwidth` block and the
+loader's rate.
 
 Pure data: no torch.
 """
@@ -56,6 +57,9 @@ class DoctorRecord(BaseModel):
     elapsed_s: float = Field(ge=0)
     checks: list[CheckResult]
     bandwidth: Bandwidth = Field(default_factory=Bandwidth)
+    data_samples_per_s_per_worker: float | None = Field(
+        None, description="The configured loader's rate (data check), for the planner."
+    )
 
     @property
     def failed(self) -> bool:

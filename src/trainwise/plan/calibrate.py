@@ -3,10 +3,11 @@
 From a `trainwise train` run directory: the achieved compute rate as a share of the
 device's peak, from job.json (FLOPs per token, recomputation, peak) and the steady steps of
 metrics.jsonl (compute and optimizer seconds). From a `trainwise doctor` run: the measured
-bus bandwidth within and between nodes, from doctor.json:
+bus bandwidth within and between nodes, and the loader's rate, from doctor.json:
 
     {"bandwidth": {"intra_node_busbw_bytes_per_s": float | null,
-                   "inter_node_busbw_bytes_per_s": float | null}}
+                   "inter_node_busbw_bytes_per_s": float | null},
+     "data_samples_per_s_per_worker": float | null}
 
 Pure file reading: no torch.
 """
@@ -32,6 +33,7 @@ class Calibration:
     efficiency: float | None = None
     intra_bps: float | None = None
     inter_bps: float | None = None
+    data_samples_per_s: float | None = None  # one worker's loader
     notes: list[str] = field(default_factory=list)
 
 
@@ -106,10 +108,17 @@ def _from_train(path: Path, where: str, cal: Calibration) -> Calibration:
 
 
 def _from_doctor(path: Path, where: str, cal: Calibration) -> Calibration:
-    bandwidth = _json(path / "doctor.json", where).get("bandwidth") or {}
+    record = _json(path / "doctor.json", where)
+    bandwidth = record.get("bandwidth") or {}
     intra = bandwidth.get("intra_node_busbw_bytes_per_s")
     inter = bandwidth.get("inter_node_busbw_bytes_per_s")
-    return replace(cal, intra_bps=intra or cal.intra_bps, inter_bps=inter or cal.inter_bps)
+    data = record.get("data_samples_per_s_per_worker")
+    return replace(
+        cal,
+        intra_bps=intra or cal.intra_bps,
+        inter_bps=inter or cal.inter_bps,
+        data_samples_per_s=data or cal.data_samples_per_s,
+    )
 
 
 def apply_calibration(inputs: PlanInputs, cal: Calibration) -> tuple[PlanInputs, list[str]]:
@@ -140,4 +149,10 @@ def apply_calibration(inputs: PlanInputs, cal: Calibration) -> tuple[PlanInputs,
             f"{hw.inter_bps / GB:.3g} GB/s)"
         )
         hw = replace(hw, inter_bps=cal.inter_bps)
+    if cal.data_samples_per_s:
+        said.append(
+            f"the loader delivers {cal.data_samples_per_s:,.0f} samples/s per worker, measured "
+            "by the doctor on this job's data"
+        )
+        inputs = replace(inputs, data_samples_per_s=cal.data_samples_per_s)
     return replace(inputs, hardware=hw), said
