@@ -12,11 +12,10 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainwise.config import JobConfig, load_config
+from trainwise.config import JobConfig
 from trainwise.doctor.checklist import run_checks
 from trainwise.doctor.context import Context
 from trainwise.doctor.result import Bandwidth, DoctorRecord
-from trainwise.errors import TrainwiseError
 from trainwise.hardware import detect_device
 from trainwise.run.distributed import (
     destroy_process_group,
@@ -24,10 +23,8 @@ from trainwise.run.distributed import (
     get_logger,
     init_process_group,
 )
-from trainwise.run.events import append_event
 from trainwise.run.job import prepare_job
-from trainwise.run.launch import LAUNCHER_ENV
-from trainwise.run.worker import agree_run_dir
+from trainwise.run.worker import agree_run_dir, run_worker
 
 RECORD_FILE = "doctor.json"
 
@@ -77,20 +74,8 @@ def read_record(run_dir: Path) -> DoctorRecord:
 
 @record
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    run_dir = Path(args[0])
-    cfg = load_config(run_dir / "config.toml")
-    try:
-        run_doctor(cfg, run_dir)
-    except TrainwiseError as err:
-        if not os.environ.get(LAUNCHER_ENV):
-            raise
-        message = str(err).replace("\n", "; ")
-        append_event(
-            run_dir, "fatal", rank=dist_env_from().rank, message=message,
-            exit_status=err.exit_status,
-        )  # fmt: skip
-    return 0
+    """Entry of a doctor worker: `python -m trainwise.doctor.runner RUN_DIR`."""
+    return run_worker(run_doctor, argv)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
@@ -332,25 +333,32 @@ def _rollback(ckpt: Checkpointer, step: int, rollbacks: int, log: logging.Logger
     return resumed.step
 
 
-@record
-def main(argv: list[str] | None = None) -> int:
-    """Entry of a worker started by the elastic agent: `python -m trainwise.run.worker DIR`."""
+def run_worker(target: Callable[[JobConfig, Path], object], argv: list[str] | None) -> int:
+    """The body of a worker the elastic agent starts (`python -m MODULE RUN_DIR`): the
+    run directory's config, then `target(cfg, run_dir)`. Under the launcher, an error no
+    restart can fix (disk full, no valid checkpoint, the guard, a version mismatch) is
+    recorded and the worker exits 0, so that the agent does not restart the group; the
+    launcher reports the message and its exit status."""
     args = sys.argv[1:] if argv is None else argv
     run_dir = Path(args[0])
     cfg = load_config(run_dir / "config.toml")
     try:
-        train(cfg, run_dir)
+        target(cfg, run_dir)
     except TrainwiseError as err:
         if not os.environ.get(LAUNCHER_ENV):
             raise
-        # No restart can fix this (disk full, no valid checkpoint, the guard): record it and
-        # exit 0 so the agent does not restart the group; the launcher reports the message.
         message = str(err).replace("\n", "; ")
         append_event(
             run_dir, "fatal", rank=dist_env_from().rank, message=message,
             exit_status=err.exit_status,
         )  # fmt: skip
     return 0
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    """Entry of a worker started by the elastic agent: `python -m trainwise.run.worker DIR`."""
+    return run_worker(train, argv)
 
 
 if __name__ == "__main__":
