@@ -45,6 +45,12 @@ JOBS = {
          "--set", "optim.lr=1e-9"],
         {},
     ),  # fmt: skip
+    # Four workers on fsdp: the scaling check's 1- and 2-rank runs are real subgroups.
+    "four": (
+        ["doctor", "--nproc", "4", "--strategy", "fsdp", "--run-dir", "four", "--only",
+         "versions,scaling", "--set", "doctor.timed_steps=2"],
+        {},
+    ),  # fmt: skip
     "train_slow_data": (
         ["train", "--nproc", "1", "--steps", "12", "--run-dir", "tsd"],
         {"TRAINWISE_FAULTS": "slow_data@seconds=0.003"},
@@ -132,7 +138,9 @@ def test_a_version_mismatch_fails_the_check_and_stops_training(runs):
     assert check["status"] == "fail"
     assert check["data"]["differences"] == {"torch": {check["data"]["ranks"][0]["torch"]: [0],
                                                       "9.9.9": [1]}}  # fmt: skip
-    assert "torch:" in r.stdout and "9.9.9 on rank 1" in r.stdout
+    table = [line.split() for line in r.stdout.splitlines() if line.strip().startswith("torch ")]
+    assert ["torch", "9.9.9", "1"] in table and ["torch", check["data"]["ranks"][0]["torch"],
+                                                  "0"] in table  # fmt: skip
     t = res["train_mismatch"]
     assert t.returncode == 2, t.stderr[-2000:]
     assert "9.9.9 on rank 1" in t.stderr and "--allow-version-mismatch" in t.stderr
@@ -191,3 +199,14 @@ def test_env_prints_the_versions_a_bug_report_needs(tmp_path: Path):
     assert torch.__version__ in r.stdout
     for label in ("trainwise", "python", "cuda", "backends"):
         assert any(line.startswith(label) for line in r.stdout.splitlines()), label
+
+
+def test_scaling_runs_on_subgroups_of_the_workers(runs):
+    root, res = runs
+    assert res["four"].returncode == 0, res["four"].stderr[-3000:]
+    record = _record(root, "four")
+    assert record["world"] == 4 and record["strategy"] == "fsdp"
+    rows = _check(record, "scaling")["data"]["rows"]
+    assert [r["workers"] for r in rows] == [1, 2, 4]
+    assert [r["strategy"] for r in rows] == ["fsdp-full"] * 3  # the job as configured
+    assert all(r["step_s"] > 0 and r["efficiency"] > 0 for r in rows)

@@ -166,3 +166,55 @@ def test_the_fsdp_verdict_is_finite_for_the_default_job():
     s, f = evaluate(slow, "fsdp-full").step, evaluate(fast, "fsdp-full").step
     assert math.isfinite(s.exposed_comm / s.total)
     assert s.exposed_comm / s.total > f.exposed_comm / f.total
+
+
+def test_a_version_mismatch_renders_as_a_table_of_field_value_and_ranks():
+    from trainwise.report.doctor_view import render_text
+
+    record = _record("fail")
+    record.checks[0] = record.checks[0].model_copy(
+        update={
+            "name": "versions",
+            "data": {
+                "differences": {
+                    "torch": {"2.13.0": [0, 2], "2.12.1": [1]},
+                    "nccl": {"2.21": [0, 1], "2.20": [2]},
+                }
+            },
+        }  # fmt: skip
+    )
+    rows = [line.split() for line in render_text(record).splitlines()[2:6]]
+    assert rows == [
+        ["field", "value", "ranks"],
+        ["torch", "2.13.0", "0,2"],
+        ["torch", "2.12.1", "1"],
+        ["nccl", "2.21", "0,1"],
+    ]
+
+
+def test_collective_checks_are_skipped_after_a_version_mismatch_and_a_raising_check_fails(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    from types import SimpleNamespace
+
+    from trainwise.doctor import checklist
+
+    def result(name: str, status: str):
+        return lambda ctx: CheckResult(name=name, title=name, status=status)
+
+    def broken(ctx):
+        raise RuntimeError("first line\nthe disk went away")
+
+    fakes = {name: result(name, "pass") for name in CHECK_NAMES}
+    fakes["versions"] = result("versions", "fail")
+    fakes["disk"] = broken
+    monkeypatch.setattr(checklist, "CHECKS", fakes)
+    ctx = SimpleNamespace(env=SimpleNamespace(rank=0), gather=lambda obj: [obj])
+    out = {r.name: r for r in checklist.run_checks(ctx)}
+    assert list(out) == list(CHECK_NAMES)
+    assert [out[n].status for n in ("bandwidth", "data", "scaling", "smoke")] == ["skip"] * 4
+    assert out["memory"].status == "pass"
+    assert out["disk"].status == "fail" and "the disk went away" in out["disk"].measured
+    assert "RuntimeError" in out["disk"].data["traceback"]
+    only = checklist.run_checks(ctx, ["memory"])
+    assert [r.name for r in only] == ["memory"]

@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainwise.cli.train import add_import_roots, add_job_arguments, job_flags
 from trainwise.config import load_config
 from trainwise.config.schema import CHECK_NAMES
 from trainwise.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainwise.doctor.result import DoctorRecord
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,7 +55,6 @@ def run(args: argparse.Namespace) -> int:
 
     from trainwise.doctor.runner import read_record, run_doctor
     from trainwise.hardware import detect_device
-    from trainwise.report.doctor_view import render_html, render_terminal
     from trainwise.run.distributed import dist_env_from
     from trainwise.run.job import prepare_job, resolve_nproc
     from trainwise.run.launch import launch_workers
@@ -59,9 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
     if dist_env_from().launched:  # started by torchrun or srun: one of the workers
         record = run_doctor(cfg)
-        if record is not None:
-            render_terminal(record)
-        return 1 if record is not None and record.failed else 0
+        return 0 if record is None else show(record, args)
 
     device = detect_device(cfg.cluster.device)
     nproc = resolve_nproc(cfg, device)
@@ -72,7 +73,13 @@ def run(args: argparse.Namespace) -> int:
         run_doctor(cfg, run_dir)
     else:
         launch_workers(run_dir, nproc, cfg.cluster.master_port, module="trainwise.doctor.runner")
-    record = read_record(run_dir)
+    return show(read_record(run_dir), args)
+
+
+def show(record: DoctorRecord, args: argparse.Namespace) -> int:
+    """Print the checklist (or the JSON), write the page; the exit status."""
+    from trainwise.report.doctor_view import render_html, render_terminal
+
     if args.json:
         sys.stdout.write(record.model_dump_json(indent=1) + "\n")
     else:

@@ -84,44 +84,39 @@ def measure(
     iterations: int,
     device: torch.device,
     group: dist.ProcessGroup | None = None,
+    host: dist.ProcessGroup | None = None,
 ) -> BandwidthRow:
-    """Time `op` on `size` bytes: every rank of `group` must call it together."""
+    """Time `op` on `size` bytes over `group` (default: all ranks); the times are reduced
+    over the gloo group `host` (the same ranks; default: `group`). Every rank of `group`
+    must call it together."""
     group = group or dist.group.WORLD
     world = dist.get_world_size(group)
     run = _operation(op, size, world, device, group)
     for _ in range(WARMUP):
         run()
     _sync(device)
-    dist.barrier(group=group)
+    dist.barrier(group=host or group)
     start = time.perf_counter()
     for _ in range(iterations):
         run()
     _sync(device)
     mine = torch.tensor([(time.perf_counter() - start) / iterations], dtype=torch.float64)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=_cpu_group(group))
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=host or group)
     seconds = float(mine)
     algbw = size / seconds
     return BandwidthRow(op, size, seconds, algbw, algbw * bus_factor(op, world))
 
 
-_CPU_GROUPS: dict = {}
-
-
-def _cpu_group(group: dist.ProcessGroup):
-    """The time is reduced on the host (gloo): no device copy inside the measurement."""
-    if dist.get_backend(group) == "gloo":
-        return group
-    if group not in _CPU_GROUPS:
-        _CPU_GROUPS[group] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
-    return _CPU_GROUPS[group]
-
-
 def sweep(
-    max_bytes: int, iterations: int, device: torch.device, group: dist.ProcessGroup | None = None
+    max_bytes: int,
+    iterations: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+    host: dist.ProcessGroup | None = None,
 ) -> list[BandwidthRow]:
     world = dist.get_world_size(group or dist.group.WORLD)
     return [
-        measure(op, size, iterations, device, group)
+        measure(op, size, iterations, device, group, host)
         for op in OPS
         for size in message_sizes(max_bytes, world)
     ]

@@ -26,23 +26,51 @@ CHECKS: dict[str, Callable[[Context], CheckResult]] = {
 assert tuple(CHECKS) == CHECK_NAMES, "the config's names and the checklist must agree"
 
 
+# Checks whose collectives run on the job's backend: not run when the ranks' versions
+# differ (a mismatched NCCL or torch is what hangs them).
+NEEDS_SAME_VERSIONS = ("bandwidth", "data", "scaling", "smoke")
+
+
 def run_checks(ctx: Context, names: list[str] | None = None) -> list[CheckResult]:
-    """Run the named checks (default: all) in the checklist's order. A check that raises
-    fails with its error's last line; the others still run."""
+    """Run the named checks (default: all) in the checklist's order, on every rank. A
+    check that raises fails with its error's last line and the others still run; the
+    result is the worst over the ranks (rank 0's figures, another rank's failure)."""
     wanted = [n for n in CHECKS if names is None or n in names]
-    results = []
+    results: list[CheckResult] = []
     for name in wanted:
         start = time.perf_counter()
-        try:
-            result = CHECKS[name](ctx)
-        except Exception as err:  # noqa: BLE001 - one broken check must not hide the rest
-            lines = [line for line in str(err).strip().splitlines() if line.strip()]
+        versions = next((r for r in results if r.name == "versions"), None)
+        if name in NEEDS_SAME_VERSIONS and versions is not None and versions.status == "fail":
             result = CheckResult(
-                name=name, title=name, status="fail",
-                measured=f"{type(err).__name__}: {lines[-1] if lines else ''}"[:300],
-                detail="the check itself failed", fix="see the traceback in doctor.json",
-                data={"traceback": traceback.format_exc()},
+                name=name, title=name, status="skip",
+                detail="not run: the ranks run different versions, and collectives between "
+                "them may hang (fix the versions first)",
             )  # fmt: skip
+        else:
+            result = _run_one(ctx, name)
         result.seconds = time.perf_counter() - start
-        results.append(result)
+        results.append(_worst_over_ranks(ctx, result))
     return results
+
+
+def _run_one(ctx: Context, name: str) -> CheckResult:
+    try:
+        return CHECKS[name](ctx)
+    except Exception as err:  # noqa: BLE001 - one broken check must not hide the rest
+        lines = [line for line in str(err).strip().splitlines() if line.strip()]
+        return CheckResult(
+            name=name, title=name, status="fail",
+            measured=f"rank {ctx.env.rank}: {type(err).__name__}: "
+            f"{lines[-1] if lines else ''}"[:300],
+            detail="the check itself failed", fix="see the traceback in doctor.json",
+            data={"traceback": traceback.format_exc()},
+        )  # fmt: skip
+
+
+def _worst_over_ranks(ctx: Context, result: CheckResult) -> CheckResult:
+    """Rank 0's result, unless another rank's check failed where rank 0's did not."""
+    everyone = ctx.gather(result if result.status == "fail" else None)
+    failed = [r for r in everyone if r is not None]
+    if result.status == "fail" or not failed:
+        return result
+    return failed[0]

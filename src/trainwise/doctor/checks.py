@@ -9,6 +9,8 @@ import resource
 import shutil
 import time
 
+import torch.distributed as dist
+
 from trainwise.config import dump_toml
 from trainwise.doctor import bandwidth, versions
 from trainwise.doctor.context import Context
@@ -18,7 +20,7 @@ from trainwise.plan import fmt_bytes
 from trainwise.plan.calibrate import Calibration, apply_calibration
 from trainwise.plan.estimate import evaluate
 from trainwise.plan.planner import COMM_BOUND_SHARE
-from trainwise.run.checkpoint_store import config_hash
+from trainwise.run.checkpoint_store import config_hash, root_for
 
 FAR_BELOW = 0.5  # a measured speed under half the plan's assumption is a warning
 MEMORY_ERROR = 0.25  # a GPU peak off the plan by more than this share is a warning
@@ -31,7 +33,9 @@ def _gbps(bps: float | None) -> str:
 
 
 def check_versions(ctx: Context) -> CheckResult:
-    per_rank = versions.gather_versions(config_hash(dump_toml(ctx.cfg)), ctx.env.local_rank)
+    per_rank = versions.gather_versions(
+        config_hash(dump_toml(ctx.cfg)), ctx.env.local_rank, ctx.host
+    )
     diffs = versions.differences(per_rank)
     data = {"ranks": per_rank, "differences": diffs}
     title = "versions on every rank"
@@ -66,14 +70,18 @@ def check_bandwidth(ctx: Context) -> CheckResult:
     d = ctx.cfg.doctor
     max_bytes = int(d.max_message_mb * 2**20) if d.max_message_mb else None
     max_bytes = max_bytes or bandwidth.MAX_BYTES[ctx.device.type]
-    rows = bandwidth.sweep(max_bytes, d.iterations, ctx.device)
+    rows = bandwidth.sweep(max_bytes, d.iterations, ctx.device, host=ctx.host)
     busbw = bandwidth.large_message_busbw(rows)
     assert busbw is not None
-    ctx.measured["intra_node_busbw_bytes_per_s"] = busbw
+    # Over every rank the slowest link decides: between nodes when the job spans several.
+    across = ctx.world > ctx.env.local_world
+    link = "inter_node" if across else "intra_node"
+    ctx.measured[f"{link}_busbw_bytes_per_s"] = busbw
     inputs = ctx.plan_inputs()
-    assumed = inputs.hardware.intra_bps
+    assumed = inputs.hardware.inter_bps if across else inputs.hardware.intra_bps
     # The planner's own model, with the measured link: would sharding be comm-bound?
-    measured_inputs, _ = apply_calibration(inputs, Calibration(source="doctor", intra_bps=busbw))
+    cal = Calibration(source="doctor", **{"inter_bps" if across else "intra_bps": busbw})
+    measured_inputs, _ = apply_calibration(inputs, cal)
     fsdp = evaluate(measured_inputs, "fsdp-full")
     share = fsdp.step.exposed_comm / fsdp.step.total
     bound = share > COMM_BOUND_SHARE
@@ -163,14 +171,18 @@ def _write_speed(folder, size: int) -> float:
 def check_disk(ctx: Context) -> CheckResult:
     title = "disk for checkpoints"
     c = ctx.cfg.checkpoint
-    folder = ctx.run_dir if c.dir is None else ctx.run_dir / c.dir
-    folder = folder if folder.exists() else ctx.run_dir
+    folder = root_for(ctx.run_dir, c.dir)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent  # not made yet: its nearest existing parent's filesystem
     plan = ctx.planned()
     size = plan.checkpoint.size_bytes
     kept = c.keep_last + 1  # one more is being written while the last ones are kept
-    free = float(shutil.disk_usage(folder).free)
+    free = ctx.reduce(float(shutil.disk_usage(folder).free), dist.ReduceOp.MIN)
     probe = min(max(int(size), MIN_WRITE_PROBE), WRITE_PROBE_BYTES[ctx.device.type])
-    speed = _write_speed(folder, probe)
+    try:
+        speed = _write_speed(folder, probe)
+    except OSError as err:  # still join the reduction below: the others wait in it
+        speed, ctx.measured["disk_error"] = 1e-9, str(err)
     # Every rank writes its shards at once: the node's speed is what the slowest sees.
     speed = 1.0 / ctx.slowest(1.0 / speed)
     assumed = c.write_gbps * GB
@@ -178,7 +190,13 @@ def check_disk(ctx: Context) -> CheckResult:
     save_s, assumed_s = size / speed, size / assumed
     need = size * kept
     status, fix = "pass", None
-    if free < need:
+    error = ctx.gather(ctx.measured.pop("disk_error", None))
+    failed = [(rank, e) for rank, e in enumerate(error) if e]
+    if failed:
+        rank, e = failed[0]
+        status = "fail"
+        fix = f"rank {rank} cannot write to {folder}: {e}; free space or set checkpoint.dir"
+    elif free < need:
         status = "fail"
         fix = f"free {fmt_bytes(need - free)} or set checkpoint.dir / checkpoint.keep_last"
     elif speed < FAR_BELOW * assumed:

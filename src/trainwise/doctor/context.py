@@ -30,6 +30,9 @@ class Context:
     env: DistEnv
     device: torch.device
     run_dir: Path
+    # A gloo group over every rank for the doctor's own exchanges (times, core counts,
+    # results): host values need no device copy, and NCCL takes CUDA tensors only.
+    host: Any = None
     measured: dict[str, Any] = field(default_factory=dict)  # shared between checks
 
     @property
@@ -51,13 +54,26 @@ class Context:
         """The plan's figures for the job's strategy at `gpus` workers."""
         return evaluate(self.plan_inputs(gpus), plan_name(job or self.job))
 
-    def slowest(self, seconds: float, group: dist.ProcessGroup | None = None) -> float:
-        """The largest of every rank's `seconds` (a step is as slow as its slowest rank)."""
-        if not dist.is_initialized():
-            return seconds
-        t = torch.tensor([seconds], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    def slowest(self, seconds: float, host: Any = None) -> float:
+        """The largest of every rank's `seconds` (a step is as slow as its slowest rank),
+        over the gloo group `host` (default: all ranks)."""
+        return self.reduce(seconds, dist.ReduceOp.MAX, host)
+
+    def reduce(self, value: float, op: Any, host: Any = None) -> float:
+        host = host or self.host
+        if host is None:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=op, group=host)
         return float(t)
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (index = rank), on every rank."""
+        if self.host is None:
+            return [obj]
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, obj, group=self.host)
+        return everyone
 
     def batches(self, trainer: Trainer, steps: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One step's micro-batches per step of this rank's data, read once and held on the
@@ -81,21 +97,22 @@ def plan_name(job: Job) -> str:
 
 
 def timed_steps(
-    trainer: Trainer, batches: list, steps: int, ctx: Context, group=None, warmup: int = 1
+    trainer: Trainer, batches: list, steps: int, ctx: Context, host: Any = None, warmup: int = 1
 ) -> tuple[float, list[float]]:
     """Seconds per step (the slowest rank's mean over `steps` after `warmup`) and the loss
-    of every step, the batches cycled. The ranks of `group` (default: all) call it."""
+    of every step, the batches cycled. The ranks of the gloo group `host` (default: all)
+    call it."""
     source = itertools.cycle(batches)
     losses = []
     for _ in range(warmup):
         losses.append(float(trainer.stepper.step(source, probe=False).loss))
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
-    if dist.is_initialized():
-        dist.barrier(group=group)
+    if host or ctx.host:
+        dist.barrier(group=host or ctx.host)
     start = time.perf_counter()
     for _ in range(steps):
         losses.append(float(trainer.stepper.step(source, probe=False).loss))
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
-    return ctx.slowest((time.perf_counter() - start) / steps, group), losses
+    return ctx.slowest((time.perf_counter() - start) / steps, host), losses

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import time
 
+import torch.distributed as dist
+
 from trainwise.data import build_loader
 from trainwise.doctor.context import Context, timed_steps
 from trainwise.doctor.result import CheckResult
@@ -18,6 +20,7 @@ from trainwise.plan.planner import DATA_BOUND_SHARE
 from trainwise.run.trainer import build_trainer
 
 MAX_WORKERS = 4  # worker counts tried: 0 .. min(this, the cores per rank)
+PREFETCH_FACTOR = 2  # DataLoader's default: batches each worker loads ahead
 
 
 def wait_share(data_s: float, compute_s: float, workers: int) -> float:
@@ -31,12 +34,16 @@ def loader_seconds_per_step(ctx: Context, workers: int, dp_rank: int, dp_size: i
     """Seconds the loader takes for one step's micro-batches (its start-up excluded)."""
     c = ctx.cfg
     batches = ctx.cfg.doctor.data_batches
+    # Worker start-up and what the workers prefetch meanwhile are paid once per run: read
+    # them before the clock starts.
+    ahead = 1 + workers * PREFETCH_FACTOR
     loader = build_loader(
         ctx.job.datasets[0], micro_batch=c.data.micro_batch, grad_accum=1, dp_rank=dp_rank,
-        dp_size=dp_size, seed=c.train.seed, num_steps=batches + 1, num_workers=workers,
+        dp_size=dp_size, seed=c.train.seed, num_steps=batches + ahead, num_workers=workers,
     )  # fmt: skip
     it = iter(loader)
-    next(it)  # worker start-up and the first batch: paid once per run
+    for _ in range(ahead):
+        next(it)
     start = time.perf_counter()
     n = sum(1 for _ in it)
     per_batch = (time.perf_counter() - start) / max(n, 1)
@@ -49,7 +56,10 @@ def check_data(ctx: Context) -> CheckResult:
     trainer = build_trainer(c, ctx.job, ctx.device)
     compute_s, _ = timed_steps(trainer, ctx.batches(trainer), c.doctor.timed_steps, ctx)
     del trainer
-    cores = max(1, (os.cpu_count() or 1) // ctx.env.local_world)
+    # The same counts on every rank (each count is a collective): the fewest cores any
+    # rank has.
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = int(ctx.reduce(max(1, (mine or 1) // ctx.env.local_world), dist.ReduceOp.MIN))
     counts = sorted({0, *range(1, min(MAX_WORKERS, cores) + 1), c.data.num_workers})
     dp = (0, 1) if ctx.job.strategy == "single" else (ctx.env.rank, ctx.world)
     rows = []

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainwise.config import JobConfig
@@ -22,6 +23,7 @@ from trainwise.run.distributed import (
     dist_env_from,
     get_logger,
     init_process_group,
+    side_group,
 )
 from trainwise.run.job import prepare_job
 from trainwise.run.worker import agree_run_dir, run_worker
@@ -39,12 +41,15 @@ def run_doctor(cfg: JobConfig, run_dir: Path | None = None) -> DoctorRecord | No
     if device.type == "cuda":
         torch.cuda.set_device(device)
     job = prepare_job(cfg, env.world, info, env.local_world)
-    if env.world > 1:
+    if job.strategy != "single" or env.world > 1:  # as training does: DDP/FSDP need a group
         init_process_group(env, job.backend, device, cfg.parallel.timeout_s)
     run_dir = agree_run_dir(env, cfg, job, run_dir, label="doctor")
     start = time.perf_counter()
-    ctx = Context(cfg, job, env, device, run_dir)
+    host = side_group(cfg.parallel.timeout_s) if dist.is_initialized() else None
+    ctx = Context(cfg, job, env, device, run_dir, host)
     results = run_checks(ctx, cfg.doctor.checks)
+    if host is not None:
+        dist.destroy_process_group(host)
     destroy_process_group()
     if not env.is_main:
         return None

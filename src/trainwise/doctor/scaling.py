@@ -27,17 +27,23 @@ def worker_counts(world: int) -> list[int]:
 def _time_world(ctx: Context, k: int) -> tuple[float, str]:
     """Seconds per step of the job on ranks 0..k-1 (on those ranks; others get 0), and the
     strategy it ran. Every rank must call it: group creation is collective."""
-    group = dist.new_group(list(range(k)))
+    ranks = list(range(k))
+    group = dist.new_group(ranks)  # the job's backend: what training would use
+    gloo = dist.get_backend() == "gloo"  # (a rank outside `group` cannot ask the group)
+    host = group if gloo else dist.new_group(ranks, backend="gloo")
     local = min(k, ctx.env.local_world)
     job = prepare_job(ctx.cfg, k, ctx.job.device, local)
     seconds = 0.0
     if ctx.env.rank < k:
-        trainer = build_trainer(ctx.cfg, job, ctx.device, group=group)
-        batches = ctx.batches(trainer)
-        seconds, _ = timed_steps(trainer, batches, ctx.cfg.doctor.timed_steps, ctx, group)
-        del trainer
-        dist.destroy_process_group(group)
-    dist.barrier()
+        try:
+            trainer = build_trainer(ctx.cfg, job, ctx.device, group=group)
+            batches = ctx.batches(trainer)
+            seconds, _ = timed_steps(trainer, batches, ctx.cfg.doctor.timed_steps, ctx, host)
+            del trainer, batches
+        finally:
+            for g in [group] if gloo else [group, host]:
+                dist.destroy_process_group(g)
+    dist.barrier(group=ctx.host)
     return seconds, plan_name(job)
 
 
@@ -47,6 +53,11 @@ def check_scaling(ctx: Context) -> CheckResult:
         return CheckResult(
             name="scaling", title=title, status="skip",
             detail="one worker: nothing to compare (run with --nproc 2 or more)",
+        )  # fmt: skip
+    if ctx.job.strategy == "hsdp":
+        return CheckResult(
+            name="scaling", title=title, status="skip",
+            detail="hsdp needs whole nodes: fewer workers would be another strategy",
         )  # fmt: skip
     c = ctx.cfg
     tokens = c.data.micro_batch * c.data.grad_accum * ctx.job.data.tokens_per_sample

@@ -99,8 +99,11 @@ def _overridden(rank: int, versions: dict[str, str]) -> dict[str, str]:
     return {**versions, **json.loads(text).get(str(rank), {})}
 
 
-def gather_versions(config_hash: str, device_index: int = 0) -> list[dict[str, str]]:
-    """Every rank's versions (index = rank), plus its host; on every rank."""
+def gather_versions(
+    config_hash: str, device_index: int = 0, group: dist.ProcessGroup | None = None
+) -> list[dict[str, str]]:
+    """Every rank's versions (index = rank), plus its host; on every rank. `group` should
+    be a gloo group: NCCL itself may be what differs."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     mine = {
         **_overridden(rank, local_versions(config_hash, device_index)),
@@ -109,7 +112,7 @@ def gather_versions(config_hash: str, device_index: int = 0) -> list[dict[str, s
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [mine]
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, mine, group=group)
     return everyone
 
 
@@ -137,9 +140,11 @@ def mismatch_lines(diffs: dict[str, dict[str, list[int]]]) -> list[str]:
     ]
 
 
-def require_same_versions(config_hash: str, device_index: int = 0) -> None:
+def require_same_versions(
+    config_hash: str, device_index: int = 0, group: dist.ProcessGroup | None = None
+) -> None:
     """`trainwise train`'s start-up check: raise VersionMismatch (exit 2) when ranks differ."""
-    diffs = differences(gather_versions(config_hash, device_index))
+    diffs = differences(gather_versions(config_hash, device_index, group))
     if diffs:
         raise VersionMismatch(
             "ranks run different versions (" + " | ".join(mismatch_lines(diffs)) + "): install "

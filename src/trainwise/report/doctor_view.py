@@ -36,11 +36,28 @@ def check_lines(index: int, check: CheckResult) -> list[tuple[str, str]]:
     if check.expected:
         figures += f"  (expected {check.expected})" if figures else f"expected {check.expected}"
     lines = [(f"{index:>2}. {SYMBOLS[check.status]} {check.title}: {figures}", check.status)]
-    if check.detail:
+    table = _differences_table(check)
+    if table:
+        lines += [(f"       {row}", "detail") for row in table]
+    elif check.detail:
         lines.append((f"       {check.detail}", "detail"))
     if check.fix and check.status in ("warn", "fail"):
         lines.append((f"       fix: {check.fix}", check.status))
     return lines
+
+
+def _differences_table(check: CheckResult) -> list[str]:
+    """The versions check's differences as a table: field, value, ranks."""
+    diffs = check.data.get("differences") if check.name == "versions" else None
+    if not diffs:
+        return []
+    rows = [("field", "value", "ranks")] + [
+        (field, value, ",".join(map(str, ranks)))
+        for field, values in diffs.items()
+        for value, ranks in values.items()
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(2)]
+    return [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}" for a, b, c in rows]
 
 
 def render_text(record: DoctorRecord) -> str:

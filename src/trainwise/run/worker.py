@@ -84,7 +84,10 @@ def train(cfg: JobConfig, run_dir: Path | None = None) -> dict[str, Any] | None:
         init_process_group(env, job.backend, device, cfg.parallel.timeout_s)
     if env.world > 1 and not cfg.cluster.allow_version_mismatch:
         # Cheap, and it turns a hang in the first collective into one line.
-        require_same_versions(config_hash(dump_toml(cfg)), env.local_rank)
+        # Over gloo: NCCL itself may be what differs.
+        host = side_group(cfg.parallel.timeout_s)
+        require_same_versions(config_hash(dump_toml(cfg)), env.local_rank, host)
+        dist.destroy_process_group(host)
     run_dir = agree_run_dir(env, cfg, job, run_dir)
     summary = _train(cfg, job, env, device, run_dir, log)
     # Only after success, and together: destroying the group while a peer is failing or
