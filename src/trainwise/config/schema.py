@@ -65,6 +65,11 @@ class DataConfig(Section):
     )
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
     pin_memory: bool = Field(False, description="Pin host memory of batches (GPU only).")
+    prefetch_factor: int = Field(
+        2,
+        gt=0,
+        description="Batches each loader process prepares ahead (with num_workers > 0).",
+    )
 
 
 class TrainConfig(Section):

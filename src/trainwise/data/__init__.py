@@ -115,6 +115,7 @@ def build_loader(
     shuffle: bool = True,
     num_workers: int = 0,
     pin_memory: bool = False,
+    prefetch_factor: int = 2,
 ) -> DataLoader:
     """A DataLoader yielding this rank's (x, y) micro-batches via ShardedBatchSampler."""
     if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
@@ -136,6 +137,7 @@ def build_loader(
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
     )
 
 

@@ -20,7 +20,6 @@ from trainwise.plan.planner import DATA_BOUND_SHARE
 from trainwise.run.trainer import build_trainer
 
 MAX_WORKERS = 4  # worker counts tried: 0 .. min(this, the cores per rank)
-PREFETCH_FACTOR = 2  # DataLoader's default: batches each worker loads ahead
 
 
 def wait_share(data_s: float, compute_s: float, workers: int) -> float:
@@ -36,10 +35,12 @@ def loader_seconds_per_step(ctx: Context, workers: int, dp_rank: int, dp_size: i
     batches = ctx.cfg.doctor.data_batches
     # Worker start-up and what the workers prefetch meanwhile are paid once per run: read
     # them before the clock starts.
-    ahead = 1 + workers * PREFETCH_FACTOR
+    ahead = 1 + workers * c.data.prefetch_factor
     loader = build_loader(
         ctx.job.datasets[0], micro_batch=c.data.micro_batch, grad_accum=1, dp_rank=dp_rank,
         dp_size=dp_size, seed=c.train.seed, num_steps=batches + ahead, num_workers=workers,
+        pin_memory=c.data.pin_memory and ctx.device.type == "cuda",
+        prefetch_factor=c.data.prefetch_factor,
     )  # fmt: skip
     it = iter(loader)
     for _ in range(ahead):

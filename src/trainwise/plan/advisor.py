@@ -112,6 +112,7 @@ def choose_strategy(
 def loader_fixes(num_workers: int | None = None, cuda: bool = True) -> str:
     now = f", now {num_workers}" if num_workers is not None else ""
     fixes = [f"more loader processes (data.num_workers{now})"]
+    fixes.append("a deeper prefetch per process (data.prefetch_factor)")
     if cuda:
         fixes.append("pinned memory (data.pin_memory = true)")
     fixes.append("pre-tokenized data read from a file (data.dataset = 'tokens')")

@@ -189,6 +189,7 @@ def _train(
                 dp_rank=dp_rank, dp_size=dp_size, seed=c.train.seed, start_step=step,
                 num_steps=c.train.steps - step, num_workers=c.data.num_workers,
                 pin_memory=c.data.pin_memory and device.type == "cuda",
+                prefetch_factor=c.data.prefetch_factor,
             )
         )  # fmt: skip
 
