@@ -210,3 +210,36 @@ def test_scaling_runs_on_subgroups_of_the_workers(runs):
     assert [r["workers"] for r in rows] == [1, 2, 4]
     assert [r["strategy"] for r in rows] == ["fsdp-full"] * 3  # the job as configured
     assert all(r["step_s"] > 0 and r["efficiency"] > 0 for r in rows)
+
+
+def test_two_nodes_time_the_links_within_and_between_nodes_separately(tmp_path: Path):
+    """Two torchrun agents (two 'nodes' of 2 workers, c10d rendezvous on this host): the
+    doctor times each node's ranks together, then the ranks at the same place on each node,
+    and hands both figures to the planner."""
+    import subprocess
+    import sys
+
+    from helpers import cli_env
+    from trainwise.run.distributed import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    agent = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+        "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "doctor",
+        "-m", "trainwise", "doctor", "--only", "versions,bandwidth", "--run-dir", "two",
+        "--set", "doctor.max_message_mb=1", "--set", "doctor.iterations=2", *QUIET,
+    ]  # fmt: skip
+    agents = [
+        subprocess.Popen(agent, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        for _ in range(2)
+    ]
+    outputs = [a.communicate(timeout=240)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], outputs
+    record = _record(tmp_path, "two")
+    assert record["world"] == 4
+    links = {r["link"] for r in _check(record, "bandwidth")["data"]["rows"]}
+    assert links == {"intra_node", "inter_node"}
+    bw = record["bandwidth"]
+    assert bw["intra_node_busbw_bytes_per_s"] > 0 and bw["inter_node_busbw_bytes_per_s"] > 0
+    assert "within a node" in "".join(outputs) and "between nodes" in "".join(outputs)

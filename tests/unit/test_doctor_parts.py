@@ -218,3 +218,15 @@ def test_collective_checks_are_skipped_after_a_version_mismatch_and_a_raising_ch
     assert "RuntimeError" in out["disk"].data["traceback"]
     only = checklist.run_checks(ctx, ["memory"])
     assert [r.name for r in only] == ["memory"]
+
+
+def test_links_are_timed_within_each_node_and_across_nodes_on_rails():
+    from trainwise.doctor.bandwidth import link_groups
+
+    assert link_groups(["a", "a", "a", "a"]) == {"intra_node": [[0, 1, 2, 3]], "inter_node": []}
+    assert link_groups(["a", "a", "b", "b"]) == {
+        "intra_node": [[0, 1], [2, 3]],
+        "inter_node": [[0, 2], [1, 3]],
+    }
+    # One worker per node: nothing within a node to time.
+    assert link_groups(["a", "b", "c"]) == {"intra_node": [], "inter_node": [[0, 1, 2]]}

@@ -6,6 +6,8 @@ world size (nccl-tests, doc/PERFORMANCE.md)."""
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -36,6 +38,7 @@ def bus_factor(op: str, n: int) -> float:
 
 @dataclass(frozen=True)
 class BandwidthRow:
+    link: str  # "intra_node" (ranks of one node) or "inter_node" (one rank per node)
     op: str
     bytes: int  # the message size as nccl-tests counts it: the whole buffer
     seconds: float  # per operation, the slowest rank's
@@ -85,6 +88,7 @@ def measure(
     device: torch.device,
     group: dist.ProcessGroup | None = None,
     host: dist.ProcessGroup | None = None,
+    link: str = "intra_node",
 ) -> BandwidthRow:
     """Time `op` on `size` bytes over `group` (default: all ranks); the times are reduced
     over the gloo group `host` (the same ranks; default: `group`). Every rank of `group`
@@ -104,7 +108,7 @@ def measure(
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=host or group)
     seconds = float(mine)
     algbw = size / seconds
-    return BandwidthRow(op, size, seconds, algbw, algbw * bus_factor(op, world))
+    return BandwidthRow(link, op, size, seconds, algbw, algbw * bus_factor(op, world))
 
 
 def sweep(
@@ -113,17 +117,64 @@ def sweep(
     device: torch.device,
     group: dist.ProcessGroup | None = None,
     host: dist.ProcessGroup | None = None,
+    link: str = "intra_node",
 ) -> list[BandwidthRow]:
     world = dist.get_world_size(group or dist.group.WORLD)
     return [
-        measure(op, size, iterations, device, group, host)
+        measure(op, size, iterations, device, group, host, link)
         for op in OPS
         for size in message_sizes(max_bytes, world)
     ]
 
 
-def large_message_busbw(rows: list[BandwidthRow], op: str = "all_reduce") -> float | None:
-    """The bus bandwidth at the largest message of `op`: the plateau the planner's ring
-    model takes as the link speed."""
-    mine = [r for r in rows if r.op == op]
+def large_message_busbw(
+    rows: list[BandwidthRow], link: str = "intra_node", op: str = "all_reduce"
+) -> float | None:
+    """The bus bandwidth at the largest message of `op` on `link`: the plateau the
+    planner's ring model takes as the link speed."""
+    mine = [r for r in rows if r.op == op and r.link == link]
     return max(mine, key=lambda r: r.bytes).busbw if mine else None
+
+
+def node_id() -> str:
+    """Which machine this rank is on: torchrun's node rank (GROUP_RANK) or Slurm's, with
+    the host name (two agents on one host are two nodes to the job)."""
+    rank = os.environ.get("GROUP_RANK", os.environ.get("SLURM_NODEID", ""))
+    return f"{socket.gethostname()}/{rank}"
+
+
+def link_groups(nodes: list[str]) -> dict[str, list[list[int]]]:
+    """The groups each link is timed on, from every rank's node id: the ranks of each node
+    (intra_node), and across nodes the ranks at the same position on each node
+    (inter_node: the 'rails' HSDP's replicas all-reduce over, all at once). Groups of
+    one rank time nothing and are left out."""
+    order = list(dict.fromkeys(nodes))
+    by_node = [[r for r, n in enumerate(nodes) if n == node] for node in order]
+    depth = min(len(g) for g in by_node)
+    rails = [[g[i] for g in by_node] for i in range(depth)]
+    return {
+        "intra_node": [g for g in by_node if len(g) > 1],
+        "inter_node": [g for g in rails if len(g) > 1],
+    }
+
+
+def sweep_links(
+    nodes: list[str], max_bytes: int, iterations: int, device: torch.device, host
+) -> list[BandwidthRow]:
+    """Every link of the job's layout, each over its groups at once (every rank calls this;
+    group creation is collective). A rank outside every group of a link waits."""
+    rank = dist.get_rank()
+    gloo = dist.get_backend() == "gloo"
+    rows: list[BandwidthRow] = []
+    for link, groups in link_groups(nodes).items():
+        made = [(ranks, dist.new_group(ranks)) for ranks in groups]
+        hosts = [g if gloo else dist.new_group(r, backend="gloo") for r, g in made]
+        for (ranks, group), host_group in zip(made, hosts, strict=True):
+            if rank in ranks:
+                rows += sweep(max_bytes, iterations, device, group, host_group, link)
+        dist.barrier(group=host)
+        for (ranks, group), host_group in zip(made, hosts, strict=True):
+            if rank in ranks:
+                for g in [group] if gloo else [group, host_group]:
+                    dist.destroy_process_group(g)
+    return rows

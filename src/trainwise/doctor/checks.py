@@ -4,6 +4,7 @@ figures on rank 0 are the job's: gathered or reduced over ranks)."""
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import shutil
@@ -19,9 +20,10 @@ from trainwise.hardware.catalog import GB
 from trainwise.plan import fmt_bytes
 from trainwise.plan.calibrate import Calibration, apply_calibration
 from trainwise.plan.estimate import evaluate
-from trainwise.plan.planner import COMM_BOUND_SHARE
+from trainwise.plan.planner import COMM_BOUND_SHARE, sharded_name
 from trainwise.run.checkpoint_store import config_hash, root_for
 
+WHERE = {"intra_node": "within a node", "inter_node": "between nodes"}
 FAR_BELOW = 0.5  # a measured speed under half the plan's assumption is a warning
 MEMORY_ERROR = 0.25  # a GPU peak off the plan by more than this share is a warning
 WRITE_PROBE_BYTES = {"cuda": 256 * 2**20, "cpu": 32 * 2**20}  # the write test, at most
@@ -70,41 +72,52 @@ def check_bandwidth(ctx: Context) -> CheckResult:
     d = ctx.cfg.doctor
     max_bytes = int(d.max_message_mb * 2**20) if d.max_message_mb else None
     max_bytes = max_bytes or bandwidth.MAX_BYTES[ctx.device.type]
-    rows = bandwidth.sweep(max_bytes, d.iterations, ctx.device, host=ctx.host)
-    busbw = bandwidth.large_message_busbw(rows)
-    assert busbw is not None
-    # Over every rank the slowest link decides: between nodes when the job spans several.
-    across = ctx.world > ctx.env.local_world
-    link = "inter_node" if across else "intra_node"
-    ctx.measured[f"{link}_busbw_bytes_per_s"] = busbw
+    nodes = ctx.gather(bandwidth.node_id())
+    rows = bandwidth.sweep_links(nodes, max_bytes, d.iterations, ctx.device, ctx.host)
     inputs = ctx.plan_inputs()
-    assumed = inputs.hardware.inter_bps if across else inputs.hardware.intra_bps
-    # The planner's own model, with the measured link: would sharding be comm-bound?
-    cal = Calibration(source="doctor", **{"inter_bps" if across else "intra_bps": busbw})
+    hw = inputs.hardware
+    measured = {}
+    for link, assumed in (("intra_node", hw.intra_bps), ("inter_node", hw.inter_bps)):
+        mine = bandwidth.large_message_busbw(rows, link)
+        # The slowest group of a link (each rank knows only its own).
+        slowest = ctx.reduce(mine if mine is not None else math.inf, dist.ReduceOp.MIN)
+        if math.isfinite(slowest):
+            measured[link] = (slowest, assumed)
+            ctx.measured[f"{link}_busbw_bytes_per_s"] = slowest
+    # The planner's own model, with the measured links: would sharding be comm-bound?
+    cal = Calibration(
+        source="doctor",
+        intra_bps=measured.get("intra_node", (None,))[0],
+        inter_bps=measured.get("inter_node", (None,))[0],
+    )
     measured_inputs, _ = apply_calibration(inputs, cal)
-    fsdp = evaluate(measured_inputs, "fsdp-full")
+    fsdp = evaluate(measured_inputs, sharded_name(measured_inputs))
     share = fsdp.step.exposed_comm / fsdp.step.total
     bound = share > COMM_BOUND_SHARE
     verdict = (
-        f"at this model size FSDP would wait for communication {share:.0%} of a step "
+        f"at this model size {fsdp.name} would wait for communication {share:.0%} of a step "
         f"({'communication-bound' if bound else 'not communication-bound'}, the limit is "
         f"{COMM_BOUND_SHARE:.0%})"
     )
-    slow = busbw < FAR_BELOW * assumed
+    slow = [link for link, (bps, assumed) in measured.items() if bps < FAR_BELOW * assumed]
     status = "warn" if (slow or bound) else "pass"
     fix = None
     if slow:
         fix = (
-            f"the plan assumed {_gbps(assumed)}: re-plan with the measured figure "
-            f"(trainwise plan --config ... --calibrate {ctx.run_dir})"
+            f"the plan assumed {', '.join(_gbps(measured[k][1]) + ' ' + WHERE[k] for k in slow)}"
+            f": re-plan with the measured figures (trainwise plan --config ... --calibrate "
+            f"{ctx.run_dir})"
         )
     elif bound:
         fix = "prefer ddp or fsdp with shard = 'grad_op', a larger micro-batch, or faster links"
-    largest = max(r.bytes for r in rows)
+    largest = max((r.bytes for r in rows), default=0)
     return CheckResult(
         name="bandwidth", title=title, status=status,
-        measured=f"all_reduce bus {_gbps(busbw)} at {fmt_bytes(largest)}",
-        expected=f"{_gbps(assumed)} per worker (plan)",
+        measured=f"all_reduce bus at {fmt_bytes(largest)}: " + ", ".join(
+            f"{_gbps(bps)} {WHERE[k]}" for k, (bps, _) in measured.items()
+        ),
+        expected=", ".join(f"{_gbps(a)} {WHERE[k]}" for k, (_, a) in measured.items())
+        + " per worker (plan)",
         detail=verdict, fix=fix,
         data={"rows": [r.as_dict() for r in rows], "fsdp_exposed_share": share},
     )  # fmt: skip

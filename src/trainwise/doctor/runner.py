@@ -57,7 +57,8 @@ def run_doctor(cfg: JobConfig, run_dir: Path | None = None) -> DoctorRecord | No
         created=time.time(), run_dir=str(run_dir), world=env.world, device=job.device.name,
         strategy=job.strategy, elapsed_s=time.perf_counter() - start, checks=results,
         bandwidth=Bandwidth(
-            intra_node_busbw_bytes_per_s=ctx.measured.get("intra_node_busbw_bytes_per_s")
+            intra_node_busbw_bytes_per_s=ctx.measured.get("intra_node_busbw_bytes_per_s"),
+            inter_node_busbw_bytes_per_s=ctx.measured.get("inter_node_busbw_bytes_per_s"),
         ),
         data_samples_per_s_per_worker=ctx.measured.get("data_samples_per_s"),
     )  # fmt: skip

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from trainwise.doctor.context import Context, plan_name, timed_steps
 from trainwise.doctor.result import CheckResult
 from trainwise.plan.planner import KNEE_SHARE
-from trainwise.run.job import prepare_job
+from trainwise.run.job import Job, prepare_job
 from trainwise.run.trainer import build_trainer
 
 
@@ -24,9 +24,9 @@ def worker_counts(world: int) -> list[int]:
     return counts + [world]
 
 
-def _time_world(ctx: Context, k: int) -> tuple[float, str]:
+def _time_world(ctx: Context, k: int) -> tuple[float, Job]:
     """Seconds per step of the job on ranks 0..k-1 (on those ranks; others get 0), and the
-    strategy it ran. Every rank must call it: group creation is collective."""
+    job as it ran at that size. Every rank must call it: group creation is collective."""
     ranks = list(range(k))
     group = dist.new_group(ranks)  # the job's backend: what training would use
     gloo = dist.get_backend() == "gloo"  # (a rank outside `group` cannot ask the group)
@@ -44,7 +44,7 @@ def _time_world(ctx: Context, k: int) -> tuple[float, str]:
             for g in [group] if gloo else [group, host]:
                 dist.destroy_process_group(g)
     dist.barrier(group=ctx.host)
-    return seconds, plan_name(job)
+    return seconds, job
 
 
 def check_scaling(ctx: Context) -> CheckResult:
@@ -63,11 +63,11 @@ def check_scaling(ctx: Context) -> CheckResult:
     tokens = c.data.micro_batch * c.data.grad_accum * ctx.job.data.tokens_per_sample
     rows: list[dict] = []
     for k in worker_counts(ctx.world):
-        seconds, name = _time_world(ctx, k)
+        seconds, job = _time_world(ctx, k)
         seconds = ctx.slowest(seconds)  # rank 0 of the k ranks has it; share it
-        predicted = ctx.planned(k, prepare_job(c, k, ctx.job.device, min(k, ctx.env.local_world)))
+        predicted = ctx.planned(k, job)
         rows.append(
-            {"workers": k, "strategy": name, "step_s": seconds,
+            {"workers": k, "strategy": plan_name(job), "step_s": seconds,
              "tokens_per_s": k * tokens / seconds, "plan_tokens_per_s": predicted.tokens_per_s}
         )  # fmt: skip
     base, plan_base = rows[0]["tokens_per_s"], rows[0]["plan_tokens_per_s"]

@@ -17,6 +17,7 @@ from trainwise.report.figures import (
 )
 from trainwise.report.plan_html import CSS
 
+LINK_WORDS = {"intra_node": "within a node", "inter_node": "between nodes"}
 STYLES = {"pass": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 WORDS = {"pass": "passed", "warn": "warnings", "fail": "failed", "skip": "skipped"}
 
@@ -26,7 +27,7 @@ def counts_line(record: DoctorRecord) -> str:
     said = ", ".join(f"{n} {WORDS[s]}" for s, n in counts.items() if n)
     return (
         f"{said} on {record.world} worker{'s' if record.world > 1 else ''} "
-        f"({record.device}, {record.strategy}) in {record.elapsed_s:.0f} s"
+        f"({record.device}, {record.strategy}) in {record.elapsed_s:.2g} s"
     )
 
 
@@ -109,6 +110,11 @@ def render_html(record: DoctorRecord) -> str:
     )
 
 
+def ops_index(series: list[tuple[str, str]], op: str) -> int:
+    """One colour per collective; the link shows in the line style."""
+    return list(dict.fromkeys(o for _, o in series)).index(op)
+
+
 def _check(record: DoctorRecord, name: str) -> CheckResult | None:
     return next((c for c in record.checks if c.name == name and c.data.get("rows")), None)
 
@@ -120,15 +126,19 @@ def _bandwidth_figure(record: DoctorRecord) -> str | None:
     import matplotlib
 
     rows = check.data["rows"]
-    ops = list(dict.fromkeys(r["op"] for r in rows))
+    series = list(dict.fromkeys((r["link"], r["op"]) for r in rows))
+    both = len({link for link, _ in series}) > 1
+    labels = [f"{op} ({LINK_WORDS[link]})" if both else op for link, op in series]
     with matplotlib.rc_context(SVG_RC):
-        fig = new_figure(FIGURE_WIDTH, 3.6, 0.8, 0.6, ops)
+        fig = new_figure(FIGURE_WIDTH, 3.6, 0.8, 0.6, labels)
         ax = fig.add_subplot()
-        for k, op in enumerate(ops):
-            mine = [r for r in rows if r["op"] == op]
+        for (link, op), label in zip(series, labels, strict=True):
+            mine = [r for r in rows if r["op"] == op and r["link"] == link]
             ax.plot(
-                [r["bytes"] for r in mine], [r["busbw"] / 1e9 for r in mine], marker="o",
-                color=LINE_COLOURS[k % len(LINE_COLOURS)], label=op,
+                [r["bytes"] for r in mine], [r["busbw"] / 1e9 for r in mine],
+                marker="o" if link == "intra_node" else "s",
+                linestyle="-" if link == "intra_node" else "--",
+                color=LINE_COLOURS[ops_index(series, op) % len(LINE_COLOURS)], label=label,
             )  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_xlabel("message size (bytes)")
