@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainwise.cli.train import add_import_roots, add_job_arguments, job_flags
+from trainwise.cli.train import add_import_roots, add_job_arguments, check_multi_node, job_flags
 from trainwise.config import load_config
 from trainwise.config.schema import CHECK_NAMES
 from trainwise.errors import ConfigError
@@ -66,13 +66,21 @@ def run(args: argparse.Namespace) -> int:
 
     device = detect_device(cfg.cluster.device)
     nproc = resolve_nproc(cfg, device)
-    job = prepare_job(cfg, nproc, device)  # bad input stops here, before any worker
+    nodes = cfg.cluster.nodes
+    check_multi_node(cfg)
+    job = prepare_job(cfg, nproc * nodes, device, nproc)  # bad input stops here
     run_dir = Path(cfg.logging.run_dir) if cfg.logging.run_dir else default_run_dir(cfg, "doctor")
     write_run_files(run_dir, cfg, job)
-    if nproc == 1:
+    if nproc == 1 and nodes == 1:
         run_doctor(cfg, run_dir)
     else:
-        launch_workers(run_dir, nproc, cfg.cluster.master_port, module="trainwise.doctor.runner")
+        launch_workers(
+            run_dir, nproc, cfg.cluster.master_port, module="trainwise.doctor.runner",
+            cluster=cfg.cluster,
+        )  # fmt: skip
+    if not (run_dir / "doctor.json").is_file():  # rank 0 is on another machine
+        print(f"trainwise: this machine's checks finished; rank 0's machine has {run_dir}")
+        return 0
     return show(read_record(run_dir), args)
 
 

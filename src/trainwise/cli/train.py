@@ -8,7 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from trainwise.config import dump_toml, load_config
+from trainwise.config import JobConfig, dump_toml, load_config
+from trainwise.errors import ConfigError
 from trainwise.report import render_summary
 
 
@@ -41,6 +42,17 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
         help="override any key, e.g. --set optim.lr=3e-4 (repeatable)",
     )
     p.add_argument("--nproc", type=int, help="workers on this machine (cluster.nproc)")
+    p.add_argument(
+        "--nnodes",
+        metavar="N|MIN:MAX",
+        help="machines in the job, or an elastic range (cluster.nodes, cluster.min_nodes)",
+    )
+    p.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="c10d rendezvous, the same on every machine (cluster.rdzv_endpoint)",
+    )
+    p.add_argument("--rdzv-id", help="the job's id at the rendezvous (cluster.rdzv_id)")
     p.add_argument("--strategy", help="auto, single, ddp, fsdp or hsdp (parallel.strategy)")
     p.add_argument("--precision", help="fp32, bf16 or fp16 (precision.dtype)")
     p.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
@@ -48,8 +60,29 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", help="run directory (logging.run_dir)")
 
 
+def parse_nnodes(text: str | None) -> tuple[int | None, int | None]:
+    """`--nnodes N` or `MIN:MAX` -> (nodes, min_nodes)."""
+    if text is None:
+        return None, None
+    low, _, high = text.partition(":")
+    try:
+        lo, hi = int(low), int(high or low)
+    except ValueError:
+        raise ConfigError(
+            f"--nnodes {text!r}: give a machine count (2) or an elastic range (1:4)"
+        ) from None
+    if lo < 1 or hi < lo:
+        raise ConfigError(f"--nnodes {text!r}: need 1 <= MIN <= MAX")
+    return hi, (lo if high else None)
+
+
 def job_flags(args: argparse.Namespace) -> dict[str, object]:
+    nodes, min_nodes = parse_nnodes(args.nnodes)
     return {
+        "cluster.nodes": nodes,
+        "cluster.min_nodes": min_nodes,
+        "cluster.rdzv_endpoint": args.rdzv_endpoint,
+        "cluster.rdzv_id": args.rdzv_id,
         "cluster.nproc": args.nproc,
         "parallel.strategy": args.strategy,
         "precision.dtype": args.precision,
@@ -98,19 +131,47 @@ def run(args: argparse.Namespace) -> int:
 
     device = detect_device(cfg.cluster.device)
     nproc = resolve_nproc(cfg, device)
-    job = prepare_job(cfg, nproc, device)  # every check, before any worker starts
+    nodes = cfg.cluster.nodes
+    check_multi_node(cfg)
+    # Every check, before any worker starts (planned at the most machines of the range).
+    job = prepare_job(cfg, nproc * nodes, device, nproc)
     run_dir = (
         Path(cfg.logging.run_dir) if cfg.logging.run_dir else default_run_dir(cfg, job.strategy)
     )
     write_run_files(run_dir, cfg, job)
     try:
-        if nproc == 1:
+        if nproc == 1 and nodes == 1:
             train(cfg, run_dir)
         else:
-            launch_workers(run_dir, nproc, cfg.cluster.master_port, cfg.checkpoint.max_restarts)
+            launch_workers(run_dir, nproc, cfg.cluster.master_port, cfg.checkpoint.max_restarts,
+                           cluster=cfg.cluster)  # fmt: skip
     except Preempted as stop:
         print(f"trainwise: {stop}")
         return 0
-    summary = json.loads((run_dir / "summary.json").read_text())
-    print(render_summary(summary))
+    path = run_dir / "summary.json"
+    if not path.is_file():  # rank 0 runs on another machine and writes its own disk
+        print(f"trainwise: this machine's workers finished; rank 0's machine has {path}")
+        return 0
+    print(render_summary(json.loads(path.read_text())))
     return 0
+
+
+def check_multi_node(cfg: JobConfig) -> None:
+    """A job on several machines needs the same rendezvous and run directory on each."""
+    c = cfg.cluster
+    if c.nodes == 1 and c.min_nodes is None:
+        return
+    missing = [
+        flag
+        for flag, value in (
+            ("--rdzv-endpoint HOST:PORT (cluster.rdzv_endpoint)", c.rdzv_endpoint),
+            ("--rdzv-id ID (cluster.rdzv_id)", c.rdzv_id),
+            ("--run-dir DIR (logging.run_dir)", cfg.logging.run_dir),
+        )
+        if not value
+    ]
+    if missing:
+        raise ConfigError(
+            f"--nnodes {c.min_nodes or c.nodes}:{c.nodes} runs on several machines: give "
+            + ", ".join(missing) + ", the same on every machine"
+        )  # fmt: skip

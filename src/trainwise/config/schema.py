@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trainwise.hardware.catalog import find_gpu, gpu_names
 
@@ -277,7 +277,37 @@ class ClusterConfig(Section):
     master_port: int | None = Field(
         None, gt=0, lt=65536, description="Rendezvous port; default: a free one."
     )
-    nodes: int = Field(1, gt=0, description="Machines in the job (for failure rates and plans).")
+    nodes: int = Field(
+        1, gt=0, description="Machines in the job (the most, with min_nodes); --nnodes sets it."
+    )
+    min_nodes: int | None = Field(
+        None,
+        gt=0,
+        description="Elastic: the fewest machines to train on (--nnodes MIN:MAX); default: nodes.",
+    )
+    rdzv_endpoint: str | None = Field(
+        None,
+        description="host:port of the c10d rendezvous, the same on every machine (the first "
+        "machine's address); needed with nodes > 1.",
+    )
+    rdzv_id: str | None = Field(
+        None, description="The job's id at the rendezvous, the same on every machine."
+    )
+    socket_ifname: str | None = Field(
+        None,
+        description="Network interface for gloo and NCCL (GLOO_SOCKET_IFNAME, "
+        "NCCL_SOCKET_IFNAME); default: theirs.",
+    )
+
+    @model_validator(mode="after")
+    def _node_range(self) -> ClusterConfig:
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise ValueError(
+                f"cluster.min_nodes = {self.min_nodes} is more than cluster.nodes = "
+                f"{self.nodes}: give --nnodes MIN:MAX with MIN <= MAX"
+            )
+        return self
+
     mtbf_hours: float = Field(
         6000.0,
         gt=0.0,

@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from trainwise.config.schema import ClusterConfig
 from trainwise.errors import TrainwiseError
 from trainwise.run.events import append_event, read_events
 
@@ -69,21 +70,27 @@ def launch_workers(
     master_port: int | None = None,
     max_restarts: int = 0,
     module: str = "trainwise.run.worker",
+    cluster: ClusterConfig | None = None,
 ) -> None:
-    """`python -m MODULE RUN_DIR` on `nproc` workers under the elastic agent."""
+    """`python -m MODULE RUN_DIR` on `nproc` workers of this machine under the elastic
+    agent; with `cluster.nodes` > 1, one machine of several meeting at its c10d
+    rendezvous (cluster.rdzv_endpoint, cluster.rdzv_id)."""
+    c = cluster or ClusterConfig()
     # Each worker gets its share of the cores, not all of them (oversubscription on CPU).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ[LAUNCHER_ENV] = "1"
+    if c.socket_ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = c.socket_ifname
     # A restarted group sharing the rendezvous store with the failed one can read its stale
     # addresses and fail to connect (pytorch/pytorch#135712): one fresh store per attempt.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=c.min_nodes or c.nodes,
+        max_nodes=c.nodes,
         nproc_per_node=nproc,
-        run_id=f"trainwise-{uuid.uuid4().hex[:8]}",
+        run_id=c.rdzv_id or f"trainwise-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{master_port or 0}",
+        rdzv_endpoint=c.rdzv_endpoint or f"127.0.0.1:{master_port or 0}",
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",

@@ -62,8 +62,15 @@ def default_run_dir(cfg: JobConfig, strategy: str) -> Path:
 def write_run_files(run_dir: Path, cfg: JobConfig, job: Job) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(dump_toml(cfg))
-        (run_dir / "job.json").write_text(json.dumps(job.summary_dict(), indent=2) + "\n")
+        for name, text in (
+            ("config.toml", dump_toml(cfg)),
+            ("job.json", json.dumps(job.summary_dict(), indent=2) + "\n"),
+        ):
+            # Whole or not at all: on several machines each launcher writes the same files
+            # into the shared run directory while workers may already read them.
+            part = run_dir / f".{name}.{os.getpid()}.part"
+            part.write_text(text)
+            os.replace(part, run_dir / name)
     except OSError as err:
         raise ConfigError(
             f"logging.run_dir = '{run_dir}' cannot be used ({err.strerror or err}): "
