@@ -45,12 +45,6 @@ JOBS = {
          "--set", "optim.lr=1e-9"],
         {},
     ),  # fmt: skip
-    # Four workers on fsdp: the scaling check's 1- and 2-rank runs are real subgroups.
-    "four": (
-        ["doctor", "--nproc", "4", "--strategy", "fsdp", "--run-dir", "four", "--only",
-         "versions,scaling", "--set", "doctor.timed_steps=2"],
-        {},
-    ),  # fmt: skip
     "train_slow_data": (
         ["train", "--nproc", "1", "--steps", "12", "--run-dir", "tsd"],
         {"TRAINWISE_FAULTS": "slow_data@seconds=0.003"},
@@ -201,21 +195,10 @@ def test_env_prints_the_versions_a_bug_report_needs(tmp_path: Path):
         assert any(line.startswith(label) for line in r.stdout.splitlines()), label
 
 
-def test_scaling_runs_on_subgroups_of_the_workers(runs):
-    root, res = runs
-    assert res["four"].returncode == 0, res["four"].stderr[-3000:]
-    record = _record(root, "four")
-    assert record["world"] == 4 and record["strategy"] == "fsdp"
-    rows = _check(record, "scaling")["data"]["rows"]
-    assert [r["workers"] for r in rows] == [1, 2, 4]
-    assert [r["strategy"] for r in rows] == ["fsdp-full"] * 3  # the job as configured
-    assert all(r["step_s"] > 0 and r["efficiency"] > 0 for r in rows)
-
-
 def test_two_nodes_time_the_links_within_and_between_nodes_separately(tmp_path: Path):
     """Two torchrun agents (two 'nodes' of 2 workers, c10d rendezvous on this host): the
     doctor times each node's ranks together, then the ranks at the same place on each node,
-    and hands both figures to the planner."""
+    and hands both figures to the planner; its scaling runs use subgroups of the 4 ranks."""
     import subprocess
     import sys
 
@@ -226,8 +209,9 @@ def test_two_nodes_time_the_links_within_and_between_nodes_separately(tmp_path: 
     agent = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
         "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "doctor",
-        "-m", "trainwise", "doctor", "--only", "versions,bandwidth", "--run-dir", "two",
-        "--set", "doctor.max_message_mb=1", "--set", "doctor.iterations=2", *QUIET,
+        "-m", "trainwise", "doctor", "--only", "versions,bandwidth,scaling", "--run-dir", "two",
+        "--strategy", "fsdp", "--set", "doctor.max_message_mb=1", "--set",
+        "doctor.iterations=2", "--set", "doctor.timed_steps=2", *QUIET,
     ]  # fmt: skip
     agents = [
         subprocess.Popen(agent, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
@@ -243,3 +227,8 @@ def test_two_nodes_time_the_links_within_and_between_nodes_separately(tmp_path: 
     bw = record["bandwidth"]
     assert bw["intra_node_busbw_bytes_per_s"] > 0 and bw["inter_node_busbw_bytes_per_s"] > 0
     assert "within a node" in "".join(outputs) and "between nodes" in "".join(outputs)
+    # Scaling on 1 and 2 of the 4 ranks runs FSDP2 on real subgroups of the world.
+    rows = _check(record, "scaling")["data"]["rows"]
+    assert [r["workers"] for r in rows] == [1, 2, 4]
+    assert [r["strategy"] for r in rows] == ["fsdp-full"] * 3  # the job as configured
+    assert all(r["step_s"] > 0 and r["efficiency"] > 0 for r in rows)
