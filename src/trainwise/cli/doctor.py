@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainwise.cli.train import add_import_roots, add_job_arguments, check_multi_node, job_flags
+from trainwise.cli.train import add_import_roots, add_job_arguments, job_flags, start_job
 from trainwise.config import load_config
 from trainwise.config.schema import CHECK_NAMES
 from trainwise.errors import ConfigError
@@ -54,30 +54,13 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, flags, args.set)
 
     from trainwise.doctor.runner import read_record, run_doctor
-    from trainwise.hardware import detect_device
     from trainwise.run.distributed import dist_env_from
-    from trainwise.run.job import prepare_job, resolve_nproc
-    from trainwise.run.launch import launch_workers
-    from trainwise.run.worker import default_run_dir, write_run_files
 
     if dist_env_from().launched:  # started by torchrun or srun: one of the workers
         record = run_doctor(cfg)
         return 0 if record is None else show(record, args)
 
-    device = detect_device(cfg.cluster.device)
-    nproc = resolve_nproc(cfg, device)
-    nodes = cfg.cluster.nodes
-    check_multi_node(cfg)
-    job = prepare_job(cfg, nproc * nodes, device, nproc)  # bad input stops here
-    run_dir = Path(cfg.logging.run_dir) if cfg.logging.run_dir else default_run_dir(cfg, "doctor")
-    write_run_files(run_dir, cfg, job)
-    if nproc == 1 and nodes == 1:
-        run_doctor(cfg, run_dir)
-    else:
-        launch_workers(
-            run_dir, nproc, cfg.cluster.master_port, module="trainwise.doctor.runner",
-            cluster=cfg.cluster,
-        )  # fmt: skip
+    run_dir = start_job(cfg, run_doctor, "trainwise.doctor.runner", label="doctor")
     if not (run_dir / "doctor.json").is_file():  # rank 0 is on another machine
         print(f"trainwise: this machine's checks finished; rank 0's machine has {run_dir}")
         return 0

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from trainwise.config import JobConfig, dump_toml, load_config
@@ -116,9 +117,8 @@ def run(args: argparse.Namespace) -> int:
 
     # Imported here so that --print-config and config errors stay instant.
     from trainwise.run.distributed import dist_env_from
-    from trainwise.run.job import prepare_job, resolve_nproc
-    from trainwise.run.launch import Preempted, launch_workers
-    from trainwise.run.worker import default_run_dir, train, write_run_files
+    from trainwise.run.launch import Preempted
+    from trainwise.run.worker import train
 
     if dist_env_from().launched:
         # Started by torchrun or srun: this process is one of the workers.
@@ -127,24 +127,10 @@ def run(args: argparse.Namespace) -> int:
             print(render_summary(summary))
         return 0
 
-    from trainwise.hardware import detect_device
-
-    device = detect_device(cfg.cluster.device)
-    nproc = resolve_nproc(cfg, device)
-    nodes = cfg.cluster.nodes
-    check_multi_node(cfg)
-    # Every check, before any worker starts (planned at the most machines of the range).
-    job = prepare_job(cfg, nproc * nodes, device, nproc)
-    run_dir = (
-        Path(cfg.logging.run_dir) if cfg.logging.run_dir else default_run_dir(cfg, job.strategy)
-    )
-    write_run_files(run_dir, cfg, job)
     try:
-        if nproc == 1 and nodes == 1:
-            train(cfg, run_dir)
-        else:
-            launch_workers(run_dir, nproc, cfg.cluster.master_port, cfg.checkpoint.max_restarts,
-                           cluster=cfg.cluster)  # fmt: skip
+        run_dir = start_job(
+            cfg, train, "trainwise.run.worker", max_restarts=cfg.checkpoint.max_restarts
+        )
     except Preempted as stop:
         print(f"trainwise: {stop}")
         return 0
@@ -154,6 +140,41 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(render_summary(json.loads(path.read_text())))
     return 0
+
+
+def start_job(
+    cfg: JobConfig,
+    target: Callable[[JobConfig, Path], object],
+    module: str,
+    label: str | None = None,
+    max_restarts: int = 0,
+) -> Path:
+    """Check the job against this machine (every check before any worker starts), write
+    its run files, then run it: `target(cfg, run_dir)` in this process for one worker on
+    one machine, else `python -m MODULE RUN_DIR` workers under the elastic agent. The run
+    directory's default name ends with `label` (default: the strategy); it is returned."""
+    from trainwise.hardware import detect_device
+    from trainwise.run.job import prepare_job, resolve_nproc
+    from trainwise.run.launch import launch_workers
+    from trainwise.run.worker import default_run_dir, write_run_files
+
+    device = detect_device(cfg.cluster.device)
+    nproc = resolve_nproc(cfg, device)
+    nodes = cfg.cluster.nodes
+    check_multi_node(cfg)
+    # Planned at the most machines of the range.
+    job = prepare_job(cfg, nproc * nodes, device, nproc)
+    default = default_run_dir(cfg, label or job.strategy)
+    run_dir = Path(cfg.logging.run_dir) if cfg.logging.run_dir else default
+    write_run_files(run_dir, cfg, job)
+    if nproc == 1 and nodes == 1:
+        target(cfg, run_dir)
+    else:
+        launch_workers(
+            run_dir, nproc, cfg.cluster.master_port, max_restarts, module=module,
+            cluster=cfg.cluster,
+        )  # fmt: skip
+    return run_dir
 
 
 def check_multi_node(cfg: JobConfig) -> None:

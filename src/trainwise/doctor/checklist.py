@@ -41,10 +41,9 @@ def run_checks(ctx: Context, names: list[str] | None = None) -> list[CheckResult
         start = time.perf_counter()
         versions = next((r for r in results if r.name == "versions"), None)
         if name in NEEDS_SAME_VERSIONS and versions is not None and versions.status == "fail":
-            result = CheckResult(
-                name=name, title=name, status="skip",
-                detail="not run: the ranks run different versions, and collectives between "
-                "them may hang (fix the versions first)",
+            result = CheckResult.skipped(
+                name, name, "not run: the ranks run different versions, and collectives "
+                "between them may hang (fix the versions first)",
             )  # fmt: skip
         else:
             result = _run_one(ctx, name)

@@ -65,10 +65,8 @@ def check_versions(ctx: Context) -> CheckResult:
 def check_bandwidth(ctx: Context) -> CheckResult:
     title = "collective bandwidth"
     if ctx.world == 1:
-        return CheckResult(
-            name="bandwidth", title=title, status="skip",
-            detail="one worker: no collective to time (run with --nproc 2 or more)",
-        )  # fmt: skip
+        why = "one worker: no collective to time (run with --nproc 2 or more)"
+        return CheckResult.skipped("bandwidth", title, why)
     d = ctx.cfg.doctor
     max_bytes = int(d.max_message_mb * 2**20) if d.max_message_mb else None
     max_bytes = max_bytes or bandwidth.MAX_BYTES[ctx.device.type]
@@ -133,10 +131,8 @@ def check_memory(ctx: Context) -> CheckResult:
     est = ctx.job.decision.estimate.total
     if ctx.device.type == "cuda":
         if "smoke_peak_bytes" not in ctx.measured:
-            return CheckResult(
-                name="memory", title=title, status="skip",
-                detail="needs the smoke check's steps (run it too: --only smoke,memory)",
-            )  # fmt: skip
+            why = "needs the smoke check's steps (run it too: --only smoke,memory)"
+            return CheckResult.skipped("memory", title, why)
         peak = ctx.slowest(ctx.measured["smoke_peak_bytes"])
         budget = ctx.job.decision.budget_bytes
         error = peak / est - 1 if est else 0.0

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from trainwise.config import JobConfig
 from trainwise.data import build_loader
 from trainwise.hardware import find_gpu
-from trainwise.plan.estimate import RUNTIME, StrategyPlan, evaluate
+from trainwise.plan.estimate import StrategyPlan, evaluate, planned_strategy
 from trainwise.plan.inputs import PlanInputs, resolve_inputs
 from trainwise.run.distributed import DistEnv
 from trainwise.run.job import Job
@@ -75,44 +75,37 @@ class Context:
         dist.all_gather_object(everyone, obj, group=self.host)
         return everyone
 
-    def batches(self, trainer: Trainer, steps: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One step's micro-batches per step of this rank's data, read once and held on the
-        device: timing the model without the loader."""
+    def batches(self, trainer: Trainer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One step's micro-batches of this rank's data, read once and held on the device:
+        timing the model without the loader."""
         c = self.cfg
         loader = build_loader(
             self.job.datasets[0], micro_batch=c.data.micro_batch, grad_accum=c.data.grad_accum,
-            dp_rank=trainer.dp_rank, dp_size=trainer.dp_size, seed=c.train.seed, num_steps=steps,
+            dp_rank=trainer.dp_rank, dp_size=trainer.dp_size, seed=c.train.seed, num_steps=1,
         )  # fmt: skip
         return [(x.to(self.device), y.to(self.device)) for x, y in loader]
 
 
 def plan_name(job: Job) -> str:
     """The planner's name for the job's strategy (fsdp-full, fsdp-grad-op, ...)."""
-    shard = job.cfg.parallel.shard
-    for name, (kind, name_shard, offload) in RUNTIME.items():
-        same_shard = kind != "fsdp" or offload or name_shard == shard
-        if kind == job.strategy and offload == job.cpu_offload and same_shard:
-            return name
-    return job.strategy
+    return planned_strategy(job.strategy, job.cfg.parallel.shard, job.cpu_offload)
 
 
 def timed_steps(
     trainer: Trainer, batches: list, steps: int, ctx: Context, host: Any = None, warmup: int = 1
-) -> tuple[float, list[float]]:
-    """Seconds per step (the slowest rank's mean over `steps` after `warmup`) and the loss
-    of every step, the batches cycled. The ranks of the gloo group `host` (default: all)
-    call it."""
+) -> float:
+    """Seconds per step: the slowest rank's mean over `steps` after `warmup`, the batches
+    cycled. The ranks of the gloo group `host` (default: all) call it."""
     source = itertools.cycle(batches)
-    losses = []
     for _ in range(warmup):
-        losses.append(float(trainer.stepper.step(source, probe=False).loss))
+        trainer.stepper.step(source, probe=False)
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
     if host or ctx.host:
         dist.barrier(group=host or ctx.host)
     start = time.perf_counter()
     for _ in range(steps):
-        losses.append(float(trainer.stepper.step(source, probe=False).loss))
+        trainer.stepper.step(source, probe=False)
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
-    return ctx.slowest((time.perf_counter() - start) / steps, host), losses
+    return ctx.slowest((time.perf_counter() - start) / steps, host)

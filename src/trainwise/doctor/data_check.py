@@ -55,7 +55,7 @@ def loader_seconds_per_step(ctx: Context, workers: int, dp_rank: int, dp_size: i
 def check_data(ctx: Context) -> CheckResult:
     c = ctx.cfg
     trainer = build_trainer(c, ctx.job, ctx.device)
-    compute_s, _ = timed_steps(trainer, ctx.batches(trainer), c.doctor.timed_steps, ctx)
+    compute_s = timed_steps(trainer, ctx.batches(trainer), c.doctor.timed_steps, ctx)
     del trainer
     # The same counts on every rank (each count is a collective): the fewest cores any
     # rank has.

@@ -33,6 +33,11 @@ class CheckResult(BaseModel):
         default_factory=dict, description="The measurements behind the line (tables, rows)."
     )
 
+    @classmethod
+    def skipped(cls, name: str, title: str, why: str) -> CheckResult:
+        """A check that did not run here, and why."""
+        return cls(name=name, title=title, status="skip", detail=why)
+
 
 class Bandwidth(BaseModel):
     """Large-message bus bandwidth (nccl-tests' definition) per GPU, for the planner."""

@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -17,16 +16,11 @@ from trainwise.config import JobConfig
 from trainwise.doctor.checklist import run_checks
 from trainwise.doctor.context import Context
 from trainwise.doctor.result import Bandwidth, DoctorRecord
-from trainwise.hardware import detect_device
 from trainwise.run.distributed import (
     destroy_process_group,
-    dist_env_from,
-    get_logger,
-    init_process_group,
     side_group,
 )
-from trainwise.run.job import prepare_job
-from trainwise.run.worker import agree_run_dir, run_worker
+from trainwise.run.worker import agree_run_dir, join_job, run_worker
 
 RECORD_FILE = "doctor.json"
 
@@ -34,15 +28,7 @@ RECORD_FILE = "doctor.json"
 def run_doctor(cfg: JobConfig, run_dir: Path | None = None) -> DoctorRecord | None:
     """Every selected check on this rank; the record on rank 0 (None elsewhere). Without
     `run_dir` (started by torchrun or srun) rank 0 names it for all."""
-    env = dist_env_from()
-    get_logger(env)
-    info = detect_device(cfg.cluster.device)
-    device = torch.device("cuda", env.local_rank) if info.kind == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    job = prepare_job(cfg, env.world, info, env.local_world)
-    if job.strategy != "single" or env.world > 1:  # as training does: DDP/FSDP need a group
-        init_process_group(env, job.backend, device, cfg.parallel.timeout_s)
+    env, _, device, job = join_job(cfg)
     run_dir = agree_run_dir(env, cfg, job, run_dir, label="doctor")
     start = time.perf_counter()
     host = side_group(cfg.parallel.timeout_s) if dist.is_initialized() else None

@@ -38,7 +38,7 @@ def _time_world(ctx: Context, k: int) -> tuple[float, Job]:
         try:
             trainer = build_trainer(ctx.cfg, job, ctx.device, group=group)
             batches = ctx.batches(trainer)
-            seconds, _ = timed_steps(trainer, batches, ctx.cfg.doctor.timed_steps, ctx, host)
+            seconds = timed_steps(trainer, batches, ctx.cfg.doctor.timed_steps, ctx, host)
             del trainer, batches
         finally:
             for g in [group] if gloo else [group, host]:
@@ -50,15 +50,11 @@ def _time_world(ctx: Context, k: int) -> tuple[float, Job]:
 def check_scaling(ctx: Context) -> CheckResult:
     title = "scaling over workers"
     if ctx.world == 1:
-        return CheckResult(
-            name="scaling", title=title, status="skip",
-            detail="one worker: nothing to compare (run with --nproc 2 or more)",
-        )  # fmt: skip
+        why = "one worker: nothing to compare (run with --nproc 2 or more)"
+        return CheckResult.skipped("scaling", title, why)
     if ctx.job.strategy == "hsdp":
-        return CheckResult(
-            name="scaling", title=title, status="skip",
-            detail="hsdp needs whole nodes: fewer workers would be another strategy",
-        )  # fmt: skip
+        why = "hsdp needs whole nodes: fewer workers would be another strategy"
+        return CheckResult.skipped("scaling", title, why)
     c = ctx.cfg
     tokens = c.data.micro_batch * c.data.grad_accum * ctx.job.data.tokens_per_sample
     rows: list[dict] = []

@@ -33,6 +33,16 @@ RUNTIME = {
 }
 
 
+def planned_strategy(kind: str, shard: str = "full", cpu_offload: bool = False) -> str:
+    """RUNTIME backwards: the plan's name for a runtime strategy (fsdp + grad_op ->
+    fsdp-grad-op); the runtime name itself when the plan has no other."""
+    for name, (runtime, name_shard, offload) in RUNTIME.items():
+        same_shard = runtime != "fsdp" or offload or name_shard == shard
+        if runtime == kind and offload == cpu_offload and same_shard:
+            return name
+    return kind
+
+
 @dataclass(frozen=True)
 class Step:
     compute: float  # seconds of forward, backward (with recomputation) and optimizer

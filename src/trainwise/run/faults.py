@@ -120,13 +120,17 @@ class SlowDataset(Dataset):
         return self.inner[index]
 
 
+def first_fault(kind: str, environ: dict[str, str] | None = None) -> Fault | None:
+    """The first fault of `kind` in TRAINWISE_FAULTS (the step-less ones: slow_data,
+    slow_network)."""
+    env = os.environ if environ is None else environ
+    return next((f for f in parse_faults(env.get(ENV, "")) if f.kind == kind), None)
+
+
 def slowed(dataset: Any, environ: dict[str, str] | None = None) -> Any:
     """`dataset`, slowed when TRAINWISE_FAULTS holds `slow_data@seconds=S`."""
-    env = os.environ if environ is None else environ
-    for fault in parse_faults(env.get(ENV, "")):
-        if fault.kind == "slow_data" and fault.seconds:
-            return SlowDataset(dataset, fault.seconds)
-    return dataset
+    fault = first_fault("slow_data", environ)
+    return SlowDataset(dataset, fault.seconds) if fault and fault.seconds else dataset
 
 
 def slow_network(model: Any, environ: dict[str, str] | None = None) -> None:
@@ -138,12 +142,9 @@ def slow_network(model: Any, environ: dict[str, str] | None = None) -> None:
 
     from trainwise.plan.comm import allreduce_factor
 
-    env = os.environ if environ is None else environ
-    gbps = next(
-        (f.gbps for f in parse_faults(env.get(ENV, "")) if f.kind == "slow_network" and f.gbps),
-        None,
-    )
-    if gbps is None or not isinstance(model, DistributedDataParallel):
+    fault = first_fault("slow_network", environ)
+    gbps = fault.gbps if fault else None
+    if not gbps or not isinstance(model, DistributedDataParallel):
         return
     group = model.process_group
     factor = allreduce_factor(group.size())

@@ -52,7 +52,7 @@ def build_trainer(
     overrides precision.dtype (the doctor compares with fp32)."""
     c = cfg
     dtype = precision or c.precision.dtype
-    if job.strategy == "single":
+    if job.strategy == "single":  # data parallel over one rank, whatever the world
         rank, world = 0, 1
     elif group is not None:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -78,8 +78,7 @@ def build_trainer(
         group=group,
     )
     slow_network(model)  # only under a test's fault
-    dp_rank, dp_size = (0, 1) if job.strategy == "single" else (rank, world)
-    torch.manual_seed(c.train.seed + 1 + dp_rank)  # dropout differs between ranks
+    torch.manual_seed(c.train.seed + 1 + rank)  # dropout differs between ranks
     optimizer = build_optimizer(model, c.optim)
     scheduler = build_scheduler(optimizer, c.train.steps, c.schedule)
     scaler = build_grad_scaler(job.strategy, dtype, device, c.precision.init_scale)
@@ -92,7 +91,7 @@ def build_trainer(
         c.data.grad_accum, c.train.grad_clip, device,
     )  # fmt: skip
     return Trainer(
-        model, bundle.loss_fn, optimizer, scheduler, scaler, autocast, stepper, dp_rank, dp_size
+        model, bundle.loss_fn, optimizer, scheduler, scaler, autocast, stepper, rank, world
     )
 
 

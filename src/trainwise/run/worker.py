@@ -78,8 +78,9 @@ def write_run_files(run_dir: Path, cfg: JobConfig, job: Job) -> None:
         ) from None
 
 
-def train(cfg: JobConfig, run_dir: Path | None = None) -> dict[str, Any] | None:
-    """Train as one worker of the job; returns the run summary on rank 0."""
+def join_job(cfg: JobConfig) -> tuple[DistEnv, logging.Logger, torch.device, Job]:
+    """This process as a worker of the job: its place, logger, device, the job at this
+    world size, and the process group (DDP and FSDP need one even on a single worker)."""
     env = dist_env_from()
     log = get_logger(env)
     info = detect_device(cfg.cluster.device)
@@ -89,6 +90,12 @@ def train(cfg: JobConfig, run_dir: Path | None = None) -> dict[str, Any] | None:
     job = prepare_job(cfg, env.world, info, env.local_world)
     if job.strategy != "single" or env.world > 1:
         init_process_group(env, job.backend, device, cfg.parallel.timeout_s)
+    return env, log, device, job
+
+
+def train(cfg: JobConfig, run_dir: Path | None = None) -> dict[str, Any] | None:
+    """Train as one worker of the job; returns the run summary on rank 0."""
+    env, log, device, job = join_job(cfg)
     if env.world > 1 and not cfg.cluster.allow_version_mismatch:
         # Cheap, and it turns a hang in the first collective into one line.
         # Over gloo: NCCL itself may be what differs.
