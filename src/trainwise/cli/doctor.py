@@ -7,7 +7,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainwise.cli.train import add_import_roots, add_job_arguments, job_flags, start_job
+from trainwise.cli.train import (
+    add_import_roots,
+    add_job_arguments,
+    is_worker,
+    job_flags,
+    start_job,
+)
 from trainwise.config import load_config
 from trainwise.config.schema import CHECK_NAMES
 from trainwise.errors import ConfigError
@@ -54,9 +60,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, flags, args.set)
 
     from trainwise.doctor.runner import read_record, run_doctor
-    from trainwise.run.distributed import dist_env_from
 
-    if dist_env_from().launched:  # started by torchrun or srun: one of the workers
+    if is_worker(cfg):  # started by torchrun or srun: one of the workers
         record = run_doctor(cfg)
         return 0 if record is None else show(record, args)
 

@@ -54,6 +54,11 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
         help="c10d rendezvous, the same on every machine (cluster.rdzv_endpoint)",
     )
     p.add_argument("--rdzv-id", help="the job's id at the rendezvous (cluster.rdzv_id)")
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        help="0 on the machine of --rdzv-endpoint, which hosts the rendezvous (cluster.node_rank)",
+    )
     p.add_argument("--strategy", help="auto, single, ddp, fsdp or hsdp (parallel.strategy)")
     p.add_argument("--precision", help="fp32, bf16 or fp16 (precision.dtype)")
     p.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
@@ -84,6 +89,7 @@ def job_flags(args: argparse.Namespace) -> dict[str, object]:
         "cluster.min_nodes": min_nodes,
         "cluster.rdzv_endpoint": args.rdzv_endpoint,
         "cluster.rdzv_id": args.rdzv_id,
+        "cluster.node_rank": args.node_rank,
         "cluster.nproc": args.nproc,
         "parallel.strategy": args.strategy,
         "precision.dtype": args.precision,
@@ -116,12 +122,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     # Imported here so that --print-config and config errors stay instant.
-    from trainwise.run.distributed import dist_env_from
     from trainwise.run.launch import Preempted
     from trainwise.run.worker import train
 
-    if dist_env_from().launched:
-        # Started by torchrun or srun: this process is one of the workers.
+    if is_worker(cfg):
         summary = train(cfg)
         if summary:
             print(render_summary(summary))
@@ -140,6 +144,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(render_summary(json.loads(path.read_text())))
     return 0
+
+
+def is_worker(cfg: JobConfig) -> bool:
+    """Whether this process is one of the workers, its rank set by torchrun or by srun (one
+    task per worker). Under srun with a rendezvous endpoint the tasks are one launcher per
+    machine instead (what `trainwise launch slurm` writes)."""
+    from trainwise.run.distributed import dist_env_from
+
+    env = dist_env_from()
+    return env.launched and ("RANK" in os.environ or not cfg.cluster.rdzv_endpoint)
 
 
 def start_job(

@@ -298,6 +298,28 @@ class ClusterConfig(Section):
         description="Network interface for gloo and NCCL (GLOO_SOCKET_IFNAME, "
         "NCCL_SOCKET_IFNAME); default: theirs.",
     )
+    node_rank: int | None = Field(
+        None,
+        ge=0,
+        description="0 on the machine named by rdzv_endpoint, which then hosts the rendezvous "
+        "store (torchrun's --node-rank); default: the machine whose address matches. The "
+        "rendezvous numbers the workers itself.",
+    )
+    rdzv_timeout_s: int = Field(
+        600, gt=0, description="How long a machine waits at the rendezvous for the others."
+    )
+    rdzv_last_call_s: int = Field(
+        30,
+        ge=0,
+        description="Elastic: once min_nodes machines have joined, how long the rendezvous "
+        "still waits for more before training starts without them.",
+    )
+    node_timeout_s: int = Field(
+        15,
+        ge=3,
+        description="A machine whose agent is silent this long is dropped from the rendezvous "
+        "(heartbeats every third of it); the others then carry on within min_nodes.",
+    )
 
     @model_validator(mode="after")
     def _node_range(self) -> ClusterConfig:
@@ -305,6 +327,11 @@ class ClusterConfig(Section):
             raise ValueError(
                 f"cluster.min_nodes = {self.min_nodes} is more than cluster.nodes = "
                 f"{self.nodes}: give --nnodes MIN:MAX with MIN <= MAX"
+            )
+        if self.node_rank is not None and self.node_rank >= self.nodes:
+            raise ValueError(
+                f"cluster.node_rank = {self.node_rank} needs cluster.nodes > {self.node_rank}: "
+                "machines are numbered from 0"
             )
         return self
 

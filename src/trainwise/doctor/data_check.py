@@ -49,7 +49,7 @@ def loader_seconds_per_step(ctx: Context, workers: int, dp_rank: int, dp_size: i
     n = sum(1 for _ in it)
     per_batch = (time.perf_counter() - start) / max(n, 1)
     del it, loader
-    return ctx.slowest(per_batch * c.data.grad_accum)
+    return ctx.slowest(per_batch * ctx.job.grad_accum)
 
 
 def check_data(ctx: Context) -> CheckResult:
@@ -72,7 +72,7 @@ def check_data(ctx: Context) -> CheckResult:
         )  # fmt: skip
     mine = next(r for r in rows if r["workers"] == c.data.num_workers)
     share = mine["wait_share"]
-    samples = c.data.micro_batch * c.data.grad_accum
+    samples = c.data.micro_batch * ctx.job.grad_accum
     ctx.measured["data_samples_per_s"] = samples / mine["data_s"]
     status, fix = "pass", None
     if share > DATA_BOUND_SHARE:

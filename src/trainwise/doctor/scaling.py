@@ -56,7 +56,7 @@ def check_scaling(ctx: Context) -> CheckResult:
         why = "hsdp needs whole nodes: fewer workers would be another strategy"
         return CheckResult.skipped("scaling", title, why)
     c = ctx.cfg
-    tokens = c.data.micro_batch * c.data.grad_accum * ctx.job.data.tokens_per_sample
+    tokens = c.data.micro_batch * ctx.job.grad_accum * ctx.job.data.tokens_per_sample
     rows: list[dict] = []
     for k in worker_counts(ctx.world):
         seconds, job = _time_world(ctx, k)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import struct
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,6 +52,42 @@ def dist_env_from(environ: dict[str, str] | None = None) -> DistEnv:
             launched=True,
         )
     return DistEnv()
+
+
+def network_line(environ: dict[str, str] | None = None) -> str:
+    """Which interface this worker's collectives use, for the start-up log: the one gloo /
+    NCCL were told to use, else the one holding the address that reaches the rendezvous."""
+    env = os.environ if environ is None else environ
+    chosen = env.get("GLOO_SOCKET_IFNAME") or env.get("NCCL_SOCKET_IFNAME")
+    if chosen:
+        return f"interface {chosen} (cluster.socket_ifname)"
+    master = env.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, int(env.get("MASTER_PORT", "1"))))  # UDP: nothing is sent
+            address = s.getsockname()[0]
+    except (OSError, ValueError):
+        return f"route to {master} unknown"
+    name = interface_of(address)
+    return f"interface {name or '?'} ({address}) towards {master}"
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's interface holding the IPv4 `address` (Linux; else None)."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
 
 
 def free_port() -> int:

@@ -9,8 +9,12 @@ killed mid-write can leave a truncated last line; ``read_events`` skips it.
 Fields per kind, as the runtime writes them:
 
 - ``start``: the launcher began the run.
-- ``ready`` {attempt, step}: workers are about to train (built, any checkpoint loaded);
-  ``step`` is the step the run continues from (0 when fresh). One per attempt, from rank 0.
+- ``ready`` {attempt, step, world, nodes}: workers are about to train (built, any checkpoint
+  loaded); ``step`` is the step the run continues from (0 when fresh). One per attempt,
+  from rank 0.
+- ``membership`` {attempt, step, from_world, world, from_nodes, nodes}: this attempt runs on
+  a different number of workers than the previous one (an elastic range lost or gained
+  machines); written just before its ``ready``.
 - ``resume`` {step, path}: a checkpoint was loaded.
 - ``failure`` {rank, exit_code, signal, pid}: the launcher saw a worker die (``signal`` is a
   name or null). One incident can log several (one per rank).
@@ -49,6 +53,7 @@ KINDS = (
     "finish",
     "fatal",  # an error a restart cannot fix (disk full, no valid checkpoint, the guard)
     "peer_failure",
+    "membership",
 )
 
 

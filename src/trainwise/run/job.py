@@ -4,6 +4,7 @@ any worker starts) and again in each worker (the same pure decision, no files ne
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ class Job:
     strategy: str  # resolved: single, ddp, fsdp or hsdp
     cpu_offload: bool
     replicate: int  # hsdp replica groups (1 otherwise)
+    grad_accum: int  # data.grad_accum, scaled up when an elastic job runs on fewer machines
     decision: Decision
     model_spec: ModelSpec
     params: int
@@ -40,7 +42,7 @@ class Job:
 
     @property
     def global_batch(self) -> int:
-        return self.cfg.data.micro_batch * self.cfg.data.grad_accum * self.dp_size
+        return self.cfg.data.micro_batch * self.grad_accum * self.dp_size
 
     @property
     def tokens_per_step(self) -> int:
@@ -62,6 +64,7 @@ class Job:
             "requested_strategy": self.cfg.parallel.strategy,
             "cpu_offload": self.cpu_offload,
             "replicate": self.replicate,
+            "grad_accum": self.grad_accum,
             "reason": self.decision.reason,
             "params": self.params,
             "global_batch": self.global_batch,
@@ -187,12 +190,15 @@ def prepare_job(
     except ConfigError as err:
         raise ConfigError(problems + err.problems) from None
 
+    accum, problem = elastic_accum(c, world, local)
+    if problem:
+        problems.append(problem)
     dp = 1 if strategy == "single" or (strategy == "auto" and world == 1) else world
-    g = c.data.micro_batch * c.data.grad_accum * dp
+    g = c.data.micro_batch * accum * dp
     if c.data.global_batch is not None and c.data.global_batch != g:
         problems.append(
             f"data.global_batch = {c.data.global_batch} is not micro_batch({c.data.micro_batch})"
-            f" x grad_accum({c.data.grad_accum}) x data-parallel size({dp}) = {g}: "
+            f" x grad_accum({accum}) x data-parallel size({dp}) = {g}: "
             "change one of them so that they agree"
         )
     elif c.train.eval_every and info.val_samples < dp:
@@ -204,7 +210,7 @@ def prepare_job(
     elif g > info.train_samples:
         problems.append(
             f"global batch {g} = micro_batch({c.data.micro_batch}) x grad_accum"
-            f"({c.data.grad_accum}) x data-parallel size({dp}) exceeds the "
+            f"({accum}) x data-parallel size({dp}) exceeds the "
             f"{info.train_samples} training samples: lower data.micro_batch"
         )
     if problems:
@@ -226,7 +232,7 @@ def prepare_job(
         # CPU workers share the machine's memory.
         else device.memory_bytes / (local if device.kind == "cpu" else 1)
     )
-    decision = decide(workload, strategy, world, device_bytes, c, replicate, device.kind)
+    decision = decide(workload, strategy, world, device_bytes, c, replicate, device.kind, accum)
     return Job(
         cfg=c,
         world=world,
@@ -235,6 +241,7 @@ def prepare_job(
         strategy=decision.strategy,
         cpu_offload=decision.cpu_offload,
         replicate=replicate,
+        grad_accum=accum,
         decision=decision,
         model_spec=spec,
         params=params,
@@ -242,6 +249,25 @@ def prepare_job(
         data=info,
         datasets=(slowed(train_ds), val_ds),  # slowed only under a test's fault
     )
+
+
+def elastic_accum(c: JobConfig, world: int, local: int) -> tuple[int, str | None]:
+    """The micro-batches each rank accumulates at this world size. An elastic job
+    (--nnodes MIN:MAX) keeps the global batch of its largest size, so that a checkpoint
+    resumes on fewer machines with the same samples per step: fewer ranks accumulate more.
+    Every machine count of the range must divide it evenly (else the problem, one line)."""
+    accum, most, fewest = c.data.grad_accum, c.cluster.nodes, c.cluster.min_nodes
+    if fewest is None or fewest == most:
+        return accum, None
+    # The least grad_accum whose batch splits evenly over every machine count in the range.
+    need = math.lcm(*(n // math.gcd(n, most) for n in range(fewest, most + 1)))
+    if accum % need:
+        return accum, (
+            f"data.grad_accum = {accum} cannot keep the global batch on every machine count of "
+            f"--nnodes {fewest}:{most}: use a multiple of {need}"
+        )
+    full = most * local
+    return (accum * full // world if world < full and world % local == 0 else accum), None
 
 
 def decide(
@@ -252,6 +278,7 @@ def decide(
     c: JobConfig,
     replicate: int,
     device_kind: str,
+    accum: int,
 ) -> Decision:
     if strategy == "auto":
         return choose_strategy(
@@ -262,11 +289,10 @@ def decide(
             c.parallel.shard,
             allow_offload=device_kind == "cuda",
             device=device_kind,
-            grad_accum=c.data.grad_accum,
+            grad_accum=accum,
         )
     offload = c.parallel.cpu_offload
     shard_degree = world // replicate if strategy == "hsdp" else None
-    accum = c.data.grad_accum
     est = estimate_memory(
         w, strategy, world, c.parallel.shard, offload, shard_degree, device_kind, accum
     )

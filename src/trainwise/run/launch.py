@@ -1,4 +1,4 @@
-"""Starting the workers through torchrun's elastic agent (single node in this release).
+"""Starting this machine's workers through torchrun's elastic agent (c10d rendezvous).
 
 The agent runs `python -m trainwise.run.worker RUN_DIR` per worker with torchrun's
 variables set; the workers inherit this terminal, so their output and tracebacks reach
@@ -91,6 +91,7 @@ def launch_workers(
         run_id=c.rdzv_id or f"trainwise-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint=c.rdzv_endpoint or f"127.0.0.1:{master_port or 0}",
+        rdzv_configs=rdzv_configs(c),
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
@@ -133,6 +134,19 @@ def launch_workers(
             f"preempted by {stopped[-1].get('signal')} after step {stopped[-1].get('step')}; "
             "the checkpoint is saved: run the same command again to resume"
         )
+
+
+def rdzv_configs(c: ClusterConfig) -> dict[str, object]:
+    """The c10d rendezvous' timing (torchrun's --rdzv-conf keys)."""
+    conf: dict[str, object] = {
+        "join_timeout": c.rdzv_timeout_s,
+        "last_call_timeout": c.rdzv_last_call_s,
+        "keep_alive_interval": max(1, c.node_timeout_s // 3),
+        "keep_alive_max_attempt": 3,
+    }
+    if c.node_rank is not None:
+        conf["is_host"] = c.node_rank == 0
+    return conf
 
 
 def _events_since(run_dir: Path, since: float, kind: str) -> list[dict]:

@@ -88,7 +88,7 @@ def build_trainer(
 
     stepper = Stepper(
         model, bundle.loss_fn, optimizer, scheduler, scaler, autocast,
-        c.data.grad_accum, c.train.grad_clip, device,
+        job.grad_accum, c.train.grad_clip, device,
     )  # fmt: skip
     return Trainer(
         model, bundle.loss_fn, optimizer, scheduler, scaler, autocast, stepper, rank, world

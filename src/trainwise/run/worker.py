@@ -35,6 +35,7 @@ from trainwise.run.distributed import (
     dist_env_from,
     get_logger,
     init_process_group,
+    network_line,
     side_group,
 )
 from trainwise.run.events import append_event, read_events, retry_cost
@@ -131,6 +132,21 @@ def agree_run_dir(
     return run_dir
 
 
+def record_membership(run_dir: Path, env: DistEnv, attempt: int, step: int) -> None:
+    """The `ready` event of this attempt, after a `membership` event when the job now runs
+    on a different number of workers than its previous attempt (an elastic range lost or
+    gained machines)."""
+    nodes = env.world // max(env.local_world, 1)
+    before = [e for e in read_events(run_dir) if e["kind"] == "ready"]
+    if before and before[-1].get("world") not in (None, env.world):
+        last = before[-1]
+        append_event(
+            run_dir, "membership", attempt=attempt, step=step, from_world=last["world"],
+            world=env.world, from_nodes=last.get("nodes"), nodes=nodes,
+        )  # fmt: skip
+    append_event(run_dir, "ready", attempt=attempt, step=step, world=env.world, nodes=nodes)
+
+
 def _train(
     cfg: JobConfig,
     job: Job,
@@ -170,6 +186,11 @@ def _train(
         "trainwise: %s on %d x %s, %s", c.model.name, env.world, job.device.name,
         job.decision.reason,
     )  # fmt: skip
+    if env.world > 1:
+        log.info(
+            "trainwise: %d machine(s) x %d workers, %s", env.world // max(env.local_world, 1),
+            env.local_world, network_line(),
+        )  # fmt: skip
     if env.is_main and path:
         append_event(
             run_dir, "resume", attempt=faults.attempt, step=resumed.step, path=str(path),
@@ -199,7 +220,7 @@ def _train(
         # follow step `step` whatever the number of ranks (resharding skips and repeats none).
         return iter(
             build_loader(
-                train_ds, micro_batch=c.data.micro_batch, grad_accum=c.data.grad_accum,
+                train_ds, micro_batch=c.data.micro_batch, grad_accum=job.grad_accum,
                 dp_rank=dp_rank, dp_size=dp_size, seed=c.train.seed, start_step=step,
                 num_steps=c.train.steps - step, num_workers=c.data.num_workers,
                 pin_memory=c.data.pin_memory and device.type == "cuda",
@@ -213,7 +234,7 @@ def _train(
     rollbacks = 0
     preempted = None
     if env.is_main:
-        append_event(run_dir, "ready", attempt=faults.attempt, step=step, world=env.world)
+        record_membership(run_dir, env, faults.attempt, step)
     control.install()
     stage = "start-up"
     failed = False
