@@ -1,0 +1,336 @@
+"""Scheduler files for a job on several machines: a Slurm batch script and a Kubeflow
+PyTorchJob manifest, each running one trainwise launcher per node (torchrun's elastic
+agent, c10d rendezvous on the first node), which starts that node's workers itself.
+
+Pure functions of a `ClusterJob`: the same job gives the same bytes (no timestamps, no
+paths of this machine, a fixed order), so the files can be reviewed, diffed and tested
+against golden copies. Bad generator input raises one ConfigError listing every problem.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+
+import yaml
+
+from trainwise.errors import ConfigError
+
+# Slurm warns the batch shell this long before the time limit (--signal=B:USR1@...). It
+# must cover a synchronous save: the launcher gives its workers 120 s after the signal
+# (trainwise.run.launch.SHUTDOWN_GRACE_S) before it kills them.
+SIGNAL_LEAD_S = 180
+# Kubernetes waits this long between SIGTERM and SIGKILL when it deletes a pod (the
+# default, 30 s, is too short for a save).
+TERMINATION_GRACE_S = 180
+
+CONFIG_MOUNT = "/etc/trainwise"  # the ConfigMap's job.toml, in every pod
+RUNS_MOUNT = "/runs"  # the shared volume that holds the run directories
+HEREDOC_END = "TRAINWISE_JOB_TOML"
+
+_DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_SLURM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# minutes, minutes:seconds, hours:minutes:seconds, days-hours[:minutes[:seconds]]
+_SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}")
+
+
+@dataclass(frozen=True)
+class ClusterJob:
+    """One job on a cluster, as the scheduler files need it."""
+
+    name: str  # Slurm job name / PyTorchJob name; also the run directory's name
+    config_text: str  # the job's TOML, embedded verbatim
+    nodes: int  # machines (the most, with min_nodes)
+    gpus_per_node: int  # workers per machine (trainwise train --nproc)
+    min_nodes: int | None = None  # elastic: the fewest machines to train on
+    port: int = 29400  # c10d rendezvous port on the first node
+    run_dir: str | None = None  # Slurm: default runs/<name>; Kubernetes: always /runs/<name>
+    sets: tuple[str, ...] = ()  # --set KEY=VALUE overrides, passed to every launcher
+    partition: str | None = None  # Slurm only
+    time: str | None = None  # Slurm only: the time limit
+    account: str | None = None  # Slurm only
+    image: str | None = None  # Kubernetes only: a container image with trainwise installed
+    max_restarts: int = 3  # Kubernetes only: elasticPolicy.maxRestarts
+    pvc: str | None = None  # Kubernetes only: claim for /runs; default <name>-runs
+
+
+def default_job_name(stem: str) -> str:
+    """A config file's stem as a job name that Slurm and Kubernetes (a DNS-1035 label:
+    lowercase letters, digits, '-', starting with a letter) both accept."""
+    name = re.sub(r"[^a-z0-9]+", "-", stem.lower()).strip("-")
+    if not name:
+        return "job"
+    if not name[0].isalpha():
+        name = "job-" + name
+    return name[:40].rstrip("-")
+
+
+def check_cluster_job(job: ClusterJob, scheduler: str) -> None:
+    """Raise one ConfigError naming every bad generator input (`scheduler`: slurm, k8s)."""
+    problems = []
+    if job.nodes < 1:
+        problems.append(f"--nodes {job.nodes}: give at least 1 machine")
+    if job.gpus_per_node < 1:
+        problems.append(f"--gpus-per-node {job.gpus_per_node}: give at least 1")
+    if job.min_nodes is not None and not 1 <= job.min_nodes <= job.nodes:
+        problems.append(
+            f"--min-nodes {job.min_nodes} with --nodes {job.nodes}: "
+            "need 1 <= --min-nodes <= --nodes"
+        )
+    if not 1 <= job.port <= 65535:
+        problems.append(f"--port {job.port}: give a TCP port, 1 to 65535")
+    if scheduler == "slurm":
+        if not _SLURM_NAME.fullmatch(job.name):
+            problems.append(
+                f"--name {job.name!r}: use letters, digits, '.', '_' and '-' "
+                "(it names the run directory too)"
+            )
+        if job.time is not None and not _SLURM_TIME.fullmatch(job.time):
+            problems.append(
+                f"--time {job.time!r}: use Slurm's format, e.g. 90 (minutes), 24:00:00 "
+                "or 2-00:00:00 (days-hours:minutes:seconds)"
+            )
+        if any(line == HEREDOC_END for line in job.config_text.splitlines()):
+            problems.append(f"the config has a line {HEREDOC_END!r}: remove it")
+    else:
+        longest = len(f"-worker-{max(job.nodes, 1) - 1}")
+        if not _DNS_1035.fullmatch(job.name) or len(job.name) + longest > 63:
+            problems.append(
+                f"--name {job.name!r}: a PyTorchJob name must be a DNS-1035 label "
+                "(lowercase letters, digits and '-', starting with a letter, not ending "
+                f"with '-'), at most {63 - longest} characters here (pods are NAME-worker-N)"
+            )
+        if not job.image:
+            problems.append("--image: give a container image with trainwise installed")
+        if job.max_restarts < 0:
+            problems.append(f"--max-restarts {job.max_restarts}: give 0 or more")
+    if problems:
+        raise ConfigError(problems)
+
+
+def nnodes_arg(job: ClusterJob) -> str:
+    """trainwise train's --nnodes: N, or MIN:MAX for an elastic range."""
+    if job.min_nodes is None:
+        return str(job.nodes)
+    return f"{job.min_nodes}:{job.nodes}"
+
+
+def train_command(
+    job: ClusterJob, config: str, rdzv_endpoint: str, rdzv_id: str, run_dir: str
+) -> list[str]:
+    """The launcher's command on every node, the same on each."""
+    command = [
+        "trainwise", "train",
+        "--config", config,
+        "--nnodes", nnodes_arg(job),
+        "--nproc", str(job.gpus_per_node),
+        "--rdzv-endpoint", rdzv_endpoint,
+        "--rdzv-id", rdzv_id,
+        "--run-dir", run_dir,
+    ]  # fmt: skip
+    for item in job.sets:
+        command += ["--set", item]
+    return command
+
+
+def job_run_dir(job: ClusterJob, scheduler: str) -> str:
+    """The run directory every node writes to: on Slurm --run-dir or runs/<name> (relative
+    to the submit directory); on Kubernetes /runs/<name> on the shared claim."""
+    if scheduler == "k8s":
+        return f"{RUNS_MOUNT}/{job.name}"
+    return job.run_dir or f"runs/{job.name}"
+
+
+# --- Slurm ---------------------------------------------------------------------------
+
+
+def srun_line(job: ClusterJob) -> str:
+    """The batch script's one srun line (the README quotes it for its example). Each task
+    is a node's launcher: under srun with a rendezvous endpoint, `trainwise train` starts
+    the elastic agent instead of training as one of srun's ranks (cli.train.is_worker)."""
+    command = train_command(
+        job,
+        config="$RUN_DIR/job.toml",
+        rdzv_endpoint=f"$HEAD_NODE:{job.port}",
+        rdzv_id="$SLURM_JOB_ID",
+        run_dir="$RUN_DIR",
+    )
+    prefix = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0"]
+    return " ".join(prefix + [_shell_word(word) for word in command])
+
+
+def _shell_word(word: str) -> str:
+    """Our own `$VAR` placeholders in double quotes (expanded by the shell); anything
+    else quoted so that the shell passes it through as is."""
+    if word.startswith("$"):
+        return f'"{word}"'
+    return shlex.quote(word)
+
+
+def slurm_script(job: ClusterJob) -> str:
+    """An sbatch script: one trainwise launcher per node, rendezvous on the first node,
+    a checkpoint and a requeue when the time limit comes near."""
+    check_cluster_job(job, "slurm")
+    directives = [
+        f"--job-name={job.name}",
+        f"--nodes={job.nodes}",
+        "--ntasks-per-node=1",
+        f"--gpus-per-node={job.gpus_per_node}",
+    ]
+    directives += [f"--partition={job.partition}"] if job.partition else []
+    directives += [f"--time={job.time}"] if job.time else []
+    directives += [f"--account={job.account}"] if job.account else []
+    directives += [
+        "--requeue",
+        f"--signal=B:USR1@{SIGNAL_LEAD_S}",
+        "--output=%x-%j.out",
+        "--open-mode=append",
+    ]
+    config = job.config_text if job.config_text.endswith("\n") else job.config_text + "\n"
+    shape = f"{job.nodes} nodes x {job.gpus_per_node} GPUs"
+    if job.min_nodes is not None:
+        shape += f", elastic down to {job.min_nodes} nodes"
+    lines = [
+        "#!/bin/bash",
+        *(f"#SBATCH {d}" for d in directives),
+        f"# trainwise job '{job.name}', {shape}. Written by `trainwise launch slurm`;",
+        "# submit with `sbatch FILE`. The log is %x-%j.out in the submit directory,",
+        "# appended to when the job is requeued.",
+        "",
+        "set -euo pipefail",
+        "",
+        "# The run directory must be on storage that every node sees: each rank writes its",
+        "# checkpoint shards there, and a requeued job resumes from the newest checkpoint.",
+        f"RUN_DIR={shlex.quote(job_run_dir(job, 'slurm'))}",
+        'mkdir -p "$RUN_DIR"',
+        "",
+        "# The job file, verbatim (a quoted heredoc: nothing in it is expanded).",
+        f"cat > \"$RUN_DIR/job.toml\" <<'{HEREDOC_END}'",
+        config + HEREDOC_END,
+        "",
+        "# The first node hosts the c10d rendezvous; every node's launcher meets it there.",
+        'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "",
+        f"# One launcher per node starts that node's {job.gpus_per_node} workers itself.",
+        "# --kill-on-bad-exit=0: a failing node does not take the others down at once; the",
+        "# elastic agents decide. The rendezvous id is the Slurm job id, which a requeued",
+        "# job keeps.",
+        srun_line(job) + " &",
+        "SRUN_PID=$!",
+        "",
+        f"# Slurm sends USR1 to this shell {SIGNAL_LEAD_S} s before the time limit. srun passes it",
+        "# to the launchers, whose workers save a checkpoint and exit; then the job is",
+        "# requeued and resumes from that checkpoint.",
+        "requeue() {",
+        '    echo "trainwise: time limit near; checkpointing, then requeueing job $SLURM_JOB_ID"',
+        '    kill -USR1 "$SRUN_PID" 2>/dev/null || true',
+        '    wait "$SRUN_PID" || true',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "    exit 0",
+        "}",
+        "trap requeue USR1",
+        "",
+        'wait "$SRUN_PID"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# --- Kubernetes ------------------------------------------------------------------------
+
+
+class _Dumper(yaml.SafeDumper):
+    """yaml.SafeDumper that writes multi-line strings (the job file) as literal blocks."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def pytorchjob_manifest(job: ClusterJob) -> str:
+    """A ConfigMap with the job file and a kubeflow.org/v1 PyTorchJob whose Worker pods
+    each run one trainwise launcher; the operator's elastic policy sets the range."""
+    check_cluster_job(job, "k8s")
+    config_map_name = f"{job.name}-config"
+    claim = job.pvc or f"{job.name}-runs"
+    command = train_command(
+        job,
+        config=f"{CONFIG_MOUNT}/job.toml",
+        rdzv_endpoint=f"{job.name}-worker-0:{job.port}",  # the operator's per-pod service
+        rdzv_id=job.name,
+        run_dir=job_run_dir(job, "k8s"),
+    )
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": config_map_name},
+        "data": {"job.toml": job.config_text},
+    }
+    container = {
+        "name": "pytorch",  # the operator looks for this name
+        "image": job.image,
+        "command": command,
+        # Named so that the operator's per-pod service uses it (else it adds port 23456).
+        "ports": [{"name": "pytorchjob-port", "containerPort": job.port}],
+        "resources": {"limits": {"nvidia.com/gpu": job.gpus_per_node}},
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+            {"name": "runs", "mountPath": RUNS_MOUNT},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+    }
+    pytorch_job = {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": job.name},
+        "spec": {
+            "elasticPolicy": {
+                "rdzvBackend": "c10d",
+                "minReplicas": job.min_nodes or job.nodes,
+                "maxReplicas": job.nodes,
+                "maxRestarts": job.max_restarts,
+                "nProcPerNode": job.gpus_per_node,
+            },
+            "pytorchReplicaSpecs": {
+                "Worker": {
+                    "replicas": job.nodes,
+                    "restartPolicy": "OnFailure",
+                    "template": {
+                        "spec": {
+                            "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+                            "containers": [container],
+                            "volumes": [
+                                {"name": "config", "configMap": {"name": config_map_name}},
+                                {"name": "runs", "persistentVolumeClaim": {"claimName": claim}},
+                                # DataLoader worker processes share batches through /dev/shm,
+                                # which a container's default (64 MB) is too small for.
+                                {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                            ],
+                        }
+                    },
+                }
+            },
+        },
+    }
+    shape = f"{job.nodes} nodes x {job.gpus_per_node} GPUs"
+    if job.min_nodes is not None:
+        shape += f", elastic down to {job.min_nodes} nodes"
+    header = [
+        f"# trainwise job '{job.name}', {shape}. Written by `trainwise launch k8s`;",
+        "# apply with `kubectl apply -f FILE` (needs the Kubeflow training operator).",
+        f"# The PersistentVolumeClaim {claim} must exist, ReadWriteMany: every pod writes its",
+        f"# checkpoint shards to {RUNS_MOUNT}/{job.name}, and a restarted pod resumes from there.",
+    ]
+    body = yaml.dump_all(
+        [config_map, pytorch_job],
+        Dumper=_Dumper,
+        sort_keys=False,
+        default_flow_style=False,
+        allow_unicode=True,
+        explicit_start=True,
+    )
+    return "\n".join(header) + "\n" + body

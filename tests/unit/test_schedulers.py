@@ -1,0 +1,233 @@
+"""Unit tests of `trainwise launch slurm|k8s` (trainwise.run.schedulers): the generated
+files equal the golden copies byte for byte and are stable; the sbatch script is valid
+bash with the README's srun line; the manifest is a valid PyTorchJob; the launcher
+command in both parses with trainwise's own argparse into a valid multi-node job; bad
+input is one line and exit status 2.
+
+The golden files are tests/golden/job.sbatch and tests/golden/job.yaml, generated from
+tests/golden/job.toml. After an intended change, regenerate them and review the diff:
+
+    TRAINWISE_UPDATE_GOLDEN=1 .venv/bin/pytest -q tests/unit/test_schedulers.py
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainwise.cli.main import build_parser, main
+from trainwise.cli.train import check_multi_node, job_flags
+from trainwise.config import JobConfig, load_config
+from trainwise.run.schedulers import ClusterJob, pytorchjob_manifest, srun_line
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = REPO / "tests" / "golden"
+CONFIG = GOLDEN / "job.toml"
+NODES, GPUS = 4, 8
+IMAGE = "registry.example.com/trainwise:0.1.0"
+COMMANDS = {
+    "job.sbatch": ["launch", "slurm", "--config", str(CONFIG), "--nodes", str(NODES),
+                   "--gpus-per-node", str(GPUS), "--partition", "gpu", "--time", "24:00:00"],
+    "job.yaml": ["launch", "k8s", "--config", str(CONFIG), "--nodes", str(NODES),
+                 "--gpus-per-node", str(GPUS), "--image", IMAGE],
+}  # fmt: skip
+# What the shell would put in for the srun line's variables.
+SAMPLE_ENV = {"RUN_DIR": "runs/job", "HEAD_NODE": "node001", "SLURM_JOB_ID": "4242"}
+
+
+def generate(name: str, capsys) -> str:
+    capsys.readouterr()
+    assert main([*COMMANDS[name], "--print"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    return captured.out
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_print_equals_golden_and_is_stable(name, capsys):
+    text = generate(name, capsys)
+    assert generate(name, capsys) == text
+    golden = GOLDEN / name
+    if os.environ.get("TRAINWISE_UPDATE_GOLDEN") == "1":
+        golden.write_bytes(text.encode())
+    assert golden.read_bytes() == text.encode(), f"{name} differs from {golden}; see docstring"
+
+
+def test_output_file_has_the_printed_bytes(tmp_path, capsys):
+    out = tmp_path / "job.sbatch"
+    assert main([*COMMANDS["job.sbatch"], "-o", str(out)]) == 0
+    line = capsys.readouterr().out
+    assert line.count("\n") == 1 and f"sbatch {out}" in line
+    assert out.read_bytes() == (GOLDEN / "job.sbatch").read_bytes()
+
+
+def readme_job() -> ClusterJob:
+    """The README's example: job.toml on 4 nodes x 8 GPUs, everything else default."""
+    return ClusterJob(name="job", config_text=CONFIG.read_text(), nodes=NODES, gpus_per_node=GPUS)
+
+
+def test_sbatch_is_valid_bash_with_the_readme_srun_line(capsys):
+    script = generate("job.sbatch", capsys)
+    res = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    assert res.returncode == 0, res.stderr
+    line = srun_line(readme_job())
+    assert line + " &\n" in script
+    assert line in (REPO / "README.md").read_text()
+    for directive in ("--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8", "--requeue",
+                      "--signal=B:USR1@180", "--partition=gpu", "--time=24:00:00"):  # fmt: skip
+        assert f"#SBATCH {directive}\n" in script
+    assert "#SBATCH --account" not in script
+    # The config is embedded verbatim, unexpanded.
+    assert "<<'TRAINWISE_JOB_TOML'\n" + CONFIG.read_text() + "TRAINWISE_JOB_TOML\n" in script
+    assert 'kill -USR1 "$SRUN_PID"' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+
+
+def test_signal_comes_before_the_launcher_gives_up_on_a_save():
+    from trainwise.run.launch import SHUTDOWN_GRACE_S
+    from trainwise.run.schedulers import SIGNAL_LEAD_S, TERMINATION_GRACE_S
+
+    assert SIGNAL_LEAD_S > SHUTDOWN_GRACE_S and TERMINATION_GRACE_S > SHUTDOWN_GRACE_S
+
+
+def parse_train(command: list[str]):
+    """trainwise's own parser on a launcher command (from `trainwise` on)."""
+    start = command.index("trainwise")
+    args = build_parser().parse_args(command[start + 1 :])
+    assert args.command == "train"
+    return args
+
+
+def assert_valid_multi_node_job(args, nnodes: str) -> JobConfig:
+    assert (args.nnodes, args.nproc) == (nnodes, GPUS)
+    cfg = load_config(CONFIG, job_flags(args), args.set)
+    check_multi_node(cfg)  # rendezvous endpoint, id and run dir all given
+    return cfg
+
+
+@pytest.mark.parametrize("min_nodes", [None, 2])
+def test_srun_line_parses_as_trainwise_train(min_nodes, monkeypatch):
+    from trainwise.cli.train import is_worker
+
+    job = ClusterJob(
+        name="job", config_text=CONFIG.read_text(), nodes=NODES, gpus_per_node=GPUS,
+        min_nodes=min_nodes, sets=("optim.lr=3e-4", "train.seed=7"),
+    )  # fmt: skip
+    line = srun_line(job)
+    for var, value in SAMPLE_ENV.items():
+        line = line.replace(f"${var}", value)
+    args = parse_train(shlex.split(line))
+    assert args.rdzv_endpoint == "node001:29400" and args.rdzv_id == "4242"
+    assert args.set == ["optim.lr=3e-4", "train.seed=7"]
+    cfg = assert_valid_multi_node_job(args, f"{min_nodes}:{NODES}" if min_nodes else str(NODES))
+    # Each srun task (one per node) starts the elastic agent, not training as a rank.
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    srun_env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": str(NODES)}
+    for var, value in srun_env.items():
+        monkeypatch.setenv(var, value)
+    assert not is_worker(cfg)
+
+
+def manifest(capsys) -> tuple[dict, dict]:
+    config_map, job = yaml.safe_load_all(generate("job.yaml", capsys))
+    return config_map, job
+
+
+def test_manifest_is_a_pytorchjob(capsys, tmp_path):
+    config_map, job = manifest(capsys)
+    assert (job["apiVersion"], job["kind"], job["metadata"]["name"]) == (
+        "kubeflow.org/v1",
+        "PyTorchJob",
+        "job",
+    )
+    policy = job["spec"]["elasticPolicy"]
+    assert policy["rdzvBackend"] == "c10d"
+    assert 1 <= policy["minReplicas"] <= policy["maxReplicas"] == NODES
+    assert policy["maxRestarts"] == 3 and policy["nProcPerNode"] == GPUS
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert worker["replicas"] == NODES and worker["restartPolicy"] == "OnFailure"
+    pod = worker["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["name"] == "pytorch" and container["image"] == IMAGE
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == GPUS
+    assert container["ports"] == [{"name": "pytorchjob-port", "containerPort": 29400}]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert set(mounts.values()) <= set(volumes)
+    assert volumes[mounts["/etc/trainwise"]]["configMap"]["name"] == config_map["metadata"]["name"]
+    assert volumes[mounts["/runs"]]["persistentVolumeClaim"]["claimName"] == "job-runs"
+    assert volumes[mounts["/dev/shm"]]["emptyDir"] == {"medium": "Memory"}
+
+    assert (config_map["apiVersion"], config_map["kind"]) == ("v1", "ConfigMap")
+    text = config_map["data"]["job.toml"]
+    assert text == CONFIG.read_text()
+    mounted = tmp_path / "job.toml"  # what the pods read
+    mounted.write_text(text)
+    assert load_config(mounted) == load_config(CONFIG)
+
+
+def test_manifest_command_parses_as_trainwise_train(capsys):
+    _, job = manifest(capsys)
+    container = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    args = parse_train(container["command"])
+    assert args.config == "/etc/trainwise/job.toml"
+    assert args.rdzv_endpoint == "job-worker-0:29400" and args.rdzv_id == "job"
+    assert args.run_dir == "/runs/job"
+    assert_valid_multi_node_job(args, str(NODES))
+
+
+def test_manifest_elastic_range_and_sets():
+    job = ClusterJob(
+        name="job", config_text=CONFIG.read_text(), nodes=NODES, gpus_per_node=GPUS,
+        min_nodes=2, image=IMAGE, pvc="shared", max_restarts=5, sets=("optim.lr=3e-4",),
+    )  # fmt: skip
+    _, doc = yaml.safe_load_all(pytorchjob_manifest(job))
+    policy = doc["spec"]["elasticPolicy"]
+    assert (policy["minReplicas"], policy["maxReplicas"], policy["maxRestarts"]) == (2, NODES, 5)
+    pod = doc["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert pod["volumes"][1]["persistentVolumeClaim"]["claimName"] == "shared"
+    args = parse_train(pod["containers"][0]["command"])
+    assert args.set == ["optim.lr=3e-4"]
+    assert_valid_multi_node_job(args, f"2:{NODES}")
+
+
+BAD = {
+    "min-nodes above nodes": ["slurm", "--nodes", "2", "--min-nodes", "3"],
+    "no nodes": ["slurm", "--nodes", "0"],
+    "bad time": ["slurm", "--nodes", "2", "--time", "1h"],
+    "bad slurm name": ["slurm", "--nodes", "2", "--name", "a b"],
+    "k8s name not a label": ["k8s", "--nodes", "2", "--image", IMAGE, "--name", "Job_1"],
+    "k8s name too long": ["k8s", "--nodes", "2", "--image", IMAGE, "--name", "a" * 60],
+    "bad --set": ["k8s", "--nodes", "2", "--image", IMAGE, "--set", "optim.lrr=1"],
+}
+
+
+@pytest.mark.parametrize("argv", list(BAD.values()), ids=list(BAD))
+def test_bad_input_is_one_line_and_exit_2(argv, capsys):
+    scheduler, *rest = argv
+    code = main(["launch", scheduler, "--config", str(CONFIG), *rest, "--print"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert captured.err.count("\n") == 1 and captured.err.startswith("trainwise: error: ")
+
+
+@pytest.mark.parametrize("scheduler", [["slurm"], ["k8s", "--image", IMAGE]])
+def test_missing_config_is_exit_2(scheduler, tmp_path, capsys):
+    missing = tmp_path / "nope.toml"
+    code = main(["launch", *scheduler, "--config", str(missing), "--nodes", "2", "--print"])
+    assert code == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_default_name_is_dns_safe(tmp_path, capsys):
+    config = tmp_path / "2 My_Job.v1.toml"
+    config.write_text(CONFIG.read_text())
+    argv = ["launch", "k8s", "--config", str(config), "--nodes", "2", "--image", IMAGE, "--print"]
+    assert main(argv) == 0
+    _, job = yaml.safe_load_all(capsys.readouterr().out)
+    assert job["metadata"]["name"] == "job-2-my-job-v1"
