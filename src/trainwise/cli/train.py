@@ -55,6 +55,11 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--rdzv-id", help="the job's id at the rendezvous (cluster.rdzv_id)")
     p.add_argument(
+        "--local-addr",
+        metavar="ADDR",
+        help="this machine's address as the others reach it (cluster.local_addr)",
+    )
+    p.add_argument(
         "--node-rank",
         type=int,
         help="0 on the machine of --rdzv-endpoint, which hosts the rendezvous (cluster.node_rank)",
@@ -90,6 +95,7 @@ def job_flags(args: argparse.Namespace) -> dict[str, object]:
         "cluster.rdzv_endpoint": args.rdzv_endpoint,
         "cluster.rdzv_id": args.rdzv_id,
         "cluster.node_rank": args.node_rank,
+        "cluster.local_addr": args.local_addr,
         "cluster.nproc": args.nproc,
         "parallel.strategy": args.strategy,
         "precision.dtype": args.precision,

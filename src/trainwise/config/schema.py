@@ -122,7 +122,7 @@ class ParallelConfig(Section):
     )
     cpu_offload: bool = Field(False, description="fsdp: keep sharded state in CPU memory.")
     replicate: int | None = Field(
-        None, gt=0, description="hsdp: replica groups, e.g. the number of nodes (default 1)."
+        None, gt=0, description="hsdp: replica groups; default: the number of machines."
     )
     ac: Literal["none", "selective", "full"] = Field(
         "none",
@@ -297,6 +297,11 @@ class ClusterConfig(Section):
         None,
         description="Network interface for gloo and NCCL (GLOO_SOCKET_IFNAME, "
         "NCCL_SOCKET_IFNAME); default: theirs.",
+    )
+    local_addr: str | None = Field(
+        None,
+        description="This machine's address as the others reach it (torchrun's --local-addr); "
+        "default: its hostname. Set it where the hostname resolves to another network.",
     )
     node_rank: int | None = Field(
         None,

@@ -92,6 +92,7 @@ def launch_workers(
         rdzv_backend="c10d",
         rdzv_endpoint=c.rdzv_endpoint or f"127.0.0.1:{master_port or 0}",
         rdzv_configs=rdzv_configs(c),
+        local_addr=c.local_addr,
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
