@@ -119,37 +119,26 @@ def _remove(hosts: list[Host]) -> None:
 
 
 def _on_hosts(root: Path, hosts: list[Host], run: str, *args: str) -> list[tuple[str, str]]:
-    """The same `trainwise` command on both hosts, the first hosting the rendezvous."""
+    """The same `trainwise` command on both hosts, the first hosting the rendezvous. Each
+    host works in its own folder `root/HOSTNAME`: the run directory is per machine."""
     endpoint = f"{hosts[0].address}:{free_port()}"
-    procs = [
-        subprocess.Popen(
-            h.command(
-                *args,
-                "--nnodes",
-                "2",
-                "--nproc",
-                "1",
-                "--rdzv-endpoint",
-                endpoint,
-                "--rdzv-id",
-                run,
-                "--run-dir",
-                run,
-                "--node-rank",
-                str(i),
-                "--local-addr",
-                h.address,
-                "--set",
-                f"cluster.socket_ifname={h.interface}",
-            ),
-            cwd=root,
-            env=cli_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for i, h in enumerate(hosts)
-    ]
+    procs = []
+    for i, h in enumerate(hosts):
+        cwd = root / h.hostname
+        cwd.mkdir(exist_ok=True)
+        where = ["--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", run,
+                 "--run-dir", run, "--node-rank", str(i), "--local-addr", h.address,
+                 "--set", f"cluster.socket_ifname={h.interface}"]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                h.command(*args, *where),
+                cwd=cwd,
+                env=cli_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+        )
     outputs = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, outputs, strict=True):
         assert p.returncode in (0, 1), err[-3000:]  # the doctor exits 1 on a failed check
@@ -159,20 +148,25 @@ def _on_hosts(root: Path, hosts: list[Host], run: str, *args: str) -> list[tuple
 def test_two_hosts_train_the_same_model_as_one_node_with_two_workers(
     tmp_path: Path, hosts: list[Host], one_node
 ):
-    outputs = _on_hosts(tmp_path, hosts, "two", "train", *JOB)
-    for out, _ in outputs:
-        assert "run dir    two" in out  # each machine reports the shared run
-    assert "strategy   ddp" in outputs[0][0] and "2 x cpu" in outputs[0][0]
+    # Run directories per machine; the checkpoints on storage both see.
+    shared = tmp_path / "shared-checkpoints"
+    outputs = _on_hosts(tmp_path, hosts, "two", "train", *JOB, "--set", f"checkpoint.dir={shared}")
+    a, b = (tmp_path / h.hostname / "two" for h in hosts)
+    # Rank 0 (the first address) is on the first host: its machine has the summary.
+    assert "run dir    two" in outputs[0][0] and "2 x cpu" in outputs[0][0]
+    assert "rank 0's machine has two/summary.json" in outputs[1][0]
+    assert (b / "config.toml").is_file() and not (b / "metrics.jsonl").exists()
+    committed = sorted(p.parent.name for p in shared.glob("*/manifest.json"))
+    assert committed == ["step-00000008", "step-00000010"]  # keep_last = 2
     # The start-up log names the interface the collectives use: the veth pair.
-    log = outputs[0][1] + outputs[1][1]
-    assert f"2 machine(s) x 1 workers, interface {hosts[0].interface}" in log
-    two = read_records(tmp_path / "two")
+    assert f"2 machine(s) x 1 workers, interface {hosts[0].interface}" in outputs[0][1]
+    two = read_records(a)
     assert len(two) == STEPS
     assert _rel_diff(two, _reference(one_node), range(1, STEPS + 1)) < 1e-5
 
     _on_hosts(tmp_path, hosts, "doc", "doctor", "--only", "versions,bandwidth", *QUIET,
               "--set", "doctor.max_message_mb=1")  # fmt: skip
-    record = json.loads((tmp_path / "doc" / "doctor.json").read_text())
+    record = json.loads((tmp_path / hosts[0].hostname / "doc" / "doctor.json").read_text())
     checks = {c["name"]: c for c in record["checks"]}
     assert checks["versions"]["status"] == "pass"
     ranks = checks["versions"]["data"]["ranks"]

@@ -363,3 +363,13 @@ def test_dump_toml_is_commented_with_descriptions():
     text = dump_toml(load_config())
     assert "[optim]" in text
     assert "# Peak learning rate." in text  # OptimConfig.lr's description
+
+
+def test_job_hash_is_the_same_on_every_machine_of_a_job():
+    from trainwise.config import job_hash
+
+    two = {"cluster.nodes": 2}
+    a = load_config(None, {**two, "cluster.node_rank": 0, "cluster.local_addr": "10.0.0.1"}, [])
+    b = load_config(None, {**two, "cluster.node_rank": 1, "cluster.socket_ifname": "eth1"}, [])
+    assert job_hash(a) == job_hash(b)
+    assert job_hash(a) != job_hash(load_config(None, {**two, "optim.lr": 1e-2}, []))

@@ -211,6 +211,46 @@ def test_forced_fsdp_is_kept_with_its_reason():
     assert "set by parallel.strategy" in job.decision.reason
 
 
+# --- several machines: hsdp ----------------------------------------------------------------
+
+# 16 ranks need 2-token batches and no held-out evaluation on the small synthetic data.
+MANY = ("data.micro_batch=2", "train.eval_every=0")
+# 3 MB devices: the default model's replica (3.5 MB) does not fit 2.7 MB usable; fsdp over
+# 16 (2.0 MB) and hsdp over 8 (2.1 MB) do. Between machines 0.01 GB/s, within the catalog's
+# cpu loopback at 2 GB/s: the planner predicts fsdp 0.138 s a step, hsdp 0.00921 s.
+TINY_SLOW = (*MANY, "cluster.device_memory_gb=0.003", "cluster.inter_node_gbps=0.01")
+
+
+def test_auto_on_two_machines_with_a_slow_link_is_hsdp_across_them():
+    job = prepare_job(cfg(*TINY_SLOW), 16, CPU, local_world=8)
+    assert (job.strategy, job.replicate, job.cpu_offload) == ("hsdp", 2, False)
+    assert job.dp_size == 16
+    assert job.decision.reason.startswith("hsdp: ")
+    assert "each of the 2 machines" in job.decision.reason
+    assert "0.00921 s against fsdp's 0.138 s" in job.decision.reason
+    assert job.summary_dict()["replicate"] == 2
+
+
+def test_auto_on_one_machine_with_the_same_model_is_fsdp():
+    job = prepare_job(cfg(*TINY_SLOW), 16, CPU, local_world=16)
+    assert (job.strategy, job.replicate) == ("fsdp", 1)
+    assert "hsdp" not in job.decision.reason
+
+
+def test_auto_on_two_machines_that_fit_a_replica_is_ddp():
+    job = prepare_job(cfg(*MANY, "cluster.inter_node_gbps=0.01"), 16, CPU, local_world=8)
+    assert (job.strategy, job.replicate) == ("ddp", 1)
+
+
+def test_hsdp_replicates_across_the_machines_by_default():
+    job = prepare_job(cfg("parallel.strategy=hsdp"), 4, CPU, local_world=2)
+    assert (job.strategy, job.replicate) == ("hsdp", 2)
+    # On one machine the default stays 1; a given replicate is kept.
+    assert prepare_job(cfg("parallel.strategy=hsdp"), 4, CPU).replicate == 1
+    given = cfg("parallel.strategy=hsdp", "parallel.replicate=4")
+    assert prepare_job(given, 4, CPU, local_world=2).replicate == 4
+
+
 # --- resolve_nproc -------------------------------------------------------------------------
 
 

@@ -1,12 +1,14 @@
-"""Strategy wrapping that needs no process group: activation checkpointing and the
-block replacement it does."""
+"""Strategy wrapping that needs no real process group: activation checkpointing and the
+block replacement it does; the hsdp mesh's layout, on PyTorch's in-process fake backend."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from trainwise.models import ModelSpec, build_model
-from trainwise.run.parallelize import apply_ac
+from trainwise.run.parallelize import apply_ac, build_mesh
 
 
 def grads_after_one_step(ac: str, dropout: float) -> list[torch.Tensor]:
@@ -38,3 +40,16 @@ def test_ac_wraps_every_block_or_every_other_one():
     sel = apply_ac(bundle.module, list(bundle.blocks), "selective")
     wrapped = [type(b).__name__ == "CheckpointWrapper" for b in sel]
     assert wrapped == [i % 2 == 0 for i in range(n)]
+
+
+def test_hsdp_mesh_shards_within_a_machine_and_replicates_across():
+    # 2 machines x 8 ranks; torchrun numbers ranks machine by machine, so rank 9 is the
+    # second machine's second worker: it shards with ranks 8-15, replicates with rank 1.
+    dist.init_process_group("fake", store=FakeStore(), rank=9, world_size=16)
+    try:
+        mesh = build_mesh("hsdp", 16, 2, "cpu")
+        assert mesh.mesh.tolist() == [list(range(8)), list(range(8, 16))]
+        assert mesh["shard"].mesh.tolist() == list(range(8, 16))
+        assert mesh["replicate"].mesh.tolist() == [1, 9]
+    finally:
+        dist.destroy_process_group()

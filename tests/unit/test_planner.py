@@ -11,6 +11,7 @@ import pytest
 
 from trainwise.config import load_config
 from trainwise.models.shapes import PRESETS
+from trainwise.plan import choose_strategy
 from trainwise.plan.comm import Layout, exposed_seconds, step_collectives
 from trainwise.plan.cost import checkpoint_plan, job_cost
 from trainwise.plan.estimate import evaluate
@@ -409,3 +410,74 @@ def test_bare_parameter_count_has_no_activations():
     record = plan_record(make_plan(plan_inputs(**{"plan.params": 3_000_000_000})))
     assert record["inputs"]["shape"] is None
     assert all(s["memory_per_gpu"]["activations"] is None for s in record["strategies"])
+
+
+# --- the run-time auto across machines (choose_strategy with the planner's cluster) ----------
+
+H100 = 80 * GB  # a device's memory; 10 % headroom leaves 72 GB
+
+
+def _auto(world: int, device_bytes: float = H100, shard: str = "full", **flags):
+    """`auto` for llama-7b (micro-batch 1, bf16, AdamW) on `world` H100 workers, 8 a node."""
+    cluster = plan_inputs(**flags)
+    return choose_strategy(
+        cluster.workload, world, device_bytes, 0.1, shard, device="cuda", cluster=cluster
+    )
+
+
+def _step(inputs, name: str) -> float:
+    return evaluate(replace(inputs, global_batch=None), name).step.total
+
+
+def test_auto_on_two_machines_with_a_slow_link_picks_hsdp():
+    # One replica (170.8 GB) does not fit 72 GB; fsdp over 16 (33.4 GB) and hsdp over 8
+    # (40.5 GB) both do. At 12.5 GB/s between machines the planner predicts fsdp 4.16 s a
+    # step (its 50.5 GB per GPU all cross the network) and hsdp 0.492 s.
+    flags = {"cluster.nodes": 2, "cluster.inter_node_gbps": 12.5}
+    d = _auto(16, **flags)
+    inputs = plan_inputs(**flags)
+    assert (d.strategy, d.cpu_offload) == ("hsdp", False)
+    assert d.estimate == estimate_memory(inputs.workload, "hsdp", 16, shard_degree=8, device="cuda")
+    t_fsdp, t_hsdp = _step(inputs, "fsdp-full"), _step(inputs, "hsdp")
+    assert t_fsdp == pytest.approx(4.16, rel=0.01) and t_hsdp == pytest.approx(0.492, rel=0.01)
+    assert d.reason.startswith("hsdp: ")
+    assert "each of the 2 machines" in d.reason
+    assert f"{t_hsdp:.3g} s against fsdp's {t_fsdp:.3g} s" in d.reason  # the planner's figures
+    assert "12.5 GB/s" in d.reason
+
+
+def test_auto_on_one_machine_stays_fsdp():
+    d = _auto(8, **{"cluster.nodes": 1, "cluster.inter_node_gbps": 12.5})
+    assert d.strategy == "fsdp"
+    assert "hsdp" not in d.reason  # one machine: nothing to weigh, the reason as before
+
+
+def test_auto_on_two_machines_without_a_cluster_stays_fsdp():
+    d = choose_strategy(plan_inputs().workload, 16, H100, 0.1, device="cuda")
+    assert d.strategy == "fsdp" and "hsdp" not in d.reason
+
+
+def test_auto_on_two_machines_keeps_fsdp_when_hsdp_is_not_faster():
+    # The link between machines as fast as NVLink: the same step, and fsdp is the simpler.
+    d = _auto(16, **{"cluster.nodes": 2, "cluster.inter_node_gbps": 450})
+    assert d.strategy == "fsdp"
+    assert "not faster than fsdp's" in d.reason
+
+
+def test_auto_on_two_machines_keeps_fsdp_when_hsdp_does_not_fit():
+    # 40 GB devices: 36 GB usable holds fsdp's 33.4 GB, not hsdp's 40.5 GB.
+    d = _auto(16, 40 * GB, **{"cluster.nodes": 2, "cluster.inter_node_gbps": 12.5})
+    assert d.strategy == "fsdp"
+    assert "does not fit" in d.reason
+
+
+def test_auto_on_two_machines_with_grad_op_does_not_weigh_hsdp():
+    d = _auto(16, shard="grad_op", **{"cluster.nodes": 2, "cluster.inter_node_gbps": 12.5})
+    assert d.strategy == "fsdp"
+    assert "not weighed" in d.reason
+
+
+def test_auto_on_two_machines_keeps_ddp_when_a_replica_fits():
+    flags = {"cluster.nodes": 2, "cluster.inter_node_gbps": 12.5, "model.name": "gpt2-124m"}
+    d = _auto(16, **flags)
+    assert d.strategy == "ddp"

@@ -1,6 +1,13 @@
 """The schema of a job, loaded once at the edge with clear errors."""
 
-from trainwise.config.load import check_consistency, dump_toml, load_config, parse_value, read_toml
+from trainwise.config.load import (
+    check_consistency,
+    dump_toml,
+    job_hash,
+    load_config,
+    parse_value,
+    read_toml,
+)
 from trainwise.config.schema import JobConfig, Precision, Strategy
 
 __all__ = [
@@ -9,6 +16,7 @@ __all__ = [
     "Strategy",
     "check_consistency",
     "dump_toml",
+    "job_hash",
     "load_config",
     "parse_value",
     "read_toml",

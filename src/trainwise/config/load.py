@@ -6,6 +6,7 @@ key, the value, where it came from and what is allowed.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
 from pathlib import Path
@@ -138,6 +139,18 @@ def check_consistency(cfg: JobConfig) -> list[str]:
             "false: enable checkpoints or choose 'skip' or 'stop'"
         )
     return problems
+
+
+# What may differ between the machines of one job: each names its own place.
+PER_MACHINE = ("node_rank", "local_addr", "socket_ifname")
+
+
+def job_hash(cfg: JobConfig) -> str:
+    """A short id of the job's config (16 hex chars of a sha256), the same on every machine
+    of the job: the settings of PER_MACHINE are left out."""
+    cluster = cfg.cluster.model_copy(update=dict.fromkeys(PER_MACHINE))
+    text = dump_toml(cfg.model_copy(update={"cluster": cluster}))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def dump_toml(cfg: JobConfig) -> str:

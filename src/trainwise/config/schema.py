@@ -112,8 +112,9 @@ class ParallelConfig(Section):
     strategy: Strategy = Field(
         "auto",
         description="auto: ddp when one replica fits in device memory with headroom, else "
-        "fsdp (then fsdp with cpu offload); single: one process; ddp; fsdp (FSDP2); "
-        "hsdp: replicate x shard on a 2-D mesh.",
+        "fsdp (on several machines hsdp when the plan's step is faster; then fsdp with cpu "
+        "offload); single: one process; ddp; fsdp (FSDP2); hsdp: replicate x shard on a "
+        "2-D mesh.",
     )
     shard: Literal["full", "grad_op"] = Field(
         "full",

@@ -12,7 +12,7 @@ import time
 
 import torch.distributed as dist
 
-from trainwise.config import dump_toml
+from trainwise.config import job_hash
 from trainwise.doctor import bandwidth, versions
 from trainwise.doctor.context import Context
 from trainwise.doctor.result import CheckResult
@@ -21,7 +21,7 @@ from trainwise.plan import fmt_bytes
 from trainwise.plan.calibrate import Calibration, apply_calibration
 from trainwise.plan.estimate import evaluate
 from trainwise.plan.planner import COMM_BOUND_SHARE, sharded_name
-from trainwise.run.checkpoint_store import config_hash, root_for
+from trainwise.run.checkpoint_store import root_for
 
 WHERE = {"intra_node": "within a node", "inter_node": "between nodes"}
 FAR_BELOW = 0.5  # a measured speed under half the plan's assumption is a warning
@@ -35,9 +35,7 @@ def _gbps(bps: float | None) -> str:
 
 
 def check_versions(ctx: Context) -> CheckResult:
-    per_rank = versions.gather_versions(
-        config_hash(dump_toml(ctx.cfg)), ctx.env.local_rank, ctx.host
-    )
+    per_rank = versions.gather_versions(job_hash(ctx.cfg), ctx.env.local_rank, ctx.host)
     diffs = versions.differences(per_rank)
     data = {"ranks": per_rank, "differences": diffs}
     title = "versions on every rank"

@@ -21,6 +21,7 @@ from trainwise.plan.precision import BYTES
 
 GRAD_BYTES = MASTER_BYTES  # DDP reduces the fp32 gradients (autocast leaves them fp32)
 DDP_BUCKET_BYTES = 25e6  # DDP's default bucket_cap_mb: the last bucket's all-reduce is exposed
+ACROSS_NODES = "all-reduce grad shards across nodes"  # HSDP's one collective between nodes
 
 
 def allreduce_factor(n: int) -> float:
@@ -92,7 +93,7 @@ def step_collectives(
         out = _fsdp(gather, reduce, d, layout.link(d), "full", grad_accum)
         out.append(
             Collective(
-                "all-reduce grad shards across nodes",
+                ACROSS_NODES,
                 allreduce_factor(r) * reduce / d,
                 layout.inter_bps,
             )

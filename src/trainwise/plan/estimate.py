@@ -22,6 +22,11 @@ from trainwise.plan.precision import OPTIMIZER_STATE_BYTES
 # foreach CPU AdamW is memory-bound: ~32 bytes read and written per parameter).
 CPU_OPTIMIZER_PARAMS_PER_S = 5e8
 
+# How the planner and the run-time `auto` rank strategies: within this share of the best,
+# the simpler wins (fewer moving parts to debug); simplest first.
+SIMPLER_WITHIN = 0.01
+SIMPLICITY = ("single", "ddp", "fsdp-grad-op", "fsdp-full", "hsdp", "fsdp-offload")
+
 # strategy -> (runtime strategy, fsdp shard, cpu offload)
 RUNTIME = {
     "single": ("single", "full", False),

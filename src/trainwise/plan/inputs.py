@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 from trainwise.config.schema import JobConfig
 from trainwise.errors import ConfigError
-from trainwise.hardware.catalog import GB, TFLOP, default_catalog, find_gpu
+from trainwise.hardware.catalog import GB, TFLOP, GPUSpec, default_catalog, find_gpu
 from trainwise.models.shapes import PRESETS, GPTShape
 from trainwise.plan.memory import Workload
 
@@ -105,30 +105,13 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
     gpu_name = cfg.cluster.gpu or ("cpu" if cfg.cluster.device == "cpu" else DEFAULT_GPU)
     spec = find_gpu(gpu_name)
     assert spec is not None  # the schema checked the name
-    precision = cfg.precision.dtype
-    problems = []
-    peak = cfg.cluster.gpu_tflops * TFLOP if cfg.cluster.gpu_tflops else spec.peak(precision)
-    if peak is None:
-        problems.append(
-            f"precision.dtype = '{precision}': the catalog has no {precision} peak for "
-            f"{spec.name}; choose another precision or set cluster.gpu_tflops (--gpu-tflops)"
-        )
-    memory = (
-        cfg.cluster.device_memory_gb * GB if cfg.cluster.device_memory_gb else spec.memory_bytes
-    )
-    if memory == 0:  # the catalog's cpu entry: this machine's RAM
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     per_node = cfg.cluster.nproc or DEFAULT_GPUS_PER_NODE
     gpus = p.gpus or per_node * cfg.cluster.nodes
-    catalog = default_catalog()
-    # A GPU without an intra-node link in the catalog talks to its peers over PCIe.
-    intra = (spec.intra_node or catalog.links[HOST_LINK]).bytes_per_s
+    hardware = resolve_hardware(cfg, spec, per_node)
     micro = cfg.data.micro_batch
     seq = cfg.data.seq_len
     if shape is not None and seq > shape.max_seq_len:
         shape = replace(shape, max_seq_len=seq)  # planning a longer context than the preset's
-    if problems:
-        raise ConfigError(problems)
     global_batch = cfg.data.global_batch
     tokens = p.tokens
     if tokens == "chinchilla":
@@ -142,7 +125,7 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
             shape=shape,
             seq_len=seq,
             micro_batch=micro,
-            precision=precision,
+            precision=cfg.precision.dtype,
             optimizer=cfg.optim.name,
             ac=cfg.parallel.ac,
             reduce_dtype=cfg.precision.reduce_dtype,
@@ -153,31 +136,7 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
         tokens=float(tokens),
         gpus=gpus,
         node_size=per_node,
-        hardware=Hardware(
-            gpu=spec.name
-            if not (cfg.cluster.gpu_tflops or cfg.cluster.device_memory_gb)
-            else f"{spec.name} (custom figures)",
-            memory_bytes=float(memory),
-            peak_flops=float(peak),
-            intra_bps=(cfg.cluster.intra_node_gbps * GB if cfg.cluster.intra_node_gbps else intra),
-            inter_bps=(
-                cfg.cluster.inter_node_gbps * GB
-                if cfg.cluster.inter_node_gbps
-                else catalog.links[DEFAULT_INTER_LINK].bytes_per_s
-            ),
-            host_bps=catalog.links[HOST_LINK].bytes_per_s,
-            host_memory_bytes=(
-                cfg.cluster.host_memory_gb * GB
-                if cfg.cluster.host_memory_gb
-                else HOST_MEMORY_PER_GPU * per_node
-            ),
-            price_per_gpu_hour=(
-                cfg.cost.price_per_gpu_hour
-                if cfg.cost.price_per_gpu_hour is not None
-                else spec.price_per_hour
-            ),
-            device="cpu" if spec.name == "cpu" else "cuda",
-        ),
+        hardware=hardware,
         efficiency=p.efficiency,
         data_samples_per_s=p.data_samples_per_s,
         mtbf_hours=cfg.cluster.mtbf_hours,
@@ -186,6 +145,87 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
         headroom=cfg.parallel.headroom,
         objective=p.objective,
         strategy=p.strategy,
+    )
+
+
+def resolve_hardware(
+    cfg: JobConfig, spec: GPUSpec, per_node: int, memory: float | None = None
+) -> Hardware:
+    """The cluster's figures: the config's where it gives them (cluster.*), else `spec`'s
+    from the catalog and the defaults above. `memory`: bytes per GPU when known better than
+    the catalog (a detected device). No peak at the precision raises ConfigError."""
+    precision = cfg.precision.dtype
+    peak = cfg.cluster.gpu_tflops * TFLOP if cfg.cluster.gpu_tflops else spec.peak(precision)
+    if peak is None:
+        raise ConfigError(
+            f"precision.dtype = '{precision}': the catalog has no {precision} peak for "
+            f"{spec.name}; choose another precision or set cluster.gpu_tflops (--gpu-tflops)"
+        )
+    if cfg.cluster.device_memory_gb:
+        memory = cfg.cluster.device_memory_gb * GB
+    elif memory is None:
+        memory = spec.memory_bytes
+    if memory == 0:  # the catalog's cpu entry: this machine's RAM
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    catalog = default_catalog()
+    # A GPU without an intra-node link in the catalog talks to its peers over PCIe.
+    intra = (spec.intra_node or catalog.links[HOST_LINK]).bytes_per_s
+    c = cfg.cluster
+    return Hardware(
+        gpu=spec.name
+        if not (c.gpu_tflops or c.device_memory_gb)
+        else f"{spec.name} (custom figures)",
+        memory_bytes=float(memory),
+        peak_flops=float(peak),
+        intra_bps=(c.intra_node_gbps * GB if c.intra_node_gbps else intra),
+        inter_bps=(
+            c.inter_node_gbps * GB
+            if c.inter_node_gbps
+            else catalog.links[DEFAULT_INTER_LINK].bytes_per_s
+        ),
+        host_bps=catalog.links[HOST_LINK].bytes_per_s,
+        host_memory_bytes=(
+            c.host_memory_gb * GB if c.host_memory_gb else HOST_MEMORY_PER_GPU * per_node
+        ),
+        price_per_gpu_hour=(
+            cfg.cost.price_per_gpu_hour
+            if cfg.cost.price_per_gpu_hour is not None
+            else spec.price_per_hour
+        ),
+        device="cpu" if spec.name == "cpu" else "cuda",
+    )
+
+
+def job_inputs(
+    cfg: JobConfig,
+    workload: Workload,
+    gpus: int,
+    per_node: int,
+    spec: GPUSpec,
+    grad_accum: int,
+    memory: float | None = None,
+) -> PlanInputs:
+    """The planner's view of a job about to run: `workload` on `gpus` workers, `per_node` of
+    them on each machine, with the same hardware figures `trainwise plan` would use. What
+    the run-time `auto` times strategies with."""
+    tokens = cfg.train.steps * workload.micro_batch * grad_accum * gpus * workload.seq_len
+    return PlanInputs(
+        model="job",
+        workload=workload,
+        global_batch=None,
+        grad_accum=grad_accum,
+        tokens=float(tokens),
+        gpus=gpus,
+        node_size=per_node,
+        hardware=resolve_hardware(cfg, spec, per_node, memory),
+        efficiency=cfg.plan.efficiency,
+        data_samples_per_s=None,
+        mtbf_hours=cfg.cluster.mtbf_hours,
+        restart_s=cfg.cluster.restart_min * 60.0,
+        checkpoint_bps=cfg.checkpoint.write_gbps * GB,
+        headroom=cfg.parallel.headroom,
+        objective="time",
+        strategy=None,
     )
 
 

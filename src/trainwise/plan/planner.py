@@ -8,7 +8,13 @@ from dataclasses import dataclass, field, replace
 
 from trainwise.hardware.catalog import GB
 from trainwise.plan.advisor import describe, loader_fixes
-from trainwise.plan.estimate import StrategyPlan, candidate_names, evaluate
+from trainwise.plan.estimate import (
+    SIMPLER_WITHIN,
+    SIMPLICITY,
+    StrategyPlan,
+    candidate_names,
+    evaluate,
+)
 from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.memory import MASTER_BYTES
 from trainwise.plan.precision import OPTIMIZER_STATE_BYTES
@@ -20,9 +26,6 @@ DATA_BOUND_SHARE = 0.10  # the GPUs wait for data more than this share of a step
 COMM_BOUND_SHARE = 0.10  # exposed communication above this share of a step: comm-bound
 HEADROOM_WARNING = 0.10  # less free device memory than this share is a warning
 KNEE_SHARE = 0.5  # past the knee, an added GPU buys less than half of its share
-# Within this share of the best, the simpler strategy wins (fewer moving parts to debug).
-SIMPLER_WITHIN = 0.01
-SIMPLICITY = ("single", "ddp", "fsdp-grad-op", "fsdp-full", "hsdp", "fsdp-offload")
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,11 @@ from trainwise.config import JobConfig
 from trainwise.data import DataInfo, build_datasets
 from trainwise.errors import ConfigError
 from trainwise.hardware import GB, DeviceInfo
+from trainwise.hardware.catalog import find_gpu
 from trainwise.models import GPTShape, ModelSpec, count_parameters, resolve_shape
 from trainwise.plan import Decision, Workload, choose_strategy, describe, estimate_memory, fmt_bytes
 from trainwise.plan.flops import flops_per_token, recompute_factor
+from trainwise.plan.inputs import PlanInputs, job_inputs
 from trainwise.run.faults import slowed
 
 
@@ -146,9 +148,13 @@ def prepare_job(
             "parallel.cpu_offload = true moves sharded state from GPU to host memory and needs "
             f"a CUDA device; on {device.kind} the state is in host memory already: remove it"
         )
+    # Machines now: torchrun starts `local` workers on each; with an elastic range fewer
+    # than cluster.nodes may have joined.
+    nodes = world // local if world % local == 0 else 1
     replicate = 1
     if strategy == "hsdp":
-        replicate = c.parallel.replicate or 1
+        # One replica group of the whole world would be fsdp: default to one per machine.
+        replicate = c.parallel.replicate or nodes
         if world % replicate:
             problems.append(
                 f"parallel.replicate = {replicate} does not divide the world size {world}: "
@@ -232,7 +238,14 @@ def prepare_job(
         # CPU workers share the machine's memory.
         else device.memory_bytes / (local if device.kind == "cpu" else 1)
     )
-    decision = decide(workload, strategy, world, device_bytes, c, replicate, device.kind, accum)
+    cluster = None
+    if strategy == "auto" and nodes > 1:
+        cluster = _cluster(c, workload, world, local, device, device_bytes, accum)
+    decision = decide(
+        workload, strategy, world, device_bytes, c, replicate, device.kind, accum, cluster
+    )
+    if strategy == "auto" and decision.strategy == "hsdp":
+        replicate = nodes  # shard within a machine, replicate across the machines
     return Job(
         cfg=c,
         world=world,
@@ -249,6 +262,31 @@ def prepare_job(
         data=info,
         datasets=(slowed(train_ds), val_ds),  # slowed only under a test's fault
     )
+
+
+def _cluster(
+    c: JobConfig,
+    w: Workload,
+    world: int,
+    local: int,
+    device: DeviceInfo,
+    device_bytes: float,
+    accum: int,
+) -> PlanInputs | None:
+    """The planner's view of these machines (the figures `trainwise plan` uses: cluster.*
+    where set, else the catalog's), for `auto` to time hsdp against fsdp. None when the
+    catalog knows nothing of the device: then `auto` does not weigh hsdp."""
+    spec = (
+        find_gpu(c.cluster.gpu)
+        if c.cluster.gpu
+        else device.gpu or (find_gpu("cpu") if device.kind == "cpu" else None)
+    )
+    if spec is None:
+        return None
+    try:
+        return job_inputs(c, w, world, local, spec, accum, device_bytes)
+    except ConfigError:  # no peak at this precision: nothing to time with
+        return None
 
 
 def elastic_accum(c: JobConfig, world: int, local: int) -> tuple[int, str | None]:
@@ -279,6 +317,7 @@ def decide(
     replicate: int,
     device_kind: str,
     accum: int,
+    cluster: PlanInputs | None = None,
 ) -> Decision:
     if strategy == "auto":
         return choose_strategy(
@@ -290,6 +329,7 @@ def decide(
             allow_offload=device_kind == "cuda",
             device=device_kind,
             grad_accum=accum,
+            cluster=cluster,
         )
     offload = c.parallel.cpu_offload
     shard_degree = world // replicate if strategy == "hsdp" else None

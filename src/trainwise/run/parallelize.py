@@ -87,6 +87,10 @@ def build_mesh(
     if strategy == "fsdp":
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
     if strategy == "hsdp":
+        # Rows of arange(world) reshaped (replicate, shard): the shard dimension is runs of
+        # consecutive ranks. torchrun numbers ranks machine by machine (ranks
+        # [n*local, (n+1)*local) are machine n), so with replicate = machines each shard
+        # group is one machine and only the replicate dimension crosses the network.
         return init_device_mesh(
             device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
         )

@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainwise.config import JobConfig, dump_toml
+from trainwise.config import JobConfig, job_hash
 from trainwise.models import build_model
 from trainwise.run.checkpoint import Checkpointer
-from trainwise.run.checkpoint_store import config_hash, root_for
+from trainwise.run.checkpoint_store import root_for
 from trainwise.run.distributed import DistEnv
 from trainwise.run.faults import slow_network
 from trainwise.run.job import Job
@@ -115,7 +115,7 @@ def build_checkpointer(
         scaler=trainer.scaler, total_steps=c.train.steps,
         meta={
             "strategy": job.strategy, "dp_size": trainer.dp_size, "model": c.model.name,
-            "model_spec": asdict(job.model_spec), "config_hash": config_hash(dump_toml(c)),
+            "model_spec": asdict(job.model_spec), "config_hash": job_hash(c),
         },
         mtbf_hours=c.cluster.mtbf_hours, nodes=c.cluster.nodes, log=log,
         timeout_s=c.parallel.timeout_s,

@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainwise.config import JobConfig, dump_toml, load_config
+from trainwise.config import JobConfig, dump_toml, job_hash, load_config
 from trainwise.data import build_eval_loader, build_loader
 from trainwise.doctor.versions import require_same_versions
 from trainwise.errors import ConfigError, TrainwiseError
 from trainwise.hardware import detect_device
 from trainwise.run.checkpoint import Checkpointer, Resumed
-from trainwise.run.checkpoint_store import CheckpointError, config_hash
+from trainwise.run.checkpoint_store import CheckpointError
 from trainwise.run.control import Control
 from trainwise.run.distributed import (
     DistEnv,
@@ -101,7 +101,7 @@ def train(cfg: JobConfig, run_dir: Path | None = None) -> dict[str, Any] | None:
         # Cheap, and it turns a hang in the first collective into one line.
         # Over gloo: NCCL itself may be what differs.
         host = side_group(cfg.parallel.timeout_s)
-        require_same_versions(config_hash(dump_toml(cfg)), env.local_rank, host)
+        require_same_versions(job_hash(cfg), env.local_rank, host)
         dist.destroy_process_group(host)
     run_dir = agree_run_dir(env, cfg, job, run_dir)
     summary = _train(cfg, job, env, device, run_dir, log)
