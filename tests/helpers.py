@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 # Quiet, fast, loopback-only runs: every test job sets these.
-QUIET = ["--set", "logging.progress=none", "--set", "logging.tensorboard=false"]
+QUIET = ["--set", "logging.progress=none", "--set", "logging.tensorboard=false",
+         "--set", "logging.report=false"]  # fmt: skip
 
 
 def cli_env() -> dict[str, str]:

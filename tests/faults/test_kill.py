@@ -50,6 +50,12 @@ def test_sigkill_restart_resumes_exactly(workdir: Path, reference: References, s
     assert "1 failure cost" in out
 
     assert_identical(reference.weights(2, strategy), final_weights(broken, workdir))
+    if strategy == "ddp":  # the report prices the same events: downtime plus recomputation
+        made = run_cli("report", str(broken), "--format", "json", cwd=workdir)
+        assert made.returncode == 0, made.stderr
+        terms = {t["name"]: t for t in json.loads(made.stdout)["runs"][0]["cost"]["terms"]}
+        retry_h = (cost["downtime_s"] + cost["recomputed_s"]) * 2 / 3600
+        assert terms["failure retry"]["gpu_hours"] == pytest.approx(retry_h) and retry_h > 0
 
 
 def test_kill_during_save_keeps_the_previous_checkpoint(workdir: Path):

@@ -7,10 +7,10 @@ import argparse
 import sys
 
 from trainwise import __version__
-from trainwise.cli import checkpoints, doctor, env, export, launch, plan, train
+from trainwise.cli import checkpoints, doctor, env, export, launch, plan, report, train
 from trainwise.errors import ConfigError, TrainwiseError
 
-COMMANDS = (plan, train, doctor, env, checkpoints, export, launch)
+COMMANDS = (plan, train, doctor, report, env, checkpoints, export, launch)
 
 
 def build_parser() -> argparse.ArgumentParser:

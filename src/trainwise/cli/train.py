@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         summary = train(cfg)
         if summary:
             print(render_summary(summary))
+            finish_report(cfg, Path(summary["run_dir"]))
         return 0
 
     try:
@@ -149,7 +150,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"trainwise: this machine's workers finished; rank 0's machine has {path}")
         return 0
     print(render_summary(json.loads(path.read_text())))
+    finish_report(cfg, run_dir)
     return 0
+
+
+def finish_report(cfg: JobConfig, run_dir: Path) -> None:
+    """RUN/report.html on rank 0's machine, when the run has finished (logging.report)."""
+    if not cfg.logging.report:
+        return
+    from trainwise.cli.report import write_page
+    from trainwise.report.analysis import analyse
+    from trainwise.report.rundir import load_run
+
+    page = run_dir / "report.html"
+    try:
+        write_page([analyse(load_run(run_dir))], page)
+    except Exception as err:  # any failure: the run's results stand without the page
+        print(
+            f"trainwise: the report was not written ({type(err).__name__}: {err}); "
+            f"`trainwise report {run_dir}` tries again",
+            file=sys.stderr,
+        )
+        return
+    print(f"  report     {page}")
 
 
 def is_worker(cfg: JobConfig) -> bool:

@@ -447,6 +447,11 @@ class LoggingConfig(Section):
         "every N steps (one collective per N steps, none per step).",
     )
     print_every: int = Field(10, gt=0, description="Plain progress line every N steps.")
+    report: bool = Field(
+        True,
+        description="Write RUN/report.html when training ends (`trainwise report RUN` makes "
+        "it again from the run directory).",
+    )
     progress: Literal["auto", "bar", "lines", "none"] = Field(
         "auto", description="auto: a bar in a terminal, plain lines otherwise."
     )

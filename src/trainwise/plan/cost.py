@@ -84,3 +84,37 @@ def job_cost(
         total_usd=total_h * price,
         wall_hours=(train_s + retry_s) / SECONDS_PER_HOUR,
     )
+
+
+@dataclass(frozen=True)
+class CostTerm:
+    name: str
+    gpu_hours: float
+    usd: float
+
+
+def run_cost(
+    gpus: int,
+    price_per_gpu_hour: float,
+    step_s: float,
+    exposed_comm_s: float,
+    checkpoint_stall_s: float,
+    downtime_s: float,
+    recomputed_s: float,
+) -> list[CostTerm]:
+    """The formula above with a finished run's measured terms (the report): `step_s`, the
+    steps' wall seconds (each step once), of which `exposed_comm_s` waited for
+    communication and `checkpoint_stall_s` for saves; `downtime_s` and `recomputed_s`, what
+    failures cost (run.events.retry_cost). The terms add up to the run's GPU-hours. The
+    plan counts checkpoint stalls under failure retry; measured, they are a term of their own."""
+    to_gpu_hours = gpus / SECONDS_PER_HOUR
+    seconds = (
+        ("compute", step_s - exposed_comm_s - checkpoint_stall_s),
+        ("communication wait", exposed_comm_s),
+        ("checkpoint stall", checkpoint_stall_s),
+        ("failure retry", downtime_s + recomputed_s),
+    )
+    return [
+        CostTerm(name, max(s, 0.0) * to_gpu_hours, max(s, 0.0) * to_gpu_hours * price_per_gpu_hour)
+        for name, s in seconds
+    ]

@@ -16,8 +16,10 @@ from trainwise.hardware import GB, DeviceInfo
 from trainwise.hardware.catalog import find_gpu
 from trainwise.models import GPTShape, ModelSpec, count_parameters, resolve_shape
 from trainwise.plan import Decision, Workload, choose_strategy, describe, estimate_memory, fmt_bytes
+from trainwise.plan.estimate import evaluate, planned_strategy
 from trainwise.plan.flops import flops_per_token, recompute_factor
 from trainwise.plan.inputs import PlanInputs, job_inputs
+from trainwise.plan.record import strategy_record
 from trainwise.run.faults import slowed
 
 
@@ -36,6 +38,8 @@ class Job:
     params: int
     shape: GPTShape | None
     data: DataInfo
+    # The planner's view of this job on these machines (None: a device the catalog lacks).
+    plan_inputs: PlanInputs | None = field(repr=False, default=None)
     datasets: tuple[Any, Any] = field(repr=False, default=(None, None))
 
     @property
@@ -238,9 +242,8 @@ def prepare_job(
         # CPU workers share the machine's memory.
         else device.memory_bytes / (local if device.kind == "cpu" else 1)
     )
-    cluster = None
-    if strategy == "auto" and nodes > 1:
-        cluster = _cluster(c, workload, world, local, device, device_bytes, accum)
+    view = planner_view(c, workload, world, local, device, device_bytes, accum)
+    cluster = view if strategy == "auto" and nodes > 1 else None
     decision = decide(
         workload, strategy, world, device_bytes, c, replicate, device.kind, accum, cluster
     )
@@ -260,11 +263,12 @@ def prepare_job(
         params=params,
         shape=shape,
         data=info,
+        plan_inputs=view,
         datasets=(slowed(train_ds), val_ds),  # slowed only under a test's fault
     )
 
 
-def _cluster(
+def planner_view(
     c: JobConfig,
     w: Workload,
     world: int,
@@ -274,8 +278,9 @@ def _cluster(
     accum: int,
 ) -> PlanInputs | None:
     """The planner's view of these machines (the figures `trainwise plan` uses: cluster.*
-    where set, else the catalog's), for `auto` to time hsdp against fsdp. None when the
-    catalog knows nothing of the device: then `auto` does not weigh hsdp."""
+    where set, else the catalog's): what `auto` times hsdp against fsdp with, and what the
+    report compares the run with (plan.json). None when the catalog knows nothing of the
+    device: then `auto` does not weigh hsdp and the report has no plan to compare."""
     spec = (
         find_gpu(c.cluster.gpu)
         if c.cluster.gpu
@@ -287,6 +292,27 @@ def _cluster(
         return job_inputs(c, w, world, local, spec, accum, device_bytes)
     except ConfigError:  # no peak at this precision: nothing to time with
         return None
+
+
+def job_plan(job: Job) -> dict[str, Any] | None:
+    """The planner's figures for the job as it runs (plan.json): the strategy's record as
+    `trainwise plan --json` gives it, plus the assumptions the report names when the run
+    disagrees (efficiency, links, checkpoint write speed, price)."""
+    inputs = job.plan_inputs
+    if inputs is None:
+        return None
+    c = job.cfg
+    name = planned_strategy(job.strategy, c.parallel.shard, job.cpu_offload)
+    hw = inputs.hardware
+    return {
+        **strategy_record(evaluate(inputs, name)),
+        "efficiency": inputs.efficiency,
+        "intra_node_gbps": hw.intra_bps / GB,
+        "inter_node_gbps": hw.inter_bps / GB,
+        "checkpoint_write_gbps": inputs.checkpoint_bps / GB,
+        "price_per_gpu_hour": hw.price_per_gpu_hour,
+        "gpu": hw.gpu,
+    }
 
 
 def elastic_accum(c: JobConfig, world: int, local: int) -> tuple[int, str | None]:

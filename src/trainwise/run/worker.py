@@ -40,7 +40,7 @@ from trainwise.run.distributed import (
 )
 from trainwise.run.events import append_event, read_events, retry_cost
 from trainwise.run.faults import Faults
-from trainwise.run.job import Job, prepare_job
+from trainwise.run.job import Job, job_plan, prepare_job
 from trainwise.run.launch import LAUNCHER_ENV
 from trainwise.run.loop import evaluate
 from trainwise.run.peers import BARRIER_S, PeerFailure, absent_ranks, classify, last_line
@@ -63,9 +63,11 @@ def default_run_dir(cfg: JobConfig, strategy: str) -> Path:
 def write_run_files(run_dir: Path, cfg: JobConfig, job: Job) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        plan = job_plan(job)  # the planner's figures, for the report's plan versus actual
         for name, text in (
             ("config.toml", dump_toml(cfg)),
             ("job.json", json.dumps(job.summary_dict(), indent=2) + "\n"),
+            *([("plan.json", json.dumps(plan, indent=1) + "\n")] if plan else []),
         ):
             # Whole or not at all: on several machines each launcher writes the same files
             # into the shared run directory while workers may already read them.

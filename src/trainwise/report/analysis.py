@@ -1,0 +1,457 @@
+"""The report's figures, computed from a run directory and nothing else: pure functions of
+the files (`RunFiles`), so that every number on the page can be recomputed by hand.
+
+- Steps: each step counts once, as its last attempt ran it (an elastic restart redoes the
+  steps since its checkpoint; that repeated work is the failures' cost, from the events).
+- Steady state: the steps after the first WARMUP_STEPS (allocation, warm caches), less any
+  checkpoint stall, are what the plan's per-step figures are compared with.
+- Cost: the product's formula with measured terms (`plan.cost.run_cost`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainwise.plan.advisor import loader_fixes
+from trainwise.plan.calibrate import WARMUP_STEPS
+from trainwise.plan.cost import CostTerm, run_cost
+from trainwise.plan.planner import COMM_BOUND_SHARE
+from trainwise.report.rundir import RunFiles
+from trainwise.run.events import retry_cost
+
+# The measured stages of a step (metrics.jsonl) and their names on the page.
+STAGES = (
+    ("data_s", "data wait"),
+    ("compute_s", "compute"),
+    ("sync_s", "exposed sync"),
+    ("optim_s", "optimizer"),
+    ("ckpt_s", "checkpoint stall"),
+)
+PLAN_ERROR_FLAG = 0.25  # a plan figure off by more than this names its assumption
+DATA_BOUND_SHARE = 0.10  # the loop's own warning level (logging.data_wait_warn's default)
+WINDOWS = 10  # step windows in the stage picture
+
+
+@dataclass(frozen=True)
+class Headline:
+    run: str
+    model: str
+    params: int | None
+    strategy: str
+    reason: str
+    world: int
+    nodes: int
+    device: str
+    precision: str
+    steps_planned: int | None
+    steps_done: int
+    tokens: int | None
+    wall_s: float
+    final_loss: float
+    final_eval_loss: float | None
+    tokens_per_s: float | None
+    samples_per_s: float | None
+    preempted: bool
+
+
+@dataclass(frozen=True)
+class StageWindow:
+    first_step: int
+    last_step: int
+    seconds_per_step: dict[str, float]  # stage name -> mean seconds per step
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    total_s: dict[str, float]  # stage name -> seconds over the run (downtime included)
+    windows: list[StageWindow]
+    # The plan's split of one steady step; its compute includes the optimizer (None there).
+    planned_per_step: dict[str, float | None] | None
+    measured_per_step: dict[str, float]  # the steady steps' median split
+
+
+@dataclass(frozen=True)
+class Costs:
+    terms: list[CostTerm]
+    total_gpu_hours: float
+    total_usd: float
+    price_per_gpu_hour: float
+    price_source: str
+    failures: int
+    downtime_s: float
+    recomputed_s: float
+
+
+@dataclass(frozen=True)
+class PlanCheck:
+    name: str
+    unit: str
+    planned: float | None
+    actual: float | None
+    error: float | None  # (actual - planned) / planned
+    flagged: bool
+    assumption: str  # which of the plan's inputs this figure rests on
+
+
+@dataclass(frozen=True)
+class Advice:
+    title: str
+    evidence: str
+    change: str
+    saving: str
+
+
+@dataclass(frozen=True)
+class Curves:
+    step: list[int]
+    loss: list[float]
+    eval_step: list[int]
+    eval_loss: list[float]
+    tokens_per_s: list[float]
+    data_share: list[float]
+    mem_bytes: list[int]
+    mem_kind: str
+    checkpoints: list[int]  # steps saved
+    restarts: list[int]  # steps a restarted attempt resumed from
+
+
+@dataclass(frozen=True)
+class RunReport:
+    headline: Headline
+    stages: StageSplit
+    cost: Costs
+    plan_vs_actual: list[PlanCheck]
+    curves: Curves
+    advice: list[Advice]
+    notes: list[str] = field(default_factory=list)
+
+
+def money(x: float) -> str:
+    """Dollars with enough digits for a small CPU run ($0.000047) or a large one ($12,345)."""
+    if x >= 100:
+        return f"${x:,.0f}"
+    if x >= 0.01 or x <= 0:
+        return f"${x:,.2f}"
+    return f"${x:.{1 - math.floor(math.log10(x))}f}"
+
+
+def gpu_hours(h: float) -> str:
+    if h >= 100:
+        return f"{h:,.1f}"
+    if h >= 0.01 or h <= 0:
+        return f"{h:.3g}"
+    return f"{h:.{2 - math.floor(math.log10(h))}f}"
+
+
+def analyse(run: RunFiles) -> RunReport:
+    notes: list[str] = []
+    head = headline(run)
+    stages = stage_split(run, notes)
+    costs = cost_of(run, head.world, notes)
+    checks = plan_vs_actual(run, stages, notes)
+    return RunReport(
+        headline=head,
+        stages=stages,
+        cost=costs,
+        plan_vs_actual=checks,
+        curves=curves(run),
+        advice=advice(run, stages, costs, checks),
+        notes=notes,
+    )
+
+
+def _section(run: RunFiles, name: str) -> dict[str, Any]:
+    value = run.config.get(name, {})
+    return value if isinstance(value, dict) else {}
+
+
+def headline(run: RunFiles) -> Headline:
+    job, recs, s = run.job, run.records, run.summary or {}
+    last = recs[-1]
+    evals = [r for r in recs if r.get("eval_loss") is not None]
+    world = int(job.get("world", 1))
+    ready = [e for e in run.events if e["kind"] == "ready"]
+    nodes = ready[-1].get("nodes") if ready and ready[-1].get("nodes") else 1
+    return Headline(
+        run=run.name,
+        model=str(_section(run, "model").get("name", s.get("model", "?"))),
+        params=job.get("params"),
+        strategy=str(job.get("strategy", "?")),
+        reason=str(job.get("reason", "")),
+        world=world,
+        nodes=int(nodes),
+        device=str(job.get("device", "?")),
+        precision=str(job.get("precision", "?")),
+        steps_planned=_section(run, "train").get("steps"),
+        steps_done=int(last["step"]),
+        tokens=last.get("tokens"),
+        wall_s=wall_seconds(run),
+        final_loss=float(last["loss"]),
+        final_eval_loss=float(evals[-1]["eval_loss"]) if evals else None,
+        tokens_per_s=_median([r.get("tokens_per_s") for r in steady(recs)]),
+        samples_per_s=_median([r.get("samples_per_s") for r in steady(recs)]),
+        preempted=any(e["kind"] == "preempted" for e in run.events),
+    )
+
+
+def wall_seconds(run: RunFiles) -> float:
+    """From the first attempt's loop start to the last thing recorded (a step or event)."""
+    first = run.all_records[0]
+    start = first["time"] - first.get("elapsed_s", first.get("step_s", 0.0))
+    ready = [e["time"] for e in run.events if e["kind"] == "ready"]
+    if ready:
+        start = min(start, ready[0])
+    end = max([r["time"] for r in run.all_records] + [e["time"] for e in run.events])
+    return max(0.0, end - start)
+
+
+def steady(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steps after warm-up (all of them when the run is too short to have any)."""
+    later = [r for r in records if r["step"] > WARMUP_STEPS]
+    return later or records
+
+
+def stage_split(run: RunFiles, notes: list[str]) -> StageSplit:
+    recs = run.records
+    total = {name: sum(float(r.get(key) or 0.0) for r in recs) for key, name in STAGES}
+    cost = retry_cost(run.events, max(int(run.job.get("world", 1)), 1))
+    total["restart downtime"] = cost.downtime_s
+    if any(r.get("sync_s") is None for r in recs) and int(run.job.get("world", 1)) > 1:
+        notes.append("exposed sync is measured by probes; steps before the first probe count 0")
+    size = max(1, -(-len(recs) // WINDOWS))
+    windows = [
+        StageWindow(
+            first_step=chunk[0]["step"],
+            last_step=chunk[-1]["step"],
+            seconds_per_step={
+                name: sum(float(r.get(key) or 0.0) for r in chunk) / len(chunk)
+                for key, name in STAGES
+            },
+        )
+        for chunk in (recs[i : i + size] for i in range(0, len(recs), size))
+    ]
+    calm = [r for r in steady(recs) if not r.get("ckpt_s")] or steady(recs)
+    measured = {name: _median([r.get(key) or 0.0 for r in calm]) or 0.0 for key, name in STAGES}
+    measured["checkpoint stall"] = 0.0
+    planned: dict[str, float | None] | None = None
+    if run.plan:
+        step = run.plan["step"]
+        planned = {
+            "data wait": step["data"],
+            # The planner times forward, backward and the optimizer as one compute term.
+            "compute": step["compute"],
+            "exposed sync": step["exposed_comm"],
+            "optimizer": None,
+            "checkpoint stall": 0.0,
+        }
+    return StageSplit(total, windows, planned, measured)
+
+
+def cost_of(run: RunFiles, gpus: int, notes: list[str]) -> Costs:
+    price, source = _price(run)
+    recs = run.records
+    cost = retry_cost(run.events, max(gpus, 1))
+    seconds = {key: sum(float(r.get(key) or 0.0) for r in recs) for key, _ in STAGES}
+    step_total = sum(float(r.get("step_s") or 0.0) for r in recs)
+    terms = run_cost(
+        gpus=gpus,
+        price_per_gpu_hour=price,
+        step_s=step_total,
+        exposed_comm_s=seconds["sync_s"],
+        checkpoint_stall_s=seconds["ckpt_s"],
+        downtime_s=cost.downtime_s,
+        recomputed_s=cost.recomputed_s,
+    )
+    if run.plan is None:
+        notes.append("no plan.json: the plan-versus-actual rows are missing")
+    return Costs(
+        terms=terms,
+        total_gpu_hours=sum(t.gpu_hours for t in terms),
+        total_usd=sum(t.usd for t in terms),
+        price_per_gpu_hour=price,
+        price_source=source,
+        failures=cost.failures,
+        downtime_s=cost.downtime_s,
+        recomputed_s=cost.recomputed_s,
+    )
+
+
+def _price(run: RunFiles) -> tuple[float, str]:
+    given = _section(run, "cost").get("price_per_gpu_hour")
+    if given is not None:
+        return float(given), "cost.price_per_gpu_hour"
+    if run.plan and run.plan.get("price_per_gpu_hour") is not None:
+        return float(run.plan["price_per_gpu_hour"]), f"the catalog's {run.job.get('device')}"
+    return 0.0, "unknown (set cost.price_per_gpu_hour)"
+
+
+def plan_vs_actual(run: RunFiles, stages: StageSplit, notes: list[str]) -> list[PlanCheck]:
+    plan, job = run.plan, run.job
+    if not plan:
+        return []
+    calm = [r for r in steady(run.records) if not r.get("ckpt_s")] or steady(run.records)
+    step_s = _median([r["step_s"] for r in calm])
+    tokens = job.get("tokens_per_step")
+    mem = max((int(r.get("mem_bytes") or 0) for r in run.records), default=0)
+    mem_kind = run.records[-1].get("mem_kind", "")
+    saves = [e for e in run.events if e["kind"] == "checkpoint" and e.get("save_s") is not None]
+    slow_part = _largest_miss(stages, plan)
+    rows = [
+        _check("step time", "s", plan["step"]["total"], step_s, slow_part),
+        _check(
+            "tokens/s",
+            "tokens/s",
+            plan.get("tokens_per_s"),
+            tokens / step_s if tokens and step_s else None,
+            slow_part,
+        ),  # fmt: skip
+        _check(
+            "memory per worker",
+            "bytes",
+            plan["memory_per_gpu"]["total"],
+            mem or None,
+            "the memory model (activations, buffers)",
+            comparable=mem_kind == "cuda_peak",
+        ),  # fmt: skip
+        _check(
+            "checkpoint save",
+            "s",
+            plan["checkpoint"]["save_s"],
+            _median([e["save_s"] for e in saves]),
+            "the checkpoint write speed (checkpoint.write_gbps)",
+        ),  # fmt: skip
+    ]
+    if mem_kind == "rss_peak":
+        notes.append(
+            "memory on CPU is the process's peak resident set (Python and torch included), "
+            "not comparable with the plan's tensors: not flagged"
+        )
+    return rows
+
+
+def _largest_miss(stages: StageSplit, plan: dict[str, Any]) -> str:
+    """The assumption behind the stage whose seconds per step the plan missed by most."""
+    m, p = stages.measured_per_step, stages.planned_per_step or {}
+    misses = {
+        f"the achieved compute rate (plan.efficiency = {plan.get('efficiency', '?')})":
+            m["compute"] + m["optimizer"] - (p.get("compute") or 0.0),
+        "the link bandwidth (cluster.intra_node_gbps / inter_node_gbps; trainwise doctor "
+        "measures it)": m["exposed sync"] - (p.get("exposed sync") or 0.0),
+        "the loader's rate (trainwise doctor measures it)":
+            m["data wait"] - (p.get("data wait") or 0.0),
+    }  # fmt: skip
+    return max(misses, key=lambda k: abs(misses[k]))
+
+
+def _check(
+    name: str,
+    unit: str,
+    planned: float | None,
+    actual: float | None,
+    assumption: str,
+    comparable: bool = True,
+) -> PlanCheck:
+    error = (actual - planned) / planned if planned and actual is not None else None
+    flagged = comparable and error is not None and abs(error) > PLAN_ERROR_FLAG
+    return PlanCheck(name, unit, planned, actual, error, flagged, assumption)
+
+
+def curves(run: RunFiles) -> Curves:
+    recs = run.records
+    shares = [
+        float(r.get("data_s") or 0.0) / float(r["step_s"]) if r.get("step_s") else 0.0 for r in recs
+    ]
+    ready = [e for e in run.events if e["kind"] == "ready" and e.get("attempt", 0) > 0]
+    return Curves(
+        step=[r["step"] for r in recs],
+        loss=[float(r["loss"]) for r in recs],
+        eval_step=[r["step"] for r in recs if r.get("eval_loss") is not None],
+        eval_loss=[float(r["eval_loss"]) for r in recs if r.get("eval_loss") is not None],
+        tokens_per_s=[float(r.get("tokens_per_s") or 0.0) for r in recs],
+        data_share=shares,
+        mem_bytes=[int(r.get("mem_bytes") or 0) for r in recs],
+        mem_kind=str(recs[-1].get("mem_kind", "")),
+        checkpoints=sorted({int(e["step"]) for e in run.events if e["kind"] == "checkpoint"}),
+        restarts=[int(e.get("step", 0)) for e in ready],
+    )
+
+
+def advice(
+    run: RunFiles, stages: StageSplit, costs: Costs, checks: list[PlanCheck]
+) -> list[Advice]:
+    out: list[Advice] = []
+    step_total = sum(float(r.get("step_s") or 0.0) for r in run.records) or 1.0
+    price = costs.price_per_gpu_hour
+    gpus = int(run.job.get("world", 1))
+    data_share = stages.total_s["data wait"] / step_total
+    doctor = {c["name"]: c for c in (run.doctor or {}).get("checks", [])}
+    if data_share > DATA_BOUND_SHARE:
+        hours = stages.total_s["data wait"] * gpus / 3600
+        workers = _section(run, "data").get("num_workers")
+        out.append(Advice(
+            title="data-bound",
+            evidence=f"the workers waited for batches {data_share:.0%} of the step time"
+            + _doctor_said(doctor, "data"),
+            change=loader_fixes(workers, run.job.get("device_kind") == "cuda"),
+            saving=f"up to {gpu_hours(hours)} GPU-h ({money(hours * price)}) on a run like this "
+            "one, if the loader kept up",
+        ))  # fmt: skip
+    sync_share = stages.total_s["exposed sync"] / step_total
+    if sync_share > COMM_BOUND_SHARE:
+        hours = stages.total_s["exposed sync"] * gpus / 3600
+        out.append(Advice(
+            title="communication-bound",
+            evidence=f"{sync_share:.0%} of the step time waited for gradient sync (over "
+            f"{COMM_BOUND_SHARE:.0%})" + _doctor_said(doctor, "bandwidth"),
+            change="raise data.grad_accum or data.micro_batch (fewer syncs per sample), or "
+            "compare strategies with `trainwise plan --calibrate RUN` (e.g. hsdp across "
+            "machines)",
+            saving=f"up to {gpu_hours(hours)} GPU-h ({money(hours * price)}) of waiting on a "
+            "run like this",
+        ))  # fmt: skip
+    scaling = doctor.get("scaling")
+    if scaling and scaling.get("status") == "warn":
+        out.append(Advice(
+            title="past the scaling knee",
+            evidence=f"the doctor measured: {scaling.get('measured')}",
+            change=scaling.get("fix") or "run on fewer workers",
+            saving="the workers beyond the knee cost more than they add",
+        ))  # fmt: skip
+    off = [c for c in checks if c.flagged]
+    if off:
+        names = ", ".join(f"{c.name} {c.error:+.0%}" for c in off if c.error is not None)
+        out.append(Advice(
+            title="the plan was off",
+            evidence=f"{names} (more than {PLAN_ERROR_FLAG:.0%})",
+            change="check " + "; ".join(sorted({c.assumption for c in off}))
+            + f"; `trainwise plan --calibrate {run.path}` replaces the assumptions with "
+            "this run's measurements",
+            saving="a plan that matches the machine picks the cheaper strategy next time",
+        ))  # fmt: skip
+    if costs.failures:
+        retry = next(t for t in costs.terms if t.name == "failure retry")
+        out.append(Advice(
+            title="failures cost time",
+            evidence=f"{costs.failures} failure(s): {costs.downtime_s:.1f} s restarting, "
+            f"{costs.recomputed_s:.1f} s recomputing",
+            change="save more often (checkpoint.interval = \"auto\" takes the Young/Daly "
+            "optimum) and use async saves to keep the stall small",
+            saving=f"at most the {gpu_hours(retry.gpu_hours)} GPU-h ({money(retry.usd)}) they "
+            "cost",
+        ))  # fmt: skip
+    return out
+
+
+def _doctor_said(doctor: dict[str, dict], name: str) -> str:
+    check = doctor.get(name)
+    if not check or check.get("status") not in ("warn", "fail"):
+        return ""
+    return f"; the doctor warned before the run: {check.get('measured')}"
+
+
+def _median(values: list[Any]) -> float | None:
+    nums = [float(v) for v in values if v is not None]
+    return statistics.median(nums) if nums else None

@@ -1,0 +1,111 @@
+"""A run directory read back for the report: the files `trainwise train` writes, checked
+once here so that everything after works on plain values.
+
+Needed: job.json (what ran), metrics.jsonl (a record per step). Read when present:
+config.toml, events.jsonl, summary.json, plan.json (the planner's figures for the job as
+it ran), doctor.json (a doctor run in the same directory). A missing or unreadable needed
+file is one line (ReportError, exit status 2) naming the file and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainwise.config import read_toml
+from trainwise.errors import ConfigError
+from trainwise.run.events import read_events
+
+
+class ReportError(ConfigError):
+    """The run directory cannot be reported on (exit status 2)."""
+
+
+@dataclass
+class RunFiles:
+    path: Path
+    job: dict[str, Any]
+    records: list[dict[str, Any]]  # one per step: the last attempt's (what the model kept)
+    all_records: list[dict[str, Any]]  # as written, repeated steps included
+    events: list[dict[str, Any]] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any] | None = None
+    plan: dict[str, Any] | None = None
+    doctor: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path.name or str(self.path)
+
+
+def load_run(path: str | Path) -> RunFiles:
+    run = Path(path)
+    if not run.is_dir():
+        raise ReportError(f"{path}: no such run directory; give one that trainwise train wrote")
+    job = _json(run, "job.json", needed="not a trainwise run directory (trainwise train writes it "
+                "before the first step)")  # fmt: skip
+    metrics = run / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ReportError(
+            f"{run}: no metrics.jsonl: the run never recorded a step (see its events.jsonl); "
+            "report on it after it has trained"
+        )
+    written = _records(metrics)
+    if not written:
+        raise ReportError(
+            f"{metrics}: no step recorded yet; report on the run after it has trained"
+        )
+    by_step: dict[int, dict[str, Any]] = {}
+    for rec in written:  # a later attempt redoes the steps since its checkpoint: keep the last
+        by_step[rec["step"]] = rec
+    config: dict[str, Any] = {}
+    if (run / "config.toml").is_file():
+        try:
+            config = read_toml(run / "config.toml")
+        except ConfigError as err:
+            raise ReportError(str(err)) from None
+    return RunFiles(
+        path=run,
+        job=job,
+        records=[by_step[s] for s in sorted(by_step)],
+        all_records=written,
+        events=read_events(run),
+        config=config,
+        summary=_json(run, "summary.json"),
+        plan=_json(run, "plan.json"),
+        doctor=_json(run, "doctor.json"),
+    )
+
+
+def _json(run: Path, name: str, needed: str | None = None) -> Any:
+    path = run / name
+    if not path.is_file():
+        if needed:
+            raise ReportError(f"{run}: no {name}: {needed}")
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        if needed:
+            raise ReportError(f"{path}: not JSON (half-written?); run the job again") from None
+        raise ReportError(f"{path}: not JSON (half-written?); remove it or run again") from None
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    lines = path.read_text().splitlines()
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            if n == len(lines):  # the writer was killed mid-line: that record is lost
+                break
+            raise ReportError(f"{path} line {n}: not JSON; the file is damaged") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+            raise ReportError(f"{path} line {n}: not a step record (no integer 'step')")
+        out.append(rec)
+    return out

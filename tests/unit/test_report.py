@@ -1,0 +1,200 @@
+"""The run report recomputed from a synthetic run directory whose every figure is known:
+six steps on 2 workers, a checkpoint at step 4, a worker lost after step 5 and the restart
+that redid step 5. Each expected value below is worked out by hand in its comment."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from trainwise.cli.main import main
+from trainwise.report.analysis import analyse
+from trainwise.report.run_html import render_html
+from trainwise.report.run_view import render_markdown, render_text, to_json
+from trainwise.report.rundir import load_run
+
+GPUS = 2
+PRICE = 2.0  # cost.price_per_gpu_hour in config.toml (the plan's catalog price is 1.0)
+H = GPUS / 3600  # GPU-hours per second of the job
+
+
+def _record(step: int, attempt: int, t: float, elapsed: float, ckpt: float = 0.0) -> dict:
+    return {
+        "step": step, "loss": 5.0 - 0.5 * step, "eval_loss": 3.0 if step == 6 else None,
+        "lr": 1e-3, "grad_norm": 1.0, "step_s": 1.0 + ckpt, "data_s": 0.2, "compute_s": 0.5,
+        "sync_s": 0.1, "optim_s": 0.2, "ckpt_s": ckpt, "tokens": 1000 * step,
+        "tokens_per_s": 1000.0, "samples_per_s": 10.0, "mfu": None,
+        "mem_bytes": 100_000_000 + step, "mem_kind": "rss_peak", "elapsed_s": elapsed,
+        "time": t, "attempt": attempt,
+    }  # fmt: skip
+
+
+def make_run(root: Path, failure: bool = True) -> Path:
+    run = root / "run"
+    run.mkdir(parents=True)
+    (run / "job.json").write_text(json.dumps({
+        "world": GPUS, "device": "cpu", "device_kind": "cpu", "strategy": "ddp",
+        "reason": "ddp (set by parallel.strategy)", "params": 1234, "precision": "fp32",
+        "tokens_per_step": 1000, "global_batch": 10,
+    }))  # fmt: skip
+    (run / "config.toml").write_text(
+        '[model]\nname = "tiny"\n[train]\nsteps = 6\n[data]\nnum_workers = 0\n'
+        f"[cost]\nprice_per_gpu_hour = {PRICE}\n"
+    )
+    (run / "plan.json").write_text(json.dumps({
+        "step": {"data": 0.1, "compute": 0.5, "exposed_comm": 0.05, "total": 0.65},
+        "tokens_per_s": 1000 / 0.65, "memory_per_gpu": {"total": 1_000_000},
+        "checkpoint": {"save_s": 0.25}, "price_per_gpu_hour": 1.0, "efficiency": 0.4,
+    }))  # fmt: skip
+    # Attempt 0: steps 1-5 at t = 101..105 (step 4 stalls 0.5 s saving); attempt 1 resumes
+    # from step 4 and redoes 5, then 6, at t = 111, 112.
+    recs = [_record(s, 0, 100 + s, s, 0.5 if s == 4 else 0.0) for s in range(1, 6)]
+    if failure:
+        recs += [_record(5, 1, 111, 1), _record(6, 1, 112, 2)]
+    else:
+        recs += [_record(6, 0, 106, 6)]
+    lines = [json.dumps(r) for r in recs]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    events = [
+        {"time": 100.0, "kind": "ready", "attempt": 0, "step": 0, "world": 2, "nodes": 1},
+        {"time": 104.5, "kind": "checkpoint", "step": 4, "step_time": 104.5, "save_s": 0.5,
+         "stall_s": 0.5},
+    ]  # fmt: skip
+    if failure:
+        events += [
+            {"time": 106.0, "kind": "failure", "rank": 1, "exit_code": -9, "signal": "SIGKILL"},
+            {"time": 110.0, "kind": "ready", "attempt": 1, "step": 4, "world": 2, "nodes": 1},
+            {"time": 112.0, "kind": "finish", "step": 6},
+        ]
+    else:
+        events.append({"time": 106.0, "kind": "finish", "step": 6})
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return run
+
+
+def test_every_figure_matches_the_hand_arithmetic(tmp_path: Path):
+    r = analyse(load_run(make_run(tmp_path)))
+    h = r.headline
+    # The kept steps: 1-4 of attempt 0, 5-6 of attempt 1.
+    assert (h.steps_done, h.steps_planned, h.world, h.tokens) == (6, 6, 2, 6000)
+    assert h.final_loss == pytest.approx(2.0) and h.final_eval_loss == 3.0
+    assert h.wall_s == pytest.approx(12.0)  # loop start 100 (ready) to the last record, 112
+    assert h.model == "tiny" and h.strategy == "ddp"
+
+    t = r.stages.total_s  # six steps of 0.2 / 0.5 / 0.1 / 0.2 s, one 0.5 s stall
+    assert t["data wait"] == pytest.approx(1.2) and t["compute"] == pytest.approx(3.0)
+    assert t["exposed sync"] == pytest.approx(0.6) and t["optimizer"] == pytest.approx(1.2)
+    assert t["checkpoint stall"] == pytest.approx(0.5)
+    assert t["restart downtime"] == pytest.approx(4.0)  # failure at 106, ready again at 110
+    # The plan times forward, backward and optimizer as one: 0.5 + 0.2 measured per step.
+    assert r.stages.measured_per_step["compute"] == pytest.approx(0.5)
+    assert r.stages.planned_per_step["optimizer"] is None
+    assert r.stages.planned_per_step["exposed sync"] == 0.05
+
+    # Cost: steps 5 x 1.0 + 1.5 = 6.5 s, of which 0.6 sync and 0.5 stall; the failure cost
+    # 4.0 s down + 1.5 s recomputed (from the checkpoint's 104.5 to the failure at 106).
+    c = {term.name: term for term in r.cost.terms}
+    assert c["compute"].gpu_hours == pytest.approx(5.4 * H)
+    assert c["communication wait"].gpu_hours == pytest.approx(0.6 * H)
+    assert c["checkpoint stall"].gpu_hours == pytest.approx(0.5 * H)
+    assert c["failure retry"].gpu_hours == pytest.approx(5.5 * H)
+    assert (r.cost.downtime_s, r.cost.recomputed_s) == pytest.approx((4.0, 1.5))
+    assert r.cost.total_gpu_hours == pytest.approx(12.0 * H)
+    assert sum(x.usd for x in r.cost.terms) == pytest.approx(r.cost.total_usd)
+    assert r.cost.total_usd == pytest.approx(12.0 * H * PRICE)
+    assert r.cost.price_source == "cost.price_per_gpu_hour"
+
+    # Plan versus actual: the steady steps without a stall (3, 5, 6) take 1.0 s.
+    p = {check.name: check for check in r.plan_vs_actual}
+    assert p["step time"].error == pytest.approx((1.0 - 0.65) / 0.65)
+    assert p["tokens/s"].actual == pytest.approx(1000.0)
+    assert p["tokens/s"].error == pytest.approx(0.65 - 1.0)
+    assert p["checkpoint save"].error == pytest.approx(1.0)
+    assert p["step time"].flagged and p["checkpoint save"].flagged
+    assert not p["memory per worker"].flagged  # a CPU resident set is not the plan's tensors
+    # Per step, compute + optimizer missed by 0.2 s, data by 0.1 s, sync by 0.05 s: the
+    # compute rate is the assumption to check.
+    assert "achieved compute rate" in p["step time"].assumption
+
+    # Curves: the checkpoint and the restart marked at step 4.
+    assert r.curves.step == [1, 2, 3, 4, 5, 6]
+    assert r.curves.checkpoints == [4] and r.curves.restarts == [4]
+    assert r.curves.data_share[3] == pytest.approx(0.2 / 1.5)
+
+    # Advice: data wait 1.2 / 6.5 = 18 % (over 10 %); sync 0.6 / 6.5 = 9 % (under).
+    titles = [a.title for a in r.advice]
+    assert titles == ["data-bound", "the plan was off", "failures cost time"]
+    assert "18%" in r.advice[0].evidence and "--calibrate" in r.advice[1].change
+
+
+def test_a_run_without_failures_costs_no_retry(tmp_path: Path):
+    r = analyse(load_run(make_run(tmp_path, failure=False)))
+    retry = next(t for t in r.cost.terms if t.name == "failure retry")
+    assert retry.gpu_hours == 0 and r.cost.failures == 0
+    assert r.curves.restarts == [] and "failures cost time" not in [a.title for a in r.advice]
+
+
+def test_the_formats_show_the_same_numbers(tmp_path: Path):
+    r = analyse(load_run(make_run(tmp_path)))
+    total = f"{r.cost.total_gpu_hours:.3g}"
+    text, md = render_text(r), render_markdown(r)
+    for out in (text, md):
+        assert total in out and "+54%" in out and "data-bound" in out
+    assert "| compute |" in md
+    data = json.loads(to_json([r]))
+    assert data["runs"][0]["cost"]["total_usd"] == pytest.approx(r.cost.total_usd)
+    page = render_html([r])
+    assert page.count("<svg") == 4  # stages, cost, plan versus actual, curves
+    assert "<script" not in page and not re.search(r"(src|href)=\"(https?:)?//", page)
+    assert total in page and "data-bound" in page
+
+
+def test_several_runs_are_compared_on_one_page(tmp_path: Path):
+    a = analyse(load_run(make_run(tmp_path / "a")))
+    b = analyse(load_run(make_run(tmp_path / "b", failure=False)))
+    page = render_html([a, b])
+    assert page.count("<svg") == 1 + 2 * 4 and "Side by side" in page
+
+
+def test_the_command_writes_the_page_and_prints_the_summary(tmp_path: Path, capsys):
+    run = make_run(tmp_path)
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "Time per stage" in out and (run / "report.html").is_file()
+    assert main(["report", str(run), "--format", "json", "-o", str(tmp_path / "x.html")]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"][0]["headline"]["steps_done"] == 6
+    assert (tmp_path / "x.html").is_file()
+
+
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (lambda run: None, ["no such run directory"]),
+        (lambda run: (run / "job.json").unlink(), ["no job.json", "not a trainwise run"]),
+        (lambda run: (run / "metrics.jsonl").unlink(), ["no metrics.jsonl"]),
+        (lambda run: (run / "metrics.jsonl").write_text(""), ["no step recorded"]),
+        (lambda run: (run / "job.json").write_text('{"world": '), ["job.json: not JSON"]),
+        (lambda run: (run / "metrics.jsonl").write_text('{"step": 1}\nxx\n{"step": 2}\n'),
+         ["line 2: not JSON"]),
+    ],
+)  # fmt: skip
+def test_a_missing_or_half_written_run_is_one_line_and_exit_2(
+    tmp_path: Path, capsys, damage, words
+):
+    run = make_run(tmp_path)
+    target = run
+    if damage(run) is None and words == ["no such run directory"]:
+        target = tmp_path / "nowhere"
+    assert main(["report", str(target)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and all(w in err[0] for w in words), err
+
+
+def test_a_record_cut_off_mid_line_is_skipped(tmp_path: Path):
+    run = make_run(tmp_path)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 7, "loss"')  # the writer was killed here
+    assert analyse(load_run(run)).headline.steps_done == 6
