@@ -198,3 +198,26 @@ def test_a_record_cut_off_mid_line_is_skipped(tmp_path: Path):
     with (run / "metrics.jsonl").open("a") as f:
         f.write('{"step": 7, "loss"')  # the writer was killed here
     assert analyse(load_run(run)).headline.steps_done == 6
+
+
+def test_a_communication_bound_run_is_told_the_planners_faster_strategy(tmp_path: Path):
+    run = make_run(tmp_path, failure=False)
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in recs:  # 0.3 s of each step waits for the gradient sync
+        r.update(sync_s=0.3, compute_s=0.3)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    plan = json.loads((run / "plan.json").read_text())
+    plan["name"] = "ddp"
+    plan["alternatives"] = [
+        {"name": "ddp", "fits": True, "step_total": 0.65},
+        {"name": "fsdp-grad-op", "fits": True, "step_total": 0.52},  # 20 % shorter
+        {"name": "fsdp-full", "fits": False, "step_total": 0.3},  # faster but does not fit
+    ]
+    (run / "plan.json").write_text(json.dumps(plan))
+    advice = {a.title: a for a in analyse(load_run(run)).advice}
+    comm = advice["communication-bound"]
+    assert "28%" in comm.evidence  # 6 x 0.3 = 1.8 s of the steps' 6.5 s, over 10 %
+    assert "parallel.strategy = 'fsdp', parallel.shard = 'grad_op'" in comm.change
+    assert "20% shorter" in comm.change
+    # The saving: 20 % of the steps' 6.5 s less the 0.5 s stall, on 2 workers.
+    assert comm.saving.startswith(f"{6.0 * 0.2 * H:.3g} GPU-h")  # 0.000667

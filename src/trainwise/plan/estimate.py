@@ -38,6 +38,17 @@ RUNTIME = {
 }
 
 
+def config_keys(name: str) -> str:
+    """The config that runs the plan's strategy `name`, as a user writes it."""
+    kind, shard, offload = RUNTIME[name]
+    keys = [f"parallel.strategy = '{kind}'"]
+    if kind == "fsdp" and shard != "full":
+        keys.append(f"parallel.shard = '{shard}'")
+    if offload:
+        keys.append("parallel.cpu_offload = true")
+    return ", ".join(keys)
+
+
 def planned_strategy(kind: str, shard: str = "full", cpu_offload: bool = False) -> str:
     """RUNTIME backwards: the plan's name for a runtime strategy (fsdp + grad_op ->
     fsdp-grad-op); the runtime name itself when the plan has no other."""

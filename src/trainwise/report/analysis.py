@@ -18,6 +18,7 @@ from typing import Any
 from trainwise.plan.advisor import loader_fixes
 from trainwise.plan.calibrate import WARMUP_STEPS
 from trainwise.plan.cost import CostTerm, run_cost
+from trainwise.plan.estimate import SIMPLER_WITHIN, config_keys
 from trainwise.plan.planner import COMM_BOUND_SHARE
 from trainwise.report.rundir import RunFiles
 from trainwise.run.events import retry_cost
@@ -402,15 +403,26 @@ def advice(
     sync_share = stages.total_s["exposed sync"] / step_total
     if sync_share > COMM_BOUND_SHARE:
         hours = stages.total_s["exposed sync"] * gpus / 3600
+        change = (
+            "raise data.grad_accum or data.micro_batch (fewer syncs per sample), or compare "
+            f"strategies with `trainwise plan --calibrate {run.path}`"
+        )
+        saving = f"up to {gpu_hours(hours)} GPU-h ({money(hours * price)}) of waiting"
+        better = faster_strategy(run)
+        if better:
+            name, gain = better
+            work = (step_total - stages.total_s["checkpoint stall"]) * gpus / 3600
+            change = (
+                f"{config_keys(name)}: the planner predicts a step {gain:.0%} "
+                f"shorter than {run.job.get('strategy')}'s here; or {change}"
+            )
+            saving = f"{gpu_hours(work * gain)} GPU-h ({money(work * gain * price)}), the planner's {gain:.0%} of the steps' time"
         out.append(Advice(
             title="communication-bound",
             evidence=f"{sync_share:.0%} of the step time waited for gradient sync (over "
             f"{COMM_BOUND_SHARE:.0%})" + _doctor_said(doctor, "bandwidth"),
-            change="raise data.grad_accum or data.micro_batch (fewer syncs per sample), or "
-            "compare strategies with `trainwise plan --calibrate RUN` (e.g. hsdp across "
-            "machines)",
-            saving=f"up to {gpu_hours(hours)} GPU-h ({money(hours * price)}) of waiting on a "
-            "run like this",
+            change=change,
+            saving=saving + " on a run like this",
         ))  # fmt: skip
     scaling = doctor.get("scaling")
     if scaling and scaling.get("status") == "warn":
@@ -443,6 +455,21 @@ def advice(
             "cost",
         ))  # fmt: skip
     return out
+
+
+def faster_strategy(run: RunFiles) -> tuple[str, float] | None:
+    """The plan's fastest other strategy that fits on the same workers, and the share of
+    the step it saves, when that is more than the planner's SIMPLER_WITHIN."""
+    plan = run.plan or {}
+    current = plan.get("step", {}).get("total")
+    fits = [
+        a for a in plan.get("alternatives", []) if a.get("fits") and a["name"] != plan.get("name")
+    ]
+    if not current or not fits:
+        return None
+    best = min(fits, key=lambda a: a["step_total"])
+    gain = 1 - best["step_total"] / current
+    return (best["name"], gain) if gain > SIMPLER_WITHIN else None
 
 
 def _doctor_said(doctor: dict[str, dict], name: str) -> str:

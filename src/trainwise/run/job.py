@@ -16,7 +16,7 @@ from trainwise.hardware import GB, DeviceInfo
 from trainwise.hardware.catalog import find_gpu
 from trainwise.models import GPTShape, ModelSpec, count_parameters, resolve_shape
 from trainwise.plan import Decision, Workload, choose_strategy, describe, estimate_memory, fmt_bytes
-from trainwise.plan.estimate import evaluate, planned_strategy
+from trainwise.plan.estimate import candidate_names, evaluate, planned_strategy
 from trainwise.plan.flops import flops_per_token, recompute_factor
 from trainwise.plan.inputs import PlanInputs, job_inputs
 from trainwise.plan.record import strategy_record
@@ -312,7 +312,14 @@ def job_plan(job: Job) -> dict[str, Any] | None:
         "checkpoint_write_gbps": inputs.checkpoint_bps / GB,
         "price_per_gpu_hour": hw.price_per_gpu_hour,
         "gpu": hw.gpu,
-    }
+        # The other strategies on the same workers, for the report's advice.
+        "alternatives": [
+            {"name": alt.name, "fits": alt.fits, "step_total": alt.step.total,
+             "tokens_per_s": alt.tokens_per_s}
+            for alt in (evaluate(inputs, n) for n in candidate_names(inputs))
+            if alt.gpus == inputs.gpus and not (alt.name == "fsdp-offload" and hw.device == "cpu")
+        ],
+    }  # fmt: skip
 
 
 def elastic_accum(c: JobConfig, world: int, local: int) -> tuple[int, str | None]:
