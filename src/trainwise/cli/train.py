@@ -129,9 +129,10 @@ def run(args: argparse.Namespace) -> int:
 
     # Imported here so that --print-config and config errors stay instant.
     from trainwise.run.launch import Preempted
-    from trainwise.run.worker import train
 
     if is_worker(cfg):
+        from trainwise.run.worker import train
+
         summary = train(cfg)
         if summary:
             print(render_summary(summary))
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         run_dir = start_job(
-            cfg, train, "trainwise.run.worker", max_restarts=cfg.checkpoint.max_restarts
+            cfg, train_here, "trainwise.run.worker", max_restarts=cfg.checkpoint.max_restarts
         )
     except Preempted as stop:
         print(f"trainwise: {stop}")
@@ -152,6 +153,14 @@ def run(args: argparse.Namespace) -> int:
     print(render_summary(json.loads(path.read_text())))
     finish_report(cfg, run_dir)
     return 0
+
+
+def train_here(cfg: JobConfig, run_dir: Path) -> object:
+    """One worker in this process. The worker's modules are imported only here: a launcher
+    that starts worker processes does without them (seconds of DCP and DTensor imports)."""
+    from trainwise.run.worker import train
+
+    return train(cfg, run_dir)
 
 
 def finish_report(cfg: JobConfig, run_dir: Path) -> None:
@@ -199,7 +208,7 @@ def start_job(
     from trainwise.hardware import detect_device
     from trainwise.run.job import prepare_job, resolve_nproc
     from trainwise.run.launch import launch_workers
-    from trainwise.run.worker import default_run_dir, write_run_files
+    from trainwise.run.run_files import default_run_dir, write_run_files
 
     device = detect_device(cfg.cluster.device)
     nproc = resolve_nproc(cfg, device)

@@ -13,7 +13,6 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainwise.config import JobConfig, dump_toml, job_hash, load_config
+from trainwise.config import JobConfig, job_hash, load_config
 from trainwise.data import build_eval_loader, build_loader
 from trainwise.doctor.versions import require_same_versions
-from trainwise.errors import ConfigError, TrainwiseError
+from trainwise.errors import TrainwiseError
 from trainwise.hardware import detect_device
 from trainwise.run.checkpoint import Checkpointer, Resumed
 from trainwise.run.checkpoint_store import CheckpointError
@@ -40,11 +39,12 @@ from trainwise.run.distributed import (
 )
 from trainwise.run.events import append_event, read_events, retry_cost
 from trainwise.run.faults import Faults
-from trainwise.run.job import Job, job_plan, prepare_job
+from trainwise.run.job import Job, prepare_job
 from trainwise.run.launch import LAUNCHER_ENV
 from trainwise.run.loop import evaluate
 from trainwise.run.peers import BARRIER_S, PeerFailure, absent_ranks, classify, last_line
 from trainwise.run.recorder import Recorder
+from trainwise.run.run_files import default_run_dir, write_run_files
 from trainwise.run.trainer import build_checkpointer, build_trainer
 
 MAX_ROLLBACKS = 3
@@ -52,33 +52,6 @@ MAX_ROLLBACKS = 3
 
 class GuardError(TrainwiseError):
     """The non-finite guard stopped the run (policy stop, or too many skips/rollbacks)."""
-
-
-def default_run_dir(cfg: JobConfig, strategy: str) -> Path:
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    model = cfg.model.name.replace(":", "-").replace("/", "-").replace(".", "-")[-40:]
-    return Path("runs") / f"{stamp}-{model}-{strategy}"
-
-
-def write_run_files(run_dir: Path, cfg: JobConfig, job: Job) -> None:
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        plan = job_plan(job)  # the planner's figures, for the report's plan versus actual
-        for name, text in (
-            ("config.toml", dump_toml(cfg)),
-            ("job.json", json.dumps(job.summary_dict(), indent=2) + "\n"),
-            *([("plan.json", json.dumps(plan, indent=1) + "\n")] if plan else []),
-        ):
-            # Whole or not at all: on several machines each launcher writes the same files
-            # into the shared run directory while workers may already read them.
-            part = run_dir / f".{name}.{os.getpid()}.part"
-            part.write_text(text)
-            os.replace(part, run_dir / name)
-    except OSError as err:
-        raise ConfigError(
-            f"logging.run_dir = '{run_dir}' cannot be used ({err.strerror or err}): "
-            "choose a writable directory"
-        ) from None
 
 
 def join_job(cfg: JobConfig) -> tuple[DistEnv, logging.Logger, torch.device, Job]:
