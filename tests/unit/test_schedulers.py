@@ -204,6 +204,8 @@ BAD = {
     "k8s name not a label": ["k8s", "--nodes", "2", "--image", IMAGE, "--name", "Job_1"],
     "k8s name too long": ["k8s", "--nodes", "2", "--image", IMAGE, "--name", "a" * 60],
     "bad --set": ["k8s", "--nodes", "2", "--image", IMAGE, "--set", "optim.lrr=1"],
+    # 1 accumulation step cannot keep the global batch of 4 machines on 3.
+    "elastic batch": ["slurm", "--nodes", "4", "--min-nodes", "3"],
 }
 
 

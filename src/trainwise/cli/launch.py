@@ -127,7 +127,13 @@ def build_job(args: argparse.Namespace, scheduler: str, **extra: object):
         "cluster.nproc": "--gpus-per-node",
         "logging.run_dir": "--run-dir",
     }
-    load_config(path, flags, list(args.set), flag_names=names)
+    cfg = load_config(path, flags, list(args.set), flag_names=names)
+    # An elastic range must keep its global batch on every machine count (as train checks).
+    from trainwise.run.job import elastic_accum
+
+    _, problem = elastic_accum(cfg, job.nodes * job.gpus_per_node, job.gpus_per_node)
+    if problem:
+        raise ConfigError(problem.replace("--nnodes", "--min-nodes/--nodes"))
     return job
 
 
