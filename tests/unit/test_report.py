@@ -221,3 +221,20 @@ def test_a_communication_bound_run_is_told_the_planners_faster_strategy(tmp_path
     assert "20% shorter" in comm.change
     # The saving: 20 % of the steps' 6.5 s less the 0.5 s stall, on 2 workers.
     assert comm.saving.startswith(f"{6.0 * 0.2 * H:.3g} GPU-h")  # 0.000667
+
+
+def test_an_elastic_run_that_shrank_is_charged_per_attempt(tmp_path: Path):
+    run = make_run(tmp_path)
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    for e in events:
+        if e["kind"] == "ready" and e["attempt"] == 1:
+            e["world"] = 1  # the restart found one machine: steps 5 and 6 ran on 1 worker
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    r = analyse(load_run(run))
+    c = {term.name: term.gpu_hours * 3600 for term in r.cost.terms}  # GPU-seconds
+    # Steps 1-4 on 2 workers: (3 x 1.0 + 1.5) x 2 = 9; steps 5-6 on 1: 2.0. Sync 4 x 0.1 x 2
+    # + 2 x 0.1 = 1.0; the stall 0.5 x 2 = 1.0; compute the rest, 9.0. The failure is
+    # charged at the full 2 workers: 5.5 x 2 = 11.
+    assert c["compute"] == pytest.approx(9.0) and c["communication wait"] == pytest.approx(1.0)
+    assert c["checkpoint stall"] == pytest.approx(1.0) and c["failure retry"] == pytest.approx(11)
+    assert any("2 -> 1 workers" in n for n in r.notes)

@@ -94,27 +94,23 @@ class CostTerm:
 
 
 def run_cost(
-    gpus: int,
     price_per_gpu_hour: float,
-    step_s: float,
-    exposed_comm_s: float,
-    checkpoint_stall_s: float,
-    downtime_s: float,
-    recomputed_s: float,
+    step_gpu_s: float,
+    exposed_comm_gpu_s: float,
+    checkpoint_stall_gpu_s: float,
+    retry_gpu_s: float,
 ) -> list[CostTerm]:
-    """The formula above with a finished run's measured terms (the report): `step_s`, the
-    steps' wall seconds (each step once), of which `exposed_comm_s` waited for
-    communication and `checkpoint_stall_s` for saves; `downtime_s` and `recomputed_s`, what
-    failures cost (run.events.retry_cost). The terms add up to the run's GPU-hours. The
+    """The formula above with a finished run's measured terms (the report), in GPU-seconds
+    (each step's seconds times the workers it ran on): `step_gpu_s` for the steps (each
+    once), of which `exposed_comm_gpu_s` waited for communication and
+    `checkpoint_stall_gpu_s` for saves; `retry_gpu_s`, the restart downtime and recomputed
+    work of failures (run.events.retry_cost). The terms add up to the run's GPU-hours. The
     plan counts checkpoint stalls under failure retry; measured, they are a term of their own."""
-    to_gpu_hours = gpus / SECONDS_PER_HOUR
     seconds = (
-        ("compute", step_s - exposed_comm_s - checkpoint_stall_s),
-        ("communication wait", exposed_comm_s),
-        ("checkpoint stall", checkpoint_stall_s),
-        ("failure retry", downtime_s + recomputed_s),
+        ("compute", step_gpu_s - exposed_comm_gpu_s - checkpoint_stall_gpu_s),
+        ("communication wait", exposed_comm_gpu_s),
+        ("checkpoint stall", checkpoint_stall_gpu_s),
+        ("failure retry", retry_gpu_s),
     )
-    return [
-        CostTerm(name, max(s, 0.0) * to_gpu_hours, max(s, 0.0) * to_gpu_hours * price_per_gpu_hour)
-        for name, s in seconds
-    ]
+    hours = [(name, max(s, 0.0) / SECONDS_PER_HOUR) for name, s in seconds]
+    return [CostTerm(name, h, h * price_per_gpu_hour) for name, h in hours]

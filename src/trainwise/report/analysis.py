@@ -252,19 +252,27 @@ def stage_split(run: RunFiles, notes: list[str]) -> StageSplit:
 
 
 def cost_of(run: RunFiles, gpus: int, notes: list[str]) -> Costs:
+    """Each step is charged at the workers of the attempt that ran it (an elastic job can
+    shrink); failures at the job's full size (`gpus`), an upper bound when it shrank."""
     price, source = _price(run)
-    recs = run.records
     cost = retry_cost(run.events, max(gpus, 1))
-    seconds = {key: sum(float(r.get(key) or 0.0) for r in recs) for key, _ in STAGES}
-    step_total = sum(float(r.get("step_s") or 0.0) for r in recs)
+    workers = {e.get("attempt", 0): int(e["world"]) for e in run.events
+               if e["kind"] == "ready" and e.get("world")}  # fmt: skip
+    if len(set(workers.values())) > 1:
+        sizes = " -> ".join(str(workers[a]) for a in sorted(workers))
+        notes.append(f"the job ran on {sizes} workers; each step is charged at its attempt's")
+
+    def gpu_seconds(key: str) -> float:
+        return sum(
+            float(r.get(key) or 0.0) * workers.get(r.get("attempt", 0), gpus) for r in run.records
+        )
+
     terms = run_cost(
-        gpus=gpus,
         price_per_gpu_hour=price,
-        step_s=step_total,
-        exposed_comm_s=seconds["sync_s"],
-        checkpoint_stall_s=seconds["ckpt_s"],
-        downtime_s=cost.downtime_s,
-        recomputed_s=cost.recomputed_s,
+        step_gpu_s=gpu_seconds("step_s"),
+        exposed_comm_gpu_s=gpu_seconds("sync_s"),
+        checkpoint_stall_gpu_s=gpu_seconds("ckpt_s"),
+        retry_gpu_s=(cost.downtime_s + cost.recomputed_s) * gpus,
     )
     if run.plan is None:
         notes.append("no plan.json: the plan-versus-actual rows are missing")
