@@ -5,7 +5,6 @@ one page compares them side by side."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -63,8 +62,12 @@ def render(reports: list, fmt: str) -> str:
     if fmt == "json":
         return run_view.to_json(reports).rstrip("\n")
     if fmt == "md":
-        md = run_view.render_markdown if one else None
-        return (md(reports[0]) if md else run_view.render_compare_markdown(reports)).rstrip("\n")
+        md = (
+            run_view.render_markdown(reports[0])
+            if one
+            else run_view.render_compare_markdown(reports)
+        )
+        return md.rstrip("\n")
     if one:
         return run_view.render_text(reports[0])
     return "\n\n".join(
@@ -75,9 +78,8 @@ def render(reports: list, fmt: str) -> str:
 def write_page(reports: list, page: Path) -> None:
     """The HTML page, whole or not at all (a reader never sees half a page)."""
     from trainwise.report.run_html import render_html
+    from trainwise.run.run_files import write_whole
 
     text = render_html(reports)
     page.parent.mkdir(parents=True, exist_ok=True)
-    part = page.with_name(f".{page.name}.{os.getpid()}.part")
-    part.write_text(text)
-    os.replace(part, page)
+    write_whole(page, text)

@@ -4,7 +4,6 @@ RUN_DIR`, or in-process for one worker)."""
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from trainwise.run.distributed import (
     destroy_process_group,
     side_group,
 )
+from trainwise.run.run_files import write_whole
 from trainwise.run.worker import agree_run_dir, join_job, run_worker
 
 RECORD_FILE = "doctor.json"
@@ -54,10 +54,7 @@ def run_doctor(cfg: JobConfig, run_dir: Path | None = None) -> DoctorRecord | No
 
 def write_record(run_dir: Path, record: DoctorRecord) -> None:
     """doctor.json, whole or not at all."""
-    path = run_dir / RECORD_FILE
-    part = path.with_suffix(".json.part")
-    part.write_text(record.model_dump_json(indent=1) + "\n")
-    os.replace(part, path)
+    write_whole(run_dir / RECORD_FILE, record.model_dump_json(indent=1) + "\n")
 
 
 def read_record(run_dir: Path) -> DoctorRecord:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 
 def fmt_bytes(n: float) -> str:
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
@@ -13,6 +15,22 @@ def fmt_bytes(n: float) -> str:
 
 def fmt_usd(x: float) -> str:
     return f"${x:,.0f}" if x >= 100 else f"${x:,.2f}"
+
+
+def fmt_usd_exact(x: float) -> str:
+    """fmt_usd, with two significant digits below a cent (a small CPU run: $0.000047)."""
+    if x >= 0.01 or x <= 0:
+        return fmt_usd(x)
+    return f"${x:.{1 - math.floor(math.log10(x))}f}"
+
+
+def fmt_gpu_hours(h: float) -> str:
+    """GPU-hours with three significant digits at any scale (0.000667, 2.5, 1,234.5)."""
+    if h >= 100:
+        return f"{h:,.1f}"
+    if h >= 0.01 or h <= 0:
+        return f"{h:.3g}"
+    return f"{h:.{2 - math.floor(math.log10(h))}f}"
 
 
 def fmt_hours(h: float) -> str:

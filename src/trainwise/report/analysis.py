@@ -10,7 +10,6 @@ the files (`RunFiles`), so that every number on the page can be recomputed by ha
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,8 +19,9 @@ from trainwise.plan.calibrate import WARMUP_STEPS
 from trainwise.plan.cost import CostTerm, run_cost
 from trainwise.plan.estimate import SIMPLER_WITHIN, config_keys
 from trainwise.plan.planner import COMM_BOUND_SHARE
+from trainwise.plan.units import fmt_gpu_hours, fmt_usd_exact
 from trainwise.report.rundir import RunFiles
-from trainwise.run.events import retry_cost
+from trainwise.run.events import RetryCost, retry_cost
 
 # The measured stages of a step (metrics.jsonl) and their names on the page.
 STAGES = (
@@ -130,28 +130,12 @@ class RunReport:
     notes: list[str] = field(default_factory=list)
 
 
-def money(x: float) -> str:
-    """Dollars with enough digits for a small CPU run ($0.000047) or a large one ($12,345)."""
-    if x >= 100:
-        return f"${x:,.0f}"
-    if x >= 0.01 or x <= 0:
-        return f"${x:,.2f}"
-    return f"${x:.{1 - math.floor(math.log10(x))}f}"
-
-
-def gpu_hours(h: float) -> str:
-    if h >= 100:
-        return f"{h:,.1f}"
-    if h >= 0.01 or h <= 0:
-        return f"{h:.3g}"
-    return f"{h:.{2 - math.floor(math.log10(h))}f}"
-
-
 def analyse(run: RunFiles) -> RunReport:
     notes: list[str] = []
     head = headline(run)
-    stages = stage_split(run, notes)
-    costs = cost_of(run, head.world, notes)
+    failures = retry_cost(run.events, max(head.world, 1))
+    stages = stage_split(run, failures, notes)
+    costs = cost_of(run, head.world, failures, notes)
     checks = plan_vs_actual(run, stages, notes)
     return RunReport(
         headline=head,
@@ -215,11 +199,15 @@ def steady(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return later or records
 
 
-def stage_split(run: RunFiles, notes: list[str]) -> StageSplit:
+def calm(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steady steps without a checkpoint stall: what the plan's step is compared with."""
+    return [r for r in steady(records) if not r.get("ckpt_s")] or steady(records)
+
+
+def stage_split(run: RunFiles, failures: RetryCost, notes: list[str]) -> StageSplit:
     recs = run.records
     total = {name: sum(float(r.get(key) or 0.0) for r in recs) for key, name in STAGES}
-    cost = retry_cost(run.events, max(int(run.job.get("world", 1)), 1))
-    total["restart downtime"] = cost.downtime_s
+    total["restart downtime"] = failures.downtime_s
     if any(r.get("sync_s") is None for r in recs) and int(run.job.get("world", 1)) > 1:
         notes.append("exposed sync is measured by probes; steps before the first probe count 0")
     size = max(1, -(-len(recs) // WINDOWS))
@@ -234,8 +222,8 @@ def stage_split(run: RunFiles, notes: list[str]) -> StageSplit:
         )
         for chunk in (recs[i : i + size] for i in range(0, len(recs), size))
     ]
-    calm = [r for r in steady(recs) if not r.get("ckpt_s")] or steady(recs)
-    measured = {name: _median([r.get(key) or 0.0 for r in calm]) or 0.0 for key, name in STAGES}
+    quiet = calm(recs)
+    measured = {name: _median([r.get(key) or 0.0 for r in quiet]) or 0.0 for key, name in STAGES}
     measured["checkpoint stall"] = 0.0
     planned: dict[str, float | None] | None = None
     if run.plan:
@@ -251,11 +239,11 @@ def stage_split(run: RunFiles, notes: list[str]) -> StageSplit:
     return StageSplit(total, windows, planned, measured)
 
 
-def cost_of(run: RunFiles, gpus: int, notes: list[str]) -> Costs:
+def cost_of(run: RunFiles, gpus: int, cost: RetryCost, notes: list[str]) -> Costs:
     """Each step is charged at the workers of the attempt that ran it (an elastic job can
-    shrink); failures at the job's full size (`gpus`), an upper bound when it shrank."""
+    shrink); failures (`cost`) at the job's full size (`gpus`), an upper bound when it
+    shrank."""
     price, source = _price(run)
-    cost = retry_cost(run.events, max(gpus, 1))
     workers = {e.get("attempt", 0): int(e["world"]) for e in run.events
                if e["kind"] == "ready" and e.get("world")}  # fmt: skip
     if len(set(workers.values())) > 1:
@@ -301,8 +289,7 @@ def plan_vs_actual(run: RunFiles, stages: StageSplit, notes: list[str]) -> list[
     plan, job = run.plan, run.job
     if not plan:
         return []
-    calm = [r for r in steady(run.records) if not r.get("ckpt_s")] or steady(run.records)
-    step_s = _median([r["step_s"] for r in calm])
+    step_s = _median([r["step_s"] for r in calm(run.records)])
     tokens = job.get("tokens_per_step")
     mem = max((int(r.get("mem_bytes") or 0) for r in run.records), default=0)
     mem_kind = run.records[-1].get("mem_kind", "")
@@ -405,7 +392,7 @@ def advice(
             evidence=f"the workers waited for batches {data_share:.0%} of the step time"
             + _doctor_said(doctor, "data"),
             change=loader_fixes(workers, run.job.get("device_kind") == "cuda"),
-            saving=f"up to {gpu_hours(hours)} GPU-h ({money(hours * price)}) on a run like this "
+            saving=f"up to {fmt_gpu_hours(hours)} GPU-h ({fmt_usd_exact(hours * price)}) on a run like this "
             "one, if the loader kept up",
         ))  # fmt: skip
     sync_share = stages.total_s["exposed sync"] / step_total
@@ -415,7 +402,7 @@ def advice(
             "raise data.grad_accum or data.micro_batch (fewer syncs per sample), or compare "
             f"strategies with `trainwise plan --calibrate {run.path}`"
         )
-        saving = f"up to {gpu_hours(hours)} GPU-h ({money(hours * price)}) of waiting"
+        saving = f"up to {fmt_gpu_hours(hours)} GPU-h ({fmt_usd_exact(hours * price)}) of waiting"
         better = faster_strategy(run)
         if better:
             name, gain = better
@@ -424,7 +411,7 @@ def advice(
                 f"{config_keys(name)}: the planner predicts a step {gain:.0%} "
                 f"shorter than {run.job.get('strategy')}'s here; or {change}"
             )
-            saving = f"{gpu_hours(work * gain)} GPU-h ({money(work * gain * price)}), the planner's {gain:.0%} of the steps' time"
+            saving = f"{fmt_gpu_hours(work * gain)} GPU-h ({fmt_usd_exact(work * gain * price)}), the planner's {gain:.0%} of the steps' time"
         out.append(Advice(
             title="communication-bound",
             evidence=f"{sync_share:.0%} of the step time waited for gradient sync (over "
@@ -459,7 +446,7 @@ def advice(
             f"{costs.recomputed_s:.1f} s recomputing",
             change="save more often (checkpoint.interval = \"auto\" takes the Young/Daly "
             "optimum) and use async saves to keep the stall small",
-            saving=f"at most the {gpu_hours(retry.gpu_hours)} GPU-h ({money(retry.usd)}) they "
+            saving=f"at most the {fmt_gpu_hours(retry.gpu_hours)} GPU-h ({fmt_usd_exact(retry.usd)}) they "
             "cost",
         ))  # fmt: skip
     return out

@@ -74,6 +74,17 @@ def new_figure(width: float, height: float, left: float, bottom: float, legend: 
     return fig
 
 
+def stacked_bars(ax, parts: Sequence[tuple[str, str, Sequence[float]]], width: float) -> list[int]:
+    """One bar per position, stacked from `parts` (label, colour, a height per bar) in
+    order; the bars' x positions are returned for the ticks."""
+    xs = list(range(len(parts[0][2]))) if parts else []
+    bottom = [0.0] * len(xs)
+    for label, colour, heights in parts:
+        ax.bar(xs, heights, bottom=bottom, width=width, color=colour, label=label)
+        bottom = [a + b for a, b in zip(bottom, heights, strict=True)]
+    return xs
+
+
 def legend(ax) -> None:
     ax.legend(
         loc="upper left",

@@ -28,6 +28,7 @@ from trainwise.report.figures import (
     figure_html,
     legend,
     new_figure,
+    stacked_bars,
     text_width,
 )
 from trainwise.report.plan_view import (
@@ -113,7 +114,7 @@ def render_html(plan: Plan) -> str:
     ]
     if plan.sweep:
         classes = ["" if r.fits else "nofit" for r in plan.sweep]
-        out += _table(SWEEP_TITLE, SWEEP_COLUMNS, sweep_rows(plan), classes)
+        out += html_table(SWEEP_TITLE, SWEEP_COLUMNS, sweep_rows(plan), classes)
     out += ["</section>", '<section id="questions">', "<h2>The three questions</h2>", "<dl>"]
     for question, answer in plan.questions:
         out += [f"<dt>{e(question)}</dt>", f"<dd>{e(answer)}</dd>"]
@@ -138,13 +139,19 @@ def _strategy_table(
         "rec" if s.name == plan.recommendation.strategy else ("" if s.fits else "nofit")
         for s in plan.strategies
     ]
-    return _table(title, columns, rows, classes)
+    return html_table(title, columns, rows, classes)
 
 
-def _table(
-    title: str, columns: Sequence[str], rows: list[list[str]], classes: Sequence[str]
+def html_table(
+    title: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    classes: Sequence[str] | None = None,
 ) -> list[str]:
+    """A captioned table; `classes` per row (e.g. the recommended one). The plan's and the
+    run report's pages share it."""
     e = html.escape
+    classes = classes or [""] * len(rows)
     out = ["<table>", f"<caption>{e(title)}</caption>", "<thead><tr>"]
     out += [f'<th scope="col"{_align(c)}>{e(c)}</th>' for c in columns]
     out += ["</tr></thead>", "<tbody>"]
@@ -270,12 +277,11 @@ def _cost_figure(plan: Plan):
     left = text_width([fmt_usd(top)], TEXT_SIZE) + 0.45
     fig = new_figure(FIGURE_WIDTH, 3.6, left, 0.6, [p[1] for p in COST_PARTS])
     ax = fig.add_subplot()
-    xs = list(range(len(strategies)))
-    bottom = [0.0] * len(strategies)
-    for field, label, colour in COST_PARTS:
-        heights = [getattr(s.cost, field) for s in strategies]
-        ax.bar(xs, heights, bottom=bottom, width=0.6, color=colour, label=label)
-        bottom = [a + b for a, b in zip(bottom, heights, strict=True)]
+    parts = [
+        (label, colour, [getattr(s.cost, field) for s in strategies])
+        for field, label, colour in COST_PARTS
+    ]
+    xs = stacked_bars(ax, parts, width=0.6)
     for i, s in enumerate(strategies):
         ax.text(
             i, s.cost.total_usd, fmt_usd(s.cost.total_usd), ha="center", va="bottom", size=NOTE_SIZE

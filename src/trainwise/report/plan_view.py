@@ -4,6 +4,8 @@ the same rows, so they never disagree."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from trainwise.hardware.catalog import GB
 from trainwise.plan.planner import Plan
 from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_seconds, fmt_usd
@@ -213,7 +215,8 @@ def _rich_table(
     return table
 
 
-def _md_table(columns: tuple[str, ...], rows: list[list[str]]) -> list[str]:
+def md_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A Markdown table (pipes in cells escaped); the plan's and the run report's."""
     out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
     return out
@@ -225,9 +228,9 @@ def render_markdown(plan: Plan, simulation: list[dict] | None = None) -> str:
     out += [f"- calibrated: {note}" for note in plan.calibration] + (
         [""] if plan.calibration else []
     )
-    out += [f"## {MEMORY_TITLE}", ""] + _md_table(MEMORY_COLUMNS, memory_rows(plan))
+    out += [f"## {MEMORY_TITLE}", ""] + md_table(MEMORY_COLUMNS, memory_rows(plan))
     out += ["", f"## {TIME_TITLE}", ""]
-    out += _md_table(TIME_COLUMNS, time_rows(plan))
+    out += md_table(TIME_COLUMNS, time_rows(plan))
     out += ["", f"## Recommendation: {rec.strategy} (scenario: {rec.scenario})", ""]
     out += [f"- {reason}" for reason in rec.reasons] + [f"- {cost_line(plan)}", ""]
     out += ["## The three questions", ""]
@@ -235,9 +238,9 @@ def render_markdown(plan: Plan, simulation: list[dict] | None = None) -> str:
         out += [f"**{q}** {a}", ""]
     if simulation:
         out += [f"## {SIMULATION_TITLE}", ""]
-        out += _md_table(SIMULATION_COLUMNS, simulation_rows(simulation)) + [""]
+        out += md_table(SIMULATION_COLUMNS, simulation_rows(simulation)) + [""]
     if plan.sweep:
-        out += ["## Scaling sweep", ""] + _md_table(SWEEP_COLUMNS, sweep_rows(plan)) + [""]
+        out += ["## Scaling sweep", ""] + md_table(SWEEP_COLUMNS, sweep_rows(plan)) + [""]
     if plan.warnings:
         out += ["## Warnings", ""] + [f"- {w}" for w in plan.warnings] + [""]
     return "\n".join(out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 
+from trainwise.plan.units import fmt_usd_exact
 from trainwise.report.analysis import STAGES, RunReport
 from trainwise.report.figures import (
     FIGURE_WIDTH,
@@ -20,18 +21,17 @@ from trainwise.report.figures import (
     figure_html,
     legend,
     new_figure,
+    stacked_bars,
 )
-from trainwise.report.plan_html import CSS
+from trainwise.report.plan_html import CSS, html_table
 from trainwise.report.run_view import (
     COMPARE_COLUMNS,
     COST_COLUMNS,
     PLAN_COLUMNS,
     STAGE_COLUMNS,
-    Rows,
     calibrate_line,
     compare_rows,
     cost_rows,
-    money,
     plan_rows,
     price_line,
     stage_rows,
@@ -92,16 +92,16 @@ def _run_section(r: RunReport, key: str, heading: bool) -> list[str]:
             figure_html(_stage_figure(r), f"{key}-stages", "time per stage",
                         "Seconds per step by stage, per window of steps; beside them the "
                         "steady steps' median and the plan's split."),
-            *_table("Time per stage", STAGE_COLUMNS, stage_rows(r))]  # fmt: skip
+            *html_table("Time per stage", STAGE_COLUMNS, stage_rows(r))]  # fmt: skip
     out += ["<h2>Where the money went</h2>",
             figure_html(_cost_figure(r), f"{key}-cost", "cost breakdown",
                         f"GPU-hours by term, {price_line(r)}."),
-            *_table("Cost", COST_COLUMNS, cost_rows(r))]  # fmt: skip
+            *html_table("Cost", COST_COLUMNS, cost_rows(r))]  # fmt: skip
     if r.plan_vs_actual:
         out += ["<h2>Plan versus actual</h2>",
                 figure_html(_plan_figure(r), f"{key}-plan", "plan versus actual",
                             "The error of each planned figure; the band is ±25 %."),
-                *_table("Plan versus actual", PLAN_COLUMNS, plan_rows(r))]  # fmt: skip
+                *html_table("Plan versus actual", PLAN_COLUMNS, plan_rows(r))]  # fmt: skip
         line = calibrate_line(r)
         if line:
             out.append(f'<p class="flag">{e(line)}</p>')
@@ -125,18 +125,11 @@ def _run_section(r: RunReport, key: str, heading: bool) -> list[str]:
 def _comparison(reports: list[RunReport]) -> list[str]:
     return [
         '<section id="comparison">', "<h2>Side by side</h2>",
-        *_table("Runs", COMPARE_COLUMNS, compare_rows(reports)),
+        *html_table("Runs", COMPARE_COLUMNS, compare_rows(reports)),
         figure_html(_compare_figure(reports), "cmp", "runs compared",
                     "Training loss over steps, and the steady step's time by stage, per run."),
         "</section>",
     ]  # fmt: skip
-
-
-def _table(caption: str, columns: tuple[str, ...], rows: Rows) -> list[str]:
-    e = html.escape
-    head = "".join(f"<th>{e(c)}</th>" for c in columns)
-    body = ["<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in row) + "</tr>" for row in rows]
-    return [f"<table><caption>{e(caption)}</caption>", f"<tr>{head}</tr>", *body, "</table>"]
 
 
 def _stage_figure(r: RunReport):
@@ -152,12 +145,8 @@ def _stage_figure(r: RunReport):
         bars.append(r.stages.planned_per_step)
     fig = new_figure(FIGURE_WIDTH, 3.4, 0.8, 0.75, names)
     ax = fig.add_subplot()
-    xs = list(range(len(bars)))
-    bottom = [0.0] * len(bars)
-    for name in names:
-        heights = [b.get(name) or 0.0 for b in bars]
-        ax.bar(xs, heights, bottom=bottom, width=0.7, color=STAGE_COLOURS[name], label=name)
-        bottom = [a + b for a, b in zip(bottom, heights, strict=True)]
+    parts = [(name, STAGE_COLOURS[name], [b.get(name) or 0.0 for b in bars]) for name in names]
+    xs = stacked_bars(ax, parts, width=0.7)
     ax.set_xticks(xs, labels, rotation=30 if len(xs) > 8 else 0)
     ax.tick_params(axis="x", labelsize=NOTE_SIZE)
     ax.set_xlabel("steps")
@@ -169,7 +158,7 @@ def _stage_figure(r: RunReport):
 
 
 def _cost_figure(r: RunReport):
-    terms = [t for t in r.cost.terms]
+    terms = r.cost.terms
     fig = new_figure(FIGURE_WIDTH, 1.9, 0.4, 0.55, [t.name for t in terms])
     ax = fig.add_subplot()
     left = 0.0
@@ -183,7 +172,9 @@ def _cost_figure(r: RunReport):
         left += t.gpu_hours
     ax.set_yticks([])
     ax.set_xlim(0, total * 1.02)
-    ax.set_xlabel(f"GPU-hours (total {r.cost.total_gpu_hours:.3g} = {money(r.cost.total_usd)})")
+    ax.set_xlabel(
+        f"GPU-hours (total {r.cost.total_gpu_hours:.3g} = {fmt_usd_exact(r.cost.total_usd)})"
+    )
     ax.set_title("Cost", loc="left", fontweight="bold")
     ax.spines[["top", "right", "left"]].set_visible(False)
     legend(ax)
@@ -259,12 +250,11 @@ def _compare_figure(reports: list[RunReport]):
     loss.set_title("training loss", loc="left", fontsize=NOTE_SIZE + 1, fontweight="bold")
     loss.set_xlabel("step", fontsize=NOTE_SIZE)
     loss.legend(fontsize=NOTE_SIZE, frameon=False)
-    xs = list(range(len(reports)))
-    bottom = [0.0] * len(reports)
-    for _, name in STAGES:
-        heights = [r.stages.measured_per_step.get(name, 0.0) for r in reports]
-        stages.bar(xs, heights, bottom=bottom, width=0.6, color=STAGE_COLOURS[name], label=name)
-        bottom = [a + b for a, b in zip(bottom, heights, strict=True)]
+    parts = [
+        (name, STAGE_COLOURS[name], [r.stages.measured_per_step.get(name, 0.0) for r in reports])
+        for _, name in STAGES
+    ]
+    xs = stacked_bars(stages, parts, width=0.6)
     stages.set_xticks(xs, [f"{r.headline.strategy} x{r.headline.world}" for r in reports])
     stages.set_title("seconds per steady step", loc="left", fontsize=NOTE_SIZE + 1,
                      fontweight="bold")  # fmt: skip

@@ -7,8 +7,9 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from trainwise.plan.units import fmt_bytes, fmt_seconds
-from trainwise.report.analysis import PLAN_ERROR_FLAG, PlanCheck, RunReport, gpu_hours, money
+from trainwise.plan.units import fmt_bytes, fmt_gpu_hours, fmt_seconds, fmt_usd_exact
+from trainwise.report.analysis import PLAN_ERROR_FLAG, PlanCheck, RunReport
+from trainwise.report.plan_view import md_table
 
 SCHEMA_VERSION = 1
 Rows = list[tuple[str, ...]]
@@ -47,7 +48,10 @@ def summary_rows(r: RunReport) -> Rows:
         ("steps", f"{steps}{tokens}, wall {fmt_seconds(h.wall_s)} s"),
         ("loss", loss),
         ("speed", f"{speed} (steady steps, median)"),
-        ("cost", f"{gpu_hours(r.cost.total_gpu_hours)} GPU-h = {money(r.cost.total_usd)}"),
+        (
+            "cost",
+            f"{fmt_gpu_hours(r.cost.total_gpu_hours)} GPU-h = {fmt_usd_exact(r.cost.total_usd)}",
+        ),
     ]
 
 
@@ -83,16 +87,18 @@ COST_COLUMNS = ("term", "GPU-hours", "USD", "share")
 def cost_rows(r: RunReport) -> Rows:
     total = r.cost.total_gpu_hours or 1.0
     rows = [
-        (t.name, gpu_hours(t.gpu_hours), money(t.usd), f"{t.gpu_hours / total:.1%}")
+        (t.name, fmt_gpu_hours(t.gpu_hours), fmt_usd_exact(t.usd), f"{t.gpu_hours / total:.1%}")
         for t in r.cost.terms
     ]
-    rows.append(("total", gpu_hours(r.cost.total_gpu_hours), money(r.cost.total_usd), "100%"))
+    rows.append(
+        ("total", fmt_gpu_hours(r.cost.total_gpu_hours), fmt_usd_exact(r.cost.total_usd), "100%")
+    )
     return rows
 
 
 def price_line(r: RunReport) -> str:
     c = r.cost
-    return f"at {money(c.price_per_gpu_hour)} per GPU-hour ({c.price_source}), {r.headline.world} workers"
+    return f"at {fmt_usd_exact(c.price_per_gpu_hour)} per GPU-hour ({c.price_source}), {r.headline.world} workers"
 
 
 PLAN_COLUMNS = ("figure", "plan", "actual", "error", "assumption to check")
@@ -157,10 +163,10 @@ def _text_table(columns: tuple[str, ...], rows: Rows) -> list[str]:
 def render_markdown(r: RunReport) -> str:
     out = [f"# trainwise report: {r.headline.run}", ""]
     out += [f"- **{k}**: {v}" for k, v in summary_rows(r)]
-    out += ["", "## Time per stage", "", *_md_table(STAGE_COLUMNS, stage_rows(r))]
-    out += ["", "## Cost", "", price_line(r), "", *_md_table(COST_COLUMNS, cost_rows(r))]
+    out += ["", "## Time per stage", "", *md_table(STAGE_COLUMNS, stage_rows(r))]
+    out += ["", "## Cost", "", price_line(r), "", *md_table(COST_COLUMNS, cost_rows(r))]
     if r.plan_vs_actual:
-        out += ["", "## Plan versus actual", "", *_md_table(PLAN_COLUMNS, plan_rows(r))]
+        out += ["", "## Plan versus actual", "", *md_table(PLAN_COLUMNS, plan_rows(r))]
         line = calibrate_line(r)
         if line:
             out += ["", line]
@@ -172,13 +178,6 @@ def render_markdown(r: RunReport) -> str:
     if r.notes:
         out += ["", "## Notes", "", *(f"- {n}" for n in r.notes)]
     return "\n".join(out) + "\n"
-
-
-def _md_table(columns: tuple[str, ...], rows: Rows) -> list[str]:
-    def cells(row):
-        return "| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |"
-
-    return [cells(columns), "|" + "---|" * len(columns), *(cells(r) for r in rows)]
 
 
 def to_json(reports: list[RunReport]) -> str:
@@ -199,7 +198,7 @@ def compare_rows(reports: list[RunReport]) -> Rows:
             h.run, h.strategy, str(h.world), fmt_seconds(sum(step.values())) + " s",
             f"{h.tokens_per_s or h.samples_per_s or 0:,.0f}",
             fmt_bytes(max(r.curves.mem_bytes, default=0)),
-            f"{h.final_loss:.4f}", money(r.cost.total_usd), str(r.cost.failures),
+            f"{h.final_loss:.4f}", fmt_usd_exact(r.cost.total_usd), str(r.cost.failures),
         ))  # fmt: skip
     return rows
 
@@ -211,7 +210,7 @@ def render_compare_text(reports: list[RunReport]) -> str:
 
 
 def render_compare_markdown(reports: list[RunReport]) -> str:
-    out = ["# trainwise report: comparison", "", *_md_table(COMPARE_COLUMNS, compare_rows(reports))]
+    out = ["# trainwise report: comparison", "", *md_table(COMPARE_COLUMNS, compare_rows(reports))]
     for r in reports:
         out += ["", render_markdown(r).replace("# trainwise report", "## trainwise report", 1)]
     return "\n".join(out)

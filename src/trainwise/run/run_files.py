@@ -20,6 +20,15 @@ def default_run_dir(cfg: JobConfig, strategy: str) -> Path:
     return Path("runs") / f"{stamp}-{model}-{strategy}"
 
 
+def write_whole(path: Path, text: str) -> None:
+    """`text` into `path` whole or not at all: written beside it, then renamed over it, so a
+    reader (another process, another machine) never sees half a file. The temporary name
+    carries the pid: several writers of the same file do not collide."""
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    part.write_text(text)
+    os.replace(part, path)
+
+
 def write_run_files(run_dir: Path, cfg: JobConfig, job: Job) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -29,11 +38,9 @@ def write_run_files(run_dir: Path, cfg: JobConfig, job: Job) -> None:
             ("job.json", json.dumps(job.summary_dict(), indent=2) + "\n"),
             *([("plan.json", json.dumps(plan, indent=1) + "\n")] if plan else []),
         ):
-            # Whole or not at all: on several machines each launcher writes the same files
-            # into the shared run directory while workers may already read them.
-            part = run_dir / f".{name}.{os.getpid()}.part"
-            part.write_text(text)
-            os.replace(part, run_dir / name)
+            # On several machines each launcher writes the same files into the shared run
+            # directory while workers may already read them.
+            write_whole(run_dir / name, text)
     except OSError as err:
         raise ConfigError(
             f"logging.run_dir = '{run_dir}' cannot be used ({err.strerror or err}): "
