@@ -8,10 +8,14 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainwise.config import JobConfig, dump_toml, load_config
-from trainwise.errors import ConfigError
+from trainwise.errors import ConfigError, TrainwiseError
 from trainwise.report import render_summary
+
+if TYPE_CHECKING:
+    from trainwise.run.job import Job
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -144,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
             cfg, train_here, "trainwise.run.worker", max_restarts=cfg.checkpoint.max_restarts
         )
     except Preempted as stop:
-        print(f"trainwise: {stop}")
+        print(f"trainwise: {stop}; {resume_hint(cfg, stop.event)}")
         return 0
     path = run_dir / "summary.json"
     if not path.is_file():  # rank 0 runs on another machine and writes its own disk
@@ -155,12 +159,39 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def resume_hint(cfg: JobConfig, event: dict) -> str:
+    """How to go on after a stop that saved."""
+    saved = f"checkpoint {event['checkpoint']} saved" if event.get("checkpoint") else "saved"
+    if cfg.checkpoint.resume == "never":
+        return (
+            f"{saved}: run again with checkpoint.resume = 'auto' to resume from it "
+            "('never' would start a new lineage)"
+        )
+    return f"{saved}: run the same command again to resume"
+
+
 def train_here(cfg: JobConfig, run_dir: Path) -> object:
     """One worker in this process. The worker's modules are imported only here: a launcher
-    that starts worker processes does without them (seconds of DCP and DTensor imports)."""
+    that starts worker processes does without them (seconds of DCP and DTensor imports).
+    Ctrl-C and the other stop signals save, as they do in worker processes."""
+    import signal
+
+    from trainwise.run.control import PREEMPT_SIGNALS, catch_early_signals
+    from trainwise.run.launch import Preempted
     from trainwise.run.worker import train
 
-    return train(cfg, run_dir)
+    previous = {sig: signal.getsignal(sig) for sig in PREEMPT_SIGNALS}
+    catch_early_signals()
+    try:
+        summary = train(cfg, run_dir)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if summary and summary.get("preempted"):
+        from trainwise.run.events import read_events
+
+        raise Preempted([e for e in read_events(run_dir) if e["kind"] == "preempted"][-1])
+    return summary
 
 
 def finish_report(cfg: JobConfig, run_dir: Path) -> None:
@@ -208,7 +239,9 @@ def start_job(
     from trainwise.hardware import detect_device
     from trainwise.run.job import prepare_job, resolve_nproc
     from trainwise.run.launch import launch_workers
+    from trainwise.run.lifeline import end_launch, start_launch
     from trainwise.run.run_files import default_run_dir, write_run_files
+    from trainwise.run.run_lock import hold_run_dir, machines_share
 
     device = detect_device(cfg.cluster.device)
     nproc = resolve_nproc(cfg, device)
@@ -218,15 +251,56 @@ def start_job(
     job = prepare_job(cfg, nproc * nodes, device, nproc)
     default = default_run_dir(cfg, label or job.strategy)
     run_dir = Path(cfg.logging.run_dir) if cfg.logging.run_dir else default
-    write_run_files(run_dir, cfg, job)
-    if nproc == 1 and nodes == 1:
-        target(cfg, run_dir)
-    else:
-        launch_workers(
-            run_dir, nproc, cfg.cluster.master_port, max_restarts, module=module,
-            cluster=cfg.cluster,
-        )  # fmt: skip
+    with hold_run_dir(run_dir, machines_share(cfg)):
+        check_run_dir(cfg, job, run_dir)
+        write_run_files(run_dir, cfg, job)
+        if nproc == 1 and nodes == 1:
+            target(cfg, run_dir)
+            return run_dir
+        launch = start_launch(dump_toml(cfg))
+        try:
+            launch_workers(
+                run_dir, nproc, launch, cfg.cluster.master_port, max_restarts, module=module,
+                cluster=cfg.cluster, checkpoints=checkpoint_root(cfg, run_dir),
+            )  # fmt: skip
+        finally:
+            end_launch(launch)
     return run_dir
+
+
+def checkpoint_root(cfg: JobConfig, run_dir: Path) -> Path:
+    from trainwise.run.checkpoint_store import root_for
+
+    return root_for(run_dir, cfg.checkpoint.dir)
+
+
+def check_run_dir(cfg: JobConfig, job: Job, run_dir: Path) -> None:
+    """Before any worker starts: the checkpoints it would resume from are of this run's
+    lineage (else one line, exit 2), and a finished run is not run again."""
+    from trainwise.config.lineage import lineage_keys
+    from trainwise.run.events import read_events
+    from trainwise.run.resume_rules import check_before_launch
+
+    check_before_launch(
+        cfg.checkpoint, checkpoint_root(cfg, run_dir), lineage_keys(cfg, job.global_batch)
+    )
+    if cfg.checkpoint.resume == "never" or not (run_dir / "events.jsonl").is_file():
+        return
+    lifecycle = [e for e in read_events(run_dir) if e["kind"] in ("ready", "finish")]
+    if lifecycle and lifecycle[-1]["kind"] == "finish":
+        done = lifecycle[-1].get("step") or 0
+        if cfg.train.steps <= done:
+            raise AlreadyFinished(
+                f"{run_dir} finished at step {done} (train.steps = {cfg.train.steps}); its "
+                "summary, metrics and report are kept: raise --steps to continue it, or "
+                "choose another --run-dir"
+            )
+
+
+class AlreadyFinished(TrainwiseError):
+    """A rerun of a finished run: said once, exit 0, nothing touched."""
+
+    exit_status = 0
 
 
 def check_multi_node(cfg: JobConfig) -> None:

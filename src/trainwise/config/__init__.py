@@ -2,6 +2,7 @@
 
 from trainwise.config.load import (
     check_consistency,
+    config_from_toml,
     dump_toml,
     job_hash,
     load_config,
@@ -15,6 +16,7 @@ __all__ = [
     "Precision",
     "Strategy",
     "check_consistency",
+    "config_from_toml",
     "dump_toml",
     "job_hash",
     "load_config",

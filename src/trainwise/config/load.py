@@ -153,6 +153,11 @@ def job_hash(cfg: JobConfig) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
+def config_from_toml(text: str) -> JobConfig:
+    """The config `dump_toml` wrote, read back (what a launcher hands its workers)."""
+    return JobConfig.model_validate(tomllib.loads(text))
+
+
 def dump_toml(cfg: JobConfig) -> str:
     """The resolved config as commented TOML that `load_config` reads back to the same value."""
     out = ["# trainwise job: defaults < file < flags < --set, resolved\n"]

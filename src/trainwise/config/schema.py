@@ -192,9 +192,24 @@ class CheckpointConfig(Section):
     )
     resume: str = Field(
         "auto",
-        description="auto: from the newest valid checkpoint of the run, fresh when none ever "
-        "existed; never: start fresh; or the path of a checkpoint to start from.",
+        description="auto: from the newest valid checkpoint of the run's lineage, fresh when "
+        "none ever existed; never: start a new lineage (earlier checkpoints are moved aside "
+        "into previous/, not deleted; a restart of this launch resumes the new lineage); or "
+        "the path of a checkpoint to start from.",
     )
+    resume_from_other: Literal["no", "weights", "all"] = Field(
+        "no",
+        description="A checkpoint written with other training settings (model, optimizer, "
+        "data, precision, seed: its lineage) is refused; 'weights' takes its model weights "
+        "with a fresh optimizer, 'all' its optimizer state too; either continues from its "
+        "step. true means 'weights'.",
+    )
+
+    @field_validator("resume_from_other", mode="before")
+    @classmethod
+    def _bool_means_weights(cls, value: object) -> object:
+        return {True: "weights", False: "no"}.get(value, value) if isinstance(value, bool) else value
+
     async_save: bool = Field(
         False,
         alias="async",

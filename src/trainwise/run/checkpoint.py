@@ -29,9 +29,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from trainwise import __version__
+from trainwise.config.lineage import lineage_hash
 from trainwise.config.schema import CheckpointConfig
 from trainwise.plan.reliability import interval_steps
 from trainwise.run import checkpoint_store as store
@@ -39,8 +44,8 @@ from trainwise.run.checkpoint_store import CheckpointError
 from trainwise.run.distributed import side_group
 from trainwise.run.events import append_event
 from trainwise.run.peers import PeerError, find_peer_error, nested_errors
+from trainwise.run.resume_rules import TRAINER_FILE, differences, refusal
 
-TRAINER_FILE = "trainer.json"
 RNG_KEY = "rng"
 AUTO_FIRST_SAVE = 10  # interval = "auto": the first save (to measure the stall) at this step
 # Files each rank writes in parallel threads (DCP's FileSystemWriter), later hashed in
@@ -128,6 +133,8 @@ class Resumed:
     skipped: list[str] = field(default_factory=list)  # "<dir>: <problem>" per invalid one
     rng: str = "restored"  # restored | kept (written by another world size)
     trainer: dict[str, Any] = field(default_factory=dict)
+    taken: str = "all"  # all | weights: what was taken from another lineage's checkpoint
+    other: bool = False  # the checkpoint is of another lineage (checkpoint.resume_from_other)
 
     def line(self) -> str:
         """The first line of a resumed (or fresh) run."""
@@ -138,10 +145,16 @@ class Resumed:
         )
         if self.path is None:
             return "starting fresh (no checkpoint to resume from)" + skipped
+        other = (
+            f"; another lineage's {'weights' if self.taken == 'weights' else 'state'}, "
+            "checkpoint.resume_from_other"
+            if self.other
+            else ""
+        )
         return (
             f"resuming from step {self.step} ({self.path}, written by "
             f"{self.trainer.get('world_size')} x {self.trainer.get('strategy')}; RNG "
-            f"{self.rng}){skipped}"
+            f"{self.rng}{other}){skipped}"
         )
 
 
@@ -180,6 +193,7 @@ class Checkpointer:
         nodes: int,
         log: logging.Logger,
         timeout_s: float = 600.0,
+        attempt: int = 0,
     ):
         self.cfg = cfg
         self.root = root
@@ -193,7 +207,11 @@ class Checkpointer:
         self.scheduler = scheduler
         self.scaler = scaler
         self.total_steps = total_steps
-        self.meta = meta  # strategy, dp_size, model_spec, config_hash, data state shape
+        self.meta = meta  # strategy, dp_size, model_spec, config_hash, lineage (its keys)
+        self.lineage = lineage_hash(meta["lineage"])
+        self.attempt = attempt  # the launcher's restart count: 0 on a new launch
+        self.other = False  # the checkpoint found is of another lineage
+        self.lineage_started = False  # resume = 'never' moved earlier checkpoints aside
         self.mtbf_hours = mtbf_hours
         self.nodes = nodes
         self.log = log
@@ -438,6 +456,7 @@ class Checkpointer:
             "dp_size": self.meta["dp_size"],
             "strategy": self.meta["strategy"],
             "config_hash": self.meta["config_hash"],
+            "lineage": self.lineage,
             "trainwise_version": __version__,
             "torch_version": torch.__version__,
             "created": time.time(),
@@ -447,7 +466,10 @@ class Checkpointer:
         if not async_save:  # the loop waited for the whole save
             fields["stall_s"] = fields["save_s"]
         manifest = store.commit(tmp, final, fields, known=known)
-        deleted = store.apply_retention(self.root, self.cfg.keep_last, self.cfg.keep_every)
+        deleted = store.apply_retention(
+            self.root, self.cfg.keep_last, self.cfg.keep_every, lineage=self.lineage,
+            protect=step,
+        )  # fmt: skip
         append_event(
             self.run_dir, "checkpoint", step=step, step_time=info["step_time"],
             stall_s=manifest.stall_s, save_s=manifest.save_s, bytes=manifest.total_bytes,
@@ -482,23 +504,28 @@ class Checkpointer:
         """Rank 0 picks the checkpoint to resume from (cleaning interrupted saves first);
         every rank gets the same answer."""
         self.wait()  # a rollback may come while a save is in flight
-        box: list[Any] = [None, [], None]
+        box: list[Any] = [None, [], None, False]
         if self.is_main:
             try:
-                box = [*self._find_on_main(), None]
+                box = [*self._find_on_main(), None, self.other]
             except CheckpointError as err:
-                box = [None, [], str(err)]
+                box = [None, [], (str(err), err.exit_status), False]
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=0)
-        path, skipped, error = box
+        path, skipped, error, self.other = box
         if error:
-            raise CheckpointError(error)
+            failure = CheckpointError(error[0])
+            failure.exit_status = error[1]  # 2 for another lineage: bad input, not a fault
+            raise failure
         return (Path(path) if path else None), skipped
 
     def _find_on_main(self) -> tuple[str | None, list[str]]:
         resume = self.cfg.resume
         if resume == "never":
-            return None, []
+            if self.attempt == 0 and not self.lineage_started:
+                self._start_lineage()
+                return None, []
+            resume = "auto"  # a restart or rollback resumes the lineage this launch started
         if resume != "auto":
             path = Path(resume)
             problems = store.verify(path, self.cfg.verify)
@@ -507,11 +534,11 @@ class Checkpointer:
                     f"checkpoint.resume = '{resume}' is not a valid checkpoint ({problems[0]}); "
                     "choose another with `trainwise checkpoints RUN`"
                 )
-            return str(path), []
+            return self._own_or_allowed(path), []
         removed = store.clean_incomplete(self.root)
         for path in removed:
             self.log.warning("trainwise: removed an interrupted save: %s", path)
-        best, skipped = store.find_latest_valid(self.root, self.cfg.verify)
+        best, skipped = store.find_latest_valid(self.root, self.cfg.verify, self.lineage)
         notes = [f"{info.path.name}: {info.problems[0]}" for info in skipped]
         for info in skipped:
             append_event(
@@ -525,26 +552,64 @@ class Checkpointer:
         if best is None and skipped:
             raise CheckpointError(
                 f"no valid checkpoint in {self.root}: {len(skipped)} found, all invalid "
-                f"({notes[0]}); set checkpoint.resume = 'never' to start over"
+                f"({notes[0]}); set checkpoint.resume = 'never' to start a new lineage"
             )
-        return (str(best.path) if best else None), notes
+        if best is None:  # none of this lineage: another run's, if any, by the rules
+            other, _ = store.find_latest_valid(self.root, self.cfg.verify)
+            return (self._own_or_allowed(other.path) if other else None), notes
+        return str(best.path), notes
+
+    def _own_or_allowed(self, path: Path) -> str:
+        """`path` when it is of this lineage or checkpoint.resume_from_other allows it;
+        otherwise the one-line refusal naming the settings that differ."""
+        found = differences(path, self.meta["lineage"])
+        if found and self.cfg.resume_from_other == "no":
+            raise refusal(path, found)
+        self.other = bool(found)
+        return str(path)
+
+    def _start_lineage(self) -> None:
+        """checkpoint.resume = 'never' on a new launch: earlier checkpoints move aside into
+        previous/ (never deleted), so that resume and retention see this lineage only."""
+        label = time.strftime("%Y%m%d-%H%M%S") + f"-{self.lineage[:8]}"
+        self.lineage_started = True
+        moved = store.move_aside(self.root, label)
+        if moved is not None:
+            self.log.warning(
+                "trainwise: checkpoint.resume = 'never': earlier checkpoints moved to %s", moved
+            )
+            append_event(self.run_dir, "lineage", lineage=self.lineage, moved_to=str(moved))
 
     def load(self, path: Path) -> Resumed:
         """Load model, optimizer and trainer state from `path` into this rank, resharding
-        to the current strategy and world size."""
+        to the current strategy and world size. From another lineage's checkpoint
+        (checkpoint.resume_from_other) the weights, and with 'all' the optimizer state, are
+        taken; this run's hyperparameters and schedule apply from its step on."""
         self.wait()  # the checkpoint group must be idle
         trainer = json.loads((path / TRAINER_FILE).read_text())
+        taken = self.cfg.resume_from_other if self.other else "all"
         # RNG states are per rank: restored only at the same world size.
-        same_world = trainer.get("world_size") == self.world
+        same_world = trainer.get("world_size") == self.world and not self.other
         state = self._state(rng=same_world)
-        dcp.load(state, checkpoint_id=str(path), process_group=self.group)
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
-        self.scheduler.load_state_dict(trainer["scheduler"])
+        if taken == "weights":
+            del state["optim"]
+        ours = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        self._read(state, path)
+        if "optim" in state:
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+            )
+        else:  # the weights alone: this run's fresh optimizer
+            set_model_state_dict(self.model, state["model"])
+        if self.other:
+            for group, settings in zip(self.optimizer.param_groups, ours, strict=True):
+                group.update(settings)  # this run's lr, betas, decay: not the other run's
+            _continue_schedule(self.scheduler, trainer["scheduler"])
+        else:
+            self.scheduler.load_state_dict(trainer["scheduler"])
         if self.scaler is not None and trainer.get("scaler"):
             self.scaler.load_state_dict(trainer["scaler"])
         rng = "kept (written by another world size)"
@@ -552,7 +617,27 @@ class Checkpointer:
             restore_rng(state[RNG_KEY][rng_key(self.rank)], self.device)
             rng = "restored"
         self.last_save_step = trainer["step"]
-        return Resumed(trainer["step"], trainer["tokens"], path, [], rng, trainer)
+        resumed = Resumed(trainer["step"], trainer["tokens"], path, [], rng, trainer)
+        resumed.taken, resumed.other = taken, self.other
+        return resumed
+
+    def _read(self, state: dict[str, Any], path: Path) -> None:
+        """DCP's load into `state`. A lost peer stays a peer failure (a restart fixes it);
+        anything else (a shape that does not match the model) is one line, exit 2."""
+        try:
+            dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+        except Exception as err:
+            peer = find_peer_error(err)
+            if peer is not None:
+                raise PeerError(peer.cause, f"in the load of {path}: {peer}") from None
+            lines = str(err).strip().splitlines()
+            failure = CheckpointError(
+                f"the checkpoint {path} does not load into this job's model "
+                f"({lines[-1] if lines else type(err).__name__}); resume it with the model "
+                "it was written with, or set checkpoint.resume = 'never'"
+            )
+            failure.exit_status = 2
+            raise failure from None
 
     def close(self) -> None:
         self.wait()
@@ -560,6 +645,19 @@ class Checkpointer:
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
+
+
+def _continue_schedule(scheduler: Any, saved: dict[str, Any]) -> None:
+    """Take another run's position in the schedule (its step) but this run's peak rates,
+    and set the optimizer's rates to where this schedule is at that step."""
+    scheduler.load_state_dict({**saved, "base_lrs": list(scheduler.base_lrs)})
+    rates = [
+        base * factor(scheduler.last_epoch)
+        for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+    ]
+    for group, lr in zip(scheduler.optimizer.param_groups, rates, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = rates
 
 
 def _save_error(step: int, tmp: Path, err: BaseException) -> CheckpointError:

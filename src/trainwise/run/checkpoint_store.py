@@ -99,6 +99,7 @@ class Manifest(BaseModel):
     dp_size: int
     strategy: str
     config_hash: str
+    lineage: str | None = None  # config.lineage: None in checkpoints of earlier releases
     trainwise_version: str
     torch_version: str
     created: float  # unix time of commit
@@ -426,15 +427,17 @@ def list_checkpoints(
 
 
 def find_latest_valid(
-    root: Path, verify_mode: Literal["full", "fast"]
+    root: Path, verify_mode: Literal["full", "fast"], lineage: str | None = None
 ) -> tuple[CheckpointInfo | None, list[CheckpointInfo]]:
-    """The newest valid checkpoint, and the newer ones skipped as invalid (with their
-    problems). Verifies newest-first and stops at the first valid one, so older checkpoints
-    are never hashed."""
+    """The newest valid checkpoint (of `lineage` when given: others are passed over
+    unverified), and the newer ones skipped as invalid (with their problems). Verifies
+    newest-first and stops at the first valid one, so older checkpoints are never hashed."""
     if verify_mode not in ("full", "fast"):
         raise CheckpointError(f"verify mode {verify_mode!r} is unknown; use 'full' or 'fast'")
     skipped = []
     for step, path in reversed(_step_dirs(root)):
+        if lineage is not None and not _of_lineage(path, lineage):
+            continue
         info = _info(path, step, verify_mode)
         if info.valid:
             return info, skipped
@@ -467,19 +470,32 @@ def clean_incomplete(root: Path) -> list[Path]:
     return removed
 
 
-def apply_retention(root: Path, keep_last: int, keep_every: int | None = None) -> list[Path]:
+def apply_retention(
+    root: Path,
+    keep_last: int,
+    keep_every: int | None = None,
+    *,
+    lineage: str | None = None,
+    protect: int | None = None,
+) -> list[Path]:
     """Delete committed checkpoints except the newest ``keep_last`` complete ones and those whose
-    step is a multiple of ``keep_every``. The newest complete checkpoint is always kept;
-    ``.tmp`` and manifest-less directories are left to ``clean_incomplete``. Contents are not
-    verified here (that would hash everything). Returns the deleted paths."""
+    step is a multiple of ``keep_every``. With ``lineage``, only that lineage's checkpoints
+    are counted or deleted (another run's are never touched). The newest complete checkpoint
+    and the step ``protect`` (the one just written) are always kept; ``.tmp`` and
+    manifest-less directories are left to ``clean_incomplete``. Contents are not verified
+    here (that would hash everything). Returns the deleted paths."""
     if keep_last < 0:
         raise CheckpointError(f"keep_last={keep_last} is negative; use 0 or more")
     if keep_every is not None and keep_every < 1:
         raise CheckpointError(f"keep_every={keep_every} must be at least 1, or None to disable")
-    complete = [(step, path) for step, path in _step_dirs(root) if (path / MANIFEST).is_file()]
+    complete = [
+        (step, path)
+        for step, path in _step_dirs(root)
+        if (path / MANIFEST).is_file() and (lineage is None or _of_lineage(path, lineage))
+    ]
     if not complete:
         return []
-    keep = {step for step, _ in complete[-max(keep_last, 1) :]}
+    keep = {step for step, _ in complete[-max(keep_last, 1) :]} | {protect}
     deleted = []
     for step, path in complete:
         if step in keep or (keep_every is not None and step % keep_every == 0):
@@ -487,6 +503,36 @@ def apply_retention(root: Path, keep_last: int, keep_every: int | None = None) -
         _remove_dir(path)
         deleted.append(path)
     return deleted
+
+
+def _of_lineage(path: Path, lineage: str) -> bool:
+    """Whether a committed checkpoint belongs to `lineage`; one of an earlier release
+    (no lineage recorded) is taken to, as it always was."""
+    manifest, _ = _load_manifest(path)
+    return manifest is not None and manifest.lineage in (None, lineage)
+
+
+PREVIOUS = "previous"  # checkpoints of earlier lineages, moved aside (never deleted)
+
+
+def move_aside(root: Path, label: str) -> Path | None:
+    """Move every checkpoint under `root` (committed, interrupted) into
+    ``root/previous/<label>/``, so that a new lineage starts from an empty root; returns
+    that folder, or None when there was nothing to move."""
+    root = Path(root)
+    found = [
+        child
+        for child in (sorted(root.iterdir()) if root.is_dir() else [])
+        if child.is_dir() and (parse_step(child.name) is not None or child.name.endswith(_TMP_SUFFIX))
+    ]
+    if not found:
+        return None
+    target = root / PREVIOUS / label
+    target.mkdir(parents=True, exist_ok=True)
+    for child in found:
+        os.replace(child, target / child.name)
+    _fsync_path(root)
+    return target
 
 
 def dir_bytes(directory: Path) -> int:

@@ -1,7 +1,8 @@
 """Decisions every rank must take at the same step: stop for preemption, save now.
 
-Slurm and Kubernetes send SIGTERM (or SIGUSR1 with `--signal`) before they kill a job. The
-first signal asks the run to finish its step, save and exit 0; a second one exits at once.
+Slurm and Kubernetes send SIGTERM (or SIGUSR1 with `--signal`) before they kill a job; a
+user presses Ctrl-C or closes the terminal. The first signal asks the run to finish its
+step, save and exit 0; a second one exits at once.
 A signal reaches the ranks at slightly different moments, and time-based save decisions
 are taken on rank 0's clock, so the flags are agreed with a MAX all-reduce on a gloo group
 of their own: issued after each step, waited for after the next one, so it overlaps a
@@ -19,8 +20,24 @@ import torch.distributed as dist
 
 from trainwise.run.distributed import side_group
 
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Every way a run is asked to stop saves first: the scheduler's SIGTERM / SIGUSR1, Ctrl-C
+# (SIGINT), a closed terminal (SIGHUP), and the launcher's death (SIGTERM, see lifeline).
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 STOP, SAVE = 0, 1
+_early: list[int] = []  # a stop asked for while the worker was still starting
+
+
+def catch_early_signals() -> None:
+    """From a worker's first moment: a stop asked for during start-up is kept for the
+    loop (which saves and exits) instead of a traceback; a second one exits at once."""
+    for sig in PREEMPT_SIGNALS:
+        signal.signal(sig, _on_early_signal)
+
+
+def _on_early_signal(signum: int, frame: object) -> None:
+    if _early:
+        os._exit(128 + signum)
+    _early.append(signum)
 
 
 class Control:
@@ -36,6 +53,8 @@ class Control:
     def install(self) -> None:
         for sig in PREEMPT_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
+        if _early:
+            self._on_signal(_early[0], None)
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():

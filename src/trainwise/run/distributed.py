@@ -25,6 +25,7 @@ class DistEnv:
     local_rank: int = 0
     local_world: int = 1
     launched: bool = False  # True when a launcher (torchrun, srun, our agent) set the ranks
+    attempt: int = 0  # the elastic agent's restart count: 0 on a new launch
 
     @property
     def is_main(self) -> bool:
@@ -40,6 +41,7 @@ def dist_env_from(environ: dict[str, str] | None = None) -> DistEnv:
             local_rank=int(env.get("LOCAL_RANK", 0)),
             local_world=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
             launched=True,
+            attempt=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
         )
     # Only inside an srun step (SLURM_STEP_ID): the batch script of an allocation has
     # SLURM_PROCID=0 too, and must not wait for ranks that were never started.

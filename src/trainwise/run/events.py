@@ -54,6 +54,7 @@ KINDS = (
     "fatal",  # an error a restart cannot fix (disk full, no valid checkpoint, the guard)
     "peer_failure",
     "membership",
+    "lineage",  # resume = 'never' moved earlier checkpoints aside {lineage, moved_to}
 )
 
 

@@ -9,11 +9,11 @@ appended to the run's events. A failed run surfaces here as a LaunchError naming
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -23,12 +23,12 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainwise.config.schema import ClusterConfig
 from trainwise.errors import TrainwiseError
+from trainwise.run.checkpoint_store import find_latest_valid
 from trainwise.run.events import append_event, read_events
+from trainwise.run.lifeline import Launch
 
-# Set for the workers: a worker that hits an error no restart can fix records it and exits
-# 0, so that the agent does not restart the group for nothing; the launcher reports it.
-LAUNCHER_ENV = "TRAINWISE_LAUNCHER"
-# The agent forwards these to the workers; SIGUSR1 is what `sbatch --signal` usually sends.
+# The agent forwards these to the workers: SIGUSR1 is what `sbatch --signal` usually
+# sends, SIGINT is Ctrl-C, SIGHUP a closed terminal; each makes the workers save and stop.
 HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 SHUTDOWN_GRACE_S = 120  # how long a signalled worker may take to save before SIGKILL
 
@@ -38,7 +38,11 @@ class LaunchError(TrainwiseError):
 
 
 class Preempted(TrainwiseError):  # noqa: N818 - an outcome, reported with exit status 0
-    """The run was stopped by a signal after saving a checkpoint."""
+    """The run was stopped by a signal after saving a checkpoint (its `preempted` event)."""
+
+    def __init__(self, event: dict):
+        super().__init__(f"stopped by {event.get('signal')} after step {event.get('step')}")
+        self.event = event
 
 
 class _FailureEvents(logging.Handler):
@@ -59,26 +63,47 @@ class _FailureEvents(logging.Handler):
                 sig = signal.Signals(-exitcode).name
             except ValueError:
                 sig = str(-exitcode)
-        append_event(
-            self.run_dir, "failure", rank=local_rank, exit_code=exitcode, signal=sig, pid=pid
-        )
+        with contextlib.suppress(OSError):  # a full disk: the launcher's last line says so
+            append_event(
+                self.run_dir, "failure", rank=local_rank, exit_code=exitcode, signal=sig, pid=pid
+            )
+
+
+class _QuietStops(logging.Filter):
+    """Drops the agent's lines about forwarding a stop signal: the workers' own line and
+    the launcher's last line say what happened (a user's Ctrl-C gets no log noise)."""
+
+    NOISE = ("Received %s death signal", "Sending process %s closing signal")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.NOISE)
+
+
+QUIET_STOPS = _QuietStops()
+AGENT_LOGGERS = (
+    "torch.distributed.elastic.agent.server.api",
+    "torch.distributed.elastic.multiprocessing.api",
+)
 
 
 def launch_workers(
     run_dir: Path,
     nproc: int,
+    launch: Launch,
     master_port: int | None = None,
     max_restarts: int = 0,
     module: str = "trainwise.run.worker",
     cluster: ClusterConfig | None = None,
+    checkpoints: Path | None = None,
 ) -> None:
     """`python -m MODULE RUN_DIR` on `nproc` workers of this machine under the elastic
     agent; with `cluster.nodes` > 1, one machine of several meeting at its c10d
-    rendezvous (cluster.rdzv_endpoint, cluster.rdzv_id)."""
+    rendezvous (cluster.rdzv_endpoint, cluster.rdzv_id). `launch` (lifeline) carries the
+    config to the workers and their fatal errors back; a failure names the newest valid
+    checkpoint under `checkpoints`."""
     c = cluster or ClusterConfig()
     # Each worker gets its share of the cores, not all of them (oversubscription on CPU).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    os.environ[LAUNCHER_ENV] = "1"
     if c.socket_ifname:
         os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = c.socket_ifname
     # A restarted group sharing the rendezvous store with the failed one can read its stale
@@ -102,39 +127,61 @@ def launch_workers(
     handler = _FailureEvents(run_dir)
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     agent_log.addHandler(handler)
-    started = time.time()
+    for name in AGENT_LOGGERS:
+        logging.getLogger(name).addFilter(QUIET_STOPS)
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", module, str(run_dir))
     except SignalException as err:
-        stopped = _events_since(run_dir, started, "preempted")
-        if stopped:
-            raise Preempted(
-                f"preempted by {stopped[-1].get('signal')} after step {stopped[-1].get('step')}; "
-                "the checkpoint is saved: run the same command again to resume"
-            ) from None
-        raise LaunchError(f"stopped by {signal.Signals(err.sigval).name} before a save") from None
+        _raise_outcome(run_dir, launch)
+        stopped = LaunchError(
+            f"stopped by {signal.Signals(err.sigval).name} before a save; "
+            f"{resume_line(checkpoints)}"
+        )
+        stopped.exit_status = 128 + int(err.sigval)  # as a shell reports a signalled job
+        raise stopped from None
     except ChildFailedError as err:
+        _raise_outcome(run_dir, launch)  # a fatal error can end in a failure too
         rank, failure = err.get_first_failure()
         message = failure.message
         if isinstance(message, dict):
             message = message.get("message", "")
         first = str(message).strip().splitlines()[-1] if message else "see its traceback above"
         raise LaunchError(
-            f"worker rank {rank} failed with exit code {failure.exitcode}: {first}"
+            f"worker rank {rank} failed with exit code {failure.exitcode}: {first}; "
+            f"{restarts_line(max_restarts)}; {resume_line(checkpoints)}"
         ) from None
     finally:
         agent_log.removeHandler(handler)
-    fatal = _events_since(run_dir, started, "fatal")
+        for name in AGENT_LOGGERS:
+            logging.getLogger(name).removeFilter(QUIET_STOPS)
+    _raise_outcome(run_dir, launch)
+
+
+def _raise_outcome(run_dir: Path, launch: Launch) -> None:
+    """A fatal error of a worker (LaunchError with its exit status), or a stop after a
+    save (Preempted): how this launch ended, when it did not simply finish."""
+    fatal = launch.fatal()
     if fatal:
-        error = LaunchError(fatal[-1].get("message", "a worker stopped the run"))
-        error.exit_status = fatal[-1].get("exit_status", 1)  # 2: the job cannot run as given
+        error = LaunchError(fatal.get("message", "a worker stopped the run"))
+        error.exit_status = fatal.get("exit_status", 1)  # 2: the job cannot run as given
         raise error
-    stopped = _events_since(run_dir, started, "preempted")
+    stopped = _events_since(run_dir, launch.since, "preempted")
     if stopped:
-        raise Preempted(
-            f"preempted by {stopped[-1].get('signal')} after step {stopped[-1].get('step')}; "
-            "the checkpoint is saved: run the same command again to resume"
-        )
+        raise Preempted(stopped[-1])
+
+
+def restarts_line(max_restarts: int) -> str:
+    if max_restarts == 0:
+        return "no restarts allowed (checkpoint.max_restarts = 0)"
+    return f"all {max_restarts} restarts of checkpoint.max_restarts are used up"
+
+
+def resume_line(checkpoints: Path | None) -> str:
+    """Where a run that stopped resumes from: the newest checkpoint whose files check out."""
+    newest, _ = find_latest_valid(checkpoints, "fast") if checkpoints else (None, [])
+    if newest is None:
+        return "no valid checkpoint was written: running the same command again starts over"
+    return f"the newest valid checkpoint is {newest.path}: run the same command again to resume"
 
 
 def rdzv_configs(c: ClusterConfig) -> dict[str, object]:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from trainwise.config import JobConfig, job_hash
+from trainwise.config.lineage import lineage_keys
 from trainwise.models import build_model
 from trainwise.run.checkpoint import Checkpointer
 from trainwise.run.checkpoint_store import root_for
@@ -116,7 +117,8 @@ def build_checkpointer(
         meta={
             "strategy": job.strategy, "dp_size": trainer.dp_size, "model": c.model.name,
             "model_spec": asdict(job.model_spec), "config_hash": job_hash(c),
+            "lineage": lineage_keys(c, job.global_batch),
         },
         mtbf_hours=c.cluster.mtbf_hours, nodes=c.cluster.nodes, log=log,
-        timeout_s=c.parallel.timeout_s,
+        timeout_s=c.parallel.timeout_s, attempt=env.attempt,
     )  # fmt: skip

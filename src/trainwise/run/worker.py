@@ -5,6 +5,8 @@ one worker."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -20,14 +22,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainwise.config import JobConfig, job_hash, load_config
+from trainwise.config import JobConfig, config_from_toml, job_hash, load_config
 from trainwise.data import build_eval_loader, build_loader
 from trainwise.doctor.versions import require_same_versions
 from trainwise.errors import TrainwiseError
 from trainwise.hardware import detect_device
+from trainwise.run import checkpoint_store as store
 from trainwise.run.checkpoint import Checkpointer, Resumed
 from trainwise.run.checkpoint_store import CheckpointError
-from trainwise.run.control import Control
+from trainwise.run.control import Control, catch_early_signals
 from trainwise.run.distributed import (
     DistEnv,
     destroy_process_group,
@@ -40,11 +43,19 @@ from trainwise.run.distributed import (
 from trainwise.run.events import append_event, read_events, retry_cost
 from trainwise.run.faults import Faults
 from trainwise.run.job import Job, prepare_job
-from trainwise.run.launch import LAUNCHER_ENV
+from trainwise.run.lifeline import CONFIG_ENV, Launch, die_with_launcher, this_launch
 from trainwise.run.loop import evaluate
-from trainwise.run.peers import BARRIER_S, PeerFailure, absent_ranks, classify, last_line
+from trainwise.run.peers import (
+    BARRIER_S,
+    PeerFailure,
+    absent_ranks,
+    classify,
+    last_line,
+    nested_errors,
+)
 from trainwise.run.recorder import Recorder
 from trainwise.run.run_files import default_run_dir, write_run_files
+from trainwise.run.run_lock import hold_as_worker, machines_share
 from trainwise.run.trainer import build_checkpointer, build_trainer
 
 MAX_ROLLBACKS = 3
@@ -69,8 +80,33 @@ def join_job(cfg: JobConfig) -> tuple[DistEnv, logging.Logger, torch.device, Job
     return env, log, device, job
 
 
+class FatalError(TrainwiseError):
+    """An error no restart can fix, met while training (a full disk)."""
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
 def train(cfg: JobConfig, run_dir: Path | None = None) -> dict[str, Any] | None:
-    """Train as one worker of the job; returns the run summary on rank 0."""
+    """Train as one worker of the job; returns the run summary on rank 0. A full or
+    read-only disk is a FatalError: a restart would meet it again."""
+    try:
+        return _join_and_train(cfg, run_dir)
+    except Exception as err:
+        disk = next(
+            (e for e in nested_errors(err) if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS),
+            None,
+        )
+        if disk is None or isinstance(err, TrainwiseError):
+            raise
+        what = f"{disk.strerror}: {disk.filename}" if disk.filename else last_line(err)
+        raise FatalError(
+            f"the disk is full or read-only ({what}): free space or choose another "
+            "logging.run_dir / checkpoint.dir, then run again to resume from the last checkpoint"
+        ) from None
+
+
+def _join_and_train(cfg: JobConfig, run_dir: Path | None) -> dict[str, Any] | None:
     env, log, device, job = join_job(cfg)
     if env.world > 1 and not cfg.cluster.allow_version_mismatch:
         # Cheap, and it turns a hang in the first collective into one line.
@@ -173,7 +209,7 @@ def _train(
             from_strategy=resumed.trainer.get("strategy"),
         )  # fmt: skip
     data_state = {"global_batch": job.global_batch, "seed": c.train.seed}
-    if resumed.trainer.get("data", data_state) != data_state:
+    if not resumed.other and resumed.trainer.get("data", data_state) != data_state:
         raise CheckpointError(
             f"the checkpoint at {path} was written with data {resumed.trainer['data']} but this "
             f"run has {data_state}; resume with the same global batch and seed, or set "
@@ -275,6 +311,9 @@ def _train(
         if kind is None or not distributed:
             raise
         failed = True
+        launch = this_launch()
+        if launch is not None and launch.fatal():
+            raise SystemExit(0) from None  # a peer stopped the run for good: it reports why
         where = stepper.stage if stage == "the training step" else stage
         # A hang needs the diagnosis; a lost peer exited, and the agent reports which (no
         # need to hold up the restart by a barrier).
@@ -298,7 +337,8 @@ def _train(
     if preempted:
         log.info("trainwise: preempted (%s) after step %d; checkpoint saved", preempted, step)
         if env.is_main:
-            append_event(run_dir, "preempted", step=step, signal=preempted)
+            saved = store.final_dir(ckpt.root, ckpt.last_save_step)
+            append_event(run_dir, "preempted", step=step, signal=preempted, checkpoint=str(saved))
     elif env.is_main:
         append_event(run_dir, "finish", step=step)
     if not env.is_main:
@@ -349,24 +389,45 @@ def _rollback(ckpt: Checkpointer, step: int, rollbacks: int, log: logging.Logger
 
 def run_worker(target: Callable[[JobConfig, Path], object], argv: list[str] | None) -> int:
     """The body of a worker the elastic agent starts (`python -m MODULE RUN_DIR`): the
-    run directory's config, then `target(cfg, run_dir)`. Under the launcher, an error no
-    restart can fix (disk full, no valid checkpoint, the guard, a version mismatch) is
-    recorded and the worker exits 0, so that the agent does not restart the group; the
-    launcher reports the message and its exit status."""
+    launch's config, then `target(cfg, run_dir)`. The worker dies with its launcher and
+    holds the run directory's workers' lock while it lives. An error no restart can fix
+    (bad input, disk full, no valid checkpoint, the guard, a version mismatch) is recorded
+    for the launch and the worker exits 0, so that the agent does not restart the group;
+    the launcher reports the message and its exit status. A worker that starts after such
+    an error (the agent restarted the group anyway) exits at once."""
+    catch_early_signals()
     args = sys.argv[1:] if argv is None else argv
     run_dir = Path(args[0])
-    cfg = load_config(run_dir / "config.toml")
+    launch = this_launch()
+    if launch is not None:
+        die_with_launcher(launch)
+        if launch.fatal():
+            return 0
+    cfg = worker_config(run_dir)
+    hold_as_worker(run_dir, machines_share(cfg))  # released by the kernel when we exit
     try:
         target(cfg, run_dir)
     except TrainwiseError as err:
-        if not os.environ.get(LAUNCHER_ENV):
+        if launch is None:
             raise
-        message = str(err).replace("\n", "; ")
-        append_event(
-            run_dir, "fatal", rank=dist_env_from().rank, message=message,
-            exit_status=err.exit_status,
-        )  # fmt: skip
+        record_fatal(launch, run_dir, err)
     return 0
+
+
+def worker_config(run_dir: Path) -> JobConfig:
+    """The config the launcher handed over; a worker started by hand reads the run's."""
+    text = os.environ.get(CONFIG_ENV)
+    return config_from_toml(text) if text else load_config(run_dir / "config.toml")
+
+
+def record_fatal(launch: Launch, run_dir: Path, err: TrainwiseError) -> None:
+    """For the launcher (in the launch's scratch folder, which a full run disk does not
+    stop) and for the report (the run's events, when they can still be written)."""
+    message = str(err).replace("\n", "; ")
+    rank = dist_env_from().rank
+    launch.record_fatal(message, err.exit_status, rank)
+    with contextlib.suppress(OSError):  # a full disk: the launcher has the message all the same
+        append_event(run_dir, "fatal", rank=rank, message=message, exit_status=err.exit_status)
 
 
 @record

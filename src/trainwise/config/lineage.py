@@ -1,0 +1,56 @@
+"""The lineage of a run: the settings that decide what training computes, so that a
+checkpoint resumes only into the run that wrote it.
+
+A checkpoint records these keys; resume compares them with the job's. The layout may
+change between a save and a load (the world size, the strategy, the micro-batch and the
+accumulation that keep the global batch: DCP reshards), and so may `train.steps` (a higher
+count continues a finished run); what the model is, how it is optimised, on which data in
+which order and at which precision may not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from trainwise.config.schema import JobConfig
+
+# Whole sections that decide what training computes.
+LINEAGE_SECTIONS = ("model", "optim", "schedule")
+# Single keys of the other sections; the data's global batch is the job's (derived).
+LINEAGE_KEYS = (
+    "data.dataset", "data.path", "data.seq_len", "data.val_fraction", "data.vocab_size",
+    "data.synthetic_tokens", "train.seed", "train.grad_clip", "precision.dtype",
+    "precision.reduce_dtype",
+)  # fmt: skip
+
+
+def lineage_keys(cfg: JobConfig, global_batch: int) -> dict[str, Any]:
+    """The job's lineage as flat `section.key` -> value (JSON types)."""
+    dumped = cfg.model_dump(mode="json")
+    keys: dict[str, Any] = {}
+    for section in LINEAGE_SECTIONS:
+        for key, value in dumped[section].items():
+            keys[f"{section}.{key}"] = value
+    for dotted in LINEAGE_KEYS:
+        section, key = dotted.split(".")
+        keys[dotted] = dumped[section][key]
+    keys["data.global_batch"] = global_batch
+    return keys
+
+
+def lineage_hash(keys: dict[str, Any]) -> str:
+    """A short id of a lineage (16 hex chars of a sha256 over its sorted keys)."""
+    text = json.dumps(keys, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def lineage_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+    """`key = THEIRS there, OURS here` for each key that differs, in key order."""
+    out = []
+    for key in sorted(set(theirs) | set(ours)):
+        a, b = theirs.get(key, "(unset)"), ours.get(key, "(unset)")
+        if a != b:
+            out.append(f"{key} = {json.dumps(a)} there, {json.dumps(b)} here")
+    return out
