@@ -8,6 +8,9 @@ import pytest
 from trainwise.config import load_config
 from trainwise.errors import ConfigError
 from trainwise.hardware import GB, DeviceInfo
+from trainwise.models.registry import build_model
+from trainwise.models.shapes import PRESETS
+from trainwise.plan.inputs import resolve_inputs
 from trainwise.run.job import prepare_job, resolve_nproc
 
 CPU = DeviceInfo("cpu", "cpu", 1, 64 * GB, bf16=True, fp16=False, gpu=None)
@@ -296,3 +299,28 @@ def test_a_held_out_split_smaller_than_the_ranks_is_an_error():
         cfg("data.synthetic_tokens=1400", "data.micro_batch=2", "train.eval_every=0"), 2, CPU
     )
     assert job.strategy == "ddp"
+
+
+# --- the planner counts what training builds ----------------------------------------------
+
+# Presets small enough to build on a CPU in a test.
+BUILDABLE = [name for name, shape in PRESETS.items() if shape.num_params() < 20_000_000]
+
+
+def test_the_small_presets_are_compared():
+    assert {"tiny", "small"} <= set(BUILDABLE)
+
+
+@pytest.mark.parametrize("name", BUILDABLE)
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["data.seq_len=32"], ["data.seq_len=200", "model.vocab_size=300"]],
+    ids=["defaults", "shorter-context", "longer-context-bigger-vocab"],
+)
+def test_the_plan_counts_the_parameters_training_builds(name: str, extra: list[str]):
+    config = cfg(f"model.name={name}", "cluster.device=cpu", *extra)
+    job = prepare_job(config, 2, CPU)
+    built = build_model(job.model_spec).module
+    trained = sum(p.numel() for p in built.parameters())  # tied weights once
+    assert resolve_inputs(config).workload.params == trained
+    assert job.params == trained
