@@ -13,7 +13,7 @@ import pytest
 from trainwise.cli.main import main
 from trainwise.report.analysis import analyse
 from trainwise.report.run_html import render_html
-from trainwise.report.run_view import render_markdown, render_text, to_json
+from trainwise.report.run_view import calibrate_line, render_markdown, render_text, to_json
 from trainwise.report.rundir import load_run
 
 GPUS = 2
@@ -238,3 +238,16 @@ def test_an_elastic_run_that_shrank_is_charged_per_attempt(tmp_path: Path):
     assert c["compute"] == pytest.approx(9.0) and c["communication wait"] == pytest.approx(1.0)
     assert c["checkpoint stall"] == pytest.approx(1.0) and c["failure retry"] == pytest.approx(11)
     assert any("2 -> 1 workers" in n for n in r.notes)
+
+
+def test_the_calibrate_hint_names_the_run_directory_as_typed(tmp_path: Path, monkeypatch):
+    run = make_run(tmp_path / "runs")
+    monkeypatch.chdir(tmp_path)
+    inside = analyse(load_run("runs/run"))  # relative to where the user stands
+    wanted = f"--calibrate {Path('runs', 'run')}`"
+    assert wanted in calibrate_line(inside) and wanted in render_text(inside)
+    assert any(wanted in a.change for a in inside.advice)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    outside = analyse(load_run(Path("..", "runs", "run")))  # not below the cwd: absolute
+    assert f"--calibrate {run}`" in calibrate_line(outside)

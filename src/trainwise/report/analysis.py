@@ -39,6 +39,7 @@ WINDOWS = 10  # step windows in the stage picture
 @dataclass(frozen=True)
 class Headline:
     run: str
+    path: str  # the run directory as typed in a command (rundir.typed_path)
     model: str
     params: int | None
     strategy: str
@@ -162,6 +163,7 @@ def headline(run: RunFiles) -> Headline:
     nodes = ready[-1].get("nodes") if ready and ready[-1].get("nodes") else 1
     return Headline(
         run=run.name,
+        path=run.typed,
         model=str(_section(run, "model").get("name", s.get("model", "?"))),
         params=job.get("params"),
         strategy=str(job.get("strategy", "?")),
@@ -400,7 +402,7 @@ def advice(
         hours = stages.total_s["exposed sync"] * gpus / 3600
         change = (
             "raise data.grad_accum or data.micro_batch (fewer syncs per sample), or compare "
-            f"strategies with `trainwise plan --calibrate {run.path}`"
+            f"strategies with `trainwise plan --calibrate {run.typed}`"
         )
         saving = f"up to {fmt_gpu_hours(hours)} GPU-h ({fmt_usd_exact(hours * price)}) of waiting"
         better = faster_strategy(run)
@@ -434,7 +436,7 @@ def advice(
             title="the plan was off",
             evidence=f"{names} (more than {PLAN_ERROR_FLAG:.0%})",
             change="check " + "; ".join(sorted({c.assumption for c in off}))
-            + f"; `trainwise plan --calibrate {run.path}` replaces the assumptions with "
+            + f"; `trainwise plan --calibrate {run.typed}` replaces the assumptions with "
             "this run's measurements",
             saving="a plan that matches the machine picks the cheaper strategy next time",
         ))  # fmt: skip
