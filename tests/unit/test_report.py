@@ -251,3 +251,31 @@ def test_the_calibrate_hint_names_the_run_directory_as_typed(tmp_path: Path, mon
     monkeypatch.chdir(tmp_path / "elsewhere")
     outside = analyse(load_run(Path("..", "runs", "run")))  # not below the cwd: absolute
     assert f"--calibrate {run}`" in calibrate_line(outside)
+
+
+def _append(run: Path, name: str, rows: list[dict]) -> None:
+    with (run / name).open("a") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+
+
+def test_the_idle_time_between_two_launches_is_not_wall_time(tmp_path: Path):
+    """The run finished at t = 112 (12 s, a restart inside); it was launched again at
+    t = 499 (resume at 499, loop at 499.5, ready 499.8), trained step 7 and finished at 501:
+    12 + 2 s, not the 401 s from 100 to 501."""
+    run = make_run(tmp_path)
+    _append(run, "events.jsonl", [
+        {"time": 499.0, "kind": "resume", "attempt": 0, "step": 6, "path": "ckpt"},
+        {"time": 499.8, "kind": "ready", "attempt": 0, "step": 6, "world": 2, "nodes": 1},
+        {"time": 501.0, "kind": "finish", "step": 7},
+    ])  # fmt: skip
+    _append(run, "metrics.jsonl", [_record(7, 0, 501.0, 1.5)])
+    assert analyse(load_run(run)).headline.wall_s == pytest.approx(14.0)
+
+
+def test_a_rerun_that_trains_nothing_adds_only_its_own_seconds(tmp_path: Path):
+    run = make_run(tmp_path, failure=False)  # 100 to 106
+    _append(run, "events.jsonl", [
+        {"time": 900.0, "kind": "ready", "attempt": 0, "step": 6, "world": 2, "nodes": 1},
+        {"time": 900.5, "kind": "finish", "step": 6},
+    ])  # fmt: skip
+    assert analyse(load_run(run)).headline.wall_s == pytest.approx(6.5)

@@ -185,14 +185,44 @@ def headline(run: RunFiles) -> Headline:
 
 
 def wall_seconds(run: RunFiles) -> float:
-    """From the first attempt's loop start to the last thing recorded (a step or event)."""
-    first = run.all_records[0]
-    start = first["time"] - first.get("elapsed_s", first.get("step_s", 0.0))
-    ready = [e["time"] for e in run.events if e["kind"] == "ready"]
-    if ready:
-        start = min(start, ready[0])
-    end = max([r["time"] for r in run.all_records] + [e["time"] for e in run.events])
-    return max(0.0, end - start)
+    """The run's own time: the spans of its launches, summed. A rerun into the same
+    directory is a new launch, and the idle time before it is not the run's; the downtime
+    between a failure and the restart inside one launch is (the failures' cost)."""
+    return sum(end - start for start, end in launch_spans(run))
+
+
+# What a launch writes while it starts, before its `ready` (a loop start is the loop's
+# clock, which starts just before): at the end of the previous launch's items, the next's.
+_STARTUP = ("loop start", "resume", "checkpoint_skipped", "membership")
+
+
+def launch_spans(run: RunFiles) -> list[tuple[float, float]]:
+    """(first, last) time of each launch. A launch's attempts count from 0: a `ready` whose
+    attempt is not above the previous one's starts a new launch."""
+    items: list[tuple[float, str, Any]] = [
+        (float(e["time"]), str(e.get("kind")), e.get("attempt")) for e in run.events
+    ]
+    for r in run.all_records:
+        loop_start = r["time"] - r.get("elapsed_s", r.get("step_s", 0.0))
+        items += [(float(loop_start), "loop start", None), (float(r["time"]), "step", None)]
+    items.sort(key=lambda item: item[0])
+    launches: list[list[float]] = [[]]
+    starting: list[float] = []  # start-up items not yet followed by anything else
+    last_attempt: Any = None
+    for t, kind, attempt in items:
+        if kind == "ready":
+            if last_attempt is not None and not (
+                isinstance(attempt, int) and attempt > last_attempt
+            ):
+                launches.append([])
+            last_attempt = attempt if isinstance(attempt, int) else -1
+        if kind in _STARTUP:
+            starting.append(t)
+            continue
+        launches[-1] += starting + [t]
+        starting = []
+    launches[-1] += starting
+    return [(min(times), max(times)) for times in launches if times]
 
 
 def steady(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
