@@ -279,3 +279,33 @@ def test_a_rerun_that_trains_nothing_adds_only_its_own_seconds(tmp_path: Path):
         {"time": 900.5, "kind": "finish", "step": 6},
     ])  # fmt: skip
     assert analyse(load_run(run)).headline.wall_s == pytest.approx(6.5)
+
+
+def test_a_launch_that_fails_before_ready_counts_only_its_own_seconds(tmp_path: Path):
+    """A second launch that resumed (attempt 0 again) and stopped at once, before `ready`."""
+    run = make_run(tmp_path)  # 12 s, a restart inside
+    _append(run, "events.jsonl", [
+        {"time": 700.0, "kind": "resume", "attempt": 0, "step": 6, "path": "ckpt"},
+        {"time": 700.5, "kind": "fatal", "rank": 0, "message": "data differs"},
+    ])  # fmt: skip
+    assert analyse(load_run(run)).headline.wall_s == pytest.approx(12.5)
+
+
+def test_a_start_event_begins_a_launch(tmp_path: Path):
+    run = make_run(tmp_path, failure=False)  # 100 to 106
+    _append(run, "events.jsonl", [
+        {"time": 300.0, "kind": "start"},
+        {"time": 301.0, "kind": "fatal", "rank": 0, "message": "no worker started"},
+    ])  # fmt: skip
+    assert analyse(load_run(run)).headline.wall_s == pytest.approx(7.0)
+
+
+def test_a_rerun_whose_other_rank_failed_first_counts_no_gap(tmp_path: Path):
+    """As a rerun wrote it: rank 1's fatal before rank 0's resume, both at once."""
+    run = make_run(tmp_path, failure=False)  # 100 to 106, finished
+    _append(run, "events.jsonl", [
+        {"time": 800.0, "kind": "fatal", "rank": 1, "message": "data differs"},
+        {"time": 800.0, "kind": "resume", "attempt": 0, "step": 6, "path": "ckpt"},
+        {"time": 800.25, "kind": "fatal", "rank": 0, "message": "data differs"},
+    ])  # fmt: skip
+    assert analyse(load_run(run)).headline.wall_s == pytest.approx(6.0, abs=0.3)

@@ -191,38 +191,58 @@ def wall_seconds(run: RunFiles) -> float:
     return sum(end - start for start, end in launch_spans(run))
 
 
-# What a launch writes while it starts, before its `ready` (a loop start is the loop's
-# clock, which starts just before): at the end of the previous launch's items, the next's.
-_STARTUP = ("loop start", "resume", "checkpoint_skipped", "membership")
+# What a launch writes while it starts (a loop start is the loop's clock, which starts
+# just before `ready`): trailing the previous launch's items, they are the next launch's.
+_STARTUP = ("loop start", "checkpoint_skipped")
+# Events that carry the attempt (the elastic restart count, from 0 in each launch).
+_ATTEMPT_KINDS = ("resume", "membership", "ready")
+# Events after which a launch does nothing more (no restart follows them).
+_ENDS = ("finish", "preempted", "fatal")
 
 
 def launch_spans(run: RunFiles) -> list[tuple[float, float]]:
-    """(first, last) time of each launch. A launch's attempts count from 0: a `ready` whose
-    attempt is not above the previous one's starts a new launch."""
-    items: list[tuple[float, str, Any]] = [
-        (float(e["time"]), str(e.get("kind")), e.get("attempt")) for e in run.events
-    ]
+    """(first, last) time of each launch into the run directory, in order. A launch begins
+    with a `start`, after the previous one ended, or where the attempts count from 0 again;
+    splitting a launch in two by mistake loses only the time between two of its items."""
+    items: list[tuple[float, str, Any]] = []
     for r in run.all_records:
         loop_start = r["time"] - r.get("elapsed_s", r.get("step_s", 0.0))
         items += [(float(loop_start), "loop start", None), (float(r["time"]), "step", None)]
+    # A step is recorded before the events of the same instant (the finish after the last).
+    items += [(float(e["time"]), str(e.get("kind")), e.get("attempt")) for e in run.events]
     items.sort(key=lambda item: item[0])
     launches: list[list[float]] = [[]]
-    starting: list[float] = []  # start-up items not yet followed by anything else
-    last_attempt: Any = None
+    pending: list[float] = []  # start-up items not yet followed by anything else
+    last: tuple[int, bool] | None = None  # the latest attempt, and whether it became ready
+    ended = False
     for t, kind, attempt in items:
-        if kind == "ready":
-            if last_attempt is not None and not (
-                isinstance(attempt, int) and attempt > last_attempt
-            ):
-                launches.append([])
-            last_attempt = attempt if isinstance(attempt, int) else -1
         if kind in _STARTUP:
-            starting.append(t)
+            pending.append(t)
             continue
-        launches[-1] += starting + [t]
-        starting = []
-    launches[-1] += starting
+        restart = _attempts_restart(kind, attempt, last)
+        if restart:
+            last = None  # the new launch counts its attempts afresh
+        if (ended or restart) and launches[-1]:
+            launches.append([])
+        if kind in _ATTEMPT_KINDS and isinstance(attempt, int):
+            seen = last is not None and last[0] == attempt and last[1]
+            last = (attempt, seen or kind == "ready")
+        launches[-1] += [*pending, t]
+        pending, ended = [], kind in _ENDS
+    if ended and pending:
+        launches.append([])
+    launches[-1] += pending
     return [(min(times), max(times)) for times in launches if times]
+
+
+def _attempts_restart(kind: str, attempt: Any, last: tuple[int, bool] | None) -> bool:
+    """Whether this event is a new launch's: a `start`, or an attempt counted from 0 again
+    (below the latest, or equal to one that was already ready)."""
+    if kind == "start":
+        return True
+    if kind not in _ATTEMPT_KINDS or not isinstance(attempt, int) or last is None:
+        return False
+    return attempt < last[0] or (attempt == last[0] and last[1])
 
 
 def steady(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
