@@ -215,7 +215,8 @@ def start_job(
     one machine, else `python -m MODULE RUN_DIR` workers under the elastic agent. The run
     directory's default name ends with `label` (default: the strategy); it is returned."""
     from trainwise.hardware import detect_device
-    from trainwise.run.job import prepare_job, resolve_nproc
+    from trainwise.hardware.detect import usable_cores
+    from trainwise.run.job import prepare_job, resolve_nproc, start_lines
     from trainwise.run.launch import launch_workers
     from trainwise.run.run_files import default_run_dir, write_run_files
 
@@ -228,6 +229,8 @@ def start_job(
     default = default_run_dir(cfg, label or job.strategy)
     run_dir = Path(cfg.logging.run_dir) if cfg.logging.run_dir else default
     write_run_files(run_dir, cfg, job)
+    for line in start_lines(job, nproc, usable_cores()):
+        print(line, file=sys.stderr)  # beside the workers' start-up lines
     if nproc == 1 and nodes == 1:
         target(cfg, run_dir)
     else:
