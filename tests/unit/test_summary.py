@@ -71,3 +71,13 @@ def test_missing_figures_print_as_n_a():
     assert f"(wall {MISSING})" in text and f"data wait {MISSING}" in text
     assert "compute 50.0%" in text
     assert render_summary({}).count(MISSING) >= 5  # an empty file still renders
+
+
+def test_an_attempt_that_timed_nothing_reports_no_speed_not_zero(tmp_path: Path):
+    train(tmp_path, 1, STEPS)  # no summary.json: the run was cut short before writing it
+    again = train(tmp_path, STEPS + 1, STEPS)
+    assert again["tokens_per_s"] is None and again["stage_share"] == {}
+    assert again["first_loss"] == LOSSES[1]
+    text = render_summary({**again, "world": 1})
+    assert f"speed      {MISSING}" in text and f"step time  {MISSING}" in text
+    assert f"loss       {LOSSES[1]:.4f} -> {LOSSES[STEPS]:.4f}" in text

@@ -192,15 +192,18 @@ class Recorder:
             self.progress.close()
         if self.writer:
             self.writer.close()
-        timed = self.totals["step_s"] or 1.0
+        timed = self.totals["step_s"]
         figures = {
             "first_loss": self.first_loss,
             "final_loss": self.last_loss,
             "final_eval_loss": self.last_eval,
-            "tokens_per_s": self.steady_steps * self.tokens_per_step / timed,
+            # None, not 0, when no steady step was timed: nothing was measured.
+            "tokens_per_s": self.steady_steps * self.tokens_per_step / timed if timed else None,
             "tokens_per_sample": self.tokens_per_sample,
             "wall_s": wall,
-            "stage_share": {k.removesuffix("_s"): self.totals[k] / timed for k in STAGES},
+            "stage_share": {k.removesuffix("_s"): self.totals[k] / timed for k in STAGES}
+            if timed
+            else {},
             "sync_measured": self.probe_every > 0,
         }
         if not self.is_main:
