@@ -65,6 +65,10 @@ BAD_INPUTS = {
     "negative steps": (["--steps", "-5"], "train.steps"),
     "toml syntax error": (["--config", "bad.toml"], "bad.toml:3"),
     "run dir is a file": (["--run-dir", "bad.toml"], "logging.run_dir"),
+    "config is a directory": (["--config", "."], "is a directory: --config takes a TOML"),
+    "unsupported precision": (["--precision", "fp8"], "(from --precision): Input should be"),
+    "absurd steps": (["--set", "train.steps=1e23"], "train.steps = 1e+23 (from --set): is beyond"),
+    "fractional steps": (["--set", "train.steps=2.5"], "must be a whole number"),
 }
 
 

@@ -175,6 +175,16 @@ def test_bad_literal_lists_the_allowed_values():
         assert f"'{value}'" in msg
 
 
+def test_a_job_flag_is_named_as_typed_with_the_accepted_values():
+    from trainwise.cli.train import JOB_FLAGS
+
+    problems = _problems(flags={"precision.dtype": "fp8"}, flag_names=JOB_FLAGS)
+    assert len(problems) == 1
+    assert "(from --precision)" in problems[0] and "--dtype" not in problems[0]
+    for value in ("fp32", "bf16", "fp16"):
+        assert f"'{value}'" in problems[0]
+
+
 def test_flag_source_is_named_after_the_flag():
     problems = _problems(flags={"optim.lr": -1.0})
     assert len(problems) == 1
@@ -214,6 +224,43 @@ def test_missing_config_file(tmp_path):
     assert len(problems) == 1
     assert str(path) in problems[0]
     assert "not found" in problems[0]
+
+
+def test_a_config_path_that_is_a_directory_says_so(tmp_path):
+    problems = _problems(path=tmp_path)
+    assert len(problems) == 1
+    assert str(tmp_path) in problems[0] and "is a directory" in problems[0]
+    assert "TOML" in problems[0] and "not found" not in problems[0]
+
+
+@pytest.mark.parametrize(
+    ("item", "phrase"),
+    [
+        ("train.steps=1e23", "beyond any real job"),
+        ("train.steps=1e15", "more steps than any real run"),
+        ("train.steps=2.5", "whole number"),
+        ("train.steps=true", "whole number"),
+        ("data.micro_batch=1e17", "beyond any real job"),
+        ("cluster.nproc=1.5", "whole number"),
+    ],
+)
+def test_absurd_or_fractional_counts_are_rejected(item, phrase):
+    key, _, value = item.partition("=")
+    problems = _problems(overrides=[item])
+    assert len(problems) == 1
+    assert problems[0].startswith(f"{key} = ") and "(from --set)" in problems[0]
+    assert phrase in problems[0]
+
+
+def test_several_bad_counts_are_all_collected():
+    problems = _problems(overrides=["train.steps=1e23", "data.seq_len=0.5", "optim.lr=-1"])
+    assert [p.split(" = ")[0] for p in problems] == ["data.seq_len", "train.steps", "optim.lr"]
+
+
+def test_whole_floats_are_whole_numbers():
+    cfg = load_config(overrides=["train.steps=1e3", "plan.params=7e9"])
+    assert (cfg.train.steps, cfg.plan.params) == (1000, 7_000_000_000)
+    assert isinstance(cfg.train.steps, int)
 
 
 def test_every_problem_is_one_line(tmp_path):

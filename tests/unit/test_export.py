@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 import trainwise
 from trainwise.cli.main import main
 from trainwise.config import dump_toml, load_config
+from trainwise.errors import ConfigError
 from trainwise.models.gpt import GPT
 from trainwise.models.registry import ModelSpec, build_model, resolve_shape
 from trainwise.run.checkpoint_store import (
@@ -223,6 +224,28 @@ def test_export_of_a_broken_checkpoint_is_one_line(run_copy: Path, tmp_path: Pat
         export_weights(run_copy, tmp_path / "m.safetensors", "safetensors")
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_a_write_that_fails_midway_leaves_nothing(
+    trained: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+):
+    """A full disk during the write: one line naming -o, and no file that looks complete."""
+
+    def half_then_fail(_tensors: object, path: object, **_: object) -> None:
+        Path(path).write_bytes(b"half a file")
+        raise RuntimeError("I/O error: No space left on device (os error 28)")
+
+    import safetensors.torch
+
+    monkeypatch.setattr(safetensors.torch, "save_file", half_then_fail)
+    monkeypatch.setattr(torch, "save", half_then_fail)
+    out = tmp_path / f"m.{fmt}"
+    with pytest.raises(ConfigError) as err:
+        export_weights(resolve_checkpoint(trained["run"], None), out, fmt)
+    line = str(err.value)
+    assert "\n" not in line and f"-o {out}" in line and "No space left" in line
+    assert list(tmp_path.iterdir()) == []
+
+
 # --- resolve_checkpoint ----------------------------------------------------------------------
 
 
@@ -314,6 +337,10 @@ def test_cli_export_step_and_torch_format(
         (["export", "{missing}"], "no such run directory"),
         (["export", "{run}", "--step", "3"], "steps available: 2, 4"),
         (["export", "{run}", "-o", "{tmp}/w.txt"], "cannot tell the format"),
+        # /proc takes no new files on Linux: an output that cannot be written.
+        (["export", "{run}", "-o", "/proc/x.safetensors"], "cannot write a file in /proc"),
+        (["export", "{run}", "-o", "/proc/x.pt"], "-o /proc/x.pt: cannot write"),
+        (["export", "{run}", "--format", "torch", "-o", "{tmp}"], "is a directory: give a file"),
         (["checkpoints", "{missing}"], "no such run directory"),
         (["checkpoints", "{tmp}"], "no checkpoints in"),
     ],

@@ -8,7 +8,10 @@ import pytest
 from trainwise.config import load_config
 from trainwise.errors import ConfigError
 from trainwise.hardware import GB, DeviceInfo
-from trainwise.run.job import prepare_job, resolve_nproc
+from trainwise.models.registry import build_model
+from trainwise.models.shapes import PRESETS
+from trainwise.plan.inputs import resolve_inputs
+from trainwise.run.job import prepare_job, resolve_nproc, start_lines
 
 CPU = DeviceInfo("cpu", "cpu", 1, 64 * GB, bf16=True, fp16=False, gpu=None)
 # A GPU without bf16 (e.g. a V100-class card), one visible.
@@ -296,3 +299,61 @@ def test_a_held_out_split_smaller_than_the_ranks_is_an_error():
         cfg("data.synthetic_tokens=1400", "data.micro_batch=2", "train.eval_every=0"), 2, CPU
     )
     assert job.strategy == "ddp"
+
+
+# --- the planner counts what training builds ----------------------------------------------
+
+# Presets small enough to build on a CPU in a test.
+BUILDABLE = [name for name, shape in PRESETS.items() if shape.num_params() < 20_000_000]
+
+
+def test_the_small_presets_are_compared():
+    assert {"tiny", "small"} <= set(BUILDABLE)
+
+
+@pytest.mark.parametrize("name", BUILDABLE)
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["data.seq_len=32"], ["data.seq_len=200", "model.vocab_size=300"]],
+    ids=["defaults", "shorter-context", "longer-context-bigger-vocab"],
+)
+def test_the_plan_counts_the_parameters_training_builds(name: str, extra: list[str]):
+    config = cfg(f"model.name={name}", "cluster.device=cpu", *extra)
+    job = prepare_job(config, 2, CPU)
+    built = build_model(job.model_spec).module
+    trained = sum(p.numel() for p in built.parameters())  # tied weights once
+    assert resolve_inputs(config).workload.params == trained
+    assert job.params == trained
+
+
+# --- what the launcher says at start-up ---------------------------------------------------
+
+
+def test_start_lines_say_how_the_batch_follows_from_nproc_and_warn_past_the_cores():
+    two, eight = (prepare_job(cfg(), n, CPU) for n in (2, 8))
+    assert start_lines(two, 2, cores=2) == [
+        "trainwise: global batch 32 samples per step = data.micro_batch 16 x data.grad_accum "
+        "1 x data-parallel size 2 (--nproc 2); another --nproc changes it"
+    ]
+    batch, warning = start_lines(eight, 8, cores=2)
+    assert "global batch 128 " in batch and "data-parallel size 8 (--nproc 8)" in batch
+    assert warning.startswith("trainwise: warning: 8 CPU workers (--nproc 8) on 2 cores")
+    assert "--nproc 2 or fewer" in warning
+    assert len(start_lines(prepare_job(cfg(), 4, GPU4), 4, cores=2)) == 1  # GPUs: no warning
+
+
+def test_the_launcher_prints_the_start_lines(tmp_path, monkeypatch, capsys):
+    from trainwise.cli.train import start_job
+    from trainwise.hardware import detect
+    from trainwise.run import launch
+
+    monkeypatch.setattr(detect, "detect_device", lambda kind="auto": CPU)
+    monkeypatch.setattr(detect, "usable_cores", lambda: 2)
+    started = []
+    monkeypatch.setattr(launch, "launch_workers", lambda *a, **kw: started.append(a[1]))
+    config = cfg("cluster.nproc=8", f"logging.run_dir='{tmp_path / 'run'}'")
+    start_job(config, lambda *_: None, "trainwise.run.worker")
+    err = capsys.readouterr().err.splitlines()
+    assert started == [8]
+    assert any("global batch 128 " in line for line in err)
+    assert any("warning: 8 CPU workers (--nproc 8) on 2 cores" in line for line in err)

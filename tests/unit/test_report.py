@@ -13,7 +13,7 @@ import pytest
 from trainwise.cli.main import main
 from trainwise.report.analysis import analyse
 from trainwise.report.run_html import render_html
-from trainwise.report.run_view import render_markdown, render_text, to_json
+from trainwise.report.run_view import calibrate_line, render_markdown, render_text, to_json
 from trainwise.report.rundir import load_run
 
 GPUS = 2
@@ -238,3 +238,74 @@ def test_an_elastic_run_that_shrank_is_charged_per_attempt(tmp_path: Path):
     assert c["compute"] == pytest.approx(9.0) and c["communication wait"] == pytest.approx(1.0)
     assert c["checkpoint stall"] == pytest.approx(1.0) and c["failure retry"] == pytest.approx(11)
     assert any("2 -> 1 workers" in n for n in r.notes)
+
+
+def test_the_calibrate_hint_names_the_run_directory_as_typed(tmp_path: Path, monkeypatch):
+    run = make_run(tmp_path / "runs")
+    monkeypatch.chdir(tmp_path)
+    inside = analyse(load_run("runs/run"))  # relative to where the user stands
+    wanted = f"--calibrate {Path('runs', 'run')}`"
+    assert wanted in calibrate_line(inside) and wanted in render_text(inside)
+    assert any(wanted in a.change for a in inside.advice)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    outside = analyse(load_run(Path("..", "runs", "run")))  # not below the cwd: absolute
+    assert f"--calibrate {run}`" in calibrate_line(outside)
+
+
+def _append(run: Path, name: str, rows: list[dict]) -> None:
+    with (run / name).open("a") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+
+
+def test_the_idle_time_between_two_launches_is_not_wall_time(tmp_path: Path):
+    """The run finished at t = 112 (12 s, a restart inside); it was launched again at
+    t = 499 (resume at 499, loop at 499.5, ready 499.8), trained step 7 and finished at 501:
+    12 + 2 s, not the 401 s from 100 to 501."""
+    run = make_run(tmp_path)
+    _append(run, "events.jsonl", [
+        {"time": 499.0, "kind": "resume", "attempt": 0, "step": 6, "path": "ckpt"},
+        {"time": 499.8, "kind": "ready", "attempt": 0, "step": 6, "world": 2, "nodes": 1},
+        {"time": 501.0, "kind": "finish", "step": 7},
+    ])  # fmt: skip
+    _append(run, "metrics.jsonl", [_record(7, 0, 501.0, 1.5)])
+    assert analyse(load_run(run)).headline.wall_s == pytest.approx(14.0)
+
+
+def test_a_rerun_that_trains_nothing_adds_only_its_own_seconds(tmp_path: Path):
+    run = make_run(tmp_path, failure=False)  # 100 to 106
+    _append(run, "events.jsonl", [
+        {"time": 900.0, "kind": "ready", "attempt": 0, "step": 6, "world": 2, "nodes": 1},
+        {"time": 900.5, "kind": "finish", "step": 6},
+    ])  # fmt: skip
+    assert analyse(load_run(run)).headline.wall_s == pytest.approx(6.5)
+
+
+def test_a_launch_that_fails_before_ready_counts_only_its_own_seconds(tmp_path: Path):
+    """A second launch that resumed (attempt 0 again) and stopped at once, before `ready`."""
+    run = make_run(tmp_path)  # 12 s, a restart inside
+    _append(run, "events.jsonl", [
+        {"time": 700.0, "kind": "resume", "attempt": 0, "step": 6, "path": "ckpt"},
+        {"time": 700.5, "kind": "fatal", "rank": 0, "message": "data differs"},
+    ])  # fmt: skip
+    assert analyse(load_run(run)).headline.wall_s == pytest.approx(12.5)
+
+
+def test_a_start_event_begins_a_launch(tmp_path: Path):
+    run = make_run(tmp_path, failure=False)  # 100 to 106
+    _append(run, "events.jsonl", [
+        {"time": 300.0, "kind": "start"},
+        {"time": 301.0, "kind": "fatal", "rank": 0, "message": "no worker started"},
+    ])  # fmt: skip
+    assert analyse(load_run(run)).headline.wall_s == pytest.approx(7.0)
+
+
+def test_a_rerun_whose_other_rank_failed_first_counts_no_gap(tmp_path: Path):
+    """As a rerun wrote it: rank 1's fatal before rank 0's resume, both at once."""
+    run = make_run(tmp_path, failure=False)  # 100 to 106, finished
+    _append(run, "events.jsonl", [
+        {"time": 800.0, "kind": "fatal", "rank": 1, "message": "data differs"},
+        {"time": 800.0, "kind": "resume", "attempt": 0, "step": 6, "path": "ckpt"},
+        {"time": 800.25, "kind": "fatal", "rank": 0, "message": "data differs"},
+    ])  # fmt: skip
+    assert analyse(load_run(run)).headline.wall_s == pytest.approx(6.0, abs=0.3)

@@ -113,6 +113,13 @@ def test_read_metrics_skips_blank_lines(tmp_path):
     assert read_metrics(tmp_path) == [{"step": 1}, {"step": 2}]
 
 
+def test_read_metrics_skips_a_line_cut_by_a_crash(tmp_path):
+    assert read_metrics(tmp_path) == []  # no file yet
+    # A writer killed mid-line, then the resumed run appending after it.
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "lo{"step": 2}\n[3]\n')
+    assert read_metrics(tmp_path) == [{"step": 1}]
+
+
 def test_tensorboard_events_are_written(tmp_path):
     writer = MetricsWriter(tmp_path, tensorboard=True)
     writer.write(record(1))

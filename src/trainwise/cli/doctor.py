@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainwise.cli.train import (
+    JOB_FLAGS,
     add_import_roots,
     add_job_arguments,
     is_worker,
@@ -57,7 +58,9 @@ def parse_only(text: str | None) -> list[str] | None:
 def run(args: argparse.Namespace) -> int:
     flags = {**job_flags(args), "doctor.checks": parse_only(args.only)}
     add_import_roots(args.config)
-    cfg = load_config(args.config, flags, args.set)
+    cfg = load_config(
+        args.config, flags, args.set, flag_names={**JOB_FLAGS, "doctor.checks": "--only"}
+    )
 
     from trainwise.doctor.runner import read_record, run_doctor
 

@@ -91,22 +91,30 @@ def parse_nnodes(text: str | None) -> tuple[int | None, int | None]:
     return hi, (lo if high else None)
 
 
+# The key each job flag sets: error messages name the flag a user typed, not a guess.
+JOB_FLAGS = {
+    "cluster.nodes": "--nnodes",
+    "cluster.min_nodes": "--nnodes",
+    "cluster.rdzv_endpoint": "--rdzv-endpoint",
+    "cluster.rdzv_id": "--rdzv-id",
+    "cluster.node_rank": "--node-rank",
+    "cluster.local_addr": "--local-addr",
+    "cluster.nproc": "--nproc",
+    "parallel.strategy": "--strategy",
+    "precision.dtype": "--precision",
+    "train.steps": "--steps",
+    "model.name": "--model",
+    "logging.run_dir": "--run-dir",
+}
+
+
 def job_flags(args: argparse.Namespace) -> dict[str, object]:
     nodes, min_nodes = parse_nnodes(args.nnodes)
-    return {
-        "cluster.nodes": nodes,
-        "cluster.min_nodes": min_nodes,
-        "cluster.rdzv_endpoint": args.rdzv_endpoint,
-        "cluster.rdzv_id": args.rdzv_id,
-        "cluster.node_rank": args.node_rank,
-        "cluster.local_addr": args.local_addr,
-        "cluster.nproc": args.nproc,
-        "parallel.strategy": args.strategy,
-        "precision.dtype": args.precision,
-        "train.steps": args.steps,
-        "model.name": args.model,
-        "logging.run_dir": args.run_dir,
-    }
+    flags: dict[str, object] = {"cluster.nodes": nodes, "cluster.min_nodes": min_nodes}
+    for key, flag in JOB_FLAGS.items():
+        if flag != "--nnodes":
+            flags[key] = getattr(args, flag.removeprefix("--").replace("-", "_"))
+    return flags
 
 
 def add_import_roots(config: str | None) -> None:
@@ -126,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
         "cluster.allow_version_mismatch": args.allow_version_mismatch,
     }
     add_import_roots(args.config)
-    cfg = load_config(args.config, flags, args.set)
+    names = {**JOB_FLAGS, "cluster.allow_version_mismatch": "--allow-version-mismatch"}
+    cfg = load_config(args.config, flags, args.set, flag_names=names)
     if args.print_config:
         print(dump_toml(cfg), end="")
         return 0
@@ -237,7 +246,9 @@ def start_job(
     one machine, else `python -m MODULE RUN_DIR` workers under the elastic agent. The run
     directory's default name ends with `label` (default: the strategy); it is returned."""
     from trainwise.hardware import detect_device
-    from trainwise.run.job import prepare_job, resolve_nproc
+    from trainwise.hardware.detect import usable_cores
+    from trainwise.run.events import append_event
+    from trainwise.run.job import prepare_job, resolve_nproc, start_lines
     from trainwise.run.launch import launch_workers
     from trainwise.run.lifeline import end_launch, start_launch
     from trainwise.run.run_files import default_run_dir, write_run_files
@@ -254,6 +265,9 @@ def start_job(
     with hold_run_dir(run_dir, machines_share(cfg)):
         check_run_dir(cfg, job, run_dir)
         write_run_files(run_dir, cfg, job)
+        append_event(run_dir, "start", pid=os.getpid(), nproc=nproc, nodes=nodes)
+        for line in start_lines(job, nproc, usable_cores()):
+            print(line, file=sys.stderr)  # beside the workers' start-up lines
         if nproc == 1 and nodes == 1:
             target(cfg, run_dir)
             return run_dir

@@ -73,6 +73,11 @@ def load_config(
 
 
 def read_toml(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ConfigError(
+            f"config file {path} is a directory: --config takes a TOML job file "
+            f"(e.g. {path / 'job.toml'})"
+        )
     if not path.is_file():
         raise ConfigError(f"config file {path} not found: check the --config path")
     try:

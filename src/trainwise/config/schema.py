@@ -8,9 +8,16 @@ Unknown keys are rejected (``extra="forbid"``).
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from trainwise.hardware.catalog import find_gpu, gpu_names
 
@@ -19,9 +26,43 @@ Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 Precision = Literal["fp32", "bf16", "fp16"]
 
 
+# The most a whole-number key holds: the largest integer JSON readers (and floats) keep
+# exactly. A count beyond it is a typo, never a job.
+MAX_WHOLE = 2**53 - 1
+# Optimizer steps beyond this are no real run (large published runs take about a million).
+MAX_STEPS = 10**9
+
+
+def whole_number(value: object) -> object:
+    """A number given for a whole-number key as an int (1e3 -> 1000); a fraction, a
+    boolean or an absurd size is an error that says so. Other values go on to the schema."""
+    if isinstance(value, bool):
+        raise ValueError("must be a whole number, not true or false")
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("must be a finite whole number")
+        if value != int(value):
+            raise ValueError(f"must be a whole number (e.g. {int(value)} or {int(value) + 1})")
+        value = int(value)
+    if isinstance(value, int) and abs(value) > MAX_WHOLE:
+        raise ValueError(f"is beyond any real job: give a whole number up to {MAX_WHOLE:,}")
+    return value
+
+
+def _takes_int(annotation: object) -> bool:
+    return annotation is int or int in get_args(annotation)
+
+
 class Section(BaseModel):
     # No inf or nan anywhere: every figure of a job is a finite number.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _whole(cls, value: object, info: ValidationInfo) -> object:
+        # pydantic takes 1e15 as an int and words 1e23 and 2.5 as parse failures.
+        field = cls.model_fields.get(info.field_name or "")
+        return whole_number(value) if field and _takes_int(field.annotation) else value
 
 
 class ModelConfig(Section):
@@ -74,6 +115,14 @@ class DataConfig(Section):
 
 class TrainConfig(Section):
     steps: int = Field(200, gt=0, description="Optimizer steps to run.")
+
+    @field_validator("steps")
+    @classmethod
+    def _real_run(cls, value: int) -> int:
+        if value > MAX_STEPS:
+            raise ValueError(f"is more steps than any real run: give at most {MAX_STEPS:,}")
+        return value
+
     seed: int = Field(0, description="Seed for weights, data order and dropout.")
     grad_clip: float = Field(1.0, ge=0.0, description="Max global gradient norm; 0 disables.")
     eval_every: int = Field(

@@ -7,7 +7,6 @@ slower than the step."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch.distributed as dist
@@ -15,6 +14,7 @@ import torch.distributed as dist
 from trainwise.data import build_loader
 from trainwise.doctor.context import Context, timed_steps
 from trainwise.doctor.result import CheckResult
+from trainwise.hardware.detect import usable_cores
 from trainwise.plan.advisor import loader_fixes
 from trainwise.plan.planner import DATA_BOUND_SHARE
 from trainwise.run.trainer import build_trainer
@@ -59,8 +59,7 @@ def check_data(ctx: Context) -> CheckResult:
     del trainer
     # The same counts on every rank (each count is a collective): the fewest cores any
     # rank has.
-    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = int(ctx.reduce(max(1, (mine or 1) // ctx.env.local_world), dist.ReduceOp.MIN))
+    cores = int(ctx.reduce(max(1, usable_cores() // ctx.env.local_world), dist.ReduceOp.MIN))
     counts = sorted({0, *range(1, min(MAX_WORKERS, cores) + 1), c.data.num_workers})
     dp = (0, 1) if ctx.job.strategy == "single" else (ctx.env.rank, ctx.world)
     rows = []

@@ -28,6 +28,13 @@ def host_memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity, which a scheduler may narrow)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
 def detect_device(kind: str = "auto") -> DeviceInfo:
     """`kind` is cluster.device: auto, cpu or cuda."""
     use_cuda = torch.cuda.is_available() if kind == "auto" else kind == "cuda"

@@ -4,7 +4,7 @@ the runtime trains)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -16,7 +16,7 @@ from trainwise.models.custom import build_custom
 from trainwise.models.gpt import GPT
 from trainwise.models.hf import build_hf
 from trainwise.models.mlp import MLPClassifier
-from trainwise.models.shapes import PRESETS, GPTShape
+from trainwise.models.shapes import PRESETS, GPTShape, job_shape
 
 
 @dataclass
@@ -78,13 +78,7 @@ def resolve_shape(spec: ModelSpec) -> GPTShape | None:
     """The preset's shape with vocab_size / seq_len overrides applied; None for other kinds."""
     if model_kind(spec.name) != "preset":
         return None
-    overrides: dict[str, int] = {}
-    if spec.vocab_size is not None:
-        overrides["vocab_size"] = spec.vocab_size
-    if spec.seq_len is not None:
-        overrides["max_seq_len"] = spec.seq_len
-    # replace() re-runs GPTShape validation on the overridden values.
-    return replace(PRESETS[spec.name], **overrides)
+    return job_shape(spec.name, spec.vocab_size, spec.seq_len)
 
 
 def _blocks_of(module: nn.Module) -> list[nn.Module]:

@@ -4,7 +4,7 @@ parameter count, and the named presets. No torch here, so that the planner can s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from trainwise.errors import ModelError
@@ -190,3 +190,16 @@ PRESETS: dict[str, GPTShape] = {
     # intermediate 28672.
     "llama-70b": _llama(80, 8192, 64, 8, 28672, 32000, 4096, tie=False),
 }
+
+
+def job_shape(name: str, vocab_size: int | None = None, seq_len: int | None = None) -> GPTShape:
+    """Preset `name` as a job builds it: the job's vocabulary and sequence length replace
+    the preset's (learned positions are parameters, one row per position). Training and
+    the planner both size the model here, so their parameter counts agree."""
+    overrides: dict[str, int] = {}
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
+    if seq_len is not None:
+        overrides["max_seq_len"] = seq_len
+    # replace() re-runs GPTShape validation on the overridden values.
+    return replace(PRESETS[name], **overrides)

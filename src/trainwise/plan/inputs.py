@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from trainwise.config.schema import JobConfig
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, TFLOP, GPUSpec, default_catalog, find_gpu
-from trainwise.models.shapes import PRESETS, GPTShape
+from trainwise.models.shapes import PRESETS, GPTShape, job_shape
 from trainwise.plan.memory import Workload
 
 # Defaults of `trainwise plan` without --config: a Llama-2-7B pretraining step on one
@@ -110,8 +110,6 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
     hardware = resolve_hardware(cfg, spec, per_node)
     micro = cfg.data.micro_batch
     seq = cfg.data.seq_len
-    if shape is not None and seq > shape.max_seq_len:
-        shape = replace(shape, max_seq_len=seq)  # planning a longer context than the preset's
     global_batch = cfg.data.global_batch
     tokens = p.tokens
     if tokens == "chinchilla":
@@ -240,11 +238,12 @@ def _model(cfg: JobConfig) -> tuple[int, GPTShape | None, str]:
                 "give one (a bare count plans model states only; a shape adds activations)"
             )
         return p.params, None, "params"
-    name = cfg.model.name
+    name, seq = cfg.model.name, cfg.data.seq_len
     if name in PRESETS:
-        shape = PRESETS[name]
+        shape = job_shape(name, cfg.model.vocab_size, seq)  # the model training builds
     elif given:
-        shape = PRESETS["llama-7b"]  # a Llama-style block; the given dimensions replace its own
+        # A Llama-style block; the given dimensions replace its own.
+        shape = job_shape("llama-7b", seq_len=seq)
     else:
         raise ConfigError(
             f"model.name = '{name}': the planner sizes presets ({', '.join(PRESETS)}), a bare "

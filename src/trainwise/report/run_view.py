@@ -121,7 +121,7 @@ def calibrate_line(r: RunReport) -> str | None:
         return None
     return (
         f"! marks an error over {PLAN_ERROR_FLAG:.0%}: `trainwise plan --calibrate "
-        f"{r.headline.run}` replaces the plan's assumptions with this run's measurements"
+        f"{r.headline.path}` replaces the plan's assumptions with this run's measurements"
     )
 
 

@@ -10,6 +10,7 @@ file is one line (ReportError, exit status 2) naming the file and what to do.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,20 @@ class RunFiles:
     @property
     def name(self) -> str:
         return self.path.name or str(self.path)
+
+    @property
+    def typed(self) -> str:
+        """The run directory as a user types it here (in a command the report suggests)."""
+        return typed_path(self.path)
+
+
+def typed_path(path: Path) -> str:
+    """`path` relative to the current directory when it lies inside it, else absolute."""
+    full = Path(os.path.abspath(path))
+    try:
+        return str(full.relative_to(Path.cwd()))
+    except ValueError:
+        return str(full)
 
 
 def load_run(path: str | Path) -> RunFiles:

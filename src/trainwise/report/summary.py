@@ -4,47 +4,56 @@ from __future__ import annotations
 
 from typing import Any
 
+MISSING = "n/a"  # a figure the summary lacks (a rerun that trained nothing, an older file)
+
+
+def fig(value: Any, spec: str = "", unit: str = "", scale: float = 1) -> str:
+    """`value` x `scale` formatted with `spec` and `unit`, or MISSING when not a number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return MISSING
+    return f"{value * scale:{spec}}{unit}"
+
 
 def render_summary(s: dict[str, Any]) -> str:
-    shares = s["stage_share"]
-    stages = " | ".join(
-        f"{name} {shares[key] * 100:.1f}%"
-        for name, key in (
-            ("data wait", "data"),
-            ("compute", "compute"),
-            ("exposed sync", "sync"),
-            ("optimizer", "optim"),
-            ("checkpoint", "ckpt"),
+    shares = s.get("stage_share") or {}
+    stages = (
+        " | ".join(
+            f"{name} {fig(shares[key], '.1f', '%', scale=100)}"
+            for name, key in (
+                ("data wait", "data"),
+                ("compute", "compute"),
+                ("exposed sync", "sync"),
+                ("optimizer", "optim"),
+                ("checkpoint", "ckpt"),
+            )
+            if key in shares
         )
-        if key in shares
+        or MISSING
     )
-    if s["world"] > 1 and not s.get("sync_measured"):
+    if (s.get("world") or 1) > 1 and not s.get("sync_measured"):
         stages += "  (sync not probed)"
-    loss = f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}"
+    loss = f"{fig(s.get('first_loss'), '.4f')} -> {fig(s.get('final_loss'), '.4f')}"
     if s.get("final_eval_loss") is not None:
-        loss += f"  (held-out {s['final_eval_loss']:.4f})"
-    per_sample = s.get("tokens_per_sample", 1)
-    speed = (
-        f"{s['tokens_per_s']:,.0f} tokens/s"
-        if per_sample > 1
-        else f"{s['tokens_per_s']:,.0f} samples/s"
-    )
+        loss += f"  (held-out {fig(s['final_eval_loss'], '.4f')})"
+    unit = " tokens/s" if (s.get("tokens_per_sample") or 1) > 1 else " samples/s"
+    speed = fig(s.get("tokens_per_s"), ",.0f", unit)
     head = "trainwise: training finished"
     if s.get("preempted"):
-        head = f"trainwise: preempted by {s['preempted']} after step {s['last_step']}; saved"
+        head = f"trainwise: preempted by {s['preempted']} after step {s.get('last_step')}; saved"
     lines = [
         head,
-        f"  strategy   {s['reason']}",
-        f"  model      {s['model']}, {s['params']:,} parameters, {s['precision']}",
-        f"  steps      {s['steps']} x global batch {s['global_batch']} on "
-        f"{s['world']} x {s['device']}",
+        f"  strategy   {s.get('reason', MISSING)}",
+        f"  model      {s.get('model', MISSING)}, {fig(s.get('params'), ',')} parameters, "
+        f"{s.get('precision', MISSING)}",
+        f"  steps      {s.get('steps', MISSING)} x global batch {s.get('global_batch', MISSING)}"
+        f" on {s.get('world', MISSING)} x {s.get('device', MISSING)}",
         f"  loss       {loss}",
-        f"  speed      {speed}  (wall {s['wall_s']:.1f} s)",
+        f"  speed      {speed}  (wall {fig(s.get('wall_s'), '.1f', ' s')})",
         f"  step time  {stages}",
-        f"  run dir    {s['run_dir']}",
+        f"  run dir    {s.get('run_dir', MISSING)}",
     ]
     if s.get("resumed_from") is not None:
-        lines.insert(-1, f"  resumed    {s['resume']}")
-    if s.get("retry_cost", {}).get("failures"):
-        lines.insert(-1, f"  failures   {s['retry_line']}")
+        lines.insert(-1, f"  resumed    {s.get('resume', MISSING)}")
+    if (s.get("retry_cost") or {}).get("failures"):
+        lines.insert(-1, f"  failures   {s.get('retry_line', MISSING)}")
     return "\n".join(lines)

@@ -8,7 +8,7 @@ killed mid-write can leave a truncated last line; ``read_events`` skips it.
 
 Fields per kind, as the runtime writes them:
 
-- ``start``: the launcher began the run.
+- ``start`` {pid, nproc, nodes}: a launcher began a launch (one per machine and launch).
 - ``ready`` {attempt, step, world, nodes}: workers are about to train (built, any checkpoint
   loaded); ``step`` is the step the run continues from (0 when fresh). One per attempt,
   from rank 0.
@@ -25,6 +25,9 @@ Fields per kind, as the runtime writes them:
 - ``preempted`` {step, signal}: a planned stop after a synchronous checkpoint (not a failure).
 - ``nonfinite`` / ``rollback``: a non-finite loss, and the rollback to a checkpoint it caused.
 - ``finish``: the run ended normally.
+- ``fatal`` {rank, message, exit_status}: an error no restart can fix ended the launch.
+- ``lineage`` {lineage, moved_to}: ``checkpoint.resume = 'never'`` moved the earlier
+  checkpoints aside; a new lineage starts.
 - ``peer_failure`` {step, stage, rank, cause, absent, detail, message, traceback}: a collective timed out
   or lost its peer; written by each rank that saw it, before it exits for a restart.
 """

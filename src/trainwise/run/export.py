@@ -216,46 +216,65 @@ def _independent(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def export_weights(checkpoint: Path, out: Path, fmt: ExportFormat) -> dict[str, int | None]:
     """Write the model weights of ``checkpoint`` to ``out`` as safetensors or a torch.save'd
     state dict, atomically (``out.part`` then rename). Returns
-    ``{"tensors": n, "bytes": size of the file written, "step": s}``."""
+    ``{"tensors": n, "bytes": size of the file written, "step": s}``. An output that cannot
+    be written is a ConfigError (exit 2), found before the checkpoint is read."""
     import torch  # here, so that finding checkpoints (the CLI listing) needs no torch
 
     if fmt not in ("safetensors", "torch"):
         raise CheckpointError(f"export format {fmt!r} is unknown; use safetensors or torch")
     checkpoint, out = Path(checkpoint), Path(out)
-    step = checkpoint_step(checkpoint)
-    state = load_model_state(checkpoint)
-    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-    others = sorted(k for k in state if k not in tensors)
-    if others and fmt == "safetensors":
-        raise CheckpointError(
-            f"{checkpoint}: model entries {', '.join(others[:3])} are not tensors and "
-            "safetensors holds tensors only; export with --format torch"
-        )
-    tensors = _independent(tensors)
-
-    part = out.with_suffix(out.suffix + ".part")
+    part = claim_output(out)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if fmt == "safetensors":
-            from safetensors.torch import save_file
+        step = checkpoint_step(checkpoint)
+        state = load_model_state(checkpoint)
+        tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        others = sorted(k for k in state if k not in tensors)
+        if others and fmt == "safetensors":
+            raise CheckpointError(
+                f"{checkpoint}: model entries {', '.join(others[:3])} are not tensors and "
+                "safetensors holds tensors only; export with --format torch"
+            )
+        tensors = _independent(tensors)
+        try:
+            if fmt == "safetensors":
+                from safetensors.torch import save_file
 
-            metadata = {"format": "trainwise"}
-            if step is not None:
-                metadata["step"] = str(step)  # safetensors metadata values are strings
-            save_file(tensors, str(part), metadata=metadata)
-        else:
-            # Non-tensor entries (module extra state) stay: load_state_dict expects them.
-            torch.save({k: tensors.get(k, state[k]) for k in state}, part)
-        os.replace(part, out)
-    except OSError as err:
-        _discard(part)
-        raise CheckpointError(
-            f"cannot write {out}: {err.strerror or err}; pick a writable path with -o"
-        ) from None
+                metadata = {"format": "trainwise"}
+                if step is not None:
+                    metadata["step"] = str(step)  # safetensors metadata values are strings
+                save_file(tensors, str(part), metadata=metadata)
+            else:
+                # Non-tensor entries (module extra state) stay: load_state_dict expects them.
+                torch.save({k: tensors.get(k, state[k]) for k in state}, part)
+            os.replace(part, out)
+        except Exception as err:  # OSError, SafetensorError, torch's RuntimeError: all I/O
+            raise _unwritable(out, err) from None
     except BaseException:
         _discard(part)  # never leave a half-written .part behind
         raise
     return {"tensors": len(tensors), "bytes": out.stat().st_size, "step": step}
+
+
+def claim_output(out: Path) -> Path:
+    """Create ``out``'s folder and its empty ``.part`` file, so that an output that cannot
+    be written fails at once, before a long checkpoint read; the part file is returned."""
+    if out.is_dir():
+        raise ConfigError(f"-o {out} is a directory: give a file path, e.g. {out / 'model'}")
+    part = out.with_suffix(out.suffix + ".part")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        part.open("wb").close()
+    except OSError as err:
+        raise _unwritable(out, err) from None
+    return part
+
+
+def _unwritable(out: Path, err: BaseException) -> ConfigError:
+    why = err.strerror if isinstance(err, OSError) and err.strerror else _one_line(err)
+    return ConfigError(
+        f"-o {out}: cannot write a file in {out.parent or '.'} ({why}): "
+        "give -o a path in a folder you can write to"
+    )
 
 
 def _discard(path: Path) -> None:

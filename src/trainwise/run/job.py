@@ -103,6 +103,24 @@ def resolve_nproc(cfg: JobConfig, device: DeviceInfo) -> int:
     return max(device.count, 1) if device.kind == "cuda" else 2
 
 
+def start_lines(job: Job, nproc: int, cores: int) -> list[str]:
+    """What the launcher says before the workers start: where the global batch comes from
+    (it grows with --nproc), and a warning when CPU workers outnumber the cores."""
+    c, nodes = job.cfg, job.world // nproc
+    machines = f" x {nodes} machines" if nodes > 1 else ""
+    lines = [
+        f"trainwise: global batch {job.global_batch} samples per step = data.micro_batch "
+        f"{c.data.micro_batch} x data.grad_accum {job.grad_accum} x data-parallel size "
+        f"{job.dp_size} (--nproc {nproc}{machines}); another --nproc changes it"
+    ]
+    if job.device.kind == "cpu" and nproc > cores:
+        lines.append(
+            f"trainwise: warning: {nproc} CPU workers (--nproc {nproc}) on {cores} cores take "
+            f"turns on them, so steps get slower, not faster; use --nproc {cores} or fewer"
+        )
+    return lines
+
+
 def prepare_job(
     cfg: JobConfig, world: int, device: DeviceInfo, local_world: int | None = None
 ) -> Job:

@@ -4,6 +4,7 @@ averaged over ranks (one collective per flush, not per step), the metrics writte
 
 from __future__ import annotations
 
+import json
 import logging
 import statistics
 import time
@@ -15,7 +16,14 @@ from trainwise.config.schema import LoggingConfig
 from trainwise.plan.advisor import loader_fixes
 from trainwise.plan.flops import mfu
 from trainwise.run.loop import StepResult, mean_over_ranks
-from trainwise.run.telemetry import STAGES, MetricsWriter, Progress, StepRecord, peak_memory
+from trainwise.run.telemetry import (
+    STAGES,
+    MetricsWriter,
+    Progress,
+    StepRecord,
+    peak_memory,
+    read_metrics,
+)
 
 FIRST_PROBE_STEP = 3  # after the first steps' one-off costs (allocations, warm caches)
 FIRST_PROBES = 3  # probes in a row at the start, so the first estimate is a median
@@ -53,6 +61,7 @@ class Recorder:
         self.start_step = start_step
         self.num_workers = num_workers  # the loader's, named in the data-wait warning
         self.attempt = attempt
+        self.run_dir = run_dir
         self.cfg = cfg
         self.is_main = is_main
         self.probe_every = cfg.probe_every if distributed else 0
@@ -183,14 +192,49 @@ class Recorder:
             self.progress.close()
         if self.writer:
             self.writer.close()
-        timed = self.totals["step_s"] or 1.0
-        return {
+        timed = self.totals["step_s"]
+        figures = {
             "first_loss": self.first_loss,
             "final_loss": self.last_loss,
             "final_eval_loss": self.last_eval,
-            "tokens_per_s": self.steady_steps * self.tokens_per_step / timed,
+            # None, not 0, when no steady step was timed: nothing was measured.
+            "tokens_per_s": self.steady_steps * self.tokens_per_step / timed if timed else None,
             "tokens_per_sample": self.tokens_per_sample,
             "wall_s": wall,
-            "stage_share": {k.removesuffix("_s"): self.totals[k] / timed for k in STAGES},
+            "stage_share": {k.removesuffix("_s"): self.totals[k] / timed for k in STAGES}
+            if timed
+            else {},
             "sync_measured": self.probe_every > 0,
         }
+        if not self.is_main:
+            return figures
+        if self.first_loss is None:  # no step in this attempt: what the run measured stands
+            figures.update(earlier_figures(self.run_dir, figures))
+        figures.update(run_losses(read_metrics(self.run_dir)))
+        return figures
+
+
+def run_losses(records: list[dict]) -> dict:
+    """The losses of the whole run, from its records: a resumed attempt's own first loss is
+    not the run's. Each step counts as its last attempt ran it."""
+    kept = {r["step"]: r for r in records if isinstance(r.get("loss"), (int, float))}
+    if not kept:
+        return {}
+    steps = sorted(kept)
+    evals = [kept[s]["eval_loss"] for s in steps if kept[s].get("eval_loss") is not None]
+    return {
+        "first_loss": kept[steps[0]]["loss"],
+        "final_loss": kept[steps[-1]]["loss"],
+        "final_eval_loss": evals[-1] if evals else None,
+    }
+
+
+def earlier_figures(run_dir: Path, keys: dict) -> dict:
+    """The figures (of `keys`) that the run's summary.json already holds, where set."""
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(summary, dict):
+        return {}
+    return {k: summary[k] for k in keys if summary.get(k) is not None}

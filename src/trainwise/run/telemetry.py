@@ -167,8 +167,21 @@ class MetricsWriter:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of metrics.jsonl as written ([] without the file). A line that is not a
+    record is skipped: a writer killed mid-line leaves one, and a resumed run appends."""
+    try:
+        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            row = json.loads(line) if line.strip() else None
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            records.append(row)
+    return records
 
 
 class Progress:

@@ -1,0 +1,83 @@
+"""The summary's figures across attempts and launches (run.recorder) and its rendering
+(report.summary): the run's first loss after a resume, a rerun that trains nothing keeps
+what the run measured, and missing figures print as n/a instead of failing."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from trainwise.config.schema import LoggingConfig
+from trainwise.report.summary import MISSING, render_summary
+from trainwise.run.loop import StepResult
+from trainwise.run.recorder import Recorder
+
+STEPS = 6
+LOSSES = {1: 5.0, 2: 4.0, 3: 3.0, 4: 2.5, 5: 2.0, 6: 1.5}
+
+
+def recorder(run_dir: Path, start_step: int, attempt: int = 0) -> Recorder:
+    return Recorder(
+        steps=STEPS, cfg=LoggingConfig(progress="none", tensorboard=False), is_main=True,
+        run_dir=run_dir, distributed=False, tokens_per_step=100, tokens_per_sample=10,
+        flops_per_token=None, peak_flops_total=None, device=torch.device("cpu"),
+        start_step=start_step, attempt=attempt,
+    )  # fmt: skip
+
+
+def result(loss: float) -> StepResult:
+    t = time.perf_counter()
+    marks = [("start", t), ("data", t + 0.01), ("compute", t + 0.02), ("last", t + 0.03),
+             ("optim", t + 0.04)]  # fmt: skip
+    return StepResult(torch.tensor(loss), torch.tensor(1.0), marks, probe=False, end=t + 0.04)
+
+
+def train(run_dir: Path, first: int, last: int, attempt: int = 0) -> dict:
+    """Steps first..last in one attempt that resumed from step first - 1."""
+    rec = recorder(run_dir, first - 1, attempt)
+    for step in range(first, last + 1):
+        rec.add(step, result(LOSSES[step]), lr=1e-3)
+    return rec.finish()
+
+
+def test_after_a_resume_the_first_loss_is_the_runs(tmp_path: Path):
+    train(tmp_path, 1, 3)  # then a failure; the checkpoint was of step 2
+    figures = train(tmp_path, 3, STEPS, attempt=1)
+    assert figures["first_loss"] == LOSSES[1]
+    assert figures["final_loss"] == LOSSES[STEPS]
+
+
+def test_a_rerun_that_trains_nothing_keeps_the_runs_figures(tmp_path: Path):
+    done = train(tmp_path, 1, STEPS)
+    (tmp_path / "summary.json").write_text(json.dumps(done))
+    again = train(tmp_path, STEPS + 1, STEPS)  # resumed at the last step: no step to run
+    assert again["first_loss"] == LOSSES[1] and again["final_loss"] == LOSSES[STEPS]
+    for key in ("tokens_per_s", "wall_s", "stage_share"):
+        assert again[key] == done[key], key
+
+
+def test_missing_figures_print_as_n_a():
+    summary = {
+        "run_dir": "runs/x", "model": "tiny", "params": 120576, "strategy": "ddp",
+        "reason": "ddp", "world": 2, "device": "cpu", "precision": "fp32", "steps": 6,
+        "global_batch": 32, "first_loss": None, "final_loss": None, "final_eval_loss": None,
+        "tokens_per_s": None, "wall_s": None, "stage_share": {"data": None, "compute": 0.5},
+    }  # fmt: skip
+    text = render_summary(summary)
+    assert f"loss       {MISSING} -> {MISSING}" in text
+    assert f"(wall {MISSING})" in text and f"data wait {MISSING}" in text
+    assert "compute 50.0%" in text
+    assert render_summary({}).count(MISSING) >= 5  # an empty file still renders
+
+
+def test_an_attempt_that_timed_nothing_reports_no_speed_not_zero(tmp_path: Path):
+    train(tmp_path, 1, STEPS)  # no summary.json: the run was cut short before writing it
+    again = train(tmp_path, STEPS + 1, STEPS)
+    assert again["tokens_per_s"] is None and again["stage_share"] == {}
+    assert again["first_loss"] == LOSSES[1]
+    text = render_summary({**again, "world": 1})
+    assert f"speed      {MISSING}" in text and f"step time  {MISSING}" in text
+    assert f"loss       {LOSSES[1]:.4f} -> {LOSSES[STEPS]:.4f}" in text
