@@ -11,6 +11,7 @@ import math
 from typing import Annotated, Literal, get_args
 
 from pydantic import (
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -172,7 +173,35 @@ class ParallelConfig(Section):
     )
     cpu_offload: bool = Field(False, description="fsdp: keep sharded state in CPU memory.")
     replicate: int | None = Field(
-        None, gt=0, description="hsdp: replica groups; default: the number of machines."
+        None,
+        gt=0,
+        validation_alias=AliasChoices("replicate", "dp_replicate"),
+        description="hsdp: replica groups (also written dp_replicate); default: the number "
+        "of machines.",
+    )
+    dp_shard: int | None = Field(
+        None,
+        gt=0,
+        description="FSDP shard group size (may span machines); default: the workers / (tp x "
+        "replica groups).",
+    )
+    tp: int = Field(
+        1,
+        gt=0,
+        description="Tensor-parallel degree, inside one machine; tp > 1 needs a model with a "
+        "tensor-parallel plan.",
+    )
+    sequence_parallel: bool | None = Field(
+        None, description="With tp > 1, norms run sequence-parallel; default: on when tp > 1."
+    )
+    allow_tp_across_nodes: bool = Field(
+        False, description="Let tp exceed the workers of one machine (slow: TP runs every layer)."
+    )
+    accumulate: Literal["auto", "sharded", "unsharded"] = Field(
+        "auto",
+        description="FSDP with accumulation: sharded = reduce-scatter every micro-batch "
+        "(gradients stay sharded); unsharded = once per step (full gradients between "
+        "micro-batches); auto = the planner's choice.",
     )
     ac: Literal["none", "selective", "full"] = Field(
         "none",

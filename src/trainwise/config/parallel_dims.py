@@ -1,0 +1,204 @@
+"""The layout of a job: one checked value that holds every parallel degree.
+
+`ParallelDims` is pure data (no torch), so the planner prices layouts with it and the
+runtime builds its device mesh from it (`run.parallelize.build_mesh`). Every other part
+asks it — how many data-parallel ranks, which rank reads which samples, what the planner
+calls the layout — and never compares strategy strings. Modelled on torchtitan's
+`distributed/parallel_dims.py`: the product of the degrees is the world size.
+
+The ranks are laid out row-major over (dp_replicate, dp_shard, tp): a tensor-parallel
+group is `tp` consecutive ranks (inside one machine), an FSDP shard group the next level
+out, replicas outermost (one machine or more each).
+
+The user's shortcuts (`parallel.strategy` single, ddp, fsdp with `parallel.shard`, hsdp)
+resolve to it with `from_strategy`; `auto` resolves through the planner's chooser first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainwise.errors import ConfigError
+
+# The planner's names of the data-parallel layouts, simplest first.
+PLAN_NAMES = ("single", "ddp", "fsdp-grad-op", "fsdp-full", "hsdp", "fsdp-offload")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of one job. `fsdp` says whether the data-parallel dims are sharded by FSDP2
+    (fully_shard) or replicated by DDP; `reshard_after_forward` (FSDP's ZeRO-3 versus
+    ZeRO-2) and `cpu_offload` are FSDP's options. `pp` and `cp` are reserved: pipeline and
+    context parallelism are not supported yet and must be 1."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    fsdp: bool = False
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        problems = [
+            f"parallel.{name} = {value}: a degree is a whole number >= 1"
+            for name, value in self.degrees().items()
+            if not isinstance(value, int) or value < 1
+        ]
+        problems += [
+            f"parallel.{name} = {getattr(self, name)}: not supported yet; use 1"
+            for name in ("pp", "cp")
+            if getattr(self, name) != 1
+        ]
+        if self.cpu_offload and not self.fsdp:
+            problems.append("parallel.cpu_offload = true needs FSDP: use 'fsdp' or 'hsdp'")
+        if not self.fsdp and self.dp_shard > 1:
+            problems.append(f"parallel.dp_shard = {self.dp_shard} needs FSDP (sharding)")
+        if problems:
+            raise ConfigError(problems)
+
+    # -- sizes ------------------------------------------------------------------------
+
+    def degrees(self) -> dict[str, int]:
+        return {
+            "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp,
+            "pp": self.pp, "cp": self.cp,
+        }  # fmt: skip
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that read different samples (each tensor-parallel group reads the same)."""
+        return self.dp_replicate * self.dp_shard
+
+    def dp_rank(self, rank: int) -> int:
+        """Which share of the data `rank` reads."""
+        return rank // (self.tp * self.cp)
+
+    def check_world(self, world: int) -> None:
+        """The product of the degrees is the number of workers, shown with its arithmetic."""
+        if self.world != world:
+            raise ConfigError(
+                f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * "
+                f"tp({self.tp}) = {self.world} but the job has {world} workers: make the "
+                "product equal the workers (cluster.nproc x cluster.nodes)"
+            )
+
+    # -- what it is -------------------------------------------------------------------
+
+    @property
+    def single(self) -> bool:
+        """One process, no wrapper at all."""
+        return self.world == 1 and not self.fsdp
+
+    @property
+    def hybrid(self) -> bool:
+        """FSDP shard groups replicated across `dp_replicate` groups (HSDP)."""
+        return self.fsdp and self.dp_replicate > 1
+
+    @property
+    def strategy(self) -> str:
+        """The user's shortcut for the data-parallel part: single, ddp, fsdp or hsdp."""
+        if self.fsdp:
+            return "hsdp" if self.hybrid else "fsdp"
+        return "ddp" if self.dp_size > 1 else "single"
+
+    @property
+    def shard(self) -> str:
+        """parallel.shard's word for reshard_after_forward."""
+        return "full" if self.reshard_after_forward else "grad_op"
+
+    @property
+    def plan_name(self) -> str:
+        """The planner's name of the data-parallel layout (its rows and records)."""
+        if not self.fsdp:
+            return self.strategy
+        if self.cpu_offload:
+            return "fsdp-offload"
+        if self.hybrid:
+            return "hsdp"
+        return "fsdp-full" if self.reshard_after_forward else "fsdp-grad-op"
+
+    def mesh_dims(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """Names and sizes of the device mesh: the data-parallel dims FSDP shards over (a
+        2-D (dp_replicate, dp_shard) mesh for HSDP), then tp when used."""
+        names: list[str] = []
+        sizes: list[int] = []
+        if self.hybrid:
+            names.append("dp_replicate")
+            sizes.append(self.dp_replicate)
+        if self.fsdp:
+            names.append("dp_shard")
+            sizes.append(self.dp_shard)
+        elif self.dp_replicate > 1:
+            names.append("dp_replicate")
+            sizes.append(self.dp_replicate)
+        if self.tp > 1:
+            names.append("tp")
+            sizes.append(self.tp)
+        return tuple(names), tuple(sizes)
+
+    def describe(self) -> str:
+        """`dp_replicate 2 x dp_shard 4 x tp 1`, as the summary and plan.json name it."""
+        return f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp}"
+
+    def config_keys(self) -> dict[str, object]:
+        """The config keys that run this layout, as a user writes them."""
+        keys: dict[str, object] = {"parallel.strategy": self.strategy}
+        if self.fsdp and not self.reshard_after_forward:
+            keys["parallel.shard"] = "grad_op"
+        if self.cpu_offload:
+            keys["parallel.cpu_offload"] = True
+        if self.hybrid:
+            keys["parallel.replicate"] = self.dp_replicate
+        return keys
+
+    # -- from the user's words -------------------------------------------------------
+
+    @classmethod
+    def from_strategy(
+        cls,
+        strategy: str,
+        world: int,
+        *,
+        replicate: int | None = None,
+        shard: str = "full",
+        cpu_offload: bool = False,
+    ) -> ParallelDims:
+        """The layout of a resolved shortcut on `world` workers (`replicate`: hsdp's
+        replica groups)."""
+        if strategy == "single":
+            return cls()
+        if strategy == "ddp":
+            return cls(dp_replicate=world)
+        if strategy not in ("fsdp", "hsdp"):
+            raise ConfigError(f"parallel.strategy = '{strategy}' has no layout; resolve auto first")
+        groups = (replicate or 1) if strategy == "hsdp" else 1
+        if world % groups:
+            raise ConfigError(
+                f"parallel.replicate = {groups} does not divide the {world} workers: choose "
+                "a divisor of cluster.nproc x cluster.nodes"
+            )
+        return cls(
+            dp_replicate=groups, dp_shard=world // groups, fsdp=True,
+            reshard_after_forward=shard == "full", cpu_offload=cpu_offload,
+        )  # fmt: skip
+
+    @classmethod
+    def from_plan_name(cls, name: str, world: int, gpus_per_node: int) -> ParallelDims:
+        """The layout of one of the planner's data-parallel rows (PLAN_NAMES); hsdp
+        replicates across nodes with one shard group per node."""
+        if name == "single":
+            return cls()
+        if name == "hsdp":
+            return cls.from_strategy("hsdp", world, replicate=max(1, world // gpus_per_node))
+        if name == "ddp":
+            return cls.from_strategy("ddp", world)
+        return cls.from_strategy(
+            "fsdp", world, shard="grad_op" if name == "fsdp-grad-op" else "full",
+            cpu_offload=name == "fsdp-offload",
+        )  # fmt: skip

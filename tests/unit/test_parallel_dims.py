@@ -1,0 +1,69 @@
+"""The layout value: degrees, their checks, and the names the rest of the code asks it."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainwise.config.parallel_dims import PLAN_NAMES, ParallelDims
+from trainwise.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("strategy", "replicate", "expected"),
+    [
+        ("single", None, (1, 1, False, "single")),
+        ("ddp", None, (8, 1, False, "ddp")),
+        ("fsdp", None, (1, 8, True, "fsdp-full")),
+        ("hsdp", 2, (2, 4, True, "hsdp")),
+    ],
+)
+def test_shortcuts_resolve_to_degrees(strategy: str, replicate: int | None, expected: tuple):
+    world = 1 if strategy == "single" else 8
+    dims = ParallelDims.from_strategy(strategy, world, replicate=replicate)
+    assert (dims.dp_replicate, dims.dp_shard, dims.fsdp, dims.plan_name) == expected
+    assert dims.world == world and dims.strategy == strategy
+
+
+def test_every_plan_name_round_trips():
+    for name in PLAN_NAMES:
+        world = 1 if name == "single" else 16
+        assert ParallelDims.from_plan_name(name, world, gpus_per_node=8).plan_name == name
+
+
+def test_data_parallel_rank_and_mesh_with_tensor_parallelism():
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2, fsdp=True)
+    assert dims.world == 8 and dims.dp_size == 4
+    # Row-major over (dp_replicate, dp_shard, tp): the tp ranks of a group read the same data.
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert dims.mesh_dims() == (("dp_replicate", "dp_shard", "tp"), (2, 2, 2))
+    assert dims.describe() == "dp_replicate 2 x dp_shard 2 x tp 2"
+
+
+def test_the_product_must_be_the_world_and_the_error_shows_the_arithmetic():
+    dims = ParallelDims(dp_shard=3, tp=2, fsdp=True)
+    with pytest.raises(ConfigError, match=r"dp_replicate\(1\) \* dp_shard\(3\) \* tp\(2\) = 6"):
+        dims.check_world(8)
+    dims.check_world(6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"pp": 2}, "parallel.pp = 2: not supported yet"),
+        ({"cp": 2}, "parallel.cp = 2: not supported yet"),
+        ({"tp": 0}, "parallel.tp = 0: a degree is a whole number"),
+        ({"cpu_offload": True}, "cpu_offload = true needs FSDP"),
+        ({"dp_shard": 2}, "dp_shard = 2 needs FSDP"),
+    ],
+)
+def test_bad_degrees_are_one_line_each(kwargs: dict, message: str):
+    with pytest.raises(ConfigError, match=message):
+        ParallelDims(**kwargs)
+
+
+def test_config_keys_run_the_layout():
+    dims = ParallelDims.from_strategy("fsdp", 4, shard="grad_op", cpu_offload=True)
+    assert dims.config_keys() == {
+        "parallel.strategy": "fsdp", "parallel.shard": "grad_op", "parallel.cpu_offload": True,
+    }  # fmt: skip
+    assert ParallelDims.from_strategy("hsdp", 8, replicate=2).config_keys()["parallel.replicate"] == 2
