@@ -14,9 +14,9 @@ from trainwise.doctor.bandwidth import bus_factor, message_sizes
 from trainwise.doctor.data_check import wait_share
 from trainwise.doctor.result import CheckResult, DoctorRecord, schema
 from trainwise.doctor.scaling import worker_counts
-from trainwise.doctor.versions import differences, mismatch_lines
 from trainwise.errors import ConfigError
 from trainwise.run.faults import SlowDataset, parse_faults, slowed
+from trainwise.run.versions import differences, mismatch_lines
 
 DOCS_SCHEMA = Path(__file__).parents[2] / "docs" / "doctor.schema.json"
 

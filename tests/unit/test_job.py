@@ -343,9 +343,9 @@ def test_start_lines_say_how_the_batch_follows_from_nproc_and_warn_past_the_core
 
 
 def test_the_launcher_prints_the_start_lines(tmp_path, monkeypatch, capsys):
-    from trainwise.cli.train import start_job
     from trainwise.hardware import detect
     from trainwise.run import launch
+    from trainwise.run.start import start_job
 
     monkeypatch.setattr(detect, "detect_device", lambda kind="auto": CPU)
     monkeypatch.setattr(detect, "usable_cores", lambda: 2)

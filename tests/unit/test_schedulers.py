@@ -21,9 +21,10 @@ import pytest
 import yaml
 
 from trainwise.cli.main import build_parser, main
-from trainwise.cli.train import check_multi_node, job_flags
+from trainwise.cli.train import job_flags
 from trainwise.config import JobConfig, load_config
 from trainwise.run.schedulers import ClusterJob, pytorchjob_manifest, srun_line
+from trainwise.run.start import check_multi_node
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"
@@ -111,7 +112,7 @@ def assert_valid_multi_node_job(args, nnodes: str) -> JobConfig:
 
 @pytest.mark.parametrize("min_nodes", [None, 2])
 def test_srun_line_parses_as_trainwise_train(min_nodes, monkeypatch):
-    from trainwise.cli.train import is_worker
+    from trainwise.run.start import is_worker
 
     job = ClusterJob(
         name="job", config_text=CONFIG.read_text(), nodes=NODES, gpus_per_node=GPUS,

@@ -7,14 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainwise.cli.train import (
-    JOB_FLAGS,
-    add_import_roots,
-    add_job_arguments,
-    is_worker,
-    job_flags,
-    start_job,
-)
+from trainwise.cli.train import JOB_FLAGS, add_import_roots, add_job_arguments, job_flags
 from trainwise.config import load_config
 from trainwise.config.schema import CHECK_NAMES
 from trainwise.errors import ConfigError
@@ -63,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     from trainwise.doctor.runner import read_record, run_doctor
+    from trainwise.run.start import is_worker, start_job
 
     if is_worker(cfg):  # started by torchrun or srun: one of the workers
         record = run_doctor(cfg)

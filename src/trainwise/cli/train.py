@@ -6,16 +6,11 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from trainwise.config import JobConfig, dump_toml, load_config
-from trainwise.errors import ConfigError, TrainwiseError
+from trainwise.errors import ConfigError
 from trainwise.report import render_summary
-
-if TYPE_CHECKING:
-    from trainwise.run.job import Job
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -142,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Imported here so that --print-config and config errors stay instant.
     from trainwise.run.launch import Preempted
+    from trainwise.run.start import is_worker, start_job, train_here
 
     if is_worker(cfg):
         from trainwise.run.worker import train
@@ -179,30 +175,6 @@ def resume_hint(cfg: JobConfig, event: dict) -> str:
     return f"{saved}: run the same command again to resume"
 
 
-def train_here(cfg: JobConfig, run_dir: Path) -> object:
-    """One worker in this process. The worker's modules are imported only here: a launcher
-    that starts worker processes does without them (seconds of DCP and DTensor imports).
-    Ctrl-C and the other stop signals save, as they do in worker processes."""
-    import signal
-
-    from trainwise.run.control import PREEMPT_SIGNALS, catch_early_signals
-    from trainwise.run.launch import Preempted
-    from trainwise.run.worker import train
-
-    previous = {sig: signal.getsignal(sig) for sig in PREEMPT_SIGNALS}
-    catch_early_signals()
-    try:
-        summary = train(cfg, run_dir)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if summary and summary.get("preempted"):
-        from trainwise.run.events import read_events
-
-        raise Preempted([e for e in read_events(run_dir) if e["kind"] == "preempted"][-1])
-    return summary
-
-
 def finish_report(cfg: JobConfig, run_dir: Path) -> None:
     """RUN/report.html on rank 0's machine, when the run has finished (logging.report)."""
     if not cfg.logging.report:
@@ -222,117 +194,3 @@ def finish_report(cfg: JobConfig, run_dir: Path) -> None:
         )
         return
     print(f"  report     {page}")
-
-
-def is_worker(cfg: JobConfig) -> bool:
-    """Whether this process is one of the workers, its rank set by torchrun or by srun (one
-    task per worker). Under srun with a rendezvous endpoint the tasks are one launcher per
-    machine instead (what `trainwise launch slurm` writes)."""
-    from trainwise.run.distributed import dist_env_from
-
-    env = dist_env_from()
-    return env.launched and ("RANK" in os.environ or not cfg.cluster.rdzv_endpoint)
-
-
-def start_job(
-    cfg: JobConfig,
-    target: Callable[[JobConfig, Path], object],
-    module: str,
-    label: str | None = None,
-    max_restarts: int = 0,
-) -> Path:
-    """Check the job against this machine (every check before any worker starts), write
-    its run files, then run it: `target(cfg, run_dir)` in this process for one worker on
-    one machine, else `python -m MODULE RUN_DIR` workers under the elastic agent. The run
-    directory's default name ends with `label` (default: the strategy); it is returned."""
-    from trainwise.hardware import detect_device
-    from trainwise.hardware.detect import usable_cores
-    from trainwise.run.events import append_event
-    from trainwise.run.job import prepare_job, resolve_nproc, start_lines
-    from trainwise.run.launch import launch_workers
-    from trainwise.run.lifeline import end_launch, start_launch
-    from trainwise.run.run_files import default_run_dir, write_run_files
-    from trainwise.run.run_lock import hold_run_dir, machines_share
-
-    device = detect_device(cfg.cluster.device)
-    nproc = resolve_nproc(cfg, device)
-    nodes = cfg.cluster.nodes
-    check_multi_node(cfg)
-    # Planned at the most machines of the range.
-    job = prepare_job(cfg, nproc * nodes, device, nproc)
-    default = default_run_dir(cfg, label or job.strategy)
-    run_dir = Path(cfg.logging.run_dir) if cfg.logging.run_dir else default
-    with hold_run_dir(run_dir, machines_share(cfg)):
-        check_run_dir(cfg, job, run_dir)
-        write_run_files(run_dir, cfg, job)
-        append_event(run_dir, "start", pid=os.getpid(), nproc=nproc, nodes=nodes)
-        for line in start_lines(job, nproc, usable_cores()):
-            print(line, file=sys.stderr)  # beside the workers' start-up lines
-        if nproc == 1 and nodes == 1:
-            target(cfg, run_dir)
-            return run_dir
-        launch = start_launch(dump_toml(cfg))
-        try:
-            launch_workers(
-                run_dir, nproc, launch, cfg.cluster.master_port, max_restarts, module=module,
-                cluster=cfg.cluster, checkpoints=checkpoint_root(cfg, run_dir),
-            )  # fmt: skip
-        finally:
-            end_launch(launch)
-    return run_dir
-
-
-def checkpoint_root(cfg: JobConfig, run_dir: Path) -> Path:
-    from trainwise.run.checkpoint_store import root_for
-
-    return root_for(run_dir, cfg.checkpoint.dir)
-
-
-def check_run_dir(cfg: JobConfig, job: Job, run_dir: Path) -> None:
-    """Before any worker starts: the checkpoints it would resume from are of this run's
-    lineage (else one line, exit 2), and a finished run is not run again."""
-    from trainwise.config.lineage import lineage_keys
-    from trainwise.run.events import read_events
-    from trainwise.run.resume_rules import check_before_launch
-
-    check_before_launch(
-        cfg.checkpoint, checkpoint_root(cfg, run_dir), lineage_keys(cfg, job.global_batch)
-    )
-    if cfg.checkpoint.resume == "never" or not (run_dir / "events.jsonl").is_file():
-        return
-    lifecycle = [e for e in read_events(run_dir) if e["kind"] in ("ready", "finish")]
-    if lifecycle and lifecycle[-1]["kind"] == "finish":
-        done = lifecycle[-1].get("step") or 0
-        if cfg.train.steps <= done:
-            raise AlreadyFinished(
-                f"{run_dir} finished at step {done} (train.steps = {cfg.train.steps}); its "
-                "summary, metrics and report are kept: raise --steps to continue it, or "
-                "choose another --run-dir"
-            )
-
-
-class AlreadyFinished(TrainwiseError):
-    """A rerun of a finished run: said once, exit 0, nothing touched."""
-
-    exit_status = 0
-
-
-def check_multi_node(cfg: JobConfig) -> None:
-    """A job on several machines needs the same rendezvous and run directory on each."""
-    c = cfg.cluster
-    if c.nodes == 1 and c.min_nodes is None:
-        return
-    missing = [
-        flag
-        for flag, value in (
-            ("--rdzv-endpoint HOST:PORT (cluster.rdzv_endpoint)", c.rdzv_endpoint),
-            ("--rdzv-id ID (cluster.rdzv_id)", c.rdzv_id),
-            ("--run-dir DIR (logging.run_dir)", cfg.logging.run_dir),
-        )
-        if not value
-    ]
-    if missing:
-        raise ConfigError(
-            f"--nnodes {c.min_nodes or c.nodes}:{c.nodes} runs on several machines: give "
-            + ", ".join(missing) + ", the same on every machine"
-        )  # fmt: skip

@@ -13,7 +13,7 @@ import time
 import torch.distributed as dist
 
 from trainwise.config import job_hash
-from trainwise.doctor import bandwidth, versions
+from trainwise.doctor import bandwidth
 from trainwise.doctor.context import Context
 from trainwise.doctor.result import CheckResult
 from trainwise.hardware.catalog import GB
@@ -21,6 +21,7 @@ from trainwise.plan import fmt_bytes
 from trainwise.plan.calibrate import Calibration, apply_calibration
 from trainwise.plan.estimate import evaluate
 from trainwise.plan.planner import COMM_BOUND_SHARE, sharded_name
+from trainwise.run import versions
 from trainwise.run.checkpoint_store import root_for
 
 WHERE = {"intra_node": "within a node", "inter_node": "between nodes"}

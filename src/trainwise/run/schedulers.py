@@ -148,7 +148,7 @@ def job_run_dir(job: ClusterJob, scheduler: str) -> str:
 def srun_line(job: ClusterJob) -> str:
     """The batch script's one srun line (the README quotes it for its example). Each task
     is a node's launcher: under srun with a rendezvous endpoint, `trainwise train` starts
-    the elastic agent instead of training as one of srun's ranks (cli.train.is_worker)."""
+    the elastic agent instead of training as one of srun's ranks (run.start.is_worker)."""
     command = train_command(
         job,
         config="$RUN_DIR/job.toml",

@@ -24,7 +24,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainwise.config import JobConfig, config_from_toml, job_hash, load_config
 from trainwise.data import build_eval_loader, build_loader
-from trainwise.doctor.versions import require_same_versions
 from trainwise.errors import TrainwiseError
 from trainwise.hardware import detect_device
 from trainwise.run import checkpoint_store as store
@@ -57,6 +56,7 @@ from trainwise.run.recorder import Recorder
 from trainwise.run.run_files import default_run_dir, write_run_files
 from trainwise.run.run_lock import hold_as_worker, machines_share
 from trainwise.run.trainer import build_checkpointer, build_trainer
+from trainwise.run.versions import require_same_versions
 
 MAX_ROLLBACKS = 3
 
