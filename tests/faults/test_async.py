@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from trainwise.config.schema import CheckpointConfig
-from trainwise.run.checkpoint import Checkpointer
+from trainwise.run.checkpoint import Checkpointer, Place, SaveSchedule
 from trainwise.run.checkpoint_store import list_checkpoints
+from trainwise.run.states import training_states
 
 
 def trained_state() -> tuple[
@@ -33,13 +34,16 @@ def trained_state() -> tuple[
 
 def checkpointer(run_dir: Path, async_save: bool, parts: tuple) -> Checkpointer:
     model, optimizer, scheduler = parts
+    cpu = torch.device("cpu")
     return Checkpointer(
-        CheckpointConfig(interval=1, async_save=async_save), root=run_dir / "checkpoints",
-        run_dir=run_dir, rank=0, world=1, is_main=True, device=torch.device("cpu"),
-        model=model, optimizer=optimizer, scheduler=scheduler, scaler=None, total_steps=10,
-        meta={"strategy": "single", "dp_size": 1, "config_hash": "test"},
-        mtbf_hours=6000, nodes=1, log=logging.getLogger("test"),
-    )  # fmt: skip
+        CheckpointConfig(interval=1, async_save=async_save),
+        Place(run_dir / "checkpoints", run_dir, 0, 1, cpu),
+        training_states(model, optimizer, 0, cpu),
+        {"scheduler": scheduler, "scaler": None},
+        meta={"strategy": "single", "dp_size": 1, "config_hash": "test", "lineage": {}},
+        schedule=SaveSchedule(total_steps=10),
+        log=logging.getLogger("test"),
+    )
 
 
 def saved(run_dir: Path) -> dict:

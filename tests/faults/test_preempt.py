@@ -34,7 +34,7 @@ def preempt(workdir: Path, run_dir: Path, sig: signal.Signals) -> dict:
     proc.send_signal(sig)  # to the launcher, as the scheduler would
     rc, out, err = finish(proc)
     assert rc == 0, err
-    assert "preempted by" in out and "run the same command again" in out
+    assert "stopped by" in out and "run the same command again" in out
     log = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     stop = next(e for e in log if e["kind"] == "preempted")
     assert stop["signal"] == sig.name

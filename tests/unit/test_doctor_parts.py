@@ -15,7 +15,7 @@ from trainwise.doctor.data_check import wait_share
 from trainwise.doctor.result import CheckResult, DoctorRecord, schema
 from trainwise.doctor.scaling import worker_counts
 from trainwise.errors import ConfigError
-from trainwise.run.faults import SlowDataset, parse_faults, slowed
+from trainwise.run.faults import Faults, SlowDataset, parse_faults
 from trainwise.run.versions import differences, mismatch_lines
 
 DOCS_SCHEMA = Path(__file__).parents[2] / "docs" / "doctor.schema.json"
@@ -144,8 +144,9 @@ def test_a_slowed_dataset_sleeps_per_sample_and_keeps_its_items():
         ("slow_network", None, 0.5),
     ]
     data = [10, 20, 30]
-    assert slowed(data, environ={}) is data
-    slow = slowed(data, environ={"TRAINWISE_FAULTS": "slow_data@seconds=0.02"})
+    assert Faults.from_env(0, Path("unused"), 0, {}).data(data) is data
+    fault = {"TRAINWISE_FAULTS": "slow_data@seconds=0.02"}
+    slow = Faults.from_env(0, Path("unused"), 0, fault).data(data)
     assert isinstance(slow, SlowDataset) and len(slow) == 3
     start = time.perf_counter()
     assert [slow[i] for i in range(3)] == data

@@ -19,6 +19,7 @@ from trainwise.hardware import find_gpu
 from trainwise.plan.estimate import StrategyPlan, evaluate, planned_strategy
 from trainwise.plan.inputs import PlanInputs, resolve_inputs
 from trainwise.run.distributed import DistEnv
+from trainwise.run.faults import NO_FAULTS, Faults
 from trainwise.run.job import Job
 from trainwise.run.trainer import Trainer
 
@@ -33,6 +34,7 @@ class Context:
     # A gloo group over every rank for the doctor's own exchanges (times, core counts,
     # results): host values need no device copy, and NCCL takes CUDA tensors only.
     host: Any = None
+    faults: Faults = NO_FAULTS  # the worker's fault seam (a test's slow data or network)
     measured: dict[str, Any] = field(default_factory=dict)  # shared between checks
 
     @property

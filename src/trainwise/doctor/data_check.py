@@ -37,7 +37,8 @@ def loader_seconds_per_step(ctx: Context, workers: int, dp_rank: int, dp_size: i
     # them before the clock starts.
     ahead = 1 + workers * c.data.prefetch_factor
     loader = build_loader(
-        ctx.job.datasets[0], micro_batch=c.data.micro_batch, grad_accum=1, dp_rank=dp_rank,
+        ctx.faults.data(ctx.job.datasets[0]), micro_batch=c.data.micro_batch, grad_accum=1,
+        dp_rank=dp_rank,
         dp_size=dp_size, seed=c.train.seed, num_steps=batches + ahead, num_workers=workers,
         pin_memory=c.data.pin_memory and ctx.device.type == "cuda",
         prefetch_factor=c.data.prefetch_factor,
@@ -54,7 +55,7 @@ def loader_seconds_per_step(ctx: Context, workers: int, dp_rank: int, dp_size: i
 
 def check_data(ctx: Context) -> CheckResult:
     c = ctx.cfg
-    trainer = build_trainer(c, ctx.job, ctx.device)
+    trainer = build_trainer(c, ctx.job, ctx.device, faults=ctx.faults)
     compute_s = timed_steps(trainer, ctx.batches(trainer), c.doctor.timed_steps, ctx)
     del trainer
     # The same counts on every rank (each count is a collective): the fewest cores any

@@ -19,6 +19,7 @@ from trainwise.run.distributed import (
     destroy_process_group,
     side_group,
 )
+from trainwise.run.faults import Faults
 from trainwise.run.run_files import write_whole
 from trainwise.run.worker import agree_run_dir, join_job, run_worker
 
@@ -32,7 +33,8 @@ def run_doctor(cfg: JobConfig, run_dir: Path | None = None) -> DoctorRecord | No
     run_dir = agree_run_dir(env, cfg, job, run_dir, label="doctor")
     start = time.perf_counter()
     host = side_group(cfg.parallel.timeout_s) if dist.is_initialized() else None
-    ctx = Context(cfg, job, env, device, run_dir, host)
+    faults = Faults.from_env(env.rank, run_dir, env.attempt)
+    ctx = Context(cfg, job, env, device, run_dir, host, faults)
     results = run_checks(ctx, cfg.doctor.checks)
     if host is not None:
         dist.destroy_process_group(host)

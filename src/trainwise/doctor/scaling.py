@@ -36,7 +36,7 @@ def _time_world(ctx: Context, k: int) -> tuple[float, Job]:
     seconds = 0.0
     if ctx.env.rank < k:
         try:
-            trainer = build_trainer(ctx.cfg, job, ctx.device, group=group)
+            trainer = build_trainer(ctx.cfg, job, ctx.device, group=group, faults=ctx.faults)
             batches = ctx.batches(trainer)
             seconds = timed_steps(trainer, batches, ctx.cfg.doctor.timed_steps, ctx, host)
             del trainer, batches

@@ -28,7 +28,9 @@ SMOKE_DIR = "doctor-smoke"  # inside the run directory; removed afterwards
 def overfit(ctx: Context, precision: str | None = None) -> tuple[Trainer, list, list[float]]:
     """The configured job on one batch for doctor.smoke_steps steps at the constant peak
     learning rate (warm-up would hide a dead optimizer): the trainer, the batch, losses."""
-    trainer = build_trainer(ctx.cfg, ctx.job, ctx.device, precision=precision)
+    trainer = build_trainer(
+        ctx.cfg, ctx.job, ctx.device, precision=precision, faults=ctx.faults
+    )
     trainer.stepper.scheduler = LambdaLR(trainer.optimizer, lambda _: 1.0)
     batch = ctx.batches(trainer)
     source = itertools.cycle(batch)

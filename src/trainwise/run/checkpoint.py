@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import random
 import shutil
 import threading
 import time
@@ -29,11 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import (
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.stateful import Stateful
 
 from trainwise import __version__
 from trainwise.config.lineage import lineage_hash
@@ -45,8 +40,8 @@ from trainwise.run.distributed import side_group
 from trainwise.run.events import append_event
 from trainwise.run.peers import PeerError, find_peer_error, nested_errors
 from trainwise.run.resume_rules import TRAINER_FILE, differences, refusal
+from trainwise.run.states import MODEL, OPTIMIZER, RNG
 
-RNG_KEY = "rng"
 AUTO_FIRST_SAVE = 10  # interval = "auto": the first save (to measure the stall) at this step
 # Files each rank writes in parallel threads (DCP's FileSystemWriter), later hashed in
 # parallel too: one file per rank leaves a core idle on write and on sha256. (A failed
@@ -102,27 +97,6 @@ def missing_items(metadata: Metadata) -> int:
     return missing
 
 
-def rng_key(rank: int) -> str:
-    return f"rank-{rank:05d}"
-
-
-def capture_rng(device: torch.device) -> dict[str, Any]:
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-    }
-
-
-def restore_rng(state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["torch"])
-    if device.type == "cuda" and state.get("cuda") is not None:
-        torch.cuda.set_rng_state(state["cuda"], device)
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-
-
 @dataclass
 class Resumed:
     """Where a run continues from."""
@@ -169,51 +143,63 @@ class _InFlight:
     message: str = ""  # the error's line, judged when it happened
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where a run's checkpoints go, and which of its ranks this is."""
+
+    root: Path
+    run_dir: Path
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(frozen=True)
+class SaveSchedule:
+    """What the save interval depends on besides checkpoint.*: the run's length and the
+    cluster's failure rate (interval = "auto", Young/Daly)."""
+
+    total_steps: int
+    mtbf_hours: float = 6000.0
+    nodes: int = 1
+
+
 class Checkpointer:
     """Saves on the configured interval and resumes a run; one per worker, same calls on
-    every rank."""
+    every rank. `states` are what DCP writes (states.training_states: model, optimizer,
+    RNG); `progress` the small JSON ones that go into trainer.json (the LR schedule, the
+    loss scaler or None); `meta` the facts the manifest and resume check (strategy,
+    dp_size, config_hash, lineage keys)."""
 
     def __init__(
         self,
         cfg: CheckpointConfig,
-        *,
-        root: Path,
-        run_dir: Path,
-        rank: int,
-        world: int,
-        is_main: bool,
-        device: torch.device,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
-        scaler: Any,
-        total_steps: int,
+        place: Place,
+        states: dict[str, Stateful],
+        progress: dict[str, Any],
         meta: dict[str, Any],
-        mtbf_hours: float,
-        nodes: int,
+        schedule: SaveSchedule,
         log: logging.Logger,
+        *,
         timeout_s: float = 600.0,
         attempt: int = 0,
     ):
         self.cfg = cfg
-        self.root = root
-        self.run_dir = run_dir
-        self.rank = rank
-        self.world = world
-        self.is_main = is_main
-        self.device = device
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.scaler = scaler
-        self.total_steps = total_steps
-        self.meta = meta  # strategy, dp_size, model_spec, config_hash, lineage (its keys)
+        self.place = place
+        self.root, self.run_dir, self.device = place.root, place.run_dir, place.device
+        self.rank, self.world, self.is_main = place.rank, place.world, place.is_main
+        self.states = states
+        self.progress = progress
+        self.schedule = schedule
+        self.meta = meta
         self.lineage = lineage_hash(meta["lineage"])
         self.attempt = attempt  # the launcher's restart count: 0 on a new launch
         self.other = False  # the checkpoint found is of another lineage
         self.lineage_started = False  # resume = 'never' moved earlier checkpoints aside
-        self.mtbf_hours = mtbf_hours
-        self.nodes = nodes
         self.log = log
         # DCP's own group: an async save's collectives run in a thread and must not share
         # a group with training collectives (gloo matches operations by order).
@@ -221,7 +207,7 @@ class Checkpointer:
         self.inflight: _InFlight | None = None
         # One stager for the whole run: it keeps its host buffers between saves (a fresh
         # one per save would allocate, and page-fault through, the whole state each time).
-        cuda = device.type == "cuda"
+        cuda = self.device.type == "cuda"
         self.stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
         # A failing DCP writer thread is caught rather than printed as a traceback; the
         # save then fails on every rank with one line (see _write_failure).
@@ -230,7 +216,7 @@ class Checkpointer:
         self.last_save_time = time.monotonic()
         self.stalls: list[float] = []
         self.auto_every: int | None = None
-        self.before_commit: Any = None  # a test's fault injection point: f(step)
+        self.before_commit: Any = None  # the fault seam's pause_in_save: f(step)
         self._last_tick: float | None = None
         self._step_s: list[float] = []
 
@@ -251,7 +237,7 @@ class Checkpointer:
         Time-based rules are decided by rank 0 and agreed through the run's control flags."""
         if not self.cfg.enabled or step == self.last_save_step:
             return False
-        if step == self.total_steps and self.cfg.save_final:
+        if step == self.schedule.total_steps and self.cfg.save_final:
             return True
         if self.cfg.interval == "auto":  # later auto saves come from rank 0's wanted()
             # The first save (fresh or resumed) measures the stall.
@@ -280,33 +266,25 @@ class Checkpointer:
         """Young/Daly: the interval that minimises expected loss, from the measured stall
         (median of the saves so far) and the cluster's failure rate."""
         stall = max(float(np.median(self.stalls)), 1e-6)
-        every = interval_steps(stall, step_s, self.mtbf_hours, self.nodes, self.total_steps)
+        sched = self.schedule
+        every = interval_steps(stall, step_s, sched.mtbf_hours, sched.nodes, sched.total_steps)
         if every != self.auto_every:
             self.log.info(
                 "trainwise: checkpoint interval auto = %d steps (save stall %.3f s, step %.3f s,"
                 " MTBF %.0f h per node x %d nodes)",
-                every, stall, step_s, self.mtbf_hours, self.nodes,
+                every, stall, step_s, sched.mtbf_hours, sched.nodes,
             )  # fmt: skip
         self.auto_every = every
 
     # -- save -------------------------------------------------------------------------
 
-    def _state(self, rng: bool = True) -> dict[str, Any]:
-        """What DCP saves and loads. Each rank's RNG states sit under a key of their own, so
-        they travel with the shards and a failed write fails every rank together."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        if rng:
-            state[RNG_KEY] = {rng_key(self.rank): capture_rng(self.device)}
-        return state
-
     def _trainer_state(self, step: int, tokens: int, data_state: dict[str, Any]) -> dict:
+        progress = {k: v.state_dict() if v is not None else None for k, v in self.progress.items()}
         return {
             "step": step,
             "tokens": tokens,
             "world_size": self.world,
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            **progress,
             "data": data_state,
             **self.meta,
         }
@@ -323,7 +301,7 @@ class Checkpointer:
         use_async = self.cfg.async_save and not sync
         try:
             tmp.mkdir(parents=True, exist_ok=True)
-            state = self._state()
+            state = dict(self.states)
             writer = FileSystemWriter(str(tmp), thread_count=WRITE_THREADS)
             if use_async:
                 future = dcp.async_save(
@@ -581,8 +559,8 @@ class Checkpointer:
             append_event(self.run_dir, "lineage", lineage=self.lineage, moved_to=str(moved))
 
     def load(self, path: Path) -> Resumed:
-        """Load model, optimizer and trainer state from `path` into this rank, resharding
-        to the current strategy and world size. From another lineage's checkpoint
+        """Load the states and the trainer's progress from `path` into this rank,
+        resharding to the current layout and world size. From another lineage's checkpoint
         (checkpoint.resume_from_other) the weights, and with 'all' the optimizer state, are
         taken; this run's hyperparameters and schedule apply from its step on."""
         self.wait()  # the checkpoint group must be idle
@@ -590,32 +568,19 @@ class Checkpointer:
         taken = self.cfg.resume_from_other if self.other else "all"
         # RNG states are per rank: restored only at the same world size.
         same_world = trainer.get("world_size") == self.world and not self.other
-        state = self._state(rng=same_world)
-        if taken == "weights":
-            del state["optim"]
-        ours = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        self._read(state, path)
-        if "optim" in state:
-            set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optim"],
-            )
-        else:  # the weights alone: this run's fresh optimizer
-            set_model_state_dict(self.model, state["model"])
+        names = [MODEL] + ([OPTIMIZER] if taken == "all" else []) + ([RNG] if same_world else [])
+        optimizer = self.states[OPTIMIZER]
+        ours = optimizer.hyperparameters()  # type: ignore[attr-defined]
+        self._read({name: self.states[name] for name in names}, path)
+        scheduler, scaler = self.progress["scheduler"], self.progress.get("scaler")
         if self.other:
-            for group, settings in zip(self.optimizer.param_groups, ours, strict=True):
-                group.update(settings)  # this run's lr, betas, decay: not the other run's
-            _continue_schedule(self.scheduler, trainer["scheduler"])
+            optimizer.set_hyperparameters(ours)  # type: ignore[attr-defined]
+            _continue_schedule(scheduler, trainer["scheduler"])
         else:
-            self.scheduler.load_state_dict(trainer["scheduler"])
-        if self.scaler is not None and trainer.get("scaler"):
-            self.scaler.load_state_dict(trainer["scaler"])
-        rng = "kept (written by another world size)"
-        if same_world:
-            restore_rng(state[RNG_KEY][rng_key(self.rank)], self.device)
-            rng = "restored"
+            scheduler.load_state_dict(trainer["scheduler"])
+        if scaler is not None and trainer.get("scaler"):
+            scaler.load_state_dict(trainer["scaler"])
+        rng = "restored" if same_world else "kept (written by another world size)"
         self.last_save_step = trainer["step"]
         resumed = Resumed(trainer["step"], trainer["tokens"], path, [], rng, trainer)
         resumed.taken, resumed.other = taken, self.other

@@ -11,7 +11,9 @@ SIGKILL to a pid, fills a disk, flips bytes); these points only make *when* dete
 - `slow_data@seconds=S`: every training sample takes S seconds more to load.
 - `slow_network@gbps=G`: DDP's gradient all-reduce waits as if its link carried G GB/s
   (nothing on one rank): a job made to scale badly.
-Each fires once, on the first attempt only (TORCHELASTIC_RESTART_COUNT = 0): a transient
+The hooks are methods of one `Faults` object built once per worker (`NO_FAULTS`, which
+does nothing, when the variable is unset). Each fires once, on the first attempt only
+(TORCHELASTIC_RESTART_COUNT = 0): a transient
 fault, so that a rollback or a restart gets past it. `always=1` fires it every time the
 step is reached, on every attempt: a fault that repeats.
 """
@@ -59,13 +61,25 @@ def parse_faults(text: str) -> list[Fault]:
 
 
 class Faults:
-    def __init__(self, rank: int, run_dir: Path, environ: dict[str, str] | None = None):
-        env = os.environ if environ is None else environ
+    """The one seam for a test's faults: built once per worker from TRAINWISE_FAULTS and
+    passed where a fault can fire. Without the variable it is `NO_FAULTS`, whose hooks do
+    nothing. `attempt` is the launcher's restart count (DistEnv.attempt)."""
+
+    def __init__(self, faults: list[Fault], rank: int = 0, run_dir: Path | None = None,
+                 attempt: int = 0):  # fmt: skip
+        self.faults = faults
         self.rank = rank
         self.run_dir = run_dir
-        self.attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self.faults = parse_faults(env.get(ENV, ""))
+        self.attempt = attempt
         self.fired: set[Fault] = set()
+
+    @classmethod
+    def from_env(
+        cls, rank: int, run_dir: Path, attempt: int, environ: dict[str, str] | None = None
+    ) -> Faults:
+        env = os.environ if environ is None else environ
+        faults = parse_faults(env.get(ENV, ""))
+        return cls(faults, rank, run_dir, attempt) if faults else NO_FAULTS
 
     def fires(self, kind: str, step: int) -> Fault | None:
         for f in self.faults:
@@ -75,11 +89,43 @@ class Faults:
                 return f
         return None
 
-    def pause(self, kind: str, step: int, until: Callable[[], bool] | None = None) -> None:
+    # -- the hooks ----------------------------------------------------------------------
+
+    def before_step(self, step: int, until: Callable[[], bool] | None = None) -> None:
+        """`hang`: sleep before the step's collectives; the peers wait in them (until
+        `until()`, e.g. the agent's SIGTERM once a peer gave up)."""
+        fault = self.fires("hang", step)
+        if fault is not None:
+            _wait(fault.seconds or 0.0, until)
+
+    def after_step(self, step: int, until: Callable[[], bool] | None = None) -> None:
+        """`pause`: announce the pid after the step and wait for the test."""
+        self._pause("pause", step, until)
+
+    def in_save(self, step: int) -> None:
+        """`pause_in_save`: inside the save of `step`, shards written, before the commit."""
+        self._pause("pause_in_save", step, None)
+
+    def poisons(self, step: int) -> bool:
+        """`nan`: the loss of this step is multiplied by NaN."""
+        return self.fires("nan", step) is not None
+
+    def data(self, dataset: Any) -> Any:
+        """`slow_data`: every sample takes `seconds` more to load."""
+        fault = next((f for f in self.faults if f.kind == "slow_data"), None)
+        return SlowDataset(dataset, fault.seconds) if fault and fault.seconds else dataset
+
+    def network(self, model: Any) -> None:
+        """`slow_network`: DDP's gradient all-reduce waits as if its link carried G GB/s."""
+        fault = next((f for f in self.faults if f.kind == "slow_network"), None)
+        if fault and fault.gbps:
+            _slow_ddp(model, fault.gbps)
+
+    def _pause(self, kind: str, step: int, until: Callable[[], bool] | None) -> None:
         """Announce this process's pid and wait: for the test's SIGKILL, or until `until()`
-        (e.g. a preemption signal arrived)."""
+        (e.g. a preemption signal arrived), or `seconds`."""
         fault = self.fires(kind, step)
-        if fault is None:
+        if fault is None or self.run_dir is None:
             return
         folder = self.run_dir / "faults"
         folder.mkdir(parents=True, exist_ok=True)
@@ -87,22 +133,16 @@ class Faults:
         part = marker.with_suffix(".part")
         part.write_text(str(os.getpid()))
         part.rename(marker)  # the test sees the whole pid or nothing
-        deadline = time.monotonic() + (fault.seconds if fault.seconds is not None else 1e9)
-        while time.monotonic() < deadline and not (until and until()):
-            time.sleep(0.05)
+        _wait(fault.seconds if fault.seconds is not None else 1e9, until)
 
-    def hang(self, step: int, until: Callable[[], bool] | None = None) -> None:
-        """Sleep before the step's collectives: the peers wait in them (until `until()`,
-        e.g. the agent's SIGTERM once a peer gave up)."""
-        fault = self.fires("hang", step)
-        if fault is None:
-            return
-        deadline = time.monotonic() + (fault.seconds or 0.0)
-        while time.monotonic() < deadline and not (until and until()):
-            time.sleep(0.05)
 
-    def nan(self, step: int) -> bool:
-        return self.fires("nan", step) is not None
+NO_FAULTS = Faults([])
+
+
+def _wait(seconds: float, until: Callable[[], bool] | None) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not (until and until()):
+        time.sleep(0.05)
 
 
 class SlowDataset(Dataset):
@@ -120,31 +160,16 @@ class SlowDataset(Dataset):
         return self.inner[index]
 
 
-def first_fault(kind: str, environ: dict[str, str] | None = None) -> Fault | None:
-    """The first fault of `kind` in TRAINWISE_FAULTS (the step-less ones: slow_data,
-    slow_network)."""
-    env = os.environ if environ is None else environ
-    return next((f for f in parse_faults(env.get(ENV, "")) if f.kind == kind), None)
-
-
-def slowed(dataset: Any, environ: dict[str, str] | None = None) -> Any:
-    """`dataset`, slowed when TRAINWISE_FAULTS holds `slow_data@seconds=S`."""
-    fault = first_fault("slow_data", environ)
-    return SlowDataset(dataset, fault.seconds) if fault and fault.seconds else dataset
-
-
-def slow_network(model: Any, environ: dict[str, str] | None = None) -> None:
-    """Under `slow_network@gbps=G`, a DDP model's buckets wait the time a ring all-reduce
-    of their bytes takes at G GB/s before they are reduced: the network made slow, the
-    rest of the job unchanged."""
+def _slow_ddp(model: Any, gbps: float) -> None:
+    """A DDP model's buckets wait the time a ring all-reduce of their bytes takes at `gbps`
+    GB/s before they are reduced: the network made slow, the rest of the job unchanged
+    (nothing on one rank, or on a model DDP does not wrap)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
     from trainwise.plan.comm import allreduce_factor
 
-    fault = first_fault("slow_network", environ)
-    gbps = fault.gbps if fault else None
-    if not gbps or not isinstance(model, DistributedDataParallel):
+    if not isinstance(model, DistributedDataParallel):
         return
     group = model.process_group
     factor = allreduce_factor(group.size())

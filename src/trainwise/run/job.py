@@ -20,7 +20,6 @@ from trainwise.plan.estimate import candidate_names, evaluate, planned_strategy
 from trainwise.plan.flops import flops_per_token, recompute_factor
 from trainwise.plan.inputs import PlanInputs, job_inputs
 from trainwise.plan.record import strategy_record
-from trainwise.run.faults import slowed
 
 
 @dataclass
@@ -282,7 +281,7 @@ def prepare_job(
         shape=shape,
         data=info,
         plan_inputs=view,
-        datasets=(slowed(train_ds), val_ds),  # slowed only under a test's fault
+        datasets=(train_ds, val_ds),
     )
 
 

@@ -16,15 +16,16 @@ import torch.distributed as dist
 from trainwise.config import JobConfig, job_hash
 from trainwise.config.lineage import lineage_keys
 from trainwise.models import build_model
-from trainwise.run.checkpoint import Checkpointer
+from trainwise.run.checkpoint import Checkpointer, Place, SaveSchedule
 from trainwise.run.checkpoint_store import root_for
 from trainwise.run.distributed import DistEnv
-from trainwise.run.faults import slow_network
+from trainwise.run.faults import NO_FAULTS, Faults
 from trainwise.run.job import Job
 from trainwise.run.loop import Stepper
 from trainwise.run.optim import build_optimizer, build_scheduler
 from trainwise.run.parallelize import parallelize
 from trainwise.run.precision import autocast_context, build_grad_scaler
+from trainwise.run.states import training_states
 
 
 @dataclass
@@ -47,10 +48,12 @@ def build_trainer(
     *,
     group: dist.ProcessGroup | None = None,
     precision: str | None = None,
+    faults: Faults = NO_FAULTS,
 ) -> Trainer:
     """The job's components on `job.world` ranks: those of `group` when given (the doctor
     times smaller worlds inside one launch), else the default group. `precision`
-    overrides precision.dtype (the doctor compares with fp32)."""
+    overrides precision.dtype (the doctor compares with fp32); `faults` is the worker's
+    fault seam (a test's slow network)."""
     c = cfg
     dtype = precision or c.precision.dtype
     if job.strategy == "single":  # data parallel over one rank, whatever the world
@@ -78,7 +81,7 @@ def build_trainer(
         compile=c.train.compile,
         group=group,
     )
-    slow_network(model)  # only under a test's fault
+    faults.network(model)  # slowed only under a test's fault
     torch.manual_seed(c.train.seed + 1 + rank)  # dropout differs between ranks
     optimizer = build_optimizer(model, c.optim)
     scheduler = build_scheduler(optimizer, c.train.steps, c.schedule)
@@ -109,16 +112,19 @@ def build_checkpointer(
     """The job's Checkpointer over the trainer's state; `root` defaults to the run's
     checkpoint folder (the doctor gives its own)."""
     c = cfg
+    place = Place(root or root_for(run_dir, c.checkpoint.dir), run_dir, env.rank, env.world, device)
     return Checkpointer(
-        c.checkpoint, root=root or root_for(run_dir, c.checkpoint.dir), run_dir=run_dir,
-        rank=env.rank, world=env.world, is_main=env.is_main, device=device,
-        model=trainer.model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-        scaler=trainer.scaler, total_steps=c.train.steps,
+        c.checkpoint,
+        place,
+        training_states(trainer.model, trainer.optimizer, env.rank, device),
+        {"scheduler": trainer.scheduler, "scaler": trainer.scaler},
         meta={
             "strategy": job.strategy, "dp_size": trainer.dp_size, "model": c.model.name,
             "model_spec": asdict(job.model_spec), "config_hash": job_hash(c),
             "lineage": lineage_keys(c, job.global_batch),
         },
-        mtbf_hours=c.cluster.mtbf_hours, nodes=c.cluster.nodes, log=log,
-        timeout_s=c.parallel.timeout_s, attempt=env.attempt,
+        schedule=SaveSchedule(c.train.steps, c.cluster.mtbf_hours, c.cluster.nodes),
+        log=log,
+        timeout_s=c.parallel.timeout_s,
+        attempt=env.attempt,
     )  # fmt: skip

@@ -1,0 +1,350 @@
+"""One worker's training, as named steps: resume, a training step, maybe evaluate, maybe
+save, on a non-finite loss, on a peer failure, finish. `Training.run` only sequences them
+(torchtitan's `Trainer.train` calls `train_step` and `checkpointer.save` the same way);
+the components are built once in `Training.__init__`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainwise.config import JobConfig
+from trainwise.data import build_eval_loader, build_loader
+from trainwise.errors import TrainwiseError
+from trainwise.run import checkpoint_store as store
+from trainwise.run.checkpoint import Resumed
+from trainwise.run.checkpoint_store import CheckpointError
+from trainwise.run.control import Control
+from trainwise.run.distributed import DistEnv, network_line, side_group
+from trainwise.run.events import append_event, read_events, retry_cost
+from trainwise.run.faults import Faults
+from trainwise.run.job import Job
+from trainwise.run.lifeline import this_launch
+from trainwise.run.loop import StepResult, evaluate
+from trainwise.run.peers import BARRIER_S, PeerFailure, absent_ranks, classify, last_line
+from trainwise.run.recorder import Recorder
+from trainwise.run.trainer import build_checkpointer, build_trainer
+
+MAX_ROLLBACKS = 3
+
+
+class GuardError(TrainwiseError):
+    """The non-finite guard stopped the run (policy stop, or too many skips/rollbacks)."""
+
+
+class Training:
+    """The job's components on this worker and the loop over them."""
+
+    def __init__(
+        self, cfg: JobConfig, job: Job, env: DistEnv, device: torch.device, run_dir: Path,
+        log: logging.Logger,
+    ):  # fmt: skip
+        self.cfg, self.job, self.env, self.device = cfg, job, env, device
+        self.run_dir, self.log = run_dir, log
+        self.faults = Faults.from_env(env.rank, run_dir, env.attempt)
+        self.trainer = build_trainer(cfg, job, device, faults=self.faults)
+        self.train_ds = self.faults.data(job.datasets[0])
+        self.ckpt = build_checkpointer(cfg, job, env, device, run_dir, self.trainer, log)
+        self.ckpt.before_commit = self.faults.in_save
+        self.distributed = dist.is_initialized()
+        self.control = Control(self.distributed, cfg.parallel.timeout_s)
+        # Kept idle for diagnosis: after a failed collective the survivors meet here to
+        # find which ranks are missing (the default group may be wedged by then).
+        self.health = side_group(cfg.parallel.timeout_s) if self.distributed else None
+        self.data_state = {"global_batch": job.global_batch, "seed": cfg.train.seed}
+        self.step = 0
+        self.stage = "start-up"  # where a failed collective was: named in its message
+        self.skips_in_a_row = 0
+        self.rollbacks = 0
+        self.preempted: str | None = None
+        self.resumed = Resumed()
+        self.recorder: Recorder | None = None
+        self.batches: Any = None
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any] | None:
+        """Train to train.steps (or a stop signal); the summary on rank 0."""
+        self.resume()
+        self.control.install()
+        failed = False
+        try:
+            while self.step < self.cfg.train.steps:
+                self.step += 1
+                result = self.train_step()
+                if not result.finite and self.on_nonfinite():
+                    continue  # rolled back: self.step is the checkpoint's
+                eval_loss = self.maybe_evaluate()
+                stop, stall = self.maybe_save()
+                self.stage = "the metrics reduction"
+                self.recorder.add(self.step, result, self.lr(), eval_loss, ckpt_s=stall)
+                self.faults.after_step(self.step, until=self.stopping)
+                if stop:
+                    self.preempted = self.control.signal_name or "signal"
+                    break
+            self.stage = "the last checkpoint save"
+            self.ckpt.close()
+        except RuntimeError as err:
+            failed = classify(err) is not None and self.distributed
+            if not failed:
+                raise
+            self.on_peer_failure(err)
+        finally:
+            if failed:
+                self.control.uninstall()  # the groups may be wedged: no drain, no destroy
+            else:
+                self.control.close()
+        return self.finish()
+
+    # -- the named steps --------------------------------------------------------------
+
+    def resume(self) -> None:
+        """Load the newest valid checkpoint of the run's lineage (or none), the same on
+        every rank; say where the run continues from; set up the data and the recorder."""
+        c, env = self.cfg, self.env
+        path, skipped = self.ckpt.find()
+        self.resumed = self.ckpt.load(path) if path else Resumed()
+        self.resumed.skipped = skipped
+        self.log.info("trainwise: %s", self.resumed.line())  # first: where it continues from
+        self.log.info(
+            "trainwise: %s on %d x %s, %s", c.model.name, env.world, self.job.device.name,
+            self.job.decision.reason,
+        )  # fmt: skip
+        if env.world > 1:
+            self.log.info(
+                "trainwise: %d machine(s) x %d workers, %s",
+                env.world // max(env.local_world, 1), env.local_world, network_line(),
+            )  # fmt: skip
+        if env.is_main and path:
+            append_event(
+                self.run_dir, "resume", attempt=env.attempt, step=self.resumed.step,
+                path=str(path), rng=self.resumed.rng, skipped=skipped,
+                from_world=self.resumed.trainer.get("world_size"),
+                from_strategy=self.resumed.trainer.get("strategy"),
+            )  # fmt: skip
+        self._check_data(path)
+        self.step = self.resumed.step
+        self.batches = self.batches_from(self.step)
+        self.recorder = self._build_recorder()
+        if env.is_main:
+            record_membership(self.run_dir, env, self.step)
+
+    def train_step(self) -> StepResult:
+        self.stage = "the training step"
+        self.faults.before_step(self.step, until=self.stopping)
+        stepper = self.trainer.stepper
+        stepper.poison = self.faults.poisons(self.step)
+        result = stepper.step(self.batches, probe=self.recorder.probe_now(self.step))
+        if result.finite:
+            self.skips_in_a_row = 0
+        return result
+
+    def on_nonfinite(self) -> bool:
+        """The guard, by train.nonfinite: skip the update (False), roll back to the last
+        checkpoint (True: the loop goes on from there), or stop with a GuardError."""
+        policy, step = self.cfg.train.nonfinite, self.step
+        self.skips_in_a_row += 1
+        if self.env.is_main:
+            append_event(self.run_dir, "nonfinite", step=step, policy=policy)
+        self.log.warning("trainwise: step %d: non-finite loss or gradient norm (%s)", step, policy)
+        if policy == "stop" or self.skips_in_a_row > self.cfg.train.max_skips:
+            raise GuardError(
+                f"step {step}: non-finite loss or gradient norm"
+                + (f" {self.skips_in_a_row} steps in a row" if policy != "stop" else "")
+                + f" (train.nonfinite = '{policy}'): lower optim.lr, raise "
+                "train.grad_clip or check the data; the last checkpoint is intact"
+            )
+        if policy != "rollback":
+            return False
+        self.stage = "the rollback"
+        self.step = self._rollback()
+        self.rollbacks += 1
+        self.batches = self.batches_from(self.step)
+        if self.env.is_main:
+            append_event(self.run_dir, "rollback", to_step=self.step)
+        return True
+
+    def maybe_evaluate(self) -> float | None:
+        every, step = self.cfg.train.eval_every, self.step
+        if every <= 0 or (step % every and step != self.cfg.train.steps):
+            return None
+        self.stage = "evaluation"
+        t = self.trainer
+        return evaluate(t.model, t.loss_fn, self.eval_batches(), t.autocast, self.device)
+
+    def maybe_save(self) -> tuple[bool, float]:
+        """Agree on stop / save-now with every rank, then save when due; returns (stop,
+        the loop's stall in seconds). A stop always saves, synchronously."""
+        ckpt, step = self.ckpt, self.step
+        if self.env.is_main and ckpt.wanted(step):
+            self.control.request_save()
+        self.stage = "the exchange of control flags"
+        stop, save_now = self.control.exchange()
+        if not (stop or save_now or ckpt.due(step)) or not (ckpt.cfg.enabled or stop):
+            return stop, 0.0
+        self.stage = "the checkpoint save"
+        tokens = step * self.job.tokens_per_step
+        return stop, ckpt.save(step, tokens, time.time(), self.data_state, sync=stop)
+
+    def on_peer_failure(self, err: RuntimeError) -> None:
+        """A collective failed because of another rank: one line and an event, then exit
+        1 for the agent to restart the group (or 0 when a peer ended the launch for good)."""
+        launch = this_launch()
+        if launch is not None and launch.fatal():
+            raise SystemExit(0) from None  # a peer stopped the run for good: it reports why
+        kind = classify(err)
+        where = self.trainer.stepper.stage if self.stage == "the training step" else self.stage
+        timeout = self.cfg.parallel.timeout_s
+        # A hang needs the diagnosis; a lost peer exited, and the agent reports which (no
+        # need to hold up the restart by a barrier).
+        absent = absent_ranks(self.health, min(BARRIER_S, timeout)) if kind == "timeout" else None
+        failure = PeerFailure(self.step, where, self.env.rank, kind, absent, last_line(err))
+        line = failure.line(timeout)
+        self.log.error("trainwise: %s", line)
+        trace = "".join(traceback.format_exception(err))  # kept for a post-mortem
+        append_event(
+            self.run_dir, "peer_failure", **asdict(failure), message=line, traceback=trace
+        )
+        raise SystemExit(1) from None  # no traceback: the line says it; the agent restarts
+
+    def finish(self) -> dict[str, Any] | None:
+        """The run's last event and, on rank 0, its summary (summary.json)."""
+        figures = self.recorder.finish()
+        env, step = self.env, self.step
+        if self.preempted:
+            self.log.info(
+                "trainwise: preempted (%s) after step %d; checkpoint saved", self.preempted, step
+            )
+            if env.is_main:
+                saved = store.final_dir(self.ckpt.root, self.ckpt.last_save_step)
+                append_event(
+                    self.run_dir, "preempted", step=step, signal=self.preempted,
+                    checkpoint=str(saved),
+                )  # fmt: skip
+        elif env.is_main:
+            append_event(self.run_dir, "finish", step=step)
+        if not env.is_main:
+            return None
+        summary = self._summary(figures)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def stopping(self) -> bool:
+        return self.control.signal is not None
+
+    def lr(self) -> float:
+        return self.trainer.scheduler.get_last_lr()[0]
+
+    def batches_from(self, step: int) -> Any:
+        # The sampler's stream depends on (seed, global batch, step) only: the same samples
+        # follow step `step` whatever the number of ranks (resharding skips and repeats none).
+        c, t = self.cfg, self.trainer
+        return iter(
+            build_loader(
+                self.train_ds, micro_batch=c.data.micro_batch, grad_accum=self.job.grad_accum,
+                dp_rank=t.dp_rank, dp_size=t.dp_size, seed=c.train.seed, start_step=step,
+                num_steps=c.train.steps - step, num_workers=c.data.num_workers,
+                pin_memory=c.data.pin_memory and self.device.type == "cuda",
+                prefetch_factor=c.data.prefetch_factor,
+            )
+        )  # fmt: skip
+
+    def eval_batches(self) -> Any:
+        c, t = self.cfg, self.trainer
+        return build_eval_loader(
+            self.job.datasets[1], micro_batch=c.data.micro_batch,
+            max_batches=c.train.eval_batches, dp_rank=t.dp_rank, dp_size=t.dp_size,
+            seed=c.train.seed,
+        )  # fmt: skip
+
+    def _check_data(self, path: Path | None) -> None:
+        saved = self.resumed.trainer.get("data", self.data_state)
+        if not self.resumed.other and saved != self.data_state:
+            raise CheckpointError(
+                f"the checkpoint at {path} was written with data {saved} but this run has "
+                f"{self.data_state}; resume with the same global batch and seed, or set "
+                "checkpoint.resume = 'never'"
+            )
+
+    def _build_recorder(self) -> Recorder:
+        c, job, env = self.cfg, self.job, self.env
+        peak = job.device.peak_flops(c.precision.dtype)
+        return Recorder(
+            steps=c.train.steps, cfg=c.logging, is_main=env.is_main, run_dir=self.run_dir,
+            distributed=job.strategy != "single" and env.world > 1,
+            tokens_per_step=job.tokens_per_step,
+            tokens_per_sample=job.data.tokens_per_sample, flops_per_token=job.flops_per_token,
+            peak_flops_total=peak * env.world if peak else None, device=self.device,
+            start_step=self.step, attempt=env.attempt, num_workers=c.data.num_workers,
+        )  # fmt: skip
+
+    def _rollback(self) -> int:
+        """Reload the newest valid checkpoint in place; returns the step to continue from."""
+        step = self.step
+        if self.rollbacks >= MAX_ROLLBACKS:
+            raise GuardError(
+                f"step {step}: still non-finite after {self.rollbacks} rollbacks: the fault "
+                "repeats from the checkpoint; lower optim.lr or check the data"
+            )
+        path, _ = self.ckpt.find()
+        if path is None:
+            raise GuardError(
+                f"step {step}: non-finite loss and no checkpoint to roll back to: save earlier "
+                "(checkpoint.interval) or use train.nonfinite = 'skip'"
+            )
+        resumed = self.ckpt.load(path)
+        self.log.warning(
+            "trainwise: step %d: rolled back to step %d (%s)", step, resumed.step, path
+        )
+        return resumed.step
+
+    def _summary(self, figures: dict[str, Any]) -> dict[str, Any]:
+        c, job, env, resumed = self.cfg, self.job, self.env, self.resumed
+        cost = retry_cost(read_events(self.run_dir), env.world)
+        return {
+            "run_dir": str(self.run_dir),
+            "model": c.model.name,
+            "params": job.params,
+            "strategy": job.strategy,
+            "cpu_offload": job.cpu_offload,
+            "reason": job.decision.reason,
+            "world": env.world,
+            "device": job.device.name,
+            "precision": c.precision.dtype,
+            "steps": c.train.steps,
+            "last_step": self.step,
+            "preempted": self.preempted,
+            "resumed_from": resumed.step if resumed.path else None,
+            "resume": resumed.line(),
+            "global_batch": job.global_batch,
+            "tokens": self.step * job.tokens_per_step,
+            "retry_cost": asdict(cost),
+            "retry_line": cost.summary_line(),
+            **figures,
+        }
+
+
+def record_membership(run_dir: Path, env: DistEnv, step: int) -> None:
+    """The `ready` event of this attempt, after a `membership` event when the job now runs
+    on a different number of workers than its previous attempt (an elastic range lost or
+    gained machines)."""
+    nodes = env.world // max(env.local_world, 1)
+    attempt = env.attempt
+    before = [e for e in read_events(run_dir) if e["kind"] == "ready"]
+    if before and before[-1].get("world") not in (None, env.world):
+        last = before[-1]
+        append_event(
+            run_dir, "membership", attempt=attempt, step=step, from_world=last["world"],
+            world=env.world, from_nodes=last.get("nodes"), nodes=nodes,
+        )  # fmt: skip
+    append_event(run_dir, "ready", attempt=attempt, step=step, world=env.world, nodes=nodes)
