@@ -81,7 +81,7 @@ def test_export_matches_the_sharded_model(workdir: Path, reference: References):
     cpu = torch.device("cpu")
 
     def autocast():
-        return autocast_context("single", cfg.precision.dtype, cpu)
+        return autocast_context(False, cfg.precision.dtype, cpu)
 
     per_rank = [
         evaluate(

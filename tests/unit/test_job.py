@@ -357,3 +357,29 @@ def test_the_launcher_prints_the_start_lines(tmp_path, monkeypatch, capsys):
     assert started == [8]
     assert any("global batch 128 " in line for line in err)
     assert any("warning: 8 CPU workers (--nproc 8) on 2 cores" in line for line in err)
+
+
+def test_the_job_holds_its_layout_as_one_value():
+    job = prepare_job(cfg("parallel.strategy=hsdp", "parallel.replicate=2"), 4, CPU)
+    assert job.dims.describe() == "dp_replicate 2 x dp_shard 2 x tp 1"
+    assert (job.dims.hybrid, job.dims.plan_name, job.dp_size) == (True, "hsdp", 4)
+    assert job.summary_dict()["layout"] == "dp_replicate 2 x dp_shard 2 x tp 1"
+    assert prepare_job(cfg("parallel.strategy=ddp"), 2, CPU).dims.fsdp is False
+
+
+def test_a_shard_group_smaller_than_the_world_is_hybrid():
+    job = prepare_job(cfg("parallel.strategy=fsdp", "parallel.dp_shard=2"), 4, CPU)
+    assert (job.dims.dp_replicate, job.dims.dp_shard, job.strategy) == (2, 2, "hsdp")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (("parallel.tp=2",), "parallel.tp = 2: the runtime has no tensor parallelism yet"),
+        (("parallel.strategy=ddp", "parallel.dp_shard=2"), "parallel.dp_shard = 2 shards with FSDP"),
+        (("parallel.strategy=fsdp", "parallel.dp_shard=3"), "parallel.dp_shard = 3 does not divide"),
+    ],
+)
+def test_degrees_the_runtime_cannot_run_are_one_line_each(overrides: tuple, expected: str):
+    problems = problems_of(cfg(*overrides), 4)
+    assert any(expected in p for p in problems), problems

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models import ModelSpec, build_model
 from trainwise.run.parallelize import apply_ac, build_mesh
 
@@ -47,9 +48,9 @@ def test_hsdp_mesh_shards_within_a_machine_and_replicates_across():
     # second machine's second worker: it shards with ranks 8-15, replicates with rank 1.
     dist.init_process_group("fake", store=FakeStore(), rank=9, world_size=16)
     try:
-        mesh = build_mesh("hsdp", 16, 2, "cpu")
+        mesh = build_mesh(ParallelDims.from_strategy("hsdp", 16, replicate=2), "cpu")
         assert mesh.mesh.tolist() == [list(range(8)), list(range(8, 16))]
-        assert mesh["shard"].mesh.tolist() == list(range(8, 16))
-        assert mesh["replicate"].mesh.tolist() == [1, 9]
+        assert mesh["dp_shard"].mesh.tolist() == list(range(8, 16))
+        assert mesh["dp_replicate"].mesh.tolist() == [1, 9]
     finally:
         dist.destroy_process_group()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from trainwise.config import JobConfig
 from trainwise.data import build_loader
 from trainwise.hardware import find_gpu
-from trainwise.plan.estimate import StrategyPlan, evaluate, planned_strategy
+from trainwise.plan.estimate import StrategyPlan, evaluate
 from trainwise.plan.inputs import PlanInputs, resolve_inputs
 from trainwise.run.distributed import DistEnv
 from trainwise.run.faults import NO_FAULTS, Faults
@@ -90,7 +90,7 @@ class Context:
 
 def plan_name(job: Job) -> str:
     """The planner's name for the job's strategy (fsdp-full, fsdp-grad-op, ...)."""
-    return planned_strategy(job.strategy, job.cfg.parallel.shard, job.cpu_offload)
+    return job.dims.plan_name
 
 
 def timed_steps(

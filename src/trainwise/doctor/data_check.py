@@ -62,7 +62,8 @@ def check_data(ctx: Context) -> CheckResult:
     # rank has.
     cores = int(ctx.reduce(max(1, usable_cores() // ctx.env.local_world), dist.ReduceOp.MIN))
     counts = sorted({0, *range(1, min(MAX_WORKERS, cores) + 1), c.data.num_workers})
-    dp = (0, 1) if ctx.job.strategy == "single" else (ctx.env.rank, ctx.world)
+    dims = ctx.job.dims
+    dp = (dims.dp_rank(ctx.env.rank), dims.dp_size)
     rows = []
     for workers in counts:
         data_s = loader_seconds_per_step(ctx, workers, *dp)

@@ -52,7 +52,7 @@ def check_scaling(ctx: Context) -> CheckResult:
     if ctx.world == 1:
         why = "one worker: nothing to compare (run with --nproc 2 or more)"
         return CheckResult.skipped("scaling", title, why)
-    if ctx.job.strategy == "hsdp":
+    if ctx.job.dims.hybrid:
         why = "hsdp needs whole nodes: fewer workers would be another strategy"
         return CheckResult.skipped("scaling", title, why)
     c = ctx.cfg

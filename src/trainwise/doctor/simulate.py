@@ -19,8 +19,8 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import GPTShape
-from trainwise.plan.estimate import RUNTIME
 
 SIMULATED = ("single", "ddp", "fsdp-grad-op", "fsdp-full")  # what one fake rank can play
 STEPS = 2
@@ -83,8 +83,8 @@ def simulate_step(
 
     if strategy not in SIMULATED:
         raise ValueError(f"cannot simulate {strategy!r}; simulated: {', '.join(SIMULATED)}")
-    kind, shard, _ = RUNTIME[strategy]
-    world = 1 if kind == "single" else world
+    world = 1 if strategy == "single" else world
+    dims = ParallelDims.from_plan_name(strategy, world, world)
     seq = seq_len or shape.max_seq_len
     shape = replace(shape, max_seq_len=max(seq, shape.max_seq_len))
     device = torch.device("cpu")
@@ -97,16 +97,16 @@ def simulate_step(
         with torch.device("meta"):
             model = GPT(shape)
         blocks = list(model.blocks)
-        if kind == "fsdp":
+        if dims.fsdp:
             model = parallelize(
-                model, blocks, strategy="fsdp", device=device, world=world, shard=shard,
-                precision=precision, reduce_dtype=reduce_dtype, ac=ac,
+                model, blocks, dims, device=device, precision=precision,
+                reduce_dtype=reduce_dtype, ac=ac,
             )  # fmt: skip
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=device)
             x = torch.randint(0, shape.vocab_size, (micro_batch, seq))
             y = torch.randint(0, shape.vocab_size, (micro_batch, seq))
-            if kind == "fsdp":
+            if dims.fsdp:
                 opt = build_optimizer(model, optim_cfg)
                 tracker = FSDPMemTracker(model, opt)
                 tracker.track_inputs((x, y))
@@ -114,21 +114,20 @@ def simulate_step(
                 tracker = MemTracker()
                 tracker.track_external(model, x, y)
             with tracker:
-                if kind != "fsdp":
+                if not dims.fsdp:
                     # DDP inside the tracker so that its buckets are seen (as "Other").
                     before = {id(w) for w, _ in tracker._WINFO.values()}
                     model = parallelize(
-                        model, blocks, strategy=kind, device=device, world=world,
-                        precision=precision, ac=ac,
-                    )  # fmt: skip
+                        model, blocks, dims, device=device, precision=precision, ac=ac
+                    )
                     _relabel_new(tracker, before, _MemRefType.OTH, _UpdateType)
-                    if kind == "ddp":
+                    if not dims.single:
                         _fake_comm_hook(torch, dist, model, world)
                     opt = build_optimizer(model, optim_cfg)
                 for _ in range(STEPS):
                     _reset_peak(tracker)
                     # The loop's step (run.loop.Stepper) without its data-dependent branches.
-                    with autocast_context(kind, precision, device):
+                    with autocast_context(dims.fsdp, precision, device):
                         loss = cross_entropy_loss(model(x), y)
                     loss.backward()
                     params = [p for p in model.parameters() if p.grad is not None]
@@ -238,10 +237,11 @@ def simulate_plan(plan, progress=None) -> list[dict]:
             w.shape, s.name, s.gpus, w.precision, s.micro_batch, w.seq_len, w.ac,
             w.reduce_dtype, w.optimizer,
         )  # fmt: skip
-        kind, shard, _ = RUNTIME[s.name]
+        dims = ParallelDims.from_plan_name(s.name, s.gpus, s.gpus)
         here = estimate_memory(
-            replace(w, micro_batch=s.micro_batch), kind, s.gpus, shard=shard, device="cpu"
-        )
+            replace(w, micro_batch=s.micro_batch), dims.strategy, s.gpus, shard=dims.shard,
+            device="cpu",
+        )  # fmt: skip
         rows.append(
             {
                 "strategy": s.name,

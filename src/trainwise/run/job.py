@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from trainwise.config import JobConfig
+from trainwise.config.parallel_dims import ParallelDims
 from trainwise.data import DataInfo, build_datasets
 from trainwise.errors import ConfigError
 from trainwise.hardware import GB, DeviceInfo
 from trainwise.hardware.catalog import find_gpu
 from trainwise.models import GPTShape, ModelSpec, count_parameters, resolve_shape
 from trainwise.plan import Decision, Workload, choose_strategy, describe, estimate_memory, fmt_bytes
-from trainwise.plan.estimate import candidate_names, evaluate, planned_strategy
+from trainwise.plan.estimate import candidate_names, evaluate
 from trainwise.plan.flops import flops_per_token, recompute_factor
 from trainwise.plan.inputs import PlanInputs, job_inputs
 from trainwise.plan.record import strategy_record
@@ -28,9 +29,7 @@ class Job:
     world: int
     device: DeviceInfo
     backend: str
-    strategy: str  # resolved: single, ddp, fsdp or hsdp
-    cpu_offload: bool
-    replicate: int  # hsdp replica groups (1 otherwise)
+    dims: ParallelDims  # the layout: every parallel degree, resolved
     grad_accum: int  # data.grad_accum, scaled up when an elastic job runs on fewer machines
     decision: Decision
     model_spec: ModelSpec
@@ -43,7 +42,21 @@ class Job:
 
     @property
     def dp_size(self) -> int:
-        return 1 if self.strategy == "single" else self.world
+        return self.dims.dp_size
+
+    @property
+    def strategy(self) -> str:
+        """The layout's shortcut (single, ddp, fsdp, hsdp): for people, not for decisions."""
+        return self.dims.strategy
+
+    @property
+    def cpu_offload(self) -> bool:
+        return self.dims.cpu_offload
+
+    @property
+    def replicate(self) -> int:
+        """HSDP's replica groups (1 otherwise)."""
+        return self.dims.dp_replicate if self.dims.hybrid else 1
 
     @property
     def global_batch(self) -> int:
@@ -66,6 +79,8 @@ class Job:
             "device_kind": self.device.kind,
             "backend": self.backend,
             "strategy": self.strategy,
+            "layout": self.dims.describe(),
+            "plan_name": self.dims.plan_name,
             "requested_strategy": self.cfg.parallel.strategy,
             "cpu_offload": self.cpu_offload,
             "replicate": self.replicate,
@@ -159,6 +174,7 @@ def prepare_job(
             "(`trainwise checkpoints RUN` lists them), 'auto' or 'never'"
         )
     strategy = c.parallel.strategy
+    problems += layout_problems(c, world, local)
     if strategy == "single" and world > 1:
         problems.append(
             f"parallel.strategy = 'single' runs one worker but cluster.nproc = {world}: "
@@ -172,15 +188,14 @@ def prepare_job(
     # Machines now: torchrun starts `local` workers on each; with an elastic range fewer
     # than cluster.nodes may have joined.
     nodes = world // local if world % local == 0 else 1
-    replicate = 1
-    if strategy == "hsdp":
-        # One replica group of the whole world would be fsdp: default to one per machine.
-        replicate = c.parallel.replicate or nodes
-        if world % replicate:
-            problems.append(
-                f"parallel.replicate = {replicate} does not divide the world size {world}: "
-                f"hsdp needs replicate x shard = world"
-            )
+    replicate = replica_groups(c, world, nodes)
+    if strategy == "fsdp" and replicate > 1:  # a shard group smaller than the world
+        strategy = "hsdp"
+    if world % replicate:
+        problems.append(
+            f"parallel.replicate = {replicate} does not divide the world size {world}: "
+            f"hsdp needs replicate x shard = world"
+        )
 
     # The data decides the vocabulary and the classifier's shape.
     try:
@@ -220,7 +235,7 @@ def prepare_job(
     accum, problem = elastic_accum(c, world, local)
     if problem:
         problems.append(problem)
-    dp = 1 if strategy == "single" or (strategy == "auto" and world == 1) else world
+    dp = 1 if strategy == "single" or (strategy == "auto" and world == 1) else world // c.parallel.tp
     g = c.data.micro_batch * accum * dp
     if c.data.global_batch is not None and c.data.global_batch != g:
         problems.append(
@@ -266,14 +281,18 @@ def prepare_job(
     )
     if strategy == "auto" and decision.strategy == "hsdp":
         replicate = nodes  # shard within a machine, replicate across the machines
+    sharded_in_groups = decision.strategy == "fsdp" and replicate > 1  # auto with dp_shard
+    dims = ParallelDims.from_strategy(
+        "hsdp" if sharded_in_groups else decision.strategy, world, replicate=replicate,
+        shard=c.parallel.shard,
+        cpu_offload=decision.cpu_offload,
+    )  # fmt: skip
     return Job(
         cfg=c,
         world=world,
         device=device,
         backend=backend,
-        strategy=decision.strategy,
-        cpu_offload=decision.cpu_offload,
-        replicate=replicate,
+        dims=dims,
         grad_accum=accum,
         decision=decision,
         model_spec=spec,
@@ -283,6 +302,39 @@ def prepare_job(
         plan_inputs=view,
         datasets=(train_ds, val_ds),
     )
+
+
+def replica_groups(c: JobConfig, world: int, nodes: int) -> int:
+    """HSDP's replica groups: parallel.replicate, else world / parallel.dp_shard when the
+    shard group is given, else one per machine for hsdp (one group of the whole world
+    would be fsdp); 1 for the other strategies."""
+    if c.parallel.replicate:
+        return c.parallel.replicate
+    if c.parallel.dp_shard and c.parallel.strategy in ("fsdp", "hsdp", "auto"):
+        return max(1, world // c.parallel.dp_shard)
+    return nodes if c.parallel.strategy == "hsdp" else 1
+
+
+def layout_problems(c: JobConfig, world: int, local: int) -> list[str]:
+    """The degrees the runtime cannot run as given, one line each."""
+    p = c.parallel
+    problems = []
+    if p.tp > 1:
+        problems.append(
+            f"parallel.tp = {p.tp}: the runtime has no tensor parallelism yet (`trainwise plan` "
+            "prices it); use parallel.tp = 1"
+        )
+    if p.dp_shard and p.strategy in ("single", "ddp"):
+        problems.append(
+            f"parallel.dp_shard = {p.dp_shard} shards with FSDP but parallel.strategy = "
+            f"'{p.strategy}': use 'fsdp', 'hsdp' or 'auto'"
+        )
+    elif p.dp_shard and world % p.dp_shard:
+        problems.append(
+            f"parallel.dp_shard = {p.dp_shard} does not divide the {world} workers: choose a "
+            "divisor of cluster.nproc x cluster.nodes"
+        )
+    return problems
 
 
 def planner_view(
@@ -318,8 +370,7 @@ def job_plan(job: Job) -> dict[str, Any] | None:
     inputs = job.plan_inputs
     if inputs is None:
         return None
-    c = job.cfg
-    name = planned_strategy(job.strategy, c.parallel.shard, job.cpu_offload)
+    name = job.dims.plan_name
     hw = inputs.hardware
     return {
         **strategy_record(evaluate(inputs, name)),

@@ -1,4 +1,5 @@
-"""Strategy wrapping: a few `apply_*` functions, and `parallelize()` that picks among them.
+"""Layout wrapping: a few `apply_*` functions, and `parallelize()` that picks among them
+from the job's ParallelDims.
 
 Everything here composes PyTorch's own pieces: activation checkpointing's wrapper,
 torch.compile, DistributedDataParallel and FSDP2's `fully_shard` on a DeviceMesh.
@@ -16,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from trainwise.config.parallel_dims import ParallelDims
 from trainwise.run.precision import TORCH_DTYPES
 
 
@@ -75,63 +77,52 @@ def apply_fsdp(
 
 
 def build_mesh(
-    strategy: str,
-    world: int,
-    replicate: int,
-    device_type: str,
-    group: dist.ProcessGroup | None = None,
+    dims: ParallelDims, device_type: str, group: dist.ProcessGroup | None = None
 ) -> DeviceMesh | None:
-    """The FSDP mesh over all ranks, or over `group`'s ranks (a 1-D shard mesh)."""
-    if strategy == "fsdp" and group is not None:
-        return DeviceMesh.from_group(group, device_type, mesh_dim_names=("shard",))
-    if strategy == "fsdp":
-        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-    if strategy == "hsdp":
-        # Rows of arange(world) reshaped (replicate, shard): the shard dimension is runs of
-        # consecutive ranks. torchrun numbers ranks machine by machine (ranks
-        # [n*local, (n+1)*local) are machine n), so with replicate = machines each shard
-        # group is one machine and only the replicate dimension crosses the network.
-        return init_device_mesh(
-            device_type, (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
-        )
-    return None
+    """The layout's device mesh (ParallelDims.mesh_dims: named dims over all ranks), or a
+    1-D shard mesh over `group`'s ranks (the doctor times smaller worlds inside one
+    launch). None when nothing is sharded."""
+    if not dims.fsdp:
+        return None
+    if group is not None:
+        return DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_shard",))
+    # Rows of arange(world) reshaped (dp_replicate, dp_shard): a shard group is a run of
+    # consecutive ranks. torchrun numbers ranks machine by machine, so with one replica
+    # per machine each shard group is one machine and only dp_replicate crosses machines.
+    names, sizes = dims.mesh_dims()
+    return init_device_mesh(device_type, sizes, mesh_dim_names=names)
 
 
 def parallelize(
     model: nn.Module,
     blocks: list[nn.Module],
+    dims: ParallelDims,
     *,
-    strategy: str,
     device: torch.device,
-    world: int,
-    replicate: int = 1,
-    shard: str = "full",
     precision: str = "fp32",
     reduce_dtype: str = "fp32",
-    cpu_offload: bool = False,
     ac: str = "none",
     compile: bool = False,
     group: dist.ProcessGroup | None = None,
 ) -> nn.Module:
-    """The one place a strategy is applied: AC, then compile, then the data-parallel wrapper
+    """The one place a layout is applied: AC, then compile, then the data-parallel wrapper
     (torchtitan's order: FSDP must see the final modules). `group`: data parallelism over
     that group's ranks instead of all (not for hsdp)."""
     blocks = apply_ac(model, blocks, ac)
     if compile:
         apply_compile(blocks)
-    if strategy == "single":
+    if dims.single:
         return model
-    if strategy == "ddp":
+    if not dims.fsdp:
         return apply_ddp(model, device, group)
-    mesh = build_mesh(strategy, world, replicate, device.type, group)
     return apply_fsdp(
         model,
         blocks,
-        mesh,
-        reshard_after_forward=(shard == "full"),
+        build_mesh(dims, device.type, group),
+        reshard_after_forward=dims.reshard_after_forward,
         param_dtype=precision,
         reduce_dtype=reduce_dtype,
-        cpu_offload=cpu_offload,
+        cpu_offload=dims.cpu_offload,
     )
 
 

@@ -10,19 +10,20 @@ import torch
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def autocast_context(strategy: str, precision: str, device: torch.device):
-    """FSDP casts parameters itself; single and DDP run the forward under autocast."""
-    if precision == "fp32" or strategy in ("fsdp", "hsdp"):
+def autocast_context(sharded: bool, precision: str, device: torch.device):
+    """FSDP (`sharded`) casts parameters itself; single and DDP run the forward under
+    autocast."""
+    if precision == "fp32" or sharded:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=TORCH_DTYPES[precision])
 
 
-def build_grad_scaler(strategy: str, precision: str, device: torch.device, init_scale: float):
+def build_grad_scaler(sharded: bool, precision: str, device: torch.device, init_scale: float):
     """fp16 needs loss scaling; sharded gradients need the scaler that agrees on inf/nan
     across ranks. None for fp32 and bf16."""
     if precision != "fp16":
         return None
-    if strategy in ("fsdp", "hsdp"):
+    if sharded:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device.type, init_scale=init_scale)

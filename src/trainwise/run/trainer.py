@@ -56,12 +56,13 @@ def build_trainer(
     fault seam (a test's slow network)."""
     c = cfg
     dtype = precision or c.precision.dtype
-    if job.strategy == "single":  # data parallel over one rank, whatever the world
-        rank, world = 0, 1
+    dims = job.dims
+    if dims.single:  # one rank's data, whatever the world
+        rank = 0
     elif group is not None:
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        rank = dist.get_rank(group)
     else:
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank = dist.get_rank()
     # Same seed on every rank: identical initial weights whatever the strategy.
     torch.manual_seed(c.train.seed)
     bundle = build_model(job.model_spec)
@@ -69,14 +70,10 @@ def build_trainer(
     model = parallelize(
         bundle.module,
         bundle.blocks,
-        strategy=job.strategy,
+        dims,
         device=device,
-        world=world,
-        replicate=job.replicate,
-        shard=c.parallel.shard,
         precision=dtype,
         reduce_dtype=c.precision.reduce_dtype,
-        cpu_offload=job.cpu_offload,
         ac=c.parallel.ac,
         compile=c.train.compile,
         group=group,
@@ -85,18 +82,19 @@ def build_trainer(
     torch.manual_seed(c.train.seed + 1 + rank)  # dropout differs between ranks
     optimizer = build_optimizer(model, c.optim)
     scheduler = build_scheduler(optimizer, c.train.steps, c.schedule)
-    scaler = build_grad_scaler(job.strategy, dtype, device, c.precision.init_scale)
+    scaler = build_grad_scaler(dims.fsdp, dtype, device, c.precision.init_scale)
 
     def autocast() -> AbstractContextManager:
-        return autocast_context(job.strategy, dtype, device)
+        return autocast_context(dims.fsdp, dtype, device)
 
     stepper = Stepper(
         model, bundle.loss_fn, optimizer, scheduler, scaler, autocast,
         job.grad_accum, c.train.grad_clip, device,
     )  # fmt: skip
     return Trainer(
-        model, bundle.loss_fn, optimizer, scheduler, scaler, autocast, stepper, rank, world
-    )
+        model, bundle.loss_fn, optimizer, scheduler, scaler, autocast, stepper,
+        dims.dp_rank(rank), dims.dp_size,
+    )  # fmt: skip
 
 
 def build_checkpointer(

@@ -281,7 +281,7 @@ class Training:
         peak = job.device.peak_flops(c.precision.dtype)
         return Recorder(
             steps=c.train.steps, cfg=c.logging, is_main=env.is_main, run_dir=self.run_dir,
-            distributed=job.strategy != "single" and env.world > 1,
+            distributed=not job.dims.single and env.world > 1,
             tokens_per_step=job.tokens_per_step,
             tokens_per_sample=job.data.tokens_per_sample, flops_per_token=job.flops_per_token,
             peak_flops_total=peak * env.world if peak else None, device=self.device,

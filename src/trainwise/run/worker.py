@@ -53,7 +53,7 @@ def join_job(cfg: JobConfig) -> tuple[DistEnv, logging.Logger, torch.device, Job
     if device.type == "cuda":
         torch.cuda.set_device(device)
     job = prepare_job(cfg, env.world, info, env.local_world)
-    if job.strategy != "single" or env.world > 1:
+    if not job.dims.single or env.world > 1:
         init_process_group(env, job.backend, device, cfg.parallel.timeout_s)
     return env, log, device, job
 
