@@ -46,9 +46,18 @@ def run(run_dir: Path, cwd: Path, *extra: str, faults: str = "") -> tuple[int, s
     return finish(start(args, cwd, faults=faults))
 
 
+def killed_after_last_save(finished: Path, run_dir: Path) -> None:
+    """A copy of a finished run as a run killed after its last save looks: no finish event
+    (a finished run is not run again)."""
+    shutil.copytree(finished, run_dir)
+    log = run_dir / "events.jsonl"
+    kept = [line for line in log.read_text().splitlines() if json.loads(line)["kind"] != "finish"]
+    log.write_text("".join(line + "\n" for line in kept))
+
+
 def test_corrupted_and_truncated_checkpoints_are_skipped(workdir: Path, reference: References):
     run_dir = workdir / "run"
-    shutil.copytree(reference.run(1, "single"), run_dir)
+    killed_after_last_save(reference.run(1, "single"), run_dir)
 
     flipped, cut = shard(run_dir, 12), shard(run_dir, 8)
     flip(flipped)

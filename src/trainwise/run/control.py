@@ -41,7 +41,8 @@ def _on_early_signal(signum: int, frame: object) -> None:
 
 
 class Control:
-    def __init__(self, distributed: bool, timeout_s: float = 600.0):
+    def __init__(self, distributed: bool, timeout_s: float = 600.0, announce_second: bool = True):
+        self.announce_second = announce_second
         self.group = side_group(timeout_s) if distributed else None
         self.signal: int | None = None
         self._local = torch.zeros(2, dtype=torch.int32)
@@ -64,7 +65,9 @@ class Control:
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.signal is not None:
             # Second signal: no more grace. The last committed checkpoint stays valid.
-            print(f"trainwise: second {signal.Signals(signum).name}: exiting now", file=sys.stderr)
+            if self.announce_second:
+                name = signal.Signals(signum).name
+                print(f"trainwise: second {name}: exiting now", file=sys.stderr)
             os._exit(128 + signum)
         self.signal = signum
         self._local[STOP] = 1

@@ -1,16 +1,17 @@
 """One live job per run directory.
 
-The launcher holds an exclusive `flock` on `RUN/.lock` from before it writes the run files
-until it returns; the file names the holder (host, pid, start). The kernel drops the lock
-when its holder dies however it dies, so a lock left by a dead process is simply taken
-over (with a line saying whose it was). Each worker holds a shared lock on
-`RUN/.lock.workers` for its whole life: a new launch waits for the workers of an earlier
-one (they stop within seconds of their launcher's death, see `die_with_launcher`) and
-refuses to start beside them.
+A launcher holds a `flock` on `RUN/.lock` from before it writes the run files until it
+returns; the file names the holder (host, pid, start and, for a job on several machines,
+the job). The kernel drops the lock when its holder dies however it dies, so a lock left by
+a dead process is simply taken over (with a line saying whose it was). Each worker holds a
+shared lock on `RUN/.lock.workers` for its whole life: a new job waits for the workers of
+an earlier one (they stop within seconds of their launcher's death, see
+`die_with_launcher`) and refuses to start beside them.
 
-On several machines sharing one run directory every machine's launcher belongs to the
-job, so each locks a file of its own host (`RUN/.lock-HOST`): two jobs on one machine are
-kept apart, two jobs on different machines in one shared directory are not.
+A job on one machine holds the lock alone. The launchers of a job on several machines
+(one per machine, possibly several on one host) share it: the first takes it exclusively,
+writes the job's identity (its rendezvous endpoint and id) and turns its hold into a shared
+one; the others join only a holder of the same identity.
 """
 
 from __future__ import annotations
@@ -39,19 +40,11 @@ class RunDirBusy(ConfigError):
     """The run directory belongs to another live job."""
 
 
-def lock_path(run_dir: Path, per_host: bool) -> Path:
-    return Path(run_dir) / (f"{LOCK_FILE}-{socket.gethostname()}" if per_host else LOCK_FILE)
-
-
-def workers_path(run_dir: Path, per_host: bool) -> Path:
-    suffix = f"-{socket.gethostname()}" if per_host else ""
-    return Path(run_dir) / (WORKERS_FILE + suffix)
-
-
 @contextmanager
-def hold_run_dir(run_dir: Path, per_host: bool = False) -> Iterator[None]:
-    """Hold the run directory for this launch (raises RunDirBusy when another job has it)."""
-    path = lock_path(run_dir, per_host)
+def hold_run_dir(run_dir: Path, job_id: str | None = None) -> Iterator[None]:
+    """Hold the run directory for this launch (raises RunDirBusy when another job has it).
+    `job_id` names a job on several machines, whose launchers share the hold."""
+    path = Path(run_dir) / LOCK_FILE
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -61,29 +54,67 @@ def hold_run_dir(run_dir: Path, per_host: bool = False) -> Iterator[None]:
             "choose a writable directory"
         ) from None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RunDirBusy(
-                f"{run_dir} is in use by another trainwise job ({_holder(path)}): wait for "
-                "it to finish, stop it, or choose another --run-dir"
-            ) from None
-        stale = _holder(path)
-        if stale != "holder unknown":  # written by a launcher that never released it
-            print(f"trainwise: taking over the lock of {run_dir} from {stale}, which is no "
-                  "longer running", file=sys.stderr)  # fmt: skip
-        _wait_for_workers(run_dir, per_host)
-        _write_holder(fd)
+        if _try_lock(fd, fcntl.LOCK_EX):
+            _first_holder(fd, path, run_dir, job_id)
+        elif job_id is None:
+            raise _busy(run_dir, path)
+        else:
+            _join(fd, path, run_dir, job_id)
         yield
     finally:
-        with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)  # released cleanly: an empty file is no stale lock
+        if _try_lock(fd, fcntl.LOCK_EX):  # the last holder out: an empty file is no stale lock
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
         os.close(fd)
 
 
-def _wait_for_workers(run_dir: Path, per_host: bool) -> None:
+def _first_holder(fd: int, path: Path, run_dir: Path, job_id: str | None) -> None:
+    stale = _holder(path)
+    if stale:  # written by a launcher that never released it
+        print(f"trainwise: taking over the lock of {run_dir} from {_describe(stale)}, "
+              "which is no longer running", file=sys.stderr)  # fmt: skip
+    _write_holder(fd, job_id)  # before the wait, so that the job's other launchers can join
+    _wait_for_workers(run_dir)
+    if job_id is not None:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # let the job's other launchers in
+
+
+def _join(fd: int, path: Path, run_dir: Path, job_id: str) -> None:
+    """Join the hold of this job's first launcher (which may still wait for old workers)."""
+    deadline = time.monotonic() + WORKERS_GONE_S + 5
+    while True:
+        held = _holder(path)
+        if held and held.get("job") != job_id:
+            raise _busy(run_dir, path)
+        if _try_lock(fd, fcntl.LOCK_SH):
+            held = _holder(path)
+            if held and held.get("job") == job_id:
+                return
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            raise _busy(run_dir, path)
+        if time.monotonic() > deadline:
+            raise _busy(run_dir, path)
+        time.sleep(POLL_S)
+
+
+def _try_lock(fd: int, kind: int) -> bool:
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _busy(run_dir: Path, path: Path) -> RunDirBusy:
+    return RunDirBusy(
+        f"{run_dir} is in use by another trainwise job ({_describe(_holder(path))}): wait "
+        "for it to finish, stop it, or choose another --run-dir"
+    )
+
+
+def _wait_for_workers(run_dir: Path) -> None:
     """Wait until no worker of an earlier launch holds the workers' lock."""
-    path = workers_path(run_dir, per_host)
+    path = Path(run_dir) / WORKERS_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         deadline = time.monotonic() + WORKERS_GONE_S
@@ -108,30 +139,40 @@ def _wait_for_workers(run_dir: Path, per_host: bool) -> None:
         os.close(fd)
 
 
-def hold_as_worker(run_dir: Path, per_host: bool = False) -> int:
+def hold_as_worker(run_dir: Path) -> int:
     """A worker's shared hold, kept until the process exits (returns the descriptor)."""
-    fd = os.open(workers_path(run_dir, per_host), os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(Path(run_dir) / WORKERS_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.flock(fd, fcntl.LOCK_SH)
     return fd
 
 
-def _write_holder(fd: int) -> None:
-    text = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()})
+def _write_holder(fd: int, job_id: str | None) -> None:
+    held = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    if job_id is not None:
+        held["job"] = job_id
     os.ftruncate(fd, 0)
-    os.pwrite(fd, text.encode(), 0)
+    os.pwrite(fd, json.dumps(held).encode(), 0)
 
 
-def _holder(path: Path) -> str:
+def _holder(path: Path) -> dict | None:
     try:
         held = json.loads(path.read_text() or "null")
     except (OSError, ValueError):
-        held = None
-    if not isinstance(held, dict):
+        return None
+    return held if isinstance(held, dict) else None
+
+
+def _describe(held: dict | None) -> str:
+    if not held:
         return "holder unknown"
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.get("since", 0)))
-    return f"pid {held.get('pid')} on host {held.get('host')}, since {since}"
+    job = f", job {held['job']}" if held.get("job") else ""
+    return f"pid {held.get('pid')} on host {held.get('host')}, since {since}{job}"
 
 
-def machines_share(cfg: JobConfig) -> bool:
-    """Whether several machines' launchers may share the run directory (one lock each)."""
-    return cfg.cluster.nodes > 1 or cfg.cluster.min_nodes is not None
+def job_identity(cfg: JobConfig) -> str | None:
+    """The identity that a job's launchers on several machines share (None on one machine)."""
+    c = cfg.cluster
+    if c.nodes == 1 and c.min_nodes is None:
+        return None
+    return f"{c.rdzv_id}@{c.rdzv_endpoint}"

@@ -46,7 +46,7 @@ def start_job(
     from trainwise.run.launch import launch_workers
     from trainwise.run.lifeline import end_launch, start_launch
     from trainwise.run.run_files import default_run_dir, write_run_files
-    from trainwise.run.run_lock import hold_run_dir, machines_share
+    from trainwise.run.run_lock import hold_run_dir, job_identity
 
     device = detect_device(cfg.cluster.device)
     nproc = resolve_nproc(cfg, device)
@@ -56,7 +56,7 @@ def start_job(
     job = prepare_job(cfg, nproc * nodes, device, nproc)
     default = default_run_dir(cfg, label or job.strategy)
     run_dir = Path(cfg.logging.run_dir) if cfg.logging.run_dir else default
-    with hold_run_dir(run_dir, machines_share(cfg)):
+    with hold_run_dir(run_dir, job_identity(cfg)):
         check_run_dir(cfg, job, run_dir)
         write_run_files(run_dir, cfg, job)
         append_event(run_dir, "start", pid=os.getpid(), nproc=nproc, nodes=nodes)

@@ -55,7 +55,10 @@ class Training:
         self.ckpt = build_checkpointer(cfg, job, env, device, run_dir, self.trainer, log)
         self.ckpt.before_commit = self.faults.in_save
         self.distributed = dist.is_initialized()
-        self.control = Control(self.distributed, cfg.parallel.timeout_s)
+        # Under a launcher, the launcher says what a second signal did (once, not per rank).
+        self.control = Control(
+            self.distributed, cfg.parallel.timeout_s, announce_second=this_launch() is None
+        )
         # Kept idle for diagnosis: after a failed collective the survivors meet here to
         # find which ranks are missing (the default group may be wedged by then).
         self.health = side_group(cfg.parallel.timeout_s) if self.distributed else None

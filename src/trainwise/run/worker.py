@@ -38,7 +38,7 @@ from trainwise.run.peers import (
     nested_errors,
 )
 from trainwise.run.run_files import default_run_dir, write_run_files
-from trainwise.run.run_lock import hold_as_worker, machines_share
+from trainwise.run.run_lock import hold_as_worker
 from trainwise.run.training import Training
 from trainwise.run.versions import require_same_versions
 
@@ -138,7 +138,7 @@ def run_worker(target: Callable[[JobConfig, Path], object], argv: list[str] | No
         if launch.fatal():
             return 0
     cfg = worker_config(run_dir)
-    hold_as_worker(run_dir, machines_share(cfg))  # released by the kernel when we exit
+    hold_as_worker(run_dir)  # released by the kernel when we exit
     try:
         target(cfg, run_dir)
     except TrainwiseError as err:
