@@ -46,10 +46,9 @@ def run(run_dir: Path, cwd: Path, *extra: str, faults: str = "") -> tuple[int, s
     return finish(start(args, cwd, faults=faults))
 
 
-def killed_after_last_save(finished: Path, run_dir: Path) -> None:
-    """A copy of a finished run as a run killed after its last save looks: no finish event
-    (a finished run is not run again)."""
-    shutil.copytree(finished, run_dir)
+def killed_after_last_save(run_dir: Path) -> None:
+    """Make a finished run look like one killed after its last save: no finish event (a
+    finished run is not run again)."""
     log = run_dir / "events.jsonl"
     kept = [line for line in log.read_text().splitlines() if json.loads(line)["kind"] != "finish"]
     log.write_text("".join(line + "\n" for line in kept))
@@ -57,7 +56,8 @@ def killed_after_last_save(finished: Path, run_dir: Path) -> None:
 
 def test_corrupted_and_truncated_checkpoints_are_skipped(workdir: Path, reference: References):
     run_dir = workdir / "run"
-    killed_after_last_save(reference.run(1, "single"), run_dir)
+    shutil.copytree(reference.run(1, "single"), run_dir)
+    killed_after_last_save(run_dir)
 
     flipped, cut = shard(run_dir, 12), shard(run_dir, 8)
     flip(flipped)
@@ -76,6 +76,7 @@ def test_corrupted_and_truncated_checkpoints_are_skipped(workdir: Path, referenc
 
     for step in (4, 8, 12):
         flip(shard(run_dir, step))
+    killed_after_last_save(run_dir)
     rc, out, err = run(run_dir, workdir)
     assert rc == 1
     assert "no valid checkpoint" in err and "checkpoint.resume = 'never'" in err
