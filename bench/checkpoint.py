@@ -9,7 +9,7 @@ runs live on), each round times:
   sequential write speed: the ceiling for any save);
 - torch.save of the model + optimizer state dict into one file, then fsync;
 - trainwise sync save: Checkpointer.save(sync=True): DCP write, trainer.json, fsync of
-  every file, sha256 of every file into the manifest, rename (the commit);
+  every file, the xxh3 checksum of every file into the manifest, rename (the commit);
 - trainwise async save: the stall (how long save() blocks the loop: staging into host
   memory) and the total (until committed, through .wait());
 - loads: Checkpointer.load and torch.load against a raw read of the raw file. Nothing is
@@ -19,7 +19,7 @@ runs live on), each round times:
 It prints the median of --rounds rounds per row: seconds, MB/s of the state's bytes, and
 the ratio of that speed to the raw write (saves) or raw read (loads): 1.0 is as fast as
 the raw disk, 0.5 takes twice as long. Then two targets: sync save >= 0.5 x raw write, and
-async stall <= 0.1 x sync save. The sha256 row is the hashing share of the sync save (paid
+async stall <= 0.1 x sync save. The checksum row is the hashing share of the sync save (paid
 again on resume when checkpoint.verify = "full"). The two Checkpointers live through all
 rounds, as in a run: the async one keeps its stager, and so its host buffers, between saves.
 
@@ -138,7 +138,7 @@ def one_round(rnd: int, work: Path, cks: tuple, nbytes: int, block: bytes) -> di
     t["sync save"], _ = timed(lambda: sync_ck.save(step, 0, time.time(), {}, sync=True))
     sync_dir = store.final_dir(work / "ckpt", step)
     sizes["checkpoint dir"] = store.dir_bytes(sync_dir)
-    t["sha256 (in sync save)"], _ = timed(lambda: store.scan_files(sync_dir, with_sha=True))
+    t["checksum (in sync save)"], _ = timed(lambda: store.scan_files(sync_dir))
 
     t0 = time.perf_counter()
     t["async stall"] = async_ck.save(step + 1, 0, time.time(), {})

@@ -66,7 +66,7 @@ def test_corrupted_and_truncated_checkpoints_are_skipped(workdir: Path, referenc
     assert rc == 0, err
     warnings = [line for line in err.splitlines() if "is invalid and skipped" in line]
     assert len(warnings) == 2, err
-    assert str(flipped) in warnings[0] and "sha256 mismatch" in warnings[0]
+    assert str(flipped) in warnings[0] and "xxh3 mismatch" in warnings[0]
     assert str(cut) in warnings[1] and "truncated" in warnings[1]
     assert "resuming from step 4" in err
     skipped = events(run_dir, "checkpoint_skipped")
