@@ -88,9 +88,12 @@ class DataConfig(Section):
     dataset: Literal["synthetic", "digits", "tokens"] = Field(
         "synthetic",
         description="synthetic: built-in generated language; digits: sklearn's digits "
-        "(for the mlp); tokens: a .bin file of uint16 token ids (data.path).",
+        "(for the mlp); tokens: a .bin file of uint16 token ids, or a directory written by "
+        "`trainwise data prepare` (data.path).",
     )
-    path: str | None = Field(None, description="The token file for dataset = 'tokens'.")
+    path: str | None = Field(
+        None, description="The token file or prepared directory for dataset = 'tokens'."
+    )
     seq_len: int = Field(64, gt=0, description="Tokens per training sequence.")
     micro_batch: int = Field(16, gt=0, description="Samples per worker per forward pass.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")
