@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.helpers import QUIET, read_records, run_cli
 
+from helpers import QUIET, read_records, run_cli
 from trainwise.data import TokenShards, build_datasets
 from trainwise.data.prepare import load_tokenizer, prepare
 from trainwise.errors import DataError

@@ -220,6 +220,8 @@ def prepare_job(
         hidden=tuple(c.model.hidden),
         dropout=c.model.dropout,
         kwargs=dict(c.model.kwargs),
+        init=c.model.init,
+        impl=c.model.impl,
     )
     if c.model.vocab_size and info.vocab_size and c.model.vocab_size < info.vocab_size:
         problems.append(
