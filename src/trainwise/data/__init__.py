@@ -7,6 +7,7 @@ trainwise.errors, and takes plain arguments rather than config objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from torch.utils.data import DataLoader, Dataset
@@ -14,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from trainwise.data.datasets import ArrayDataset, TokenWindows, split_arrays, split_tokens
 from trainwise.data.digits import load_digits_arrays
 from trainwise.data.sampler import ShardedBatchSampler
+from trainwise.data.shards import TokenShards
 from trainwise.data.synthetic import build_synthetic_corpus, synthetic_entropy_rate
 from trainwise.data.tokens import open_token_file, token_vocab_size, write_token_file
 from trainwise.errors import DataError
@@ -23,6 +25,7 @@ __all__ = [
     "ArrayDataset",
     "DataInfo",
     "ShardedBatchSampler",
+    "TokenShards",
     "TokenWindows",
     "build_datasets",
     "build_eval_loader",
@@ -78,7 +81,8 @@ def build_datasets(
     """Build (train, val, info) for a dataset name.
 
     synthetic: a generated corpus of synthetic_tokens ids over vocab_size, the same on every
-    rank (it depends on seed only). tokens: the uint16 file at path. digits: sklearn's
+    rank (it depends on seed only). tokens: the uint16 file at path, or a directory
+    `trainwise data prepare` wrote (its vocabulary is the tokenizer's). digits: sklearn's
     digits, split with a seeded shuffle; seq_len is unused.
     """
     if name == "synthetic":
@@ -89,8 +93,12 @@ def build_datasets(
         if path is None:
             raise DataError(
                 "data.path is not set but data.name='tokens' needs it; set data.path to a uint16 "
-                "token file"
+                "token file or a directory written by `trainwise data prepare`"
             )
+        if Path(path).is_dir():
+            shards = TokenShards(path)
+            what = f"prepared corpus {str(path)!r} ({len(shards)} tokens)"
+            return _lm_datasets(shards, seq_len, val_fraction, shards.vocab_size, what)
         tokens = open_token_file(path)
         what = f"token file {str(path)!r} ({len(tokens)} tokens)"
         return _lm_datasets(tokens, seq_len, val_fraction, token_vocab_size(tokens), what)

@@ -264,6 +264,8 @@ def data_and_model(c: JobConfig, problems: list[str]) -> JobData:
         hidden=tuple(c.model.hidden),
         dropout=c.model.dropout,
         kwargs=dict(c.model.kwargs),
+        init=c.model.init,
+        impl=c.model.impl,
     )
     if c.model.vocab_size and info.vocab_size and c.model.vocab_size < info.vocab_size:
         problems.append(
