@@ -83,6 +83,28 @@ def test_corrupted_and_truncated_checkpoints_are_skipped(workdir: Path, referenc
     assert "Traceback" not in err and "Traceback" not in out
 
 
+def test_two_ranks_share_the_hashing_and_a_mismatch_found_by_rank_1_is_reported(
+    workdir: Path, reference: References
+):
+    """verify = "full" on 2 ranks: rank r hashes every 2nd file from the r-th; a flipped
+    file of rank 1's share is still named by rank 0's warning, and the run resumes from the
+    step before, to the reference's weights."""
+    run_dir = workdir / "run"
+    shutil.copytree(reference.run(2, "ddp"), run_dir)
+    killed_after_last_save(run_dir)
+    newest = run_dir / "checkpoints" / "step-00000012"
+    files = [e["path"] for e in json.loads((newest / "manifest.json").read_text())["files"]]
+    odd = [f for f in files[1::2] if f.endswith(".distcp")]
+    assert odd, files  # the layout this test relies on: a shard in rank 1's share
+    flip(newest / odd[0])
+    rc, _, err = finish(start(job_args(run_dir, 2, "ddp"), workdir))
+    assert rc == 0, err
+    warnings = [line for line in err.splitlines() if "is invalid and skipped" in line]
+    assert len(warnings) == 1 and f"{odd[0]}: xxh3 mismatch" in warnings[0], err
+    assert "resuming from step 8" in err
+    assert_identical(reference.weights(2, "ddp"), final_weights(run_dir, workdir))
+
+
 def test_nonfinite_skip_skips_one_update(workdir: Path):
     rc, _, err = run(workdir / "run", workdir, "--set", "train.nonfinite=skip", faults="nan@step=6")
     assert rc == 0, err
