@@ -240,3 +240,20 @@ def test_sft_corpus_trains(sft_corpus: Path, tmp_path: Path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     steps = [r for r in read_records(tmp_path / "run") if "loss" in r]
     assert steps and all(np.isfinite(r["loss"]) for r in steps)
+
+
+def test_hf_model_dir_tokenizer_and_its_eos(tmp_path: Path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "<end>": 1, "a": 2, "b": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    with pytest.raises(DataError, match="no end-of-document token found.*--eos"):
+        load_tokenizer(f"hf:{folder}")
+    assert load_tokenizer(f"hf:{folder}", eos="<end>").eos_id == 1
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<end>"}}))
+    loaded = load_tokenizer(f"hf:{folder}")
+    assert (loaded.eos_id, loaded.vocab_size) == (1, 4)
+    assert loaded.encode_batch(["a b a", "b"]) == [[2, 3, 2], [3]]
