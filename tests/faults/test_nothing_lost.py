@@ -199,7 +199,7 @@ def test_workers_die_with_a_killed_launcher_after_saving(workdir: Path, referenc
 
     stop = next(e for e in events(run_dir) if e["kind"] == "preempted")
     # The stop is agreed one exchange later, on every rank at once: after step 7.
-    assert stop["signal"] == "SIGTERM" and stop["step"] == 7
+    assert stop["signal"] == "launcher exit" and stop["step"] == 7
     again = run_cli(*job_args(run_dir, 2, "ddp"), cwd=workdir)
     assert again.returncode == 0, again.stderr
     assert "resuming from step 7" in again.stderr

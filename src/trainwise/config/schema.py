@@ -310,7 +310,7 @@ class CheckpointConfig(Section):
     )
     verify: Literal["full", "fast"] = Field(
         "full",
-        description="On load: full = sizes and sha256 of every file; fast = sizes only.",
+        description="On load: full = sizes and checksums (xxh3) of every file; fast = sizes only.",
     )
     max_restarts: int = Field(
         3, ge=0, description="Times torchrun's elastic agent restarts the workers after a failure."
