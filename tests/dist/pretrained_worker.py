@@ -1,11 +1,12 @@
-"""A torchrun worker for test_pretrained: build a model from a Hugging Face directory,
-wrap it by a strategy, load the pretrained weights into the wrapped (sharded) model, and
-write this rank's bytes read and first-forward logits. Not a test module itself."""
+"""A torchrun worker for test_pretrained_dist: for each (strategy, impl) given, build the
+model of a Hugging Face directory, wrap it (DDP or FSDP2), load the pretrained weights into
+the wrapped model, and save this rank's bytes read and first-forward logits. Not a test."""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -15,22 +16,23 @@ from trainwise.models import ModelSpec, build_model
 from trainwise.run.parallelize import parallelize
 
 
-def main(model_dir: str, strategy: str, impl: str, out: str) -> None:
+def main(model_dir: str, out: str, *runs: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    bundle = build_model(ModelSpec(name=f"hf:{model_dir}", seq_len=16, impl=impl))
-    dims = ParallelDims.from_strategy(strategy, world)
-    model = parallelize(bundle.module, bundle.blocks, dims, device=torch.device("cpu"))
-    loaded = bundle.load_weights(model)
-    idx = torch.load(f"{model_dir}/idx.pt")
-    with torch.no_grad():
-        logits = model(idx)
-    torch.save(logits, f"{out}-rank{rank}.pt")
-    with open(f"{out}-rank{rank}.json", "w") as f:
-        json.dump(loaded, f)
+    idx = torch.load(Path(model_dir) / "idx.pt")
+    results = {}
+    for run in runs:  # "fsdp:trainwise", ...
+        strategy, impl = run.split(":")
+        bundle = build_model(ModelSpec(name=f"hf:{model_dir}", seq_len=16, impl=impl))
+        dims = ParallelDims.from_strategy(strategy, world)
+        model = parallelize(bundle.module, bundle.blocks, dims, device=torch.device("cpu"))
+        results[run] = bundle.load_weights(model)
+        with torch.no_grad():
+            torch.save(model(idx), Path(out) / f"{strategy}-{impl}-rank{rank}.pt")
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:])

@@ -170,3 +170,90 @@ def test_prepare_then_train(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr
     steps = [r for r in read_records(tmp_path / "run") if "loss" in r]
     assert steps and np.isfinite(steps[-1]["loss"])
+
+
+# -- prompt / response examples (supervised fine-tuning) --------------------------------
+
+EXAMPLES = [{"prompt": f"Q{i}: what is {i} + {i}? A:", "response": f" {2 * i}."} for i in range(30)]
+
+
+@pytest.fixture
+def sft_corpus(tmp_path: Path) -> Path:
+    src = tmp_path / "sft.jsonl"
+    src.write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES))
+    tok = load_tokenizer("bytes")
+    index = prepare(
+        [src], tmp_path / "sft", tok, field="prompt", response_field="response", shard_tokens=100
+    )
+    assert index["kind"] == "prompt_response" and len(index["shards"]) > 1
+    return tmp_path / "sft"
+
+
+def test_examples_mask_the_prompt(sft_corpus: Path):
+    train, val, info = build_datasets(
+        "tokens", seq_len=40, val_fraction=0.2, seed=0, path=str(sft_corpus)
+    )
+    assert (len(train), len(val), info.vocab_size) == (24, 6, 257)
+    for i, example in ((0, EXAMPLES[0]), (5, EXAMPLES[5]), (-1, EXAMPLES[-1])):
+        ds, j = (val, len(val) - 1) if i == -1 else (train, i)
+        x, y = ds[j]
+        prompt, response = example["prompt"].encode(), example["response"].encode()
+        n = len(prompt) + len(response)  # inputs: prompt + response; then EOS as a target
+        assert bytes(x[:n].tolist()) == prompt + response
+        assert (x[n:] == 256).all()  # padded with EOS
+        # Targets: nothing for the prompt (the first response token is predicted from the
+        # last prompt token), the response and the EOS, nothing for the padding.
+        assert (y[: len(prompt) - 1] == -100).all()
+        assert bytes(y[len(prompt) - 1 : n - 1].tolist()) == response
+        assert y[n - 1] == 256 and (y[n:] == -100).all()
+
+
+def test_prompt_tokens_add_nothing_to_loss_or_gradients(sft_corpus: Path):
+    import torch
+
+    from trainwise.models import ModelSpec, build_model
+
+    train, _, _ = build_datasets(
+        "tokens", seq_len=40, val_fraction=0.2, seed=0, path=str(sft_corpus)
+    )
+    x, y = (torch.stack(t) for t in zip(*(train[i] for i in range(4)), strict=True))
+    torch.manual_seed(0)
+    bundle = build_model(ModelSpec(name="small", vocab_size=257, seq_len=40))
+    logits = bundle.module(x).detach().requires_grad_()
+    loss = bundle.loss_fn(logits, y)
+    loss.backward()
+    counted = y != -100
+    # The loss is the mean over response targets alone ...
+    alone = torch.nn.functional.cross_entropy(logits[counted], y[counted])
+    assert torch.allclose(loss, alone, rtol=0, atol=1e-6)
+    # ... and no gradient flows from a prompt or padding position.
+    assert (logits.grad[~counted] == 0).all() and (logits.grad[counted] != 0).any()
+
+
+def test_sft_corpus_trains(sft_corpus: Path, tmp_path: Path):
+    proc = run_cli(
+        "train", *QUIET, "--set", "data.dataset=tokens", "--set", f"data.path={sft_corpus}",
+        "--set", "parallel.strategy=single", "--set", "train.steps=2", "--set", "data.seq_len=40",
+        "--set", "data.micro_batch=4", "--set", "data.val_fraction=0.2", "--set",
+        "logging.run_dir=run", "--set", "checkpoint.enabled=false", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    steps = [r for r in read_records(tmp_path / "run") if "loss" in r]
+    assert steps and all(np.isfinite(r["loss"]) for r in steps)
+
+
+def test_hf_model_dir_tokenizer_and_its_eos(tmp_path: Path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "<end>": 1, "a": 2, "b": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    with pytest.raises(DataError, match="no end-of-document token found.*--eos"):
+        load_tokenizer(f"hf:{folder}")
+    assert load_tokenizer(f"hf:{folder}", eos="<end>").eos_id == 1
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<end>"}}))
+    loaded = load_tokenizer(f"hf:{folder}")
+    assert (loaded.eos_id, loaded.vocab_size) == (1, 4)
+    assert loaded.encode_batch(["a b a", "b"]) == [[2, 3, 2], [3]]

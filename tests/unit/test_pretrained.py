@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import QUIET, run_cli
+from helpers import QUIET, run_cli, tiny_llama
 from trainwise.errors import ModelError
 from trainwise.models import ModelSpec, build_model, count_parameters
 from trainwise.models.llama import gpt_to_hf
@@ -18,25 +18,7 @@ from trainwise.models.llama import gpt_to_hf
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-VOCAB = 97
-
-
-def tiny_llama(folder: Path, *, tie: bool = False, seed: int = 0, **save: object) -> Path:
-    """A 2-layer Llama (hidden 32, GQA 4/2 heads) with random weights, saved by transformers
-    with a fixed batch of inputs beside it (idx.pt) and the logits it gives (logits.pt)."""
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, rms_norm_eps=1e-5, max_position_embeddings=64,
-        tie_word_embeddings=tie, rope_theta=5000.0,
-    )  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    model.save_pretrained(folder, **save)
-    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        torch.save(model(input_ids=idx).logits, folder / "logits.pt")
-    torch.save(idx, folder / "idx.pt")
-    return folder
+VOCAB = 97  # tiny_llama's
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="a tokenizer.json, hf:MODEL_DIR (its tokenizer.json), or 'bytes' (UTF-8 bytes, "
         "EOS 256)",
     )
-    prep.add_argument("--field", default="text", help="the JSONL field holding the text")
+    prep.add_argument(
+        "--field", default="text", help="the JSONL field holding the text (or the prompt)"
+    )
+    prep.add_argument(
+        "--response-field",
+        help="supervised fine-tuning: the JSONL field holding the response; --field is then "
+        "the prompt, and only response tokens count in the loss",
+    )
     prep.add_argument("--eos", help="the EOS token (default: from tokenizer_config.json)")
     prep.add_argument(
         "--shard-tokens",
@@ -49,11 +56,12 @@ def run(args: argparse.Namespace) -> int:
         args.out,
         tokenizer,
         field=args.field,
+        response_field=args.response_field,
         shard_tokens=args.shard_tokens,
         command=_command(args),
     )
     print(
-        f"trainwise: wrote {args.out}: {index['documents']} documents, {index['tokens']} tokens "
+        f"trainwise: wrote {args.out}: {index['documents']} {_unit(index)}, {index['tokens']} tokens "
         f"({index['dtype']}, vocabulary {index['vocab_size']}, EOS {index['eos_id']}) in "
         f"{len(index['shards'])} shard(s)"
     )
@@ -64,5 +72,10 @@ def _command(args: argparse.Namespace) -> list[str]:
     """The command that made the directory, as index.json records it."""
     line = ["trainwise", "data", "prepare", *args.inputs, "--out", args.out]
     line += ["--tokenizer", args.tokenizer, "--field", args.field]
+    line += ["--response-field", args.response_field] if args.response_field else []
     line += ["--shard-tokens", str(args.shard_tokens)] + (["--eos", args.eos] if args.eos else [])
     return line
+
+
+def _unit(index: dict) -> str:
+    return "examples" if index.get("kind") == "prompt_response" else "documents"

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from trainwise.data.datasets import ArrayDataset, TokenWindows, split_arrays, split_tokens
 from trainwise.data.digits import load_digits_arrays
 from trainwise.data.sampler import ShardedBatchSampler
-from trainwise.data.shards import TokenShards
+from trainwise.data.shards import PromptResponseExamples, TokenShards, read_index
 from trainwise.data.synthetic import build_synthetic_corpus, synthetic_entropy_rate
 from trainwise.data.tokens import open_token_file, token_vocab_size, write_token_file
 from trainwise.errors import DataError
@@ -25,6 +25,7 @@ __all__ = [
     "ArrayDataset",
     "DataInfo",
     "ShardedBatchSampler",
+    "PromptResponseExamples",
     "TokenShards",
     "TokenWindows",
     "build_datasets",
@@ -68,6 +69,24 @@ def _lm_datasets(
     return train_ds, val_ds, info
 
 
+def _example_datasets(
+    path: str, seq_len: int, val_fraction: float
+) -> tuple[Dataset, Dataset, DataInfo]:
+    """A prompt/response corpus: one example per sample, the last val_fraction held out."""
+    index = read_index(path)
+    n = int(index["documents"])
+    n_val = int(round(n * val_fraction))
+    if not 0 < n_val < n:
+        raise DataError(
+            f"data.val_fraction={val_fraction} of the {n} examples in {str(path)!r} leaves an "
+            "empty split; use more examples or a val_fraction nearer 0.5"
+        )
+    train = PromptResponseExamples(path, seq_len, 0, n - n_val)
+    val = PromptResponseExamples(path, seq_len, n - n_val, n)
+    vocab = int(index["vocab_size"])
+    return train, val, DataInfo("lm", vocab, None, None, len(train), len(val), seq_len)
+
+
 def build_datasets(
     name: Literal["synthetic", "digits", "tokens"],
     *,
@@ -95,6 +114,8 @@ def build_datasets(
                 "data.path is not set but data.name='tokens' needs it; set data.path to a uint16 "
                 "token file or a directory written by `trainwise data prepare`"
             )
+        if Path(path).is_dir() and read_index(path).get("kind") == "prompt_response":
+            return _example_datasets(path, seq_len, val_fraction)
         if Path(path).is_dir():
             shards = TokenShards(path)
             what = f"prepared corpus {str(path)!r} ({len(shards)} tokens)"

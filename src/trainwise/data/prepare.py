@@ -124,6 +124,21 @@ def read_documents(paths: Sequence[Path], field: str) -> Iterator[str]:
                 yield _field_of(line, field, f"{path}:{lineno}")
 
 
+def read_examples(paths: Sequence[Path], prompt: str, response: str) -> Iterator[tuple[str, str]]:
+    """(prompt, response) of every line of JSONL files, in order."""
+    for path in paths:
+        if not path.is_file() or path.suffix.lower() not in (".jsonl", ".ndjson"):
+            raise DataError(
+                f"input {str(path)!r} is not a .jsonl file; prompt/response examples are "
+                "JSONL lines with both fields"
+            )
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    where = f"{path}:{lineno}"
+                    yield _field_of(line, prompt, where), _field_of(line, response, where)
+
+
 def _field_of(line: str, field: str, where: str) -> str:
     try:
         record = json.loads(line)
@@ -141,10 +156,10 @@ def _field_of(line: str, field: str, where: str) -> str:
 
 
 class _ShardWriter:
-    """Appends token ids to shards of at most `shard_tokens` ids in `folder`."""
+    """Appends values to `part` shards of at most `shard_tokens` values in `folder`."""
 
-    def __init__(self, folder: Path, dtype: str, shard_tokens: int):
-        self.folder, self.dtype, self.limit = folder, DTYPES[dtype], shard_tokens
+    def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int, part: str = "tokens"):
+        self.folder, self.dtype, self.limit, self.part = folder, dtype, shard_tokens, part
         self.shards: list[dict[str, Any]] = []
         self._file: Any = None
 
@@ -159,7 +174,7 @@ class _ShardWriter:
 
     def _open_next(self) -> None:
         self.close()
-        name = shard_name(len(self.shards))
+        name = shard_name(len(self.shards), self.part)
         self.shards.append({"file": name, "tokens": 0})
         self._file = (self.folder / name).open("wb")
 
@@ -171,16 +186,47 @@ class _ShardWriter:
             self._file = None
 
 
+class _Output:
+    """The streams of a prepared directory: token ids, and for prompt/response examples the
+    loss mask (same shards) and every example's start offset."""
+
+    def __init__(self, folder: Path, dtype: str, shard_tokens: int, examples: bool):
+        self.tokens = _ShardWriter(folder, DTYPES[dtype], shard_tokens)
+        self.mask = _ShardWriter(folder, np.dtype("u1"), shard_tokens, "mask") if examples else None
+        self.starts: list[int] = [0]
+
+    def add(self, ids: list[int], mask: list[int] | None = None) -> None:
+        self.tokens.write(np.asarray(ids, dtype=np.int64))
+        if self.mask is not None:
+            self.mask.write(np.asarray(mask, dtype=np.int64))
+            self.starts.append(self.starts[-1] + len(ids))
+
+    def close(self) -> list[dict[str, Any]]:
+        """The shard entries of index.json (after the files are flushed)."""
+        self.tokens.close()
+        shards = self.tokens.shards
+        if self.mask is not None:
+            self.mask.close()
+            for shard, mask in zip(shards, self.mask.shards, strict=True):
+                shard["mask"] = mask["file"]
+            starts = np.asarray(self.starts, dtype="<u8")
+            starts.tofile(self.tokens.folder / "documents.bin")
+        return shards
+
+
 def prepare(
     inputs: Sequence[str | os.PathLike[str]],
     out: str | os.PathLike[str],
     tokenizer: Tokenizer,
     *,
     field: str = "text",
+    response_field: str | None = None,
     shard_tokens: int = 1 << 27,
     command: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Tokenize `inputs` into the prepared directory `out`; returns its index."""
+    """Tokenize `inputs` into the prepared directory `out`; returns its index. With
+    `response_field`, every JSONL line is a (`field`, `response_field`) example whose loss
+    counts the response tokens and the EOS only."""
     out, paths = Path(out), [Path(p) for p in inputs]
     if not paths:
         raise DataError("data prepare: no input files given; name text or JSONL files")
@@ -192,19 +238,15 @@ def prepare(
     shutil.rmtree(partial, ignore_errors=True)  # what a killed prepare left
     partial.mkdir(parents=True)
     dtype = dtype_for_vocab(tokenizer.vocab_size)
-    writer = _ShardWriter(partial, dtype, shard_tokens)
-    docs = 0
+    output = _Output(partial, dtype, shard_tokens, examples=response_field is not None)
     try:
-        batch: list[str] = []
-        for text in read_documents(paths, field):
-            batch.append(text)
-            if len(batch) == _BATCH:
-                docs += _write_batch(writer, tokenizer, batch)
-                batch = []
-        docs += _write_batch(writer, tokenizer, batch)
+        if response_field is None:
+            docs = _write_documents(output, tokenizer, read_documents(paths, field))
+        else:
+            docs = _write_examples(output, tokenizer, read_examples(paths, field, response_field))
     finally:
-        writer.close()
-    tokens = sum(s["tokens"] for s in writer.shards)
+        shards = output.close()
+    tokens = sum(s["tokens"] for s in shards)
     if docs == 0 or tokens == docs:  # nothing but separators
         shutil.rmtree(partial, ignore_errors=True)
         raise DataError(
@@ -213,8 +255,10 @@ def prepare(
         )
     index = {
         "format": FORMAT, "version": VERSION, "dtype": dtype, "vocab_size": tokenizer.vocab_size,
-        "eos_id": tokenizer.eos_id, "documents": docs, "tokens": tokens, "shards": writer.shards,
+        "eos_id": tokenizer.eos_id, "documents": docs, "tokens": tokens, "shards": shards,
+        "kind": "text" if response_field is None else "prompt_response",
         "tokenizer": {"spec": tokenizer.spec, "sha256": tokenizer.sha256}, "field": field,
+        "response_field": response_field,
         "sources": [{"path": str(p), "sha256": _sha256(p)} for p in paths],
         "command": list(command),
     }  # fmt: skip
@@ -223,9 +267,36 @@ def prepare(
     return index
 
 
-def _write_batch(writer: _ShardWriter, tokenizer: Tokenizer, texts: list[str]) -> int:
-    if not texts:
-        return 0
-    for ids in tokenizer.encode_batch(texts):
-        writer.write(np.asarray([*ids, tokenizer.eos_id], dtype=np.int64))
-    return len(texts)
+def _batches(items: Iterator[Any]) -> Iterator[list[Any]]:
+    batch: list[Any] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == _BATCH:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _write_documents(output: _Output, tokenizer: Tokenizer, docs: Iterator[str]) -> int:
+    n = 0
+    for batch in _batches(docs):
+        for ids in tokenizer.encode_batch(batch):
+            output.add([*ids, tokenizer.eos_id])
+        n += len(batch)
+    return n
+
+
+def _write_examples(
+    output: _Output, tokenizer: Tokenizer, examples: Iterator[tuple[str, str]]
+) -> int:
+    """Prompt and response tokenized apart (so the boundary is exact), then one sequence:
+    prompt, response, EOS; the mask marks the response and the EOS."""
+    n = 0
+    for batch in _batches(examples):
+        prompts = tokenizer.encode_batch([p for p, _ in batch])
+        responses = tokenizer.encode_batch([r for _, r in batch])
+        for p, r in zip(prompts, responses, strict=True):
+            output.add([*p, *r, tokenizer.eos_id], [0] * len(p) + [1] * (len(r) + 1))
+        n += len(batch)
+    return n

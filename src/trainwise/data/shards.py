@@ -5,6 +5,11 @@ uint32 ids, the dtype fixed by the tokenizer's vocabulary) and ``index.json``, w
 a directory without it is not a prepared corpus. Documents are separated by the
 tokenizer's EOS id. `TokenShards` maps the shards read-only and reads them as one stream,
 so the windows, the split and the sampler work on it as on a single token file.
+
+Prompt/response corpora (``kind = "prompt_response"`` in the index) add, per token shard, a
+``mask-NNNNN.bin`` of uint8 (1 where the token is part of a response, so predicted and
+counted in the loss) and ``documents.bin``: uint64 start offsets of every example plus the
+end, so an example is one training sample.
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ def dtype_for_vocab(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
-def shard_name(i: int) -> str:
-    return f"tokens-{i:05d}.bin"
+def shard_name(i: int, part: str = "tokens") -> str:
+    return f"{part}-{i:05d}.bin"
 
 
 def is_prepared_dir(path: str | os.PathLike[str]) -> bool:
@@ -64,14 +69,17 @@ class TokenShards:
 
     ndim = 1
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], part: str = "file"):
+        """`part`: "file" for the token ids, "mask" for a prompt/response corpus's mask."""
         self.path = Path(path)
         self.index = read_index(self.path)
-        self.dtype = DTYPES[self.index["dtype"]]
+        self.dtype = DTYPES[self.index["dtype"]] if part == "file" else np.dtype("u1")
         self.vocab_size = int(self.index["vocab_size"])
         self._maps: list[np.memmap] = []
         for shard in self.index["shards"]:
-            f = self.path / shard["file"]
+            if part not in shard:
+                raise DataError(f"data.path: {str(self.path)!r} has no {part} shards")
+            f = self.path / shard[part]
             expected = int(shard["tokens"]) * self.dtype.itemsize
             if not f.is_file() or f.stat().st_size != expected:
                 raise DataError(
@@ -116,3 +124,37 @@ def write_index(out: Path, index: dict[str, Any]) -> None:
     tmp = out / (INDEX + ".tmp")
     tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     os.replace(tmp, out / INDEX)
+
+
+IGNORE = -100  # the target id cross entropy skips (torch's default ignore_index)
+
+
+class PromptResponseExamples:
+    """One prompt/response example per sample, cut to seq_len + 1 tokens: x the inputs
+    padded with EOS, y the next tokens where they are response tokens (or the EOS) and
+    IGNORE elsewhere (prompt, padding), so only responses count in the loss. An example
+    alone in its sample attends to nothing else: no packing across examples."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], seq_len: int, first: int = 0, last: int | None = None
+    ):
+        self.tokens, self.mask = TokenShards(path), TokenShards(path, "mask")
+        starts = np.fromfile(Path(path) / "documents.bin", dtype="<u8")
+        self.starts = starts[first : (len(starts) - 1 if last is None else last) + 1]
+        self.seq_len, self.eos = seq_len, int(self.tokens.index["eos_id"])
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def __getitem__(self, i: int) -> tuple[Any, Any]:
+        import torch
+
+        lo = int(self.starts[i])
+        hi = min(int(self.starts[i + 1]), lo + self.seq_len + 1)
+        ids = np.asarray(self.tokens[lo:hi], dtype=np.int64)
+        counted = np.asarray(self.mask[lo:hi], dtype=bool)
+        x = np.full(self.seq_len, self.eos, dtype=np.int64)
+        y = np.full(self.seq_len, IGNORE, dtype=np.int64)
+        x[: len(ids) - 1] = ids[:-1]
+        y[: len(ids) - 1] = np.where(counted[1:], ids[1:], IGNORE)
+        return torch.from_numpy(x), torch.from_numpy(y)
