@@ -118,8 +118,8 @@ class Training:
         self.resumed.skipped = skipped
         self.log.info("trainwise: %s", self.resumed.line())  # first: where it continues from
         self.log.info(
-            "trainwise: %s on %d x %s, %s", c.model.name, env.world, self.job.device.name,
-            self.job.decision.reason,
+            "trainwise: %s on %d x %s (%s), %s", c.model.name, env.world,
+            self.job.device.name, self.job.dims.describe(), self.job.decision.reason,
         )  # fmt: skip
         if env.world > 1:
             self.log.info(
@@ -319,6 +319,8 @@ class Training:
             "model": c.model.name,
             "params": job.params,
             "strategy": job.strategy,
+            "layout": job.dims.describe(),
+            "tp": job.dims.tp,
             "cpu_offload": job.cpu_offload,
             "reason": job.decision.reason,
             "world": env.world,
