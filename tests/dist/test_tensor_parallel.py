@@ -28,11 +28,14 @@ RUNS = {
     "single": (1, "single", 16, 1, [], "dp_replicate 1 x dp_shard 1 x tp 1"),
     "tp2": (2, "auto", 16, 1, [], "dp_replicate 1 x dp_shard 1 x tp 2"),
     "fsdp2_tp2": (4, "fsdp", 8, 1, [], "dp_replicate 1 x dp_shard 2 x tp 2"),
-    "fsdp2_tp2_no_sp": (
-        4, "fsdp", 8, 1, ["parallel.sequence_parallel=false"], "dp_replicate 1 x dp_shard 2 x tp 2"
-    ),
     "replicate2_tp2": (4, "ddp", 8, 1, [], "dp_replicate 2 x dp_shard 1 x tp 2"),
-    "tp2_ac": (2, "auto", 16, 1, ["parallel.ac='full'"], "dp_replicate 1 x dp_shard 1 x tp 2"),
+    # Sequence parallelism off (the norms stay plain replicated tensors), with AC. The
+    # learned position table is off the plan: under FSDP it lives on the dp mesh alone,
+    # so the 2 x 2 runs clip over two meshes.
+    "tp2_no_sp_ac": (
+        2, "auto", 16, 1, ["parallel.sequence_parallel=false", "parallel.ac='full'"],
+        "dp_replicate 1 x dp_shard 1 x tp 2",
+    ),
     "accum_sharded": (
         4, "fsdp", 4, 2, ["parallel.accumulate='sharded'"], "dp_replicate 1 x dp_shard 2 x tp 2"
     ),

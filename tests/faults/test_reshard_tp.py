@@ -1,7 +1,7 @@
 """Resharding across tensor-parallel layouts: a checkpoint written by 2-way FSDP x 2-way TP
 (DTensors on a 2-D mesh) resumes on one process, one written by one process resumes under
 2-way TP, and both continue with the losses of the uninterrupted run; `trainwise export`
-writes the whole model from the TP checkpoint. Like test_reshard, on the shared
+writes the whole model from the TP checkpoint; a worker killed under TP resumes bit-exact. Like test_reshard, on the shared
 job_args (12 steps, a checkpoint every 4, global batch 16)."""
 
 from __future__ import annotations
@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from faulty import References, final_weights, job_args
+from faulty import (
+    References,
+    assert_identical,
+    final_weights,
+    finish,
+    job_args,
+    kill,
+    start,
+    wait_for_pid,
+)
 
 from helpers import read_records, run_cli
 
@@ -75,3 +84,14 @@ def test_export_of_a_tp_checkpoint_is_the_whole_model(
     assert tp.keys() == single.keys()
     for name in tp:
         torch.testing.assert_close(tp[name], single[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_sigkill_under_tp_resumes_exactly(workdir: Path, tp_run: Path):
+    nproc, strategy, extra = TP_LAYOUTS["fsdp2_tp2"]
+    broken = workdir / "broken"
+    proc = start(job_args(broken, nproc, strategy, *extra), workdir, faults="pause@step=10,rank=1")
+    kill(wait_for_pid(proc, broken / "faults" / "pause-step-10.pid"))  # last checkpoint: 8
+    rc, _, err = finish(proc)
+    assert rc == 0, err
+    assert "resuming from step 8" in err
+    assert_identical(final_weights(tp_run, workdir), final_weights(broken, workdir))
