@@ -40,7 +40,7 @@ PAUSE = 8  # the step after which rank 0 waits for the preemption (a fault point
 SETS = [*QUIET, "--set", f"train.steps={STEPS}", "--set", f"train.eval_every={STEPS}",
         "--set", "checkpoint.interval=5"]  # fmt: skip
 COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
-CRED_EXPIRE_S = 10  # a requeued job starts again after this (and 1 s)
+CRED_EXPIRE_S = 5  # a requeued job starts again after this (and 1 s)
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
 
 
@@ -139,6 +139,9 @@ class Cluster:
             "JobCompType": "jobcomp/none",
             "AccountingStorageType": "accounting_storage/none",
             "JobAcctGatherType": "jobacct_gather/none",
+            # Try pending jobs every second, not every minute: a requeued job starts as
+            # soon as its wait is over.
+            "SchedulerParameters": "sched_interval=1",
             "ReturnToService": 2,
             "KillWait": 5,
         }
@@ -310,12 +313,13 @@ def test_usr1_checkpoints_requeues_and_resumes_exactly(cluster: Cluster, referen
 
 
 def test_time_limit_signal_requeues_by_itself(cluster: Cluster, reference, tmp_path: Path):
-    """A 2-minute limit with the warning 40 s before it (on the sbatch command line, over
-    the script's 180 s): Slurm sends USR1 20 to 80 s after the start (its timer is coarse),
-    while rank 0 waits after step PAUSE; nothing here signals the job."""
-    job_id, run_dir = submit(cluster, tmp_path, ["--time", "2"], sbatch=["--signal=B:USR1@40"],
+    """A 1-minute limit with the warning 15 s before it (on the sbatch command line, over
+    the script's 180 s). Slurm checks time limits every 30 s, so USR1 comes 15 to 45 s
+    after the start, while rank 0 waits after step PAUSE; nothing here signals the job.
+    (Should it come before step PAUSE, the requeued attempt waits there for its own.)"""
+    job_id, run_dir = submit(cluster, tmp_path, ["--time", "1"], sbatch=["--signal=B:USR1@15"],
                              faults=f"pause@step={PAUSE},rank=0")  # fmt: skip
-    assert cluster.job(job_id)["TimeLimit"] == "00:02:00"
+    assert cluster.job(job_id)["TimeLimit"] == "00:01:00"
     job = cluster.wait_end(job_id, tmp_path, timeout=240)
     assert_preempted_and_resumed(tmp_path, job_id, job)
     assert_same_losses(run_dir, reference)
