@@ -241,12 +241,13 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_records(root / "run")}
 
 
-def submit(cluster: Cluster, workdir: Path, flags: list[str], sbatch: list[str] = (),
+def submit(cluster: Cluster, workdir: Path, flags: list[str], sbatch: tuple[str, ...] = (),
            faults: str = "") -> tuple[str, Path]:  # fmt: skip
     """Write the job's script with `trainwise launch slurm FLAGS` and sbatch it from
     `workdir`; the job id and its run directory."""
-    made = run_cli("launch", "slurm", "--config", str(TINY), "--nodes", "1", "--name", "tiny",
-                   "--port", str(free_port()), *SETS, *flags, "-o", "job.sbatch", cwd=workdir)  # fmt: skip
+    launch = ["launch", "slurm", "--config", str(TINY), "--nodes", "1", "--name", "tiny",
+              "--port", str(free_port()), *SETS, *flags, "-o", "job.sbatch"]  # fmt: skip
+    made = run_cli(*launch, cwd=workdir)
     assert made.returncode == 0, made.stderr
     env = {"TRAINWISE_FAULTS": faults} if faults else {}
     done = cluster.slurm("sbatch", "--parsable", *sbatch, "job.sbatch", cwd=workdir, env=env)
@@ -317,7 +318,7 @@ def test_time_limit_signal_requeues_by_itself(cluster: Cluster, reference, tmp_p
     the script's 180 s). Slurm checks time limits every 30 s, so USR1 comes 15 to 45 s
     after the start, while rank 0 waits after step PAUSE; nothing here signals the job.
     (Should it come before step PAUSE, the requeued attempt waits there for its own.)"""
-    job_id, run_dir = submit(cluster, tmp_path, ["--time", "1"], sbatch=["--signal=B:USR1@15"],
+    job_id, run_dir = submit(cluster, tmp_path, ["--time", "1"], sbatch=("--signal=B:USR1@15",),
                              faults=f"pause@step={PAUSE},rank=0")  # fmt: skip
     assert cluster.job(job_id)["TimeLimit"] == "00:01:00"
     job = cluster.wait_end(job_id, tmp_path, timeout=240)
