@@ -62,10 +62,8 @@ def _skip_reason() -> str | None:
     return None
 
 
-pytestmark = [
-    pytest.mark.dist,
-    pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or ""),
-]
+SKIP = _skip_reason()
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
 
 
 class Cluster:
@@ -112,11 +110,14 @@ class Cluster:
         state, spool = self.root / "state", self.root / "spool"
         state.mkdir()
         spool.mkdir()
+        ctld_port = free_port()
+        while (slurmd_port := free_port()) == ctld_port:
+            pass
         settings = {
             "ClusterName": "trainwise",
             "SlurmctldHost": f"{node}(127.0.0.1)",
-            "SlurmctldPort": free_port(),
-            "SlurmdPort": free_port(),
+            "SlurmctldPort": ctld_port,
+            "SlurmdPort": slurmd_port,
             "SlurmUser": "root",
             "AuthType": "auth/munge",
             "CredType": "cred/munge",
