@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -105,8 +106,13 @@ class Cluster:
     def _write_conf(self) -> str:
         """slurm.conf for this machine; returns the node's name (its hostname)."""
         probe = subprocess.run([_find("slurmd"), "-C"], capture_output=True, text=True)
+        assert probe.returncode == 0, f"slurmd -C: {probe.stderr}"
         node_line = probe.stdout.splitlines()[0]  # NodeName=... CPUs=... RealMemory=...
         node = re.search(r"NodeName=(\S+)", node_line).group(1)
+        try:  # the script's rendezvous endpoint is the node's name
+            socket.gethostbyname(node)
+        except OSError:
+            pytest.skip(f"this machine's name {node!r} does not resolve (add it to /etc/hosts)")
         state, spool = self.root / "state", self.root / "spool"
         state.mkdir()
         spool.mkdir()

@@ -317,3 +317,13 @@ def test_resource_flags_that_contradict_the_job_are_exit_2(config, flags, named,
     captured = capsys.readouterr()
     assert code == 2 and captured.out == "" and not out.exists()
     assert captured.err.count("\n") == 1 and named in captured.err
+
+
+def test_k8s_cpu_job_asks_for_cpus_not_gpus(capsys):
+    capsys.readouterr()
+    argv = ["launch", "k8s", "--config", str(TINY_CPU), "--nodes", "2", "--image", IMAGE]
+    assert main([*argv, "--print"]) == 0
+    _, job = yaml.safe_load_all(capsys.readouterr().out)
+    assert job["spec"]["elasticPolicy"]["nProcPerNode"] == 2
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert pod["containers"][0]["resources"] == {"limits": {"cpu": 2}}
