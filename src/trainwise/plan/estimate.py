@@ -24,7 +24,12 @@ from trainwise.plan.memory import (
     estimate_memory,
 )
 from trainwise.plan.precision import MASTER_BYTES, OPTIMIZER_STATE_BYTES
-from trainwise.plan.tensor_parallel import gemm_efficiency, params_per_rank, tp_collective
+from trainwise.plan.tensor_parallel import (
+    gemm_efficiency,
+    params_per_rank,
+    tp_collectives,
+    tp_exposed_seconds,
+)
 
 # Assumption: a GPU's share of the host cores applies AdamW to 0.5 G parameters/s (PyTorch's
 # foreach CPU AdamW is memory-bound: ~32 bytes read and written per parameter).
@@ -170,7 +175,7 @@ def price(inputs: PlanInputs, setup: Setup, name: str | None = None) -> Strategy
         )
         per_rank = 1.0
 
-    memory = _memory(w, setup, hw.device)
+    memory = setup_memory(w, setup, hw.device)
     budget = hw.memory_bytes * (1.0 - inputs.headroom)
     host_per_node = memory.host * inputs.gpus_per_node
     host_fits = host_per_node <= hw.host_memory_bytes
@@ -202,12 +207,10 @@ def price(inputs: PlanInputs, setup: Setup, name: str | None = None) -> Strategy
     kind = "fsdp" if dims.fsdp else "ddp"
     exposed = exposed_seconds(collectives, compute, kind, block / rank_params, accum, dp)
     recomputed = len(checkpointed_blocks(w.ac, n_layer)) if w.shape else 0
-    tp_link = layout.link(tp)
-    tp_comm = tp_collective(w.shape, w.seq_len, w.micro_batch, w.precision, tp, recomputed,
-                            accum, tp_link)  # fmt: skip
-    if tp_comm is not None:  # not overlapped (plan.tensor_parallel): all of it waits
-        collectives.append(tp_comm)
-        exposed += tp_comm.seconds
+    tp_comm = tp_collectives(w.shape, w.seq_len, w.micro_batch, w.precision, tp, recomputed,
+                             accum, layout.link(tp))  # fmt: skip
+    collectives += tp_comm
+    exposed += tp_exposed_seconds(tp_comm, compute, recompute_factor(w.ac, n_layer))
     comm = sum(c.seconds for c in collectives)
     busy = compute + exposed
     data = 0.0
@@ -251,7 +254,7 @@ def price(inputs: PlanInputs, setup: Setup, name: str | None = None) -> Strategy
     )
 
 
-def _memory(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
+def setup_memory(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
     """estimate_memory for the layout of `setup` (`w` at its micro-batch and ac)."""
     dims = setup.dims
     if dims.fsdp:

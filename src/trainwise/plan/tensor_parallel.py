@@ -19,8 +19,12 @@ Communication (ibid., section 4.2.2): each block runs two all-reduces forward (a
 attention and after the MLP) and two backward, each of s·b·h activations; with sequence
 parallelism each becomes an all-gather plus a reduce-scatter of the same volume. A
 recomputed (checkpointed) block runs its forward's two again. They run on the link between
-the `tp` ranks, which sit inside one node. Assumption: they are not overlapped with compute
-(each feeds the next matmul), so all of it is exposed.
+the `tp` ranks, which sit inside one node. Assumption: forward's wait (each feeds the next
+matmul); backward's overlap the weight-gradient GEMMs, as Megatron-LM's tensor-parallel
+linear layers do (the input gradient's all-reduce, or reduce-scatter with sequence
+parallelism, runs asynchronously while the weight gradient is computed), and wait only for
+what exceeds them. A runtime without that overlap (plain DTensor) waits for all of it: then
+a step has the backward share more exposed.
 
 Compute. Each rank runs 1/t of every matmul; narrower GEMMs run less efficiently, which is
 an assumption (TP_EFFICIENCY_PER_DOUBLING below), not a measurement.
@@ -38,7 +42,8 @@ from trainwise.plan.precision import BYTES
 # are 1/t as wide; Megatron-LM reports 77 % weak-scaling efficiency at t = 8 for whole
 # steps, communication included, so 0.97 per doubling for the GEMMs alone is mild).
 TP_EFFICIENCY_PER_DOUBLING = 0.97
-TP_COLLECTIVE = "tp all-reduce (or all-gather + reduce-scatter)"
+TP_FORWARD = "tp forward all-reduce (or all-gather + reduce-scatter)"
+TP_BACKWARD = "tp backward all-reduce (or all-gather + reduce-scatter)"
 
 
 def norm_size(shape: GPTShape) -> int:
@@ -82,7 +87,7 @@ def gemm_efficiency(tp: int) -> float:
     return TP_EFFICIENCY_PER_DOUBLING ** math.log2(tp) if tp > 1 else 1.0
 
 
-def tp_collective(
+def tp_collectives(
     shape: GPTShape | None,
     seq_len: int,
     micro_batch: int,
@@ -91,13 +96,28 @@ def tp_collective(
     recomputed_blocks: int,
     grad_accum: int,
     link_bps: float,
-) -> Collective | None:
-    """The TP traffic of one step through one rank's link: per micro-batch, (4 per block +
-    2 per recomputed block) collectives of s·b·h elements in the compute dtype, each moving
-    2(t-1)/t of it (an all-reduce, or an all-gather and a reduce-scatter)."""
+) -> list[Collective]:
+    """The TP traffic of one step through one rank's link, forward and backward: per
+    micro-batch and block, two collectives forward (two more for a recomputed block) and two
+    backward, each of s·b·h elements in the compute dtype moving 2(t-1)/t of it (an
+    all-reduce, or an all-gather and a reduce-scatter)."""
     if tp == 1 or shape is None:
-        return None
-    volume = seq_len * micro_batch * shape.d_model * BYTES[precision]
-    count = 4 * shape.n_layer + 2 * recomputed_blocks
-    wire = grad_accum * count * allreduce_factor(tp) * volume
-    return Collective(TP_COLLECTIVE, wire, link_bps, per_micro_batch=True)
+        return []
+    one = grad_accum * allreduce_factor(tp) * seq_len * micro_batch * shape.d_model
+    one *= BYTES[precision]
+    forward = (2 * shape.n_layer + 2 * recomputed_blocks) * one
+    backward = 2 * shape.n_layer * one
+    return [
+        Collective(TP_FORWARD, forward, link_bps, per_micro_batch=True),
+        Collective(TP_BACKWARD, backward, link_bps, per_micro_batch=True),
+    ]
+
+
+def tp_exposed_seconds(collectives: list[Collective], compute_s: float, recompute: float) -> float:
+    """What the step waits for of the TP collectives: all of forward's; of backward's, what
+    the weight-gradient GEMMs (2N of the 6N FLOPs per token, so a third of the compute
+    without recomputation) cannot hide (see the module's docstring)."""
+    forward = sum(c.seconds for c in collectives if c.name == TP_FORWARD)
+    backward = sum(c.seconds for c in collectives if c.name == TP_BACKWARD)
+    weight_grads = compute_s / recompute / 3
+    return forward + max(0.0, backward - weight_grads)
