@@ -20,6 +20,7 @@ from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 from trainwise.plan.memory import Workload, estimate_memory
 from trainwise.plan.planner import SweepRow, knee, make_plan, parse_sweep
 from trainwise.plan.record import plan_record
+from trainwise.plan.search import recommend, search
 
 GB = 1e9
 
@@ -227,16 +228,35 @@ def test_small_model_on_two_gpus_is_an_mvp():
     assert plan.recommendation.scenario == "mvp"
 
 
-def test_nothing_fits_is_offline_batch_with_the_smallest_footprint():
+def test_only_offload_fits_is_offline_batch():
+    # llama-70b on 2 A10G (24 GB): 1.4 TB for one replica; only cpu offload, with full
+    # checkpointing, fits.
     plan = make_plan(
         plan_inputs(**{"model.name": "llama-70b", "cluster.gpu": "A10G", "plan.gpus": 2})
     )
     rec = plan.recommendation
     assert rec.scenario == "offline-batch"
-    chosen = plan.strategy(rec.strategy)
-    assert not chosen.fits
-    assert chosen.memory.total == min(s.memory.total for s in plan.strategies if s.name != "single")
+    assert plan.best.fits and rec.choice.dims.cpu_offload
+    assert any(r.startswith("Only cpu offload fits") for r in rec.reasons)
+
+
+def test_nothing_fits_is_offline_batch_with_the_smallest_footprint_and_a_fix():
+    # The same at 32k tokens a sequence and 100 GB of host memory: nothing fits; the plan
+    # shows the configuration that needs the least, and the fewest GPUs that do fit.
+    flags = {"model.name": "llama-70b", "cluster.gpu": "A10G", "plan.gpus": 2,
+             "data.seq_len": 32768, "cluster.host_memory_gb": 100}  # fmt: skip
+    inputs = plan_inputs(**flags)
+    plan = make_plan(inputs)
+    rec = plan.recommendation
+    assert rec.scenario == "offline-batch"
+    assert not plan.best.fits
+    _, smallest = search(inputs)
+    assert plan.best.memory.total == min(s.memory.total for s in smallest)
     assert any(r.startswith("Nothing fits") for r in rec.reasons)
+    fix = next(r for r in rec.reasons if r.startswith("With "))
+    gpus = int(fix.split()[1])
+    assert recommend(inputs.with_gpus(gpus)).fits
+    assert not recommend(inputs.with_gpus(gpus // 2)).fits  # the fewest (of the doublings)
 
 
 def test_objective_time_picks_the_fastest_that_fits():

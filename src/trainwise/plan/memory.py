@@ -37,7 +37,6 @@ from trainwise.models.shapes import GPTShape
 from trainwise.plan.precision import BYTES, MASTER_BYTES, OPTIMIZER_STATE_BYTES
 from trainwise.plan.tensor_parallel import activation_split, norm_size, params_per_rank
 
-
 # Assumption, not a measurement: a CUDA context with PyTorch's kernels loaded holds about
 # 0.5-1 GB, and the caching allocator's fragmentation typically costs a few percent of the
 # peak (PyTorch "CUDA semantics: memory management"). CPU workers have neither.

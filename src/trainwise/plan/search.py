@@ -20,9 +20,9 @@ from trainwise.plan.estimate import (
     SIMPLICITY,
     Setup,
     StrategyPlan,
-    setup_memory,
     layout_name,
     price,
+    setup_memory,
 )
 from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.space import (
@@ -54,12 +54,17 @@ class Goal:
 @dataclass(frozen=True)
 class Choice:
     """The configuration to run, its priced plan, whether it fits, and why it was chosen;
-    `alternatives`: the best few others that fit (best first)."""
+    `alternatives`: the others that fit and meet the goal, best first."""
 
     plan: StrategyPlan
     fits: bool
-    reason: str
+    why: str  # the reason, without the configuration
     alternatives: list[StrategyPlan] = field(default_factory=list)
+
+    @property
+    def reason(self) -> str:
+        """One line: the configuration and why (the runtime's summary says it)."""
+        return f"{describe_setup(self.setup)}: {self.why}"
 
     @property
     def setup(self) -> Setup:
@@ -96,8 +101,6 @@ def setup_keys(setup: Setup) -> dict[str, object]:
     keys = dict(dims.config_keys())
     if dims.tp > 1:
         keys["parallel.tp"] = dims.tp
-    if dims.fsdp and dims.dp_replicate > 1:
-        keys["parallel.dp_shard"] = dims.dp_shard
     keys["parallel.ac"] = setup.ac
     if dims.fsdp and setup.grad_accum > 1:
         keys["parallel.accumulate"] = setup.accumulate
@@ -224,7 +227,7 @@ def recommend(
         least = min(smallest, key=lambda s: (s.memory.total, simplicity(s)))
         return Choice(least, False, _reason_unfit(least))
     best = ordered[0]
-    return Choice(best, True, _reason(best, ordered, goal), ordered[1:6])
+    return Choice(best, True, _reason(best, ordered, goal), ordered[1:])
 
 
 def _reason(best: StrategyPlan, ordered: list[StrategyPlan], goal: Goal) -> str:
@@ -236,7 +239,7 @@ def _reason(best: StrategyPlan, ordered: list[StrategyPlan], goal: Goal) -> str:
     top = min(ordered, key=lambda s: score(s, goal))
     simpler = "" if top is best else ", the simplest within 1 % of the best"
     return (
-        f"{describe_setup(best.setup)}: {what} of {len(ordered)} that fit{simpler} "
+        f"{what} of {len(ordered)} that fit{simpler} "
         f"({fmt_bytes(best.memory.total)} per GPU, {best.step.exposed_comm / best.step.total:.0%} "
         f"of a step waiting on communication, {fmt_hours(best.hours_to_train)}, "
         f"{fmt_usd(best.cost.total_usd)})"
@@ -245,6 +248,6 @@ def _reason(best: StrategyPlan, ordered: list[StrategyPlan], goal: Goal) -> str:
 
 def _reason_unfit(least: StrategyPlan) -> str:
     return (
-        f"nothing fits: {describe_setup(least.setup)} needs the least, "
-        f"{fmt_bytes(least.memory.total)} per GPU against {fmt_bytes(least.budget_bytes)} usable"
+        f"nothing fits; this needs the least, {fmt_bytes(least.memory.total)} per GPU against "
+        f"{fmt_bytes(least.budget_bytes)} usable"
     )
