@@ -2,8 +2,9 @@
 
 Composes the single-purpose models (memory, flops, comm, cost) without adding formulas of
 its own, except the step's assembly: a step is compute, plus the communication compute
-cannot hide, plus the time the GPUs wait for data (the loader runs ahead in background
-workers, so only what exceeds the rest of the step is waited for).
+cannot hide (on CPU workers, all of it: gloo's collectives run on the cores that compute),
+plus the time the GPUs wait for data (the loader runs ahead in background workers, so only
+what exceeds the rest of the step is waited for).
 """
 
 from __future__ import annotations
@@ -206,6 +207,8 @@ def price(inputs: PlanInputs, setup: Setup, name: str | None = None) -> Strategy
     block, _ = block_params(w, tp)
     kind = "fsdp" if dims.fsdp else "ddp"
     exposed = exposed_seconds(collectives, compute, kind, block / rank_params, accum, dp)
+    if hw.device == "cpu":  # gloo runs the collectives on the cores that compute: no overlap
+        exposed = sum(c.seconds for c in collectives)
     recomputed = len(checkpointed_blocks(w.ac, n_layer)) if w.shape else 0
     tp_comm = tp_collectives(w.shape, w.seq_len, w.micro_batch, w.precision, tp, recomputed,
                              accum, layout.link(tp))  # fmt: skip

@@ -31,6 +31,10 @@ class Allowed:
     sharded_accumulation: bool = True
     knobs: bool = True
     offload: bool = True
+    # The job's own choices the runtime keeps (None: free): FSDP's resharding after forward
+    # (parallel.shard) and the shard group's size (parallel.dp_shard / replicate).
+    reshard_after_forward: bool | None = None
+    shard_group: int | None = None
 
 
 EVERYTHING = Allowed()
@@ -61,18 +65,24 @@ def layouts(inputs: PlanInputs, allowed: Allowed) -> list[ParallelDims]:
     (ZeRO-3 and ZeRO-2; replicas of them when the group is smaller), plus CPU offload
     (ZeRO-3 only) where allowed. Simplest first."""
     offload = allowed.offload and inputs.hardware.device == "cuda"
+    resharding = (False, True)
+    if allowed.reshard_after_forward is not None:
+        resharding = (allowed.reshard_after_forward,)
     out: list[ParallelDims] = []
     for tp in tp_degrees(inputs, allowed):
         dp = inputs.gpus // tp
-        out.append(ParallelDims(dp_replicate=dp, tp=tp))  # dp 1: no wrapper at all
+        if allowed.shard_group is None:
+            out.append(ParallelDims(dp_replicate=dp, tp=tp))  # dp 1: no wrapper at all
         for shard in divisors(dp):
+            if allowed.shard_group not in (None, shard):
+                continue
             replicas = dp // shard
             if shard > 1:
-                for full in (False, True):
+                for full in resharding:
                     out.append(
                         ParallelDims(replicas, shard, tp, fsdp=True, reshard_after_forward=full)
                     )
-            if offload:
+            if offload and True in resharding:
                 out.append(ParallelDims(replicas, shard, tp, fsdp=True, cpu_offload=True))
     return out
 

@@ -16,10 +16,18 @@ from trainwise.errors import ConfigError
 from trainwise.hardware import GB, DeviceInfo
 from trainwise.hardware.catalog import find_gpu
 from trainwise.models import GPTShape, ModelSpec, count_parameters, resolve_shape
-from trainwise.plan import Decision, Workload, choose_strategy, describe, estimate_memory, fmt_bytes
+from trainwise.plan import (
+    Decision,
+    Workload,
+    decide_auto,
+    describe,
+    estimate_memory,
+    fmt_bytes,
+    runtime_allowed,
+)
 from trainwise.plan.estimate import candidate_names, evaluate
 from trainwise.plan.flops import flops_per_token, recompute_factor
-from trainwise.plan.inputs import PlanInputs, job_inputs
+from trainwise.plan.inputs import PlanInputs, job_inputs, unknown_device_inputs
 from trainwise.plan.record import strategy_record
 
 
@@ -275,12 +283,12 @@ def prepare_job(
         else device.memory_bytes / (local if device.kind == "cpu" else 1)
     )
     view = planner_view(c, workload, world, local, device, device_bytes, accum)
-    cluster = view if strategy == "auto" and nodes > 1 else None
+    cluster = view
     decision = decide(
         workload, strategy, world, device_bytes, c, replicate, device.kind, accum, cluster
     )
     if strategy == "auto" and decision.strategy == "hsdp":
-        replicate = nodes  # shard within a machine, replicate across the machines
+        replicate = decision.replicate  # the shard groups the planner chose
     sharded_in_groups = decision.strategy == "fsdp" and replicate > 1  # auto with dp_shard
     dims = ParallelDims.from_strategy(
         "hsdp" if sharded_in_groups else decision.strategy, world, replicate=replicate,
@@ -420,18 +428,9 @@ def decide(
     accum: int,
     cluster: PlanInputs | None = None,
 ) -> Decision:
-    if strategy == "auto":
-        return choose_strategy(
-            w,
-            world,
-            device_bytes,
-            c.parallel.headroom,
-            c.parallel.shard,
-            allow_offload=device_kind == "cuda",
-            device=device_kind,
-            grad_accum=accum,
-            cluster=cluster,
-        )
+    if strategy == "auto":  # the planner's chooser; `cluster`: its view of these machines
+        inputs = cluster or unknown_device_inputs(c, w, world, accum, device_bytes, device_kind)
+        return decide_auto(inputs, runtime_allowed(c.parallel.shard, c.parallel.dp_shard))
     offload = c.parallel.cpu_offload
     shard_degree = world // replicate if strategy == "hsdp" else None
     est = estimate_memory(
