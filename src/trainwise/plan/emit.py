@@ -24,12 +24,17 @@ def keys_toml(keys: dict[str, object]) -> list[str]:
 
 def job_config(cfg: JobConfig, choice: Choice, inputs: PlanInputs) -> JobConfig:
     """`cfg` (the job the plan read) set to run `choice` on the plan's machines: the
-    choice's keys, and cluster.nproc x cluster.nodes = the GPUs."""
+    choice's keys, and cluster.nproc x cluster.nodes = its GPUs (fewer than the plan's
+    when a deadline or a budget chose fewer)."""
+    inputs = inputs.with_gpus(choice.plan.gpus)
     sections: dict[str, dict[str, object]] = {}
     for key, value in choice.config_keys().items():
         head, _, name = key.partition(".")
         sections.setdefault(head, {})[name] = value
-    sections.setdefault("cluster", {}).update(nproc=inputs.gpus_per_node, nodes=inputs.nodes)
+    cluster = sections.setdefault("cluster", {})
+    cluster.update(nproc=inputs.gpus_per_node, nodes=inputs.nodes)
+    if inputs.hardware.device == "cpu":  # planned for CPU workers: run on them
+        cluster["device"] = "cpu"
     if not choice.dims.hybrid:
         sections["parallel"]["replicate"] = None
     updated = {

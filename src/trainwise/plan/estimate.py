@@ -195,14 +195,13 @@ def price(inputs: PlanInputs, setup: Setup, name: str | None = None) -> Strategy
     if dims.cpu_offload:
         shard_params = rank_params / dims.dp_shard
         passes = 2 * accum  # the shard goes to the device for each forward and backward gather
-        collectives.append(
-            Collective(
-                "host<->device copies (offload)",
-                (passes + 1) * shard_params * MASTER_BYTES,
-                hw.host_bps,
-                per_micro_batch=True,
-            )
-        )
+        shard_bytes = shard_params * MASTER_BYTES
+        collectives += [
+            Collective("host->device copies (offload)", passes * shard_bytes, hw.host_bps, True),
+            # The reduced gradient shard goes to the host once a step, after the
+            # reduce-scatter, like a reduction.
+            Collective("device->host gradients (offload)", shard_bytes, hw.host_bps),
+        ]
         compute += shard_params / CPU_OPTIMIZER_PARAMS_PER_S  # the optimizer runs on the host
     block, _ = block_params(w, tp)
     kind = "fsdp" if dims.fsdp else "ddp"

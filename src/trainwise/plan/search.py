@@ -215,13 +215,27 @@ def rank(fitting: list[StrategyPlan], goal: Goal) -> list[StrategyPlan]:
     return [lead] + [s for s in ordered if s is not lead]
 
 
+def limit_counts(gpus: int) -> list[int]:
+    """The GPU counts a deadline or a budget weighs: the count given and its halvings. At
+    one count, time and cost rise together; fewer GPUs are cheaper (less communication)
+    and slower, which is the trade-off a limit settles."""
+    counts = [gpus]
+    while counts[-1] % 2 == 0:
+        counts.append(counts[-1] // 2)
+    return counts
+
+
 def recommend(
     inputs: PlanInputs, allowed: Allowed = EVERYTHING, goal: Goal | None = None
 ) -> Choice:
     """The configuration to run `inputs` with: the best that fits by `goal` (default: the
-    inputs' objective); when nothing fits, the one that needs the least device memory."""
+    inputs' objective); when nothing fits, the one that needs the least device memory.
+    With a deadline or a budget, on inputs.gpus or fewer (limit_counts)."""
     goal = goal or Goal(inputs.objective)
     fitting, smallest = search(inputs, allowed)
+    if goal.deadline_hours is not None or goal.budget_usd is not None:
+        for n in limit_counts(inputs.gpus)[1:]:
+            fitting += search(inputs.with_gpus(n), allowed)[0]
     ordered = rank(fitting, goal)
     if not ordered:
         least = min(smallest, key=lambda s: (s.memory.total, simplicity(s)))
