@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.plan.comm import Collective, Layout, exposed_seconds, layout_collectives
@@ -159,10 +160,22 @@ def evaluate(inputs: PlanInputs, name: str) -> StrategyPlan:
     return price(inputs, Setup(dims, w.ac, micro, accum), name)
 
 
-def price(inputs: PlanInputs, setup: Setup, name: str | None = None) -> StrategyPlan:
-    """Memory, step, throughput, time and cost of `setup` on inputs.gpus GPUs."""
+@lru_cache(maxsize=1024)
+def knob_workload(w: Workload, micro_batch: int, ac: str) -> Workload:
+    """`w` at another micro-batch and checkpointing mode (cached: the search asks often)."""
+    return replace(w, micro_batch=micro_batch, ac=ac)
+
+
+def price(
+    inputs: PlanInputs,
+    setup: Setup,
+    name: str | None = None,
+    memory: MemoryEstimate | None = None,
+) -> StrategyPlan:
+    """Memory, step, throughput, time and cost of `setup` on inputs.gpus GPUs (`memory`:
+    its setup_memory, when the caller has it already)."""
     dims, hw = setup.dims, inputs.hardware
-    w = replace(inputs.workload, micro_batch=setup.micro_batch, ac=setup.ac)
+    w = knob_workload(inputs.workload, setup.micro_batch, setup.ac)
     gpus, tp, accum = inputs.gpus, dims.tp, setup.grad_accum
     notes: list[str] = []
     dp = dims.dp_size
@@ -176,7 +189,7 @@ def price(inputs: PlanInputs, setup: Setup, name: str | None = None) -> Strategy
         )
         per_rank = 1.0
 
-    memory = setup_memory(w, setup, hw.device)
+    memory = memory or setup_memory(w, setup, hw.device)
     budget = hw.memory_bytes * (1.0 - inputs.headroom)
     host_per_node = memory.host * inputs.gpus_per_node
     host_fits = host_per_node <= hw.host_memory_bytes

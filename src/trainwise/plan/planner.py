@@ -384,7 +384,9 @@ def sweep(
     goal: Goal | None = None,
 ) -> list[SweepRow]:
     """At each count: every named strategy at the job's knobs, and the search's best (BEST
-    rows, whose knee is the one that matters)."""
+    rows, whose knee is the one that matters) by the goal's objective: a deadline or a
+    budget is the job's, not every count's."""
+    goal = Goal(goal.objective if goal else inputs.objective)
     rows = []
     for n in sorted(set(counts)):
         sized = inputs.with_gpus(n)

@@ -12,7 +12,7 @@ resolve.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from trainwise.errors import ConfigError
 from trainwise.plan.estimate import (
@@ -20,6 +20,7 @@ from trainwise.plan.estimate import (
     SIMPLICITY,
     Setup,
     StrategyPlan,
+    knob_workload,
     layout_name,
     price,
     setup_memory,
@@ -146,22 +147,19 @@ def best_of_layout(inputs: PlanInputs, dims, allowed: Allowed) -> tuple[list, St
     micros = micro_batches(inputs, batch, allowed)
     for ac in ac_modes(inputs, allowed):
         for accumulate in ("unsharded", "sharded"):
-            chosen = None
             for micro in reversed(micros):  # largest first: the first that fits wins
                 accum = -(-batch // micro)
                 if accumulate not in accumulations(dims, accum, allowed):
                     continue
                 setup = Setup(dims, ac, micro, accum, accumulate)
-                mem = setup_memory(replace(w, micro_batch=micro, ac=ac), setup, hw.device).total
-                if smallest is None or mem < smallest[0]:
-                    smallest = (mem, setup)
-                if mem <= budget:
-                    chosen = setup
+                mem = setup_memory(knob_workload(w, micro, ac), setup, hw.device)
+                if smallest is None or mem.total < smallest[0]:
+                    smallest = (mem.total, setup)
+                if mem.total <= budget:
+                    plan = price(inputs, setup, memory=mem)
+                    if plan.fits:  # the host's memory too
+                        fitting.append(plan)
                     break
-            if chosen is not None:
-                plan = price(inputs, chosen)
-                if plan.fits:  # the host's memory too
-                    fitting.append(plan)
     assert smallest is not None
     return fitting, price(inputs, smallest[1])
 
