@@ -200,32 +200,8 @@ def price(
     rate = hw.peak_flops * inputs.efficiency
     compute = per_rank * w.seq_len * hw_flops / (rate * tp * gemm_efficiency(tp))
 
-    layout = Layout(gpus, inputs.gpus_per_node, hw.intra_bps, hw.inter_bps)
-    rank_params = params_per_rank(w.params, w.shape, tp)
-    collectives = layout_collectives(
-        dims, rank_params, layout, w.precision, w.reduce_dtype, accum, setup.accumulate
-    )
-    if dims.cpu_offload:
-        shard_params = rank_params / dims.dp_shard
-        passes = 2 * accum  # the shard goes to the device for each forward and backward gather
-        shard_bytes = shard_params * MASTER_BYTES
-        collectives += [
-            Collective("host->device copies (offload)", passes * shard_bytes, hw.host_bps, True),
-            # The reduced gradient shard goes to the host once a step, after the
-            # reduce-scatter, like a reduction.
-            Collective("device->host gradients (offload)", shard_bytes, hw.host_bps),
-        ]
-        compute += shard_params / CPU_OPTIMIZER_PARAMS_PER_S  # the optimizer runs on the host
-    block, _ = block_params(w, tp)
-    kind = "fsdp" if dims.fsdp else "ddp"
-    exposed = exposed_seconds(collectives, compute, kind, block / rank_params, accum, dp)
-    if hw.device == "cpu":  # gloo runs the collectives on the cores that compute: no overlap
-        exposed = sum(c.seconds for c in collectives)
-    recomputed = len(checkpointed_blocks(w.ac, n_layer)) if w.shape else 0
-    tp_comm = tp_collectives(w.shape, w.seq_len, w.micro_batch, w.precision, tp, recomputed,
-                             accum, layout.link(tp))  # fmt: skip
-    collectives += tp_comm
-    exposed += tp_exposed_seconds(tp_comm, compute, recompute_factor(w.ac, n_layer))
+    collectives, host_s, exposed = _communication(inputs, setup, w, compute)
+    compute += host_s
     comm = sum(c.seconds for c in collectives)
     busy = compute + exposed
     data = 0.0
@@ -267,6 +243,43 @@ def price(
         notes=notes,
         setup=setup,
     )
+
+
+def _communication(
+    inputs: PlanInputs, setup: Setup, w: Workload, compute: float
+) -> tuple[list[Collective], float, float]:
+    """(the step's collectives and host copies, the host optimizer's seconds with cpu
+    offload, the seconds the step waits for them) of `setup`, whose compute is `compute`."""
+    dims, hw, accum, tp = setup.dims, inputs.hardware, setup.grad_accum, setup.dims.tp
+    layout = Layout(inputs.gpus, inputs.gpus_per_node, hw.intra_bps, hw.inter_bps)
+    rank_params = params_per_rank(w.params, w.shape, tp)
+    collectives = layout_collectives(
+        dims, rank_params, layout, w.precision, w.reduce_dtype, accum, setup.accumulate
+    )
+    host_s = 0.0
+    if dims.cpu_offload:
+        shard_params = rank_params / dims.dp_shard
+        passes = 2 * accum  # the shard goes to the device for each forward and backward gather
+        shard_bytes = shard_params * MASTER_BYTES
+        collectives += [
+            Collective("host->device copies (offload)", passes * shard_bytes, hw.host_bps, True),
+            # The reduced gradient shard goes to the host once a step, after the
+            # reduce-scatter, like a reduction.
+            Collective("device->host gradients (offload)", shard_bytes, hw.host_bps),
+        ]
+        host_s = shard_params / CPU_OPTIMIZER_PARAMS_PER_S  # the optimizer runs on the host
+    block, _ = block_params(w, tp)
+    kind = "fsdp" if dims.fsdp else "ddp"
+    busy = compute + host_s
+    exposed = exposed_seconds(collectives, busy, kind, block / rank_params, accum, dims.dp_size)
+    if hw.device == "cpu":  # gloo runs the collectives on the cores that compute: no overlap
+        exposed = sum(c.seconds for c in collectives)
+    n_layer = w.shape.n_layer if w.shape else 1
+    recomputed = len(checkpointed_blocks(w.ac, n_layer)) if w.shape else 0
+    tp_comm = tp_collectives(w.shape, w.seq_len, w.micro_batch, w.precision, tp, recomputed,
+                             accum, layout.link(tp))  # fmt: skip
+    exposed += tp_exposed_seconds(tp_comm, busy, recompute_factor(w.ac, n_layer))
+    return collectives + tp_comm, host_s, exposed
 
 
 def setup_memory(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
