@@ -53,11 +53,14 @@ HOURS_PER = {"h": 1.0, "d": 24.0, "w": 168.0}
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan",
-        help="memory, time and cost of each strategy, and which to use",
-        description="Plan a job before it runs: per-GPU memory, step time, throughput, "
-        "time to train and cost for single, ddp, fsdp (grad_op, full), hsdp and cpu "
-        "offload; the recommendation with its reasons. Without --config it plans "
-        "llama-7b on 8 x H100-SXM in bf16. Precedence: defaults < --config < flags < --set.",
+        help="search the layouts and knobs for the configuration to run, with its cost",
+        description="Plan a job before it runs: search every layout (dp_replicate x dp_shard "
+        "x tp, cpu offload) and knob (activation checkpointing, micro-batch, accumulation) "
+        "for the cheapest (or fastest) configuration that fits, priced by memory, step time, "
+        "throughput, time to train and cost; the named strategies (single, ddp, fsdp "
+        "grad_op and full, hsdp, cpu offload) beside it; the answer as job-file keys "
+        "(--emit writes the job). Without --config it plans llama-7b on 8 x H100-SXM in "
+        "bf16. Precedence: defaults < --config < flags < --set.",
     )
     p.add_argument("--config", metavar="TOML", help="the job file `trainwise train` reads")
     p.add_argument(
