@@ -25,7 +25,7 @@ from trainwise.plan import (
     fmt_bytes,
     runtime_allowed,
 )
-from trainwise.plan.estimate import candidate_names, evaluate
+from trainwise.plan.estimate import Setup, candidate_names, evaluate, price
 from trainwise.plan.flops import flops_per_token, recompute_factor
 from trainwise.plan.inputs import PlanInputs, job_inputs, unknown_device_inputs
 from trainwise.plan.record import strategy_record
@@ -380,8 +380,11 @@ def job_plan(job: Job) -> dict[str, Any] | None:
         return None
     name = job.dims.plan_name
     hw = inputs.hardware
+    c = job.cfg
+    # The job's own layout and knobs (its shard groups need not be one per machine).
+    setup = Setup(job.dims, c.parallel.ac, c.data.micro_batch, job.grad_accum)
     return {
-        **strategy_record(evaluate(inputs, name)),
+        **strategy_record(price(inputs, setup, name)),
         "efficiency": inputs.efficiency,
         "intra_node_gbps": hw.intra_bps / GB,
         "inter_node_gbps": hw.inter_bps / GB,
