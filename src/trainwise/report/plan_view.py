@@ -49,10 +49,6 @@ SIMULATION_COLUMNS = ("strategy", "GPUs", "simulated", "formula", "gap", "plan (
 SWEEP_COLUMNS = ("GPUs", "strategy", "fits", "tokens/s", "scaling", "step s", "time", "cost")
 
 
-def _gb(x: float | None) -> str:
-    return "n/a" if x is None else fmt_bytes(x)
-
-
 def _gb_number(x: float | None) -> str:
     """GB as a bare number (the table's title carries the unit)."""
     if x is None:
