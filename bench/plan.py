@@ -39,8 +39,19 @@ ROWS = {
     ],  # fmt: skip
     # The job: the search over every layout and knob at each of 13 counts.
     "plan 70b x 1024 --sweep 1..4096": [
-        sys.executable, "-m", "trainwise", "plan", "--json", "--model", "llama-70b",
-        "--gpus", "1024", "--gpus-per-node", "8", "--sweep", "1..4096",
+        sys.executable,
+        "-m",
+        "trainwise",
+        "plan",
+        "--json",
+        "--model",
+        "llama-70b",
+        "--gpus",
+        "1024",
+        "--gpus-per-node",
+        "8",
+        "--sweep",
+        "1..4096",
     ],  # fmt: skip
     "import torch": [sys.executable, "-c", "import torch"],
 }
