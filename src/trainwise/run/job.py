@@ -16,10 +16,18 @@ from trainwise.errors import ConfigError
 from trainwise.hardware import GB, DeviceInfo
 from trainwise.hardware.catalog import find_gpu
 from trainwise.models import GPTShape, ModelSpec, count_parameters, resolve_shape
-from trainwise.plan import Decision, Workload, choose_strategy, describe, estimate_memory, fmt_bytes
-from trainwise.plan.estimate import candidate_names, evaluate
+from trainwise.plan import (
+    Decision,
+    Workload,
+    decide_auto,
+    describe,
+    estimate_memory,
+    fmt_bytes,
+    runtime_allowed,
+)
+from trainwise.plan.estimate import Setup, candidate_names, evaluate, price
 from trainwise.plan.flops import flops_per_token, recompute_factor
-from trainwise.plan.inputs import PlanInputs, job_inputs
+from trainwise.plan.inputs import PlanInputs, job_inputs, unknown_device_inputs
 from trainwise.plan.record import strategy_record
 
 
@@ -172,7 +180,7 @@ def prepare_job(
     )
     device_bytes = device_budget(c, device, local)
     view = planner_view(c, workload, world, local, device, device_bytes, accum)
-    cluster = view if strategy == "auto" and nodes > 1 else None
+    cluster = view  # the planner's view: what auto decides with
     decision = decide(
         workload, strategy, world, device_bytes, c, replicate, device.kind, accum, cluster
     )
@@ -322,7 +330,7 @@ def layout_of(
 ) -> ParallelDims:
     """The decided layout as degrees."""
     if strategy == "auto" and decision.strategy == "hsdp":
-        replicate = nodes  # shard within a machine, replicate across the machines
+        replicate = decision.replicate  # the shard groups the planner chose
     sharded_in_groups = decision.strategy == "fsdp" and replicate > 1  # auto with dp_shard
     return ParallelDims.from_strategy(
         "hsdp" if sharded_in_groups else decision.strategy,
@@ -411,8 +419,11 @@ def job_plan(job: Job) -> dict[str, Any] | None:
         return None
     name = job.dims.plan_name
     hw = inputs.hardware
+    c = job.cfg
+    # The job's own layout and knobs (its shard groups need not be one per machine).
+    setup = Setup(job.dims, c.parallel.ac, c.data.micro_batch, job.grad_accum)
     return {
-        **strategy_record(evaluate(inputs, name)),
+        **strategy_record(price(inputs, setup, name)),
         "efficiency": inputs.efficiency,
         "intra_node_gbps": hw.intra_bps / GB,
         "inter_node_gbps": hw.inter_bps / GB,
@@ -459,18 +470,9 @@ def decide(
     accum: int,
     cluster: PlanInputs | None = None,
 ) -> Decision:
-    if strategy == "auto":
-        return choose_strategy(
-            w,
-            world,
-            device_bytes,
-            c.parallel.headroom,
-            c.parallel.shard,
-            allow_offload=device_kind == "cuda",
-            device=device_kind,
-            grad_accum=accum,
-            cluster=cluster,
-        )
+    if strategy == "auto":  # the planner's chooser; `cluster`: its view of these machines
+        inputs = cluster or unknown_device_inputs(c, w, world, accum, device_bytes, device_kind)
+        return decide_auto(inputs, runtime_allowed(c.parallel.shard, c.parallel.dp_shard))
     offload = c.parallel.cpu_offload
     shard_degree = world // replicate if strategy == "hsdp" else None
     est = estimate_memory(
