@@ -189,7 +189,7 @@ def prepare_job(
         world=world,
         device=device,
         backend=backend,
-        dims=layout_of(decision, strategy, world, replicate, nodes, c),
+        dims=layout_of(decision, strategy, world, replicate, c),
         grad_accum=accum,
         decision=decision,
         model_spec=data.spec,
@@ -326,7 +326,7 @@ def device_budget(c: JobConfig, device: DeviceInfo, local: int) -> float:
 
 
 def layout_of(
-    decision: Decision, strategy: str, world: int, replicate: int, nodes: int, c: JobConfig
+    decision: Decision, strategy: str, world: int, replicate: int, c: JobConfig
 ) -> ParallelDims:
     """The decided layout as degrees."""
     if strategy == "auto" and decision.strategy == "hsdp":
