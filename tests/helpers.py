@@ -38,3 +38,27 @@ def run_cli(
 
 def read_records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def tiny_llama(
+    folder: Path, *, tie: bool = False, seed: int = 0, vocab: int = 97, **save: object
+) -> Path:
+    """A 2-layer Hugging Face Llama (hidden 32, GQA 4/2 heads) with random weights, saved by
+    transformers' save_pretrained (`save`: its options), with a fixed batch of inputs beside
+    it (idx.pt) and the logits transformers gives for it (logits.pt). No download."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=vocab, rms_norm_eps=1e-5, max_position_embeddings=64,
+        tie_word_embeddings=tie, rope_theta=5000.0,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(folder, **save)
+    idx = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        torch.save(model(input_ids=idx).logits, folder / "logits.pt")
+    torch.save(idx, folder / "idx.pt")
+    return folder

@@ -41,8 +41,7 @@ JOBS = {
         {"TRAINWISE_FAULTS": "slow_network@gbps=0.002"},
     ),
     "no_learning": (
-        ["doctor", "--nproc", "1", "--run-dir", "nl", "--only", "smoke",
-         "--set", "optim.lr=1e-9"],
+        ["doctor", "--nproc", "1", "--run-dir", "nl", "--only", "smoke", "--set", "optim.lr=1e-9"],
         {},
     ),  # fmt: skip
     "train_slow_data": (
@@ -214,8 +213,14 @@ def test_two_nodes_time_the_links_within_and_between_nodes_separately(tmp_path: 
         "doctor.iterations=2", "--set", "doctor.timed_steps=2", *QUIET,
     ]  # fmt: skip
     agents = [
-        subprocess.Popen(agent, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        subprocess.Popen(
+            agent,
+            cwd=tmp_path,
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
         for _ in range(2)
     ]
     outputs = [a.communicate(timeout=240)[0] for a in agents]

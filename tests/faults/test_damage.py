@@ -46,10 +46,9 @@ def run(run_dir: Path, cwd: Path, *extra: str, faults: str = "") -> tuple[int, s
     return finish(start(args, cwd, faults=faults))
 
 
-def killed_after_last_save(finished: Path, run_dir: Path) -> None:
-    """A copy of a finished run as a run killed after its last save looks: no finish event
-    (a finished run is not run again)."""
-    shutil.copytree(finished, run_dir)
+def killed_after_last_save(run_dir: Path) -> None:
+    """Make a finished run look like one killed after its last save: no finish event (a
+    finished run is not run again)."""
     log = run_dir / "events.jsonl"
     kept = [line for line in log.read_text().splitlines() if json.loads(line)["kind"] != "finish"]
     log.write_text("".join(line + "\n" for line in kept))
@@ -57,7 +56,8 @@ def killed_after_last_save(finished: Path, run_dir: Path) -> None:
 
 def test_corrupted_and_truncated_checkpoints_are_skipped(workdir: Path, reference: References):
     run_dir = workdir / "run"
-    killed_after_last_save(reference.run(1, "single"), run_dir)
+    shutil.copytree(reference.run(1, "single"), run_dir)
+    killed_after_last_save(run_dir)
 
     flipped, cut = shard(run_dir, 12), shard(run_dir, 8)
     flip(flipped)
@@ -66,7 +66,7 @@ def test_corrupted_and_truncated_checkpoints_are_skipped(workdir: Path, referenc
     assert rc == 0, err
     warnings = [line for line in err.splitlines() if "is invalid and skipped" in line]
     assert len(warnings) == 2, err
-    assert str(flipped) in warnings[0] and "sha256 mismatch" in warnings[0]
+    assert str(flipped) in warnings[0] and "xxh3 mismatch" in warnings[0]
     assert str(cut) in warnings[1] and "truncated" in warnings[1]
     assert "resuming from step 4" in err
     skipped = events(run_dir, "checkpoint_skipped")
@@ -76,10 +76,33 @@ def test_corrupted_and_truncated_checkpoints_are_skipped(workdir: Path, referenc
 
     for step in (4, 8, 12):
         flip(shard(run_dir, step))
+    killed_after_last_save(run_dir)
     rc, out, err = run(run_dir, workdir)
     assert rc == 1
     assert "no valid checkpoint" in err and "checkpoint.resume = 'never'" in err
     assert "Traceback" not in err and "Traceback" not in out
+
+
+def test_two_ranks_share_the_hashing_and_a_mismatch_found_by_rank_1_is_reported(
+    workdir: Path, reference: References
+):
+    """verify = "full" on 2 ranks: rank r hashes every 2nd file from the r-th; a flipped
+    file of rank 1's share is still named by rank 0's warning, and the run resumes from the
+    step before, to the reference's weights."""
+    run_dir = workdir / "run"
+    shutil.copytree(reference.run(2, "ddp"), run_dir)
+    killed_after_last_save(run_dir)
+    newest = run_dir / "checkpoints" / "step-00000012"
+    files = [e["path"] for e in json.loads((newest / "manifest.json").read_text())["files"]]
+    odd = [f for f in files[1::2] if f.endswith(".distcp")]
+    assert odd, files  # the layout this test relies on: a shard in rank 1's share
+    flip(newest / odd[0])
+    rc, _, err = finish(start(job_args(run_dir, 2, "ddp"), workdir))
+    assert rc == 0, err
+    warnings = [line for line in err.splitlines() if "is invalid and skipped" in line]
+    assert len(warnings) == 1 and f"{odd[0]}: xxh3 mismatch" in warnings[0], err
+    assert "resuming from step 8" in err
+    assert_identical(reference.weights(2, "ddp"), final_weights(run_dir, workdir))
 
 
 def test_nonfinite_skip_skips_one_update(workdir: Path):

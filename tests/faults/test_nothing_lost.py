@@ -199,7 +199,7 @@ def test_workers_die_with_a_killed_launcher_after_saving(workdir: Path, referenc
 
     stop = next(e for e in events(run_dir) if e["kind"] == "preempted")
     # The stop is agreed one exchange later, on every rank at once: after step 7.
-    assert stop["signal"] == "SIGTERM" and stop["step"] == 7
+    assert stop["signal"] == "launcher exit" and stop["step"] == 7
     again = run_cli(*job_args(run_dir, 2, "ddp"), cwd=workdir)
     assert again.returncode == 0, again.stderr
     assert "resuming from step 7" in again.stderr
@@ -283,7 +283,9 @@ def test_a_full_run_directory_ends_the_job_at_once(workdir: Path, tmp_path: Path
 
 def test_when_restarts_run_out_the_last_line_names_the_checkpoint(workdir: Path):
     run_dir = workdir / "run"
-    args = job_args(run_dir, 2, "ddp", "--set", "checkpoint.max_restarts=0")
+    args = job_args(
+        run_dir, 2, "ddp", "--set", "checkpoint.max_restarts=0", "--set", "logging.report=true"
+    )
     proc = start(args, workdir, faults="pause@step=6,rank=1")
     os.kill(wait_for_pid(proc, run_dir / "faults" / "pause-step-6.pid"), signal.SIGKILL)
     rc, out, err = finish(proc)
@@ -291,6 +293,9 @@ def test_when_restarts_run_out_the_last_line_names_the_checkpoint(workdir: Path)
     last = err.strip().splitlines()[-1]
     assert "no restarts allowed (checkpoint.max_restarts = 0)" in last, last
     assert str(run_dir / "checkpoints" / "step-00000004") in last, last
+    # The report of what the run recorded up to the failure, named above that line.
+    assert f"report of what the run recorded: {run_dir / 'report.html'}" in err
+    assert (run_dir / "report.html").read_text().rstrip().endswith("</html>")
 
 
 # 7. Reruns -------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from trainwise.run import checkpoint_store as cs
 from trainwise.run.checkpoint_store import (
@@ -24,6 +25,7 @@ from trainwise.run.checkpoint_store import (
     clean_incomplete,
     commit,
     config_hash,
+    digest_file,
     dir_bytes,
     final_dir,
     find_latest_valid,
@@ -31,7 +33,6 @@ from trainwise.run.checkpoint_store import (
     parse_step,
     read_manifest,
     scan_files,
-    sha256_file,
     step_dir_name,
     tmp_dir,
     verify,
@@ -90,7 +91,8 @@ def test_hash_helpers(tmp_path: Path):
     path = tmp_path / "f.bin"
     data = os.urandom(3 * 1024 + 7)
     path.write_bytes(data)
-    assert sha256_file(path, chunk=1024) == hashlib.sha256(data).hexdigest()
+    assert digest_file(path, chunk=1024) == xxhash.xxh3_128(data).hexdigest()
+    assert digest_file(path, "sha256", chunk=1024) == hashlib.sha256(data).hexdigest()
     assert config_hash("abc") == hashlib.sha256(b"abc").hexdigest()[:16]
     assert config_hash("abc") != config_hash("abd")
 
@@ -109,7 +111,7 @@ def test_commit_writes_manifest_matching_files(tmp_path: Path):
     for entry in manifest.files:
         data = files[entry.path]
         assert entry.bytes == len(data)
-        assert entry.sha256 == hashlib.sha256(data).hexdigest()
+        assert entry.checksum == ("xxh3", xxhash.xxh3_128(data).hexdigest())
     assert manifest.total_bytes == sum(len(d) for d in files.values())
     assert manifest.created > 0
     # the manifest on disk is plain JSON that round-trips, and does not list itself
@@ -209,7 +211,7 @@ def test_verify_flipped_byte_full_only(tmp_path: Path):
     _flip_byte(final / "model.pt")
     assert verify(final, "fast") == []
     problems = verify(final, "full")
-    assert problems == [f"{final / 'model.pt'}: sha256 mismatch (corrupted)"]
+    assert problems == [f"{final / 'model.pt'}: xxh3 mismatch (corrupted)"]
 
 
 @pytest.mark.parametrize("mode", ["full", "fast"])
@@ -290,7 +292,7 @@ def test_list_checkpoints_orders_and_ignores_tmp(tmp_path: Path):
     assert [i.valid for i in by_mode["none"]] == [True, True, False]  # only manifest read
     assert [i.valid for i in by_mode["fast"]] == [True, True, False]
     assert [i.valid for i in by_mode["full"]] == [True, False, False]
-    assert "sha256 mismatch" in by_mode["full"][1].problems[0]
+    assert "xxh3 mismatch" in by_mode["full"][1].problems[0]
     assert "manifest unreadable" in by_mode["none"][2].problems[0]
 
 
@@ -300,14 +302,16 @@ def test_find_latest_valid_skips_corrupted_newest(tmp_path: Path, monkeypatch):
     _flip_byte(final_dir(tmp_path, 3) / "model.pt")
 
     hashed: list[Path] = []
-    real_sha = cs.sha256_file
-    monkeypatch.setattr(cs, "sha256_file", lambda p, *a: hashed.append(Path(p)) or real_sha(p))
+    real_digest = cs.digest_file
+    monkeypatch.setattr(
+        cs, "digest_file", lambda p, *a: hashed.append(Path(p)) or real_digest(p, *a)
+    )
 
     latest, skipped = find_latest_valid(tmp_path, "full")
     assert latest is not None and latest.step == 2 and latest.valid
     assert [s.step for s in skipped] == [3]
     assert skipped[0].problems == [
-        f"{final_dir(tmp_path, 3) / 'model.pt'}: sha256 mismatch (corrupted)"
+        f"{final_dir(tmp_path, 3) / 'model.pt'}: xxh3 mismatch (corrupted)"
     ]
     # stops at the first valid one: step 1 is never hashed
     assert hashed and not any(final_dir(tmp_path, 1) in p.parents for p in hashed)
@@ -387,11 +391,11 @@ def test_scan_files_and_dir_bytes(tmp_path: Path):
     (tmp_path / MANIFEST).write_text("{}")
     (tmp_path / "b" / MANIFEST).write_bytes(b"nested")  # only the top-level one is excluded
     (tmp_path / "link").symlink_to(tmp_path / "a")
-    entries = scan_files(tmp_path, with_sha=False)
-    assert [(e.path, e.bytes, e.sha256) for e in entries] == [
-        ("a", 1, ""),
-        ("b/manifest.json", 6, ""),
-        ("b/y", 2, ""),
+    entries = scan_files(tmp_path, with_checksum=False)
+    assert [(e.path, e.bytes, e.checksum) for e in entries] == [
+        ("a", 1, ("", "")),
+        ("b/manifest.json", 6, ("", "")),
+        ("b/y", 2, ("", "")),
     ]
     assert dir_bytes(tmp_path) == 1 + 2 + 2 + 6
     assert dir_bytes(tmp_path / "missing") == 0
@@ -421,12 +425,12 @@ def test_scan_files_reuses_hashes_the_writers_computed(tmp_path: Path):
     (tmp_path / "__0_0.distcp").write_bytes(b"rank zero")
     (tmp_path / "__1_0.distcp").write_bytes(b"rank one")
     known = {
-        "__0_0.distcp": cs.FileEntry(path="__0_0.distcp", bytes=9, sha256="from-rank-0"),
-        "__1_0.distcp": cs.FileEntry(path="__1_0.distcp", bytes=3, sha256="stale"),  # size off
+        "__0_0.distcp": cs.FileEntry(path="__0_0.distcp", bytes=9, xxh3="from-rank-0"),
+        "__1_0.distcp": cs.FileEntry(path="__1_0.distcp", bytes=3, xxh3="stale"),  # size off
     }
-    entries = {e.path: e.sha256 for e in cs.scan_files(tmp_path, known=known)}
+    entries = {e.path: e.xxh3 for e in cs.scan_files(tmp_path, known=known)}
     assert entries["__0_0.distcp"] == "from-rank-0"  # taken as given: not read again
-    assert entries["__1_0.distcp"] == hashlib.sha256(b"rank one").hexdigest()
+    assert entries["__1_0.distcp"] == xxhash.xxh3_128(b"rank one").hexdigest()
 
 
 def test_hash_files_in_threads_matches_one_by_one(tmp_path: Path):
@@ -435,4 +439,17 @@ def test_hash_files_in_threads_matches_one_by_one(tmp_path: Path):
         path = tmp_path / f"f{i}"
         path.write_bytes(os.urandom(100_000 + i))
         paths.append(path)
-    assert cs.hash_files(paths) == {p: cs.sha256_file(p) for p in paths}
+    assert cs.hash_files(paths) == {p: cs.digest_file(p) for p in paths}
+    assert cs.hash_files(paths, "sha256") == {p: cs.digest_file(p, "sha256") for p in paths}
+
+
+def test_a_manifest_of_an_earlier_release_is_verified_by_its_sha256(tmp_path: Path):
+    final = _save(tmp_path, 7)
+    raw = json.loads((final / MANIFEST).read_text())
+    for entry in raw["files"]:  # as earlier releases wrote it: sha256, no xxh3
+        entry["sha256"] = hashlib.sha256((final / entry["path"]).read_bytes()).hexdigest()
+        del entry["xxh3"]
+    (final / MANIFEST).write_text(json.dumps(raw))
+    assert verify(final, "full") == []
+    _flip_byte(final / "model.pt")
+    assert verify(final, "full") == [f"{final / 'model.pt'}: sha256 mismatch (corrupted)"]

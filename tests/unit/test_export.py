@@ -383,7 +383,7 @@ def test_cli_checkpoints_json(run_copy: Path, capsys: pytest.CaptureFixture):
     assert main(["checkpoints", str(final_dir(root, 2)), "--json", "--verify", "full"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["valid"] for r in rows] == [True, False, False]
-    assert "sha256 mismatch" in rows[1]["problems"][0]
+    assert "xxh3 mismatch" in rows[1]["problems"][0]
 
 
 def test_cli_checkpoints_table(

@@ -1,6 +1,6 @@
 """Unit tests of `trainwise launch slurm|k8s` (trainwise.run.schedulers): the generated
 files equal the golden copies byte for byte and are stable; the sbatch script is valid
-bash with the README's srun line; the manifest is a valid PyTorchJob; the launcher
+bash with the documented srun line; the manifest is a valid PyTorchJob; the launcher
 command in both parses with trainwise's own argparse into a valid multi-node job; bad
 input is one line and exit status 2.
 
@@ -68,7 +68,7 @@ def test_output_file_has_the_printed_bytes(tmp_path, capsys):
 
 
 def readme_job() -> ClusterJob:
-    """The README's example: job.toml on 4 nodes x 8 GPUs, everything else default."""
+    """The documented example (docs/train.md): job.toml on 4 nodes x 8 GPUs, the rest default."""
     return ClusterJob(
         name="job", config_text=CONFIG.read_text(), nodes=NODES, nproc=GPUS, gpus_per_node=GPUS
     )
@@ -80,7 +80,7 @@ def test_sbatch_is_valid_bash_with_the_readme_srun_line(capsys):
     assert res.returncode == 0, res.stderr
     line = srun_line(readme_job())
     assert line + " &\n" in script
-    assert line in (REPO / "README.md").read_text()
+    assert line in (REPO / "docs" / "train.md").read_text()
     for directive in ("--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8", "--requeue",
                       "--signal=B:USR1@180", "--partition=gpu", "--time=24:00:00"):  # fmt: skip
         assert f"#SBATCH {directive}\n" in script

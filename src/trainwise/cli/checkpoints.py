@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "checkpoints",
         help="list a run's checkpoints and verify them",
         description="List the checkpoints of a run (or of a checkpoint folder) and verify "
-        "them against their manifests: fast = file sizes, full = sizes and sha256.",
+        "them against their manifests: fast = file sizes, full = sizes and checksums.",
     )
     # dest is not "run": the dispatcher calls args.run.
     p.add_argument("target", metavar="RUN", help="run directory or checkpoint folder")
@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--verify",
         choices=("fast", "full"),
         default="fast",
-        help="fast: sizes only (default); full: also sha256 of every file",
+        help="fast: sizes only (default); full: also the checksum (xxh3) of every file",
     )
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     p.set_defaults(run=run)

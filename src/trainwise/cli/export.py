@@ -1,4 +1,5 @@
-"""`trainwise export`: write a checkpoint's model weights to one safetensors or torch file."""
+"""`trainwise export`: write a checkpoint's model weights to one safetensors or torch file,
+or (--format hf) a Hugging Face model directory."""
 
 from __future__ import annotations
 
@@ -19,18 +20,26 @@ _DEFAULT_SUFFIX = {"safetensors": ".safetensors", "torch": ".pt"}
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export",
-        help="export checkpoint weights to safetensors or torch.save",
+        help="export checkpoint weights to safetensors, torch.save or a Hugging Face directory",
         description="Read the model weights of a sharded checkpoint (any strategy, any world "
         "size) in this one process and write them as one file that the plain model loads "
-        "with load_state_dict(strict=True).",
+        "with load_state_dict(strict=True), or with --format hf as a Hugging Face model "
+        "directory (config.json, safetensors shards and their index) that transformers' "
+        "from_pretrained loads.",
     )
     # dest is not "run": the dispatcher calls args.run.
     p.add_argument("target", metavar="RUN", help="run directory or checkpoint directory")
     p.add_argument("--step", type=int, help="checkpoint step (default: the newest valid one)")
     p.add_argument(
         "--format",
-        choices=("safetensors", "torch"),
-        help="file format (default: from the -o suffix; .safetensors, or .pt/.pth/.bin)",
+        choices=("safetensors", "torch", "hf"),
+        help="file format (default: from the -o suffix; .safetensors, or .pt/.pth/.bin); hf: "
+        "a Hugging Face model directory (-o names it)",
+    )
+    p.add_argument(
+        "--shard-size",
+        default="5GB",
+        help="hf: the largest safetensors file, e.g. 500MB (default 5GB)",
     )
     p.add_argument(
         "-o",
@@ -65,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     source = Path(args.target)
     out = Path(args.output) if args.output else None
     fmt = output_format(out, args.format)
+    if fmt == "hf" and out is None:
+        raise ConfigError("--format hf writes a directory: name it with -o, e.g. -o out/model")
     if not source.is_dir():
         raise ConfigError(
             f"{source}: no such run directory; give runs/NAME (or a checkpoint directory)"
@@ -74,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as err:
         # Nothing to export from what was asked: bad input, like a wrong path.
         raise ConfigError(str(err)) from None
+    if fmt == "hf":
+        return _export_hf(checkpoint, out, args.shard_size)
     if out is None:
         step = checkpoint_step(checkpoint)
         name = f"model-step-{step:08d}" if step is not None else f"model-{checkpoint.name}"
@@ -86,5 +99,16 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"trainwise: wrote {out} ({result['tensors']} tensors, {mb:.1f} MB, {fmt}) "
         f"from step {result['step']} ({checkpoint})"
+    )
+    return 0
+
+
+def _export_hf(checkpoint: Path, out: Path, shard_size: str) -> int:
+    from trainwise.run.export_hf import export_hf, parse_size
+
+    result = export_hf(checkpoint, out, parse_size(shard_size))
+    print(
+        f"trainwise: wrote {out} ({result['tensors']} tensors in {result['files']} safetensors "
+        f"file(s), Hugging Face format) from step {result['step']} ({checkpoint})"
     )
     return 0

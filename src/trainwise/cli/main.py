@@ -7,10 +7,10 @@ import argparse
 import sys
 
 from trainwise import __version__
-from trainwise.cli import checkpoints, doctor, env, export, launch, plan, report, train
+from trainwise.cli import checkpoints, data, doctor, env, export, launch, plan, report, train
 from trainwise.errors import ConfigError, TrainwiseError
 
-COMMANDS = (plan, train, doctor, report, env, checkpoints, export, launch)
+COMMANDS = (plan, train, doctor, report, env, checkpoints, export, launch, data)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     # Imported here so that --print-config and config errors stay instant.
-    from trainwise.run.launch import Preempted
+    from trainwise.run.launch import LaunchError, Preempted
     from trainwise.run.start import is_worker, start_job, train_here
 
     if is_worker(cfg):
@@ -155,6 +155,10 @@ def run(args: argparse.Namespace) -> int:
     except Preempted as stop:
         print(f"trainwise: {stop}; {resume_hint(cfg, stop.event)}")
         return 0
+    except LaunchError as failed:
+        if failed.run_dir is not None:
+            finish_report(cfg, failed.run_dir, after_failure=True)
+        raise
     path = run_dir / "summary.json"
     if not path.is_file():  # rank 0 runs on another machine and writes its own disk
         print(f"trainwise: this machine's workers finished; rank 0's machine has {path}")
@@ -175,9 +179,11 @@ def resume_hint(cfg: JobConfig, event: dict) -> str:
     return f"{saved}: run the same command again to resume"
 
 
-def finish_report(cfg: JobConfig, run_dir: Path) -> None:
-    """RUN/report.html on rank 0's machine, when the run has finished (logging.report)."""
-    if not cfg.logging.report:
+def finish_report(cfg: JobConfig, run_dir: Path, after_failure: bool = False) -> None:
+    """RUN/report.html on rank 0's machine, when the run has finished or failed for good
+    (logging.report): after a failure, of what the run recorded, and quietly when even
+    that cannot be written (the failure's own line is what matters then)."""
+    if not cfg.logging.report or not (run_dir / "metrics.jsonl").is_file():
         return
     from trainwise.cli.report import write_page
     from trainwise.report.analysis import analyse
@@ -187,10 +193,14 @@ def finish_report(cfg: JobConfig, run_dir: Path) -> None:
     try:
         write_page([analyse(load_run(run_dir))], page)
     except Exception as err:  # any failure: the run's results stand without the page
-        print(
-            f"trainwise: the report was not written ({type(err).__name__}: {err}); "
-            f"`trainwise report {run_dir}` tries again",
-            file=sys.stderr,
-        )
+        if not after_failure:
+            print(
+                f"trainwise: the report was not written ({type(err).__name__}: {err}); "
+                f"`trainwise report {run_dir}` tries again",
+                file=sys.stderr,
+            )
         return
-    print(f"  report     {page}")
+    if after_failure:
+        print(f"trainwise: report of what the run recorded: {page}", file=sys.stderr)
+    else:
+        print(f"  report     {page}")

@@ -16,8 +16,10 @@ from typing import Any
 
 from trainwise.config.schema import JobConfig
 
-# Whole sections that decide what training computes.
+# Whole sections that decide what training computes, less the keys that only say how a
+# run starts (a resume does not start: model.init is moot once a checkpoint exists).
 LINEAGE_SECTIONS = ("model", "optim", "schedule")
+NOT_LINEAGE = ("model.init",)
 # Single keys of the other sections; the data's global batch is the job's (derived).
 LINEAGE_KEYS = (
     "data.dataset", "data.path", "data.seq_len", "data.val_fraction", "data.vocab_size",
@@ -32,7 +34,8 @@ def lineage_keys(cfg: JobConfig, global_batch: int) -> dict[str, Any]:
     keys: dict[str, Any] = {}
     for section in LINEAGE_SECTIONS:
         for key, value in dumped[section].items():
-            keys[f"{section}.{key}"] = value
+            if f"{section}.{key}" not in NOT_LINEAGE:
+                keys[f"{section}.{key}"] = value
     for dotted in LINEAGE_KEYS:
         section, key = dotted.split(".")
         keys[dotted] = dumped[section][key]

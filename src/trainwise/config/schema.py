@@ -70,10 +70,21 @@ class ModelConfig(Section):
     name: str = Field(
         "tiny",
         description="A GPT preset (tiny, small, gpt2-124m, llama-1b, llama-7b, ...), 'mlp', "
-        "'package.module:factory' for your own model, or 'hf:path/to/config.json'.",
+        "'package.module:factory' for your own model, or 'hf:DIR' (a Hugging Face model "
+        "directory: config.json, and safetensors weights when pretrained).",
     )
     vocab_size: int | None = Field(
         None, gt=0, description="LM vocabulary; default: the data's vocabulary."
+    )
+    init: Literal["auto", "pretrained", "random"] = Field(
+        "auto",
+        description="hf: models: 'pretrained' loads the directory's safetensors weights (each "
+        "rank reads its shard), 'random' ignores them; auto: pretrained when there are any.",
+    )
+    impl: Literal["transformers", "trainwise"] = Field(
+        "transformers",
+        description="hf: models: build the transformers model, or trainwise's own GPT from a "
+        "Llama config.json (same weights, renamed).",
     )
     hidden: list[int] = Field(
         default_factory=lambda: [128, 128], description="Hidden layer widths of the 'mlp' model."
@@ -88,9 +99,12 @@ class DataConfig(Section):
     dataset: Literal["synthetic", "digits", "tokens"] = Field(
         "synthetic",
         description="synthetic: built-in generated language; digits: sklearn's digits "
-        "(for the mlp); tokens: a .bin file of uint16 token ids (data.path).",
+        "(for the mlp); tokens: a .bin file of uint16 token ids, or a directory written by "
+        "`trainwise data prepare` (data.path).",
     )
-    path: str | None = Field(None, description="The token file for dataset = 'tokens'.")
+    path: str | None = Field(
+        None, description="The token file or prepared directory for dataset = 'tokens'."
+    )
     seq_len: int = Field(64, gt=0, description="Tokens per training sequence.")
     micro_batch: int = Field(16, gt=0, description="Samples per worker per forward pass.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")
@@ -161,10 +175,10 @@ class ScheduleConfig(Section):
 class ParallelConfig(Section):
     strategy: Strategy = Field(
         "auto",
-        description="auto: ddp when one replica fits in device memory with headroom, else "
-        "fsdp (on several machines hsdp when the plan's step is faster; then fsdp with cpu "
-        "offload); single: one process; ddp; fsdp (FSDP2); hsdp: replicate x shard on a "
-        "2-D mesh.",
+        description="auto: the planner's choice (`trainwise plan`'s search over the layouts "
+        "the runtime runs: the fastest that fits with headroom, the simplest within 1 %; the "
+        "job's micro-batch, accumulation and checkpointing kept); single: one process; ddp; "
+        "fsdp (FSDP2); hsdp: replicate x shard on a 2-D mesh.",
     )
     shard: Literal["full", "grad_op"] = Field(
         "full",
@@ -296,7 +310,7 @@ class CheckpointConfig(Section):
     )
     verify: Literal["full", "fast"] = Field(
         "full",
-        description="On load: full = sizes and sha256 of every file; fast = sizes only.",
+        description="On load: full = sizes and checksums (xxh3) of every file; fast = sizes only.",
     )
     max_restarts: int = Field(
         3, ge=0, description="Times torchrun's elastic agent restarts the workers after a failure."

@@ -7,6 +7,7 @@ trainwise.errors, and takes plain arguments rather than config objects.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from torch.utils.data import DataLoader, Dataset
@@ -14,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from trainwise.data.datasets import ArrayDataset, TokenWindows, split_arrays, split_tokens
 from trainwise.data.digits import load_digits_arrays
 from trainwise.data.sampler import ShardedBatchSampler
+from trainwise.data.shards import PromptResponseExamples, TokenShards, read_index
 from trainwise.data.synthetic import build_synthetic_corpus, synthetic_entropy_rate
 from trainwise.data.tokens import open_token_file, token_vocab_size, write_token_file
 from trainwise.errors import DataError
@@ -23,6 +25,8 @@ __all__ = [
     "ArrayDataset",
     "DataInfo",
     "ShardedBatchSampler",
+    "PromptResponseExamples",
+    "TokenShards",
     "TokenWindows",
     "build_datasets",
     "build_eval_loader",
@@ -65,6 +69,24 @@ def _lm_datasets(
     return train_ds, val_ds, info
 
 
+def _example_datasets(
+    path: str, seq_len: int, val_fraction: float
+) -> tuple[Dataset, Dataset, DataInfo]:
+    """A prompt/response corpus: one example per sample, the last val_fraction held out."""
+    index = read_index(path)
+    n = int(index["documents"])
+    n_val = int(round(n * val_fraction))
+    if not 0 < n_val < n:
+        raise DataError(
+            f"data.val_fraction={val_fraction} of the {n} examples in {str(path)!r} leaves an "
+            "empty split; use more examples or a val_fraction nearer 0.5"
+        )
+    train = PromptResponseExamples(path, seq_len, 0, n - n_val)
+    val = PromptResponseExamples(path, seq_len, n - n_val, n)
+    vocab = int(index["vocab_size"])
+    return train, val, DataInfo("lm", vocab, None, None, len(train), len(val), seq_len)
+
+
 def build_datasets(
     name: Literal["synthetic", "digits", "tokens"],
     *,
@@ -78,7 +100,8 @@ def build_datasets(
     """Build (train, val, info) for a dataset name.
 
     synthetic: a generated corpus of synthetic_tokens ids over vocab_size, the same on every
-    rank (it depends on seed only). tokens: the uint16 file at path. digits: sklearn's
+    rank (it depends on seed only). tokens: the uint16 file at path, or a directory
+    `trainwise data prepare` wrote (its vocabulary is the tokenizer's). digits: sklearn's
     digits, split with a seeded shuffle; seq_len is unused.
     """
     if name == "synthetic":
@@ -89,8 +112,14 @@ def build_datasets(
         if path is None:
             raise DataError(
                 "data.path is not set but data.name='tokens' needs it; set data.path to a uint16 "
-                "token file"
+                "token file or a directory written by `trainwise data prepare`"
             )
+        if Path(path).is_dir() and read_index(path).get("kind") == "prompt_response":
+            return _example_datasets(path, seq_len, val_fraction)
+        if Path(path).is_dir():
+            shards = TokenShards(path)
+            what = f"prepared corpus {str(path)!r} ({len(shards)} tokens)"
+            return _lm_datasets(shards, seq_len, val_fraction, shards.vocab_size, what)
         tokens = open_token_file(path)
         what = f"token file {str(path)!r} ({len(tokens)} tokens)"
         return _lm_datasets(tokens, seq_len, val_fraction, token_vocab_size(tokens), what)

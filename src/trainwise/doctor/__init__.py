@@ -1,1 +1,2 @@
-"""Preflight checks and micro-benchmarks (a later release)."""
+"""The preflight checklist: the job's checks and micro-benchmarks, run on every rank of the
+machines it will use (`trainwise doctor`)."""

@@ -22,8 +22,8 @@ def _bare(cls: type[nn.Module], *args: object, **kwargs: object) -> nn.Module:
 
 def _norm(shape: GPTShape) -> nn.Module:
     if shape.norm == "rmsnorm":
-        return _bare(nn.RMSNorm, shape.d_model, eps=1e-5)
-    return _bare(nn.LayerNorm, shape.d_model, eps=1e-5, bias=shape.bias)
+        return _bare(nn.RMSNorm, shape.d_model, eps=shape.norm_eps)
+    return _bare(nn.LayerNorm, shape.d_model, eps=shape.norm_eps, bias=shape.bias)
 
 
 class Rotary(nn.Module):
@@ -64,8 +64,11 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = shape.n_head, shape.n_kv_head, shape.head_dim
         q_dim, kv_dim = shape.n_head * self.head_dim, shape.n_kv_head * self.head_dim
+        # Separate projections, as Hugging Face Llama names them: a checkpoint maps one to
+        # one (models.llama), and each shards on its own output dim.
         self.q_proj = _bare(nn.Linear, shape.d_model, q_dim, bias=shape.bias)
-        self.kv_proj = _bare(nn.Linear, shape.d_model, 2 * kv_dim, bias=shape.bias)
+        self.k_proj = _bare(nn.Linear, shape.d_model, kv_dim, bias=shape.bias)
+        self.v_proj = _bare(nn.Linear, shape.d_model, kv_dim, bias=shape.bias)
         self.out_proj = _bare(nn.Linear, q_dim, shape.d_model, bias=shape.bias)
         self.rotary = (
             Rotary(self.head_dim, shape.max_seq_len, shape.rope_theta)
@@ -77,12 +80,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
-        k, v = (
-            self.kv_proj(x)
-            .view(b, t, 2, self.n_kv_head, self.head_dim)
-            .permute(2, 0, 3, 1, 4)
-            .unbind(0)
-        )
+        k = self.k_proj(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         if self.n_kv_head != self.n_head:

@@ -1,9 +1,15 @@
-"""A Hugging Face transformers causal LM, randomly initialised from a local config.json (no
-hub access), wrapped so it looks like our GPT: forward(idx) -> logits, plus `blocks`."""
+"""Models from a local Hugging Face model directory (no hub access): a transformers causal
+LM wrapped so it looks like our GPT (forward(idx) -> logits, plus `blocks`), or, with
+model.impl = 'trainwise', trainwise's own GPT built from a Llama config.json. When the
+directory holds safetensors weights they load into the model after it is wrapped or
+sharded (models.hf_weights); otherwise, or with model.init = 'random', it starts random."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +17,10 @@ import torch
 from torch import nn
 
 from trainwise.errors import ModelError
+from trainwise.models.gpt import GPT
+from trainwise.models.hf_weights import check_weights, load_weights, weight_files
+from trainwise.models.llama import gpt_to_hf, shape_from_llama
+from trainwise.models.shapes import GPTShape
 
 # Where common architectures keep their decoder layers.
 _LAYER_PATHS = (("model", "layers"), ("transformer", "h"), ("gpt_neox", "layers"))
@@ -62,10 +72,12 @@ def read_hf_config(path: str) -> dict[str, Any]:
     return config
 
 
-def build_hf(path: str, vocab_size: int | None = None) -> HFCausalLM:
-    """Random-init causal LM from the local config at `path`; `vocab_size` overrides the
-    config's (the data decides it)."""
-    config = read_hf_config(path)
+def build_hf(
+    path: str, vocab_size: int | None = None, config: dict[str, Any] | None = None
+) -> HFCausalLM:
+    """Random-init causal LM from the local config at `path` (or `config`, its contents);
+    `vocab_size` overrides the config's (the data decides it)."""
+    config = dict(config or read_hf_config(path))
     try:
         import transformers
     except ImportError as exc:
@@ -92,3 +104,79 @@ def build_hf(path: str, vocab_size: int | None = None) -> HFCausalLM:
             f"({reason}); check model_type and the config fields"
         ) from exc
     return HFCausalLM(model, int(cfg.vocab_size))
+
+
+def _strip_wrapper(name: str) -> str:
+    """HFCausalLM keeps the transformers model as `.model`: its names are the checkpoint's."""
+    return name.removeprefix("model.")
+
+
+@dataclass
+class HFBuild:
+    module: nn.Module
+    blocks: list[nn.Module]
+    shape: GPTShape | None  # model.impl = 'trainwise'
+    load_weights: Callable[[nn.Module], dict[str, int]] | None  # None: random init
+
+
+def model_dir(path: str) -> Path:
+    """The model directory of model.name = 'hf:PATH' (PATH, or the folder of a config.json)."""
+    p = Path(path).expanduser()
+    return p if p.is_dir() else p.parent
+
+
+def wants_pretrained(path: str, init: str) -> bool:
+    """Whether the weights of the directory load: model.init 'pretrained' (they must
+    exist), 'random' (never) or 'auto' (when there are any)."""
+    has = bool(weight_files(model_dir(path)))
+    if init == "pretrained" and not has:
+        raise ModelError(
+            f"model.init = 'pretrained' but 'hf:{path}' holds no model.safetensors or "
+            "model.safetensors.index.json; add the weights or set model.init = 'random'"
+        )
+    return has and init != "random"
+
+
+def hf_shape(path: str, vocab_size: int | None, seq_len: int | None, init: str) -> GPTShape:
+    """trainwise's GPT shape for the Llama config at `path` (model.impl = 'trainwise')."""
+    where = f"model.name = 'hf:{path}'"
+    shape = shape_from_llama(read_hf_config(path), where)
+    vocab = _vocab(shape.vocab_size, vocab_size, wants_pretrained(path, init), path)
+    return GPTShape(
+        **{**shape.__dict__, "vocab_size": vocab, "max_seq_len": seq_len or shape.max_seq_len}
+    )
+
+
+def _vocab(model_vocab: int, data_vocab: int | None, pretrained: bool, path: str) -> int:
+    """Pretrained weights fix the vocabulary: the data's ids must fit in it."""
+    if not pretrained:
+        return data_vocab or model_vocab
+    if data_vocab is not None and data_vocab > model_vocab:
+        raise ModelError(
+            f"model.name = 'hf:{path}': the data has token ids up to {data_vocab - 1} but the "
+            f"model's vocab_size is {model_vocab}; prepare the data with the model's tokenizer"
+        )
+    return model_vocab
+
+
+def build_from_dir(
+    path: str, vocab_size: int | None, seq_len: int | None, dropout: float, init: str, impl: str
+) -> HFBuild:
+    """The model of a Hugging Face directory, and how to load its weights once wrapped."""
+    where = f"model.name = 'hf:{path}'"
+    pretrained = wants_pretrained(path, init)
+    if impl == "trainwise":
+        gpt = GPT(hf_shape(path, vocab_size, seq_len, init), dropout=dropout)
+        module, blocks, shape, rename = gpt, list(gpt.blocks), gpt.shape, gpt_to_hf
+    else:
+        config = read_hf_config(path)
+        vocab = _vocab(int(config.get("vocab_size") or 0), vocab_size, pretrained, path)
+        lm = build_hf(path, vocab_size=vocab, config=config)
+        module, blocks, shape, rename = lm, list(lm.blocks), None, _strip_wrapper
+    if not pretrained:
+        return HFBuild(module, blocks, shape, None)
+    folder = model_dir(path)
+    check_weights(module, folder, rename, where)  # before any worker: names and shapes
+    return HFBuild(
+        module, blocks, shape, partial(load_weights, folder=folder, rename=rename, where=where)
+    )

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from trainwise.errors import ModelError
 from trainwise.models.custom import build_custom
 from trainwise.models.gpt import GPT
-from trainwise.models.hf import build_hf
+from trainwise.models.hf import build_from_dir, hf_shape
 from trainwise.models.mlp import MLPClassifier
 from trainwise.models.shapes import PRESETS, GPTShape, job_shape
 
@@ -31,6 +31,8 @@ class ModelSpec:
     hidden: tuple[int, ...] = (128, 128)  # mlp
     dropout: float = 0.0
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to a custom factory
+    init: str = "auto"  # hf: "auto" | "pretrained" | "random" (model.init)
+    impl: str = "transformers"  # hf: "transformers" | "trainwise" (model.impl)
 
 
 @dataclass
@@ -41,6 +43,8 @@ class ModelBundle:
     loss_fn: Callable[[Tensor, Tensor], Tensor]  # (output, target) -> mean loss
     blocks: list[nn.Module]  # units for FSDP / activation checkpointing; may be empty
     shape: GPTShape | None  # set for GPT presets (FLOPs and memory formulas)
+    # Fills the model once wrapped or sharded (every rank calls it); None: keep the init.
+    load_weights: Callable[[nn.Module], dict[str, int]] | None = None
 
 
 def cross_entropy_loss(output: Tensor, target: Tensor) -> Tensor:
@@ -75,8 +79,12 @@ def model_kind(name: str) -> Literal["preset", "mlp", "custom", "hf"]:
 
 
 def resolve_shape(spec: ModelSpec) -> GPTShape | None:
-    """The preset's shape with vocab_size / seq_len overrides applied; None for other kinds."""
-    if model_kind(spec.name) != "preset":
+    """The preset's shape with vocab_size / seq_len overrides applied, or the GPT shape of
+    an hf: Llama directory built by trainwise; None for other kinds."""
+    kind = model_kind(spec.name)
+    if kind == "hf" and spec.impl == "trainwise":
+        return hf_shape(spec.name[len("hf:") :], spec.vocab_size, spec.seq_len, spec.init)
+    if kind != "preset":
         return None
     return job_shape(spec.name, spec.vocab_size, spec.seq_len)
 
@@ -109,8 +117,11 @@ def build_model(spec: ModelSpec) -> ModelBundle:
         mlp = MLPClassifier(spec.in_features, spec.num_classes, spec.hidden, spec.dropout)
         return ModelBundle(mlp, cross_entropy_loss, list(mlp.blocks), None)
     if kind == "hf":
-        lm = build_hf(spec.name[len("hf:") :], vocab_size=spec.vocab_size)
-        return ModelBundle(lm, cross_entropy_loss, list(lm.blocks), None)
+        hf = build_from_dir(
+            spec.name[len("hf:") :], spec.vocab_size, spec.seq_len, spec.dropout, spec.init,
+            spec.impl,
+        )  # fmt: skip
+        return ModelBundle(hf.module, cross_entropy_loss, hf.blocks, hf.shape, hf.load_weights)
     module, loss_fn = build_custom(spec.name, spec.kwargs)
     return ModelBundle(module, loss_fn or cross_entropy_loss, _blocks_of(module), None)
 
@@ -118,7 +129,7 @@ def build_model(spec: ModelSpec) -> ModelBundle:
 def count_parameters(spec: ModelSpec) -> int:
     """Parameter count without allocating: presets analytically, others built on meta."""
     shape = resolve_shape(spec)
-    if shape is not None:
+    if shape is not None and model_kind(spec.name) == "preset":
         return shape.num_params()
     with torch.device("meta"):
         module = build_model(spec).module

@@ -32,6 +32,8 @@ class GPTShape:
     bias: bool
     # Rotary base frequency; only read when pos == "rope" (Llama 2: 1e4, Llama 3: 5e5).
     rope_theta: float = 10000.0
+    # The norms' epsilon (Hugging Face Llama: rms_norm_eps); no effect on sizes.
+    norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -70,6 +72,8 @@ class GPTShape:
                 f"model shape n_head = {self.n_head} is not divisible by "
                 f"n_kv_head = {self.n_kv_head}; pick n_kv_head dividing n_head"
             )
+        if not self.norm_eps > 0:
+            problems.append(f"model shape norm_eps = {self.norm_eps!r}: must be > 0")
         if not self.rope_theta > 0:
             problems.append(f"model shape rope_theta = {self.rope_theta!r}: must be > 0")
         if problems:

@@ -1,4 +1,5 @@
-"""Rendering results for people: terminal summaries now, reports later."""
+"""Everything rendered for people: the terminal summary of a run, the plan's and the
+doctor's views, and the run report (text, Markdown, JSON, one HTML page)."""
 
 from trainwise.report.summary import render_summary
 

@@ -44,7 +44,7 @@ from trainwise.run.states import MODEL, OPTIMIZER, RNG
 
 AUTO_FIRST_SAVE = 10  # interval = "auto": the first save (to measure the stall) at this step
 # Files each rank writes in parallel threads (DCP's FileSystemWriter), later hashed in
-# parallel too: one file per rank leaves a core idle on write and on sha256. (A failed
+# parallel too: one file per rank leaves a core idle on write and on hashing. (A failed
 # extra thread is caught by missing_items and the excepthook below.)
 WRITE_THREADS = 2
 
@@ -368,8 +368,8 @@ class Checkpointer:
         for part in parts if self.is_main else []:
             if isinstance(part, str):
                 return {}, part
-            for name, size, sha in part:
-                known[name] = store.FileEntry(path=name, bytes=size, sha256=sha)
+            for name, size, digest in part:
+                known[name] = store.FileEntry(path=name, bytes=size, xxh3=digest)
         return known, None
 
     def _agree(self, error: str | None, step: int, peer: str | None = None) -> None:
@@ -480,22 +480,53 @@ class Checkpointer:
 
     def find(self) -> tuple[Path | None, list[str]]:
         """Rank 0 picks the checkpoint to resume from (cleaning interrupted saves first);
-        every rank gets the same answer."""
+        every rank gets the same answer. With verify = "full", every rank hashes its share
+        of each candidate's files as rank 0 asks (see `_spread_checksums`)."""
         self.wait()  # a rollback may come while a save is in flight
-        box: list[Any] = [None, [], None, False]
         if self.is_main:
             try:
                 box = [*self._find_on_main(), None, self.other]
             except CheckpointError as err:
                 box = [None, [], (str(err), err.exit_status), False]
-        if dist.is_initialized():
-            dist.broadcast_object_list(box, src=0)
+            if self.group is not None:
+                dist.broadcast_object_list([("answer", box)], src=0, group=self.group)
+        else:
+            box = self._serve_checksums()
         path, skipped, error, self.other = box
         if error:
             failure = CheckpointError(error[0])
             failure.exit_status = error[1]  # 2 for another lineage: bad input, not a fault
             raise failure
         return (Path(path) if path else None), skipped
+
+    def _spread_checksums(self, path: Path, manifest: store.Manifest) -> list[str]:
+        """On rank 0: every rank hashes every world-th file of `path` (rank 0 alone would
+        read the whole checkpoint); the mismatches of all."""
+        if self.group is None:
+            return store.checksum_problems(store.expected_checksums(path, manifest))
+        dist.broadcast_object_list([("verify", str(path))], src=0, group=self.group)
+        return self._my_share(path, manifest)
+
+    def _serve_checksums(self) -> list[Any]:
+        """Off rank 0: hash this rank's share of each candidate rank 0 names, until it
+        sends the answer."""
+        while True:
+            message: list[Any] = [None]
+            dist.broadcast_object_list(message, src=0, group=self.group)
+            kind, body = message[0]
+            if kind == "answer":
+                return body
+            manifest = store.read_manifest(Path(body))
+            self._my_share(Path(body), manifest)
+
+    def _my_share(self, path: Path, manifest: store.Manifest | None) -> list[str]:
+        mine: list[str] = []
+        if manifest is not None:
+            share = store.expected_checksums(path, manifest, (self.rank, self.world))
+            mine = store.checksum_problems(share)
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, mine, group=self.group)
+        return [line for part in parts for line in part]
 
     def _find_on_main(self) -> tuple[str | None, list[str]]:
         resume = self.cfg.resume
@@ -506,7 +537,7 @@ class Checkpointer:
             resume = "auto"  # a restart or rollback resumes the lineage this launch started
         if resume != "auto":
             path = Path(resume)
-            problems = store.verify(path, self.cfg.verify)
+            problems = store.verify(path, self.cfg.verify)  # one given checkpoint: rank 0
             if problems:
                 raise CheckpointError(
                     f"checkpoint.resume = '{resume}' is not a valid checkpoint ({problems[0]}); "
@@ -516,7 +547,9 @@ class Checkpointer:
         removed = store.clean_incomplete(self.root)
         for path in removed:
             self.log.warning("trainwise: removed an interrupted save: %s", path)
-        best, skipped = store.find_latest_valid(self.root, self.cfg.verify, self.lineage)
+        best, skipped = store.find_latest_valid(
+            self.root, self.cfg.verify, self.lineage, self._spread_checksums
+        )
         notes = [f"{info.path.name}: {info.problems[0]}" for info in skipped]
         for info in skipped:
             append_event(
@@ -533,7 +566,9 @@ class Checkpointer:
                 f"({notes[0]}); set checkpoint.resume = 'never' to start a new lineage"
             )
         if best is None:  # none of this lineage: another run's, if any, by the rules
-            other, _ = store.find_latest_valid(self.root, self.cfg.verify)
+            other, _ = store.find_latest_valid(
+                self.root, self.cfg.verify, checksums=self._spread_checksums
+            )
             return (self._own_or_allowed(other.path) if other else None), notes
         return str(best.path), notes
 

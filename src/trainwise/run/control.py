@@ -21,10 +21,12 @@ import torch
 import torch.distributed as dist
 
 from trainwise.run.distributed import side_group
+from trainwise.run.lifeline import LAUNCHER_GONE
 
 # Every way a run is asked to stop saves first: the scheduler's SIGTERM / SIGUSR1, Ctrl-C
-# (SIGINT), a closed terminal (SIGHUP), and the launcher's death (SIGTERM, see lifeline).
-PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+# (SIGINT), a closed terminal (SIGHUP), and the launcher's death (see lifeline). A second
+# signal exits at once, except repeats of the launcher's death (one event, several signals).
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP, LAUNCHER_GONE)
 STOP, SAVE = 0, 1
 # Slurm signals every process of a job step at once, and the launcher then forwards the
 # same signal to its workers: under Slurm a worker gets each signal twice, moments apart.
@@ -52,11 +54,16 @@ def catch_early_signals() -> None:
 
 
 def _on_early_signal(signum: int, frame: object) -> None:
-    if _early and is_repeat(signum, _early[0]):
+    if _early and (signum == LAUNCHER_GONE or is_repeat(signum, _early[0])):
         return
     if _early:
         os._exit(128 + signum)
     _early.append((signum, time.monotonic()))
+
+
+def signal_name(signum: int) -> str:
+    """How a stop's cause reads in events and summaries."""
+    return "launcher exit" if signum == LAUNCHER_GONE else signal.Signals(signum).name
 
 
 class Control:
@@ -84,13 +91,14 @@ class Control:
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame: object) -> None:
+        if self.signal is not None and signum == LAUNCHER_GONE:
+            return  # the kernel's repeat of the launcher's death, or a death after a stop
         if is_repeat(signum, self._first):
             return
         if self.signal is not None:
             # Second signal: no more grace. The last committed checkpoint stays valid.
             if self.announce_second:
-                name = signal.Signals(signum).name
-                print(f"trainwise: second {name}: exiting now", file=sys.stderr)
+                print(f"trainwise: second {signal_name(signum)}: exiting now", file=sys.stderr)
             os._exit(128 + signum)
         self.signal = signum
         self._first = (signum, time.monotonic())
@@ -98,7 +106,7 @@ class Control:
 
     @property
     def signal_name(self) -> str | None:
-        return signal.Signals(self.signal).name if self.signal else None
+        return signal_name(self.signal) if self.signal else None
 
     # -- agreement --------------------------------------------------------------------
 

@@ -16,10 +16,18 @@ from trainwise.errors import ConfigError
 from trainwise.hardware import GB, DeviceInfo
 from trainwise.hardware.catalog import find_gpu
 from trainwise.models import GPTShape, ModelSpec, count_parameters, resolve_shape
-from trainwise.plan import Decision, Workload, choose_strategy, describe, estimate_memory, fmt_bytes
-from trainwise.plan.estimate import candidate_names, evaluate
+from trainwise.plan import (
+    Decision,
+    Workload,
+    decide_auto,
+    describe,
+    estimate_memory,
+    fmt_bytes,
+    runtime_allowed,
+)
+from trainwise.plan.estimate import Setup, candidate_names, evaluate, price
 from trainwise.plan.flops import flops_per_token, recompute_factor
-from trainwise.plan.inputs import PlanInputs, job_inputs
+from trainwise.plan.inputs import PlanInputs, job_inputs, unknown_device_inputs
 from trainwise.plan.record import strategy_record
 
 
@@ -140,9 +148,62 @@ def prepare_job(
 ) -> Job:
     """Every machine-dependent check, collected and raised once; then the decision.
     `world` is the whole job; `local_world` the workers on this machine (default: all)."""
-    local = local_world or world
-    problems: list[str] = []
-    c = cfg
+    c, local = cfg, local_world or world
+    backend, problems = machine_problems(c, device, local)
+    problems += layout_problems(c, world, local, device)
+    # Machines now: torchrun starts `local` workers on each; with an elastic range fewer
+    # than cluster.nodes may have joined.
+    nodes = world // local if world % local == 0 else 1
+    replicate = replica_groups(c, world, nodes)
+    strategy = c.parallel.strategy
+    if strategy == "fsdp" and replicate > 1:  # a shard group smaller than the world
+        strategy = "hsdp"
+    if world % replicate:
+        problems.append(
+            f"parallel.replicate = {replicate} does not divide the world size {world}: "
+            f"hsdp needs replicate x shard = world"
+        )
+    data = data_and_model(c, problems)
+    accum, more = batch_problems(c, world, local, strategy, data.info)
+    if problems + more:
+        raise ConfigError(problems + more)
+
+    workload = Workload(
+        params=data.params,
+        shape=data.shape,
+        seq_len=c.data.seq_len,
+        micro_batch=c.data.micro_batch,
+        precision=c.precision.dtype,
+        optimizer=c.optim.name,
+        ac=c.parallel.ac,
+        reduce_dtype=c.precision.reduce_dtype,
+    )
+    device_bytes = device_budget(c, device, local)
+    view = planner_view(c, workload, world, local, device, device_bytes, accum)
+    cluster = view  # the planner's view: what auto decides with
+    decision = decide(
+        workload, strategy, world, device_bytes, c, replicate, device.kind, accum, cluster
+    )
+    return Job(
+        cfg=c,
+        world=world,
+        device=device,
+        backend=backend,
+        dims=layout_of(decision, strategy, world, replicate, c),
+        grad_accum=accum,
+        decision=decision,
+        model_spec=data.spec,
+        params=data.params,
+        shape=data.shape,
+        data=data.info,
+        plan_inputs=view,
+        datasets=data.datasets,
+    )
+
+
+def machine_problems(c: JobConfig, device: DeviceInfo, local: int) -> tuple[str, list[str]]:
+    """The backend for this device, and what the device cannot do as configured."""
+    problems = []
     if device.kind == "cuda" and device.count == 0:
         problems.append(
             "cluster.device = 'cuda' but no CUDA device is visible: use 'cpu' or 'auto'"
@@ -173,31 +234,23 @@ def prepare_job(
             f"checkpoint.resume = '{resume}' {what}: give a committed checkpoint directory "
             "(`trainwise checkpoints RUN` lists them), 'auto' or 'never'"
         )
-    strategy = c.parallel.strategy
-    problems += layout_problems(c, world, local)
-    if strategy == "single" and world > 1:
-        problems.append(
-            f"parallel.strategy = 'single' runs one worker but cluster.nproc = {world}: "
-            "use --nproc 1, or ddp / fsdp"
-        )
-    if c.parallel.cpu_offload and device.kind != "cuda":
-        problems.append(
-            "parallel.cpu_offload = true moves sharded state from GPU to host memory and needs "
-            f"a CUDA device; on {device.kind} the state is in host memory already: remove it"
-        )
-    # Machines now: torchrun starts `local` workers on each; with an elastic range fewer
-    # than cluster.nodes may have joined.
-    nodes = world // local if world % local == 0 else 1
-    replicate = replica_groups(c, world, nodes)
-    if strategy == "fsdp" and replicate > 1:  # a shard group smaller than the world
-        strategy = "hsdp"
-    if world % replicate:
-        problems.append(
-            f"parallel.replicate = {replicate} does not divide the world size {world}: "
-            f"hsdp needs replicate x shard = world"
-        )
+    return backend, problems
 
-    # The data decides the vocabulary and the classifier's shape.
+
+@dataclass(frozen=True)
+class JobData:
+    """The datasets and the model they decide (the vocabulary, the classifier's shape)."""
+
+    datasets: tuple[Any, Any]
+    info: DataInfo
+    spec: ModelSpec
+    params: int
+    shape: GPTShape | None
+
+
+def data_and_model(c: JobConfig, problems: list[str]) -> JobData:
+    """Build the datasets and size the model; raises with `problems` and its own at once
+    when either cannot be built (the later checks need both)."""
     try:
         train_ds, val_ds, info = build_datasets(
             c.data.dataset,
@@ -210,7 +263,6 @@ def prepare_job(
         )
     except ConfigError as err:
         raise ConfigError(problems + err.problems) from None
-
     spec = ModelSpec(
         name=c.model.name,
         vocab_size=c.model.vocab_size or info.vocab_size,
@@ -220,6 +272,8 @@ def prepare_job(
         hidden=tuple(c.model.hidden),
         dropout=c.model.dropout,
         kwargs=dict(c.model.kwargs),
+        init=c.model.init,
+        impl=c.model.impl,
     )
     if c.model.vocab_size and info.vocab_size and c.model.vocab_size < info.vocab_size:
         problems.append(
@@ -227,15 +281,20 @@ def prepare_job(
             f"({info.vocab_size} token ids): raise it or leave it unset"
         )
     try:
-        params = count_parameters(spec)
-        shape = resolve_shape(spec)
+        params, shape = count_parameters(spec), resolve_shape(spec)
     except ConfigError as err:
         raise ConfigError(problems + err.problems) from None
+    return JobData((train_ds, val_ds), info, spec, params, shape)
 
+
+def batch_problems(
+    c: JobConfig, world: int, local: int, strategy: str, info: DataInfo
+) -> tuple[int, list[str]]:
+    """The accumulation steps, and whether the batch arithmetic holds for this data."""
     accum, problem = elastic_accum(c, world, local)
-    if problem:
-        problems.append(problem)
-    dp = 1 if strategy == "single" or (strategy == "auto" and world == 1) else world // c.parallel.tp
+    problems = [problem] if problem else []
+    one_replica = strategy == "single" or (strategy == "auto" and world == 1)
+    dp = 1 if one_replica else world // c.parallel.tp
     g = c.data.micro_batch * accum * dp
     if c.data.global_batch is not None and c.data.global_batch != g:
         problems.append(
@@ -255,52 +314,30 @@ def prepare_job(
             f"({accum}) x data-parallel size({dp}) exceeds the "
             f"{info.train_samples} training samples: lower data.micro_batch"
         )
-    if problems:
-        raise ConfigError(problems)
+    return accum, problems
 
-    workload = Workload(
-        params=params,
-        shape=shape,
-        seq_len=c.data.seq_len,
-        micro_batch=c.data.micro_batch,
-        precision=dtype,
-        optimizer=c.optim.name,
-        ac=c.parallel.ac,
-        reduce_dtype=c.precision.reduce_dtype,
-    )
-    device_bytes = (
-        c.cluster.device_memory_gb * GB
-        if c.cluster.device_memory_gb
-        # CPU workers share the machine's memory.
-        else device.memory_bytes / (local if device.kind == "cpu" else 1)
-    )
-    view = planner_view(c, workload, world, local, device, device_bytes, accum)
-    cluster = view if strategy == "auto" and nodes > 1 else None
-    decision = decide(
-        workload, strategy, world, device_bytes, c, replicate, device.kind, accum, cluster
-    )
+
+def device_budget(c: JobConfig, device: DeviceInfo, local: int) -> float:
+    """The memory one worker may plan with: cluster.device_memory_gb, else the device's
+    (CPU workers share the machine's memory)."""
+    if c.cluster.device_memory_gb:
+        return c.cluster.device_memory_gb * GB
+    return device.memory_bytes / (local if device.kind == "cpu" else 1)
+
+
+def layout_of(
+    decision: Decision, strategy: str, world: int, replicate: int, c: JobConfig
+) -> ParallelDims:
+    """The decided layout as degrees."""
     if strategy == "auto" and decision.strategy == "hsdp":
-        replicate = nodes  # shard within a machine, replicate across the machines
+        replicate = decision.replicate  # the shard groups the planner chose
     sharded_in_groups = decision.strategy == "fsdp" and replicate > 1  # auto with dp_shard
-    dims = ParallelDims.from_strategy(
-        "hsdp" if sharded_in_groups else decision.strategy, world, replicate=replicate,
+    return ParallelDims.from_strategy(
+        "hsdp" if sharded_in_groups else decision.strategy,
+        world,
+        replicate=replicate,
         shard=c.parallel.shard,
         cpu_offload=decision.cpu_offload,
-    )  # fmt: skip
-    return Job(
-        cfg=c,
-        world=world,
-        device=device,
-        backend=backend,
-        dims=dims,
-        grad_accum=accum,
-        decision=decision,
-        model_spec=spec,
-        params=params,
-        shape=shape,
-        data=info,
-        plan_inputs=view,
-        datasets=(train_ds, val_ds),
     )
 
 
@@ -315,8 +352,8 @@ def replica_groups(c: JobConfig, world: int, nodes: int) -> int:
     return nodes if c.parallel.strategy == "hsdp" else 1
 
 
-def layout_problems(c: JobConfig, world: int, local: int) -> list[str]:
-    """The degrees the runtime cannot run as given, one line each."""
+def layout_problems(c: JobConfig, world: int, local: int, device: DeviceInfo) -> list[str]:
+    """The degrees and options the runtime cannot run as given, one line each."""
     p = c.parallel
     problems = []
     if p.tp > 1:
@@ -333,6 +370,16 @@ def layout_problems(c: JobConfig, world: int, local: int) -> list[str]:
         problems.append(
             f"parallel.dp_shard = {p.dp_shard} does not divide the {world} workers: choose a "
             "divisor of cluster.nproc x cluster.nodes"
+        )
+    if p.strategy == "single" and world > 1:
+        problems.append(
+            f"parallel.strategy = 'single' runs one worker but cluster.nproc = {world}: "
+            "use --nproc 1, or ddp / fsdp"
+        )
+    if p.cpu_offload and device.kind != "cuda":
+        problems.append(
+            "parallel.cpu_offload = true moves sharded state from GPU to host memory and needs "
+            f"a CUDA device; on {device.kind} the state is in host memory already: remove it"
         )
     return problems
 
@@ -372,8 +419,11 @@ def job_plan(job: Job) -> dict[str, Any] | None:
         return None
     name = job.dims.plan_name
     hw = inputs.hardware
+    c = job.cfg
+    # The job's own layout and knobs (its shard groups need not be one per machine).
+    setup = Setup(job.dims, c.parallel.ac, c.data.micro_batch, job.grad_accum)
     return {
-        **strategy_record(evaluate(inputs, name)),
+        **strategy_record(price(inputs, setup, name)),
         "efficiency": inputs.efficiency,
         "intra_node_gbps": hw.intra_bps / GB,
         "inter_node_gbps": hw.inter_bps / GB,
@@ -420,18 +470,9 @@ def decide(
     accum: int,
     cluster: PlanInputs | None = None,
 ) -> Decision:
-    if strategy == "auto":
-        return choose_strategy(
-            w,
-            world,
-            device_bytes,
-            c.parallel.headroom,
-            c.parallel.shard,
-            allow_offload=device_kind == "cuda",
-            device=device_kind,
-            grad_accum=accum,
-            cluster=cluster,
-        )
+    if strategy == "auto":  # the planner's chooser; `cluster`: its view of these machines
+        inputs = cluster or unknown_device_inputs(c, w, world, accum, device_bytes, device_kind)
+        return decide_auto(inputs, runtime_allowed(c.parallel.shard, c.parallel.dp_shard))
     offload = c.parallel.cpu_offload
     shard_degree = world // replicate if strategy == "hsdp" else None
     est = estimate_memory(

@@ -34,7 +34,10 @@ SHUTDOWN_GRACE_S = 120  # how long a signalled worker may take to save before SI
 
 
 class LaunchError(TrainwiseError):
-    """A worker failed; the message names the rank, the exit code and the error."""
+    """A worker failed; the message names the rank, the exit code and the error.
+    `run_dir` is the run it ended (set by start_job), for a report of what it recorded."""
+
+    run_dir: Path | None = None
 
 
 class Preempted(TrainwiseError):  # noqa: N818 - an outcome, reported with exit status 0

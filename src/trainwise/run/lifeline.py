@@ -5,9 +5,11 @@ re-read the run directory's config.toml, which a later launch could rewrite) and
 record: its pid, its start time, and a scratch folder outside the run directory. A worker
 that hits an error no restart can fix writes `fatal.json` there (it still works when the
 run directory's disk is full); its peers and any restarted worker see it and exit at once,
-and the launcher reports it. Each worker also asks the kernel for SIGTERM when its launcher
-dies (PR_SET_PDEATHSIG; a watchdog thread where there is none): the preemption path then
-saves and exits, so no worker outlives its launcher.
+and the launcher reports it. Each worker also asks the kernel for a signal of its own
+(LAUNCHER_GONE) when its launcher dies (PR_SET_PDEATHSIG; a watchdog thread where there is
+none): the preemption path then saves and exits, so no worker outlives its launcher. It is
+not SIGTERM because the kernel sends it once per exiting thread of the launcher: repeats of
+it are one event, while a second SIGTERM means "exit now".
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ CONFIG_ENV = "TRAINWISE_CONFIG"
 FATAL_FILE = "fatal.json"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 WATCHDOG_S = 1.0
+LAUNCHER_GONE = signal.SIGUSR2  # what a worker receives when its launcher dies
 
 
 @dataclass(frozen=True)
@@ -81,12 +84,12 @@ def this_launch() -> Launch | None:
 
 
 def die_with_launcher(launch: Launch) -> None:
-    """SIGTERM to this process when the launcher dies, by any signal, SIGKILL included."""
+    """LAUNCHER_GONE to this process when the launcher dies, by any signal, SIGKILL included."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0:
+        if libc.prctl(PR_SET_PDEATHSIG, int(LAUNCHER_GONE), 0, 0, 0) == 0:
             if os.getppid() != launch.pid:  # it died before the request took effect
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), LAUNCHER_GONE)
             return
     threading.Thread(target=_watch_parent, args=(launch.pid,), daemon=True).start()
 
@@ -94,4 +97,4 @@ def die_with_launcher(launch: Launch) -> None:
 def _watch_parent(pid: int) -> None:
     while os.getppid() == pid:
         time.sleep(WATCHDOG_S)
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), LAUNCHER_GONE)

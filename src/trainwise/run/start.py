@@ -43,7 +43,7 @@ def start_job(
     from trainwise.hardware.detect import usable_cores
     from trainwise.run.events import append_event
     from trainwise.run.job import prepare_job, resolve_nproc, start_lines
-    from trainwise.run.launch import launch_workers
+    from trainwise.run.launch import LaunchError, launch_workers
     from trainwise.run.lifeline import end_launch, start_launch
     from trainwise.run.run_files import default_run_dir, write_run_files
     from trainwise.run.run_lock import hold_run_dir, job_identity
@@ -71,6 +71,9 @@ def start_job(
                 run_dir, nproc, launch, cfg.cluster.master_port, max_restarts, module=module,
                 cluster=cfg.cluster, checkpoints=checkpoint_root(cfg, run_dir),
             )  # fmt: skip
+        except LaunchError as err:
+            err.run_dir = run_dir  # for a report of what the run recorded
+            raise
         finally:
             end_launch(launch)
     return run_dir

@@ -78,6 +78,8 @@ def build_trainer(
         compile=c.train.compile,
         group=group,
     )
+    if bundle.load_weights is not None:  # pretrained: each rank reads its own shards
+        bundle.load_weights(model)
     faults.network(model)  # slowed only under a test's fault
     torch.manual_seed(c.train.seed + 1 + rank)  # dropout differs between ranks
     optimizer = build_optimizer(model, c.optim)

@@ -1,0 +1,160 @@
+"""Prepared token directories (what `trainwise data prepare` writes) and how they are read.
+
+A directory holds token shards (``tokens-00000.bin``, ...: flat little-endian uint16 or
+uint32 ids, the dtype fixed by the tokenizer's vocabulary) and ``index.json``, written last:
+a directory without it is not a prepared corpus. Documents are separated by the
+tokenizer's EOS id. `TokenShards` maps the shards read-only and reads them as one stream,
+so the windows, the split and the sampler work on it as on a single token file.
+
+Prompt/response corpora (``kind = "prompt_response"`` in the index) add, per token shard, a
+``mask-NNNNN.bin`` of uint8 (1 where the token is part of a response, so predicted and
+counted in the loss) and ``documents.bin``: uint64 start offsets of every example plus the
+end, so an example is one training sample.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainwise.errors import DataError
+
+INDEX = "index.json"
+FORMAT = "trainwise-tokens"
+VERSION = 1
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+
+def dtype_for_vocab(vocab_size: int) -> str:
+    """The smallest dtype holding every id of a vocabulary: uint16 up to 65,536 ids."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def shard_name(i: int, part: str = "tokens") -> str:
+    return f"{part}-{i:05d}.bin"
+
+
+def is_prepared_dir(path: str | os.PathLike[str]) -> bool:
+    return Path(path).is_dir() and (Path(path) / INDEX).is_file()
+
+
+def read_index(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The checked index of a prepared directory; DataError (one line) when it is not one."""
+    p = Path(path)
+    where = f"data.path: {str(p)!r}"
+    if not (p / INDEX).is_file():
+        raise DataError(
+            f"{where} is a directory without {INDEX}, so not a prepared corpus (a prepare that "
+            "did not finish leaves none); run `trainwise data prepare ... --out` again"
+        )
+    try:
+        index = json.loads((p / INDEX).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{where}: cannot read {INDEX} ({exc}); prepare the corpus again") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise DataError(f"{where}: {INDEX} is not a trainwise token index; prepare it again")
+    if index.get("dtype") not in DTYPES or not index.get("shards"):
+        raise DataError(f"{where}: {INDEX} names no shards or an unknown dtype; prepare it again")
+    return index
+
+
+class TokenShards:
+    """The shards of a prepared directory as one read-only 1-D token stream. A slice is a
+    view (nothing read); numpy reads it on demand (np.asarray, np.max), joining shards
+    where the range spans them. So the split and the windows never load the corpus."""
+
+    ndim = 1
+
+    def __init__(self, path: str | os.PathLike[str], part: str = "file"):
+        """`part`: "file" for the token ids, "mask" for a prompt/response corpus's mask."""
+        self.path = Path(path)
+        self.index = read_index(self.path)
+        self.dtype = DTYPES[self.index["dtype"]] if part == "file" else np.dtype("u1")
+        self.vocab_size = int(self.index["vocab_size"])
+        self._maps: list[np.memmap] = []
+        for shard in self.index["shards"]:
+            if part not in shard:
+                raise DataError(f"data.path: {str(self.path)!r} has no {part} shards")
+            f = self.path / shard[part]
+            expected = int(shard["tokens"]) * self.dtype.itemsize
+            if not f.is_file() or f.stat().st_size != expected:
+                raise DataError(
+                    f"data.path: shard {str(f)!r} is missing or not {expected} bytes as "
+                    f"{INDEX} says; prepare the corpus again"
+                )
+            self._maps.append(np.memmap(f, dtype=self.dtype, mode="r"))
+        self._starts = np.cumsum([0] + [len(m) for m in self._maps])
+        self._lo, self._hi = 0, int(self._starts[-1])
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (len(self),)
+
+    def __len__(self) -> int:
+        return self._hi - self._lo
+
+    def __getitem__(self, key: slice) -> TokenShards:
+        if not isinstance(key, slice):
+            raise TypeError("TokenShards supports slices only")
+        start, stop, step = key.indices(len(self))
+        if step != 1:
+            raise TypeError("TokenShards supports contiguous slices only")
+        view = object.__new__(TokenShards)
+        view.__dict__.update(self.__dict__)
+        view._lo, view._hi = self._lo + start, self._lo + max(start, stop)
+        return view
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        pieces, pos = [], self._lo
+        i = max(0, int(np.searchsorted(self._starts, pos, side="right")) - 1)
+        while pos < self._hi:
+            base, end = int(self._starts[i]), min(self._hi, int(self._starts[i + 1]))
+            pieces.append(self._maps[i][pos - base : end - base])
+            pos, i = end, i + 1
+        out = np.concatenate(pieces) if pieces else np.empty(0, dtype=self.dtype)
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+
+def write_index(out: Path, index: dict[str, Any]) -> None:
+    """index.json, written to a temporary name and renamed: it marks the directory done."""
+    tmp = out / (INDEX + ".tmp")
+    tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, out / INDEX)
+
+
+IGNORE = -100  # the target id cross entropy skips (torch's default ignore_index)
+
+
+class PromptResponseExamples:
+    """One prompt/response example per sample, cut to seq_len + 1 tokens: x the inputs
+    padded with EOS, y the next tokens where they are response tokens (or the EOS) and
+    IGNORE elsewhere (prompt, padding), so only responses count in the loss. An example
+    alone in its sample attends to nothing else: no packing across examples."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], seq_len: int, first: int = 0, last: int | None = None
+    ):
+        self.tokens, self.mask = TokenShards(path), TokenShards(path, "mask")
+        starts = np.fromfile(Path(path) / "documents.bin", dtype="<u8")
+        self.starts = starts[first : (len(starts) - 1 if last is None else last) + 1]
+        self.seq_len, self.eos = seq_len, int(self.tokens.index["eos_id"])
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def __getitem__(self, i: int) -> tuple[Any, Any]:
+        import torch
+
+        lo = int(self.starts[i])
+        hi = min(int(self.starts[i + 1]), lo + self.seq_len + 1)
+        ids = np.asarray(self.tokens[lo:hi], dtype=np.int64)
+        counted = np.asarray(self.mask[lo:hi], dtype=bool)
+        x = np.full(self.seq_len, self.eos, dtype=np.int64)
+        y = np.full(self.seq_len, IGNORE, dtype=np.int64)
+        x[: len(ids) - 1] = ids[:-1]
+        y[: len(ids) - 1] = np.where(counted[1:], ids[1:], IGNORE)
+        return torch.from_numpy(x), torch.from_numpy(y)

@@ -1,0 +1,202 @@
+"""Export a checkpoint as a Hugging Face model directory: config.json, safetensors shards of
+at most ``shard_bytes`` and model.safetensors.index.json (one model.safetensors when it
+fits), which ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+
+Any layout exports: DCP reads the checkpoint's tensors whole in this one process (no process
+group, no model built), one output shard at a time, so the process never holds more than
+one shard. The names are the model's own: an ``hf:`` transformers model's are already
+Hugging Face's, trainwise's Llama-style GPT's are renamed (models.llama).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from trainwise.errors import ConfigError
+from trainwise.models import ModelSpec, model_kind, resolve_shape
+from trainwise.models.hf import model_dir, read_hf_config
+from trainwise.models.llama import gpt_to_hf, llama_config
+from trainwise.run.checkpoint_store import CheckpointError
+from trainwise.run.export import checkpoint_step
+
+_MODEL = "model."  # the checkpoint's prefix of the model's entries
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _model_spec(checkpoint: Path) -> ModelSpec:
+    try:
+        spec = json.loads((checkpoint / "trainer.json").read_text())["model_spec"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CheckpointError(
+            f"{checkpoint}: trainer.json does not say which model was trained; export "
+            "--format hf needs a checkpoint written by this trainwise version"
+        ) from None
+    known = set(ModelSpec.__dataclass_fields__)
+    return ModelSpec(**{k: v for k, v in spec.items() if k in known})
+
+
+def hf_target(spec: ModelSpec, sizes: dict[str, tuple[int, ...]]) -> tuple[dict, Callable]:
+    """(config.json, checkpoint name -> Hugging Face name) for the trained model."""
+    kind = model_kind(spec.name)
+    if kind == "hf" and spec.impl != "trainwise":
+        config = read_hf_config(spec.name[len("hf:") :])
+        emb = next((s for k, s in sizes.items() if k.endswith("embed_tokens.weight")), None)
+        if emb is not None:  # the data may have set the vocabulary
+            config["vocab_size"] = emb[0]
+        return config, lambda name: name.removeprefix("model.")
+    shape = resolve_shape(spec) if kind in ("preset", "hf") else None
+    if shape is None:
+        raise ConfigError(
+            f"export --format hf: model {spec.name!r} is not a Hugging Face model or a "
+            "Llama-style GPT preset; use --format safetensors"
+        )
+    emb = sizes.get("tok_emb.weight")
+    if emb is not None and emb[0] != shape.vocab_size:
+        shape = type(shape)(**{**shape.__dict__, "vocab_size": emb[0]})
+    return llama_config(shape), gpt_to_hf
+
+
+def _tensor_sizes(checkpoint: Path) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """{model entry: (shape, dtype)} from the checkpoint's metadata (no tensor read)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(checkpoint)).read_metadata()
+    return {
+        key[len(_MODEL) :]: (tuple(md.size), md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith(_MODEL) and isinstance(md, TensorStorageMetadata)
+    }
+
+
+def plan_shards(sizes: dict[str, tuple[tuple[int, ...], Any]], shard_bytes: int) -> list[list[str]]:
+    """Entries in order, cut into groups of at most shard_bytes (a larger tensor alone)."""
+    import math
+
+    groups: list[list[str]] = [[]]
+    used = 0
+    for name, (shape, dtype) in sizes.items():
+        nbytes = math.prod(shape) * dtype.itemsize
+        if groups[-1] and used + nbytes > shard_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += nbytes
+    return groups
+
+
+def _read(checkpoint: Path, names: list[str], sizes: dict) -> dict[str, Any]:
+    """The named model entries of the checkpoint, whole, read by DCP in this process."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    state = {n: torch.empty(sizes[n][0], dtype=sizes[n][1]) for n in names}
+    with warnings.catch_warnings():  # DCP warns that one process loads alone: intended
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(
+            {"model": state}, storage_reader=dcp.FileSystemReader(str(checkpoint)), no_dist=True
+        )
+    return state
+
+
+def export_hf(checkpoint: Path, out: Path, shard_bytes: int = 5 * 10**9) -> dict[str, Any]:
+    """Write ``checkpoint``'s model as a Hugging Face directory ``out`` (created; it must
+    not exist), via ``out.partial`` renamed at the end. Returns what was written."""
+    from safetensors.torch import save_file
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    if out.exists():
+        raise ConfigError(f"-o {out} exists; remove it or choose another directory")
+    if shard_bytes < 1:
+        raise ConfigError(f"--shard-size {shard_bytes}: must be a positive number of bytes")
+    spec = _model_spec(checkpoint)
+    sizes = _tensor_sizes(checkpoint)
+    config, rename = hf_target(spec, {k: s for k, (s, _) in sizes.items()})
+    if config.get("tie_word_embeddings"):
+        sizes = {k: v for k, v in sizes.items() if rename(k) != "lm_head.weight"}
+    groups = plan_shards(sizes, shard_bytes)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        partial.mkdir(parents=True)
+    except OSError as err:
+        raise ConfigError(
+            f"-o {out}: cannot create it ({err.strerror}); give another path"
+        ) from None
+    try:
+        weight_map = _write_shards(checkpoint, partial, groups, sizes, rename, save_file)
+        dtypes = {str(d).removeprefix("torch.") for _, d in sizes.values()}
+        config["torch_dtype"] = config["dtype"] = (
+            next(iter(dtypes)) if len(dtypes) == 1 else "float32"
+        )
+        (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _copy_tokenizer(spec, partial)
+        os.replace(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # never leave half a model behind
+        raise
+    return {"tensors": len(weight_map), "files": len(groups), "step": checkpoint_step(checkpoint)}
+
+
+def _write_shards(checkpoint, folder, groups, sizes, rename, save_file) -> dict[str, str]:
+    """Each group read and written in turn; the index when there is more than one file."""
+    import math
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, names in enumerate(groups, 1):
+        file = (
+            "model.safetensors"
+            if len(groups) == 1
+            else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        )
+        state = _read(checkpoint, names, sizes)
+        tensors = {rename(n): t.contiguous() for n, t in state.items()}
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+        total += sum(math.prod(t.shape) * t.element_size() for t in tensors.values())
+        del state, tensors
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return weight_map
+
+
+def _copy_tokenizer(spec: ModelSpec, folder: Path) -> None:
+    """The source model directory's tokenizer files, when there are any, so the export is
+    a complete model directory."""
+    if model_kind(spec.name) != "hf":
+        return
+    source = model_dir(spec.name[len("hf:") :])
+    for name in _TOKENIZER_FILES:
+        with contextlib.suppress(OSError):
+            if (source / name).is_file():
+                shutil.copyfile(source / name, folder / name)
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB' or a number of bytes -> bytes."""
+    units = {
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "B": 1,
+    }
+    t = text.strip().upper()
+    for unit, factor in units.items():
+        if t.endswith(unit) and t[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(t[: -len(unit)]) * factor)
+    if t.isdigit():
+        return int(t)
+    raise ConfigError(f"--shard-size {text!r}: give bytes or a size such as 500MB or 5GB")

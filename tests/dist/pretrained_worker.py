@@ -1,0 +1,38 @@
+"""A torchrun worker for test_pretrained_dist: for each (strategy, impl) given, build the
+model of a Hugging Face directory, wrap it (DDP or FSDP2), load the pretrained weights into
+the wrapped model, and save this rank's bytes read and first-forward logits. Not a test."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainwise.config.parallel_dims import ParallelDims
+from trainwise.models import ModelSpec, build_model
+from trainwise.run.parallelize import parallelize
+
+
+def main(model_dir: str, out: str, *runs: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    idx = torch.load(Path(model_dir) / "idx.pt")
+    results = {}
+    for run in runs:  # "fsdp:trainwise", ...
+        strategy, impl = run.split(":")
+        bundle = build_model(ModelSpec(name=f"hf:{model_dir}", seq_len=16, impl=impl))
+        dims = ParallelDims.from_strategy(strategy, world)
+        model = parallelize(bundle.module, bundle.blocks, dims, device=torch.device("cpu"))
+        results[run] = bundle.load_weights(model)
+        with torch.no_grad():
+            torch.save(model(idx), Path(out) / f"{strategy}-{impl}-rank{rank}.pt")
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

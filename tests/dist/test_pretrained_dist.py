@@ -1,0 +1,141 @@
+"""Pretrained Hugging Face weights in sharded training, and back out: real 2-process gloo
+runs. The weights load into the DDP-wrapped and the FSDP2-sharded model with the logits
+transformers gives, each FSDP rank reading about half of them; then a corpus prepared with
+`trainwise data prepare` trains a few steps under FSDP from `hf:DIR`, `trainwise export
+--format hf` writes the result, and transformers' from_pretrained gives the trained logits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import QUIET, cli_env, run_cli, tiny_llama
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.dist
+
+RUNS = ("ddp:transformers", "ddp:trainwise", "fsdp:transformers", "fsdp:trainwise")
+WORKER = Path(__file__).with_name("pretrained_worker.py")
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
+    """One torchrun launch of 2 workers that loads the model under every RUNS entry."""
+    root = tmp_path_factory.mktemp("pretrained")
+    folder = tiny_llama(root / "llama", max_shard_size="30KB")  # several files, an index
+    out = root / "out"
+    out.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--standalone", str(WORKER), str(folder), str(out), *RUNS],
+        env=cli_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return folder, out, [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_first_forward_equals_transformers(loaded, run):
+    folder, out, _ = loaded
+    want = torch.load(folder / "logits.pt")
+    strategy, impl = run.split(":")
+    for rank in (0, 1):
+        got = torch.load(out / f"{strategy}-{impl}-rank{rank}.pt")
+        assert torch.allclose(got, want, atol=1e-5, rtol=0), (run, rank, (got - want).abs().max())
+
+
+def _weights(folder: Path) -> tuple[int, int]:
+    """(bytes of all tensors, bytes of the largest) in the model directory."""
+    from safetensors import safe_open
+
+    sizes = []
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as h:
+            sizes += [math.prod(h.get_slice(k).get_shape()) * 4 for k in h.keys()]  # noqa: SIM118
+    return sum(sizes), max(sizes)
+
+
+@pytest.mark.parametrize("impl", ["transformers", "trainwise"])
+def test_each_fsdp_rank_reads_only_its_slices(loaded, impl):
+    folder, _, results = loaded
+    total, largest = _weights(folder)
+    reads = [r[f"fsdp:{impl}"]["bytes_read"] for r in results]
+    # Each rank reads its shard of every tensor: half, give or take uneven row splits.
+    assert all(0 < b <= total / 2 + largest for b in reads), (reads, total)
+    assert sum(reads) == total
+    # DDP replicas read everything.
+    assert all(r[f"ddp:{impl}"]["bytes_read"] == total for r in results)
+
+
+DOCS = [f"Document {i}: the quick brown fox jumps over the lazy dog {i} times." for i in range(60)]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """prepare -> train (2 workers, FSDP, from hf:DIR) -> export --format hf, for both impls."""
+    root = tmp_path_factory.mktemp("finetune")
+    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    res = run_cli(
+        "data", "prepare", "corpus.jsonl", "--out", "corpus", "--tokenizer", "bytes", cwd=root
+    )
+    assert res.returncode == 0, res.stderr
+    tiny_llama(root / "llama", tie=True, vocab=257)  # the byte tokenizer's vocabulary
+    exports = {}
+    for impl in ("transformers", "trainwise"):
+        res = run_cli(
+            "train", "--nproc", "2", "--strategy", "fsdp", "--steps", "3", "--run-dir", impl,
+            "--set", "model.name='hf:llama'", "--set", f"model.impl={impl}",
+            "--set", "data.dataset=tokens", "--set", "data.path=corpus", "--set", "data.seq_len=16",
+            "--set", "data.micro_batch=4", "--set", "optim.lr=0.01", *QUIET, cwd=root,
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr[-3000:]
+        res = run_cli(
+            "export", impl, "--format", "hf", "-o", f"{impl}-hf", "--shard-size", "40KB", cwd=root
+        )
+        assert res.returncode == 0, res.stderr[-3000:]
+        exports[impl] = root / impl
+    return exports
+
+
+@pytest.mark.parametrize("impl", ["transformers", "trainwise"])
+def test_export_loads_in_transformers_with_the_trained_logits(trained, impl):
+    from trainwise.models import ModelSpec, build_model
+    from trainwise.run.export import load_model_state, resolve_checkpoint
+
+    run = trained[impl]
+    root = run.parent
+    out = root / f"{impl}-hf"
+    assert (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file()
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    # The trained model: the checkpoint's weights in the model trainwise trained.
+    spec = ModelSpec(name=f"hf:{root / 'llama'}", seq_len=16, impl=impl, init="random")
+    model = build_model(spec).module.eval()
+    model.load_state_dict(load_model_state(resolve_checkpoint(run)), strict=True)
+    idx = torch.load(root / "llama" / "idx.pt")
+    with torch.no_grad():
+        got, want = hf(input_ids=idx).logits, model(idx)
+        original = torch.load(root / "llama" / "logits.pt")
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+    assert not torch.allclose(got, original, atol=1e-3)  # training moved the weights
+
+
+def test_export_hf_of_a_gpt2_style_model_is_one_line(tmp_path):
+    res = run_cli(
+        "train", "--strategy", "single", "--steps", "1", "--run-dir", "run", "--set",
+        "data.seq_len=16", "--set", "data.micro_batch=2", *QUIET, cwd=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    res = run_cli("export", "run", "--format", "hf", "-o", "out", cwd=tmp_path)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "only Llama-style GPTs" in lines[0], res.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
