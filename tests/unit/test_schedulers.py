@@ -260,6 +260,8 @@ def directives(script: str) -> list[str]:
 def test_cpu_job_asks_for_cpus_not_gpus(flags, cpus, capsys):
     code, script, err = slurm_print(capsys, TINY_CPU, *flags)
     assert code == 0 and err == ""
+    res = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    assert res.returncode == 0, res.stderr
     asked = directives(script)
     assert f"--cpus-per-task={cpus}" in asked
     assert not any("gpu" in d or "gres" in d for d in asked)
