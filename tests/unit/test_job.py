@@ -10,7 +10,10 @@ from trainwise.errors import ConfigError
 from trainwise.hardware import GB, DeviceInfo
 from trainwise.models.registry import build_model
 from trainwise.models.shapes import PRESETS
+from trainwise.plan import runtime_allowed
+from trainwise.plan.estimate import evaluate
 from trainwise.plan.inputs import resolve_inputs
+from trainwise.plan.planner import make_plan
 from trainwise.run.job import prepare_job, resolve_nproc, start_lines
 
 CPU = DeviceInfo("cpu", "cpu", 1, 64 * GB, bf16=True, fp16=False, gpu=None)
@@ -220,8 +223,20 @@ def test_forced_fsdp_is_kept_with_its_reason():
 MANY = ("data.micro_batch=2", "train.eval_every=0")
 # 3 MB devices: the default model's replica (3.5 MB) does not fit 2.7 MB usable; fsdp over
 # 16 (2.0 MB) and hsdp over 8 (2.1 MB) do. Between machines 0.01 GB/s, within the catalog's
-# cpu loopback at 2 GB/s: the planner predicts fsdp 0.138 s a step, hsdp 0.00921 s.
+# cpu loopback at 2 GB/s: the planner predicts fsdp 0.138 s a step, hsdp over 8 0.00921 s.
 TINY_SLOW = (*MANY, "cluster.device_memory_gb=0.003", "cluster.inter_node_gbps=0.01")
+
+
+def _same_as_the_plan(job) -> None:
+    """`auto` ran the planner's chooser: `trainwise plan` on the same inputs, restricted to
+    what the runtime runs, recommends the same configuration, and the job runs its layout."""
+    c = job.cfg.parallel
+    plan = make_plan(job.plan_inputs, allowed=runtime_allowed(c.shard, c.dp_shard))
+    assert plan.recommendation.choice.setup == job.decision.choice.setup
+    chosen = job.decision.choice.dims
+    assert (job.dims.dp_replicate, job.dims.dp_shard, job.dims.fsdp) == (
+        chosen.dp_replicate, chosen.dp_shard, chosen.fsdp,
+    )  # fmt: skip
 
 
 def test_auto_on_two_machines_with_a_slow_link_is_hsdp_across_them():
@@ -229,20 +244,33 @@ def test_auto_on_two_machines_with_a_slow_link_is_hsdp_across_them():
     assert (job.strategy, job.replicate, job.cpu_offload) == ("hsdp", 2, False)
     assert job.dp_size == 16
     assert job.decision.reason.startswith("hsdp: ")
-    assert "each of the 2 machines" in job.decision.reason
-    assert "0.00921 s against fsdp's 0.138 s" in job.decision.reason
+    assert "dp_replicate 2 x dp_shard 8 x tp 1" in job.decision.reason
+    assert job.decision.choice.plan.step.total == pytest.approx(0.00921, rel=0.01)
+    assert evaluate(job.plan_inputs, "fsdp-full").step.total == pytest.approx(0.138, rel=0.01)
     assert job.summary_dict()["replicate"] == 2
+    _same_as_the_plan(job)
 
 
-def test_auto_on_one_machine_with_the_same_model_is_fsdp():
+def test_auto_on_one_machine_takes_the_planners_shard_group():
+    # One machine: every group is on the same link, so the planner's fastest that fits is
+    # the smallest shard group that fits (2 ranks: 2.6 MB), replicated 8 times.
     job = prepare_job(cfg(*TINY_SLOW), 16, CPU, local_world=16)
-    assert (job.strategy, job.replicate) == ("fsdp", 1)
-    assert "hsdp" not in job.decision.reason
+    assert (job.dims.dp_shard, job.replicate) == (2, 8)
+    _same_as_the_plan(job)
 
 
-def test_auto_on_two_machines_that_fit_a_replica_is_ddp():
+def test_auto_on_two_machines_with_a_slow_link_shards_even_a_replica_that_fits():
+    # The replica fits, but ddp's all-reduce over 0.01 GB/s takes 10x hsdp's step.
     job = prepare_job(cfg(*MANY, "cluster.inter_node_gbps=0.01"), 16, CPU, local_world=8)
+    assert job.strategy == "hsdp"
+    assert evaluate(job.plan_inputs, "ddp").step.total > 5 * job.decision.choice.plan.step.total
+    _same_as_the_plan(job)
+
+
+def test_auto_on_one_machine_that_fits_a_replica_is_ddp():
+    job = prepare_job(cfg(), 2, CPU)
     assert (job.strategy, job.replicate) == ("ddp", 1)
+    _same_as_the_plan(job)
 
 
 def test_hsdp_replicates_across_the_machines_by_default():

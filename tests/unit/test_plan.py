@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from trainwise.config import load_config
 from trainwise.config.schema import ScheduleConfig
 from trainwise.models.shapes import GPTShape
 from trainwise.plan import (
@@ -17,13 +18,15 @@ from trainwise.plan import (
     MemoryEstimate,
     Workload,
     activation_bytes,
-    choose_strategy,
+    decide_auto,
     estimate_memory,
     flops_per_token,
     fmt_bytes,
     matmul_params,
     mfu,
+    runtime_allowed,
 )
+from trainwise.plan.inputs import unknown_device_inputs
 from trainwise.plan.memory import activation_bytes_per_token, activation_profile, block_params
 from trainwise.run.optim import lr_factor
 
@@ -202,8 +205,13 @@ def test_activation_bytes_per_token_by_hand_fp32():
     #   32 = 232; MLP: norm 64 + gelu in and out 2x4x32 = 256 -> 320; block 552.
     # Head: norm 64 + log-softmax and two gradients of the fp32 loss 3x4x16 = 192 -> 256.
     # Working set of a block's backward: 2x4x32 + 4x8 = 288.
+    # The parts tensor parallelism alone keeps whole: the two norms 2 x 64 = 128, the
+    # head's norm 64, the residual 32.
     per = activation_bytes_per_token(SHAPE, "fp32", autocast=False)
-    assert per == {"layer": 552, "block_input": 32, "head": 256, "working_set": 288}
+    assert per == {
+        "layer": 552, "block_input": 32, "head": 256, "working_set": 288,
+        "norms": 128, "head_norm": 64, "residual": 32,
+    }  # fmt: skip
 
 
 def test_activation_bytes_by_hand_fp32():
@@ -281,12 +289,20 @@ def test_activations_enter_the_estimate():
     assert (est.phase, est.activations, est.total) == ("end of a block's backward", 4416, 30944)
 
 
-# --- choose_strategy (the runtime's auto) ----------------------------------------------------
+# --- decide_auto (the runtime's auto: the planner's search on the job's own knobs) ----------
+
+
+def _auto(w: Workload, world: int, device_bytes: float, headroom: float, **kw):
+    """`auto` on a device the catalog does not know (links free: the simplest that fits)."""
+    device = kw.pop("device", "cpu")
+    cfg = load_config(overrides=[f"parallel.headroom={headroom}"])
+    inputs = unknown_device_inputs(cfg, w, world, 1, device_bytes, device)
+    return decide_auto(inputs, runtime_allowed(kw.get("shard", "full"), None))
 
 
 def test_world_1_that_fits_is_single():
     # Replica 16000 bytes; budget 100000 x (1 - 0.2) = 80000.
-    d = choose_strategy(W, 1, 100_000, 0.2)
+    d = _auto(W, 1, 100_000, 0.2)
     assert (d.strategy, d.cpu_offload) == ("single", False)
     assert d.budget_bytes == 80_000
     assert d.estimate == d.replica == estimate_memory(W, "single", 1)
@@ -295,8 +311,8 @@ def test_world_1_that_fits_is_single():
 
 
 def test_world_2_that_fits_is_ddp():
-    # Replica with buckets 20000 bytes <= budget 80000.
-    d = choose_strategy(W, 2, 100_000, 0.2)
+    # Replica with buckets 20000 bytes <= budget 80000; fsdp fits too but is not simpler.
+    d = _auto(W, 2, 100_000, 0.2)
     assert (d.strategy, d.cpu_offload) == ("ddp", False)
     assert d.estimate.total == 20000
     assert "20.0 KB" in d.reason  # fmt_bytes(20000)
@@ -304,9 +320,9 @@ def test_world_2_that_fits_is_ddp():
 
 
 def test_replica_too_big_but_sharded_fits_is_fsdp():
-    # World 4: replica 20000 > budget 15000 >= fsdp full 12000.
-    d = choose_strategy(W, 4, 15_000, 0.0)
-    assert (d.strategy, d.cpu_offload) == ("fsdp", False)
+    # World 4: replica 20000 > budget 15000 >= fsdp full 12000 (over 2: 16000, no).
+    d = _auto(W, 4, 15_000, 0.0)
+    assert (d.strategy, d.cpu_offload, d.replicate) == ("fsdp", False, 1)
     assert d.estimate.total == 12000
     assert d.replica.total == 20000
     assert fmt_bytes(20000) in d.reason and fmt_bytes(12000) in d.reason
@@ -315,42 +331,43 @@ def test_replica_too_big_but_sharded_fits_is_fsdp():
 def test_shard_mode_is_passed_through():
     # SHAPE4 on world 4: grad_op 46048 (above) fits 50000; the replica (ddp: params and
     # optimizer 43968 + buckets 14656 + activations 19968 in backward) does not.
-    d = choose_strategy(_gpt_workload(SHAPE4), 4, 50_000, 0.0, shard="grad_op")
+    d = _auto(_gpt_workload(SHAPE4), 4, 50_000, 0.0, shard="grad_op")
     assert (d.strategy, d.cpu_offload) == ("fsdp", False)
+    assert not d.choice.dims.reshard_after_forward
     assert d.estimate.total == 46048
 
 
-def test_neither_fits_offloads_when_allowed():
-    # Sharded 12000 > 5000; offloaded 8000 > 5000 too: may not fit.
-    d = choose_strategy(W, 4, 5_000, 0.0, allow_offload=True)
+def test_neither_fits_offloads_on_a_gpu():
+    # On a GPU (1 GB of CUDA context + 5 % assumed), 1 GB + 5000 bytes: sharded needs
+    # 1 GB + 12600, offloaded 1 GB + 8400: nothing fits, offload needs the least.
+    d = _auto(W, 4, 1e9 + 5_000, 0.0, device="cuda")
     assert (d.strategy, d.cpu_offload) == ("fsdp", True)
-    assert d.estimate == estimate_memory(W, "fsdp", 4, cpu_offload=True)
+    assert d.estimate == estimate_memory(W, "fsdp", 4, cpu_offload=True, device="cuda")
     assert "may still not fit" in d.reason
-    assert fmt_bytes(12000) in d.reason
 
 
 def test_offload_that_fits_says_so():
-    # SHAPE (L=2), fp32, world 4: fsdp full peaks in the top block's backward: params and
-    # optimizer 1920 + 3840, the root 704, two gathered blocks 6976, activations 11136 =
-    # 24576. Offloaded, the states leave the device: 704 + 6976 + 11136 = 18816.
+    # SHAPE on 4 GPUs: fsdp full needs 1 GB + 1.05 x 24576; offloaded 1 GB + 1.05 x 18816
+    # (the states leave the device): 1 GB + 20000 holds only the offloaded one.
     w = _gpt_workload()
-    assert estimate_memory(w, "fsdp", 4).total == 24576
-    d = choose_strategy(w, 4, 20_000, 0.0)
-    assert (d.strategy, d.cpu_offload) == ("fsdp", True)
-    assert d.estimate.total == 18816
-    assert "and fits" in d.reason
-    assert fmt_bytes(18816) in d.reason and fmt_bytes(24576) in d.reason
+    full = estimate_memory(w, "fsdp", 4, device="cuda").total
+    offloaded = estimate_memory(w, "fsdp", 4, cpu_offload=True, device="cuda").total
+    assert offloaded < 1e9 + 20_000 < full
+    d = _auto(w, 4, 1e9 + 20_000, 0.0, device="cuda")
+    assert (d.strategy, d.cpu_offload, d.choice.fits) == ("fsdp", True, True)
+    assert d.estimate.total == offloaded
+    assert d.reason.startswith("fsdp with cpu offload: ")
 
 
-def test_neither_fits_without_offload_says_it_may_not_fit():
-    d = choose_strategy(W, 4, 5_000, 0.0, allow_offload=False)
-    assert (d.strategy, d.cpu_offload) == ("fsdp", False)
+def test_neither_fits_on_cpu_workers_says_it_may_not_fit():
+    d = _auto(W, 4, 5_000, 0.0)
+    assert (d.strategy, d.cpu_offload) == ("fsdp", False)  # nowhere to offload to
     assert d.estimate.total == 12000
     assert "may still not fit" in d.reason
 
 
-def test_world_1_without_offload_target_does_not_offload():
-    d = choose_strategy(W, 1, 5_000, 0.0, allow_offload=False)
+def test_world_1_on_cpu_does_not_offload():
+    d = _auto(W, 1, 5_000, 0.0)
     assert d.cpu_offload is False
 
 

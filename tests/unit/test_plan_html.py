@@ -5,6 +5,7 @@ and collects what the page would fetch (src/href attributes, url(...) references
 
 from __future__ import annotations
 
+import html
 import re
 from dataclasses import replace
 from html.parser import HTMLParser
@@ -14,8 +15,10 @@ import pytest
 from trainwise.config import load_config
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 from trainwise.plan.planner import make_plan
+from trainwise.plan.search import describe_setup
 from trainwise.plan.units import fmt_usd
 from trainwise.report.plan_html import render_html
+from trainwise.report.plan_view import config_lines, is_chosen, table_plans
 
 SWEEP = [1, 2, 4, 8, 16]
 # The only absolute URLs allowed on the page: the SVG and XLink namespaces of inline <svg>.
@@ -149,18 +152,21 @@ def test_ids_are_unique_and_every_fragment_resolves(parsed):
 
 def test_shows_the_recommendation_its_cost_and_every_strategy(plan, page, parsed):
     text = "".join(parsed.text)
-    rec = plan.recommendation.strategy
-    assert f"Recommendation: {rec}" in text
-    assert fmt_usd(plan.strategy(rec).cost.total_usd) in text
+    rec = plan.recommendation
+    assert f"Recommendation: {describe_setup(rec.choice.setup)}" in text
+    assert fmt_usd(plan.best.cost.total_usd) in text
     for s in plan.strategies:
         assert s.name in text
-    for reason in plan.recommendation.reasons:
+    for reason in rec.reasons:
         assert reason in text
+    for line in config_lines(plan):  # the job file's keys
+        assert html.escape(line) in page
     for question, answer in plan.questions:
         assert question in text and answer in text
-    # The recommended strategy's row is the highlighted one, in both strategy tables.
+    # The recommended configuration's row is the highlighted one, in both strategy tables.
     rec_rows = re.findall(r'<tr class="rec"><td class="l">([^<]*)</td>', page)
-    assert rec_rows == [rec + "*", rec + "*"]
+    label = next(label for label, s in table_plans(plan) if is_chosen(plan, s))
+    assert rec_rows == [label + "*", label + "*"]
 
 
 def test_sections_in_order(page):

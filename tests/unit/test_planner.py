@@ -11,15 +11,16 @@ import pytest
 
 from trainwise.config import load_config
 from trainwise.models.shapes import PRESETS
-from trainwise.plan import choose_strategy
+from trainwise.plan import decide_auto, runtime_allowed
 from trainwise.plan.comm import Layout, exposed_seconds, step_collectives
 from trainwise.plan.cost import checkpoint_plan, job_cost
-from trainwise.plan.estimate import evaluate
+from trainwise.plan.estimate import SIMPLER_WITHIN, evaluate
 from trainwise.plan.flops import model_flops_per_token, recompute_factor
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 from trainwise.plan.memory import Workload, estimate_memory
-from trainwise.plan.planner import SweepRow, knee, make_plan, parse_sweep
+from trainwise.plan.planner import BEST, SweepRow, knee, make_plan, parse_sweep
 from trainwise.plan.record import plan_record
+from trainwise.plan.search import recommend, search
 
 GB = 1e9
 
@@ -227,24 +228,48 @@ def test_small_model_on_two_gpus_is_an_mvp():
     assert plan.recommendation.scenario == "mvp"
 
 
-def test_nothing_fits_is_offline_batch_with_the_smallest_footprint():
+def test_only_offload_fits_is_offline_batch():
+    # llama-70b on 2 A10G (24 GB): 1.4 TB for one replica; only cpu offload, with full
+    # checkpointing, fits.
     plan = make_plan(
         plan_inputs(**{"model.name": "llama-70b", "cluster.gpu": "A10G", "plan.gpus": 2})
     )
     rec = plan.recommendation
     assert rec.scenario == "offline-batch"
-    chosen = plan.strategy(rec.strategy)
-    assert not chosen.fits
-    assert chosen.memory.total == min(s.memory.total for s in plan.strategies if s.name != "single")
+    assert plan.best.fits and rec.choice.dims.cpu_offload
+    assert any(r.startswith("Only cpu offload fits") for r in rec.reasons)
+
+
+def test_nothing_fits_is_offline_batch_with_the_smallest_footprint_and_a_fix():
+    # The same at 32k tokens a sequence and 100 GB of host memory: nothing fits; the plan
+    # shows the configuration that needs the least, and the fewest GPUs that do fit.
+    flags = {"model.name": "llama-70b", "cluster.gpu": "A10G", "plan.gpus": 2,
+             "data.seq_len": 32768, "cluster.host_memory_gb": 100}  # fmt: skip
+    inputs = plan_inputs(**flags)
+    plan = make_plan(inputs)
+    rec = plan.recommendation
+    assert rec.scenario == "offline-batch"
+    assert not plan.best.fits
+    _, smallest = search(inputs)
+    assert plan.best.memory.total == min(s.memory.total for s in smallest)
     assert any(r.startswith("Nothing fits") for r in rec.reasons)
+    fix = next(r for r in rec.reasons if r.startswith("With "))
+    gpus = int(fix.split()[1])
+    assert recommend(inputs.with_gpus(gpus)).fits
+    assert not recommend(inputs.with_gpus(gpus // 2)).fits  # the fewest (of the doublings)
 
 
 def test_objective_time_picks_the_fastest_that_fits():
     inputs = plan_inputs(**{"plan.objective": "time", "plan.gpus": 16})
     plan = make_plan(inputs)
-    fitting = [s for s in plan.strategies if s.fits and s.name != "single"]
-    fastest = min(fitting, key=lambda s: s.cost.wall_hours)
-    assert plan.recommendation.strategy == fastest.name
+    fitting, _ = search(inputs)
+    fastest = min(s.cost.wall_hours for s in fitting)
+    assert plan.best.cost.wall_hours <= fastest * (1 + SIMPLER_WITHIN)
+    cheaper = make_plan(replace(inputs, objective="cost")).best
+    assert plan.best.cost.wall_hours <= cheaper.cost.wall_hours
+    # And never slower than the named strategies that fit (beyond the simplicity margin).
+    named = [s for s in plan.strategies if s.fits and s.name != "single"]
+    assert plan.best.cost.wall_hours <= min(s.cost.wall_hours for s in named) * 1.01
 
 
 def test_hsdp_only_across_nodes():
@@ -325,8 +350,12 @@ def test_sweep_rows_and_knees_in_the_plan():
 
 
 def test_past_the_knee_warns():
-    plan = make_plan(plan_inputs(**{"plan.gpus": 64, "cluster.inter_node_gbps": 0.5}))
-    assert any("past the scaling knee" in w for w in plan.warnings)
+    # At 0.05 GB/s between nodes even the best configuration stops scaling past one node.
+    inputs = plan_inputs(**{"plan.gpus": 64, "cluster.inter_node_gbps": 0.05})
+    plan = make_plan(inputs, parse_sweep("1..64"))
+    best = [r for r in plan.sweep if r.strategy == BEST]
+    assert plan.knees[BEST] == knee(best) == 8
+    assert any("past the scaling knee of the best configuration (8 GPUs)" in w for w in plan.warnings)
 
 
 @pytest.mark.parametrize(
@@ -356,7 +385,11 @@ def test_json_record_has_the_documented_schema():
         "warnings",
         "sweep",
     }
-    assert set(record["recommendation"]) == {"strategy", "scenario", "reasons"}
+    rec = record["recommendation"]
+    assert set(rec) == {"strategy", "scenario", "reasons", "fits", "configuration", "layout",
+                        "config", "plan", "alternatives"}  # fmt: skip
+    assert rec["config"]["parallel.strategy"] in ("fsdp", "hsdp") and rec["plan"]["fits"]
+    assert all(set(a) == {"configuration", "config", "why_not", "plan"} for a in rec["alternatives"])
     assert all(set(q) == {"question", "answer"} for q in record["questions"])
     s = record["strategies"][0]
     assert set(s) >= {
@@ -412,72 +445,57 @@ def test_bare_parameter_count_has_no_activations():
     assert all(s["memory_per_gpu"]["activations"] is None for s in record["strategies"])
 
 
-# --- the run-time auto across machines (choose_strategy with the planner's cluster) ----------
+# --- the run-time auto: the planner's search over what the runtime runs ----------------------
 
-H100 = 80 * GB  # a device's memory; 10 % headroom leaves 72 GB
-
-
-def _auto(world: int, device_bytes: float = H100, shard: str = "full", **flags):
-    """`auto` for llama-7b (micro-batch 1, bf16, AdamW) on `world` H100 workers, 8 a node."""
-    cluster = plan_inputs(**flags)
-    return choose_strategy(
-        cluster.workload, world, device_bytes, 0.1, shard, device="cuda", cluster=cluster
-    )
+ALLOW = runtime_allowed("full", None)  # what auto may choose with the default parallel.shard
 
 
-def _step(inputs, name: str) -> float:
-    return evaluate(replace(inputs, global_batch=None), name).step.total
+def _job_inputs(world: int, **flags):
+    """llama-7b (micro-batch 1, bf16, AdamW) on `world` H100 workers, 8 a machine, as the
+    runtime sees a job: the batch grows with the workers (no global batch)."""
+    return replace(plan_inputs(**flags).with_gpus(world), global_batch=None)
 
 
-def test_auto_on_two_machines_with_a_slow_link_picks_hsdp():
-    # One replica (170.8 GB) does not fit 72 GB; fsdp over 16 (33.4 GB) and hsdp over 8
-    # (40.5 GB) both do. At 12.5 GB/s between machines the planner predicts fsdp 4.16 s a
-    # step (its 50.5 GB per GPU all cross the network) and hsdp 0.492 s.
-    flags = {"cluster.nodes": 2, "cluster.inter_node_gbps": 12.5}
-    d = _auto(16, **flags)
-    inputs = plan_inputs(**flags)
-    assert (d.strategy, d.cpu_offload) == ("hsdp", False)
-    assert d.estimate == estimate_memory(inputs.workload, "hsdp", 16, shard_degree=8, device="cuda")
-    t_fsdp, t_hsdp = _step(inputs, "fsdp-full"), _step(inputs, "hsdp")
-    assert t_fsdp == pytest.approx(4.16, rel=0.01) and t_hsdp == pytest.approx(0.492, rel=0.01)
-    assert d.reason.startswith("hsdp: ")
-    assert "each of the 2 machines" in d.reason
-    assert f"{t_hsdp:.3g} s against fsdp's {t_fsdp:.3g} s" in d.reason  # the planner's figures
-    assert "12.5 GB/s" in d.reason
+def test_auto_on_two_machines_with_a_slow_link_shards_within_machines():
+    # One replica (170.8 GB) does not fit 72 GB. At 12.5 GB/s between machines fsdp over
+    # all 16 sends every gather across the network; shard groups inside a machine do not.
+    inputs = _job_inputs(16, **{"cluster.nodes": 2, "cluster.inter_node_gbps": 12.5})
+    d = decide_auto(inputs, runtime_allowed("full", None))
+    dims = d.choice.dims
+    assert (d.strategy, d.cpu_offload, dims.tp) == ("hsdp", False, 1)
+    assert dims.dp_shard <= 8 and d.replicate == 16 // dims.dp_shard
+    assert d.choice.plan.step.total < evaluate(inputs, "fsdp-full").step.total / 5
+    assert d.reason.startswith("hsdp: ") and dims.describe() in d.reason
 
 
-def test_auto_on_one_machine_stays_fsdp():
-    d = _auto(8, **{"cluster.nodes": 1, "cluster.inter_node_gbps": 12.5})
-    assert d.strategy == "fsdp"
-    assert "hsdp" not in d.reason  # one machine: nothing to weigh, the reason as before
+def test_auto_with_grad_op_keeps_it():
+    inputs = _job_inputs(16, **{"cluster.nodes": 2, "cluster.inter_node_gbps": 12.5})
+    d = decide_auto(inputs, runtime_allowed("grad_op", None))
+    assert d.choice.dims.fsdp and not d.choice.dims.reshard_after_forward
 
 
-def test_auto_on_two_machines_without_a_cluster_stays_fsdp():
-    d = choose_strategy(plan_inputs().workload, 16, H100, 0.1, device="cuda")
-    assert d.strategy == "fsdp" and "hsdp" not in d.reason
+def test_auto_keeps_a_given_shard_group():
+    inputs = _job_inputs(16, **{"cluster.nodes": 2})
+    d = decide_auto(inputs, runtime_allowed("full", 16))
+    assert (d.strategy, d.choice.dims.dp_shard) == ("fsdp", 16)
 
 
-def test_auto_on_two_machines_keeps_fsdp_when_hsdp_is_not_faster():
-    # The link between machines as fast as NVLink: the same step, and fsdp is the simpler.
-    d = _auto(16, **{"cluster.nodes": 2, "cluster.inter_node_gbps": 450})
-    assert d.strategy == "fsdp"
-    assert "not faster than fsdp's" in d.reason
+def test_auto_weighs_ddp_against_sharding_when_a_replica_fits():
+    # gpt2-124m fits one GPU. At 16 sequences a worker the step hides DDP's all-reduce and
+    # ddp, the simplest, is chosen; at 4 the step is short, the all-reduce across the
+    # machines is not hidden, and shard groups inside each machine are faster.
+    flags = {"cluster.nodes": 2, "model.name": "gpt2-124m"}
+    big = decide_auto(_job_inputs(16, **flags, **{"data.micro_batch": 16}), ALLOW)
+    small = decide_auto(_job_inputs(16, **flags, **{"data.micro_batch": 4}), ALLOW)
+    assert (big.strategy, small.strategy) == ("ddp", "hsdp")
+    ddp = evaluate(_job_inputs(16, **flags, **{"data.micro_batch": 4}), "ddp")
+    assert small.choice.plan.step.total < ddp.step.total
 
 
-def test_auto_on_two_machines_keeps_fsdp_when_hsdp_does_not_fit():
-    # 40 GB devices: 36 GB usable holds fsdp's 33.4 GB, not hsdp's 40.5 GB.
-    d = _auto(16, 40 * GB, **{"cluster.nodes": 2, "cluster.inter_node_gbps": 12.5})
-    assert d.strategy == "fsdp"
-    assert "does not fit" in d.reason
-
-
-def test_auto_on_two_machines_with_grad_op_does_not_weigh_hsdp():
-    d = _auto(16, shard="grad_op", **{"cluster.nodes": 2, "cluster.inter_node_gbps": 12.5})
-    assert d.strategy == "fsdp"
-    assert "not weighed" in d.reason
-
-
-def test_auto_on_two_machines_keeps_ddp_when_a_replica_fits():
-    flags = {"cluster.nodes": 2, "cluster.inter_node_gbps": 12.5, "model.name": "gpt2-124m"}
-    d = _auto(16, **flags)
-    assert d.strategy == "ddp"
+def test_auto_never_chooses_what_the_runtime_cannot_run():
+    # llama-70b on 64 GPUs: the planner's best uses tensor parallelism; the runtime's may not.
+    flags = {"model.name": "llama-70b", "parallel.ac": "full"}
+    inputs = _job_inputs(64, **flags)
+    assert recommend(inputs).dims.tp > 1
+    d = decide_auto(inputs, runtime_allowed("full", None))
+    assert d.choice.dims.tp == 1 and d.choice.accumulate == "unsharded"

@@ -46,16 +46,21 @@ FLAGS: list[tuple[str, str, type, str]] = [
     ("--strategy", "plan.strategy", str, "plan only this strategy"),
     ("--objective", "plan.objective", str, "cost or time"),
 ]
+# A figure for the duration units of --deadline: hours per unit.
+HOURS_PER = {"h": 1.0, "d": 24.0, "w": 168.0}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan",
-        help="memory, time and cost of each strategy, and which to use",
-        description="Plan a job before it runs: per-GPU memory, step time, throughput, "
-        "time to train and cost for single, ddp, fsdp (grad_op, full), hsdp and cpu "
-        "offload; the recommendation with its reasons. Without --config it plans "
-        "llama-7b on 8 x H100-SXM in bf16. Precedence: defaults < --config < flags < --set.",
+        help="search the layouts and knobs for the configuration to run, with its cost",
+        description="Plan a job before it runs: search every layout (dp_replicate x dp_shard "
+        "x tp, cpu offload) and knob (activation checkpointing, micro-batch, accumulation) "
+        "for the cheapest (or fastest) configuration that fits, priced by memory, step time, "
+        "throughput, time to train and cost; the named strategies (single, ddp, fsdp "
+        "grad_op and full, hsdp, cpu offload) beside it; the answer as job-file keys "
+        "(--emit writes the job). Without --config it plans llama-7b on 8 x H100-SXM in "
+        "bf16. Precedence: defaults < --config < flags < --set.",
     )
     p.add_argument("--config", metavar="TOML", help="the job file `trainwise train` reads")
     p.add_argument(
@@ -70,6 +75,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         p.add_argument(flag, help=f"{text} ({key})")
     p.add_argument(
         "--sweep", metavar="COUNTS", help="GPU counts: 1,2,4,8 or 1..1024 (doubling) (plan.sweep)"
+    )
+    p.add_argument(
+        "--deadline",
+        metavar="TIME",
+        help="the cheapest configuration that finishes within TIME (e.g. 30d, 72h, 2w)",
+    )
+    p.add_argument(
+        "--budget",
+        metavar="USD",
+        help="the fastest configuration that costs at most USD (e.g. 2e6)",
+    )
+    p.add_argument(
+        "--emit",
+        metavar="FILE",
+        help="write the recommended configuration as a job file `trainwise train --config` runs",
     )
     p.add_argument(
         "--calibrate",
@@ -124,7 +144,50 @@ def load_plan_inputs(args: argparse.Namespace):
             ) from None
         names["plan.sweep"] = "--sweep"
     cfg = load_config(args.config, flags, args.set, base=PLAN_DEFAULTS, flag_names=names)
-    return resolve_inputs(cfg), cfg.plan.sweep
+    return resolve_inputs(cfg), cfg.plan.sweep, cfg
+
+
+def load_goal(args: argparse.Namespace, objective: str):
+    """--objective, --deadline and --budget as the search's Goal; one line if they do not
+    parse or both limits are given."""
+    from trainwise.plan.search import Goal
+
+    if args.deadline is not None and args.budget is not None:
+        raise ConfigError(
+            "--deadline and --budget were both given: give one (the cheapest in time, or "
+            "the fastest within the money)"
+        )
+    return Goal(objective, _deadline_hours(args.deadline), _budget_usd(args.budget))
+
+
+def _deadline_hours(text: str | None) -> float | None:
+    if text is None:
+        return None
+    body, unit = text.strip(), "h"
+    if body and body[-1].lower() in HOURS_PER:
+        body, unit = body[:-1], body[-1].lower()
+    try:
+        hours = float(body) * HOURS_PER[unit]
+    except ValueError:
+        hours = math.nan
+    if not (math.isfinite(hours) and hours > 0):
+        raise ConfigError(
+            f"--deadline {text!r}: expected a duration > 0 like 30d, 72h or 2w (h: hours, "
+            "d: days, w: weeks)"
+        )
+    return hours
+
+
+def _budget_usd(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        usd = float(text.strip().lstrip("$").replace(",", ""))
+    except ValueError:
+        usd = math.nan
+    if not (math.isfinite(usd) and usd > 0):
+        raise ConfigError(f"--budget {text!r}: expected US dollars > 0, e.g. 2e6 or 2,000,000")
+    return usd
 
 
 def _number(flag: str, text: str, kind: type) -> int | float:
@@ -141,12 +204,30 @@ def _number(flag: str, text: str, kind: type) -> int | float:
     raise ConfigError(f"{flag} {text!r}: expected {what}")
 
 
+def _emit(path: str, cfg, plan) -> None:
+    """Write the recommendation as a job file; one line (exit 2) when it cannot."""
+    from trainwise.plan.emit import job_toml
+
+    choice = plan.recommendation.choice
+    if not choice.fits:
+        raise ConfigError(
+            f"--emit {path}: nothing fits on these GPUs, so there is no job to write; see the "
+            "plan's smallest changes (run it without --emit)"
+        )
+    try:
+        Path(path).write_text(job_toml(cfg, choice, plan.inputs), encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"--emit {path}: cannot write ({err.strerror})") from None
+    print(f"trainwise: wrote the recommended job to {path}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     from trainwise.plan.planner import make_plan
     from trainwise.plan.record import plan_record
     from trainwise.report.plan_view import render_markdown, render_terminal
 
-    inputs, sweep = load_plan_inputs(args)
+    inputs, sweep, cfg = load_plan_inputs(args)
+    goal = load_goal(args, inputs.objective)
     notes: list[str] = []
     if args.calibrate:
         from trainwise.plan.calibrate import apply_calibration, read_calibration
@@ -157,7 +238,9 @@ def run(args: argparse.Namespace) -> int:
             "--simulate needs a model to build: give a preset (--model) or a shape "
             "(--layers --hidden --heads ...) instead of --params"
         )
-    plan = make_plan(inputs, sweep, notes)
+    plan = make_plan(inputs, sweep, notes, goal)
+    if args.emit:
+        _emit(args.emit, cfg, plan)
     simulation = None
     if args.simulate:
         from trainwise.doctor.simulate import simulate_plan

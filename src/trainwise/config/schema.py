@@ -175,10 +175,10 @@ class ScheduleConfig(Section):
 class ParallelConfig(Section):
     strategy: Strategy = Field(
         "auto",
-        description="auto: ddp when one replica fits in device memory with headroom, else "
-        "fsdp (on several machines hsdp when the plan's step is faster; then fsdp with cpu "
-        "offload); single: one process; ddp; fsdp (FSDP2); hsdp: replicate x shard on a "
-        "2-D mesh.",
+        description="auto: the planner's choice (`trainwise plan`'s search over the layouts "
+        "the runtime runs: the fastest that fits with headroom, the simplest within 1 %; the "
+        "job's micro-batch, accumulation and checkpointing kept); single: one process; ddp; "
+        "fsdp (FSDP2); hsdp: replicate x shard on a 2-D mesh.",
     )
     shard: Literal["full", "grad_op"] = Field(
         "full",

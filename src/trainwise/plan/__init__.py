@@ -1,7 +1,7 @@
 """The planner: pure functions from a workload to memory, time, cost and reliability
 estimates (no torch)."""
 
-from trainwise.plan.advisor import Decision, choose_strategy, describe, fmt_bytes
+from trainwise.plan.advisor import Decision, decide_auto, describe, fmt_bytes, runtime_allowed
 from trainwise.plan.flops import flops_per_token, matmul_params, mfu
 from trainwise.plan.memory import MemoryEstimate, Workload, activation_bytes, estimate_memory
 from trainwise.plan.precision import BYTES, OPTIMIZER_STATE_BYTES
@@ -22,7 +22,7 @@ __all__ = [
     "MemoryEstimate",
     "Workload",
     "activation_bytes",
-    "choose_strategy",
+    "decide_auto",
     "describe",
     "estimate_memory",
     "expected_waste_fraction",
@@ -33,5 +33,6 @@ __all__ = [
     "matmul_params",
     "mfu",
     "optimal_interval_s",
+    "runtime_allowed",
     "system_mtbf_s",
 ]

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainwise.plan.memory import MASTER_BYTES
-from trainwise.plan.precision import BYTES
+from trainwise.config.parallel_dims import ParallelDims
+from trainwise.plan.precision import BYTES, MASTER_BYTES
 
 GRAD_BYTES = MASTER_BYTES  # DDP reduces the fp32 gradients (autocast leaves them fp32)
 DDP_BUCKET_BYTES = 25e6  # DDP's default bucket_cap_mb: the last bucket's all-reduce is exposed
-ACROSS_NODES = "all-reduce grad shards across nodes"  # HSDP's one collective between nodes
+ACROSS_NODES = "all-reduce grad shards across nodes"  # HSDP's collective between replicas
 
 
 def allreduce_factor(n: int) -> float:
@@ -75,40 +75,65 @@ def step_collectives(
     reduce_dtype: str,
     grad_accum: int,
 ) -> list[Collective]:
-    """The collectives one optimizer step runs, per GPU."""
+    """The collectives one optimizer step runs, per GPU, for one of the planner's named
+    data-parallel strategies (hsdp: one shard group per node)."""
     n = layout.gpus
     if strategy == "single" or n == 1:
         return []
     if strategy == "ddp":
-        return [
-            Collective(
-                "all-reduce grads", allreduce_factor(n) * params * GRAD_BYTES, layout.link(n)
-            )
-        ]
+        dims = ParallelDims(dp_replicate=n)
+    elif strategy == "hsdp":
+        d = min(layout.gpus_per_node, n)
+        dims = ParallelDims(dp_replicate=n // d, dp_shard=d, fsdp=True)
+    else:
+        full = strategy != "fsdp-grad-op"
+        dims = ParallelDims(dp_shard=n, fsdp=True, reshard_after_forward=full)
+    return layout_collectives(dims, params, layout, precision, reduce_dtype, grad_accum)
+
+
+def layout_collectives(
+    dims: ParallelDims,
+    params: float,
+    layout: Layout,
+    precision: str,
+    reduce_dtype: str,
+    grad_accum: int,
+    accumulate: str = "unsharded",
+) -> list[Collective]:
+    """The data-parallel collectives of one optimizer step, per GPU, for the layout `dims`
+    (`params`: what one tensor-parallel rank holds). Ranks are row-major over (dp_replicate,
+    dp_shard, tp), so a group spans `size x stride` consecutive ranks and crosses nodes
+    when that exceeds a node. `accumulate` = "sharded" reduce-scatters (and, hybrid,
+    all-reduces) on every micro-batch instead of once per step."""
+    if dims.dp_size == 1:
+        return []
+    if not dims.fsdp:
+        wire = allreduce_factor(dims.dp_replicate) * params * GRAD_BYTES
+        return [Collective("all-reduce grads", wire, layout.link(dims.world))]
     gather = params * BYTES[precision]  # FSDP all-gathers param_dtype copies
     reduce = params * BYTES[reduce_dtype]
-    if strategy == "hsdp":
-        d = min(layout.gpus_per_node, n)
-        r = n // d
-        out = _fsdp(gather, reduce, d, layout.link(d), "full", grad_accum)
+    d = dims.dp_shard
+    every = grad_accum if accumulate == "sharded" else 1
+    shard = "full" if dims.reshard_after_forward else "grad_op"
+    out = _fsdp(gather, reduce, d, layout.link(d * dims.tp), shard, grad_accum, every)
+    if dims.hybrid:
+        wire = every * allreduce_factor(dims.dp_replicate) * reduce / d
         out.append(
-            Collective(
-                ACROSS_NODES,
-                allreduce_factor(r) * reduce / d,
-                layout.inter_bps,
-            )
+            Collective(ACROSS_NODES, wire, layout.link(dims.world), per_micro_batch=every > 1)
         )
-        return out
-    shard = "grad_op" if strategy == "fsdp-grad-op" else "full"
-    return _fsdp(gather, reduce, n, layout.link(n), shard, grad_accum)
+    return out
 
 
-def _fsdp(gather: float, reduce: float, d: int, bps: float, shard: str, accum: int) -> list:
+def _fsdp(
+    gather: float, reduce: float, d: int, bps: float, shard: str, accum: int, reduces: int = 1
+) -> list:
+    """FSDP's gathers on every micro-batch; its reduce-scatter `reduces` times a step (once,
+    or on every micro-batch with sharded accumulation: then beside each backward)."""
     f = gather_factor(d)
     passes = 2 if shard == "full" else 1  # full gathers again for backward
     return [
         Collective("all-gather params", passes * accum * f * gather, bps, per_micro_batch=True),
-        Collective("reduce-scatter grads", f * reduce, bps),
+        Collective("reduce-scatter grads", reduces * f * reduce, bps, per_micro_batch=reduces > 1),
     ]
 
 

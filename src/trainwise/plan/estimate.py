@@ -2,21 +2,36 @@
 
 Composes the single-purpose models (memory, flops, comm, cost) without adding formulas of
 its own, except the step's assembly: a step is compute, plus the communication compute
-cannot hide, plus the time the GPUs wait for data (the loader runs ahead in background
-workers, so only what exceeds the rest of the step is waited for).
+cannot hide (on CPU workers, all of it: gloo's collectives run on the cores that compute),
+plus the time the GPUs wait for data (the loader runs ahead in background workers, so only
+what exceeds the rest of the step is waited for).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
-from trainwise.plan.comm import Collective, Layout, exposed_seconds, step_collectives
+from trainwise.config.parallel_dims import ParallelDims
+from trainwise.plan.comm import Collective, Layout, exposed_seconds, layout_collectives
 from trainwise.plan.cost import CheckpointPlan, Cost, checkpoint_plan, job_cost
 from trainwise.plan.flops import mfu, model_flops_per_token, recompute_factor
 from trainwise.plan.inputs import PlanInputs
-from trainwise.plan.memory import MASTER_BYTES, MemoryEstimate, block_params, estimate_memory
-from trainwise.plan.precision import OPTIMIZER_STATE_BYTES
+from trainwise.plan.memory import (
+    MemoryEstimate,
+    Workload,
+    block_params,
+    checkpointed_blocks,
+    estimate_memory,
+)
+from trainwise.plan.precision import MASTER_BYTES, OPTIMIZER_STATE_BYTES
+from trainwise.plan.tensor_parallel import (
+    gemm_efficiency,
+    params_per_rank,
+    tp_collectives,
+    tp_exposed_seconds,
+)
 
 # Assumption: a GPU's share of the host cores applies AdamW to 0.5 G parameters/s (PyTorch's
 # foreach CPU AdamW is memory-bound: ~32 bytes read and written per parameter).
@@ -88,6 +103,7 @@ class StrategyPlan:
     checkpoint: CheckpointPlan
     cost: Cost
     notes: list[str]
+    setup: Setup | None = None  # the configuration priced (None: built by hand)
 
     @property
     def hours_to_train(self) -> float:
@@ -110,69 +126,87 @@ def candidate_names(inputs: PlanInputs) -> list[str]:
     return names
 
 
+@dataclass(frozen=True)
+class Setup:
+    """One configuration the planner prices: the layout and the knobs a job file sets.
+    `accumulate` (FSDP, grad_accum > 1): reduce-scatter once a step ("unsharded") or on
+    every micro-batch ("sharded")."""
+
+    dims: ParallelDims
+    ac: str
+    micro_batch: int
+    grad_accum: int
+    accumulate: str = "unsharded"
+    sequence_parallel: bool = True
+
+
+def layout_name(dims: ParallelDims) -> str:
+    """The planner's row name of a layout: its data-parallel name, `tpN + ` before it."""
+    return (f"tp{dims.tp} + " if dims.tp > 1 else "") + dims.plan_name
+
+
 def evaluate(inputs: PlanInputs, name: str) -> StrategyPlan:
-    """`name` on inputs.gpus GPUs (`single` always on one)."""
+    """The named data-parallel strategy `name` on inputs.gpus GPUs (`single` always on
+    one), at the job's activation checkpointing and at most its micro-batch."""
     if name == "single":
         inputs = inputs.with_gpus(1)
-    kind, shard, offload = RUNTIME[name]
-    hw, w = inputs.hardware, inputs.workload
-    gpus = inputs.gpus
-    notes: list[str] = []
-
+    gpus, w = inputs.gpus, inputs.workload
+    dims = ParallelDims.from_plan_name(name, gpus, inputs.gpus_per_node)
     # The global batch over the GPUs: each runs per_gpu samples a step, in micro-batches.
     global_batch = inputs.global_batch or w.micro_batch * inputs.grad_accum * gpus
-    per_gpu = global_batch / gpus
-    if per_gpu < 1:
-        notes.append(
-            f"the global batch of {global_batch} sequences is smaller than {gpus} GPUs: "
-            "some GPUs idle every step"
-        )
-        per_gpu = 1.0
+    per_gpu = max(1.0, global_batch / gpus)
     accum = max(1, math.ceil(per_gpu / w.micro_batch - 1e-9))
     micro = max(1, math.ceil(per_gpu / accum - 1e-9))
-    mem_w = replace(w, micro_batch=micro)
+    return price(inputs, Setup(dims, w.ac, micro, accum), name)
 
-    memory = estimate_memory(
-        mem_w,
-        kind,
-        gpus,
-        shard=shard,
-        cpu_offload=offload,
-        shard_degree=inputs.gpus_per_node if kind == "hsdp" else None,
-        device=hw.device,
-        grad_accum=accum,
-    )
+
+@lru_cache(maxsize=1024)
+def knob_workload(w: Workload, micro_batch: int, ac: str) -> Workload:
+    """`w` at another micro-batch and checkpointing mode (cached: the search asks often)."""
+    return replace(w, micro_batch=micro_batch, ac=ac)
+
+
+def price(
+    inputs: PlanInputs,
+    setup: Setup,
+    name: str | None = None,
+    memory: MemoryEstimate | None = None,
+) -> StrategyPlan:
+    """Memory, step, throughput, time and cost of `setup` on inputs.gpus GPUs (`memory`:
+    its setup_memory, when the caller has it already)."""
+    dims, hw = setup.dims, inputs.hardware
+    w = knob_workload(inputs.workload, setup.micro_batch, setup.ac)
+    gpus, tp, accum = inputs.gpus, dims.tp, setup.grad_accum
+    notes: list[str] = []
+    dp = dims.dp_size
+    global_batch = inputs.global_batch or setup.micro_batch * accum * dp
+    per_rank = global_batch / dp  # samples each data-parallel rank runs a step
+    if per_rank < 1:
+        ranks = f"{dp} GPUs" if tp == 1 else f"{dp} data-parallel groups"
+        notes.append(
+            f"the global batch of {global_batch} sequences is smaller than {ranks}: "
+            "some GPUs idle every step"
+        )
+        per_rank = 1.0
+
+    memory = memory or setup_memory(w, setup, hw.device)
     budget = hw.memory_bytes * (1.0 - inputs.headroom)
     host_per_node = memory.host * inputs.gpus_per_node
     host_fits = host_per_node <= hw.host_memory_bytes
 
+    n_layer = w.shape.n_layer if w.shape else 1
     model_flops = model_flops_per_token(w.params, w.shape, w.seq_len)
-    hw_flops = model_flops * recompute_factor(w.ac, w.shape.n_layer if w.shape else 1)
+    hw_flops = model_flops * recompute_factor(w.ac, n_layer)
     rate = hw.peak_flops * inputs.efficiency
-    compute = per_gpu * w.seq_len * hw_flops / rate
+    compute = per_rank * w.seq_len * hw_flops / (rate * tp * gemm_efficiency(tp))
 
-    layout = Layout(gpus, inputs.gpus_per_node, hw.intra_bps, hw.inter_bps)
-    comm_kind = "fsdp-full" if name == "fsdp-offload" else name
-    collectives = step_collectives(comm_kind, w.params, layout, w.precision, w.reduce_dtype, accum)
-    if offload:
-        shard_params = w.params / gpus
-        passes = 2 * accum  # the shard goes to the device for each forward and backward gather
-        collectives.append(
-            Collective(
-                "host<->device copies (offload)",
-                (passes + 1) * shard_params * MASTER_BYTES,
-                hw.host_bps,
-                per_micro_batch=True,
-            )
-        )
-        compute += shard_params / CPU_OPTIMIZER_PARAMS_PER_S  # the optimizer runs on the host
+    collectives, host_s, exposed = _communication(inputs, setup, w, compute)
+    compute += host_s
     comm = sum(c.seconds for c in collectives)
-    block, _ = block_params(w)
-    exposed = exposed_seconds(collectives, compute, kind, block / w.params, accum, gpus)
     busy = compute + exposed
     data = 0.0
     if inputs.data_samples_per_s:
-        data = max(0.0, per_gpu / inputs.data_samples_per_s - busy)
+        data = max(0.0, per_rank / inputs.data_samples_per_s - busy)
     total = busy + data
     step = Step(compute, comm, exposed, data, total)
 
@@ -189,9 +223,9 @@ def evaluate(inputs: PlanInputs, name: str) -> StrategyPlan:
     )
     cost = job_cost(gpus, hw.price_per_gpu_hour, train_s, exposed / total, ckpt)
     return StrategyPlan(
-        name=name,
+        name=name or layout_name(dims),
         gpus=gpus,
-        micro_batch=micro,
+        micro_batch=setup.micro_batch,
         grad_accum=accum,
         fits=memory.total <= budget and host_fits,
         memory=memory,
@@ -207,4 +241,64 @@ def evaluate(inputs: PlanInputs, name: str) -> StrategyPlan:
         checkpoint=ckpt,
         cost=cost,
         notes=notes,
+        setup=setup,
+    )
+
+
+def _communication(
+    inputs: PlanInputs, setup: Setup, w: Workload, compute: float
+) -> tuple[list[Collective], float, float]:
+    """(the step's collectives and host copies, the host optimizer's seconds with cpu
+    offload, the seconds the step waits for them) of `setup`, whose compute is `compute`."""
+    dims, hw, accum, tp = setup.dims, inputs.hardware, setup.grad_accum, setup.dims.tp
+    layout = Layout(inputs.gpus, inputs.gpus_per_node, hw.intra_bps, hw.inter_bps)
+    rank_params = params_per_rank(w.params, w.shape, tp)
+    collectives = layout_collectives(
+        dims, rank_params, layout, w.precision, w.reduce_dtype, accum, setup.accumulate
+    )
+    host_s = 0.0
+    if dims.cpu_offload:
+        shard_params = rank_params / dims.dp_shard
+        passes = 2 * accum  # the shard goes to the device for each forward and backward gather
+        shard_bytes = shard_params * MASTER_BYTES
+        collectives += [
+            Collective("host->device copies (offload)", passes * shard_bytes, hw.host_bps, True),
+            # The reduced gradient shard goes to the host once a step, after the
+            # reduce-scatter, like a reduction.
+            Collective("device->host gradients (offload)", shard_bytes, hw.host_bps),
+        ]
+        host_s = shard_params / CPU_OPTIMIZER_PARAMS_PER_S  # the optimizer runs on the host
+    block, _ = block_params(w, tp)
+    kind = "fsdp" if dims.fsdp else "ddp"
+    busy = compute + host_s
+    exposed = exposed_seconds(collectives, busy, kind, block / rank_params, accum, dims.dp_size)
+    if hw.device == "cpu":  # gloo runs the collectives on the cores that compute: no overlap
+        exposed = sum(c.seconds for c in collectives)
+    n_layer = w.shape.n_layer if w.shape else 1
+    recomputed = len(checkpointed_blocks(w.ac, n_layer)) if w.shape else 0
+    tp_comm = tp_collectives(w.shape, w.seq_len, w.micro_batch, w.precision, tp, recomputed,
+                             accum, layout.link(tp))  # fmt: skip
+    exposed += tp_exposed_seconds(tp_comm, busy, recompute_factor(w.ac, n_layer))
+    return collectives + tp_comm, host_s, exposed
+
+
+def setup_memory(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
+    """estimate_memory for the layout of `setup` (`w` at its micro-batch and ac)."""
+    dims = setup.dims
+    if dims.fsdp:
+        kind, world = ("hsdp" if dims.hybrid else "fsdp"), dims.dp_size
+    else:
+        kind, world = ("ddp" if dims.dp_replicate > 1 else "single"), dims.dp_replicate
+    return estimate_memory(
+        w,
+        kind,
+        world,
+        shard=dims.shard,
+        cpu_offload=dims.cpu_offload,
+        shard_degree=dims.dp_shard if dims.fsdp else None,
+        device=device,
+        grad_accum=setup.grad_accum,
+        tp=dims.tp,
+        sequence_parallel=setup.sequence_parallel,
+        accumulate=setup.accumulate,
     )

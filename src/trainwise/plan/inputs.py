@@ -227,6 +227,30 @@ def job_inputs(
     )
 
 
+def unknown_device_inputs(
+    cfg: JobConfig, workload: Workload, gpus: int, grad_accum: int, memory: float, device: str
+) -> PlanInputs:
+    """The planner's view of a job on a device the catalog does not know: its memory only.
+    The links are taken as free and the GPU-hour as costing nothing, so every layout that
+    fits takes the same time and the search's rule (the simplest within 1 % of the best)
+    picks the simplest that fits."""
+    free = math.inf
+    hardware = Hardware(
+        gpu="unknown", memory_bytes=memory, peak_flops=cfg.cluster.gpu_tflops * TFLOP
+        if cfg.cluster.gpu_tflops else TFLOP, intra_bps=free, inter_bps=free,
+        host_bps=free, host_memory_bytes=free, price_per_gpu_hour=0.0, device=device,
+    )  # fmt: skip
+    tokens = cfg.train.steps * workload.micro_batch * grad_accum * gpus * workload.seq_len
+    return PlanInputs(
+        model="job", workload=workload, global_batch=None, grad_accum=grad_accum,
+        tokens=float(tokens), gpus=gpus, node_size=gpus, hardware=hardware,
+        efficiency=cfg.plan.efficiency, data_samples_per_s=None,
+        mtbf_hours=cfg.cluster.mtbf_hours, restart_s=cfg.cluster.restart_min * 60.0,
+        checkpoint_bps=cfg.checkpoint.write_gbps * GB, headroom=cfg.parallel.headroom,
+        objective="time", strategy=None,
+    )  # fmt: skip
+
+
 def _model(cfg: JobConfig) -> tuple[int, GPTShape | None, str]:
     p = cfg.plan
     dims = {field: getattr(p, key) for key, field in SHAPE_FIELDS.items()}

@@ -31,11 +31,11 @@ dropout by default.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from trainwise.models.shapes import GPTShape
-from trainwise.plan.precision import BYTES, OPTIMIZER_STATE_BYTES
-
-MASTER_BYTES = 4  # fp32 parameters, gradients and optimizer state (see above)
+from trainwise.plan.precision import BYTES, MASTER_BYTES, OPTIMIZER_STATE_BYTES
+from trainwise.plan.tensor_parallel import activation_split, norm_size, params_per_rank
 
 # Assumption, not a measurement: a CUDA context with PyTorch's kernels loaded holds about
 # 0.5-1 GB, and the caching allocator's fragmentation typically costs a few percent of the
@@ -139,7 +139,12 @@ def activation_bytes_per_token(
     head = norm + 3 * loss * v
     # The gradients of a block's intermediates while it runs backward.
     working = e * f * (3 if shape.mlp == "swiglu" else 2) + r * h
-    return {"layer": attn + mlp, "block_input": r * h, "head": head, "working_set": working}
+    # The norm regions and the residual, which tensor parallelism alone leaves whole
+    # (plan.tensor_parallel).
+    return {
+        "layer": attn + mlp, "block_input": r * h, "head": head, "working_set": working,
+        "norms": 2 * norm, "head_norm": norm, "residual": r * h,
+    }  # fmt: skip
 
 
 def checkpointed_blocks(ac: str, n_layer: int) -> set[int]:
@@ -164,16 +169,24 @@ class ActivationProfile:
         return max(self.head, self.block)
 
 
+@lru_cache(maxsize=4096)
 def activation_profile(
-    w: Workload, autocast: bool = False, device: str = "cuda"
+    w: Workload,
+    autocast: bool = False,
+    device: str = "cuda",
+    tp: int = 1,
+    sequence_parallel: bool = True,
 ) -> ActivationProfile | None:
     """The activations at each moment of backward: the head's (everything saved plus the
     loss's gradients), the top block's (everything saved plus its working set), each
     checkpointed block's recomputation (the blocks above it freed, those below still
-    holding what they saved); None for a model without a shape."""
+    holding what they saved); None for a model without a shape. On one of `tp`
+    tensor-parallel ranks, what plan.tensor_parallel keeps of it. (Cached: the planner's
+    search asks for the same workload many times.)"""
     if w.shape is None:
         return None
     per = activation_bytes_per_token(w.shape, w.precision, autocast, device)
+    per = activation_split(per, tp, sequence_parallel)
     ckpt = checkpointed_blocks(w.ac, w.shape.n_layer)
     kept = [per["block_input"] if i in ckpt else per["layer"] for i in range(w.shape.n_layer)]
     block = sum(kept) + per["working_set"]
@@ -191,15 +204,22 @@ def activation_bytes(w: Workload, autocast: bool = False, device: str = "cuda") 
     return None if profile is None else profile.peak
 
 
-def block_params(w: Workload) -> tuple[float, float]:
+def block_params(w: Workload, tp: int = 1) -> tuple[float, float]:
     """(parameters of one transformer block, parameters of the root unit: embeddings, final
-    norm, head). A model without a shape is `w.units` equal units (default one)."""
+    norm, head), on one of `tp` tensor-parallel ranks. A model without a shape is `w.units`
+    equal units (default one)."""
     if w.shape is None:
-        return float(w.params) / (w.units or 1), 0.0
-    root = w.params - w.shape.n_layer * _one_block(w.shape)
-    return float(_one_block(w.shape)), float(root)
+        return float(w.params) / (w.units or 1) / tp, 0.0
+    block = _one_block(w.shape)
+    root = w.params - w.shape.n_layer * block
+    if tp > 1:  # each block's two norms are replicated, the rest split
+        norms = 2 * norm_size(w.shape)
+        block = norms + (block - norms) / tp
+        root = params_per_rank(w.params, w.shape, tp) - w.shape.n_layer * block
+    return float(block), float(root)
 
 
+@lru_cache(maxsize=256)
 def _one_block(shape: GPTShape) -> int:
     return replace(shape, n_layer=2).num_params() - replace(shape, n_layer=1).num_params()
 
@@ -213,9 +233,16 @@ def estimate_memory(
     shard_degree: int | None = None,
     device: str = "cpu",
     grad_accum: int = 1,
+    tp: int = 1,
+    sequence_parallel: bool = True,
+    accumulate: str = "unsharded",
 ) -> MemoryEstimate:
     """Peak bytes on one device for `strategy` (single, ddp, fsdp, hsdp) over `world` workers;
-    hsdp shards over `shard_degree` (the GPUs of a node) and replicates across.
+    hsdp shards over `shard_degree` (the GPUs of a node) and replicates across; fsdp over
+    `shard_degree` when given, else the world. With `tp` > 1 the device holds one
+    tensor-parallel rank's share (plan.tensor_parallel). `accumulate` (FSDP with
+    grad_accum > 1): "unsharded" keeps full gradients between micro-batches, "sharded"
+    reduce-scatters every micro-batch and keeps only the shard.
 
     The phases whose largest is the peak (gradients join the first two when micro-batches
     accumulate into them):
@@ -228,14 +255,14 @@ def estimate_memory(
     - optimizer step: parameters, gradients, optimizer state, DDP's buckets, and foreach
       AdamW's temporaries (one fp32 value per parameter: `_foreach_sqrt`; the CUDA default).
     """
-    n = float(w.params)
+    n = params_per_rank(w.params, w.shape, tp)
     opt = OPTIMIZER_STATE_BYTES[w.optimizer]
     c = BYTES[w.precision]
     low = w.precision != "fp32"
     step_temp = MASTER_BYTES if w.optimizer == "adamw" and device == "cuda" else 0.0
     accumulating = grad_accum > 1
     if strategy in ("single", "ddp"):
-        prof = activation_profile(w, autocast=True, device=device)
+        prof = activation_profile(w, True, device, tp, sequence_parallel)
         copies = n * c if low else 0.0  # autocast's 16-bit weight copies
         buckets = n * MASTER_BYTES if strategy == "ddp" and world > 1 else 0.0
         p, g, o = n * MASTER_BYTES, n * MASTER_BYTES, n * opt
@@ -249,8 +276,8 @@ def estimate_memory(
     if strategy not in ("fsdp", "hsdp"):
         raise ValueError(f"unknown strategy {strategy!r}")
     d = shard_degree or world
-    prof = activation_profile(w, autocast=False, device=device)
-    block, root = block_params(w)
+    prof = activation_profile(w, False, device, tp, sequence_parallel)
+    block, root = block_params(w, tp)
     reduce_copy = MASTER_BYTES if w.reduce_dtype == "fp32" and c != MASTER_BYTES else 0
     grads_in_flight = block * (c + reduce_copy)
     units = w.shape.n_layer if w.shape is not None else (w.units or 1)
@@ -267,6 +294,8 @@ def estimate_memory(
     # Between micro-batches FSDP2 skips the reduce-scatter (set_requires_gradient_sync
     # False, run.loop) and keeps every parameter's unsharded gradient, in the reduce dtype.
     g_bwd = n * BYTES[w.reduce_dtype] if accumulating else 0.0
+    if accumulating and accumulate == "sharded":
+        g_bwd = g  # reduce-scattered every micro-batch: only the shard accumulates
     g_end = max(g, g_bwd)
     phases = {
         "head backward": (p, g_bwd, o, prof and prof.head, root * c + at_head),

@@ -8,17 +8,12 @@ from dataclasses import dataclass, field, replace
 
 from trainwise.hardware.catalog import GB
 from trainwise.plan.advisor import describe, loader_fixes
-from trainwise.plan.estimate import (
-    SIMPLER_WITHIN,
-    SIMPLICITY,
-    StrategyPlan,
-    candidate_names,
-    evaluate,
-)
+from trainwise.plan.alternatives import distinct, smallest_changes, why_it_loses
+from trainwise.plan.estimate import Setup, StrategyPlan, candidate_names, evaluate, price
 from trainwise.plan.inputs import PlanInputs
-from trainwise.plan.memory import MASTER_BYTES
-from trainwise.plan.precision import OPTIMIZER_STATE_BYTES
+from trainwise.plan.precision import MASTER_BYTES, OPTIMIZER_STATE_BYTES
 from trainwise.plan.reliability import SECONDS_PER_HOUR, system_mtbf_s
+from trainwise.plan.search import EVERYTHING, Allowed, Choice, Goal, describe_setup, recommend
 from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_usd
 
 SMALL_MODEL_PARAMS = 1e9  # the product's guide: under 1B parameters is an `mvp`
@@ -31,7 +26,7 @@ KNEE_SHARE = 0.5  # past the knee, an added GPU buys less than half of its share
 @dataclass(frozen=True)
 class SweepRow:
     gpus: int
-    strategy: str
+    strategy: str  # a named strategy, or BEST: the search's answer at this count
     fits: bool
     tokens_per_s: float
     scaling_efficiency: float
@@ -39,13 +34,20 @@ class SweepRow:
     hours_to_train: float
     total_usd: float
     ideal_tokens_per_s: float  # the GPUs' count x one GPU that only computes
+    configuration: str = ""  # BEST rows: the configuration chosen (describe_setup)
+
+
+BEST = "best"  # the sweep's curve of the search's answer at each GPU count
 
 
 @dataclass(frozen=True)
 class Recommendation:
-    strategy: str
+    strategy: str  # the chosen plan's row name (estimate.layout_name, or the asked one)
     scenario: str  # mvp | ddp | fsdp | offline-batch
     reasons: list[str]
+    choice: Choice | None = None  # the configuration (None only in hand-built plans)
+    # The best few others, each with why it loses (alternatives.why_it_loses).
+    alternatives: list[tuple[StrategyPlan, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -67,13 +69,26 @@ class Plan:
                 return s
         raise KeyError(f"no strategy {name!r} in this plan")
 
+    @property
+    def best(self) -> StrategyPlan:
+        """The recommended configuration's figures."""
+        choice = self.recommendation.choice
+        return choice.plan if choice else self.strategy(self.recommendation.strategy)
+
 
 def make_plan(
-    inputs: PlanInputs, counts: list[int] | None = None, calibration: list[str] | None = None
+    inputs: PlanInputs,
+    counts: list[int] | None = None,
+    calibration: list[str] | None = None,
+    goal: Goal | None = None,
+    allowed: Allowed = EVERYTHING,
 ) -> Plan:
-    """The plan of `inputs`; `counts`: the GPU counts of a scaling sweep."""
+    """The plan of `inputs`; `counts`: the GPU counts of a scaling sweep; `goal`: what
+    "best" means (default: the inputs' objective); `allowed`: what the search may vary."""
+    goal = goal or Goal(inputs.objective)
     strategies = [evaluate(inputs, name) for name in candidate_names(inputs)]
-    best = _choose(inputs, strategies)
+    choice = choose(inputs, allowed, goal)
+    best = choice.plan
     single = strategies[0] if strategies[0].name == "single" else evaluate(inputs, "single")
     # The scenario is the job's, whichever strategy was asked for.
     everything = (
@@ -81,12 +96,12 @@ def make_plan(
         if inputs.strategy
         else strategies
     )
-    scenario = _scenario(inputs, single, everything)
-    reasons = _reasons(inputs, best, single, strategies, scenario)
+    scenario = _scenario(inputs, single, [*everything, best])
+    reasons = _reasons(inputs, choice, single, scenario, allowed, goal)
     rows: list[SweepRow] = []
     knees: dict[str, int | None] = {}
     if counts:
-        rows = sweep(inputs, counts)
+        rows = sweep(inputs, counts, allowed, goal)
         for name in {r.strategy for r in rows}:
             knees[name] = knee([r for r in rows if r.strategy == name])
     warnings = _warnings(inputs, best, single, strategies, knees)
@@ -101,7 +116,13 @@ def make_plan(
     return Plan(
         inputs=inputs,
         strategies=strategies,
-        recommendation=Recommendation(best.name, scenario, reasons),
+        recommendation=Recommendation(
+            best.name,
+            scenario,
+            reasons,
+            choice,
+            [(other, why_it_loses(other, best, goal)) for other in distinct(choice)],
+        ),
         questions=questions,
         warnings=warnings,
         sweep=rows,
@@ -110,43 +131,42 @@ def make_plan(
     )
 
 
-def _choose(inputs: PlanInputs, strategies: list[StrategyPlan]) -> StrategyPlan:
-    """The cheapest (or fastest) that fits on the GPUs asked for, the simplest among those
-    within SIMPLER_WITHIN of it; `single` is the one-GPU reference and is chosen only when
-    one GPU is all there is. Nothing fits: the one that needs the least device memory."""
-    pool = [s for s in strategies if s.name != "single" or inputs.gpus == 1] or strategies
-    fitting = [s for s in pool if s.fits]
-    if not fitting:
-        return min(pool, key=lambda s: s.memory.total)
-
-    def score(s: StrategyPlan) -> float:
-        return s.cost.wall_hours if inputs.objective == "time" else s.cost.total_usd
-
-    best = min(score(s) for s in fitting)
-    close = [s for s in fitting if score(s) <= best * (1 + SIMPLER_WITHIN)]
-    return min(close, key=lambda s: SIMPLICITY.index(s.name))
+def choose(inputs: PlanInputs, allowed: Allowed = EVERYTHING, goal: Goal | None = None) -> Choice:
+    """The search's answer (plan.search.recommend); with inputs.strategy, that strategy at
+    the job's own knobs, as asked."""
+    if not inputs.strategy:
+        return recommend(inputs, allowed, goal)
+    asked = evaluate(inputs, inputs.strategy)
+    return Choice(asked, asked.fits, "asked for (--strategy)")
 
 
 def _scenario(inputs: PlanInputs, single: StrategyPlan, strategies: list[StrategyPlan]) -> str:
     """The product's guide: mvp (under 1B parameters, one or two GPUs), ddp (a replica fits
-    one GPU), fsdp (it does not, sharded it does), offline-batch (not even sharded)."""
-    if single.fits:
+    one GPU), fsdp (it does not, sharded it does), offline-batch (not even sharded, or only
+    with cpu offload)."""
+    replica = single.fits or any(s.fits and not _dims(s).fsdp for s in strategies)
+    if replica:
         small = inputs.workload.params < SMALL_MODEL_PARAMS and inputs.gpus <= 2
         return "mvp" if small else "ddp"
-    sharded = [s for s in strategies if s.name.startswith(("fsdp", "hsdp"))]
-    if any(s.fits for s in sharded if s.name != "fsdp-offload"):
+    if any(s.fits and _dims(s).fsdp and not _dims(s).cpu_offload for s in strategies):
         return "fsdp"
     return "offline-batch"
 
 
+def _dims(s: StrategyPlan):
+    assert s.setup is not None
+    return s.setup.dims
+
+
 def _reasons(
     inputs: PlanInputs,
-    best: StrategyPlan,
+    choice: Choice,
     single: StrategyPlan,
-    strategies: list[StrategyPlan],
     scenario: str,
+    allowed: Allowed,
+    goal: Goal,
 ) -> list[str]:
-    hw = inputs.hardware
+    hw, best = inputs.hardware, choice.plan
     usable = f"{fmt_bytes(best.budget_bytes)} usable of {fmt_bytes(hw.memory_bytes)} on a {hw.gpu}"
     out = []
     if single.fits:
@@ -154,45 +174,18 @@ def _reasons(
     else:
         out.append(
             f"One replica needs {fmt_bytes(single.memory.total)}, more than the {usable}; "
-            "it has to be sharded."
+            "it has to be sharded, checkpointed or split."
         )
-    if best.fits:
-        out.append(
-            f"{best.name} on {best.gpus} GPU{'s' if best.gpus > 1 else ''} needs "
-            f"{fmt_bytes(best.memory.total)} per GPU and trains the {inputs.tokens:.3g} tokens in "
-            f"{fmt_hours(best.hours_to_train)} for {fmt_usd(best.cost.total_usd)} at "
-            f"{fmt_usd(hw.price_per_gpu_hour)} per GPU-hour."
-        )
-        others = [s for s in strategies if s.fits and s is not best and s.name != "single"]
-        key = "wall_hours" if inputs.objective == "time" else "total_usd"
-        for other in sorted(others, key=lambda s: getattr(s.cost, key))[:2]:
-            if key == "total_usd":
-                diff = other.cost.total_usd - best.cost.total_usd
-                out.append(
-                    f"{other.name} also fits but costs {fmt_usd(diff)} more "
-                    f"({fmt_usd(other.cost.total_usd)}), "
-                    f"with {other.step.exposed_comm / other.step.total:.0%} of a step "
-                    "waiting for communication."
-                )
-            else:
-                out.append(
-                    f"{other.name} also fits but takes {fmt_hours(other.hours_to_train)} "
-                    f"against {fmt_hours(best.hours_to_train)}."
-                )
-    else:
-        if best.grad_accum > 1 and best.name != "ddp":
-            out.append(
-                f"{best.name} accumulates {best.grad_accum} micro-batches a step, and FSDP keeps "
-                f"every gradient unsharded while it does ({fmt_bytes(best.memory.grads)} per "
-                "GPU): a larger micro-batch or a smaller global batch needs fewer."
-            )
-        out.append(
-            f"Nothing fits: {best.name} needs the least, {fmt_bytes(best.memory.total)} per GPU "
-            f"against {usable}. Use more GPUs, a smaller micro-batch with gradient "
-            "accumulation, full activation checkpointing, or preemptible capacity for an "
-            "offline run."
-        )
-    if scenario == "offline-batch" and best.fits:
+    if not choice.fits:
+        out.append(f"Nothing fits: {describe_setup(choice.setup)} needs the least memory.")
+        return out + smallest_changes(inputs, allowed, goal)
+    out.append(f"Chosen as {choice.why}.")
+    out.append(
+        f"On {best.gpus} GPU{'s' if best.gpus > 1 else ''} it trains the {inputs.tokens:.3g} "
+        f"tokens in {fmt_hours(best.hours_to_train)} for {fmt_usd(best.cost.total_usd)} at "
+        f"{fmt_usd(hw.price_per_gpu_hour)} per GPU-hour."
+    )
+    if scenario == "offline-batch":
         out.append(
             "Only cpu offload fits: expect the host copies and the host optimizer to slow "
             "each step; suited to offline or preemptible capacity."
@@ -235,18 +228,23 @@ def _with_bandwidth(inputs: PlanInputs, bps: float) -> PlanInputs:
     return replace(inputs, hardware=hw)
 
 
-def bandwidth_where(inputs: PlanInputs, name: str, holds) -> float | None:
+def _priced(inputs: PlanInputs, subject: str | Setup) -> StrategyPlan:
+    """A named strategy at the job's knobs, or a searched configuration."""
+    return evaluate(inputs, subject) if isinstance(subject, str) else price(inputs, subject)
+
+
+def bandwidth_where(inputs: PlanInputs, subject: str | Setup, holds) -> float | None:
     """The lowest link bandwidth (bytes/s) at which `holds(plan)` is true, by bisection on a
     log scale between 1 MB/s and 10 TB/s; more bandwidth never slows a step, so `holds` is
     monotone. None when it does not hold even at 10 TB/s."""
     lo, hi = math.log(1e6), math.log(1e13)
-    if not holds(evaluate(_with_bandwidth(inputs, math.exp(hi)), name)):
+    if not holds(_priced(_with_bandwidth(inputs, math.exp(hi)), subject)):
         return None
-    if holds(evaluate(_with_bandwidth(inputs, math.exp(lo)), name)):
+    if holds(_priced(_with_bandwidth(inputs, math.exp(lo)), subject)):
         return math.exp(lo)
     for _ in range(40):
         mid = (lo + hi) / 2
-        if holds(evaluate(_with_bandwidth(inputs, math.exp(mid)), name)):
+        if holds(_priced(_with_bandwidth(inputs, math.exp(mid)), subject)):
             hi = mid
         else:
             lo = mid
@@ -258,20 +256,22 @@ def _network_answer(inputs: PlanInputs, best: StrategyPlan, strategies: list) ->
     if inputs.gpus == 1:
         return "Not asked: one GPU shards nothing. Plan with --gpus N to see the network's part."
     sharded = [s for s in strategies if s.name in ("fsdp-grad-op", "fsdp-full", "hsdp")]
-    if best.name in ("fsdp-grad-op", "fsdp-full", "hsdp"):
-        name = best.name
+    subject: str | Setup
+    if best.setup is not None and best.setup.dims.fsdp and not best.setup.dims.cpu_offload:
+        subject = best.setup
     elif any(s.fits for s in sharded):
-        name = min((s for s in sharded if s.fits), key=lambda s: s.cost.total_usd).name
+        subject = min((s for s in sharded if s.fits), key=lambda s: s.cost.total_usd).name
     else:
-        name = sharded_name(inputs)
+        subject = sharded_name(inputs)
     one = evaluate(inputs, "single")
-    plan = evaluate(inputs, name)
+    plan = _priced(inputs, subject)
+    name = plan.name
     hw = inputs.hardware
     link = hw.inter_bps if inputs.nodes > 1 else hw.intra_bps
     where = "between nodes" if inputs.nodes > 1 else "within the node"
-    pays = bandwidth_where(inputs, name, lambda p: p.tokens_per_s > one.tokens_per_s)
+    pays = bandwidth_where(inputs, subject, lambda p: p.tokens_per_s > one.tokens_per_s)
     hides = bandwidth_where(
-        inputs, name, lambda p: p.step.exposed_comm <= COMM_BOUND_SHARE * p.step.total + 1e-12
+        inputs, subject, lambda p: p.step.exposed_comm <= COMM_BOUND_SHARE * p.step.total + 1e-12
     )
     share = plan.step.exposed_comm / plan.step.total
     facts = (
@@ -342,20 +342,28 @@ def _warnings(
             f"{best.name} needs {fmt_bytes(best.host_memory_per_node)} of host memory per node, more "
             f"than the {fmt_bytes(inputs.hardware.host_memory_bytes)} there."
         )
-    knee_at = knees.get(best.name)
-    if knee_at is None and best.gpus > 1:
+    # The knee of the sweep's best curve; without a sweep, of the chosen data-parallel
+    # layout at the job's knobs (a proxy: a search per count would double the plan's time).
+    name, knee_at = BEST, knees.get(BEST)
+    family = _dims(best).plan_name
+    if BEST not in knees and best.gpus > 1 and _dims(best).tp == 1:
         counts = [2**k for k in range(int(math.log2(best.gpus)) + 2)]
-        knee_at = knee([_row(inputs.with_gpus(n), best.name) for n in counts])
+        name = family
+        knee_at = knee([_row(inputs.with_gpus(n), family) for n in counts])
     if knee_at is not None and best.gpus > knee_at:
+        what = "the best configuration" if name == BEST else name
         out.append(
-            f"{best.gpus} GPUs is past the scaling knee of {best.name} ({knee_at} GPUs): "
+            f"{best.gpus} GPUs is past the scaling knee of {what} ({knee_at} GPUs): "
             "beyond it each added GPU buys less than half of its share."
         )
     return out
 
 
 def _row(inputs: PlanInputs, name: str) -> SweepRow:
-    s = evaluate(inputs, name)
+    return _as_row(evaluate(inputs, name), name)
+
+
+def _as_row(s: StrategyPlan, name: str) -> SweepRow:
     return SweepRow(
         gpus=s.gpus,
         strategy=name,
@@ -369,7 +377,16 @@ def _row(inputs: PlanInputs, name: str) -> SweepRow:
     )
 
 
-def sweep(inputs: PlanInputs, counts: list[int]) -> list[SweepRow]:
+def sweep(
+    inputs: PlanInputs,
+    counts: list[int],
+    allowed: Allowed = EVERYTHING,
+    goal: Goal | None = None,
+) -> list[SweepRow]:
+    """At each count: every named strategy at the job's knobs, and the search's best (BEST
+    rows, whose knee is the one that matters) by the goal's objective: a deadline or a
+    budget is the job's, not every count's."""
+    goal = Goal(goal.objective if goal else inputs.objective)
     rows = []
     for n in sorted(set(counts)):
         sized = inputs.with_gpus(n)
@@ -377,7 +394,16 @@ def sweep(inputs: PlanInputs, counts: list[int]) -> list[SweepRow]:
             if name == "single" and n > 1:
                 continue
             rows.append(_row(sized, name))
+        if not inputs.strategy:
+            rows.append(_best_row(recommend(sized, allowed, goal)))
     return rows
+
+
+def _best_row(choice: Choice) -> SweepRow:
+    s = choice.plan
+    return replace(
+        _as_row(s, BEST), configuration=describe_setup(choice.setup) if choice.fits else ""
+    )
 
 
 def knee(rows: list[SweepRow]) -> int | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from trainwise.plan.estimate import StrategyPlan
 from trainwise.plan.inputs import SHAPE_FIELDS
 from trainwise.plan.planner import Plan
+from trainwise.plan.search import describe_setup, setup_keys
 
 SCHEMA_VERSION = 1
 
@@ -99,16 +100,38 @@ def inputs_record(plan: Plan) -> dict:
     }
 
 
+def recommendation_record(plan: Plan) -> dict:
+    """The recommendation: its row name, scenario and reasons; the configuration (layout,
+    knobs and the job-file keys that run it, `config`), its figures; the alternatives."""
+    rec = plan.recommendation
+    out: dict = {
+        "strategy": rec.strategy,
+        "scenario": rec.scenario,
+        "reasons": list(rec.reasons),
+    }
+    if rec.choice is not None:
+        c = rec.choice
+        out |= {
+            "fits": c.fits,
+            "configuration": describe_setup(c.setup),
+            "layout": c.dims.degrees() | {"fsdp": c.dims.fsdp},
+            "config": c.config_keys(),
+            "plan": strategy_record(c.plan),
+            "alternatives": [
+                {"configuration": describe_setup(s.setup), "config": setup_keys(s.setup),
+                 "why_not": why, "plan": strategy_record(s)}
+                for s, why in rec.alternatives
+            ],
+        }  # fmt: skip
+    return out
+
+
 def plan_record(plan: Plan) -> dict:
     out = {
         "schema_version": SCHEMA_VERSION,
         "inputs": inputs_record(plan),
         "strategies": [strategy_record(s) for s in plan.strategies],
-        "recommendation": {
-            "strategy": plan.recommendation.strategy,
-            "scenario": plan.recommendation.scenario,
-            "reasons": list(plan.recommendation.reasons),
-        },
+        "recommendation": recommendation_record(plan),
         "questions": [{"question": q, "answer": a} for q, a in plan.questions],
         "warnings": list(plan.warnings),
     }
@@ -123,6 +146,7 @@ def plan_record(plan: Plan) -> dict:
                 "step_s": r.step_s,
                 "hours_to_train": r.hours_to_train,
                 "total_usd": r.total_usd,
+                "configuration": r.configuration or None,
             }
             for r in plan.sweep
         ]

@@ -37,10 +37,16 @@ from trainwise.report.plan_view import (
     SWEEP_COLUMNS,
     TIME_COLUMNS,
     TIME_TITLE,
+    alternative_lines,
+    best_sweep_lines,
+    config_lines,
     cost_line,
     headline,
+    is_chosen,
     memory_rows,
+    recommendation_title,
     sweep_rows,
+    table_plans,
     time_rows,
 )
 
@@ -96,12 +102,30 @@ def render_html(plan: Plan) -> str:
         "<h1>trainwise plan</h1>",
         f'<p class="headline">{e(headline(plan))}</p>',
         '<section id="recommendation">',
-        f"<h2>Recommendation: {e(rec.strategy)}</h2>",
+        f"<h2>{e(recommendation_title(plan))}</h2>",
         f"<p>Scenario: <strong>{e(rec.scenario)}</strong></p>",
+        *(
+            [
+                "<p>As a job file (<code>trainwise plan --emit FILE</code>):</p>",
+                f"<pre>{e(chr(10).join(config_lines(plan)))}</pre>",
+            ]
+            if config_lines(plan)
+            else []
+        ),
         "<ul>",
         *(f"<li>{e(reason)}</li>" for reason in rec.reasons),
         "</ul>",
         f'<p class="cost">{e(cost_line(plan))}</p>',
+        *(
+            [
+                "<h3>Alternatives, best first, and why each loses</h3>",
+                '<ol start="2">',
+                *(f"<li>{e(line)}</li>" for line in alternative_lines(plan)),
+                "</ol>",
+            ]
+            if rec.alternatives
+            else []
+        ),
         "</section>",
         '<section id="pictures">',
         "<h2>Pictures</h2>",
@@ -115,6 +139,11 @@ def render_html(plan: Plan) -> str:
     if plan.sweep:
         classes = ["" if r.fits else "nofit" for r in plan.sweep]
         out += html_table(SWEEP_TITLE, SWEEP_COLUMNS, sweep_rows(plan), classes)
+        out += [
+            "<ul>",
+            *(f"<li>best at {e(line)}</li>" for line in best_sweep_lines(plan)),
+            "</ul>",
+        ]
     out += ["</section>", '<section id="questions">', "<h2>The three questions</h2>", "<dl>"]
     for question, answer in plan.questions:
         out += [f"<dt>{e(question)}</dt>", f"<dd>{e(answer)}</dd>"]
@@ -136,8 +165,7 @@ def _strategy_table(
     """A table with a row per strategy (in plan.strategies' order, as plan_view builds it):
     the recommended one highlighted, those that do not fit greyed."""
     classes = [
-        "rec" if s.name == plan.recommendation.strategy else ("" if s.fits else "nofit")
-        for s in plan.strategies
+        "rec" if is_chosen(plan, s) else ("" if s.fits else "nofit") for _, s in table_plans(plan)
     ]
     return html_table(title, columns, rows, classes)
 
@@ -204,7 +232,8 @@ def _figures(plan: Plan) -> list[str]:
 
 
 def _strategy_label(plan: Plan, name: str, gpus: int, sep: str = " ") -> str:
-    star = " *" if name == plan.recommendation.strategy else ""
+    chosen = any(is_chosen(plan, s) for s in plan.strategies if s.name == name)
+    star = " *" if chosen else ""
     return f"{name}{star}{sep}({gpus} GPU{'s' if gpus > 1 else ''})"
 
 

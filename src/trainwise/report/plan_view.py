@@ -7,7 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from trainwise.hardware.catalog import GB
-from trainwise.plan.planner import Plan
+from trainwise.plan.emit import keys_toml
+from trainwise.plan.estimate import StrategyPlan
+from trainwise.plan.planner import BEST, Plan
+from trainwise.plan.search import describe_setup
 from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_seconds, fmt_usd
 
 MEMORY_COLUMNS = (
@@ -53,18 +56,36 @@ def _gb_number(x: float | None) -> str:
     return f"{x / GB:.3g}" if x >= 1e7 or x == 0 else f"{x / GB:.1e}"
 
 
-def _name(plan: Plan, name: str) -> str:
-    """The recommended strategy is marked with a star (the terminal adds colour)."""
-    return name + ("*" if name == plan.recommendation.strategy else "")
+CHOSEN = "chosen"  # the tables' row of the search's answer when no named row is it
+
+
+def is_chosen(plan: Plan, s: StrategyPlan) -> bool:
+    """Whether `s` is the recommended configuration (its layout and knobs)."""
+    best = plan.best
+    return s is best or (s.setup is not None and s.setup == best.setup)
+
+
+def table_plans(plan: Plan) -> list[tuple[str, StrategyPlan]]:
+    """The tables' rows: the chosen configuration first (unless a named row is it), then
+    each named strategy at the job's own knobs."""
+    named = [(s.name, s) for s in plan.strategies]
+    if any(is_chosen(plan, s) for s in plan.strategies):
+        return named
+    return [(CHOSEN, plan.best), *named]
+
+
+def _name(plan: Plan, label: str, s: StrategyPlan) -> str:
+    """The recommended row is marked with a star (the terminal adds colour)."""
+    return label + ("*" if is_chosen(plan, s) else "")
 
 
 def memory_rows(plan: Plan) -> list[list[str]]:
     rows = []
-    for s in plan.strategies:
+    for label, s in table_plans(plan):
         m = s.memory
         rows.append(
             [
-                _name(plan, s.name),
+                _name(plan, label, s),
                 str(s.gpus),
                 _gb_number(m.params),
                 _gb_number(m.grads),
@@ -82,7 +103,7 @@ def memory_rows(plan: Plan) -> list[list[str]]:
 def time_rows(plan: Plan) -> list[list[str]]:
     return [
         [
-            _name(plan, s.name),
+            _name(plan, label, s),
             fmt_seconds(s.step.compute),
             fmt_seconds(s.step.exposed_comm),
             fmt_seconds(s.step.data),
@@ -92,7 +113,7 @@ def time_rows(plan: Plan) -> list[list[str]]:
             fmt_hours(s.hours_to_train),
             fmt_usd(s.cost.total_usd),
         ]
-        for s in plan.strategies
+        for label, s in table_plans(plan)
     ]
 
 
@@ -138,7 +159,7 @@ def headline(plan: Plan) -> str:
 
 
 def cost_line(plan: Plan) -> str:
-    s = plan.strategy(plan.recommendation.strategy)
+    s = plan.best
     c = s.cost
     return (
         f"Cost of {s.name}: {fmt_usd(c.compute_usd)} compute + {fmt_usd(c.comm_wait_usd)} "
@@ -148,67 +169,126 @@ def cost_line(plan: Plan) -> str:
     )
 
 
+def recommendation_title(plan: Plan) -> str:
+    rec = plan.recommendation
+    what = describe_setup(rec.choice.setup) if rec.choice else rec.strategy
+    return f"Recommendation: {what} (scenario: {rec.scenario})"
+
+
+def config_lines(plan: Plan) -> list[str]:
+    """The recommended settings as a job file's lines (what --emit writes them into)."""
+    rec = plan.recommendation
+    return keys_toml(rec.choice.config_keys()) if rec.choice else []
+
+
+def alternative_lines(plan: Plan) -> list[str]:
+    """The best few alternatives, best first, each with why it loses."""
+    return [
+        f"{describe_setup(s.setup)}: {why}" if s.setup else f"{s.name}: {why}"
+        for s, why in plan.recommendation.alternatives
+    ]
+
+
+def best_sweep_lines(plan: Plan) -> list[str]:
+    return [
+        f"{r.gpus} GPUs: {r.configuration or 'nothing fits'}"
+        for r in plan.sweep
+        if r.strategy == BEST
+    ]
+
+
 def render_terminal(plan: Plan, console=None, simulation: list[dict] | None = None) -> None:
     from rich.console import Console
     from rich.markup import escape
 
     console = console or Console()
+    width = console.width
     console.print(f"[bold]trainwise plan[/]: {escape(headline(plan))}")
     for note in plan.calibration:
         console.print(f"  calibrated: {escape(note)}")
-    fits = {s.name: s.fits for s in plan.strategies}
     for title, columns, rows in (
         (MEMORY_TITLE, MEMORY_COLUMNS, memory_rows(plan)),
         (TIME_TITLE, TIME_COLUMNS, time_rows(plan)),
     ):
         styles = [
-            "bold green" if row[0].endswith("*") else ("" if fits[row[0]] else "dim")
-            for row in rows
+            "bold green" if is_chosen(plan, s) else ("" if s.fits else "dim")
+            for _, s in table_plans(plan)
         ]
-        console.print(_rich_table(title, columns, rows, styles, no_wrap_strategy=True))
-    rec = plan.recommendation
-    console.print(f"[bold]Recommendation: {rec.strategy}[/] (scenario: {rec.scenario})")
-    for reason in rec.reasons:
+        for table in rich_tables(title, columns, rows, width, styles):
+            console.print(table)
+    console.print(f"[bold]{escape(recommendation_title(plan))}[/]")
+    lines = config_lines(plan)
+    if lines:
+        console.print("  As a job file (trainwise plan --emit FILE writes the whole job):")
+        for line in lines:
+            console.print(f"    {escape(line)}", highlight=False)
+    for reason in plan.recommendation.reasons:
         console.print(f"  - {escape(reason)}")
     console.print(f"  {escape(cost_line(plan))}")
+    if plan.recommendation.alternatives:
+        console.print("\n[bold]Alternatives[/], best first, and why each loses")
+        for k, line in enumerate(alternative_lines(plan), 2):
+            console.print(f"  {k}. {escape(line)}")
     console.print("\n[bold]The three questions[/]")
     for q, a in plan.questions:
         console.print(f"  [bold]{escape(q)}[/] {escape(a)}")
     if simulation:
-        console.print(
-            _rich_table(SIMULATION_TITLE, SIMULATION_COLUMNS, simulation_rows(simulation))
-        )
+        for table in rich_tables(
+            SIMULATION_TITLE, SIMULATION_COLUMNS, simulation_rows(simulation), width
+        ):
+            console.print(table)
     if plan.sweep:
-        console.print(
-            _rich_table("Scaling sweep", SWEEP_COLUMNS, sweep_rows(plan), title_justify="center")
-        )
+        for table in rich_tables("Scaling sweep", SWEEP_COLUMNS, sweep_rows(plan), width):
+            console.print(table)
+        for line in best_sweep_lines(plan):
+            console.print(f"  best at {escape(line)}")
     if plan.warnings:
         console.print("\n[bold yellow]Warnings[/]")
         for warning in plan.warnings:
             console.print(f"  ! {escape(warning)}", style="yellow")
 
 
-def _rich_table(
+def column_groups(columns: Sequence[str], rows: Sequence[Sequence[str]], width: int) -> list:
+    """The columns split into groups that fit `width` characters, each group after the
+    first column (the row's name), so that no cell is ever cut: a table wider than the
+    terminal (or a pipe's 80 columns) is stacked as several."""
+    # Each column takes its widest cell, one space either side and one between columns.
+    sizes = [max(len(c), *(len(r[k]) for r in rows)) + 3 for k, c in enumerate(columns)]
+    groups: list[list[int]] = [[]]
+    used = sizes[0] - 1
+    for k in range(1, len(columns)):
+        if groups[-1] and used + sizes[k] > width:
+            groups.append([])
+            used = sizes[0] - 1
+        groups[-1].append(k)
+        used += sizes[k]
+    return [[0, *g] for g in groups]
+
+
+def rich_tables(
     title: str,
-    columns: tuple[str, ...],
+    columns: Sequence[str],
     rows: list[list[str]],
+    width: int,
     styles: list[str] | None = None,
-    title_justify: str = "left",
-    no_wrap_strategy: bool = False,
-):
-    """A terminal table: the strategy column left-aligned, the figures right-aligned."""
+) -> list:
+    """Terminal tables: the first column left-aligned, the figures right-aligned, never
+    wrapped or cut (column_groups stacks what does not fit)."""
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, title_justify=title_justify)
-    for col in columns:
-        left = col == "strategy"
-        table.add_column(
-            col, justify="left" if left else "right", no_wrap=left and no_wrap_strategy
-        )
-    for row, style in zip(rows, styles or [""] * len(rows), strict=True):
-        table.add_row(*row, style=style)
-    return table
+    groups = column_groups(columns, rows, width)
+    more = " (in parts: each repeats the first column)" if len(groups) > 1 else ""
+    out: list = [Text(title + more, style="italic")]
+    for group in groups:
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+        for k in group:
+            table.add_column(columns[k], justify="left" if k == 0 else "right", no_wrap=True)
+        for row, style in zip(rows, styles or [""] * len(rows), strict=True):
+            table.add_row(*(row[k] for k in group), style=style)
+        out.append(table)
+    return out
 
 
 def md_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -227,8 +307,14 @@ def render_markdown(plan: Plan, simulation: list[dict] | None = None) -> str:
     out += [f"## {MEMORY_TITLE}", ""] + md_table(MEMORY_COLUMNS, memory_rows(plan))
     out += ["", f"## {TIME_TITLE}", ""]
     out += md_table(TIME_COLUMNS, time_rows(plan))
-    out += ["", f"## Recommendation: {rec.strategy} (scenario: {rec.scenario})", ""]
+    out += ["", f"## {recommendation_title(plan)}", ""]
+    lines = config_lines(plan)
+    if lines:
+        out += ["```toml", *lines, "```", ""]
     out += [f"- {reason}" for reason in rec.reasons] + [f"- {cost_line(plan)}", ""]
+    if rec.alternatives:
+        out += ["## Alternatives, best first, and why each loses", ""]
+        out += [f"{k}. {line}" for k, line in enumerate(alternative_lines(plan), 2)] + [""]
     out += ["## The three questions", ""]
     for q, a in plan.questions:
         out += [f"**{q}** {a}", ""]
@@ -237,6 +323,7 @@ def render_markdown(plan: Plan, simulation: list[dict] | None = None) -> str:
         out += md_table(SIMULATION_COLUMNS, simulation_rows(simulation)) + [""]
     if plan.sweep:
         out += ["## Scaling sweep", ""] + md_table(SWEEP_COLUMNS, sweep_rows(plan)) + [""]
+        out += [f"- best at {line}" for line in best_sweep_lines(plan)] + [""]
     if plan.warnings:
         out += ["## Warnings", ""] + [f"- {w}" for w in plan.warnings] + [""]
     return "\n".join(out)

@@ -22,10 +22,18 @@ from trainwise.models import (
     resolve_shape,
     tp_model_problems,
 )
-from trainwise.plan import Decision, Workload, choose_strategy, describe, estimate_memory, fmt_bytes
-from trainwise.plan.estimate import candidate_names, evaluate
+from trainwise.plan import (
+    Decision,
+    Workload,
+    decide_auto,
+    describe,
+    estimate_memory,
+    fmt_bytes,
+    runtime_allowed,
+)
+from trainwise.plan.estimate import Setup, candidate_names, evaluate, price
 from trainwise.plan.flops import flops_per_token, recompute_factor
-from trainwise.plan.inputs import PlanInputs, job_inputs
+from trainwise.plan.inputs import PlanInputs, job_inputs, unknown_device_inputs
 from trainwise.plan.record import strategy_record
 
 
@@ -181,7 +189,7 @@ def prepare_job(
     )
     device_bytes = device_budget(c, device, local)
     view = planner_view(c, workload, world, local, device, device_bytes, accum)
-    cluster = view if strategy == "auto" and nodes > 1 else None
+    cluster = view  # the planner's view: what auto decides with
     decision = decide(
         workload, strategy, world, device_bytes, c, replicate, device.kind, accum, cluster
     )
@@ -190,7 +198,7 @@ def prepare_job(
         world=world,
         device=device,
         backend=backend,
-        dims=layout_of(decision, strategy, world, replicate, nodes, c),
+        dims=layout_of(decision, strategy, world, replicate, c),
         grad_accum=accum,
         decision=decision,
         model_spec=data.spec,
@@ -327,11 +335,11 @@ def device_budget(c: JobConfig, device: DeviceInfo, local: int) -> float:
 
 
 def layout_of(
-    decision: Decision, strategy: str, world: int, replicate: int, nodes: int, c: JobConfig
+    decision: Decision, strategy: str, world: int, replicate: int, c: JobConfig
 ) -> ParallelDims:
     """The decided layout as degrees."""
     if strategy == "auto" and decision.strategy == "hsdp":
-        replicate = nodes  # shard within a machine, replicate across the machines
+        replicate = decision.replicate  # the shard groups the planner chose
     sharded_in_groups = decision.strategy == "fsdp" and replicate > 1  # auto with dp_shard
     return ParallelDims.from_strategy(
         "hsdp" if sharded_in_groups else decision.strategy,
@@ -433,8 +441,11 @@ def job_plan(job: Job) -> dict[str, Any] | None:
         return None
     name = job.dims.plan_name
     hw = inputs.hardware
+    c = job.cfg
+    # The job's own layout and knobs (its shard groups need not be one per machine).
+    setup = Setup(job.dims, c.parallel.ac, c.data.micro_batch, job.grad_accum)
     return {
-        **strategy_record(evaluate(inputs, name)),
+        **strategy_record(price(inputs, setup, name)),
         "efficiency": inputs.efficiency,
         "intra_node_gbps": hw.intra_bps / GB,
         "inter_node_gbps": hw.inter_bps / GB,
@@ -481,18 +492,9 @@ def decide(
     accum: int,
     cluster: PlanInputs | None = None,
 ) -> Decision:
-    if strategy == "auto":
-        return choose_strategy(
-            w,
-            world,
-            device_bytes,
-            c.parallel.headroom,
-            c.parallel.shard,
-            allow_offload=device_kind == "cuda",
-            device=device_kind,
-            grad_accum=accum,
-            cluster=cluster,
-        )
+    if strategy == "auto":  # the planner's chooser; `cluster`: its view of these machines
+        inputs = cluster or unknown_device_inputs(c, w, world, accum, device_bytes, device_kind)
+        return decide_auto(inputs, runtime_allowed(c.parallel.shard, c.parallel.dp_shard))
     offload = c.parallel.cpu_offload
     shard_degree = world // replicate if strategy == "hsdp" else None
     est = estimate_memory(

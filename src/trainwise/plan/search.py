@@ -1,0 +1,265 @@
+"""The planner's decision: search the space (plan.space) for the configuration to run,
+price each candidate with the same models (plan.estimate.price), keep those that fit, and
+rank them. The one chooser: `trainwise plan` prints it and the runtime's `auto` runs it
+(restricted to RUNTIME_TODAY).
+
+Ranking: the objective (cost or time); with a deadline the cheapest that finishes in time;
+with a budget the fastest within it. Within SIMPLER_WITHIN of the best, the simplest wins
+(no tensor parallelism, no offload, the simpler data-parallel layout, less recomputation,
+fewer micro-batches): fewer moving parts to debug for a difference the models cannot
+resolve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainwise.errors import ConfigError
+from trainwise.plan.estimate import (
+    SIMPLER_WITHIN,
+    SIMPLICITY,
+    Setup,
+    StrategyPlan,
+    knob_workload,
+    layout_name,
+    price,
+    setup_memory,
+)
+from trainwise.plan.inputs import PlanInputs
+from trainwise.plan.space import (
+    AC_MODES,
+    EVERYTHING,
+    RUNTIME_TODAY,
+    Allowed,
+    ac_modes,
+    accumulations,
+    layouts,
+    micro_batches,
+    replica_batch,
+)
+from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_usd
+
+__all__ = ["EVERYTHING", "RUNTIME_TODAY", "Allowed", "Choice", "Goal", "recommend"]
+
+
+@dataclass(frozen=True)
+class Goal:
+    """What "best" means: `objective` cost or time; a deadline (hours: the cheapest that
+    finishes in time) or a budget (USD: the fastest within it) when given."""
+
+    objective: str = "cost"
+    deadline_hours: float | None = None
+    budget_usd: float | None = None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The configuration to run, its priced plan, whether it fits, and why it was chosen;
+    `alternatives`: the others that fit and meet the goal, best first."""
+
+    plan: StrategyPlan
+    fits: bool
+    why: str  # the reason, without the configuration
+    alternatives: list[StrategyPlan] = field(default_factory=list)
+
+    @property
+    def reason(self) -> str:
+        """One line: the configuration and why (the runtime's summary says it)."""
+        return f"{describe_setup(self.setup)}: {self.why}"
+
+    @property
+    def setup(self) -> Setup:
+        assert self.plan.setup is not None
+        return self.plan.setup
+
+    @property
+    def dims(self):
+        return self.setup.dims
+
+    @property
+    def ac(self) -> str:
+        return self.setup.ac
+
+    @property
+    def micro_batch(self) -> int:
+        return self.setup.micro_batch
+
+    @property
+    def grad_accum(self) -> int:
+        return self.setup.grad_accum
+
+    @property
+    def accumulate(self) -> str:
+        return self.setup.accumulate
+
+    def config_keys(self) -> dict[str, object]:
+        return setup_keys(self.setup)
+
+
+def setup_keys(setup: Setup) -> dict[str, object]:
+    """The job-file keys that run `setup` (dotted, as `--set` and the TOML write them)."""
+    dims = setup.dims
+    keys = dict(dims.config_keys())
+    if dims.tp > 1:
+        keys["parallel.tp"] = dims.tp
+    keys["parallel.ac"] = setup.ac
+    if dims.fsdp and setup.grad_accum > 1:
+        keys["parallel.accumulate"] = setup.accumulate
+    keys["data.micro_batch"] = setup.micro_batch
+    keys["data.grad_accum"] = setup.grad_accum
+    return keys
+
+
+def describe_setup(setup: Setup) -> str:
+    """`dp_replicate 8 x dp_shard 16 x tp 8 (fsdp-full), ac full, micro-batch 1 x 8`."""
+    dims = setup.dims
+    extras = [f"ac {setup.ac}", f"micro-batch {setup.micro_batch} x {setup.grad_accum}"]
+    if dims.fsdp and setup.grad_accum > 1:
+        extras.append(f"{setup.accumulate} accumulation")
+    return f"{dims.describe()} ({layout_name(dims)}), " + ", ".join(extras)
+
+
+def simplicity(s: StrategyPlan) -> tuple:
+    """Sort key: simplest first (see the module's docstring)."""
+    setup = s.setup
+    assert setup is not None
+    dims = setup.dims
+    return (
+        dims.tp,
+        dims.cpu_offload,
+        SIMPLICITY.index(dims.plan_name),
+        AC_MODES.index(setup.ac),
+        setup.accumulate == "sharded",
+        setup.grad_accum,
+        -dims.dp_shard,
+    )
+
+
+def best_of_layout(inputs: PlanInputs, dims, allowed: Allowed) -> tuple[list, StrategyPlan]:
+    """The candidates worth pricing for one layout: for each checkpointing and accumulation
+    mode, the largest micro-batch that fits (larger is never slower, plan.space); and the
+    least-memory setting, for when nothing fits anywhere. Returns (fitting plans, smallest)."""
+    batch = replica_batch(inputs, dims)
+    w, hw = inputs.workload, inputs.hardware
+    budget = hw.memory_bytes * (1.0 - inputs.headroom)
+    fitting: list[StrategyPlan] = []
+    smallest: tuple[float, Setup] | None = None
+    micros = micro_batches(inputs, batch, allowed)
+    for ac in ac_modes(inputs, allowed):
+        for accumulate in ("unsharded", "sharded"):
+            for micro in reversed(micros):  # largest first: the first that fits wins
+                accum = -(-batch // micro)
+                if accumulate not in accumulations(dims, accum, allowed):
+                    continue
+                setup = Setup(dims, ac, micro, accum, accumulate)
+                mem = setup_memory(knob_workload(w, micro, ac), setup, hw.device)
+                if smallest is None or mem.total < smallest[0]:
+                    smallest = (mem.total, setup)
+                if mem.total <= budget:
+                    plan = price(inputs, setup, memory=mem)
+                    if plan.fits:  # the host's memory too
+                        fitting.append(plan)
+                    break
+    assert smallest is not None
+    return fitting, price(inputs, smallest[1])
+
+
+def search(inputs: PlanInputs, allowed: Allowed = EVERYTHING) -> tuple[list, list]:
+    """(every fitting candidate, the least-memory candidate of each layout)."""
+    fitting: list[StrategyPlan] = []
+    smallest: list[StrategyPlan] = []
+    for dims in layouts(inputs, allowed):
+        fits, small = best_of_layout(inputs, dims, allowed)
+        fitting += fits
+        smallest.append(small)
+    return fitting, smallest
+
+
+def score(s: StrategyPlan, goal: Goal) -> float:
+    if goal.budget_usd is not None or goal.objective == "time":
+        return s.cost.wall_hours
+    return s.cost.total_usd
+
+
+def rank(fitting: list[StrategyPlan], goal: Goal) -> list[StrategyPlan]:
+    """Those that meet the goal's limit, best first; the simplest within SIMPLER_WITHIN of
+    the best leads. ConfigError (one line, by how much) when a limit is met by none."""
+    pool = fitting
+    if goal.deadline_hours is not None:
+        pool = [s for s in fitting if s.cost.wall_hours <= goal.deadline_hours]
+        if fitting and not pool:
+            fastest = min(fitting, key=lambda s: s.cost.wall_hours)
+            raise ConfigError(
+                f"--deadline {fmt_hours(goal.deadline_hours)}: nothing that fits finishes in "
+                f"time; the fastest takes {fmt_hours(fastest.hours_to_train)} "
+                f"({fmt_hours(fastest.hours_to_train - goal.deadline_hours)} over): give "
+                "more time or more GPUs (--gpus)"
+            )
+    if goal.budget_usd is not None:
+        pool = [s for s in pool if s.cost.total_usd <= goal.budget_usd]
+        if fitting and not pool:
+            cheapest = min(fitting, key=lambda s: s.cost.total_usd)
+            raise ConfigError(
+                f"--budget {fmt_usd(goal.budget_usd)}: nothing that fits costs that little; "
+                f"the cheapest costs {fmt_usd(cheapest.cost.total_usd)} "
+                f"({fmt_usd(cheapest.cost.total_usd - goal.budget_usd)} over): raise it"
+            )
+    ordered = sorted(pool, key=lambda s: (score(s, goal), simplicity(s)))
+    if not ordered:
+        return []
+    best = score(ordered[0], goal)
+    close = [s for s in ordered if score(s, goal) <= best * (1 + SIMPLER_WITHIN)]
+    lead = min(close, key=simplicity)
+    return [lead] + [s for s in ordered if s is not lead]
+
+
+def limit_counts(gpus: int) -> list[int]:
+    """The GPU counts a deadline or a budget weighs: the count given and its halvings. At
+    one count, time and cost rise together; fewer GPUs are cheaper (less communication)
+    and slower, which is the trade-off a limit settles."""
+    counts = [gpus]
+    while counts[-1] % 2 == 0:
+        counts.append(counts[-1] // 2)
+    return counts
+
+
+def recommend(
+    inputs: PlanInputs, allowed: Allowed = EVERYTHING, goal: Goal | None = None
+) -> Choice:
+    """The configuration to run `inputs` with: the best that fits by `goal` (default: the
+    inputs' objective); when nothing fits, the one that needs the least device memory.
+    With a deadline or a budget, on inputs.gpus or fewer (limit_counts)."""
+    goal = goal or Goal(inputs.objective)
+    fitting, smallest = search(inputs, allowed)
+    if goal.deadline_hours is not None or goal.budget_usd is not None:
+        for n in limit_counts(inputs.gpus)[1:]:
+            fitting += search(inputs.with_gpus(n), allowed)[0]
+    ordered = rank(fitting, goal)
+    if not ordered:
+        least = min(smallest, key=lambda s: (s.memory.total, simplicity(s)))
+        return Choice(least, False, _reason_unfit(least))
+    best = ordered[0]
+    return Choice(best, True, _reason(best, ordered, goal), ordered[1:])
+
+
+def _reason(best: StrategyPlan, ordered: list[StrategyPlan], goal: Goal) -> str:
+    what = "the fastest" if goal.objective == "time" else "the cheapest"
+    if goal.deadline_hours is not None:
+        what = f"the cheapest that finishes within {fmt_hours(goal.deadline_hours)}"
+    elif goal.budget_usd is not None:
+        what = f"the fastest within {fmt_usd(goal.budget_usd)}"
+    top = min(ordered, key=lambda s: score(s, goal))
+    simpler = "" if top is best else ", the simplest within 1 % of the best"
+    return (
+        f"{what} of {len(ordered)} that fit{simpler} "
+        f"({fmt_bytes(best.memory.total)} per GPU, {best.step.exposed_comm / best.step.total:.0%} "
+        f"of a step waiting on communication, {fmt_hours(best.hours_to_train)}, "
+        f"{fmt_usd(best.cost.total_usd)})"
+    )
+
+
+def _reason_unfit(least: StrategyPlan) -> str:
+    return (
+        f"nothing fits; this needs the least, {fmt_bytes(least.memory.total)} per GPU against "
+        f"{fmt_bytes(least.budget_bytes)} usable"
+    )

@@ -1,0 +1,123 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al., 2019): what `tp` ranks that split every
+block's matmuls hold, send and compute. The one place for the TP formulas.
+
+Memory. The attention and MLP projections are split column- then row-wise over the `tp`
+ranks, the embedding and the head over the vocabulary (torchtitan's Llama plan); only the
+norms stay replicated. So parameters, gradients and optimizer state are divided by `tp`
+except the norms'.
+
+Activations (Korthikanti et al., 2022, "Reducing Activation Recomputation in Large
+Transformer Models", Table 2): per layer s·b·h·(10 + 24/t) with tensor parallelism alone
+(the norms' inputs and outputs and the dropouts stay replicated) and s·b·h·34/t with
+sequence parallelism, which splits the norm regions over the sequence. Adapted to
+trainwise's block (memory.activation_bytes_per_token, SDPA instead of unfused attention):
+with sequence parallelism every saved tensor is divided by `t`; without it the norms'
+share is kept whole. The loss is vocabulary-parallel (torchtitan's loss_parallel), so the
+head's saved logits are divided by `t` either way.
+
+Communication (ibid., section 4.2.2): each block runs two all-reduces forward (after the
+attention and after the MLP) and two backward, each of s·b·h activations; with sequence
+parallelism each becomes an all-gather plus a reduce-scatter of the same volume. A
+recomputed (checkpointed) block runs its forward's two again. They run on the link between
+the `tp` ranks, which sit inside one node. Assumption: forward's wait (each feeds the next
+matmul); backward's overlap the weight-gradient GEMMs, as Megatron-LM's tensor-parallel
+linear layers do (the input gradient's all-reduce, or reduce-scatter with sequence
+parallelism, runs asynchronously while the weight gradient is computed), and wait only for
+what exceeds them. A runtime without that overlap (plain DTensor) waits for all of it: then
+a step has the backward share more exposed.
+
+Compute. Each rank runs 1/t of every matmul; narrower GEMMs run less efficiently, which is
+an assumption (TP_EFFICIENCY_PER_DOUBLING below), not a measurement.
+"""
+
+from __future__ import annotations
+
+import math
+
+from trainwise.models.shapes import GPTShape
+from trainwise.plan.comm import Collective, allreduce_factor
+from trainwise.plan.precision import BYTES
+
+# Assumption: each doubling of tp keeps this share of the compute efficiency (the GEMMs
+# are 1/t as wide; Megatron-LM reports 77 % weak-scaling efficiency at t = 8 for whole
+# steps, communication included, so 0.97 per doubling for the GEMMs alone is mild).
+TP_EFFICIENCY_PER_DOUBLING = 0.97
+TP_FORWARD = "tp forward all-reduce (or all-gather + reduce-scatter)"
+TP_BACKWARD = "tp backward all-reduce (or all-gather + reduce-scatter)"
+
+
+def norm_size(shape: GPTShape) -> int:
+    """Parameters of one norm (GPTShape.num_params counts them the same way)."""
+    return shape.d_model * (2 if shape.norm == "layernorm" and shape.bias else 1)
+
+
+def norm_params(shape: GPTShape) -> int:
+    """The parameters TP replicates: every block's two norms and the final one."""
+    return norm_size(shape) * (2 * shape.n_layer + 1)
+
+
+def params_per_rank(params: float, shape: GPTShape | None, tp: int) -> float:
+    """Parameters one TP rank holds: the norms whole, the rest divided by `tp`."""
+    if tp == 1:
+        return float(params)
+    replicated = norm_params(shape) if shape is not None else 0
+    return replicated + (params - replicated) / tp
+
+
+def activation_split(per: dict, tp: int, sequence_parallel: bool) -> dict:
+    """memory.activation_bytes_per_token's figures on one of `tp` ranks (see above)."""
+    if tp == 1:
+        return per
+    if sequence_parallel:
+        return {key: value / tp for key, value in per.items()}
+    norms = per["norms"]  # the norm regions, which TP alone leaves whole
+    return {
+        "layer": norms + (per["layer"] - norms) / tp,
+        "block_input": per["block_input"],
+        "head": per["head_norm"] + (per["head"] - per["head_norm"]) / tp,
+        "working_set": per["residual"] + (per["working_set"] - per["residual"]) / tp,
+        "norms": norms,
+        "head_norm": per["head_norm"],
+        "residual": per["residual"],
+    }
+
+
+def gemm_efficiency(tp: int) -> float:
+    """The share of the compute efficiency narrower GEMMs keep (an assumption, above)."""
+    return TP_EFFICIENCY_PER_DOUBLING ** math.log2(tp) if tp > 1 else 1.0
+
+
+def tp_collectives(
+    shape: GPTShape | None,
+    seq_len: int,
+    micro_batch: int,
+    precision: str,
+    tp: int,
+    recomputed_blocks: int,
+    grad_accum: int,
+    link_bps: float,
+) -> list[Collective]:
+    """The TP traffic of one step through one rank's link, forward and backward: per
+    micro-batch and block, two collectives forward (two more for a recomputed block) and two
+    backward, each of s·b·h elements in the compute dtype moving 2(t-1)/t of it (an
+    all-reduce, or an all-gather and a reduce-scatter)."""
+    if tp == 1 or shape is None:
+        return []
+    one = grad_accum * allreduce_factor(tp) * seq_len * micro_batch * shape.d_model
+    one *= BYTES[precision]
+    forward = (2 * shape.n_layer + 2 * recomputed_blocks) * one
+    backward = 2 * shape.n_layer * one
+    return [
+        Collective(TP_FORWARD, forward, link_bps, per_micro_batch=True),
+        Collective(TP_BACKWARD, backward, link_bps, per_micro_batch=True),
+    ]
+
+
+def tp_exposed_seconds(collectives: list[Collective], compute_s: float, recompute: float) -> float:
+    """What the step waits for of the TP collectives: all of forward's; of backward's, what
+    the weight-gradient GEMMs (2N of the 6N FLOPs per token, so a third of the compute
+    without recomputation) cannot hide (see the module's docstring)."""
+    forward = sum(c.seconds for c in collectives if c.name == TP_FORWARD)
+    backward = sum(c.seconds for c in collectives if c.name == TP_BACKWARD)
+    weight_grads = compute_s / recompute / 3
+    return forward + max(0.0, backward - weight_grads)

@@ -1,0 +1,93 @@
+"""`trainwise plan` finds the configuration: the issue's llama-70b on 1024 GPUs as a user
+types it, the job file it writes (read back by `trainwise train`, and a small one run),
+tables that a pipe does not cut, and the goal's flags (one line, exit 2, when wrong)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import QUIET, read_records, run_cli
+from trainwise.cli.main import main
+from trainwise.plan.units import fmt_usd
+
+pytestmark = pytest.mark.e2e
+
+LLAMA_70B = ["--model", "llama-70b", "--gpus", "1024", "--gpus-per-node", "8"]
+
+
+def plan(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_llama_70b_on_1024_gpus_fits_and_its_job_file_is_accepted(capsys, tmp_path: Path):
+    job = tmp_path / "job.toml"
+    code, out, _ = plan(capsys, *LLAMA_70B, "--emit", str(job), "--json")
+    assert code == 0
+    rec = json.loads(out)["recommendation"]
+    assert rec["fits"] and rec["plan"]["fits"]
+    step = rec["plan"]["step"]
+    assert step["exposed_comm"] < 0.10 * step["total"]
+    assert 1 < rec["config"]["parallel.tp"] <= 8 and rec["layout"]["fsdp"]
+    res = run_cli("train", "--config", str(job), "--print-config", cwd=tmp_path, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"tp = {rec['config']['parallel.tp']}" in res.stdout
+    assert f"micro_batch = {rec['config']['data.micro_batch']}" in res.stdout
+
+
+def test_a_pipe_gets_every_figure_whole(tmp_path: Path):
+    # A pipe is 80 columns: the tables stack their columns instead of cutting figures.
+    res = run_cli("plan", *LLAMA_70B, cwd=tmp_path, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "…" not in res.stdout
+    record = json.loads(run_cli("plan", *LLAMA_70B, "--json", cwd=tmp_path).stdout)
+    for s in record["strategies"]:
+        assert fmt_usd(s["cost"]["total_usd"]) in res.stdout
+    assert "[parallel]" in res.stdout and "Alternatives" in res.stdout
+    assert "$-" not in res.stdout  # no negative "more"
+
+
+def test_the_emitted_job_trains(tmp_path: Path):
+    """The small job the planner chooses for 2 CPU workers runs unchanged."""
+    job = tmp_path / "job.toml"
+    res = run_cli(
+        "plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "2", "--gpus-per-node", "2",
+        "--seq", "64", "--global-batch", "8", "--set", "train.steps=3",
+        "--set", "data.dataset=synthetic", "--emit", str(job), "--json",
+        cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    rec = json.loads(res.stdout)["recommendation"]
+    res = run_cli("train", "--config", str(job), "--run-dir", "run", *QUIET, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ran = json.loads((tmp_path / "run" / "job.json").read_text())
+    assert ran["world"] == 2
+    assert ran["strategy"] == rec["config"]["parallel.strategy"]
+    assert ran["layout"] == rec["configuration"].split(" (")[0]
+    assert [r["step"] for r in read_records(tmp_path / "run")] == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--deadline", "soon"], ["--deadline 'soon'", "30d"]),
+        (["--deadline=-3d"], ["--deadline '-3d'", "> 0"]),
+        (["--budget", "lots"], ["--budget 'lots'", "2e6"]),
+        (["--budget", "1", "--deadline", "3d"], ["--deadline and --budget", "one"]),
+        (["--budget", "100"], ["--budget $100", "the cheapest costs", "over"]),
+        (["--deadline", "1h"], ["--deadline 1.0 h", "the fastest takes", "over"]),
+        (["--emit", "/nonexistent-dir/job.toml"], ["--emit", "cannot write"]),
+    ],
+)
+def test_bad_goal_or_emit_is_one_line_and_exit_2(capsys, args, words):
+    code, out, err = plan(capsys, *args)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    for word in words:
+        assert word in lines[0]
+    assert out == ""

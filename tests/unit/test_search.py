@@ -1,0 +1,317 @@
+"""The planner's search (plan.space, plan.search, plan.tensor_parallel, plan.emit): the
+tensor-parallel formulas by hand, the layout the issue names for llama-70b on 1024 GPUs,
+the goal's limits, the job file it writes, and properties against a brute force."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainwise.config import load_config
+from trainwise.config.parallel_dims import ParallelDims
+from trainwise.errors import ConfigError
+from trainwise.models.shapes import GPTShape
+from trainwise.plan.comm import Layout, layout_collectives
+from trainwise.plan.emit import job_config, job_toml
+from trainwise.plan.estimate import Setup, evaluate, price
+from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
+from trainwise.plan.memory import (
+    Workload,
+    activation_bytes_per_token,
+    block_params,
+    estimate_memory,
+)
+from trainwise.plan.planner import make_plan
+from trainwise.plan.search import (
+    EVERYTHING,
+    RUNTIME_TODAY,
+    Goal,
+    limit_counts,
+    rank,
+    recommend,
+    score,
+    search,
+)
+from trainwise.plan.space import (
+    ac_modes,
+    accumulations,
+    layouts,
+    micro_batches,
+    replica_batch,
+    tp_degrees,
+)
+from trainwise.plan.tensor_parallel import (
+    TP_BACKWARD,
+    TP_FORWARD,
+    activation_split,
+    gemm_efficiency,
+    params_per_rank,
+    tp_collectives,
+    tp_exposed_seconds,
+)
+
+GB = 1e9
+
+# The hand-sized GPT of test_plan: L=2, d=8, 2 heads of 4, d_ff=32, V=16, layernorm with
+# bias (16 parameters a norm), 1920 parameters.
+SHAPE = GPTShape(
+    n_layer=2, d_model=8, n_head=2, n_kv_head=2, d_ff=32, vocab_size=16, max_seq_len=4,
+    norm="layernorm", mlp="gelu", pos="learned", tie_embeddings=True, bias=True,
+)  # fmt: skip
+
+
+def plan_inputs(**flags):
+    return resolve_inputs(load_config(None, flags, base=PLAN_DEFAULTS))
+
+
+# --- the tensor-parallel formulas, by hand ---------------------------------------------------
+
+
+def test_tp_splits_every_parameter_but_the_norms():
+    # Norms: 16 each, two a block and the final one: 16 x 5 = 80 replicated; the other
+    # 1840 split over 2: 920 + 80 = 1000.
+    assert params_per_rank(1920, SHAPE, 2) == 1000
+    assert params_per_rank(1920, SHAPE, 1) == 1920
+    # One block: 872 with its two norms (32) -> 32 + 840 / 2 = 452; the root (embeddings
+    # 128, positions 32, final norm 16 = 176) -> 16 + 160 / 2 = 96 = 1000 - 2 x 452.
+    w = Workload(params=1920, shape=SHAPE, seq_len=4, micro_batch=2)
+    assert block_params(w) == (872, 176)
+    assert block_params(w, 2) == (452, 96)
+
+
+def test_tp_model_states_match_zero_at_the_same_degree():
+    # A 7.5B bare count (no norms known): tp 4 x ZeRO-3 over 16 holds 1/64 of the 16
+    # bytes a parameter, as ZeRO-3 over 64 does (ZeRO, Figure 1: 1.875 GB).
+    w = Workload(params=7_500_000_000, shape=None, seq_len=1, micro_batch=1, precision="bf16")
+    est = estimate_memory(w, "fsdp", 16, shard_degree=16, tp=4)
+    assert est.model_states == pytest.approx(1.875 * GB)
+    assert estimate_memory(w, "ddp", 1, tp=4).model_states == pytest.approx(30 * GB)
+
+
+def test_tp_activations_with_and_without_sequence_parallelism():
+    # Per token (test_plan): layer 552, block input 32, head 256, working set 288; norms
+    # 128, the head's norm 64, the residual 32.
+    per = activation_bytes_per_token(SHAPE, "fp32", autocast=False)
+    sp = activation_split(per, 2, sequence_parallel=True)  # Korthikanti Table 2: 34/t
+    assert (sp["layer"], sp["block_input"], sp["head"], sp["working_set"]) == (276, 16, 128, 144)
+    tp = activation_split(per, 2, sequence_parallel=False)  # norms whole: 10 + 24/t
+    # layer 128 + 424 / 2 = 340; head 64 + 192 / 2 = 160; working 32 + 256 / 2 = 160.
+    assert (tp["layer"], tp["block_input"], tp["head"], tp["working_set"]) == (340, 32, 160, 160)
+
+
+def test_tp_collectives_by_hand():
+    # s=4, b=2, h=8 fp32: 256 bytes a collective, x 2(t-1)/t = 1 at t=2, x 3 micro-batches
+    # = 768; forward 2 a block (4), backward 2 a block (4); full recomputation: 4 more.
+    fwd, bwd = tp_collectives(SHAPE, 4, 2, "fp32", 2, 0, 3, 100.0)
+    assert (fwd.name, fwd.wire_bytes, bwd.name, bwd.wire_bytes) == (
+        TP_FORWARD, 3072, TP_BACKWARD, 3072,
+    )  # fmt: skip
+    fwd, _ = tp_collectives(SHAPE, 4, 2, "fp32", 2, 2, 3, 100.0)
+    assert fwd.wire_bytes == 6144
+    assert tp_collectives(SHAPE, 4, 2, "fp32", 1, 0, 3, 100.0) == []
+
+
+def test_tp_exposed_by_hand():
+    # 30.72 s each way; 60 s of compute (no recomputation) hides 20 s of backward's
+    # (the weight gradients, a third): 30.72 + 10.72; 120 s hides all of it.
+    pair = tp_collectives(SHAPE, 4, 2, "fp32", 2, 0, 3, 100.0)
+    assert tp_exposed_seconds(pair, 60.0, 1.0) == pytest.approx(41.44)
+    assert tp_exposed_seconds(pair, 120.0, 1.0) == pytest.approx(30.72)
+    assert gemm_efficiency(8) == pytest.approx(0.97**3)
+
+
+def test_hybrid_collectives_by_hand():
+    # 16 GPUs, 8 a node: dp_replicate 2 x dp_shard 4 x tp 2. A shard group spans 4 x 2 = 8
+    # ranks (one node: intra); the replicas span 16 (inter). 1000 parameters a rank, bf16
+    # gathers (2000 bytes), fp32 reductions (4000): gathers 2 x 3/4 x 2000 = 3000,
+    # reduce-scatter 3/4 x 4000 = 3000, across 2(2-1)/2 x 4000 / 4 = 1000.
+    dims = ParallelDims(2, 4, 2, fsdp=True)
+    layout = Layout(16, 8, intra_bps=100.0, inter_bps=10.0)
+    out = layout_collectives(dims, 1000, layout, "bf16", "fp32", 1)
+    assert [(c.wire_bytes, c.bytes_per_s) for c in out] == [
+        (3000, 100.0), (3000, 100.0), (1000, 10.0),
+    ]  # fmt: skip
+    # Sharded accumulation over 3 micro-batches: every reduction on each of them.
+    out = layout_collectives(dims, 1000, layout, "bf16", "fp32", 3, "sharded")
+    assert [c.wire_bytes for c in out] == [9000, 9000, 3000]
+    assert all(c.per_micro_batch for c in out)
+
+
+# --- the space -------------------------------------------------------------------------------
+
+
+def test_tp_divides_heads_and_a_node():
+    inputs = plan_inputs(**{"model.name": "llama-70b", "plan.gpus": 64})  # 64 heads, 8 kv
+    assert tp_degrees(inputs, EVERYTHING) == [1, 2, 4, 8]
+    assert tp_degrees(inputs, RUNTIME_TODAY) == [1]
+    assert tp_degrees(inputs.with_gpus(12), EVERYTHING) == [1, 2, 4]
+
+
+def test_layouts_cover_every_shard_group():
+    inputs = plan_inputs(**{"plan.gpus": 8})
+    shards = {(d.dp_shard, d.tp) for d in layouts(inputs, EVERYTHING) if d.fsdp}
+    assert shards >= {(1, 8), (2, 4), (4, 2), (8, 1), (2, 1), (4, 1)}
+    assert all(d.world == 8 for d in layouts(inputs, EVERYTHING))
+    assert all(d.tp == 1 for d in layouts(inputs, RUNTIME_TODAY))
+
+
+# --- the check the issue names: llama-70b on 1024 GPUs ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama70b():
+    inputs = plan_inputs(**{"model.name": "llama-70b", "plan.gpus": 1024, "cluster.nproc": 8})
+    return inputs, make_plan(inputs)
+
+
+def test_llama_70b_on_1024_gpus_is_tp_in_a_node_and_fsdp_across(llama70b):
+    inputs, plan = llama70b
+    choice = plan.recommendation.choice
+    dims = choice.dims
+    assert choice.fits and plan.best.fits
+    assert 1 < dims.tp <= 8 and dims.fsdp  # TP inside a node, FSDP shards across nodes
+    assert dims.dp_shard * dims.tp > inputs.gpus_per_node
+    step = plan.best.step
+    assert step.exposed_comm < 0.10 * step.total  # the issue's check
+    # Today's answer with --ac full was fsdp-full at MFU 16 % for $3.16M.
+    full = evaluate(replace(inputs, workload=replace(inputs.workload, ac="full")), "fsdp-full")
+    assert full.mfu == pytest.approx(0.16, abs=0.01)
+    assert full.cost.total_usd == pytest.approx(3.16e6, rel=0.01)
+    assert plan.best.mfu > 2 * full.mfu and plan.best.cost.total_usd < 0.55 * full.cost.total_usd
+
+
+def test_the_job_file_holds_the_recommendation(llama70b):
+    inputs, plan = llama70b
+    choice = plan.recommendation.choice
+    cfg = load_config(None, {"model.name": "llama-70b", "plan.gpus": 1024}, base=PLAN_DEFAULTS)
+    emitted = job_config(cfg, choice, inputs)
+    c = emitted.parallel
+    assert (c.tp, c.ac, c.accumulate) == (choice.dims.tp, choice.ac, choice.accumulate)
+    assert (emitted.data.micro_batch, emitted.data.grad_accum) == (
+        choice.micro_batch, choice.grad_accum,
+    )  # fmt: skip
+    assert emitted.cluster.nproc * emitted.cluster.nodes == 1024
+    dp = 1024 // c.tp
+    assert emitted.data.micro_batch * emitted.data.grad_accum * dp == emitted.data.global_batch
+    text = job_toml(cfg, choice, inputs)
+    for key, value in choice.config_keys().items():
+        assert f"{key.split('.')[1]} = " in text, key
+        section, name = key.split(".")
+        assert getattr(getattr(emitted, section), name) == value
+
+
+# --- goals -----------------------------------------------------------------------------------
+
+
+def test_deadline_picks_the_cheapest_in_time_and_budget_the_fastest_within():
+    # At one GPU count time and cost rise together; a limit weighs 64 GPUs and fewer
+    # (32, 16, ...), which are cheaper and slower.
+    inputs = plan_inputs(**{"plan.gpus": 64, "cluster.inter_node_gbps": 5})
+    fitting = [s for n in limit_counts(64) for s in search(inputs.with_gpus(n))[0]]
+    cheapest = min(fitting, key=lambda s: s.cost.total_usd)
+    fastest = min(fitting, key=lambda s: s.hours_to_train)
+    assert fastest.hours_to_train < cheapest.hours_to_train  # a real trade-off
+    assert fastest.cost.total_usd > cheapest.cost.total_usd
+    deadline = (fastest.hours_to_train + cheapest.hours_to_train) / 2
+    chosen = recommend(inputs, goal=Goal(deadline_hours=deadline)).plan
+    in_time = [s for s in fitting if s.hours_to_train <= deadline]
+    assert chosen.hours_to_train <= deadline
+    assert chosen.cost.total_usd <= min(s.cost.total_usd for s in in_time) * 1.01
+    assert chosen.cost.total_usd < fastest.cost.total_usd
+    budget = (cheapest.cost.total_usd + fastest.cost.total_usd) / 2
+    chosen = recommend(inputs, goal=Goal(budget_usd=budget)).plan
+    within = [s for s in fitting if s.cost.total_usd <= budget]
+    assert chosen.cost.total_usd <= budget
+    assert chosen.hours_to_train <= min(s.hours_to_train for s in within) * 1.01
+    assert chosen.hours_to_train < cheapest.hours_to_train
+
+
+def test_a_limit_nothing_meets_says_by_how_much():
+    fitting, _ = search(plan_inputs(**{"plan.gpus": 8}))
+    fastest = min(s.hours_to_train for s in fitting)
+    with pytest.raises(ConfigError, match="over"):
+        rank(fitting, Goal(deadline_hours=fastest / 2))
+    with pytest.raises(ConfigError, match=r"--budget \$1\.00: .* over"):
+        rank(fitting, Goal(budget_usd=1.0))
+
+
+# --- properties against a brute force --------------------------------------------------------
+
+small = st.fixed_dictionaries(
+    {
+        "model.name": st.sampled_from(["tiny", "small", "gpt2-124m"]),
+        "data.seq_len": st.sampled_from([128, 512, 1024]),
+        "data.global_batch": st.sampled_from([4, 8, 12, 32]),
+        "plan.gpus": st.sampled_from([1, 2, 4, 8]),
+        "cluster.nproc": st.sampled_from([2, 4]),
+        "cluster.device_memory_gb": st.sampled_from([0.5, 1.5, 3.0, 8.0]),
+        "cluster.inter_node_gbps": st.floats(0.5, 100),
+        "precision.dtype": st.sampled_from(["fp32", "bf16"]),
+        "plan.objective": st.sampled_from(["cost", "time"]),
+    }
+)
+
+
+def brute_force(inputs, allowed) -> list:
+    """Every option of the space priced, no pruning: those that fit."""
+    out = []
+    for dims in layouts(inputs, allowed):
+        batch = replica_batch(inputs, dims)
+        for ac, micro in itertools.product(
+            ac_modes(inputs, allowed), micro_batches(inputs, batch, allowed)
+        ):
+            accum = -(-batch // micro)
+            for accumulate in accumulations(dims, accum, allowed):
+                s = price(inputs, Setup(dims, ac, micro, accum, accumulate))
+                if s.fits:
+                    out.append(s)
+    return out
+
+
+def best_score(plans, goal) -> float | None:
+    return min((score(s, goal) for s in plans), default=None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(small, st.sampled_from([EVERYTHING, RUNTIME_TODAY]))
+def test_the_search_equals_a_brute_force_and_fits_when_anything_fits(job, allowed):
+    inputs = plan_inputs(**job)
+    goal = Goal(inputs.objective)
+    everything = brute_force(inputs, allowed)
+    fitting, _ = search(inputs, allowed)
+    assert best_score(fitting, goal) == pytest.approx(best_score(everything, goal))
+    choice = recommend(inputs, allowed)
+    assert choice.fits == bool(everything)
+    if everything:  # within the simplicity margin of the best
+        assert score(choice.plan, goal) <= best_score(everything, goal) * 1.01 + 1e-12
+
+
+@settings(max_examples=40, deadline=None)
+@given(small)
+def test_more_options_never_worsen_the_best(job):
+    inputs = plan_inputs(**job)
+    goal = Goal(inputs.objective)
+    fewer = best_score(search(inputs, RUNTIME_TODAY)[0], goal)
+    more = best_score(search(inputs, EVERYTHING)[0], goal)
+    if fewer is not None:
+        assert more is not None and more <= fewer * (1 + 1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(small, st.floats(1.01, 100.0))
+def test_more_bandwidth_never_slows_the_best_plan(job, factor):
+    inputs = replace(plan_inputs(**job), objective="time")
+    hw = inputs.hardware
+    faster = replace(
+        inputs,
+        hardware=replace(hw, intra_bps=hw.intra_bps * factor, inter_bps=hw.inter_bps * factor),
+    )
+    goal = Goal("time")
+    slow = best_score(search(inputs)[0], goal)
+    fast = best_score(search(faster)[0], goal)
+    if slow is not None:
+        assert fast <= slow * (1 + 1e-12)
