@@ -18,7 +18,7 @@ from trainwise.config.parallel_dims import ParallelDims
 from trainwise.errors import ConfigError
 from trainwise.hardware import GB, DeviceInfo
 from trainwise.models import ModelSpec, build_model
-from trainwise.run.job import prepare_job
+from trainwise.run.job import prepare_job, start_lines
 from trainwise.run.loop import Stepper
 from trainwise.run.materialize import materialize, parameter_seed, plain_name
 from trainwise.run.parallelize import apply_ac, build_mesh, dp_mesh
@@ -98,7 +98,9 @@ def test_tp_across_machines_needs_permission():
     c = cfg("parallel.strategy=fsdp", "parallel.tp=4")
     assert any("exceeds the 2 workers of one machine" in p for p in problems_of(c, 4, local=2))
     allowed = cfg("parallel.strategy=fsdp", "parallel.tp=4", "parallel.allow_tp_across_nodes=true")
-    assert prepare_job(allowed, 4, CPU, 2).dims.tp == 4
+    job = prepare_job(allowed, 4, CPU, 2)
+    assert job.dims.tp == 4
+    assert any("parallel.tp = 4 spans machines" in line for line in start_lines(job, 2, 8))
 
 
 def test_a_model_without_a_plan_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

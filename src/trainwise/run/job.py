@@ -133,7 +133,8 @@ def resolve_nproc(cfg: JobConfig, device: DeviceInfo) -> int:
 
 def start_lines(job: Job, nproc: int, cores: int) -> list[str]:
     """What the launcher says before the workers start: where the global batch comes from
-    (it grows with --nproc), and a warning when CPU workers outnumber the cores."""
+    (it grows with --nproc), and warnings when CPU workers outnumber the cores or tensor
+    parallelism spans machines."""
     c, nodes = job.cfg, job.world // nproc
     machines = f" x {nodes} machines" if nodes > 1 else ""
     lines = [
@@ -141,6 +142,12 @@ def start_lines(job: Job, nproc: int, cores: int) -> list[str]:
         f"{c.data.micro_batch} x data.grad_accum {job.grad_accum} x data-parallel size "
         f"{job.dp_size} (--nproc {nproc}{machines}); another --nproc changes it"
     ]
+    if job.dims.tp > nproc:  # allowed by parallel.allow_tp_across_nodes
+        lines.append(
+            f"trainwise: warning: parallel.tp = {job.dims.tp} spans machines ({nproc} workers "
+            "each): every layer waits on the network between them, typically several times "
+            "slower than inside a machine; keep tp <= the workers of one machine if you can"
+        )
     if job.device.kind == "cpu" and nproc > cores:
         lines.append(
             f"trainwise: warning: {nproc} CPU workers (--nproc {nproc}) on {cores} cores take "
