@@ -33,13 +33,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from trainwise.models.gpt import GPT
+from trainwise.models.shapes import GPTShape
 
 INIT_STD = 0.02  # GPT-2's
 
 
-def tp_problems(model_shape: object, tp: int, seq_len: int, sequence_parallel: bool) -> list[str]:
+def tp_problems(s: GPTShape, tp: int, seq_len: int, sequence_parallel: bool) -> list[str]:
     """What keeps a GPT shape from splitting `tp` ways, one line each (empty: it splits)."""
-    s = model_shape
     sizes = {
         "model heads (n_head)": s.n_head,
         "key/value heads (n_kv_head)": s.n_kv_head,
