@@ -3,7 +3,8 @@ materialised (`to_empty`) and initialised shard by shard.
 
 Every parameter is drawn from its own generator, seeded by (train.seed, its name): the
 full values of one parameter at a time are generated and each rank keeps only its shard
-(`distribute_tensor` without communication: every rank computed the same full tensor).
+(a view of the block the rank holds: every rank computed the same full tensor, nothing is
+sent).
 One process uses the same per-parameter draws, so every layout starts from the same
 model and trains the same losses. A rank holds at most its shards plus one full
 parameter (the largest: the embedding).
@@ -16,7 +17,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 # Wrappers' name parts (activation checkpointing, torch.compile): the seed of a parameter
 # is that of its name in the plain model, whatever wraps it.
@@ -35,6 +37,17 @@ def parameter_seed(seed: int, name: str) -> int:
     return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63)
 
 
+def local_block(full: torch.Tensor, param: DTensor) -> torch.Tensor:
+    """This rank's shard of `full` for `param`'s placements, as a view (no copy): the block
+    DTensor says the rank holds, the same rule DCP writes checkpoints by. (The public
+    `distribute_tensor` gives the same values but copies the whole tensor once more for
+    FSDP's strided shards of a tensor-parallel dim.)"""
+    shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+
+
 @torch.no_grad()
 def materialize(
     model: nn.Module,
@@ -51,11 +64,7 @@ def materialize(
         full = torch.empty(param.shape, dtype=param.dtype)  # the global shape of a DTensor
         init_parameter(name, full, torch.Generator().manual_seed(parameter_seed(seed, name)))
         if isinstance(param, DTensor):
-            # src_data_rank=None: no scatter, each rank cuts its shard from its own copy.
-            shard = distribute_tensor(
-                full, param.device_mesh, param.placements, src_data_rank=None
-            ).to_local()
-            param.to_local().copy_(shard)
+            param.to_local().copy_(local_block(full, param))
         else:
             param.copy_(full)
     for module in model.modules():
