@@ -23,7 +23,7 @@ from trainwise.run.checkpoint import Checkpointer, Place, SaveSchedule
 from trainwise.run.checkpoint_store import root_for
 from trainwise.run.distributed import DistEnv
 from trainwise.run.faults import NO_FAULTS, Faults
-from trainwise.run.job import Job
+from trainwise.run.job import Job, sequence_parallel
 from trainwise.run.loop import Stepper
 from trainwise.run.materialize import materialize
 from trainwise.run.optim import build_optimizer, build_scheduler
@@ -115,7 +115,7 @@ def build_model_for(
     init = bundle.init_parameter
     if init is not None and whole:
         materialize(bundle.module, init, c.train.seed, device)
-    sp = dims.tp > 1 and c.parallel.sequence_parallel is not False  # default: on
+    sp = sequence_parallel(c)
     model = parallelize(
         bundle.module,
         bundle.blocks,
