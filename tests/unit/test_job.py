@@ -403,7 +403,9 @@ def test_a_shard_group_smaller_than_the_world_is_hybrid():
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (("parallel.tp=2",), "parallel.tp = 2: the runtime has no tensor parallelism yet"),
+        (("parallel.tp=3",), "parallel.tp = 3 does not divide the 4 workers"),
+        (("parallel.tp=2", "parallel.strategy=fsdp", "parallel.dp_shard=4"),
+         "parallel.dp_shard = 4 does not divide the 4 workers / parallel.tp 2"),
         (("parallel.strategy=ddp", "parallel.dp_shard=2"), "parallel.dp_shard = 2 shards with FSDP"),
         (("parallel.strategy=fsdp", "parallel.dp_shard=3"), "parallel.dp_shard = 3 does not divide"),
     ],

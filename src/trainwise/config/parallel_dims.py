@@ -142,6 +142,19 @@ class ParallelDims:
             sizes.append(self.tp)
         return tuple(names), tuple(sizes)
 
+    def accumulates_sharded(self, accumulate: str, grad_accum: int) -> bool:
+        """Whether gradients are reduce-scattered after every micro-batch (FSDP keeps only
+        sharded gradients) rather than once per step (full gradients kept in between).
+        `parallel.accumulate` sharded / unsharded decide; auto: sharded when FSDP shards
+        parameters after forward (ZeRO-3: memory is what the layout was chosen for) over
+        more than one rank and the step accumulates; unsharded otherwise (ZeRO-2 keeps
+        full parameters anyway, and one reduce-scatter per step moves less)."""
+        if not self.fsdp or grad_accum == 1:
+            return False
+        if accumulate != "auto":
+            return accumulate == "sharded"
+        return self.reshard_after_forward and self.dp_shard > 1
+
     def describe(self) -> str:
         """`dp_replicate 2 x dp_shard 4 x tp 1`, as the summary and plan.json name it."""
         return f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp}"
@@ -155,6 +168,8 @@ class ParallelDims:
             keys["parallel.cpu_offload"] = True
         if self.hybrid:
             keys["parallel.replicate"] = self.dp_replicate
+        if self.tp > 1:
+            keys["parallel.tp"] = self.tp
         return keys
 
     # -- from the user's words -------------------------------------------------------
@@ -168,23 +183,34 @@ class ParallelDims:
         replicate: int | None = None,
         shard: str = "full",
         cpu_offload: bool = False,
+        tp: int = 1,
     ) -> ParallelDims:
         """The layout of a resolved shortcut on `world` workers (`replicate`: hsdp's
-        replica groups)."""
+        replica groups), with `tp`-way tensor parallelism inside each data-parallel rank.
+        With tp > 1 the data-parallel part is always FSDP2 (DDP cannot hold DTensor
+        shards): ddp becomes FSDP's replication (dp_shard = 1) on the same mesh."""
+        if world % tp:
+            raise ConfigError(
+                f"parallel.tp = {tp} does not divide the {world} workers: choose a divisor of "
+                "cluster.nproc x cluster.nodes"
+            )
+        dp = world // tp
         if strategy == "single":
-            return cls()
+            return cls(tp=tp)
         if strategy == "ddp":
-            return cls(dp_replicate=world)
+            if tp > 1 and dp > 1:
+                return cls(dp_replicate=dp, dp_shard=1, tp=tp, fsdp=True)
+            return cls(dp_replicate=dp, tp=tp)
         if strategy not in ("fsdp", "hsdp"):
             raise ConfigError(f"parallel.strategy = '{strategy}' has no layout; resolve auto first")
         groups = (replicate or 1) if strategy == "hsdp" else 1
-        if world % groups:
+        if dp % groups:
             raise ConfigError(
-                f"parallel.replicate = {groups} does not divide the {world} workers: choose "
-                "a divisor of cluster.nproc x cluster.nodes"
+                f"parallel.replicate = {groups} does not divide the {dp} data-parallel ranks "
+                "(workers / tp): choose a divisor of cluster.nproc x cluster.nodes / tp"
             )
         return cls(
-            dp_replicate=groups, dp_shard=world // groups, fsdp=True,
+            dp_replicate=groups, dp_shard=dp // groups, tp=tp, fsdp=True,
             reshard_after_forward=shard == "full", cpu_offload=cpu_offload,
         )  # fmt: skip
 

@@ -27,6 +27,7 @@ _LAZY = {
     "model_kind": "registry",
     "preset_names": "registry",
     "resolve_shape": "registry",
+    "tp_model_problems": "registry",
 }
 
 __all__ = ["PRESETS", "GPTShape", *_LAZY]

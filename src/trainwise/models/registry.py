@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -14,6 +15,7 @@ from torch import Tensor, nn
 from trainwise.errors import ModelError
 from trainwise.models.custom import build_custom
 from trainwise.models.gpt import GPT
+from trainwise.models.gpt_parallel import gpt_init_parameter, gpt_tp_plan, tp_problems
 from trainwise.models.hf import build_from_dir, hf_shape
 from trainwise.models.mlp import MLPClassifier
 from trainwise.models.shapes import PRESETS, GPTShape, job_shape
@@ -45,6 +47,12 @@ class ModelBundle:
     shape: GPTShape | None  # set for GPT presets (FLOPs and memory formulas)
     # Fills the model once wrapped or sharded (every rank calls it); None: keep the init.
     load_weights: Callable[[nn.Module], dict[str, int]] | None = None
+    # Tensor parallelism: tp_plan(sequence_parallel) -> plans for parallelize_module, applied
+    # in order; None: the model cannot be split (parallel.tp must be 1).
+    tp_plan: Callable[[bool], list[dict[str, Any]]] | None = None
+    # Fills one parameter at full size from a generator: the model can be built on the meta
+    # device and initialised shard by shard (None: built whole on the device, as seeded).
+    init_parameter: Callable[[str, Tensor, torch.Generator], None] | None = None
 
 
 def cross_entropy_loss(output: Tensor, target: Tensor) -> Tensor:
@@ -105,7 +113,10 @@ def build_model(spec: ModelSpec) -> ModelBundle:
     if kind == "preset":
         shape = resolve_shape(spec)
         gpt = GPT(shape, dropout=spec.dropout)
-        return ModelBundle(gpt, cross_entropy_loss, list(gpt.blocks), shape)
+        return ModelBundle(
+            gpt, cross_entropy_loss, list(gpt.blocks), shape,
+            tp_plan=partial(gpt_tp_plan, gpt), init_parameter=partial(gpt_init_parameter, gpt),
+        )  # fmt: skip
     if kind == "mlp":
         missing = [
             f"model.{k} is required for model.name = 'mlp'; set it (the data usually decides it)"
@@ -121,9 +132,17 @@ def build_model(spec: ModelSpec) -> ModelBundle:
             spec.name[len("hf:") :], spec.vocab_size, spec.seq_len, spec.dropout, spec.init,
             spec.impl,
         )  # fmt: skip
-        return ModelBundle(hf.module, cross_entropy_loss, hf.blocks, hf.shape, hf.load_weights)
+        bundle = ModelBundle(hf.module, cross_entropy_loss, hf.blocks, hf.shape, hf.load_weights)
+        if isinstance(hf.module, GPT):  # model.impl = 'trainwise': the GPT's own hooks
+            bundle.tp_plan = partial(gpt_tp_plan, hf.module)
+            bundle.init_parameter = partial(gpt_init_parameter, hf.module)
+        return bundle
     module, loss_fn = build_custom(spec.name, spec.kwargs)
-    return ModelBundle(module, loss_fn or cross_entropy_loss, _blocks_of(module), None)
+    return ModelBundle(
+        module, loss_fn or cross_entropy_loss, _blocks_of(module), None,
+        tp_plan=getattr(module, "tp_plan", None),
+        init_parameter=getattr(module, "init_parameter", None),
+    )  # fmt: skip
 
 
 def count_parameters(spec: ModelSpec) -> int:
@@ -134,3 +153,20 @@ def count_parameters(spec: ModelSpec) -> int:
     with torch.device("meta"):
         module = build_model(spec).module
     return sum(p.numel() for p in module.parameters())  # parameters() dedups tied weights
+
+
+def tp_model_problems(spec: ModelSpec, tp: int, seq_len: int, sequence_parallel: bool) -> list[str]:
+    """Why the model cannot run with tensor-parallel degree `tp`, one line each (built on
+    meta: nothing is allocated)."""
+    if tp == 1:
+        return []
+    with torch.device("meta"):
+        bundle = build_model(spec)
+    if bundle.tp_plan is None:
+        return [
+            f"parallel.tp = {tp} but model.name = {spec.name!r} has no tensor-parallel plan: "
+            "give the model a `tp_plan(sequence_parallel)` method (docs/parallelism.md) or "
+            "use parallel.tp = 1"
+        ]
+    shape = bundle.shape
+    return tp_problems(shape, tp, seq_len, sequence_parallel) if shape is not None else []

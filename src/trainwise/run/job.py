@@ -15,7 +15,13 @@ from trainwise.data import DataInfo, build_datasets
 from trainwise.errors import ConfigError
 from trainwise.hardware import GB, DeviceInfo
 from trainwise.hardware.catalog import find_gpu
-from trainwise.models import GPTShape, ModelSpec, count_parameters, resolve_shape
+from trainwise.models import (
+    GPTShape,
+    ModelSpec,
+    count_parameters,
+    resolve_shape,
+    tp_model_problems,
+)
 from trainwise.plan import (
     Decision,
     Workload,
@@ -127,7 +133,8 @@ def resolve_nproc(cfg: JobConfig, device: DeviceInfo) -> int:
 
 def start_lines(job: Job, nproc: int, cores: int) -> list[str]:
     """What the launcher says before the workers start: where the global batch comes from
-    (it grows with --nproc), and a warning when CPU workers outnumber the cores."""
+    (it grows with --nproc), and warnings when CPU workers outnumber the cores or tensor
+    parallelism spans machines."""
     c, nodes = job.cfg, job.world // nproc
     machines = f" x {nodes} machines" if nodes > 1 else ""
     lines = [
@@ -135,6 +142,12 @@ def start_lines(job: Job, nproc: int, cores: int) -> list[str]:
         f"{c.data.micro_batch} x data.grad_accum {job.grad_accum} x data-parallel size "
         f"{job.dp_size} (--nproc {nproc}{machines}); another --nproc changes it"
     ]
+    if job.dims.tp > nproc:  # allowed by parallel.allow_tp_across_nodes
+        lines.append(
+            f"trainwise: warning: parallel.tp = {job.dims.tp} spans machines ({nproc} workers "
+            "each): every layer waits on the network between them, typically several times "
+            "slower than inside a machine; keep tp <= the workers of one machine if you can"
+        )
     if job.device.kind == "cpu" and nproc > cores:
         lines.append(
             f"trainwise: warning: {nproc} CPU workers (--nproc {nproc}) on {cores} cores take "
@@ -158,12 +171,15 @@ def prepare_job(
     strategy = c.parallel.strategy
     if strategy == "fsdp" and replicate > 1:  # a shard group smaller than the world
         strategy = "hsdp"
-    if world % replicate:
+    dp = world // c.parallel.tp if world % c.parallel.tp == 0 else world
+    if dp % replicate:
         problems.append(
-            f"parallel.replicate = {replicate} does not divide the world size {world}: "
-            f"hsdp needs replicate x shard = world"
+            f"parallel.replicate = {replicate} does not divide the world size {world} / "
+            f"parallel.tp {c.parallel.tp} = {dp} data-parallel ranks: hsdp needs "
+            "replicate x shard x tp = world"
         )
     data = data_and_model(c, problems)
+    problems += tp_model_problems(data.spec, c.parallel.tp, c.data.seq_len, sequence_parallel(c))
     accum, more = batch_problems(c, world, local, strategy, data.info)
     if problems + more:
         raise ConfigError(problems + more)
@@ -338,6 +354,7 @@ def layout_of(
         replicate=replicate,
         shard=c.parallel.shard,
         cpu_offload=decision.cpu_offload,
+        tp=c.parallel.tp,
     )
 
 
@@ -348,7 +365,7 @@ def replica_groups(c: JobConfig, world: int, nodes: int) -> int:
     if c.parallel.replicate:
         return c.parallel.replicate
     if c.parallel.dp_shard and c.parallel.strategy in ("fsdp", "hsdp", "auto"):
-        return max(1, world // c.parallel.dp_shard)
+        return max(1, world // (c.parallel.dp_shard * c.parallel.tp))
     return nodes if c.parallel.strategy == "hsdp" else 1
 
 
@@ -356,20 +373,27 @@ def layout_problems(c: JobConfig, world: int, local: int, device: DeviceInfo) ->
     """The degrees and options the runtime cannot run as given, one line each."""
     p = c.parallel
     problems = []
-    if p.tp > 1:
+    if p.tp > 1 and world % p.tp:
         problems.append(
-            f"parallel.tp = {p.tp}: the runtime has no tensor parallelism yet (`trainwise plan` "
-            "prices it); use parallel.tp = 1"
+            f"parallel.tp = {p.tp} does not divide the {world} workers: choose a divisor of "
+            "cluster.nproc x cluster.nodes"
+        )
+    elif p.tp > local and not p.allow_tp_across_nodes:
+        problems.append(
+            f"parallel.tp = {p.tp} exceeds the {local} workers of one machine: tensor "
+            "parallelism communicates in every layer and belongs inside a machine; lower "
+            "parallel.tp or set parallel.allow_tp_across_nodes = true"
         )
     if p.dp_shard and p.strategy in ("single", "ddp"):
         problems.append(
             f"parallel.dp_shard = {p.dp_shard} shards with FSDP but parallel.strategy = "
             f"'{p.strategy}': use 'fsdp', 'hsdp' or 'auto'"
         )
-    elif p.dp_shard and world % p.dp_shard:
+    elif p.dp_shard and world % (p.dp_shard * p.tp):
         problems.append(
-            f"parallel.dp_shard = {p.dp_shard} does not divide the {world} workers: choose a "
-            "divisor of cluster.nproc x cluster.nodes"
+            f"parallel.dp_shard = {p.dp_shard} does not divide the {world} workers / "
+            f"parallel.tp {p.tp}: choose degrees whose product divides cluster.nproc x "
+            "cluster.nodes"
         )
     if p.strategy == "single" and world > 1:
         problems.append(
@@ -382,6 +406,11 @@ def layout_problems(c: JobConfig, world: int, local: int, device: DeviceInfo) ->
             f"a CUDA device; on {device.kind} the state is in host memory already: remove it"
         )
     return problems
+
+
+def sequence_parallel(c: JobConfig) -> bool:
+    """parallel.sequence_parallel, default on when tp > 1."""
+    return c.parallel.tp > 1 and c.parallel.sequence_parallel is not False
 
 
 def planner_view(

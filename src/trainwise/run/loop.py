@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -57,6 +58,9 @@ class Stepper:
         grad_accum: int,
         grad_clip: float,
         device: torch.device,
+        *,
+        sharded_accumulation: bool = False,
+        backward_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
     ):
         self.model = model
         self.loss_fn = loss_fn
@@ -67,6 +71,10 @@ class Stepper:
         self.grad_accum = grad_accum
         self.grad_clip = grad_clip if grad_clip > 0 else math.inf
         self.device = device
+        # True: FSDP reduce-scatters every micro-batch and keeps only sharded gradients
+        # (parallel.accumulate); False: full gradients until the last micro-batch syncs.
+        self.sharded_accumulation = sharded_accumulation
+        self.backward_context = backward_context  # loss_parallel under tensor parallelism
         self.clock = StageClock(device)
         self.poison = False
         self.stage = "the training step"  # where a failed collective was: named in its message
@@ -76,7 +84,8 @@ class Stepper:
             loss = self.loss_fn(self.model(x), y) * scale
             if self.poison:
                 loss = loss * float("nan")  # a fault injected by a test
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        with self.backward_context():
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss.detach()
 
     def step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], probe: bool) -> StepResult:
@@ -90,7 +99,8 @@ class Stepper:
             x = x.to(self.device, non_blocking=True)
             y = y.to(self.device, non_blocking=True)
             clock.mark("data")
-            sync = a == self.grad_accum - 1 and not probe
+            last = a == self.grad_accum - 1
+            sync = (last and not probe) or (self.sharded_accumulation and not last)
             self.stage = f"forward/backward of micro-batch {a + 1}/{self.grad_accum}" + (
                 " (gradient sync)" if sync else ""
             )
@@ -109,24 +119,52 @@ class Stepper:
         # the plain tensor (clip_grad_norm_ on DTensors would reduce it twice).
         self.stage = "the gradient-norm all-reduce"
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        norm = total_grad_norm(params)
         # The guard: the norm is global (identical on every rank), so every rank skips the
         # same update. Reading it costs one host sync per step; fp16's scaler does its own.
         finite = self.scaler is not None or bool(torch.isfinite(norm))
         self.stage = "the optimizer step"
         if self.scaler:
-            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
+            clip_grads(params, self.grad_clip, norm)
             self.scaler.step(self.optimizer)
             self.scaler.update()
         elif finite:
-            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, norm)
+            clip_grads(params, self.grad_clip, norm)
             self.optimizer.step()
         self.scheduler.step()  # a skipped step still moves the schedule: lr stays a function of step
         self.optimizer.zero_grad(set_to_none=True)
         clock.mark("optim")
         return StepResult(total, norm, clock.take(), probe, time.perf_counter(), finite)
+
+
+def by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Parameters grouped by where they live: one group per device mesh (FSDP's dp mesh,
+    the 2-D dp x tp mesh), plain tensors in their own. DTensor's ops take one mesh at a
+    time: a norm left off the tensor-parallel plan lives on the dp mesh alone."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        key = p.device_mesh if isinstance(p, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
+
+
+def total_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """The global 2-norm of the gradients, a plain tensor equal on every rank: each mesh's
+    norm completed over its ranks (full_tensor: one all-reduce per mesh), then combined.
+    Plain gradients are whole (DDP synchronised them; or replicated)."""
+    norms = []
+    for group in by_mesh(params):
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if len(norms) == 1:
+        return norms[0]
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+
+
+def clip_grads(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """clip_grads_with_norm_ per mesh with the global norm (its foreach ops take one mesh)."""
+    for group in by_mesh(params):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
 
 
 def mean_over_ranks(values: torch.Tensor) -> list[float]:

@@ -1,8 +1,10 @@
 """Layout wrapping: a few `apply_*` functions, and `parallelize()` that picks among them
 from the job's ParallelDims.
 
-Everything here composes PyTorch's own pieces: activation checkpointing's wrapper,
-torch.compile, DistributedDataParallel and FSDP2's `fully_shard` on a DeviceMesh.
+Everything here composes PyTorch's own pieces: DTensor's tensor parallelism
+(`parallelize_module` with the model's own plan), activation checkpointing's wrapper,
+torch.compile, DistributedDataParallel and FSDP2's `fully_shard`, all on one N-D
+DeviceMesh (dp_replicate x dp_shard x tp).
 """
 
 from __future__ import annotations
@@ -15,10 +17,20 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 from trainwise.config.parallel_dims import ParallelDims
+from trainwise.errors import ConfigError
 from trainwise.run.precision import TORCH_DTYPES
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plans: list[dict[str, object]]) -> None:
+    """Tensor parallelism: each of the model's plans (module name -> ParallelStyle) in
+    turn, on the 1-D tp mesh; the parameters become DTensors sharded (or replicated) over
+    it. Must come before AC, compile and FSDP, which wrap the modules it splits."""
+    for plan in plans:
+        parallelize_module(model, tp_mesh, plan)
 
 
 def apply_ac(model: nn.Module, blocks: list[nn.Module], mode: str) -> list[nn.Module]:
@@ -82,15 +94,24 @@ def build_mesh(
     """The layout's device mesh (ParallelDims.mesh_dims: named dims over all ranks), or a
     1-D shard mesh over `group`'s ranks (the doctor times smaller worlds inside one
     launch). None when nothing is sharded."""
-    if not dims.fsdp:
+    if not dims.fsdp and dims.tp == 1:
         return None
     if group is not None:
+        if dims.tp > 1:
+            raise ValueError("a mesh over a process group is data-parallel only (tp = 1)")
         return DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_shard",))
-    # Rows of arange(world) reshaped (dp_replicate, dp_shard): a shard group is a run of
-    # consecutive ranks. torchrun numbers ranks machine by machine, so with one replica
-    # per machine each shard group is one machine and only dp_replicate crosses machines.
+    # Rows of arange(world) reshaped (dp_replicate, dp_shard, tp): a tp group is a run of
+    # consecutive ranks (inside a machine), a shard group the next level out. torchrun
+    # numbers ranks machine by machine, so with one replica per machine each shard group
+    # is one machine and only dp_replicate crosses machines.
     names, sizes = dims.mesh_dims()
     return init_device_mesh(device_type, sizes, mesh_dim_names=names)
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel dims of the N-D mesh, which FSDP shards (and replicates) over."""
+    names = tuple(n for n in mesh.mesh_dim_names if n != "tp")
+    return mesh if len(names) == mesh.ndim else mesh[names]
 
 
 def parallelize(
@@ -104,21 +125,30 @@ def parallelize(
     ac: str = "none",
     compile: bool = False,
     group: dist.ProcessGroup | None = None,
+    tp_plan: list[dict[str, object]] | None = None,
 ) -> nn.Module:
-    """The one place a layout is applied: AC, then compile, then the data-parallel wrapper
-    (torchtitan's order: FSDP must see the final modules). `group`: data parallelism over
-    that group's ranks instead of all (not for hsdp)."""
+    """The one place a layout is applied, in torchtitan's order: tensor parallelism (the
+    model's `tp_plan`), AC, compile, then the data-parallel wrapper (FSDP must see the
+    final modules). `group`: data parallelism over that group's ranks instead of all (not
+    for hsdp or tp)."""
+    mesh = build_mesh(dims, device.type, group)
+    if dims.tp > 1:
+        if tp_plan is None:
+            raise ConfigError(f"parallel.tp = {dims.tp} needs a model with a tensor-parallel plan")
+        apply_tp(model, mesh["tp"], tp_plan)
     blocks = apply_ac(model, blocks, ac)
     if compile:
         apply_compile(blocks)
-    if dims.single:
+    if dims.single or (not dims.fsdp and dims.dp_size == 1):
         return model
     if not dims.fsdp:
+        if dims.tp > 1:
+            raise ConfigError("DDP cannot replicate tensor-parallel shards: use FSDP or HSDP")
         return apply_ddp(model, device, group)
     return apply_fsdp(
         model,
         blocks,
-        build_mesh(dims, device.type, group),
+        dp_mesh(mesh),
         reshard_after_forward=dims.reshard_after_forward,
         param_dtype=precision,
         reduce_dtype=reduce_dtype,

@@ -4,6 +4,7 @@ trains with them; the doctor times, overfits and checkpoints them."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -12,16 +13,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from trainwise.config import JobConfig, job_hash
 from trainwise.config.lineage import lineage_keys
-from trainwise.models import build_model
+from trainwise.models import ModelBundle, build_model
 from trainwise.run.checkpoint import Checkpointer, Place, SaveSchedule
 from trainwise.run.checkpoint_store import root_for
 from trainwise.run.distributed import DistEnv
 from trainwise.run.faults import NO_FAULTS, Faults
-from trainwise.run.job import Job
+from trainwise.run.job import Job, sequence_parallel
 from trainwise.run.loop import Stepper
+from trainwise.run.materialize import materialize
 from trainwise.run.optim import build_optimizer, build_scheduler
 from trainwise.run.parallelize import parallelize
 from trainwise.run.precision import autocast_context, build_grad_scaler
@@ -63,10 +67,55 @@ def build_trainer(
         rank = dist.get_rank(group)
     else:
         rank = dist.get_rank()
-    # Same seed on every rank: identical initial weights whatever the strategy.
-    torch.manual_seed(c.train.seed)
-    bundle = build_model(job.model_spec)
-    bundle.module.to(device)
+    bundle, model = build_model_for(cfg, job, device, dtype, group)
+    faults.network(model)  # slowed only under a test's fault
+    # Dropout differs between data-parallel ranks; the ranks of one tensor-parallel group
+    # draw the same masks (they hold the same replicated activations).
+    torch.manual_seed(c.train.seed + 1 + dims.dp_rank(rank))
+    optimizer = build_optimizer(model, c.optim)
+    scheduler = build_scheduler(optimizer, c.train.steps, c.schedule)
+    scaler = build_grad_scaler(dims.fsdp, dtype, device, c.precision.init_scale)
+
+    def autocast() -> AbstractContextManager:
+        return loss_context(dims.tp, autocast_context(dims.fsdp, dtype, device))
+
+    loss_fn = local_loss(bundle.loss_fn) if dims.tp > 1 else bundle.loss_fn
+    stepper = Stepper(
+        model, loss_fn, optimizer, scheduler, scaler, autocast,
+        job.grad_accum, c.train.grad_clip, device,
+        sharded_accumulation=dims.accumulates_sharded(c.parallel.accumulate, job.grad_accum),
+        backward_context=lambda: loss_context(dims.tp),
+    )  # fmt: skip
+    return Trainer(
+        model, loss_fn, optimizer, scheduler, scaler, autocast, stepper,
+        dims.dp_rank(rank), dims.dp_size,
+    )  # fmt: skip
+
+
+def build_model_for(
+    cfg: JobConfig,
+    job: Job,
+    device: torch.device,
+    dtype: str,
+    group: dist.ProcessGroup | None,
+) -> tuple[ModelBundle, torch.nn.Module]:
+    """The job's model, parallelized. A model with per-parameter init (the GPT) is built
+    on the meta device, parallelized, then materialised shard by shard (materialize);
+    others are built whole on the device from the seeded RNG, then parallelized."""
+    c, dims = cfg, job.dims
+    with torch.device("meta"):
+        bundle = build_model(job.model_spec)
+    if bundle.init_parameter is None:
+        # Same seed on every rank: identical initial weights whatever the layout.
+        torch.manual_seed(c.train.seed)
+        bundle = build_model(job.model_spec)
+        bundle.module.to(device)
+    # DDP keeps a whole replica per rank and checks it at wrapping: materialise first.
+    whole = not dims.fsdp and dims.tp == 1
+    init = bundle.init_parameter
+    if init is not None and whole:
+        materialize(bundle.module, init, c.train.seed, device)
+    sp = sequence_parallel(c)
     model = parallelize(
         bundle.module,
         bundle.blocks,
@@ -77,26 +126,37 @@ def build_trainer(
         ac=c.parallel.ac,
         compile=c.train.compile,
         group=group,
+        tp_plan=bundle.tp_plan(sp) if dims.tp > 1 and bundle.tp_plan else None,
     )
+    if init is not None and not whole:
+        # FSDP's CPU offload keeps the sharded parameters in host memory.
+        home = torch.device("cpu") if dims.cpu_offload else device
+        materialize(model, init, c.train.seed, home)
     if bundle.load_weights is not None:  # pretrained: each rank reads its own shards
         bundle.load_weights(model)
-    faults.network(model)  # slowed only under a test's fault
-    torch.manual_seed(c.train.seed + 1 + rank)  # dropout differs between ranks
-    optimizer = build_optimizer(model, c.optim)
-    scheduler = build_scheduler(optimizer, c.train.steps, c.schedule)
-    scaler = build_grad_scaler(dims.fsdp, dtype, device, c.precision.init_scale)
+    return bundle, model
 
-    def autocast() -> AbstractContextManager:
-        return autocast_context(dims.fsdp, dtype, device)
 
-    stepper = Stepper(
-        model, bundle.loss_fn, optimizer, scheduler, scaler, autocast,
-        job.grad_accum, c.train.grad_clip, device,
-    )  # fmt: skip
-    return Trainer(
-        model, bundle.loss_fn, optimizer, scheduler, scaler, autocast, stepper,
-        dims.dp_rank(rank), dims.dp_size,
-    )  # fmt: skip
+def loss_context(tp: int, inner: AbstractContextManager | None = None) -> AbstractContextManager:
+    """With tensor parallelism the logits arrive sharded by vocabulary: the loss (forward
+    and backward) runs under DTensor's loss_parallel, which computes it on the shards."""
+    stack = contextlib.ExitStack()
+    if inner is not None:
+        stack.enter_context(inner)
+    if tp > 1:
+        stack.enter_context(loss_parallel())
+    return stack
+
+
+def local_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable:
+    """The loss as a plain tensor (loss_parallel returns a replicated DTensor): the loop
+    adds, averages and logs it with plain ones. to_local keeps the autograd graph."""
+
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        value = loss_fn(output, target)
+        return value.to_local() if isinstance(value, DTensor) else value
+
+    return loss
 
 
 def build_checkpointer(

@@ -120,8 +120,8 @@ class Training:
         if (stop := self._previous_stop()) is not None:
             self.log.info("trainwise: %s", stop)
         self.log.info(
-            "trainwise: %s on %d x %s, %s", c.model.name, env.world, self.job.device.name,
-            self.job.decision.reason,
+            "trainwise: %s on %d x %s (%s), %s", c.model.name, env.world,
+            self.job.device.name, self.job.dims.describe(), self.job.decision.reason,
         )  # fmt: skip
         if env.world > 1:
             self.log.info(
@@ -331,6 +331,8 @@ class Training:
             "model": c.model.name,
             "params": job.params,
             "strategy": job.strategy,
+            "layout": job.dims.describe(),
+            "tp": job.dims.tp,
             "cpu_offload": job.cpu_offload,
             "reason": job.decision.reason,
             "world": env.world,

@@ -1,0 +1,126 @@
+"""The built-in GPT's parallel side, beside the model (as torchtitan keeps a
+`parallelize.py` per model): its tensor-parallel plan and its per-parameter initialisation.
+
+The tensor-parallel plan is Megatron's: q/k/v and the MLP's up/gate projections split
+column-wise (each rank holds whole heads and a slice of the FFN width), the attention output
+and the MLP's down projection row-wise (one all-reduce, or reduce-scatter, per pair); the
+token embedding is split by vocabulary rows and the output layer by vocabulary columns, so
+the logits stay sharded and the loss is computed on the shards (`loss_parallel`). With
+sequence parallelism the norms and the residual stream between blocks hold a slice of the
+sequence instead of a replica.
+
+The runtime reads two hooks of any model (`run.parallelize`): `tp_plan(sequence_parallel)`
+returns the plan (a list of `parallelize_module` plans, applied in order), and
+`init_parameter(name, tensor, generator)` fills one parameter at full size, so that a model
+built on the meta device can be initialised shard by shard with the values of a single
+process. The registry hands both to the runtime with the GPT (`ModelBundle`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from trainwise.models.gpt import GPT
+from trainwise.models.shapes import GPTShape
+
+INIT_STD = 0.02  # GPT-2's
+
+
+def tp_problems(s: GPTShape, tp: int, seq_len: int, sequence_parallel: bool) -> list[str]:
+    """What keeps a GPT shape from splitting `tp` ways, one line each (empty: it splits)."""
+    sizes = {
+        "model heads (n_head)": s.n_head,
+        "key/value heads (n_kv_head)": s.n_kv_head,
+        "FFN width (d_ff)": s.d_ff,
+        "vocabulary (vocab_size)": s.vocab_size,
+    }
+    if sequence_parallel:
+        sizes["sequence length (data.seq_len)"] = seq_len
+    return [
+        f"parallel.tp = {tp} does not divide the {what} = {n}: choose a tp that divides it"
+        for what, n in sizes.items()
+        if n % tp
+    ]
+
+
+def gpt_tp_plan(model: GPT, sequence_parallel: bool) -> list[dict[str, ParallelStyle]]:
+    """The GPT's tensor-parallel plan over a 1-D tp mesh (module names as in the model)."""
+    sp = sequence_parallel
+    # Between blocks the residual stream is a slice of the sequence (sp) or a replica.
+    stream = Shard(1) if sp else Replicate()
+    learned_pos = model.pos_emb is not None
+    plan: dict[str, ParallelStyle] = {
+        # Position embeddings are added to the whole sequence, so with them the token
+        # embedding ends replicated and block 0 takes its slice of the sequence.
+        "tok_emb": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Replicate() if learned_pos else stream
+        ),
+    }
+    if sp and learned_pos:
+        plan["blocks.0"] = PrepareModuleInput(
+            input_layouts=(Replicate(),),
+            desired_input_layouts=(Shard(1),),
+            use_local_output=True,
+        )
+    for i in range(len(model.blocks)):
+        b = f"blocks.{i}"
+        for part, outputs in (("attn", ("out_proj",)), ("mlp", ("down",))):
+            plan[f"{b}.{part}"] = PrepareModuleInput(
+                input_layouts=(stream,),
+                desired_input_layouts=(Replicate(),),
+                use_local_output=True,
+            )
+            plan[f"{b}.{part}.{outputs[0]}"] = RowwiseParallel(output_layouts=stream)
+        for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.up"):
+            plan[f"{b}.{name}"] = ColwiseParallel()
+        if model.blocks[i].mlp.gate is not None:
+            plan[f"{b}.mlp.gate"] = ColwiseParallel()
+        if sp:
+            plan[f"{b}.norm1"] = SequenceParallel()
+            plan[f"{b}.norm2"] = SequenceParallel()
+    if sp:
+        plan["norm"] = SequenceParallel()
+    # Logits sharded by vocabulary (a DTensor) for loss_parallel.
+    head: dict[str, ParallelStyle] = {}
+    if model.lm_head is not None:
+        plan["lm_head"] = ColwiseParallel(
+            input_layouts=stream, output_layouts=Shard(-1), use_local_output=False
+        )
+    else:
+        # Tied: the head is F.linear with the row-split embedding, which DTensor computes
+        # column-parallel once the final norm hands it a replicated DTensor.
+        head["norm"] = PrepareModuleOutput(
+            output_layouts=stream, desired_output_layouts=Replicate(), use_local_output=False
+        )
+    return [plan, head] if head else [plan]
+
+
+@torch.no_grad()
+def gpt_init_parameter(
+    model: GPT, name: str, tensor: torch.Tensor, generator: torch.Generator
+) -> None:
+    """Fill parameter `name` (full size, on CPU) as GPT.init_weights does, from `generator`:
+    normal(0.02) weights, zero biases, unit norm scales; projections that write into the
+    residual stream scaled down by depth."""
+    owner, leaf = name.split(".")[-2:]
+    if owner.startswith("norm"):
+        nn.init.ones_(tensor) if leaf == "weight" else nn.init.zeros_(tensor)
+    elif leaf == "bias":
+        nn.init.zeros_(tensor)
+    elif name.endswith(("attn.out_proj.weight", "mlp.down.weight")):
+        std = INIT_STD / math.sqrt(2 * model.shape.n_layer)
+        nn.init.normal_(tensor, mean=0.0, std=std, generator=generator)
+    else:
+        nn.init.normal_(tensor, mean=0.0, std=INIT_STD, generator=generator)

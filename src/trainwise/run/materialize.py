@@ -1,0 +1,73 @@
+"""Models that never exist whole on one rank: built on the meta device, parallelized, then
+materialised (`to_empty`) and initialised shard by shard.
+
+Every parameter is drawn from its own generator, seeded by (train.seed, its name): the
+full values of one parameter at a time are generated and each rank keeps only its shard
+(a view of the block the rank holds: every rank computed the same full tensor, nothing is
+sent).
+One process uses the same per-parameter draws, so every layout starts from the same
+model and trains the same losses. A rank holds at most its shards plus one full
+parameter (the largest: the embedding).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+# Wrappers' name parts (activation checkpointing, torch.compile): the seed of a parameter
+# is that of its name in the plain model, whatever wraps it.
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def plain_name(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A generator seed from the run's seed and a parameter's name (stable across runs
+    and Python versions: crc32, not hash())."""
+    return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % (2**63)
+
+
+def local_block(full: torch.Tensor, param: DTensor) -> torch.Tensor:
+    """This rank's shard of `full` for `param`'s placements, as a view (no copy): the block
+    DTensor says the rank holds, the same rule DCP writes checkpoints by. (The public
+    `distribute_tensor` gives the same values but copies the whole tensor once more for
+    FSDP's strided shards of a tensor-parallel dim.)"""
+    shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+
+
+@torch.no_grad()
+def materialize(
+    model: nn.Module,
+    init_parameter: Callable[[str, torch.Tensor, torch.Generator], None],
+    seed: int,
+    device: torch.device,
+) -> None:
+    """Allocate a meta-built (and parallelized) model on `device` and fill every
+    parameter's local shard with its share of the full initial values; rebuild computed
+    buffers (modules with `reset_buffers`, e.g. rope tables)."""
+    model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        name = plain_name(name)
+        full = torch.empty(param.shape, dtype=param.dtype)  # the global shape of a DTensor
+        init_parameter(name, full, torch.Generator().manual_seed(parameter_seed(seed, name)))
+        if isinstance(param, DTensor):
+            param.to_local().copy_(local_block(full, param))
+        else:
+            param.copy_(full)
+    for module in model.modules():
+        reset = getattr(module, "reset_buffers", None)
+        if callable(reset):
+            reset()

@@ -1,0 +1,66 @@
+"""Models that never exist whole on one rank: a 2 x 2 (dp_shard x tp) build on the meta
+device gives, gathered parameter by parameter, exactly the model one process builds; each
+rank holds a quarter of it; and sharded accumulation keeps a quarter of the gradients
+where unsharded keeps none sharded (FSDP holds the full ones aside until the sync).
+One torchrun launch of 4 gloo workers (tp_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import cli_env
+from trainwise.models import ModelSpec, build_model
+from trainwise.run.materialize import materialize
+
+pytestmark = pytest.mark.dist
+
+WORKER = Path(__file__).with_name("tp_worker.py")
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]]:
+    out = tmp_path_factory.mktemp("meta_init")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+         "--standalone", str(WORKER), str(out)],
+        env=cli_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return torch.load(out / "gathered.pt"), ranks
+
+
+def single_process_model() -> dict[str, torch.Tensor]:
+    with torch.device("meta"):
+        bundle = build_model(ModelSpec("small", vocab_size=256, seq_len=32))
+    materialize(bundle.module, bundle.init_parameter, 0, torch.device("cpu"))
+    return dict(bundle.module.named_parameters())
+
+
+def test_gathered_parameters_equal_the_single_process_init(launched):
+    gathered, _ = launched
+    single = single_process_model()
+    assert gathered.keys() == single.keys()
+    for name, value in single.items():
+        assert torch.equal(gathered[name], value), name
+
+
+def test_each_rank_holds_a_quarter_of_the_model(launched):
+    _, ranks = launched
+    whole = sum(p.numel() * 4 for p in single_process_model().values())
+    for figures in ranks:
+        assert figures["param_bytes"] <= whole / WORLD * 1.01
+
+
+def test_sharded_accumulation_keeps_only_sharded_gradients(launched):
+    _, ranks = launched
+    for figures in ranks:
+        assert figures["grad_bytes_sharded"] == figures["param_bytes"]
+        assert figures["grad_bytes_unsharded"] == 0  # held unsharded inside FSDP instead

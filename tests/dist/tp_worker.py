@@ -1,0 +1,71 @@
+"""A torchrun worker for test_meta_init: builds the `small` GPT the way a 2 x 2 job
+(dp_shard 2 x tp 2) does it (meta device, tensor parallelism, FSDP2, then materialised
+shard by shard), saves the gathered parameters and this rank's storage figures, then runs
+one micro-batch under each accumulation mode and records the gradient bytes it holds.
+Not a test."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from trainwise.config.parallel_dims import ParallelDims
+from trainwise.models import ModelSpec, build_model
+from trainwise.run.materialize import materialize, plain_name
+from trainwise.run.parallelize import parallelize, set_gradient_sync
+
+SPEC = ModelSpec("small", vocab_size=256, seq_len=32)
+CPU = torch.device("cpu")
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+def built(dims: ParallelDims):
+    with torch.device("meta"):
+        bundle = build_model(SPEC)
+    model = parallelize(
+        bundle.module, bundle.blocks, dims, device=CPU, tp_plan=bundle.tp_plan(True)
+    )
+    materialize(model, bundle.init_parameter, 0, CPU)
+    return bundle, model
+
+
+def grad_bytes_after_one_micro_batch(dims: ParallelDims, sharded: bool) -> int:
+    bundle, model = built(dims)
+    set_gradient_sync(model, sharded)  # what the Stepper does on a micro-batch but the last
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    with loss_parallel():
+        loss = bundle.loss_fn(model(x), x)
+        loss.backward()
+    return sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+
+
+def main(out: str) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    dims = ParallelDims.from_strategy("fsdp", dist.get_world_size(), tp=2)
+    _, model = built(dims)
+    figures = {
+        "param_bytes": sum(local_bytes(p) for p in model.parameters()),
+        "grad_bytes_sharded": grad_bytes_after_one_micro_batch(dims, True),
+        "grad_bytes_unsharded": grad_bytes_after_one_micro_batch(dims, False),
+    }
+    full = {plain_name(n): p.full_tensor() for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save(full, Path(out) / "gathered.pt")
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(figures))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

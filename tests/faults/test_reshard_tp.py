@@ -1,0 +1,97 @@
+"""Resharding across tensor-parallel layouts: a checkpoint written by 2-way FSDP x 2-way TP
+(DTensors on a 2-D mesh) resumes on one process, one written by one process resumes under
+2-way TP, and both continue with the losses of the uninterrupted run; `trainwise export`
+writes the whole model from the TP checkpoint; a worker killed under TP resumes bit-exact. Like test_reshard, on the shared
+job_args (12 steps, a checkpoint every 4, global batch 16)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from faulty import (
+    References,
+    assert_identical,
+    final_weights,
+    finish,
+    job_args,
+    kill,
+    start,
+    wait_for_pid,
+)
+
+from helpers import read_records, run_cli
+
+pytestmark = pytest.mark.dist
+
+RESUME_AT = 4
+# name -> (nproc, strategy, extra): micro-batches keep the global batch at 16.
+TP_LAYOUTS = {
+    "fsdp2_tp2": (4, "fsdp", ("--set", "parallel.tp=2", "--set", "data.micro_batch=8")),
+    "tp2": (2, "auto", ("--set", "parallel.tp=2", "--set", "data.micro_batch=16")),
+}
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_records(run_dir)}
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted 2 x 2 run whose checkpoints the tests resume."""
+    root = tmp_path_factory.mktemp("reshard_tp")
+    nproc, strategy, extra = TP_LAYOUTS["fsdp2_tp2"]
+    run_dir = root / "fsdp2_tp2"
+    done = run_cli(*job_args(run_dir, nproc, strategy, *extra), cwd=root)
+    assert done.returncode == 0, done.stderr
+    return run_dir
+
+
+def resume(workdir: Path, written: Path, nproc: int, strategy: str, *extra: str) -> Path:
+    checkpoint = written / "checkpoints" / f"step-{RESUME_AT:08d}"
+    run_dir = workdir / f"resumed-{nproc}-{strategy}"
+    args = job_args(run_dir, nproc, strategy, *extra, "--set", f"checkpoint.resume={checkpoint}")
+    done = run_cli(*args, cwd=workdir)
+    assert done.returncode == 0, done.stderr
+    assert f"resuming from step {RESUME_AT}" in done.stderr
+    return run_dir
+
+
+def assert_continues(written: Path, resumed: Path) -> None:
+    before, after = losses(written), losses(resumed)
+    assert sorted(after) == list(range(RESUME_AT + 1, max(before) + 1))
+    for step, loss in after.items():
+        assert loss == pytest.approx(before[step], rel=1e-5, abs=1e-6), f"step {step}"
+
+
+def test_tp_checkpoint_resumes_on_one_process(workdir: Path, tp_run: Path):
+    assert_continues(tp_run, resume(workdir, tp_run, 1, "single"))
+
+
+def test_single_checkpoint_resumes_under_tp(workdir: Path, reference: References):
+    written = reference.run(1, "single")
+    nproc, strategy, extra = TP_LAYOUTS["tp2"]
+    assert_continues(written, resume(workdir, written, nproc, strategy, *extra))
+
+
+def test_export_of_a_tp_checkpoint_is_the_whole_model(
+    workdir: Path, tp_run: Path, reference: References
+):
+    """The exported 2 x 2 model equals the single-process model trained alike (to float
+    rounding): every shard was gathered under its plain name."""
+    tp, single = final_weights(tp_run, workdir), reference.weights(1, "single")
+    assert tp.keys() == single.keys()
+    for name in tp:
+        torch.testing.assert_close(tp[name], single[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_sigkill_under_tp_resumes_exactly(workdir: Path, tp_run: Path):
+    nproc, strategy, extra = TP_LAYOUTS["fsdp2_tp2"]
+    broken = workdir / "broken"
+    proc = start(job_args(broken, nproc, strategy, *extra), workdir, faults="pause@step=10,rank=1")
+    kill(wait_for_pid(proc, broken / "faults" / "pause-step-10.pid"))  # last checkpoint: 8
+    rc, _, err = finish(proc)
+    assert rc == 0, err
+    assert "resuming from step 8" in err
+    assert_identical(final_weights(tp_run, workdir), final_weights(broken, workdir))
