@@ -31,6 +31,7 @@ from trainwise.run.lifeline import this_launch
 from trainwise.run.loop import StepResult, evaluate
 from trainwise.run.peers import BARRIER_S, PeerFailure, absent_ranks, classify, last_line
 from trainwise.run.recorder import Recorder
+from trainwise.run.trackers import Trackers, build_trackers
 from trainwise.run.trainer import build_checkpointer, build_trainer
 
 MAX_ROLLBACKS = 3
@@ -70,6 +71,7 @@ class Training:
         self.preempted: str | None = None
         self.resumed = Resumed()
         self.recorder: Recorder | None = None
+        self.trackers: Trackers | None = None
         self.batches: Any = None
 
     # -- the loop ---------------------------------------------------------------------
@@ -136,6 +138,7 @@ class Training:
         self._check_data(path)
         self.step = self.resumed.step
         self.batches = self.batches_from(self.step)
+        self.trackers = self._build_trackers() if env.is_main else None
         self.recorder = self._build_recorder()
         if env.is_main:
             record_membership(self.run_dir, env, self.step)
@@ -213,9 +216,7 @@ class Training:
         line = failure.line(timeout)
         self.log.error("trainwise: %s", line)
         trace = "".join(traceback.format_exception(err))  # kept for a post-mortem
-        append_event(
-            self.run_dir, "peer_failure", **asdict(failure), message=line, traceback=trace
-        )
+        append_event(self.run_dir, "peer_failure", **asdict(failure), message=line, traceback=trace)
         raise SystemExit(1) from None  # no traceback: the line says it; the agent restarts
 
     def finish(self) -> dict[str, Any] | None:
@@ -238,6 +239,7 @@ class Training:
             return None
         summary = self._summary(figures)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self.trackers.finish(read_events(self.run_dir), finished=not self.preempted)
         return summary
 
     # -- helpers ----------------------------------------------------------------------
@@ -289,6 +291,14 @@ class Training:
             tokens_per_sample=job.data.tokens_per_sample, flops_per_token=job.flops_per_token,
             peak_flops_total=peak * env.world if peak else None, device=self.device,
             start_step=self.step, attempt=env.attempt, num_workers=c.data.num_workers,
+            trackers=self.trackers,
+        )  # fmt: skip
+
+    def _build_trackers(self) -> Trackers:
+        c = self.cfg.logging
+        return build_trackers(
+            c.trackers, self.run_dir, self.cfg.model_dump(mode="json"), mlflow_uri=c.mlflow_uri,
+            tensorboard_every=c.tensorboard_every, wrap=self.faults.tracker,
         )  # fmt: skip
 
     def _rollback(self) -> int:
