@@ -26,10 +26,12 @@ from trainwise.run.control import Control
 from trainwise.run.distributed import DistEnv, network_line, side_group
 from trainwise.run.events import append_event, read_events, retry_cost
 from trainwise.run.faults import Faults
+from trainwise.run.hang import write_hang_dump
 from trainwise.run.job import Job
 from trainwise.run.lifeline import this_launch
 from trainwise.run.loop import StepResult, evaluate
 from trainwise.run.peers import BARRIER_S, PeerFailure, absent_ranks, classify, last_line
+from trainwise.run.profiling import Profiler
 from trainwise.run.recorder import Recorder
 from trainwise.run.trackers import Trackers, build_trackers
 from trainwise.run.trainer import build_checkpointer, build_trainer
@@ -70,6 +72,7 @@ class Training:
         self.rollbacks = 0
         self.preempted: str | None = None
         self.resumed = Resumed()
+        self.profiler = Profiler(cfg.logging.profile_steps, run_dir, env.rank, device)
         self.recorder: Recorder | None = None
         self.trackers: Trackers | None = None
         self.batches: Any = None
@@ -91,12 +94,16 @@ class Training:
                 stop, stall = self.maybe_save()
                 self.stage = "the metrics reduction"
                 self.recorder.add(self.step, result, self.lr(), eval_loss, ckpt_s=stall)
+                self.profiler.after_step(self.step)
                 self.faults.after_step(self.step, until=self.stopping)
                 if stop:
                     self.preempted = self.control.signal_name or "signal"
                     break
             self.stage = "the last checkpoint save"
             self.ckpt.close()
+        except torch.OutOfMemoryError:
+            self.profiler.on_oom()
+            raise
         except RuntimeError as err:
             failed = classify(err) is not None and self.distributed
             if not failed:
@@ -146,6 +153,7 @@ class Training:
     def train_step(self) -> StepResult:
         self.stage = "the training step"
         self.faults.before_step(self.step, until=self.stopping)
+        self.profiler.before_step(self.step)
         stepper = self.trainer.stepper
         stepper.poison = self.faults.poisons(self.step)
         result = stepper.step(self.batches, probe=self.recorder.probe_now(self.step))
@@ -216,11 +224,16 @@ class Training:
         line = failure.line(timeout)
         self.log.error("trainwise: %s", line)
         trace = "".join(traceback.format_exception(err))  # kept for a post-mortem
-        append_event(self.run_dir, "peer_failure", **asdict(failure), message=line, traceback=trace)
+        dump = write_hang_dump(self.run_dir, self.env.rank, line, trace)
+        append_event(
+            self.run_dir, "peer_failure", **asdict(failure), message=line, traceback=trace,
+            dump=str(dump.relative_to(self.run_dir)),
+        )  # fmt: skip
         raise SystemExit(1) from None  # no traceback: the line says it; the agent restarts
 
     def finish(self) -> dict[str, Any] | None:
         """The run's last event and, on rank 0, its summary (summary.json)."""
+        self.profiler.stop()  # a run that ended inside the traced window
         figures = self.recorder.finish()
         env, step = self.env, self.step
         if self.preempted:
