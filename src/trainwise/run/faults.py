@@ -11,7 +11,8 @@ SIGKILL to a pid, fills a disk, flips bytes); these points only make *when* dete
 - `slow_data@seconds=S`: every training sample takes S seconds more to load.
 - `slow_network@gbps=G`: DDP's gradient all-reduce waits as if its link carried G GB/s
   (nothing on one rank): a job made to scale badly.
-- `tracker_raises`: every call to every experiment tracker raises (a tracker gone bad).
+- `tracker_raises@tracker=NAME`: every call to that experiment tracker (all of them without
+  `tracker`) raises: a tracker gone bad.
 The hooks are methods of one `Faults` object built once per worker (`NO_FAULTS`, which
 does nothing, when the variable is unset). Each fires once, on the first attempt only
 (TORCHELASTIC_RESTART_COUNT = 0): a transient
@@ -41,6 +42,7 @@ class Fault:
     seconds: float | None = None
     gbps: float | None = None
     always: bool = False
+    tracker: str | None = None
 
 
 def parse_faults(text: str) -> list[Fault]:
@@ -56,6 +58,7 @@ def parse_faults(text: str) -> list[Fault]:
                 seconds=float(values["seconds"]) if "seconds" in values else None,
                 gbps=float(values["gbps"]) if "gbps" in values else None,
                 always=values.get("always") == "1",
+                tracker=values.get("tracker"),
             )
         )
     return faults
@@ -124,7 +127,8 @@ class Faults:
 
     def tracker(self, tracker: Any) -> Any:
         """`tracker_raises`: a tracker whose every call raises."""
-        if any(f.kind == "tracker_raises" for f in self.faults):
+        broken = [f for f in self.faults if f.kind == "tracker_raises"]
+        if any(f.tracker in (None, tracker.name) for f in broken):
             return RaisingTracker(tracker.name)
         return tracker
 
