@@ -26,7 +26,7 @@ from trainwise.run.control import Control
 from trainwise.run.distributed import DistEnv, network_line, side_group
 from trainwise.run.events import append_event, read_events, retry_cost
 from trainwise.run.faults import Faults
-from trainwise.run.hang import write_hang_dump
+from trainwise.run.hang import StepWatchdog, write_hang_dump
 from trainwise.run.job import Job
 from trainwise.run.lifeline import this_launch
 from trainwise.run.loop import StepResult, evaluate
@@ -65,6 +65,7 @@ class Training:
         # Kept idle for diagnosis: after a failed collective the survivors meet here to
         # find which ranks are missing (the default group may be wedged by then).
         self.health = side_group(cfg.parallel.timeout_s) if self.distributed else None
+        self.watchdog = StepWatchdog(cfg.parallel.timeout_s) if self.distributed else None
         self.data_state = {"global_batch": job.global_batch, "seed": cfg.train.seed}
         self.step = 0
         self.stage = "start-up"  # where a failed collective was: named in its message
@@ -110,6 +111,8 @@ class Training:
                 raise
             self.on_peer_failure(err)
         finally:
+            if self.watchdog:
+                self.watchdog.disarm()
             if failed:
                 self.control.uninstall()  # the groups may be wedged: no drain, no destroy
             else:
@@ -152,6 +155,8 @@ class Training:
 
     def train_step(self) -> StepResult:
         self.stage = "the training step"
+        if self.watchdog:
+            self.watchdog.arm()  # re-armed each step: it fires on a step that outlasts timeout_s
         self.faults.before_step(self.step, until=self.stopping)
         self.profiler.before_step(self.step)
         stepper = self.trainer.stepper
@@ -224,7 +229,8 @@ class Training:
         line = failure.line(timeout)
         self.log.error("trainwise: %s", line)
         trace = "".join(traceback.format_exception(err))  # kept for a post-mortem
-        dump = write_hang_dump(self.run_dir, self.env.rank, line, trace)
+        stuck = self.watchdog.stacks() if self.watchdog else ""
+        dump = write_hang_dump(self.run_dir, self.env.rank, line, trace, stuck, timeout)
         append_event(
             self.run_dir, "peer_failure", **asdict(failure), message=line, traceback=trace,
             dump=str(dump.relative_to(self.run_dir)),
