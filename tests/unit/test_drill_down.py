@@ -204,3 +204,53 @@ def test_a_run_without_drill_down_files_says_how_to_get_them(tmp_path):
     r = analyse(load_run(make_run(tmp_path, failure=False)))
     assert r.drill.empty and "profile_steps" in r.drill.memory
     assert "Where to look next" in render_text(r)
+
+
+def test_a_profile_window_past_the_run_is_bad_input():
+    from trainwise.config import JobConfig
+    from trainwise.config.load import check_consistency
+
+    cfg = JobConfig.model_validate({"train": {"steps": 4}, "logging": {"profile_steps": [3, 9]}})
+    (line,) = check_consistency(cfg)
+    assert "logging.profile_steps = [3, 9]" in line and "train.steps = 4" in line
+
+
+@pytest.fixture
+def mlflow_env(monkeypatch):
+    pytest.importorskip("mlflow", reason="pip install 'trainwise[mlflow]'")
+    for var, value in (("MLFLOW_ALLOW_FILE_STORE", "true"),
+                       ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0"),
+                       ("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")):  # fmt: skip
+        monkeypatch.setenv(var, value)
+
+
+def test_an_mlflow_server_that_is_down_is_one_warning(tmp_path, caplog, mlflow_env):
+    from trainwise.run.trackers import MLflow
+
+    trackers = Trackers(tmp_path, [MLflow(tmp_path, "http://127.0.0.1:9", {"a": "1"})])
+    with caplog.at_level(logging.WARNING, logger="trainwise"):
+        trackers.open()
+        trackers.records([{"step": 1, "loss": 2.0}])
+        trackers.finish([], finished=True)
+    mine = [r.getMessage() for r in caplog.records if r.name == "trainwise"]
+    assert len(mine) == 1 and "the mlflow tracker failed to start" in mine[0]
+    assert trackers.live == []
+
+
+def test_mlflow_continues_its_run_after_a_restart(tmp_path, mlflow_env):
+    from mlflow.tracking import MlflowClient
+
+    from trainwise.run.trackers import MLflow, default_mlflow_uri
+
+    uri = default_mlflow_uri(tmp_path)
+    for attempt, steps in enumerate(([1, 2, 3], [3, 4])):  # the second redoes step 3
+        trackers = Trackers(tmp_path, [MLflow(tmp_path, uri, {"train.steps": "4"})])
+        trackers.open()
+        trackers.records([{"step": s, "loss": 10.0 * attempt + s, "time": 1.0} for s in steps])
+        trackers.finish([{"kind": "resume"}] * attempt, finished=attempt == 1)
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("trainwise").experiment_id])
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss"))
+    assert history == [(1, 1.0), (2, 2.0), (3, 3.0), (3, 13.0), (4, 14.0)]
+    assert run.info.status == "FINISHED" and run.data.params == {"train.steps": "4"}
+    assert run.data.tags["trainwise.events.resume"] == "1"
