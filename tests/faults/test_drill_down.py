@@ -162,8 +162,11 @@ def test_the_profiler_traces_matmuls_and_the_all_reduce(tracked):
         groups = summary["groups_s"]
         assert sum(groups.values()) == pytest.approx(summary["window_s"], rel=0.05)
         assert groups["compute"] > 0 and groups["communication"] > 0
+        stages = summary["stages_s"]  # a traced step by the plan's stages, as long as a step
+        assert sum(stages.values()) * 2 == pytest.approx(summary["window_s"], rel=0.05)
+        assert stages["exposed_comm"] > 0 and stages["compute"] > 0
     profiled = [r["step"] for r in records(run_dir) if r["profiled"]]
-    assert profiled == [2, 3]
+    assert profiled == [2, 3, 4]  # and the step that waited for the traces
 
 
 def test_the_report_shows_where_to_look_next(tracked):

@@ -116,27 +116,37 @@ def test_operators_fall_in_groups(name, group):
     assert group_of(name) == group
 
 
-def _avg(key: str, self_us: float, total_us: float | None = None, count: int = 1):
-    return SimpleNamespace(key=key, self_cpu_time_total=self_us, count=count,
-                           cpu_time_total=total_us if total_us is not None else self_us)  # fmt: skip
+def _event(name: str, start: float, end: float, self_us: float, thread: int = 1):
+    return SimpleNamespace(name=name, thread=thread, self_cpu_time_total=self_us,
+                           time_range=SimpleNamespace(start=start, end=end))  # fmt: skip
 
 
-def test_the_summary_splits_the_steps_spans_by_group():
-    # Two steps of 1000 us each; inside them operators' self times and 150 us of Python.
-    averages = [
-        _avg(f"{STEP_SPAN}1", 100, 1000), _avg(f"{STEP_SPAN}2", 50, 1000),
-        _avg("aten::mm", 900, count=4), _avg("c10d::allreduce_", 400),
-        _avg("aten::copy_", 300), _avg("enumerate(DataLoader)#x", 250),
+def test_the_summary_splits_the_steps_spans_by_group_and_stage():
+    # Step 1 (0-1000 us): a matmul, the loader, an all-reduce launch, then this thread
+    # idles 650-850 while gloo's thread reduces (600-850), then the optimizer. Step 2
+    # (2000-3000) runs nothing the profiler sees. Outside the steps or on another thread,
+    # operators count in no group.
+    events = [
+        _event(f"{STEP_SPAN}1", 0, 1000, 250), _event("aten::mm", 50, 500, 450),
+        _event("enumerate(DataLoader)#x", 500, 600, 100),
+        _event("c10d::allreduce_", 600, 650, 50),
+        _event("Optimizer.step#AdamW.step", 850, 1000, 150),
+        _event("gloo:all_reduce", 600, 850, 250, thread=2), _event("aten::mul", 10, 20, 10, 2),
+        _event("aten::add", 1200, 1300, 100), _event(f"{STEP_SPAN}2", 2000, 3000, 1000),
     ]  # fmt: skip
-    s = summarise(averages, wall_s=0.5, window=[1, 2], cuda=False)
+    s = summarise(events, wall_s=0.5, window=[1, 2], cuda=False)
     assert s["window_s"] == pytest.approx(0.002)
     assert s["groups_s"] == pytest.approx(
-        {"compute": 0.0009, "communication": 0.0004, "copies": 0.0003, "data": 0.00025,
-         "other": 0.00015}
+        {"compute": 600e-6, "communication": 50e-6, "copies": 0.0, "data": 100e-6,
+         "other": 1250e-6}
     )  # fmt: skip
     assert sum(s["groups_s"].values()) == pytest.approx(s["window_s"])
-    assert [op["name"] for op in s["top"]][:2] == ["aten::mm", "c10d::allreduce_"]
-    assert all(not op["name"].startswith(STEP_SPAN) for op in s["top"])
+    # Per step: the 200 us this thread waited for gloo count as exposed communication.
+    assert s["stages_s"] == pytest.approx(
+        {"data": 50e-6, "optimizer": 75e-6, "exposed_comm": 125e-6, "compute": 750e-6}
+    )
+    assert [op["name"] for op in s["top"]][:2] == ["aten::mm", "Optimizer.step#AdamW.step"]
+    assert {op["name"] for op in s["top"]}.isdisjoint({"aten::add", "aten::mul"})
 
 
 def test_hangs_name_who_did_not_arrive():
@@ -165,6 +175,8 @@ def _traced_run(root: Path) -> Path:
         summary = {"rank": rank, "steps": [3, 5], "window_s": 2.0, "trace": "x",
                    "groups_s": {"compute": 1.0, "communication": 0.5, "copies": 0.2,
                                 "data": 0.1, "other": 0.2},
+                   "stages_s": {"data": 0.01, "compute": 0.4, "exposed_comm": 0.3,
+                                "optimizer": 0.02},
                    "top": [{"name": "aten::mm", "group": "compute", "calls": 8,
                             "self_s": 0.8}]}  # fmt: skip
         (profile / f"summary-rank-{rank}.json").write_text(json.dumps(summary))
@@ -186,12 +198,18 @@ def test_the_report_shows_where_to_look_next(tmp_path):
     assert d.top[0].name == "aten::mm" and d.top[0].share == pytest.approx(0.4)
     assert d.traces == ["profile/trace-rank-0.json", "profile/trace-rank-1.json"]
     assert "needs CUDA" in d.memory
+    # A traced step three ways: the plan, the loop's timers over steps 3-5, rank 0's trace.
+    sync = next(a for a in d.attributed if a.stage == "exposed sync")
+    assert (sync.plan, sync.loop, sync.trace) == pytest.approx((0.05, 0.1, 0.3))
+    optim = next(a for a in d.attributed if a.stage == "optimizer")
+    assert (optim.plan, optim.loop, optim.trace) == (None, pytest.approx(0.2), 0.02)
     assert d.hangs[0].absent == [1] and "rank 0 waited" in d.dumps[0]
     assert r.headline.tokens_per_s == pytest.approx(1000.0)  # profiled steps left out
     assert any("steps 3-5 ran under the profiler" in n for n in r.notes)
     text = render_text(r)
     assert "Where to look next" in text and "aten::mm" in text and "50%" in text
     assert "trace: profile/trace-rank-1.json" in text and "stacks of rank 0" in text
+    assert "exposed sync       50.00 ms    100.00 ms  300.00 ms" in text
     md = render_markdown(r)
     assert "## Where to look next" in md and "| 5 | the step | timeout | 1 | 0 |" in md
     page = render_html([r])

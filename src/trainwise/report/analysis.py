@@ -157,8 +157,9 @@ def _profiled_note(run: RunFiles) -> list[str]:
     if not traced:
         return []
     return [
-        f"steps {traced[0]}-{traced[-1]} ran under the profiler (logging.profile_steps): "
-        "left out of the medians and the plan comparison"
+        f"steps {traced[0]}-{traced[-1]} ran under the profiler (logging.profile_steps, and "
+        "the step that waited for the traces to be written): left out of the medians and "
+        "the plan comparison"
     ]
 
 

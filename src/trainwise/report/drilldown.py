@@ -32,6 +32,26 @@ class Operator:
 
 
 @dataclass(frozen=True)
+class Attributed:
+    """One stage of a traced step: the plan's figure, the loop's own timers over the same
+    steps, and the trace's (rank 0), in seconds per step."""
+
+    stage: str
+    plan: float | None  # the planner counts the optimizer inside compute
+    loop: float | None
+    trace: float | None
+
+
+# (stage, the plan's key, metrics.jsonl's field, the trace summary's stages_s key)
+ATTRIBUTED = (
+    ("data wait", "data", "data_s", "data"),
+    ("compute", "compute", "compute_s", "compute"),
+    ("exposed sync", "exposed_comm", "sync_s", "exposed_comm"),
+    ("optimizer", None, "optim_s", "optimizer"),
+)
+
+
+@dataclass(frozen=True)
 class Hang:
     step: int
     stage: str
@@ -44,6 +64,7 @@ class Hang:
 @dataclass(frozen=True)
 class DrillDown:
     profiles: list[RankProfile] = field(default_factory=list)
+    attributed: list[Attributed] = field(default_factory=list)  # a traced step by stage
     top: list[Operator] = field(default_factory=list)
     traces: list[str] = field(default_factory=list)  # run-relative paths
     memory: str = ""  # the memory timeline: its files, or why there is none
@@ -68,12 +89,34 @@ def drill_down(run: RunFiles) -> DrillDown:
     profiles.sort(key=lambda p: p.rank)
     return DrillDown(
         profiles=profiles,
+        attributed=attributed(run),
         top=top_operators(run.profiles),
         traces=run.traces,
         memory=memory_line(run),
         hangs=hangs(run.events),
         dumps=run.hang_dumps,
     )
+
+
+def attributed(run: RunFiles) -> list[Attributed]:
+    """The traced steps split by stage three ways: plan, loop timers, trace (rank 0)."""
+    if not run.profiles:
+        return []
+    first = min(run.profiles, key=lambda p: p.get("rank", 0))
+    trace = first.get("stages_s") or {}
+    lo, hi = (first.get("steps") or [0, 0])[:2]
+    traced = [r for r in run.records if lo <= r["step"] <= hi]
+    plan = (run.plan or {}).get("step", {})
+    out = []
+    for stage, plan_key, field_name, trace_key in ATTRIBUTED:
+        values = [float(r[field_name]) for r in traced if r.get(field_name) is not None]
+        out.append(
+            Attributed(
+                stage, plan.get(plan_key) if plan_key else None,
+                sum(values) / len(values) if values else None, trace.get(trace_key),
+            )
+        )  # fmt: skip
+    return out
 
 
 def top_operators(summaries: list[dict[str, Any]]) -> list[Operator]:

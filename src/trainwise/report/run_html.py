@@ -27,6 +27,7 @@ from trainwise.report.figures import (
 )
 from trainwise.report.plan_html import CSS, html_table
 from trainwise.report.run_view import (
+    ATTRIBUTED_COLUMNS,
     COMPARE_COLUMNS,
     COST_COLUMNS,
     HANG_COLUMNS,
@@ -34,6 +35,7 @@ from trainwise.report.run_view import (
     PLAN_COLUMNS,
     PROFILE_COLUMNS,
     STAGE_COLUMNS,
+    attributed_rows,
     calibrate_line,
     compare_rows,
     cost_rows,
@@ -148,6 +150,8 @@ def _drill_section(r: RunReport, key: str) -> list[str]:
                             "The traced steps' time on each rank, by the group of the operator "
                             "that spent it (self time); other: Python between operators."),
                 *html_table("Traced window, share by group", PROFILE_COLUMNS, profile_rows(r)),
+                *html_table("A traced step by stage: plan, the loop's timers, the trace",
+                            ATTRIBUTED_COLUMNS, attributed_rows(r)),
                 *html_table("Top operators by self time (rank 0)", OPERATOR_COLUMNS,
                             operator_rows(r))]  # fmt: skip
     if d.hangs:

@@ -26,6 +26,10 @@ def _num(x: float | None, unit: str) -> str:
     return f"{x:,.0f} {unit}"
 
 
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.2f} ms"
+
+
 def summary_rows(r: RunReport) -> Rows:
     h = r.headline
     params = f", {h.params:,} parameters" if h.params else ""
@@ -127,6 +131,7 @@ def calibrate_line(r: RunReport) -> str | None:
 
 
 PROFILE_COLUMNS = ("rank", "steps", "window", *(g for g in GROUPS))
+ATTRIBUTED_COLUMNS = ("stage", "plan per step", "loop timers", "trace (rank 0)")
 OPERATOR_COLUMNS = ("operator", "group", "calls", "self time", "share of window")
 HANG_COLUMNS = ("step", "stage", "cause", "did not arrive", "reported by")
 
@@ -140,11 +145,17 @@ def profile_rows(r: RunReport) -> Rows:
     ]  # fmt: skip
 
 
+def attributed_rows(r: RunReport) -> Rows:
+    """A traced step by the plan's stages: the plan, the loop's timers, the trace."""
+    rows = []
+    for a in r.drill.attributed:
+        plan = "in compute" if a.plan is None and a.stage == "optimizer" else _ms(a.plan)
+        rows.append((a.stage, plan, _ms(a.loop), _ms(a.trace)))
+    return rows
+
+
 def operator_rows(r: RunReport) -> Rows:
-    return [
-        (o.name, o.group, str(o.calls), f"{o.self_s * 1e3:.2f} ms", f"{o.share:.1%}")
-        for o in r.drill.top
-    ]
+    return [(o.name, o.group, str(o.calls), _ms(o.self_s), f"{o.share:.1%}") for o in r.drill.top]
 
 
 def hang_rows(r: RunReport) -> Rows:
@@ -168,6 +179,7 @@ def _drill_text(r: RunReport) -> list[str]:
     out = ["", "Where to look next"]
     if r.drill.profiles:
         out += [*_text_table(PROFILE_COLUMNS, profile_rows(r))]
+        out += ["", "A traced step by stage", *_text_table(ATTRIBUTED_COLUMNS, attributed_rows(r))]
         out += ["", "Top operators (rank 0)", *_text_table(OPERATOR_COLUMNS, operator_rows(r))]
     if r.drill.hangs:
         out += ["", "Hangs", *_text_table(HANG_COLUMNS, hang_rows(r))]
@@ -228,6 +240,7 @@ def render_markdown(r: RunReport) -> str:
     out += ["", "## Where to look next", ""]
     if r.drill.profiles:
         out += [*md_table(PROFILE_COLUMNS, profile_rows(r)), ""]
+        out += [*md_table(ATTRIBUTED_COLUMNS, attributed_rows(r)), ""]
         out += [*md_table(OPERATOR_COLUMNS, operator_rows(r)), ""]
     if r.drill.hangs:
         out += [*md_table(HANG_COLUMNS, hang_rows(r)), ""]

@@ -51,8 +51,27 @@ class Profiler:
         self.cuda = device.type == "cuda"
 
     def before_step(self, step: int) -> None:
-        if not self.window or step != self.window[0] or self.prof is not None:
-            return
+        """Start the profiler at the window's first step; open the step's span."""
+        if self.window and step == self.window[0] and self.prof is None:
+            self._start()
+        if self.prof is not None:
+            from torch.profiler import record_function
+
+            self.span = record_function(f"{STEP_SPAN}{step}")
+            self.span.__enter__()
+
+    def end_step(self) -> None:
+        """Close the step's span: the stepper's work (data, forward, backward, optimizer),
+        what the loop's timers time too."""
+        if self.span is not None:
+            self.span.__exit__(None, None, None)
+            self.span = None
+
+    def after_step(self, step: int) -> None:
+        if self.prof is not None and step >= self.window[1]:
+            self.stop()
+
+    def _start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
@@ -61,31 +80,12 @@ class Profiler:
         self.prof = profile(activities=activities, record_shapes=True, profile_memory=True)
         self.prof.start()
         self.started = time.perf_counter()
-        self._mark(step)
-
-    def _mark(self, step: int) -> None:
-        """A span per step (its self time: Python between the operators)."""
-        from torch.profiler import record_function
-
-        self.span = record_function(f"{STEP_SPAN}{step}")
-        self.span.__enter__()
-
-    def after_step(self, step: int) -> None:
-        if self.prof is None:
-            return
-        self.span.__exit__(None, None, None)
-        self.span = None
-        if step >= self.window[1]:
-            self.stop()
-        else:
-            self._mark(step + 1)
 
     def stop(self) -> None:
         """End the window (also at a run's end inside it): the trace, the summary."""
         if self.prof is None:
             return
-        if self.span is not None:
-            self.span.__exit__(None, None, None)
+        self.end_step()
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self.prof.stop()
@@ -94,7 +94,7 @@ class Profiler:
         self.folder.mkdir(parents=True, exist_ok=True)
         trace = self.folder / f"trace-rank-{self.rank}.json"
         prof.export_chrome_trace(str(trace))
-        summary = summarise(prof.key_averages(), wall_s, self.window, self.cuda)
+        summary = summarise(prof.events(), wall_s, self.window, self.cuda)
         summary.update(rank=self.rank, trace=trace.name)
         if self.cuda:
             summary["memory_snapshot"] = self.dump_memory().name
@@ -120,31 +120,107 @@ class Profiler:
         logging.getLogger("trainwise").error("trainwise: memory snapshot at the OOM: %s", path)
 
 
-def summarise(averages: Any, wall_s: float, window: list[int], cuda: bool) -> dict[str, Any]:
-    """Top operators by self time and the time by group, from the profiler's key_averages.
-    The window's time is its steps' spans; what no operator covers inside them (Python
-    between operators) is `other`. On one thread, the groups add up to the window."""
-    ops, window_s = [], 0.0
+def summarise(events: Any, wall_s: float, window: list[int], cuda: bool) -> dict[str, Any]:
+    """Top operators by self time and the time by group, from the profiler's events on the
+    step's thread inside the steps' spans (the stepper: forward, backward, optimizer). The
+    window's time is those spans; what no operator covers in them (Python between
+    operators, waiting) is `other`, so the groups add up to the window."""
+    spans = [e for e in events if e.name.startswith(STEP_SPAN)]
+    main = spans[0].thread if spans else None
+    bounds = _merge([_span(e) for e in spans])
     groups = dict.fromkeys(("compute", "communication", "copies", "data", "other"), 0.0)
-    for avg in averages:
-        host = avg.self_cpu_time_total / 1e6
-        device = getattr(avg, "self_device_time_total", 0.0) / 1e6 if cuda else 0.0
-        if avg.key.startswith(STEP_SPAN):
-            window_s += avg.cpu_time_total / 1e6
+    ops: dict[str, dict[str, Any]] = {}
+    for e in events:
+        if e.thread != main or not _within(_span(e), bounds):
+            continue
+        host = e.self_cpu_time_total / 1e6
+        if e.name.startswith(STEP_SPAN):
             groups["other"] += host
             continue
-        if host <= 0 and device <= 0:
-            continue
-        group = group_of(avg.key)
+        group = group_of(e.name)
         groups[group] += host
-        ops.append({"name": avg.key, "group": group, "calls": avg.count, "self_s": host,
-                    "device_s": device})  # fmt: skip
-    ops.sort(key=lambda op: op["device_s"] if cuda else op["self_s"], reverse=True)
+        op = ops.setdefault(e.name, {"name": e.name, "group": group, "calls": 0,
+                                     "self_s": 0.0, "device_s": 0.0})  # fmt: skip
+        op["calls"] += 1
+        op["self_s"] += host
+        op["device_s"] += getattr(e, "self_device_time_total", 0.0) / 1e6 if cuda else 0.0
+    window_s = _length(bounds) / 1e6
+    top = sorted(ops.values(), key=lambda op: op["device_s" if cuda else "self_s"], reverse=True)
     return {
         "steps": window,
-        "window_s": window_s,  # the steps' spans (profiler's clock)
-        "wall_s": wall_s,  # start to stop, the profiler's own start-up included
+        "window_s": window_s,  # the steps' spans (the profiler's clock)
+        "wall_s": wall_s,  # start to stop, the loop between steps and start-up included
         "clock": "device" if cuda else "host",
         "groups_s": groups,  # host self time by group
-        "top": ops[:TOP],
+        "stages_s": stages_per_step(events, groups, window_s, window[1] - window[0] + 1),
+        "top": top[:TOP],
     }
+
+
+def stages_per_step(
+    events: Any, groups: dict[str, float], window_s: float, steps: int
+) -> dict[str, float]:
+    """One traced step split the way the planner and the loop's timers split it: data wait
+    (the DataLoader's spans), optimizer (the optimizer's spans), exposed communication
+    (this thread inside communication operators, plus the time a backend's thread
+    communicated while this one ran no operator: it waited), compute (the rest, Python
+    included). Host time: on CUDA the kernels run behind it."""
+
+    def spans(prefixes: tuple[str, ...]) -> float:
+        return _length(_merge([_span(e) for e in events if e.name.startswith(prefixes)])) / 1e6
+
+    data = spans(("enumerate(DataLoader)",))
+    optim = spans(("Optimizer.step#", "Optimizer.zero_grad#"))
+    comm = groups["communication"] + waited_for_communication(events)
+    compute = max(window_s - data - optim - comm, 0.0)
+    split = {"data": data, "compute": compute, "exposed_comm": comm, "optimizer": optim}
+    return {k: v / max(steps, 1) for k, v in split.items()}
+
+
+def _within(span: tuple[float, float], bounds: list[tuple[float, float]]) -> bool:
+    return any(a <= span[0] and span[1] <= b for a, b in bounds)
+
+
+def waited_for_communication(events: Any) -> float:
+    """Seconds inside the step spans when another thread ran a communication operator
+    (gloo's, NCCL's) and the step's thread ran none of its own."""
+    steps = [e for e in events if e.name.startswith(STEP_SPAN)]
+    if not steps:
+        return 0.0
+    main = steps[0].thread
+    busy = [_span(e) for e in events if e.thread == main and not e.name.startswith(STEP_SPAN)]
+    comm = [_span(e) for e in events if e.thread != main and group_of(e.name) == "communication"]
+    inside = _intersect(_merge(comm), _merge([_span(e) for e in steps]))
+    return (_length(inside) - _length(_intersect(inside, _merge(busy)))) / 1e6
+
+
+def _span(e: Any) -> tuple[float, float]:
+    return (e.time_range.start, e.time_range.end)
+
+
+def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _intersect(xs: list[tuple[float, float]], ys: list[tuple[float, float]]):
+    """The overlap of two merged, sorted lists of spans."""
+    out, i, j = [], 0, 0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if a < b:
+            out.append((a, b))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)

@@ -87,8 +87,10 @@ class Recorder:
         self.start = time.perf_counter()
 
     def profiled(self, step: int) -> bool:
+        """In the traced window, or the step after it: every rank writes its trace then,
+        and the slowest writer holds up that step's collectives."""
         window = self.cfg.profile_steps
-        return bool(window) and window[0] <= step <= window[1]
+        return bool(window) and window[0] <= step <= window[1] + 1
 
     def probe_now(self, step: int) -> bool:
         return is_probe_step(step - self.start_step, self.probe_every)

@@ -48,7 +48,7 @@ class StepRecord:
     elapsed_s: float  # since the loop started
     time: float  # unix time
     attempt: int  # elastic restart count: a resumed run repeats the steps since its checkpoint
-    profiled: bool = False  # inside logging.profile_steps: the profiler slowed it, not timed
+    profiled: bool = False  # logging.profile_steps and the step after: slowed by the profiler
 
 
 RECORD_FIELDS = tuple(f.name for f in fields(StepRecord))

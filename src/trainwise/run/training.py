@@ -162,6 +162,7 @@ class Training:
         stepper = self.trainer.stepper
         stepper.poison = self.faults.poisons(self.step)
         result = stepper.step(self.batches, probe=self.recorder.probe_now(self.step))
+        self.profiler.end_step()
         if result.finite:
             self.skips_in_a_row = 0
         return result
