@@ -148,7 +148,8 @@ def _drill_section(r: RunReport, key: str) -> list[str]:
     if d.profiles:
         out += [figure_html(_profile_figure(r), f"{key}-profile", "profiled window by group",
                             "The traced steps' time on each rank, by the group of the operator "
-                            "that spent it (self time); other: Python between operators."),
+                            "that spent it (self time); other: Python between operators, and "
+                            "waiting (for a collective: see the step by stage)."),
                 *html_table("Traced window, share by group", PROFILE_COLUMNS, profile_rows(r)),
                 *html_table("A traced step by stage: plan, the loop's timers, the trace",
                             ATTRIBUTED_COLUMNS, attributed_rows(r)),
