@@ -60,7 +60,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     root = tmp_path_factory.mktemp("report")
     res = run_cli(
         "train", "--nproc", "1", "--strategy", "single", "--steps", "6", "--run-dir", "run",
-        "--set", "logging.progress=none", "--set", "logging.tensorboard=false", cwd=root,
+        "--set", "logging.progress=none", "--set", "logging.tensorboard=false",
+        "--set", "logging.profile_steps=[3, 4]", cwd=root,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     assert "report     run/report.html" in res.stdout
@@ -72,7 +73,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 def test_every_train_ends_by_writing_its_report(trained):
     run_dir, report = trained
     page = (run_dir / "report.html").read_text()
-    assert page.count("<svg") == 4 and "<script" not in page
+    assert page.count("<svg") == 5 and "<script" not in page  # with the traced window's
     assert report["headline"]["steps_done"] == 6 and report["plan_vs_actual"]
     assert (run_dir / "plan.json").is_file()  # what the plan-versus-actual rows compare with
 
@@ -83,8 +84,11 @@ def test_a_real_browser_shows_every_picture_and_the_headline_numbers(trained, tm
     sizes, text, png, logs = _browse(run_dir / "report.html", tmp_path / "profile")
     (tmp_path / "report.png").write_bytes(png)  # kept for a look when the test fails
     assert not [e for e in logs if e["level"] == "SEVERE"], logs
-    assert len(sizes) == 4 and all(w > 50 and h > 50 for w, h in sizes), sizes
+    assert len(sizes) == 5 and all(w > 50 and h > 50 for w, h in sizes), sizes
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
     h = run["headline"]
     for number in (f"{h['final_loss']:.4f}", f"{run['cost']['total_gpu_hours']:.3g}", "tiny"):
         assert number in text, number
+    # Where to look next: the traced window's top operator and the trace's link.
+    assert "Where to look next" in text and run["drill"]["top"][0]["name"] in text
+    assert "profile/trace-rank-0.json" in text and "needs CUDA" in text

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from faulty import References, assert_identical, final_weights, finish, job_args, start
 
+from helpers import run_cli
+
 pytestmark = pytest.mark.dist
 
 
@@ -32,3 +34,22 @@ def test_a_hung_rank_is_named_and_the_group_restarts(workdir: Path, reference: R
     resume = next(e for e in log if e["kind"] == "resume")
     assert resume["step"] == 4 and resume["attempt"] == 1
     assert_identical(reference.weights(2, "ddp"), final_weights(run_dir, workdir))
+
+    # The waiting rank's stacks, named in its event and shown by the report.
+    assert seen["dump"] == "hang/rank-0.txt"
+    dump = (run_dir / "hang" / "rank-0.txt").read_text()
+    assert "rank 1 did not respond" in dump and "Timed out" in dump
+    assert "Current thread" in dump and "training.py" in dump  # faulthandler's stacks
+    # The hung rank, stopped by the agent, wrote where its watchdog found it stuck: in the
+    # fault's sleep before the step's collectives.
+    stuck = (run_dir / "hang" / "rank-1.txt").read_text()
+    taken = stuck.split("Every thread when the step had run 5 s:")[1].split("The failed")[0]
+    assert "in _wait" in taken and "in before_step" in taken
+    made = run_cli("report", str(run_dir), "--format", "json", cwd=workdir)
+    assert made.returncode == 0, made.stderr
+    drill = json.loads(made.stdout)["runs"][0]["drill"]
+    hang = next(h for h in drill["hangs"] if h["step"] == 6)
+    assert hang["absent"] == [1] and 0 in hang["seen_by"]
+    assert "rank 1 did not respond" in drill["dumps"]["0"] and "in _wait" in drill["dumps"]["1"]
+    page = run_cli("report", str(run_dir), "--format", "md", cwd=workdir).stdout
+    assert "did not arrive" in page and "stacks of rank 0: hang/rank-0.txt" in page

@@ -19,6 +19,7 @@ from trainwise.run.telemetry import (
     StepRecord,
     read_metrics,
 )
+from trainwise.run.trackers import build_trackers
 
 
 def record(step: int, **kw) -> StepRecord:
@@ -72,7 +73,7 @@ def test_metrics_round_trip(tmp_path):
         record(2, eval_loss=1.25, sync_s=0.03125, mfu=0.5, mem_kind="cuda_peak"),
         record(3),
     ]
-    writer = MetricsWriter(tmp_path, tensorboard=False)
+    writer = MetricsWriter(tmp_path)
     for rec in records:
         writer.write(rec)
     writer.close()
@@ -86,7 +87,7 @@ def test_metrics_round_trip(tmp_path):
 
 
 def test_metrics_are_flushed_after_each_record(tmp_path):
-    writer = MetricsWriter(tmp_path, tensorboard=False)
+    writer = MetricsWriter(tmp_path)
     writer.write(record(1))
     writer.sync()
     # Readable before close: a crash must not lose written steps.
@@ -98,11 +99,11 @@ def test_metrics_are_flushed_after_each_record(tmp_path):
 
 
 def test_a_new_writer_starts_a_new_file(tmp_path):
-    first = MetricsWriter(tmp_path, tensorboard=False)
+    first = MetricsWriter(tmp_path)
     first.write(record(1))
     first.write(record(2))
     first.close()
-    second = MetricsWriter(tmp_path, tensorboard=False)
+    second = MetricsWriter(tmp_path)
     second.write(record(7))
     second.close()
     assert [r["step"] for r in read_metrics(tmp_path)] == [7]
@@ -121,9 +122,11 @@ def test_read_metrics_skips_a_line_cut_by_a_crash(tmp_path):
 
 
 def test_tensorboard_events_are_written(tmp_path):
-    writer = MetricsWriter(tmp_path, tensorboard=True)
+    trackers = build_trackers(["tensorboard"], tmp_path, {}, mlflow_uri=None, tensorboard_every=1)
+    writer = MetricsWriter(tmp_path, trackers)
     writer.write(record(1))
     writer.close()
+    trackers.finish([], finished=True)
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 1
     assert events[0].stat().st_size > 0

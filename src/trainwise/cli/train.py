@@ -200,6 +200,9 @@ def finish_report(cfg: JobConfig, run_dir: Path, after_failure: bool = False) ->
                 file=sys.stderr,
             )
         return
+    from trainwise.run.trackers import add_report
+
+    add_report(run_dir, cfg.logging.trackers, cfg.logging.mlflow_uri)
     if after_failure:
         print(f"trainwise: report of what the run recorded: {page}", file=sys.stderr)
     else:

@@ -143,6 +143,12 @@ def check_consistency(cfg: JobConfig) -> list[str]:
             "train.nonfinite = 'rollback' reloads the last checkpoint, but checkpoint.enabled = "
             "false: enable checkpoints or choose 'skip' or 'stop'"
         )
+    window = cfg.logging.profile_steps
+    if window and window[1] > cfg.train.steps:
+        problems.append(
+            f"logging.profile_steps = {window} ends after the run's last step (train.steps = "
+            f"{cfg.train.steps}): trace steps up to {cfg.train.steps}"
+        )
     return problems
 
 

@@ -300,7 +300,9 @@ class CheckpointConfig(Section):
     @field_validator("resume_from_other", mode="before")
     @classmethod
     def _bool_means_weights(cls, value: object) -> object:
-        return {True: "weights", False: "no"}.get(value, value) if isinstance(value, bool) else value
+        return (
+            {True: "weights", False: "no"}.get(value, value) if isinstance(value, bool) else value
+        )
 
     async_save: bool = Field(
         False,
@@ -562,7 +564,22 @@ class LoggingConfig(Section):
     progress: Literal["auto", "bar", "lines", "none"] = Field(
         "auto", description="auto: a bar in a terminal, plain lines otherwise."
     )
-    tensorboard: bool = Field(True, description="Also write TensorBoard events.")
+    trackers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Experiment trackers rank 0 also records to (the config, every step's "
+        "figures, the events, the run's files at the end); a tracker that fails is one "
+        "warning. mlflow and wandb need `pip install 'trainwise[mlflow]'` / `[wandb]`; "
+        "wandb runs offline without WANDB_API_KEY.",
+    )
+    mlflow_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI (a server URL or file:PATH); default: a file store "
+        "in RUN/mlruns.",
+    )
+    tensorboard: bool = Field(
+        True,
+        description="false: leave 'tensorboard' out of logging.trackers (older job files).",
+    )
     tensorboard_every: int = Field(
         10, gt=0, description="TensorBoard points every N steps (metrics.jsonl has every step)."
     )
@@ -579,6 +596,26 @@ class LoggingConfig(Section):
         description="Every N steps, time one extra forward+backward without communication "
         "to split exposed gradient sync from compute; 0: never.",
     )
+    profile_steps: list[int] = Field(
+        default_factory=list,
+        description="[first, last]: trace these steps with torch.profiler on every rank "
+        "(RUN/profile/: a Chrome trace per rank, a summary the report shows; on CUDA a "
+        "memory snapshot); their timings are left out of the report's figures. []: off.",
+    )
+
+    @field_validator("profile_steps")
+    @classmethod
+    def _window(cls, v: list[int]) -> list[int]:
+        if v and (len(v) != 2 or not 1 <= v[0] <= v[1]):
+            raise ValueError("must be [first, last] steps with 1 <= first <= last, or []")
+        return v
+
+    @model_validator(mode="after")
+    def _no_tensorboard(self) -> LoggingConfig:
+        if not self.tensorboard and "tensorboard" in self.trackers:
+            # object.__setattr__: an assignment would validate (and call this) again
+            object.__setattr__(self, "trackers", [t for t in self.trackers if t != "tensorboard"])
+        return self
 
 
 class JobConfig(Section):

@@ -20,6 +20,7 @@ from trainwise.plan.cost import CostTerm, run_cost
 from trainwise.plan.estimate import SIMPLER_WITHIN, config_keys
 from trainwise.plan.planner import COMM_BOUND_SHARE
 from trainwise.plan.units import fmt_gpu_hours, fmt_usd_exact
+from trainwise.report.drilldown import DrillDown, drill_down
 from trainwise.report.rundir import RunFiles
 from trainwise.run.events import RetryCost, resumptions, retry_cost
 
@@ -130,6 +131,7 @@ class RunReport:
     curves: Curves
     advice: list[Advice]
     notes: list[str] = field(default_factory=list)
+    drill: DrillDown = field(default_factory=DrillDown)  # where to look next
 
 
 def analyse(run: RunFiles) -> RunReport:
@@ -146,8 +148,20 @@ def analyse(run: RunFiles) -> RunReport:
         plan_vs_actual=checks,
         curves=curves(run),
         advice=advice(run, stages, costs, checks),
-        notes=notes,
+        notes=notes + _profiled_note(run),
+        drill=drill_down(run),
     )
+
+
+def _profiled_note(run: RunFiles) -> list[str]:
+    traced = [r["step"] for r in run.records if r.get("profiled")]
+    if not traced:
+        return []
+    return [
+        f"steps {traced[0]}-{traced[-1]} ran under the profiler (logging.profile_steps, and "
+        "the step that waited for the traces to be written): left out of the medians and "
+        "the plan comparison"
+    ]
 
 
 def _section(run: RunFiles, name: str) -> dict[str, Any]:
@@ -254,7 +268,7 @@ def _attempts_restart(kind: str, attempt: Any, last: tuple[int, bool] | None) ->
 
 def steady(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The steps after warm-up (all of them when the run is too short to have any)."""
-    later = [r for r in records if r["step"] > WARMUP_STEPS]
+    later = [r for r in records if r["step"] > WARMUP_STEPS and not r.get("profiled")]
     return later or records
 
 

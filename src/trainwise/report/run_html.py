@@ -1,6 +1,7 @@
 """The run report as one self-contained HTML page, mostly pictures with the numbers beside
 them: the summary, time per stage (per step window, and the plan's split), the cost, plan
-versus actual, the curves with checkpoints and restarts marked, and the advice. Several
+versus actual, the curves with checkpoints and restarts marked, the advice, and where to
+look next (the profiled window, trace files, memory timeline, hang stacks). Several
 runs side by side on one page.
 
 Nothing is fetched: inline CSS, no script, the pictures are matplotlib's SVG written into
@@ -13,6 +14,7 @@ import html
 
 from trainwise.plan.units import fmt_usd_exact
 from trainwise.report.analysis import STAGES, RunReport
+from trainwise.report.drilldown import GROUPS
 from trainwise.report.figures import (
     FIGURE_WIDTH,
     LINE_COLOURS,
@@ -25,15 +27,23 @@ from trainwise.report.figures import (
 )
 from trainwise.report.plan_html import CSS, html_table
 from trainwise.report.run_view import (
+    ATTRIBUTED_COLUMNS,
     COMPARE_COLUMNS,
     COST_COLUMNS,
+    HANG_COLUMNS,
+    OPERATOR_COLUMNS,
     PLAN_COLUMNS,
+    PROFILE_COLUMNS,
     STAGE_COLUMNS,
+    attributed_rows,
     calibrate_line,
     compare_rows,
     cost_rows,
+    hang_rows,
+    operator_rows,
     plan_rows,
     price_line,
+    profile_rows,
     stage_rows,
     summary_rows,
 )
@@ -49,9 +59,17 @@ STAGE_COLOURS = {
     "communication wait": "#D55E00",
     "failure retry": "#000000",
 }
+GROUP_COLOURS = {
+    "compute": "#0072B2",
+    "communication": "#D55E00",
+    "copies": "#009E73",
+    "data": "#E69F00",
+    "other": "#999999",
+}
 EXTRA_CSS = (
     ".advice li{margin:.4em 0}.flag{color:#b00020;font-weight:600}"
     "table.summary td{white-space:normal}"
+    "details pre{max-height:30em;overflow:auto;font-size:.8em}"
 )
 ERROR_CLIP = 200.0  # percent: a bar beyond it is cut there (its label keeps the figure)
 
@@ -116,10 +134,49 @@ def _run_section(r: RunReport, key: str, heading: bool) -> list[str]:
         for a in r.advice
     ] or ["<li>None: no warning held during the run.</li>"]
     out.append("</ol>")
+    out += _drill_section(r, key)
     if r.notes:
         out += ["<h3>Notes</h3>", "<ul>", *(f"<li>{e(n)}</li>" for n in r.notes), "</ul>"]
     out.append("</section>")
     return out
+
+
+def _drill_section(r: RunReport, key: str) -> list[str]:
+    """Where to look next: the traced window, the files to open, the hangs with stacks."""
+    e, d = html.escape, r.drill
+    out = [f'<h2 id="{key}-next">Where to look next</h2>']
+    if d.profiles:
+        out += [figure_html(_profile_figure(r), f"{key}-profile", "profiled window by group",
+                            "The traced steps' time on each rank, by the group of the operator "
+                            "that spent it (self time); other: Python between operators, and "
+                            "waiting (for a collective: see the step by stage)."),
+                *html_table("Traced window, share by group", PROFILE_COLUMNS, profile_rows(r)),
+                *html_table("A traced step by stage: plan, the loop's timers, the trace",
+                            ATTRIBUTED_COLUMNS, attributed_rows(r)),
+                *html_table("Top operators by self time (rank 0)", OPERATOR_COLUMNS,
+                            operator_rows(r))]  # fmt: skip
+    if d.hangs:
+        out += html_table("Hangs: who did not arrive", HANG_COLUMNS, hang_rows(r))
+    links = [f'<li><a href="{e(t)}">{e(t)}</a> (chrome://tracing, ui.perfetto.dev)</li>'
+             for t in d.traces if "trace" in t]  # fmt: skip
+    out += ['<ul class="next">', *links, f"<li>{e(d.memory)}</li>", "</ul>"]
+    for rank, text in d.dumps.items():
+        out += [f"<details><summary>Stacks of rank {rank} (hang/rank-{rank}.txt)</summary>",
+                f"<pre>{e(text)}</pre></details>"]  # fmt: skip
+    return out
+
+
+def _profile_figure(r: RunReport):
+    profiles = r.drill.profiles
+    labels = list(GROUPS)
+    fig = new_figure(FIGURE_WIDTH, 2.6, 0.8, 0.5, labels)
+    ax = fig.add_subplot()
+    parts = [(g, GROUP_COLOURS[g], [p.groups_s[g] for p in profiles]) for g in GROUPS]
+    xs = stacked_bars(ax, parts, 0.6)
+    ax.set_xticks(xs, [f"rank {p.rank}" for p in profiles])
+    ax.set_ylabel("seconds in the window")
+    legend(ax)
+    return fig
 
 
 def _comparison(reports: list[RunReport]) -> list[str]:

@@ -9,6 +9,7 @@ from typing import Any
 
 from trainwise.plan.units import fmt_bytes, fmt_gpu_hours, fmt_seconds, fmt_usd_exact
 from trainwise.report.analysis import PLAN_ERROR_FLAG, PlanCheck, RunReport
+from trainwise.report.drilldown import GROUPS
 from trainwise.report.plan_view import md_table
 
 SCHEMA_VERSION = 1
@@ -23,6 +24,10 @@ def _num(x: float | None, unit: str) -> str:
     if unit == "s":
         return fmt_seconds(x) + " s"
     return f"{x:,.0f} {unit}"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.2f} ms"
 
 
 def summary_rows(r: RunReport) -> Rows:
@@ -127,6 +132,62 @@ def calibrate_line(r: RunReport) -> str | None:
     )
 
 
+PROFILE_COLUMNS = ("rank", "steps", "window", *(g for g in GROUPS))
+ATTRIBUTED_COLUMNS = ("stage", "plan per step", "loop timers", "trace (rank 0)")
+OPERATOR_COLUMNS = ("operator", "group", "calls", "self time", "share of window")
+HANG_COLUMNS = ("step", "stage", "cause", "did not arrive", "reported by")
+
+
+def profile_rows(r: RunReport) -> Rows:
+    """Each traced rank's window, split by group (shares of the window)."""
+    return [
+        (str(p.rank), f"{p.steps[0]}-{p.steps[-1]}" if p.steps else "-", _num(p.window_s, "s"),
+         *(f"{p.groups_s[g] / p.window_s:.0%}" if p.window_s else "-" for g in GROUPS))
+        for p in r.drill.profiles
+    ]  # fmt: skip
+
+
+def attributed_rows(r: RunReport) -> Rows:
+    """A traced step by the plan's stages: the plan, the loop's timers, the trace."""
+    rows = []
+    for a in r.drill.attributed:
+        plan = "in compute" if a.plan is None and a.stage == "optimizer" else _ms(a.plan)
+        rows.append((a.stage, plan, _ms(a.loop), _ms(a.trace)))
+    return rows
+
+
+def operator_rows(r: RunReport) -> Rows:
+    return [(o.name, o.group, str(o.calls), _ms(o.self_s), f"{o.share:.1%}") for o in r.drill.top]
+
+
+def hang_rows(r: RunReport) -> Rows:
+    return [
+        (str(h.step), h.stage, h.cause, ", ".join(map(str, h.absent)) or "unknown",
+         ", ".join(map(str, h.seen_by)))
+        for h in r.drill.hangs
+    ]  # fmt: skip
+
+
+def drill_lines(r: RunReport) -> list[str]:
+    """The files to open next, one line each."""
+    d = r.drill
+    out = [f"trace: {t}" for t in d.traces if "trace" in t]
+    out.append(f"memory: {d.memory}")
+    out += [f"stacks of rank {rank}: hang/rank-{rank}.txt" for rank in d.dumps]
+    return out
+
+
+def _drill_text(r: RunReport) -> list[str]:
+    out = ["", "Where to look next"]
+    if r.drill.profiles:
+        out += [*_text_table(PROFILE_COLUMNS, profile_rows(r))]
+        out += ["", "A traced step by stage", *_text_table(ATTRIBUTED_COLUMNS, attributed_rows(r))]
+        out += ["", "Top operators (rank 0)", *_text_table(OPERATOR_COLUMNS, operator_rows(r))]
+    if r.drill.hangs:
+        out += ["", "Hangs", *_text_table(HANG_COLUMNS, hang_rows(r))]
+    return out + ["", *(f"  {line}" for line in drill_lines(r))]
+
+
 def render_text(r: RunReport) -> str:
     out = [f"trainwise report: {r.headline.run}"]
     out += [f"  {k:<9}  {v}" for k, v in summary_rows(r)]
@@ -142,6 +203,7 @@ def render_text(r: RunReport) -> str:
         f"  {i}. {a.title}: {a.evidence}. Change: {a.change}. Saving: {a.saving}."
         for i, a in enumerate(r.advice, 1)
     ] or ["  none: no warning held during the run"]
+    out += _drill_text(r)
     if r.notes:
         out += ["", "Notes", *(f"  - {n}" for n in r.notes)]
     return "\n".join(out)
@@ -177,6 +239,14 @@ def render_markdown(r: RunReport) -> str:
         f"{i}. **{a.title}**: {a.evidence}. Change: {a.change}. Saving: {a.saving}."
         for i, a in enumerate(r.advice, 1)
     ] or ["None: no warning held during the run."]
+    out += ["", "## Where to look next", ""]
+    if r.drill.profiles:
+        out += [*md_table(PROFILE_COLUMNS, profile_rows(r)), ""]
+        out += [*md_table(ATTRIBUTED_COLUMNS, attributed_rows(r)), ""]
+        out += [*md_table(OPERATOR_COLUMNS, operator_rows(r)), ""]
+    if r.drill.hangs:
+        out += [*md_table(HANG_COLUMNS, hang_rows(r)), ""]
+    out += [f"- {line}" for line in drill_lines(r)]
     if r.notes:
         out += ["", "## Notes", "", *(f"- {n}" for n in r.notes)]
     return "\n".join(out) + "\n"

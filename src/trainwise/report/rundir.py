@@ -35,6 +35,9 @@ class RunFiles:
     summary: dict[str, Any] | None = None
     plan: dict[str, Any] | None = None
     doctor: dict[str, Any] | None = None
+    profiles: list[dict[str, Any]] = field(default_factory=list)  # profile/summary-rank-N
+    traces: list[str] = field(default_factory=list)  # profile/ and hang/ files, run-relative
+    hang_dumps: dict[int, str] = field(default_factory=dict)  # rank: hang/rank-N.txt
 
     @property
     def name(self) -> str:
@@ -91,7 +94,32 @@ def load_run(path: str | Path) -> RunFiles:
         summary=_json(run, "summary.json"),
         plan=_json(run, "plan.json"),
         doctor=_json(run, "doctor.json"),
+        **_drill_down_files(run),
     )
+
+
+def _drill_down_files(run: Path) -> dict[str, Any]:
+    """The profiler's summaries, the trace and snapshot files, the hang dumps. A damaged
+    one is passed over: they help an investigation, the report stands without them."""
+    profiles = []
+    for path in sorted((run / "profile").glob("summary-rank-*.json")):
+        try:
+            profiles.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    traces = [
+        str(p.relative_to(run))
+        for folder in ("profile", "hang")
+        for p in sorted((run / folder).glob("*"))
+        if p.is_file() and p.suffix in (".json", ".pickle", "") and "summary-" not in p.name
+    ]
+    dumps = {}
+    for path in (run / "hang").glob("rank-*.txt"):
+        try:
+            dumps[int(path.stem.removeprefix("rank-"))] = path.read_text(errors="replace")
+        except (OSError, ValueError):
+            continue
+    return {"profiles": profiles, "traces": traces, "hang_dumps": dict(sorted(dumps.items()))}
 
 
 def _json(run: Path, name: str, needed: str | None = None) -> Any:

@@ -28,8 +28,10 @@ Fields per kind, as the runtime writes them:
 - ``fatal`` {rank, message, exit_status}: an error no restart can fix ended the launch.
 - ``lineage`` {lineage, moved_to}: ``checkpoint.resume = 'never'`` moved the earlier
   checkpoints aside; a new lineage starts.
-- ``peer_failure`` {step, stage, rank, cause, absent, detail, message, traceback}: a collective timed out
-  or lost its peer; written by each rank that saw it, before it exits for a restart.
+- ``peer_failure`` {step, stage, rank, cause, absent, detail, message, traceback, dump}: a
+  collective timed out or lost its peer; written by each rank that saw it, before it exits
+  for a restart. ``absent``: the ranks that did not reach the monitored barrier (known on
+  rank 0); ``dump``: that rank's stacks, RUN/hang/rank-N.txt.
 """
 
 from __future__ import annotations

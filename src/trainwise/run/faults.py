@@ -11,6 +11,8 @@ SIGKILL to a pid, fills a disk, flips bytes); these points only make *when* dete
 - `slow_data@seconds=S`: every training sample takes S seconds more to load.
 - `slow_network@gbps=G`: DDP's gradient all-reduce waits as if its link carried G GB/s
   (nothing on one rank): a job made to scale badly.
+- `tracker_raises@tracker=NAME`: every call to that experiment tracker (all of them without
+  `tracker`) raises: a tracker gone bad.
 The hooks are methods of one `Faults` object built once per worker (`NO_FAULTS`, which
 does nothing, when the variable is unset). Each fires once, on the first attempt only
 (TORCHELASTIC_RESTART_COUNT = 0): a transient
@@ -40,6 +42,7 @@ class Fault:
     seconds: float | None = None
     gbps: float | None = None
     always: bool = False
+    tracker: str | None = None
 
 
 def parse_faults(text: str) -> list[Fault]:
@@ -55,6 +58,7 @@ def parse_faults(text: str) -> list[Fault]:
                 seconds=float(values["seconds"]) if "seconds" in values else None,
                 gbps=float(values["gbps"]) if "gbps" in values else None,
                 always=values.get("always") == "1",
+                tracker=values.get("tracker"),
             )
         )
     return faults
@@ -121,6 +125,13 @@ class Faults:
         if fault and fault.gbps:
             _slow_ddp(model, fault.gbps)
 
+    def tracker(self, tracker: Any) -> Any:
+        """`tracker_raises`: a tracker whose every call raises."""
+        broken = [f for f in self.faults if f.kind == "tracker_raises"]
+        if any(f.tracker in (None, tracker.name) for f in broken):
+            return RaisingTracker(tracker.name)
+        return tracker
+
     def _pause(self, kind: str, step: int, until: Callable[[], bool] | None) -> None:
         """Announce this process's pid and wait: for the test's SIGKILL, or until `until()`
         (e.g. a preemption signal arrived), or `seconds`."""
@@ -158,6 +169,19 @@ class SlowDataset(Dataset):
     def __getitem__(self, index: int) -> Any:
         time.sleep(self.seconds)
         return self.inner[index]
+
+
+class RaisingTracker:
+    """An experiment tracker whose every call raises, as a broken server or package would."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getattr__(self, method: str) -> Callable[..., None]:
+        def fail(*args: Any, **kwargs: Any) -> None:
+            raise RuntimeError(f"{self.name}.{method}: the tracker_raises fault")
+
+        return fail
 
 
 def _slow_ddp(model: Any, gbps: float) -> None:

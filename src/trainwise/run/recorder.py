@@ -24,6 +24,7 @@ from trainwise.run.telemetry import (
     peak_memory,
     read_metrics,
 )
+from trainwise.run.trackers import Trackers
 
 FIRST_PROBE_STEP = 3  # after the first steps' one-off costs (allocations, warm caches)
 FIRST_PROBES = 3  # probes in a row at the start, so the first estimate is a median
@@ -56,6 +57,7 @@ class Recorder:
         start_step: int = 0,
         attempt: int = 0,
         num_workers: int = 0,
+        trackers: Trackers | None = None,
     ):
         self.steps = steps
         self.start_step = start_step
@@ -79,14 +81,16 @@ class Recorder:
         self.first_loss: float | None = None
         self.last_loss: float | None = None
         self.last_eval: float | None = None
-        self.writer = (
-            MetricsWriter(run_dir, cfg.tensorboard, cfg.tensorboard_every, append=start_step > 0)
-            if is_main
-            else None
-        )
+        self.writer = MetricsWriter(run_dir, trackers, append=start_step > 0) if is_main else None
         show = is_main and cfg.progress != "none"
         self.progress = Progress(steps, cfg.progress, cfg.print_every) if show else None
         self.start = time.perf_counter()
+
+    def profiled(self, step: int) -> bool:
+        """In the traced window, or the step after it: every rank writes its trace then,
+        and the slowest writer holds up that step's collectives."""
+        window = self.cfg.profile_steps
+        return bool(window) and window[0] <= step <= window[1] + 1
 
     def probe_now(self, step: int) -> bool:
         return is_probe_step(step - self.start_step, self.probe_every)
@@ -147,7 +151,9 @@ class Recorder:
         self.last_loss = loss
         if eval_loss is not None:
             self.last_eval = eval_loss
-        if step >= self.start_step + FIRST_PROBE_STEP or self.steps < FIRST_PROBE_STEP:
+        profiled = self.profiled(step)
+        warm = step >= self.start_step + FIRST_PROBE_STEP or self.steps < FIRST_PROBE_STEP
+        if warm and not profiled:  # the profiler's own cost is no figure of the job
             self.steady_steps += 1
             values = (step_s, data_s, compute, sync or 0.0, optim_s, ckpt_s)
             for key, value in zip(("step_s", *STAGES), values, strict=True):
@@ -164,7 +170,7 @@ class Recorder:
             samples_per_s=tps / self.tokens_per_sample,
             mfu=mfu(tps, self.flops_per_token, self.peak) if use_mfu else None,
             mem_bytes=mem, mem_kind=kind, elapsed_s=res.end - self.start, time=time.time(),
-            attempt=self.attempt,
+            attempt=self.attempt, profiled=profiled,
         )  # fmt: skip
 
     def _check_data_wait(self, step: int) -> None:

@@ -1,5 +1,6 @@
 """Telemetry of a step: the record schema (defined once), the clocks that fill it, and the
-writers (metrics.jsonl, TensorBoard, a progress bar or plain lines) on rank 0.
+writers (metrics.jsonl and the experiment trackers, a progress bar or plain lines) on
+rank 0.
 
 The stages are the ones the planner and the report speak in: data wait, compute
 (forward + backward), exposed gradient sync, optimizer, checkpoint stall.
@@ -17,6 +18,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
+
+from trainwise.run.trackers import Trackers
 
 STAGES = ("data_s", "compute_s", "sync_s", "optim_s", "ckpt_s")
 
@@ -45,6 +48,7 @@ class StepRecord:
     elapsed_s: float  # since the loop started
     time: float  # unix time
     attempt: int  # elastic restart count: a resumed run repeats the steps since its checkpoint
+    profiled: bool = False  # logging.profile_steps and the step after: slowed by the profiler
 
 
 RECORD_FIELDS = tuple(f.name for f in fields(StepRecord))
@@ -100,24 +104,16 @@ def resolve_spans(marks: Marks) -> dict[str, float]:
 
 
 class MetricsWriter:
-    """metrics.jsonl (every record, one per line) and TensorBoard events (every
-    `tensorboard_every` steps and at evaluations), written by a background thread. A
-    TensorBoard record costs about a millisecond of protobuf work: off the loop's thread,
-    and thinned, because on a machine with a core per worker it still takes a core's time
-    (bench/overhead.py measured 4 % at every step on 2 cores)."""
+    """metrics.jsonl (every record, one per line) and the experiment trackers, written by a
+    background thread: a tracker's record costs protobuf or file work (bench/overhead.py
+    measured TensorBoard at 4 % of a step on 2 cores), so it stays off the loop's thread,
+    and so does a tracker's start (an import, a server)."""
 
-    def __init__(
-        self, run_dir: Path, tensorboard: bool, tensorboard_every: int = 1, append: bool = False
-    ):
+    def __init__(self, run_dir: Path, trackers: Trackers | None = None, append: bool = False):
         self.path = run_dir / "metrics.jsonl"
         # A resumed run continues the record; a fresh one starts a new one.
         self._file = self.path.open("a" if append else "w")
-        self._tb = None
-        self._tb_every = tensorboard_every
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.trackers = trackers
         self._queue: queue.Queue[list[StepRecord] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._drain, name="trainwise-metrics", daemon=True)
@@ -129,11 +125,15 @@ class MetricsWriter:
         self._queue.put(list(records))
 
     def _drain(self) -> None:
+        if self.trackers is not None:
+            self.trackers.open()  # guarded: a tracker that fails is dropped with a warning
         while (batch := self._queue.get()) is not None:
             try:
-                for rec in batch:
-                    self._write_now(rec)
+                rows = [asdict(rec) for rec in batch]
+                self._file.write("".join(json.dumps(row) + "\n" for row in rows))
                 self._file.flush()  # on disk batch by batch: a crash loses only the queue
+                if self.trackers is not None:
+                    self.trackers.records(rows)
             except BaseException as err:  # reported to the loop at its next write
                 self._error = err
             finally:
@@ -143,25 +143,12 @@ class MetricsWriter:
         """Wait until every record written so far is in the file."""
         self._queue.join()
 
-    def _write_now(self, rec: StepRecord) -> None:
-        row = asdict(rec)
-        self._file.write(json.dumps(row) + "\n")
-        if self._tb is None:
-            return
-        if rec.eval_loss is not None:
-            self._tb.add_scalar("eval/loss", rec.eval_loss, rec.step)
-        if rec.step % self._tb_every == 0:
-            for key, value in row.items():
-                if isinstance(value, (int, float)) and key not in ("step", "time", "eval_loss"):
-                    self._tb.add_scalar(f"train/{key}", value, rec.step)
-
     def close(self) -> None:
-        """Write what is queued, then close the files."""
+        """Write what is queued, then close the file (the trackers stay open: the run's
+        end gives them its events and files)."""
         self._queue.put(None)
         self._thread.join()
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
         if self._error is not None:
             raise RuntimeError(f"writing {self.path} failed: {self._error}") from self._error
 

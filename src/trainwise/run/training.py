@@ -26,11 +26,14 @@ from trainwise.run.control import Control
 from trainwise.run.distributed import DistEnv, network_line, side_group
 from trainwise.run.events import append_event, read_events, resumptions, retry_cost
 from trainwise.run.faults import Faults
+from trainwise.run.hang import StepWatchdog, write_hang_dump
 from trainwise.run.job import Job
 from trainwise.run.lifeline import this_launch
 from trainwise.run.loop import StepResult, evaluate
 from trainwise.run.peers import BARRIER_S, PeerFailure, absent_ranks, classify, last_line
+from trainwise.run.profiling import Profiler
 from trainwise.run.recorder import Recorder
+from trainwise.run.trackers import Trackers, build_trackers
 from trainwise.run.trainer import build_checkpointer, build_trainer
 
 MAX_ROLLBACKS = 3
@@ -62,6 +65,7 @@ class Training:
         # Kept idle for diagnosis: after a failed collective the survivors meet here to
         # find which ranks are missing (the default group may be wedged by then).
         self.health = side_group(cfg.parallel.timeout_s) if self.distributed else None
+        self.watchdog = StepWatchdog(cfg.parallel.timeout_s) if self.distributed else None
         self.data_state = {"global_batch": job.global_batch, "seed": cfg.train.seed}
         self.step = 0
         self.stage = "start-up"  # where a failed collective was: named in its message
@@ -69,7 +73,9 @@ class Training:
         self.rollbacks = 0
         self.preempted: str | None = None
         self.resumed = Resumed()
+        self.profiler = Profiler(cfg.logging.profile_steps, run_dir, env.rank, device)
         self.recorder: Recorder | None = None
+        self.trackers: Trackers | None = None
         self.batches: Any = None
 
     # -- the loop ---------------------------------------------------------------------
@@ -89,18 +95,24 @@ class Training:
                 stop, stall = self.maybe_save()
                 self.stage = "the metrics reduction"
                 self.recorder.add(self.step, result, self.lr(), eval_loss, ckpt_s=stall)
+                self.profiler.after_step(self.step)
                 self.faults.after_step(self.step, until=self.stopping)
                 if stop:
                     self.preempted = self.control.signal_name or "signal"
                     break
             self.stage = "the last checkpoint save"
             self.ckpt.close()
+        except torch.OutOfMemoryError:
+            self.profiler.on_oom()
+            raise
         except RuntimeError as err:
             failed = classify(err) is not None and self.distributed
             if not failed:
                 raise
             self.on_peer_failure(err)
         finally:
+            if self.watchdog:
+                self.watchdog.disarm()
             if failed:
                 self.control.uninstall()  # the groups may be wedged: no drain, no destroy
             else:
@@ -138,6 +150,7 @@ class Training:
         self._check_data(path)
         self.step = self.resumed.step
         self.batches = self.batches_from(self.step)
+        self.trackers = self._build_trackers() if env.is_main else None
         self.recorder = self._build_recorder()
         if env.is_main:
             record_membership(self.run_dir, env, self.step)
@@ -154,10 +167,14 @@ class Training:
 
     def train_step(self) -> StepResult:
         self.stage = "the training step"
+        if self.watchdog:
+            self.watchdog.arm()  # re-armed each step: it fires on a step that outlasts timeout_s
         self.faults.before_step(self.step, until=self.stopping)
+        self.profiler.before_step(self.step)
         stepper = self.trainer.stepper
         stepper.poison = self.faults.poisons(self.step)
         result = stepper.step(self.batches, probe=self.recorder.probe_now(self.step))
+        self.profiler.end_step()
         if result.finite:
             self.skips_in_a_row = 0
         return result
@@ -225,13 +242,17 @@ class Training:
         line = failure.line(timeout)
         self.log.error("trainwise: %s", line)
         trace = "".join(traceback.format_exception(err))  # kept for a post-mortem
+        stuck = self.watchdog.stacks() if self.watchdog else ""
+        dump = write_hang_dump(self.run_dir, self.env.rank, line, trace, stuck, timeout)
         append_event(
-            self.run_dir, "peer_failure", **asdict(failure), message=line, traceback=trace
-        )
+            self.run_dir, "peer_failure", **asdict(failure), message=line, traceback=trace,
+            dump=str(dump.relative_to(self.run_dir)),
+        )  # fmt: skip
         raise SystemExit(1) from None  # no traceback: the line says it; the agent restarts
 
     def finish(self) -> dict[str, Any] | None:
         """The run's last event and, on rank 0, its summary (summary.json)."""
+        self.profiler.stop()  # a run that ended inside the traced window
         figures = self.recorder.finish()
         env, step = self.env, self.step
         if self.preempted:
@@ -250,6 +271,7 @@ class Training:
             return None
         summary = self._summary(figures)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self.trackers.finish(read_events(self.run_dir), finished=not self.preempted)
         return summary
 
     # -- helpers ----------------------------------------------------------------------
@@ -301,6 +323,14 @@ class Training:
             tokens_per_sample=job.data.tokens_per_sample, flops_per_token=job.flops_per_token,
             peak_flops_total=peak * env.world if peak else None, device=self.device,
             start_step=self.step, attempt=env.attempt, num_workers=c.data.num_workers,
+            trackers=self.trackers,
+        )  # fmt: skip
+
+    def _build_trackers(self) -> Trackers:
+        c = self.cfg.logging
+        return build_trackers(
+            c.trackers, self.run_dir, self.cfg.model_dump(mode="json"), mlflow_uri=c.mlflow_uri,
+            tensorboard_every=c.tensorboard_every, wrap=self.faults.tracker,
         )  # fmt: skip
 
     def _rollback(self) -> int:

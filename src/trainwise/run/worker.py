@@ -72,7 +72,11 @@ def train(cfg: JobConfig, run_dir: Path | None = None) -> dict[str, Any] | None:
         return _join_and_train(cfg, run_dir)
     except Exception as err:
         disk = next(
-            (e for e in nested_errors(err) if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS),
+            (
+                e
+                for e in nested_errors(err)
+                if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS
+            ),
             None,
         )
         if disk is None or isinstance(err, TrainwiseError):

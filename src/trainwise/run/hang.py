@@ -1,0 +1,91 @@
+"""Hang dumps: when a collective times out or loses its peer, each rank that can still run
+writes RUN/hang/rank-N.txt: what it saw (the step, the stage, the ranks that did not reach
+the monitored barrier), the failed collective's traceback, and the Python stacks of all
+its threads (faulthandler). With NCCL, the flight recorder's record of the last
+collectives goes beside it (nccl-trace-rank-N): enabled before the process group starts,
+dumped by NCCL's watchdog on a timeout and by this rank when it gets the error."""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+HANG_DIR = "hang"
+NCCL_TRACE_ENTRIES = "2000"  # collectives the flight recorder keeps per rank
+
+
+def enable_flight_recorder(run_dir: Path) -> None:
+    """Before the process group starts: NCCL keeps its last collectives and dumps them into
+    RUN/hang/ on a timeout. Read by NCCL only (nothing changes on gloo); a user's own
+    settings win."""
+    folder = Path(run_dir) / HANG_DIR
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", NCCL_TRACE_ENTRIES)
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(folder / "nccl-trace-rank-"))
+    if torch.cuda.is_available():
+        folder.mkdir(parents=True, exist_ok=True)  # NCCL writes there, it does not create it
+
+
+class StepWatchdog:
+    """faulthandler's watchdog: a C thread that, when a step runs longer than `seconds`,
+    writes every thread's stack into an unnamed file, GIL or not. That is where this rank
+    was while stuck (or while waiting for a stuck peer); a failure puts it in the dump.
+    Arming starts a thread, once a step."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        # Unnamed, gone with the process: read back at a failure. Open for its lifetime.
+        self.file = tempfile.TemporaryFile()  # noqa: SIM115
+
+    def arm(self) -> None:
+        if os.fstat(self.file.fileno()).st_size:  # a slow step's stacks: not this one's
+            self.file.truncate(0)
+            self.file.seek(0)
+        faulthandler.dump_traceback_later(self.seconds, file=self.file)
+
+    def disarm(self) -> None:
+        faulthandler.cancel_dump_traceback_later()
+
+    def stacks(self) -> str:
+        self.file.seek(0)
+        return self.file.read().decode(errors="replace")
+
+
+def write_hang_dump(
+    run_dir: Path, rank: int, header: str, trace: str, stuck: str = "", after_s: float = 0.0
+) -> Path:
+    """RUN/hang/rank-N.txt: `header` (what this rank saw), the stacks the watchdog took
+    when the step had run `after_s` seconds (`stuck`), the failed collective's traceback,
+    then every thread's stack now."""
+    folder = Path(run_dir) / HANG_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"rank-{rank}.txt"
+    with path.open("w") as out:
+        out.write(f"{header}\n\n")
+        if stuck:
+            out.write(f"Every thread when the step had run {after_s:g} s:\n{stuck}\n")
+        out.write(f"The failed collective:\n{trace}\nEvery thread now:\n")
+        out.flush()  # faulthandler writes to the descriptor, after what is buffered
+        faulthandler.dump_traceback(out, all_threads=True)
+    _dump_nccl_trace(folder, rank)
+    return path
+
+
+def _dump_nccl_trace(folder: Path, rank: int) -> None:
+    """NCCL's flight recorder of this rank, when the job runs on NCCL."""
+    if not torch.cuda.is_available():
+        return
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        if c10d.get_backend() != "nccl":
+            return
+        record = torch._C._distributed_c10d._dump_nccl_trace()
+        (folder / f"nccl-trace-rank-{rank}.pickle").write_bytes(record)
+    except Exception as err:  # a dump is a help, never a second failure
+        logging.getLogger("trainwise").warning("trainwise: no NCCL flight record: %s", err)
