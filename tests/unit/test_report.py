@@ -309,3 +309,17 @@ def test_a_rerun_whose_other_rank_failed_first_counts_no_gap(tmp_path: Path):
         {"time": 800.25, "kind": "fatal", "rank": 0, "message": "data differs"},
     ])  # fmt: skip
     assert analyse(load_run(run)).headline.wall_s == pytest.approx(6.0, abs=0.3)
+
+
+def test_a_calibrated_plan_that_missed_because_the_machine_changed_says_so():
+    from trainwise.report.analysis import machine_changed
+
+    plan = {"calibration_step_s": 0.020, "calibration_source": "runs/a"}
+    # The plan reproduces its calibration run (0.021 against 0.020) and this run took 0.030.
+    why = machine_changed(plan, "calibration_step_s", 0.021, 0.030, "a step")
+    assert why is not None and "+50%" in why and "runs/a" in why
+    # A plan that did not reproduce its calibration run has itself to blame.
+    assert machine_changed(plan, "calibration_step_s", 0.040, 0.030, "a step") is None
+    # Nothing changed: no reason to give.
+    assert machine_changed(plan, "calibration_step_s", 0.021, 0.022, "a step") is None
+    assert machine_changed({}, "calibration_step_s", 0.021, 0.030, "a step") is None
