@@ -22,6 +22,7 @@ from trainwise.run.telemetry import (
     Progress,
     StepRecord,
     peak_memory,
+    peak_reserved,
     read_metrics,
 )
 
@@ -164,7 +165,7 @@ class Recorder:
             samples_per_s=tps / self.tokens_per_sample,
             mfu=mfu(tps, self.flops_per_token, self.peak) if use_mfu else None,
             mem_bytes=mem, mem_kind=kind, elapsed_s=res.end - self.start, time=time.time(),
-            attempt=self.attempt,
+            attempt=self.attempt, mem_reserved_bytes=peak_reserved(self.device),
         )  # fmt: skip
 
     def _check_data_wait(self, step: int) -> None:

@@ -47,6 +47,9 @@ class StepRecord:
     elapsed_s: float  # since the loop started
     time: float  # unix time
     attempt: int  # elastic restart count: a resumed run repeats the steps since its checkpoint
+    # Peak CUDA memory the caching allocator reserved (what the device really gave up);
+    # null on CPU.
+    mem_reserved_bytes: int | None = None
 
 
 RECORD_FIELDS = tuple(f.name for f in fields(StepRecord))
@@ -75,6 +78,10 @@ def _status_bytes(key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024  # in kB
     raise ValueError(f"no {key} in /proc/self/status")
+
+
+def peak_reserved(device: torch.device) -> int | None:
+    return int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:
