@@ -323,3 +323,13 @@ def test_a_calibrated_plan_that_missed_because_the_machine_changed_says_so():
     # Nothing changed: no reason to give.
     assert machine_changed(plan, "calibration_step_s", 0.021, 0.022, "a step") is None
     assert machine_changed({}, "calibration_step_s", 0.021, 0.030, "a step") is None
+
+
+def test_the_plans_memory_is_compared_like_with_like():
+    from trainwise.report.analysis import planned_memory
+
+    memory = {"total": 3_000_000_000, "overhead": 1_050_000_000}
+    # A GPU's allocator peak holds tensors: neither the CUDA context nor fragmentation.
+    assert planned_memory(memory, "cuda_peak") == 1_950_000_000
+    # On CPU the overhead is the runtime's own memory, which the resident set holds.
+    assert planned_memory(memory, "rss_added") == 3_000_000_000

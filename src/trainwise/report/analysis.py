@@ -373,7 +373,7 @@ def plan_vs_actual(run: RunFiles, stages: StageSplit, notes: list[str]) -> list[
         _check(
             "memory per worker",
             "bytes",
-            plan["memory_per_gpu"]["total"],
+            planned_memory(plan["memory_per_gpu"], mem_kind),
             mem or None,
             MEMORY_ASSUMPTION.get(mem_kind, MEMORY_ASSUMPTION["cuda_peak"]),
             comparable=mem_kind in MEMORY_ASSUMPTION,
@@ -394,6 +394,16 @@ def plan_vs_actual(run: RunFiles, stages: StageSplit, notes: list[str]) -> list[
             "not comparable with the plan's tensors: not flagged"
         )
     return rows
+
+
+def planned_memory(memory: dict[str, Any], mem_kind: str) -> float:
+    """The plan's figure for what the run measured: on a GPU the allocator's peak, so the
+    tensors without the overhead (the CUDA context and fragmentation, which
+    max_memory_allocated does not count); on CPU the whole total (its overhead is the
+    runtime's own memory, measured by a calibration, which the resident set holds)."""
+    if mem_kind == "cuda_peak":
+        return memory["total"] - (memory.get("overhead") or 0)
+    return memory["total"]
 
 
 def machine_changed(
