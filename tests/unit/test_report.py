@@ -318,10 +318,10 @@ def test_a_calibrated_plan_that_missed_because_the_machine_changed_says_so():
     # The plan reproduces its calibration run (0.021 against 0.020) and this run took 0.030.
     why = machine_changed(plan, "calibration_step_s", 0.021, 0.030, "a step")
     assert why is not None and "+50%" in why and "runs/a" in why
-    # A plan that did not reproduce its calibration run has itself to blame.
-    assert machine_changed(plan, "calibration_step_s", 0.040, 0.030, "a step") is None
-    # Nothing changed: no reason to give.
-    assert machine_changed(plan, "calibration_step_s", 0.021, 0.022, "a step") is None
+    # A plan that did not reproduce its calibration run (within 10 %) has itself to blame.
+    assert machine_changed(plan, "calibration_step_s", 0.023, 0.030, "a step") is None
+    # Within 25 % of the plan: no miss to explain.
+    assert machine_changed(plan, "calibration_step_s", 0.021, 0.025, "a step") is None
     assert machine_changed({}, "calibration_step_s", 0.021, 0.030, "a step") is None
 
 

@@ -32,6 +32,7 @@ STAGES = (
     ("ckpt_s", "checkpoint stall"),
 )
 PLAN_ERROR_FLAG = 0.25  # a plan figure off by more than this names its assumption
+REPRODUCED = 0.10  # a calibrated plan this close to its calibration run's figure matches it
 DATA_BOUND_SHARE = 0.10  # the loop's own warning level (logging.data_wait_warn's default)
 WINDOWS = 10  # step windows in the stage picture
 # The memory a step record measured (mem_kind) that the plan's per-worker figure is
@@ -413,10 +414,11 @@ def machine_changed(
     reproduces its calibration run's figure (plan.json `key`), and this run's differs from
     that one's: the machine, not the model, changed between the runs."""
     before = plan.get(key)
-    if not before or not actual:
+    if not before or not actual or not planned:
         return None
     change = actual / before - 1
-    if abs(planned / before - 1) > PLAN_ERROR_FLAG or abs(change) <= PLAN_ERROR_FLAG:
+    missed = abs(actual / planned - 1) > PLAN_ERROR_FLAG
+    if not missed or abs(planned / before - 1) > REPRODUCED:
         return None
     return (
         f"the machine's speed changed: {what} took {actual:.3g} s here and {before:.3g} s "
