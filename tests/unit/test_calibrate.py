@@ -146,3 +146,14 @@ def test_run_measurements_apply_to_a_cpu_plan_and_memory_not_to_a_gpu_one(tmp_pa
     assert after.checkpoint.save_s == pytest.approx(
         before.checkpoint.save_s - cpu.checkpoint_latency_s + 0.1
     )
+
+
+def test_a_cpu_runs_link_rate_is_not_applied_to_a_gpu_plan(tmp_path: Path):
+    cal = read_calibration(write_planned_run(tmp_path / "run"))
+    gpu = resolve_inputs(load_config(None, base=PLAN_DEFAULTS))
+    on_gpu, notes = apply_calibration(gpu, cal)
+    assert on_gpu.hardware.intra_bps == gpu.hardware.intra_bps
+    assert any("not applied to a plan for H100-SXM" in n for n in notes)
+    cpu = resolve_inputs(load_config(None, base={**PLAN_DEFAULTS, "cluster.gpu": "cpu"}))
+    on_cpu, _ = apply_calibration(cpu, cal)
+    assert on_cpu.hardware.intra_bps == pytest.approx(0.4e9)

@@ -228,13 +228,18 @@ def apply_calibration(inputs: PlanInputs, cal: Calibration) -> tuple[PlanInputs,
             f"compute efficiency {cal.efficiency:.1%} of peak measured in {cal.source} "
             f"(assumed {inputs.efficiency:.0%})"
         )
-        measured_on = find_gpu(cal.device) if cal.device else None
-        if cal.device and (measured_on is None or measured_on.name != hw.gpu.split(" ")[0]):
+        if cal.device and not _same_device(cal, hw.gpu):
             said.append(
                 f"measured on {cal.device}, planned for {hw.gpu}: the efficiency may not transfer"
             )
         inputs = replace(inputs, efficiency=cal.efficiency)
-    if cal.intra_bps:
+    from_run = cal.link_note.startswith("the exposed")  # this job's messages, this device
+    if cal.intra_bps and from_run and not _same_device(cal, hw.gpu):
+        said.append(
+            f"the link rate measured in {cal.source} on {cal.device} is not applied to a "
+            f"plan for {hw.gpu}"
+        )
+    elif cal.intra_bps:
         said.append(
             f"within a node {cal.intra_bps / GB:.3g} GB/s measured by {cal.link_note} "
             f"(catalog {hw.intra_bps / GB:.3g} GB/s)"
@@ -260,6 +265,11 @@ def apply_calibration(inputs: PlanInputs, cal: Calibration) -> tuple[PlanInputs,
         inputs = replace(inputs, checkpoint_latency_s=cal.checkpoint_latency_s)
     inputs, said = _runtime_memory(inputs, cal, said)
     return replace(inputs, hardware=hw), said
+
+
+def _same_device(cal: Calibration, gpu: str) -> bool:
+    measured_on = find_gpu(cal.device) if cal.device else None
+    return measured_on is not None and measured_on.name == gpu.split(" ")[0]
 
 
 def _runtime_memory(
