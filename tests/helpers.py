@@ -16,7 +16,8 @@ QUIET = ["--set", "logging.progress=none", "--set", "logging.tensorboard=false",
 def cli_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+    outer = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID")
+    for var in outer:
         env.pop(var, None)  # a test must not think it is a worker of an outer job
     return env
 

@@ -50,6 +50,10 @@ def test_sigterm_saves_exits_zero_and_resumes_exactly(workdir: Path, reference: 
     again = run_cli(*job_args(run_dir, 2, "fsdp"), cwd=workdir)
     assert again.returncode == 0, again.stderr
     assert f"resuming from step {stop['step']}" in again.stderr
+    assert f"stopped by SIGTERM after step {stop['step']}; resumed from step {stop['step']}" in (
+        again.stderr
+    )
+    assert "0 step(s) redone" in again.stderr
     assert_identical(reference.weights(2, "fsdp"), final_weights(run_dir, workdir))
 
 

@@ -311,6 +311,37 @@ def test_a_rerun_whose_other_rank_failed_first_counts_no_gap(tmp_path: Path):
     assert analyse(load_run(run)).headline.wall_s == pytest.approx(6.0, abs=0.3)
 
 
+def test_a_requeue_is_a_stop_with_its_wait_and_the_steps_it_redid(tmp_path: Path):
+    """The run of make_run stopped by SIGUSR1 after step 6 at t = 113 (saved), was
+    requeued and launched again at t = 140, resumed from step 6 and finished at step 7."""
+    run = make_run(tmp_path, failure=False)
+    _append(run, "events.jsonl", [
+        {"time": 113.0, "kind": "preempted", "step": 6, "signal": "SIGUSR1"},
+        {"time": 140.0, "kind": "start", "pid": 1, "nproc": 2, "nodes": 1},
+        {"time": 141.0, "kind": "resume", "attempt": 0, "step": 6, "path": "ckpt"},
+        {"time": 141.5, "kind": "ready", "attempt": 0, "step": 6, "world": 2, "nodes": 1},
+        {"time": 143.0, "kind": "finish", "step": 7},
+    ])  # fmt: skip
+    _append(run, "metrics.jsonl", [_record(7, 0, 143.0, 1.5)])
+    report = analyse(load_run(run))
+    assert not report.headline.preempted  # it finished after the requeue
+    assert report.headline.stops == [
+        "stopped by SIGUSR1 after step 6; resumed from step 6 27 s later, 0 step(s) redone"
+    ]
+    assert 6 in report.curves.restarts
+    assert "stopped by SIGUSR1 after step 6; resumed" in render_text(report)
+
+
+def test_a_stop_not_yet_resumed_says_so(tmp_path: Path):
+    run = make_run(tmp_path, failure=False)
+    _append(
+        run, "events.jsonl", [{"time": 113.0, "kind": "preempted", "step": 6, "signal": "SIGTERM"}]
+    )
+    report = analyse(load_run(run))
+    assert report.headline.preempted
+    assert report.headline.stops == ["stopped by SIGTERM after step 6; not resumed"]
+
+
 def test_a_calibrated_plan_that_missed_because_the_machine_changed_says_so():
     from trainwise.report.analysis import machine_changed
 

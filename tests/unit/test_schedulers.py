@@ -69,7 +69,9 @@ def test_output_file_has_the_printed_bytes(tmp_path, capsys):
 
 def readme_job() -> ClusterJob:
     """The documented example (docs/train.md): job.toml on 4 nodes x 8 GPUs, the rest default."""
-    return ClusterJob(name="job", config_text=CONFIG.read_text(), nodes=NODES, gpus_per_node=GPUS)
+    return ClusterJob(
+        name="job", config_text=CONFIG.read_text(), nodes=NODES, nproc=GPUS, gpus_per_node=GPUS
+    )
 
 
 def test_sbatch_is_valid_bash_with_the_readme_srun_line(capsys):
@@ -115,7 +117,7 @@ def test_srun_line_parses_as_trainwise_train(min_nodes, monkeypatch):
     from trainwise.run.start import is_worker
 
     job = ClusterJob(
-        name="job", config_text=CONFIG.read_text(), nodes=NODES, gpus_per_node=GPUS,
+        name="job", config_text=CONFIG.read_text(), nodes=NODES, nproc=GPUS, gpus_per_node=GPUS,
         min_nodes=min_nodes, sets=("optim.lr=3e-4", "train.seed=7"),
     )  # fmt: skip
     line = srun_line(job)
@@ -184,7 +186,7 @@ def test_manifest_command_parses_as_trainwise_train(capsys):
 
 def test_manifest_elastic_range_and_sets():
     job = ClusterJob(
-        name="job", config_text=CONFIG.read_text(), nodes=NODES, gpus_per_node=GPUS,
+        name="job", config_text=CONFIG.read_text(), nodes=NODES, nproc=GPUS, gpus_per_node=GPUS,
         min_nodes=2, image=IMAGE, pvc="shared", max_restarts=5, sets=("optim.lr=3e-4",),
     )  # fmt: skip
     _, doc = yaml.safe_load_all(pytorchjob_manifest(job))
@@ -234,3 +236,96 @@ def test_default_name_is_dns_safe(tmp_path, capsys):
     assert main(argv) == 0
     _, job = yaml.safe_load_all(capsys.readouterr().out)
     assert job["metadata"]["name"] == "job-2-my-job-v1"
+
+
+# --- CPU jobs (cluster.device = "cpu") ------------------------------------------------
+
+TINY_CPU = REPO / "examples" / "tiny_gpt_cpu.toml"  # cluster.nproc = 2, device = "cpu"
+
+
+def slurm_print(capsys, config: Path, *flags: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(["launch", "slurm", "--config", str(config), "--nodes", "1", *flags, "--print"])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def directives(script: str) -> list[str]:
+    return [
+        line.removeprefix("#SBATCH ") for line in script.splitlines() if line.startswith("#SBATCH ")
+    ]
+
+
+@pytest.mark.parametrize(("flags", "cpus"), [((), 2), (("--cpus-per-node", "6"), 6)])
+def test_cpu_job_asks_for_cpus_not_gpus(flags, cpus, capsys):
+    code, script, err = slurm_print(capsys, TINY_CPU, *flags)
+    assert code == 0 and err == ""
+    res = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    assert res.returncode == 0, res.stderr
+    asked = directives(script)
+    assert f"--cpus-per-task={cpus}" in asked
+    assert not any("gpu" in d or "gres" in d for d in asked)
+    # srun gets the CPUs itself (Slurm 22.05-23.02 does not pass them on from sbatch), and
+    # the launcher starts cluster.nproc workers whatever the CPUs.
+    (srun,) = [line for line in script.splitlines() if line.startswith("srun ")]
+    words = shlex.split(srun.removesuffix(" &"))
+    assert f"--cpus-per-task={cpus}" in words[: words.index("trainwise")]
+    args = parse_train(words)
+    assert args.nproc == 2
+
+
+def test_gpu_count_defaults_to_cluster_nproc(tmp_path, capsys):
+    config = tmp_path / "four.toml"
+    config.write_text(CONFIG.read_text() + "\n[cluster]\nnproc = 4\n")
+    code, script, _ = slurm_print(capsys, config)
+    assert code == 0
+    assert "--gpus-per-node=4" in directives(script) and "--nproc 4 " in script
+    code, script, _ = slurm_print(capsys, config, "--gpus-per-node", "4")
+    assert code == 0 and "--gpus-per-node=4" in directives(script)
+
+
+def test_elastic_script_lets_slurm_start_on_fewer_nodes(capsys):
+    code, script, _ = slurm_print(capsys, CONFIG, "--nodes", "4", "--min-nodes", "2",
+                                  "--set", "data.grad_accum=6")  # fmt: skip
+    assert code == 0
+    assert "--nodes=2-4" in directives(script) and "--nnodes 2:4 " in script
+
+
+def test_the_trap_is_set_before_srun_starts(capsys):
+    """An early USR1 (Slurm may send it up to a minute before the lead time) requeues the
+    job instead of killing the script."""
+    script = generate("job.sbatch", capsys)
+    assert script.index("\ntrap requeue USR1\n") < script.index("\nsrun ")
+
+
+CPU_BAD = {
+    "gpus on a cpu job": (TINY_CPU, ["--gpus-per-node", "2"], "--gpus-per-node 2"),
+    "gpus differ from cluster.nproc": (None, ["--gpus-per-node", "8"], "cluster.nproc = 4"),
+    "no cpus": (TINY_CPU, ["--cpus-per-node", "0"], "--cpus-per-node 0"),
+    "no gpus": (CONFIG, ["--gpus-per-node", "0"], "--gpus-per-node 0"),
+}
+
+
+@pytest.mark.parametrize(("config", "flags", "named"), list(CPU_BAD.values()), ids=list(CPU_BAD))
+def test_resource_flags_that_contradict_the_job_are_exit_2(config, flags, named, tmp_path, capsys):
+    if config is None:
+        config = tmp_path / "four.toml"
+        config.write_text(CONFIG.read_text() + "\n[cluster]\nnproc = 4\n")
+    out = tmp_path / "job.sbatch"
+    capsys.readouterr()
+    code = main(
+        ["launch", "slurm", "--config", str(config), "--nodes", "1", *flags, "-o", str(out)]
+    )
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "" and not out.exists()
+    assert captured.err.count("\n") == 1 and named in captured.err
+
+
+def test_k8s_cpu_job_asks_for_cpus_not_gpus(capsys):
+    capsys.readouterr()
+    argv = ["launch", "k8s", "--config", str(TINY_CPU), "--nodes", "2", "--image", IMAGE]
+    assert main([*argv, "--print"]) == 0
+    _, job = yaml.safe_load_all(capsys.readouterr().out)
+    assert job["spec"]["elasticPolicy"]["nProcPerNode"] == 2
+    pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert pod["containers"][0]["resources"] == {"limits": {"cpu": 2}}

@@ -67,7 +67,15 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="TOML", required=True, help="job file")
     p.add_argument("--nodes", type=int, required=True, help="machines (the most, if elastic)")
     p.add_argument(
-        "--gpus-per-node", type=int, default=8, help="GPUs, one worker each, per machine (8)"
+        "--gpus-per-node",
+        type=int,
+        help="GPUs, one worker each, per machine (default: cluster.nproc, else 8); not for "
+        'a CPU job (cluster.device = "cpu")',
+    )
+    p.add_argument(
+        "--cpus-per-node",
+        type=int,
+        help="CPUs per machine (default on a CPU job: one per worker, cluster.nproc)",
     )
     p.add_argument("--min-nodes", type=int, help="elastic: the fewest machines to train on")
     p.add_argument("--port", type=int, default=29400, help="rendezvous port (default 29400)")
@@ -99,15 +107,22 @@ def build_job(args: argparse.Namespace, scheduler: str, **extra: object):
         check_cluster_job,
         default_job_name,
         job_run_dir,
+        node_resources,
     )
 
     path = Path(args.config)
     read_toml(path)  # a missing or malformed file: one line naming it
+    # The job file as written (with --set): whether it trains on CPUs, and its workers.
+    nproc, gpus, cpus = node_resources(
+        load_config(path, {}, list(args.set)), args.gpus_per_node, args.cpus_per_node, str(path)
+    )
     job = ClusterJob(
         name=args.name or default_job_name(path.stem),
         config_text=path.read_text(),
         nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
+        nproc=nproc,
+        gpus_per_node=gpus,
+        cpus_per_node=cpus,
         min_nodes=args.min_nodes,
         port=args.port,
         sets=tuple(args.set),
@@ -118,7 +133,7 @@ def build_job(args: argparse.Namespace, scheduler: str, **extra: object):
     flags = {
         "cluster.nodes": job.nodes,
         "cluster.min_nodes": job.min_nodes,
-        "cluster.nproc": job.gpus_per_node,
+        "cluster.nproc": job.nproc,
         "logging.run_dir": job_run_dir(job, scheduler),
     }
     names = {
@@ -131,7 +146,7 @@ def build_job(args: argparse.Namespace, scheduler: str, **extra: object):
     # An elastic range must keep its global batch on every machine count (as train checks).
     from trainwise.run.job import elastic_accum
 
-    _, problem = elastic_accum(cfg, job.nodes * job.gpus_per_node, job.gpus_per_node)
+    _, problem = elastic_accum(cfg, job.nodes * job.nproc, job.nproc)
     if problem:
         raise ConfigError(problem.replace("--nnodes", "--min-nodes/--nodes"))
     return job

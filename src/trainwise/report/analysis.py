@@ -21,7 +21,7 @@ from trainwise.plan.estimate import SIMPLER_WITHIN, config_keys
 from trainwise.plan.planner import COMM_BOUND_SHARE
 from trainwise.plan.units import fmt_gpu_hours, fmt_usd_exact
 from trainwise.report.rundir import RunFiles
-from trainwise.run.events import RetryCost, retry_cost
+from trainwise.run.events import RetryCost, resumptions, retry_cost
 
 # The measured stages of a step (metrics.jsonl) and their names on the page.
 STAGES = (
@@ -64,7 +64,8 @@ class Headline:
     final_eval_loss: float | None
     tokens_per_s: float | None
     samples_per_s: float | None
-    preempted: bool
+    preempted: bool  # the run's last end was a planned stop (it can be resumed)
+    stops: list[str] = field(default_factory=list)  # each planned stop and what followed
 
 
 @dataclass(frozen=True)
@@ -189,8 +190,14 @@ def headline(run: RunFiles) -> Headline:
         final_eval_loss=float(evals[-1]["eval_loss"]) if evals else None,
         tokens_per_s=_median([r.get("tokens_per_s") for r in steady(recs)]),
         samples_per_s=_median([r.get("samples_per_s") for r in steady(recs)]),
-        preempted=any(e["kind"] == "preempted" for e in run.events),
+        preempted=_last_end(run.events) == "preempted",
+        stops=[stop.line() for stop in resumptions(run.events)],
     )
+
+
+def _last_end(events: list[dict[str, Any]]) -> str | None:
+    ends = [e["kind"] for e in events if e["kind"] in _ENDS]
+    return ends[-1] if ends else None
 
 
 def wall_seconds(run: RunFiles) -> float:
@@ -473,7 +480,10 @@ def curves(run: RunFiles) -> Curves:
         mem_bytes=[int(r.get("mem_bytes") or 0) for r in recs],
         mem_kind=str(recs[-1].get("mem_kind", "")),
         checkpoints=sorted({int(e["step"]) for e in run.events if e["kind"] == "checkpoint"}),
-        restarts=[int(e.get("step", 0)) for e in ready],
+        restarts=sorted(
+            [int(e.get("step", 0)) for e in ready]
+            + [r.resumed_step for r in resumptions(run.events) if r.resumed_step is not None]
+        ),
     )
 
 

@@ -40,12 +40,14 @@ def summary_rows(r: RunReport) -> Rows:
         f"{h.tokens_per_s:,.0f} tokens/s" if h.tokens_per_s and h.tokens_per_s != h.samples_per_s
         else f"{h.samples_per_s or 0:,.0f} samples/s"
     )  # fmt: skip
+    stops = [("stops", "; ".join(h.stops))] if h.stops else []
     return [
         ("run", h.run),
         ("model", f"{h.model}{params}, {h.precision}"),
         ("strategy", f"{h.strategy} on {h.world} x {h.device}{machines}"),
         ("why", h.reason),
         ("steps", f"{steps}{tokens}, wall {fmt_seconds(h.wall_s)} s"),
+        *stops,
         ("loss", loss),
         ("speed", f"{speed} (steady steps, median)"),
         (

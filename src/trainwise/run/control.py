@@ -2,7 +2,8 @@
 
 Slurm and Kubernetes send SIGTERM (or SIGUSR1 with `--signal`) before they kill a job; a
 user presses Ctrl-C or closes the terminal. The first signal asks the run to finish its
-step, save and exit 0; a second one exits at once.
+step, save and exit 0; a second one exits at once (in a Slurm job step, the same signal
+again within seconds is the first one delivered twice: see SLURM_REPEAT_S).
 A signal reaches the ranks at slightly different moments, and time-based save decisions
 are taken on rank 0's clock, so the flags are agreed with a MAX all-reduce on a gloo group
 of their own: issued after each step, waited for after the next one, so it overlaps a
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,7 +28,22 @@ from trainwise.run.lifeline import LAUNCHER_GONE
 # signal exits at once, except repeats of the launcher's death (one event, several signals).
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP, LAUNCHER_GONE)
 STOP, SAVE = 0, 1
-_early: list[int] = []  # a stop asked for while the worker was still starting
+# Slurm signals every process of a job step at once, and the launcher then forwards the
+# same signal to its workers: under Slurm a worker gets each signal twice, moments apart.
+# A repeat this soon is that same request, not a second one.
+SLURM_REPEAT_S = 5.0
+_early: list[tuple[int, float]] = []  # a stop asked for while the worker was still starting
+
+
+def is_repeat(signum: int, first: tuple[int, float] | None) -> bool:
+    """Whether `signum` is the first signal (signal, monotonic time) delivered again by
+    Slurm's step and the launcher both (in a Slurm job step only)."""
+    return (
+        first is not None
+        and signum == first[0]
+        and "SLURM_STEP_ID" in os.environ
+        and time.monotonic() - first[1] < SLURM_REPEAT_S
+    )
 
 
 def catch_early_signals() -> None:
@@ -37,10 +54,11 @@ def catch_early_signals() -> None:
 
 
 def _on_early_signal(signum: int, frame: object) -> None:
-    if _early and signum != LAUNCHER_GONE:
+    if _early and (signum == LAUNCHER_GONE or is_repeat(signum, _early[0])):
+        return
+    if _early:
         os._exit(128 + signum)
-    if not _early:
-        _early.append(signum)
+    _early.append((signum, time.monotonic()))
 
 
 def signal_name(signum: int) -> str:
@@ -53,6 +71,7 @@ class Control:
         self.announce_second = announce_second
         self.group = side_group(timeout_s) if distributed else None
         self.signal: int | None = None
+        self._first: tuple[int, float] | None = None  # the first signal and when it came
         self._local = torch.zeros(2, dtype=torch.int32)
         self._pending: tuple[object, torch.Tensor] | None = None
         self._previous: dict[int, object] = {}
@@ -63,7 +82,8 @@ class Control:
         for sig in PREEMPT_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
         if _early:
-            self._on_signal(_early[0], None)
+            self._on_signal(_early[0][0], None)
+            self._first = _early[0]
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():
@@ -73,12 +93,15 @@ class Control:
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.signal is not None and signum == LAUNCHER_GONE:
             return  # the kernel's repeat of the launcher's death, or a death after a stop
+        if is_repeat(signum, self._first):
+            return
         if self.signal is not None:
             # Second signal: no more grace. The last committed checkpoint stays valid.
             if self.announce_second:
                 print(f"trainwise: second {signal_name(signum)}: exiting now", file=sys.stderr)
             os._exit(128 + signum)
         self.signal = signum
+        self._first = (signum, time.monotonic())
         self._local[STOP] = 1
 
     @property

@@ -236,3 +236,55 @@ def retry_cost(events: list[dict[str, Any]], gpus: int) -> RetryCost:
         total_s=total,
         gpu_hours=total * gpus / 3600.0,
     )
+
+
+@dataclass(frozen=True)
+class Resumption:
+    """A planned stop (a `preempted` event) and the launch that continued the run: a Slurm
+    requeue, a rerun after Ctrl-C. `waited_s` is from the stop to that launch's `start`
+    (the time in the scheduler's queue); None while no launch has followed."""
+
+    signal: str
+    stopped_step: int
+    resumed_step: int | None = None
+    waited_s: float | None = None
+
+    @property
+    def redone_steps(self) -> int | None:
+        """Steps trained again: those after the checkpoint the next launch resumed from."""
+        return None if self.resumed_step is None else self.stopped_step - self.resumed_step
+
+    def line(self) -> str:
+        said = f"stopped by {self.signal} after step {self.stopped_step}"
+        if self.waited_s is None:
+            return f"{said}; not resumed"
+        resumed = "" if self.resumed_step is None else f" from step {self.resumed_step}"
+        redone = "" if self.redone_steps is None else f", {self.redone_steps} step(s) redone"
+        return f"{said}; resumed{resumed} {self.waited_s:.0f} s later{redone}"
+
+
+def resumptions(events: list[dict[str, Any]]) -> list[Resumption]:
+    """Every planned stop of a run, each with the launch that followed it (if any)."""
+    timed = sorted(
+        ((t, e) for e in events if (t := _time(e)) is not None), key=lambda te: te[0]
+    )
+    found = []
+    for i, (t, e) in enumerate(timed):
+        if e.get("kind") != "preempted":
+            continue
+        later = timed[i + 1 :]
+        start = next(((ts, s) for ts, s in later if s.get("kind") == "start"), None)
+        resumed = None
+        if start is not None:
+            after = [x for ts, x in later if ts >= start[0]]
+            resume = next((x for x in after if x.get("kind") in ("resume", "ready")), None)
+            resumed = int(resume.get("step") or 0) if resume else None
+        found.append(
+            Resumption(
+                signal=str(e.get("signal")),
+                stopped_step=int(e.get("step") or 0),
+                resumed_step=resumed,
+                waited_s=None if start is None else start[0] - t,
+            )
+        )
+    return found

@@ -12,10 +12,14 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import yaml
 
 from trainwise.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainwise.config import JobConfig
 
 # Slurm warns the batch shell this long before the time limit (--signal=B:USR1@...). It
 # must cover a synchronous save: the launcher gives its workers 120 s after the signal
@@ -24,6 +28,8 @@ SIGNAL_LEAD_S = 180
 # Kubernetes waits this long between SIGTERM and SIGKILL when it deletes a pod (the
 # default, 30 s, is too short for a save).
 TERMINATION_GRACE_S = 180
+# GPUs per machine when neither the job file (cluster.nproc) nor --gpus-per-node says.
+DEFAULT_GPUS_PER_NODE = 8
 
 CONFIG_MOUNT = "/etc/trainwise"  # the ConfigMap's job.toml, in every pod
 RUNS_MOUNT = "/runs"  # the shared volume that holds the run directories
@@ -42,7 +48,9 @@ class ClusterJob:
     name: str  # Slurm job name / PyTorchJob name; also the run directory's name
     config_text: str  # the job's TOML, embedded verbatim
     nodes: int  # machines (the most, with min_nodes)
-    gpus_per_node: int  # workers per machine (trainwise train --nproc)
+    nproc: int  # workers per machine (trainwise train --nproc)
+    gpus_per_node: int = 0  # GPUs asked for per machine, one per worker; 0: a CPU job
+    cpus_per_node: int | None = None  # CPUs asked for per machine; None: the scheduler's default
     min_nodes: int | None = None  # elastic: the fewest machines to train on
     port: int = 29400  # c10d rendezvous port on the first node
     run_dir: str | None = None  # Slurm: default runs/<name>; Kubernetes: always /runs/<name>
@@ -71,8 +79,13 @@ def check_cluster_job(job: ClusterJob, scheduler: str) -> None:
     problems = []
     if job.nodes < 1:
         problems.append(f"--nodes {job.nodes}: give at least 1 machine")
-    if job.gpus_per_node < 1:
-        problems.append(f"--gpus-per-node {job.gpus_per_node}: give at least 1")
+    if job.nproc < 1:
+        problems.append(f"{job.nproc} workers per node: give at least 1")
+    if job.gpus_per_node not in (0, job.nproc):
+        problems.append(
+            f"--gpus-per-node {job.gpus_per_node} with {job.nproc} workers per node: "
+            "one worker per GPU needs them equal"
+        )
     if job.min_nodes is not None and not 1 <= job.min_nodes <= job.nodes:
         problems.append(
             f"--min-nodes {job.min_nodes} with --nodes {job.nodes}: "
@@ -109,6 +122,57 @@ def check_cluster_job(job: ClusterJob, scheduler: str) -> None:
         raise ConfigError(problems)
 
 
+def node_resources(
+    cfg: JobConfig, gpus_flag: int | None, cpus_flag: int | None, source: str
+) -> tuple[int, int, int | None]:
+    """Workers, GPUs and CPUs per machine, from the job file `cfg` (read from `source`)
+    and the generator's --gpus-per-node / --cpus-per-node. A CPU job (cluster.device =
+    "cpu") asks for CPUs only, by default one per worker; any other job asks for one GPU
+    per worker (cluster.nproc, else the flag, else 8). A flag that contradicts the job
+    file raises ConfigError: a script the scheduler would refuse, or run wrong, is not
+    written."""
+    from trainwise.hardware import DeviceInfo
+    from trainwise.run.job import resolve_nproc
+
+    for flag, value in (("--gpus-per-node", gpus_flag), ("--cpus-per-node", cpus_flag)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value}: give at least 1")
+    if cfg.cluster.device == "cpu":
+        if gpus_flag is not None:
+            raise ConfigError(
+                f'--gpus-per-node {gpus_flag}: {source} trains on CPUs (cluster.device = "cpu"); '
+                "drop the flag (cluster.nproc sets the workers, --cpus-per-node the CPUs)"
+            )
+        cpu = DeviceInfo(kind="cpu", name="cpu", count=1, memory_bytes=0.0, bf16=False,
+                         fp16=False, gpu=None)  # fmt: skip
+        workers = resolve_nproc(cfg, cpu)
+        return workers, 0, cpus_flag or workers
+    nproc = cfg.cluster.nproc
+    if gpus_flag is not None and nproc is not None and gpus_flag != nproc:
+        raise ConfigError(
+            f"--gpus-per-node {gpus_flag} with cluster.nproc = {nproc} in {source}: one "
+            "worker per GPU needs them equal; drop one of the two or make them agree"
+        )
+    gpus = gpus_flag or nproc or DEFAULT_GPUS_PER_NODE
+    return gpus, gpus, cpus_flag
+
+
+def describe_shape(job: ClusterJob) -> str:
+    """The job's machines for the files' headers, e.g. '4 nodes x 8 GPUs'."""
+    machines = _count(job.nodes, "node")
+    if job.gpus_per_node:
+        shape = f"{machines} x {job.gpus_per_node} GPUs"
+    else:
+        shape = f"{machines} x {job.nproc} CPU workers ({job.cpus_per_node} CPUs)"
+    if job.min_nodes is not None:
+        shape += f", elastic down to {_count(job.min_nodes, 'node')}"
+    return shape
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def nnodes_arg(job: ClusterJob) -> str:
     """trainwise train's --nnodes: N, or MIN:MAX for an elastic range."""
     if job.min_nodes is None:
@@ -124,7 +188,7 @@ def train_command(
         "trainwise", "train",
         "--config", config,
         "--nnodes", nnodes_arg(job),
-        "--nproc", str(job.gpus_per_node),
+        "--nproc", str(job.nproc),
         "--rdzv-endpoint", rdzv_endpoint,
         "--rdzv-id", rdzv_id,
         "--run-dir", run_dir,
@@ -156,7 +220,11 @@ def srun_line(job: ClusterJob) -> str:
         rdzv_id="$SLURM_JOB_ID",
         run_dir="$RUN_DIR",
     )
-    prefix = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0"]
+    # srun is given the CPUs itself: from Slurm 22.05 to 23.02 it does not take
+    # --cpus-per-task from the batch script's allocation, and would pin a launcher and its
+    # workers to one CPU.
+    cpus = [f"--cpus-per-task={job.cpus_per_node}"] if job.cpus_per_node else []
+    prefix = ["srun", "--ntasks-per-node=1", *cpus, "--kill-on-bad-exit=0"]
     return " ".join(prefix + [_shell_word(word) for word in command])
 
 
@@ -172,12 +240,16 @@ def slurm_script(job: ClusterJob) -> str:
     """An sbatch script: one trainwise launcher per node, rendezvous on the first node,
     a checkpoint and a requeue when the time limit comes near."""
     check_cluster_job(job, "slurm")
+    # An elastic job may start on fewer machines than it asks for (Slurm's --nodes=MIN-MAX):
+    # the launchers' --nnodes MIN:MAX train on whatever count Slurm gives.
+    nodes = f"{job.min_nodes}-{job.nodes}" if job.min_nodes is not None else str(job.nodes)
     directives = [
         f"--job-name={job.name}",
-        f"--nodes={job.nodes}",
+        f"--nodes={nodes}",
         "--ntasks-per-node=1",
-        f"--gpus-per-node={job.gpus_per_node}",
     ]
+    directives += [f"--gpus-per-node={job.gpus_per_node}"] if job.gpus_per_node else []
+    directives += [f"--cpus-per-task={job.cpus_per_node}"] if job.cpus_per_node else []
     directives += [f"--partition={job.partition}"] if job.partition else []
     directives += [f"--time={job.time}"] if job.time else []
     directives += [f"--account={job.account}"] if job.account else []
@@ -188,15 +260,12 @@ def slurm_script(job: ClusterJob) -> str:
         "--open-mode=append",
     ]
     config = job.config_text if job.config_text.endswith("\n") else job.config_text + "\n"
-    shape = f"{job.nodes} nodes x {job.gpus_per_node} GPUs"
-    if job.min_nodes is not None:
-        shape += f", elastic down to {job.min_nodes} nodes"
     lines = [
         "#!/bin/bash",
         *(f"#SBATCH {d}" for d in directives),
-        f"# trainwise job '{job.name}', {shape}. Written by `trainwise launch slurm`;",
-        "# submit with `sbatch FILE`. The log is %x-%j.out in the submit directory,",
-        "# appended to when the job is requeued.",
+        f"# trainwise job '{job.name}', {describe_shape(job)}.",
+        "# Written by `trainwise launch slurm`; submit with `sbatch FILE`. The log is",
+        "# %x-%j.out in the submit directory, appended to when the job is requeued.",
         "",
         "set -euo pipefail",
         "",
@@ -212,24 +281,26 @@ def slurm_script(job: ClusterJob) -> str:
         "# The first node hosts the c10d rendezvous; every node's launcher meets it there.",
         'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "",
-        f"# One launcher per node starts that node's {job.gpus_per_node} workers itself.",
+        f"# Slurm sends USR1 to this shell {SIGNAL_LEAD_S} s before the time limit (and scancel",
+        "# --signal=USR1 --batch does, to preempt). srun passes it to the launchers, whose",
+        "# workers save a checkpoint and exit; then the job is requeued and resumes from that",
+        "# checkpoint. The trap is set before srun starts, so that an early signal requeues too.",
+        'SRUN_PID=""',
+        "requeue() {",
+        '    echo "trainwise: got USR1; checkpointing, then requeueing job $SLURM_JOB_ID"',
+        '    kill -USR1 "$SRUN_PID" 2>/dev/null || true',
+        '    wait "$SRUN_PID" 2>/dev/null || true',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "    exit 0",
+        "}",
+        "trap requeue USR1",
+        "",
+        f"# One launcher per node starts that node's {job.nproc} workers itself.",
         "# --kill-on-bad-exit=0: a failing node does not take the others down at once; the",
         "# elastic agents decide. The rendezvous id is the Slurm job id, which a requeued",
         "# job keeps.",
         srun_line(job) + " &",
         "SRUN_PID=$!",
-        "",
-        f"# Slurm sends USR1 to this shell {SIGNAL_LEAD_S} s before the time limit. srun passes it",
-        "# to the launchers, whose workers save a checkpoint and exit; then the job is",
-        "# requeued and resumes from that checkpoint.",
-        "requeue() {",
-        '    echo "trainwise: time limit near; checkpointing, then requeueing job $SLURM_JOB_ID"',
-        '    kill -USR1 "$SRUN_PID" 2>/dev/null || true',
-        '    wait "$SRUN_PID" || true',
-        '    scontrol requeue "$SLURM_JOB_ID"',
-        "    exit 0",
-        "}",
-        "trap requeue USR1",
         "",
         'wait "$SRUN_PID"',
     ]
@@ -249,6 +320,14 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
 
 
 _Dumper.add_representer(str, _str)
+
+
+def _pod_limits(job: ClusterJob) -> dict[str, int]:
+    """A pod's resources: its GPUs, and its CPUs where asked for (always on a CPU job)."""
+    limits = {"nvidia.com/gpu": job.gpus_per_node} if job.gpus_per_node else {}
+    if job.cpus_per_node:
+        limits["cpu"] = job.cpus_per_node
+    return limits
 
 
 def pytorchjob_manifest(job: ClusterJob) -> str:
@@ -276,7 +355,7 @@ def pytorchjob_manifest(job: ClusterJob) -> str:
         "command": command,
         # Named so that the operator's per-pod service uses it (else it adds port 23456).
         "ports": [{"name": "pytorchjob-port", "containerPort": job.port}],
-        "resources": {"limits": {"nvidia.com/gpu": job.gpus_per_node}},
+        "resources": {"limits": _pod_limits(job)},
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
             {"name": "runs", "mountPath": RUNS_MOUNT},
@@ -293,7 +372,7 @@ def pytorchjob_manifest(job: ClusterJob) -> str:
                 "minReplicas": job.min_nodes or job.nodes,
                 "maxReplicas": job.nodes,
                 "maxRestarts": job.max_restarts,
-                "nProcPerNode": job.gpus_per_node,
+                "nProcPerNode": job.nproc,
             },
             "pytorchReplicaSpecs": {
                 "Worker": {
@@ -316,12 +395,10 @@ def pytorchjob_manifest(job: ClusterJob) -> str:
             },
         },
     }
-    shape = f"{job.nodes} nodes x {job.gpus_per_node} GPUs"
-    if job.min_nodes is not None:
-        shape += f", elastic down to {job.min_nodes} nodes"
     header = [
-        f"# trainwise job '{job.name}', {shape}. Written by `trainwise launch k8s`;",
-        "# apply with `kubectl apply -f FILE` (needs the Kubeflow training operator).",
+        f"# trainwise job '{job.name}', {describe_shape(job)}.",
+        "# Written by `trainwise launch k8s`; apply with `kubectl apply -f FILE` (needs the",
+        "# Kubeflow training operator).",
         f"# The PersistentVolumeClaim {claim} must exist, ReadWriteMany: every pod writes its",
         f"# checkpoint shards to {RUNS_MOUNT}/{job.name}, and a restarted pod resumes from there.",
     ]

@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from trainwise.run.checkpoint import Resumed
 from trainwise.run.checkpoint_store import CheckpointError
 from trainwise.run.control import Control
 from trainwise.run.distributed import DistEnv, network_line, side_group
-from trainwise.run.events import append_event, read_events, retry_cost
+from trainwise.run.events import append_event, read_events, resumptions, retry_cost
 from trainwise.run.faults import Faults
 from trainwise.run.job import Job
 from trainwise.run.lifeline import this_launch
@@ -119,6 +119,8 @@ class Training:
         self.resumed = self.ckpt.load(path) if path else Resumed()
         self.resumed.skipped = skipped
         self.log.info("trainwise: %s", self.resumed.line())  # first: where it continues from
+        if (stop := self._previous_stop()) is not None:
+            self.log.info("trainwise: %s", stop)
         self.log.info(
             "trainwise: %s on %d x %s, %s", c.model.name, env.world, self.job.device.name,
             self.job.decision.reason,
@@ -141,6 +143,16 @@ class Training:
         self.recorder = self._build_recorder()
         if env.is_main:
             record_membership(self.run_dir, env, self.step)
+
+    def _previous_stop(self) -> str | None:
+        """After a planned stop (a requeue, a rerun after Ctrl-C): how long the run waited
+        and how many steps it trains again. Rank 0, first attempt of a launch."""
+        if not self.env.is_main or self.env.attempt:
+            return None
+        found = resumptions(read_events(self.run_dir))
+        if not found or found[-1].waited_s is None or found[-1].resumed_step is not None:
+            return None  # none, or the last one was resumed by an earlier launch
+        return replace(found[-1], resumed_step=self.resumed.step).line()
 
     def train_step(self) -> StepResult:
         self.stage = "the training step"
