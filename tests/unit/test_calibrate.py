@@ -95,3 +95,65 @@ def test_missing_or_unusable_run_directories(tmp_path: Path):
     (short / "metrics.jsonl").write_text("{not json\n")
     with pytest.raises(ConfigError, match="line 1 is not JSON"):
         read_calibration(short)
+
+
+def write_planned_run(path: Path) -> Path:
+    """A 2-worker CPU run with its own plan.json: per steady step 0.008 s compute, 0.002 s
+    optimizer and 0.005 s of exposed sync; 30 MB added to the resident set; two saves of
+    1e8 bytes in 0.15 and 0.25 s."""
+    write_run(path, dict(JOB, device="cpu"))
+    records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        r.update(sync_s=0.005, step_s=0.0155, mem_bytes=30_000_000, mem_kind="rss_added")
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    plan = {
+        "gpus": 2, "intra_node_gbps": 2.0, "inter_node_gbps": 50.0, "checkpoint_write_gbps": 1.0,
+        "step": {"comm": 0.001, "exposed_comm": 0.001},
+        "memory_per_gpu": {"total": 10_000_000, "overhead": 0},
+    }  # fmt: skip
+    (path / "plan.json").write_text(json.dumps(plan))
+    events = [{"kind": "ready", "nodes": 1}] + [
+        {"kind": "checkpoint", "save_s": s, "bytes": 100_000_000} for s in (0.15, 0.25)
+    ]
+    (path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return path
+
+
+def test_a_train_run_measures_what_its_own_plan_assumed(tmp_path: Path):
+    cal = read_calibration(write_planned_run(tmp_path / "run"))
+    # The plan's 0.001 s of sync at 2 GB/s took 0.005 s: the link ran at 0.4 GB/s.
+    assert cal.intra_bps == pytest.approx(0.4e9)
+    # 30 MB added against 10 MB of planned tensors: 20 MB of runtime.
+    assert cal.cpu_runtime_bytes == pytest.approx(20e6)
+    # 1e8 bytes at 1 GB/s is 0.1 s of each save; the median rest is 0.1 s.
+    assert cal.checkpoint_latency_s == pytest.approx(0.1)
+    assert (cal.step_s, cal.save_s) == (pytest.approx(0.0155), pytest.approx(0.2))
+
+
+def test_run_measurements_apply_to_a_cpu_plan_and_memory_not_to_a_gpu_one(tmp_path: Path):
+    cal = read_calibration(write_planned_run(tmp_path / "run"))
+    gpu = resolve_inputs(load_config(None, base=PLAN_DEFAULTS))
+    on_gpu, notes = apply_calibration(gpu, cal)
+    assert on_gpu.memory_overhead_bytes == 0
+    assert any("not applied to a GPU plan" in n for n in notes)
+    assert on_gpu.checkpoint_latency_s == pytest.approx(0.1)
+    cpu = resolve_inputs(load_config(None, base={**PLAN_DEFAULTS, "cluster.gpu": "cpu"}))
+    on_cpu, _ = apply_calibration(cpu, cal)
+    assert on_cpu.memory_overhead_bytes == pytest.approx(20e6)
+    before = make_plan(cpu).strategy("ddp")
+    after = make_plan(on_cpu).strategy("ddp")
+    assert after.memory.total == pytest.approx(before.memory.total + 20e6)
+    assert after.checkpoint.save_s == pytest.approx(
+        before.checkpoint.save_s - cpu.checkpoint_latency_s + 0.1
+    )
+
+
+def test_a_cpu_runs_link_rate_is_not_applied_to_a_gpu_plan(tmp_path: Path):
+    cal = read_calibration(write_planned_run(tmp_path / "run"))
+    gpu = resolve_inputs(load_config(None, base=PLAN_DEFAULTS))
+    on_gpu, notes = apply_calibration(gpu, cal)
+    assert on_gpu.hardware.intra_bps == gpu.hardware.intra_bps
+    assert any("not applied to a plan for H100-SXM" in n for n in notes)
+    cpu = resolve_inputs(load_config(None, base={**PLAN_DEFAULTS, "cluster.gpu": "cpu"}))
+    on_cpu, _ = apply_calibration(cpu, cal)
+    assert on_cpu.hardware.intra_bps == pytest.approx(0.4e9)

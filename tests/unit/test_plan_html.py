@@ -217,3 +217,50 @@ def test_bare_parameter_count_without_activations():
     assert check(page).errors == []
     assert page.count("<svg") == 2
     assert "activations (not modelled)" in page
+
+
+def _drawn(fig):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return canvas.get_renderer()
+
+
+def test_a_layout_100x_larger_does_not_squash_the_ones_that_fit(plan):
+    from trainwise.report.plan_html import _memory_figure, memory_cut
+
+    assert memory_cut(plan) is None  # nothing out of scale here: the axis is whole
+    huge = [
+        replace(s, memory=replace(s.memory, overhead=100 * s.memory.total), fits=False)
+        if s.name == "single"
+        else s
+        for s in plan.strategies
+    ]
+    fitting = max(s.memory.total for s in huge if s.fits) / 1e9
+    wide = replace(plan, strategies=huge)
+    ax = _memory_figure(wide).axes[0]
+    # The widest fitting bar keeps a tenth of the axis or more (uncut: under a 150th).
+    assert fitting / ax.get_xlim()[1] > 0.1
+    assert max(p.get_width() + p.get_x() for p in ax.patches) <= memory_cut(wide) + 1e-9
+    page = render_html(wide)
+    assert "does not fit (bar cut)" in page
+    assert check(page).errors == []
+
+
+def test_knee_labels_do_not_overlap(plan):
+    from matplotlib.text import Text
+
+    from trainwise.report.plan_html import _scaling_figure
+
+    names = sorted({r.strategy for r in plan.sweep})
+    at_once = replace(plan, knees=dict.fromkeys(names, 8))  # every knee at one point
+    fig = _scaling_figure(at_once)
+    renderer = _drawn(fig)
+    labels = [t for t in fig.axes[0].texts if t.get_text().startswith("knee of")]
+    assert len(labels) >= 3
+    # The labels' text (an Annotation's own extent includes its line to the ring).
+    boxes = [Text.get_window_extent(t, renderer) for t in labels]
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert not a.overlaps(b), "two knee labels overlap"

@@ -202,3 +202,18 @@ def test_progress_none_prints_nothing(capsys):
         progress.update(record(step))
     progress.close()
     assert capsys.readouterr().out == ""
+
+
+def test_cpu_memory_is_what_the_process_added_over_its_baseline():
+    cpu = torch.device("cpu")
+    telemetry.mark_memory_baseline()
+    before, kind = telemetry.peak_memory(cpu)
+    assert kind == "rss_added"
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    after, _ = telemetry.peak_memory(cpu)
+    assert after - before >= 60 * 2**20
+    # The whole process holds far more than what it added since the baseline.
+    telemetry._rss_baseline.clear()
+    whole, kind = telemetry.peak_memory(cpu)
+    assert kind == "rss_peak" and whole > after
+    del block

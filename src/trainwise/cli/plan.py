@@ -94,8 +94,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--calibrate",
         metavar="RUN_DIR",
-        help="re-plan with the compute efficiency and bandwidth a finished trainwise train "
-        "or doctor run measured",
+        help="re-plan with what a finished trainwise train or doctor run measured (compute "
+        "efficiency, links, loader, checkpoint latency, runtime memory; plan.calibration)",
     )
     p.add_argument(
         "--simulate",
@@ -229,10 +229,12 @@ def run(args: argparse.Namespace) -> int:
     inputs, sweep, cfg = load_plan_inputs(args)
     goal = load_goal(args, inputs.objective)
     notes: list[str] = []
-    if args.calibrate:
+    source = args.calibrate or cfg.plan.calibration
+    if source:
         from trainwise.plan.calibrate import apply_calibration, read_calibration
 
-        inputs, notes = apply_calibration(inputs, read_calibration(args.calibrate))
+        where = f"--calibrate {source}" if args.calibrate else f"plan.calibration = {source!r}"
+        inputs, notes = apply_calibration(inputs, read_calibration(source, where=where))
     if args.simulate and inputs.workload.shape is None:
         raise ConfigError(
             "--simulate needs a model to build: give a preset (--model) or a shape "

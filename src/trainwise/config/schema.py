@@ -323,6 +323,12 @@ class CheckpointConfig(Section):
         description="Plan: GB/s one node writes checkpoints at (an assumption; the doctor "
         "measures it).",
     )
+    save_latency_s: float = Field(
+        0.05,
+        ge=0.0,
+        description="Plan: fixed seconds of a save whatever its size (planning, metadata, the "
+        "atomic commit; an assumption: the doctor measures it, --calibrate takes it).",
+    )
 
 
 class ClusterConfig(Section):
@@ -512,6 +518,12 @@ class PlanConfig(Section):
         None, gt=0.0, description="Samples/s one GPU's loader delivers; default: unlimited."
     )
     sweep: list[int] | None = Field(None, description="GPU counts to sweep, e.g. [1, 2, 4, 8].")
+    calibration: str | None = Field(
+        None,
+        description="A trainwise train or doctor run directory whose measurements replace the "
+        "plan's assumptions (efficiency, links, loader, checkpoint latency, runtime memory), "
+        "as `trainwise plan --calibrate` does; `trainwise train` plans and chooses with them.",
+    )
 
     @field_validator("sweep")
     @classmethod

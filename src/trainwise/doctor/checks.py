@@ -10,7 +10,10 @@ import resource
 import shutil
 import time
 
+import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 
 from trainwise.config import job_hash
 from trainwise.doctor import bandwidth
@@ -21,6 +24,7 @@ from trainwise.plan import fmt_bytes
 from trainwise.plan.calibrate import Calibration, apply_calibration
 from trainwise.plan.estimate import evaluate
 from trainwise.plan.planner import COMM_BOUND_SHARE, sharded_name
+from trainwise.run import checkpoint_store as store
 from trainwise.run import versions
 from trainwise.run.checkpoint_store import root_for
 
@@ -176,6 +180,35 @@ def _write_speed(folder, size: int) -> float:
         path.unlink(missing_ok=True)
 
 
+def _save_latency(ctx: Context, folder) -> float:
+    """Seconds of a checkpoint save of a few bytes into `folder`, on every rank together
+    as the job saves: torch.distributed.checkpoint's planning, metadata and writes, then
+    (rank 0, as the commit) the files' checksums and syncs and the rename. The fixed cost
+    of a save, whatever its size; the slowest rank's."""
+    tmp = folder / f".doctor-save-{ctx.run_dir.name}"
+    failed = False
+    start = time.perf_counter()
+    try:
+        writer = FileSystemWriter(str(tmp), thread_count=1)
+        dcp.save({"probe": torch.zeros(1)}, storage_writer=writer)
+        ctx.slowest(0.0)  # the commit starts when every rank has written
+        if ctx.env.is_main:
+            files = [p for p in tmp.rglob("*") if p.is_file()]
+            store.hash_files(files)
+            for path in [*files, tmp]:
+                fd = os.open(path, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+            tmp.rename(tmp.with_name(tmp.name + "-done"))
+    except Exception:  # noqa: BLE001 - the write speed check reports the disk's error
+        failed = True
+    seconds = ctx.slowest(time.perf_counter() - start)
+    if ctx.env.is_main:
+        for path in (tmp, tmp.with_name(tmp.name + "-done")):
+            shutil.rmtree(path, ignore_errors=True)
+    return math.nan if failed else seconds
+
+
 def check_disk(ctx: Context) -> CheckResult:
     title = "disk for checkpoints"
     c = ctx.cfg.checkpoint
@@ -193,9 +226,14 @@ def check_disk(ctx: Context) -> CheckResult:
         speed, ctx.measured["disk_error"] = 1e-9, str(err)
     # Every rank writes its shards at once: the node's speed is what the slowest sees.
     speed = 1.0 / ctx.slowest(1.0 / speed)
+    latency = _save_latency(ctx, folder)
     assumed = c.write_gbps * GB
     ctx.measured["write_bytes_per_s"] = speed
-    save_s, assumed_s = size / speed, size / assumed
+    if not math.isnan(latency):
+        ctx.measured["checkpoint_latency_s"] = latency
+    else:
+        latency = c.save_latency_s
+    save_s, assumed_s = latency + size / speed, c.save_latency_s + size / assumed
     need = size * kept
     status, fix = "pass", None
     error = ctx.gather(ctx.measured.pop("disk_error", None))
@@ -217,9 +255,10 @@ def check_disk(ctx: Context) -> CheckResult:
         name="disk", title=title, status=status,
         measured=f"{fmt_bytes(free)} free, writes at {_gbps(speed)}",
         expected=f"{fmt_bytes(need)} for {kept} checkpoints, {_gbps(assumed)} (plan)",
-        detail=f"a checkpoint of {fmt_bytes(size)} takes {save_s:.3g} s to write here "
-        f"(the plan assumed {assumed_s:.3g} s)",
+        detail=f"a checkpoint of {fmt_bytes(size)} takes {save_s:.3g} s to write here, "
+        f"{latency:.3g} s of it a save's fixed cost (the plan assumed {assumed_s:.3g} s)",
         fix=fix,
         data={"free_bytes": free, "needed_bytes": need, "write_bytes_per_s": speed,
-              "checkpoint_bytes": size, "save_s": save_s, "assumed_save_s": assumed_s},
+              "checkpoint_bytes": size, "save_s": save_s, "assumed_save_s": assumed_s,
+              "save_latency_s": latency},
     )  # fmt: skip

@@ -1,6 +1,6 @@
 """What a check returns and what the doctor writes: one schema (pydantic) for doctor.json,
-`--json` and the README. `trainwise plan --calibrate` reads the `bandwidth` block and the
-loader's rate.
+`--json` and the README. `trainwise plan --calibrate` reads the `bandwidth` block, the
+loader's rate and the checkpoint latency.
 
 Pure data: no torch.
 """
@@ -64,6 +64,11 @@ class DoctorRecord(BaseModel):
     bandwidth: Bandwidth = Field(default_factory=Bandwidth)
     data_samples_per_s_per_worker: float | None = Field(
         None, description="The configured loader's rate (data check), for the planner."
+    )
+    checkpoint_latency_s: float | None = Field(
+        None,
+        description="Seconds of a checkpoint save of a few bytes on every rank (disk check): "
+        "a save's fixed cost, for the planner.",
     )
 
     @property

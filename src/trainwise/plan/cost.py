@@ -43,10 +43,12 @@ def checkpoint_plan(
     train_s: float,
     mtbf_hours_per_node: float,
     restart_s: float,
+    latency_s: float = 0.0,
 ) -> CheckpointPlan:
     """Every node writes its ranks' shards in parallel (DCP), so a save takes the state
-    over the nodes' summed bandwidth."""
-    save_s = size_bytes / (write_bps_per_node * nodes)
+    over the nodes' summed bandwidth, after a fixed `latency_s` (planning, metadata, the
+    commit's renames and syncs: what a tiny checkpoint costs)."""
+    save_s = latency_s + size_bytes / (write_bps_per_node * nodes)
     mtbf_s = system_mtbf_s(mtbf_hours_per_node, nodes)
     failure = failure_cost(save_s, restart_s, mtbf_hours_per_node, nodes)
     tau = failure.interval_s

@@ -189,7 +189,7 @@ def price(
         )
         per_rank = 1.0
 
-    memory = memory or setup_memory(w, setup, hw.device)
+    memory = memory or setup_memory(w, setup, hw.device, inputs.memory_overhead_bytes)
     budget = hw.memory_bytes * (1.0 - inputs.headroom)
     host_per_node = memory.host * inputs.gpus_per_node
     host_fits = host_per_node <= hw.host_memory_bytes
@@ -219,7 +219,13 @@ def price(
     train_s = inputs.tokens / tokens_per_step * total
     size = w.params * (MASTER_BYTES + OPTIMIZER_STATE_BYTES[w.optimizer])
     ckpt = checkpoint_plan(
-        size, inputs.checkpoint_bps, inputs.nodes, train_s, inputs.mtbf_hours, inputs.restart_s
+        size,
+        inputs.checkpoint_bps,
+        inputs.nodes,
+        train_s,
+        inputs.mtbf_hours,
+        inputs.restart_s,
+        inputs.checkpoint_latency_s,
     )
     cost = job_cost(gpus, hw.price_per_gpu_hour, train_s, exposed / total, ckpt)
     return StrategyPlan(
@@ -282,14 +288,17 @@ def _communication(
     return collectives + tp_comm, host_s, exposed
 
 
-def setup_memory(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
-    """estimate_memory for the layout of `setup` (`w` at its micro-batch and ac)."""
+def setup_memory(
+    w: Workload, setup: Setup, device: str, runtime_bytes: float = 0.0
+) -> MemoryEstimate:
+    """estimate_memory for the layout of `setup` (`w` at its micro-batch and ac), plus the
+    runtime's own `runtime_bytes` per worker (measured by a calibration) in its overhead."""
     dims = setup.dims
     if dims.fsdp:
         kind, world = ("hsdp" if dims.hybrid else "fsdp"), dims.dp_size
     else:
         kind, world = ("ddp" if dims.dp_replicate > 1 else "single"), dims.dp_replicate
-    return estimate_memory(
+    est = estimate_memory(
         w,
         kind,
         world,
@@ -302,3 +311,4 @@ def setup_memory(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
         sequence_parallel=setup.sequence_parallel,
         accumulate=setup.accumulate,
     )
+    return replace(est, overhead=est.overhead + runtime_bytes) if runtime_bytes else est

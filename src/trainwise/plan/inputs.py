@@ -83,6 +83,9 @@ class PlanInputs:
     headroom: float
     objective: str  # "cost" or "time"
     strategy: str | None  # plan only this one
+    checkpoint_latency_s: float = 0.0  # fixed seconds of a save, whatever its size
+    # Memory a worker's runtime adds beyond the modelled tensors (a calibration measures it).
+    memory_overhead_bytes: float = 0.0
 
     @property
     def gpus_per_node(self) -> int:
@@ -140,6 +143,7 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
         mtbf_hours=cfg.cluster.mtbf_hours,
         restart_s=cfg.cluster.restart_min * 60.0,
         checkpoint_bps=cfg.checkpoint.write_gbps * GB,
+        checkpoint_latency_s=cfg.checkpoint.save_latency_s,
         headroom=cfg.parallel.headroom,
         objective=p.objective,
         strategy=p.strategy,
@@ -221,6 +225,7 @@ def job_inputs(
         mtbf_hours=cfg.cluster.mtbf_hours,
         restart_s=cfg.cluster.restart_min * 60.0,
         checkpoint_bps=cfg.checkpoint.write_gbps * GB,
+        checkpoint_latency_s=cfg.checkpoint.save_latency_s,
         headroom=cfg.parallel.headroom,
         objective="time",
         strategy=None,
@@ -247,7 +252,7 @@ def unknown_device_inputs(
         efficiency=cfg.plan.efficiency, data_samples_per_s=None,
         mtbf_hours=cfg.cluster.mtbf_hours, restart_s=cfg.cluster.restart_min * 60.0,
         checkpoint_bps=cfg.checkpoint.write_gbps * GB, headroom=cfg.parallel.headroom,
-        objective="time", strategy=None,
+        objective="time", strategy=None, checkpoint_latency_s=cfg.checkpoint.save_latency_s,
     )  # fmt: skip
 
 

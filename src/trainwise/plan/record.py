@@ -93,6 +93,8 @@ def inputs_record(plan: Plan) -> dict:
         "mtbf_hours_per_node": i.mtbf_hours,
         "restart_s": i.restart_s,
         "checkpoint_bytes_per_s_per_node": i.checkpoint_bps,
+        "checkpoint_latency_s": i.checkpoint_latency_s,
+        "runtime_memory_bytes": i.memory_overhead_bytes,
         "data_samples_per_s_per_gpu": i.data_samples_per_s,
         "headroom": i.headroom,
         "objective": i.objective,

@@ -152,7 +152,9 @@ def best_of_layout(inputs: PlanInputs, dims, allowed: Allowed) -> tuple[list, St
                 if accumulate not in accumulations(dims, accum, allowed):
                     continue
                 setup = Setup(dims, ac, micro, accum, accumulate)
-                mem = setup_memory(knob_workload(w, micro, ac), setup, hw.device)
+                mem = setup_memory(
+                    knob_workload(w, micro, ac), setup, hw.device, inputs.memory_overhead_bytes
+                )
                 if smallest is None or mem.total < smallest[0]:
                     smallest = (mem.total, setup)
                 if mem.total <= budget:

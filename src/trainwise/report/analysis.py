@@ -33,8 +33,16 @@ STAGES = (
     ("ckpt_s", "checkpoint stall"),
 )
 PLAN_ERROR_FLAG = 0.25  # a plan figure off by more than this names its assumption
+REPRODUCED = 0.10  # a calibrated plan this close to its calibration run's figure matches it
 DATA_BOUND_SHARE = 0.10  # the loop's own warning level (logging.data_wait_warn's default)
 WINDOWS = 10  # step windows in the stage picture
+# The memory a step record measured (mem_kind) that the plan's per-worker figure is
+# compared with, and what a miss points at. A whole resident set is not comparable.
+MEMORY_ASSUMPTION = {
+    "cuda_peak": "the memory model (activations, buffers)",
+    "rss_added": "the memory model, and the CPU runtime's own memory beyond the tensors "
+    "(allocator cache, thread arenas, library code: --calibrate measures it)",
+}
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,7 @@ class PlanCheck:
     error: float | None  # (actual - planned) / planned
     flagged: bool
     assumption: str  # which of the plan's inputs this figure rests on
+    reason: str | None = None  # why the miss is not the plan's, when the files show it
 
 
 @dataclass(frozen=True)
@@ -368,29 +377,37 @@ def plan_vs_actual(run: RunFiles, stages: StageSplit, notes: list[str]) -> list[
     mem_kind = run.records[-1].get("mem_kind", "")
     saves = [e for e in run.events if e["kind"] == "checkpoint" and e.get("save_s") is not None]
     slow_part = _largest_miss(stages, plan)
+    speed = machine_changed(plan, "calibration_step_s", plan["step"]["total"], step_s, "a step")
+    save_s = _median([e["save_s"] for e in saves])
+    disk = machine_changed(
+        plan, "calibration_save_s", plan["checkpoint"]["save_s"], save_s, "a save"
+    )
     rows = [
-        _check("step time", "s", plan["step"]["total"], step_s, slow_part),
+        _check("step time", "s", plan["step"]["total"], step_s, slow_part, reason=speed),
         _check(
             "tokens/s",
             "tokens/s",
             plan.get("tokens_per_s"),
             tokens / step_s if tokens and step_s else None,
             slow_part,
+            reason=speed,
         ),  # fmt: skip
         _check(
             "memory per worker",
             "bytes",
-            plan["memory_per_gpu"]["total"],
+            planned_memory(plan["memory_per_gpu"], mem_kind),
             mem or None,
-            "the memory model (activations, buffers)",
-            comparable=mem_kind == "cuda_peak",
+            MEMORY_ASSUMPTION.get(mem_kind, MEMORY_ASSUMPTION["cuda_peak"]),
+            comparable=mem_kind in MEMORY_ASSUMPTION,
         ),  # fmt: skip
         _check(
             "checkpoint save",
             "s",
             plan["checkpoint"]["save_s"],
-            _median([e["save_s"] for e in saves]),
-            "the checkpoint write speed (checkpoint.write_gbps)",
+            save_s,
+            "the checkpoint write speed and fixed latency (checkpoint.write_gbps, "
+            "save_latency_s; trainwise doctor measures them)",
+            reason=disk,
         ),  # fmt: skip
     ]
     if mem_kind == "rss_peak":
@@ -399,6 +416,36 @@ def plan_vs_actual(run: RunFiles, stages: StageSplit, notes: list[str]) -> list[
             "not comparable with the plan's tensors: not flagged"
         )
     return rows
+
+
+def planned_memory(memory: dict[str, Any], mem_kind: str) -> float:
+    """The plan's figure for what the run measured: on a GPU the allocator's peak, so the
+    tensors without the overhead (the CUDA context and fragmentation, which
+    max_memory_allocated does not count); on CPU the whole total (its overhead is the
+    runtime's own memory, measured by a calibration, which the resident set holds)."""
+    if mem_kind == "cuda_peak":
+        return memory["total"] - (memory.get("overhead") or 0)
+    return memory["total"]
+
+
+def machine_changed(
+    plan: dict[str, Any], key: str, planned: float, actual: float | None, what: str
+) -> str | None:
+    """Why a calibrated plan missed this run's time, when the files show it: the plan
+    reproduces its calibration run's figure (plan.json `key`), and this run's differs from
+    that one's: the machine, not the model, changed between the runs."""
+    before = plan.get(key)
+    if not before or not actual or not planned:
+        return None
+    change = actual / before - 1
+    missed = abs(actual / planned - 1) > PLAN_ERROR_FLAG
+    if not missed or abs(planned / before - 1) > REPRODUCED:
+        return None
+    return (
+        f"the machine's speed changed: {what} took {actual:.3g} s here and {before:.3g} s "
+        f"in {plan.get('calibration_source')} ({change:+.0%}), whose measurements the plan "
+        "reproduces (other load on the machine?)"
+    )
 
 
 def _largest_miss(stages: StageSplit, plan: dict[str, Any]) -> str:
@@ -422,10 +469,13 @@ def _check(
     actual: float | None,
     assumption: str,
     comparable: bool = True,
+    reason: str | None = None,
 ) -> PlanCheck:
     error = (actual - planned) / planned if planned and actual is not None else None
     flagged = comparable and error is not None and abs(error) > PLAN_ERROR_FLAG
-    return PlanCheck(name, unit, planned, actual, error, flagged, assumption)
+    return PlanCheck(
+        name, unit, planned, actual, error, flagged, assumption, reason if flagged else None
+    )
 
 
 def curves(run: RunFiles) -> Curves:

@@ -65,6 +65,10 @@ COST_PARTS = (
     ("failure_retry_usd", "failure retry", "#D55E00"),
 )
 SWEEP_TITLE = "Scaling sweep"
+# The memory chart's broken axis: bars over CUT_RATIO times the readable scale are cut at
+# CUT_AT times it.
+CUT_RATIO = 4.0
+CUT_AT = 1.3
 
 CSS = """
 body{font:15px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1b1b1b;
@@ -247,9 +251,11 @@ def _memory_figure(plan: Plan):
     ]
     lines = [f"{hw.gpu} memory", "usable budget"]
     ticks = [_strategy_label(plan, s.name, s.gpus) for s in strategies]
+    cut = memory_cut(plan)
     notes = [
         fmt_bytes(s.memory.total)
         + ("" if s.fits else ", does not fit" + ("" if s.host_fits else " (host memory)"))
+        + (" (bar cut)" if cut is not None and s.memory.total / GB > cut else "")
         for s in strategies
     ]
     left = text_width(ticks, TEXT_SIZE) + 0.25
@@ -257,12 +263,7 @@ def _memory_figure(plan: Plan):
         FIGURE_WIDTH, 0.95 + 0.4 * len(strategies), left, 0.5, [p[1] for p in parts] + lines
     )
     ax = fig.add_subplot()
-    ys = list(range(len(strategies)))
-    starts = [0.0] * len(strategies)
-    for field, label, colour in parts:
-        widths = [(getattr(s.memory, field) or 0.0) / GB for s in strategies]
-        ax.barh(ys, widths, left=starts, height=0.6, color=colour, label=label)
-        starts = [a + b for a, b in zip(starts, widths, strict=True)]
+    ends = _memory_bars(ax, strategies, parts, cut)
     ax.axvline(hw.memory_bytes / GB, color="#000000", linewidth=1.2, label=lines[0])
     budgets = {s.budget_bytes for s in strategies}
     if len(budgets) == 1:
@@ -281,21 +282,50 @@ def _memory_figure(plan: Plan):
     # Room on the right of the longest bar for its note: the axes' width in inches against
     # the data's, so that total + note fits inside.
     axes_in = ax.get_position().width * FIGURE_WIDTH
-    span = max([s.memory.total for s in strategies] + [hw.memory_bytes]) / GB * 1.05
-    for s, note in zip(strategies, notes, strict=True):
+    span = max([*ends, hw.memory_bytes / GB]) * 1.05
+    for end, note in zip(ends, notes, strict=True):
         room = axes_in - text_width([note], NOTE_SIZE) - 0.15
         if room > 0.5:
-            span = max(span, s.memory.total / GB * axes_in / room)
-    for i, (s, note) in enumerate(zip(strategies, notes, strict=True)):
-        ax.text(s.memory.total / GB, i, " " + note, va="center", ha="left", fontsize=NOTE_SIZE)
+            span = max(span, end * axes_in / room)
+    for i, (end, note) in enumerate(zip(ends, notes, strict=True)):
+        ax.text(end, i, " " + note, va="center", ha="left", fontsize=NOTE_SIZE)
     ax.set_xlim(0, span)
-    ax.set_yticks(ys, ticks)
+    ax.set_yticks(range(len(strategies)), ticks)
     ax.set_ylim(len(strategies) - 0.5, -0.5)  # the first strategy on top
     ax.set_xlabel("GB per GPU")
     ax.set_title("Memory per GPU", loc="left", fontweight="bold")
     ax.spines[["top", "right"]].set_visible(False)
     legend(ax)
     return fig
+
+
+def memory_cut(plan: Plan) -> float | None:
+    """Where the memory chart's axis breaks (GB), when a bar is more than CUT_RATIO times
+    the readable scale (the largest of the GPU's memory and the bars within CUT_RATIO of
+    it): the bars past it are cut there, so that one huge layout does not squash the ones
+    that fit or nearly fit. None: no cut."""
+    memory = plan.inputs.hardware.memory_bytes / GB
+    totals = [s.memory.total / GB for s in plan.strategies]
+    readable = max([memory] + [t for t in totals if t <= CUT_RATIO * memory])
+    return readable * CUT_AT if max(totals) > CUT_RATIO * readable else None
+
+
+def _memory_bars(ax, strategies: list, parts: list, cut: float | None) -> list[float]:
+    """The stacked bars, each cut at `cut` (GB) with a break mark; their drawn ends."""
+    ys = list(range(len(strategies)))
+    starts = [0.0] * len(strategies)
+    for field, label, colour in parts:
+        widths = [(getattr(s.memory, field) or 0.0) / GB for s in strategies]
+        if cut is not None:
+            widths = [max(0.0, min(w, cut - a)) for a, w in zip(starts, widths, strict=True)]
+        ax.barh(ys, widths, left=starts, height=0.6, color=colour, label=label)
+        starts = [a + b for a, b in zip(starts, widths, strict=True)]
+    for i, s in enumerate(strategies):
+        if cut is not None and s.memory.total / GB > cut:  # a white gap with slanted edges
+            ax.plot([cut * 0.97, cut * 0.99], [i + 0.38, i - 0.38], color="#ffffff", linewidth=3)
+            ax.plot([cut * 0.955, cut * 0.975], [i + 0.38, i - 0.38], color="#000000", lw=0.8)
+            ax.plot([cut * 0.985, cut * 1.005], [i + 0.38, i - 0.38], color="#000000", lw=0.8)
+    return starts
 
 
 def _cost_figure(plan: Plan):
@@ -343,6 +373,7 @@ def _scaling_figure(plan: Plan):
     labels = [*names, "ideal linear scaling"]
     fig = new_figure(FIGURE_WIDTH, 3.8, left, 0.5, labels)
     ax = fig.add_subplot()
+    knees: list[tuple[str, float, float]] = []
     if ideal:
         ax.plot(counts, ideal, linestyle=":", color="#555555", linewidth=1.5, label=labels[-1])
     for k, name in enumerate(names):
@@ -372,13 +403,7 @@ def _scaling_figure(plan: Plan):
                 linewidths=1.2,
                 zorder=4,
             )
-            ax.annotate(
-                f"knee of {name}",
-                (point.gpus, point.tokens_per_s),
-                xytext=(8, -14),
-                textcoords="offset points",
-                fontsize=NOTE_SIZE,
-            )
+            knees.append((f"knee of {name}", point.gpus, point.tokens_per_s))
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_locator(FixedLocator(counts))
     ax.xaxis.set_minor_locator(NullLocator())
@@ -388,7 +413,36 @@ def _scaling_figure(plan: Plan):
     ax.set_xlabel("GPUs")
     ax.set_ylabel("tokens/s")
     ax.set_title("Scaling", loc="left", fontweight="bold")
+    _knee_labels(ax, knees)
     ax.grid(True, color="#eeeeee", linewidth=0.8)
     ax.spines[["top", "right"]].set_visible(False)
     legend(ax)
     return fig
+
+
+def _knee_labels(ax, knees: list[tuple[str, float, float]]) -> None:
+    """Each knee's label below and right of its ring, moved further down while it would
+    overlap a label already placed (knees of several strategies are often at one point);
+    a moved label keeps a thin line to its ring. Boxes are measured in points."""
+    ax.get_xlim()  # settle the view limits, so that data positions map to the figure
+    to_points = 72.0 / ax.figure.dpi
+    line = NOTE_SIZE * 1.35
+    placed: list[tuple[float, float, float, float]] = []  # x0, y0, x1, y1
+    for text, x, y in sorted(knees, key=lambda k: (k[1], -k[2])):
+        px, py = (v * to_points for v in ax.transData.transform((x, y)))
+        width = text_width([text], NOTE_SIZE) * 72.0
+        dy = -14.0
+        while any(
+            px + 8 < b[2] and b[0] < px + 8 + width and py + dy < b[3] and b[1] < py + dy + line
+            for b in placed
+        ):
+            dy -= line
+        placed.append((px + 8, py + dy, px + 8 + width, py + dy + line))
+        ax.annotate(
+            text,
+            (x, y),
+            xytext=(8, dy),
+            textcoords="offset points",
+            fontsize=NOTE_SIZE,
+            arrowprops={"arrowstyle": "-", "color": "#777777", "lw": 0.6} if dy < -14 else None,
+        )

@@ -270,7 +270,9 @@ def _curves_figure(r: RunReport):
     fig = Figure(figsize=(FIGURE_WIDTH, 5.6))
     fig.subplots_adjust(left=0.08, right=0.98, bottom=0.09, top=0.93, hspace=0.45, wspace=0.22)
     axes = fig.subplots(2, 2)
-    memory = "peak CUDA memory, MB" if c.mem_kind == "cuda_peak" else "peak resident set, MB"
+    memory = {"cuda_peak": "peak CUDA memory, MB", "rss_added": "peak resident set added, MB"}.get(
+        c.mem_kind, "peak resident set, MB"
+    )
     panels = (
         (axes[0][0], "loss", [("train", c.step, c.loss), ("held-out", c.eval_step, c.eval_loss)]),
         (axes[0][1], "tokens/s", [("", c.step, c.tokens_per_s)]),

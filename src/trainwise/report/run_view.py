@@ -120,7 +120,7 @@ def _plan_row(c: PlanCheck) -> tuple[str, ...]:
     if c.flagged:
         error += " !"
     return (c.name, _num(c.planned, c.unit), _num(c.actual, c.unit), error,
-            c.assumption if c.flagged else "")  # fmt: skip
+            (c.reason or c.assumption) if c.flagged else "")  # fmt: skip
 
 
 def calibrate_line(r: RunReport) -> str | None:

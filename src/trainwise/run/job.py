@@ -31,6 +31,7 @@ from trainwise.plan import (
     fmt_bytes,
     runtime_allowed,
 )
+from trainwise.plan.calibrate import Calibration, apply_calibration, read_calibration
 from trainwise.plan.estimate import Setup, candidate_names, evaluate, price
 from trainwise.plan.flops import flops_per_token, recompute_factor
 from trainwise.plan.inputs import PlanInputs, job_inputs, unknown_device_inputs
@@ -52,6 +53,8 @@ class Job:
     data: DataInfo
     # The planner's view of this job on these machines (None: a device the catalog lacks).
     plan_inputs: PlanInputs | None = field(repr=False, default=None)
+    calibration: Calibration | None = field(repr=False, default=None)  # plan.calibration's
+    plan_notes: list[str] = field(repr=False, default_factory=list)  # what it replaced
     datasets: tuple[Any, Any] = field(repr=False, default=(None, None))
 
     @property
@@ -196,6 +199,9 @@ def prepare_job(
     )
     device_bytes = device_budget(c, device, local)
     view = planner_view(c, workload, world, local, device, device_bytes, accum)
+    calibration = read_calibration(c.plan.calibration, where=f"plan.calibration = "
+                                   f"{c.plan.calibration!r}") if c.plan.calibration else None  # fmt: skip
+    view, plan_notes = calibrated(view, calibration)
     cluster = view  # the planner's view: what auto decides with
     decision = decide(
         workload, strategy, world, device_bytes, c, replicate, device.kind, accum, cluster
@@ -213,6 +219,8 @@ def prepare_job(
         shape=data.shape,
         data=data.info,
         plan_inputs=view,
+        calibration=calibration,
+        plan_notes=plan_notes,
         datasets=data.datasets,
     )
 
@@ -439,6 +447,18 @@ def planner_view(
         return None
 
 
+def calibrated(
+    view: PlanInputs | None, cal: Calibration | None
+) -> tuple[PlanInputs | None, list[str]]:
+    """The planner's view with plan.calibration's measurements in place of its assumptions,
+    and one sentence per replaced figure."""
+    if cal is None:
+        return view, []
+    if view is None:
+        return None, [f"plan.calibration {cal.source}: the catalog does not know this device"]
+    return apply_calibration(view, cal)
+
+
 def job_plan(job: Job) -> dict[str, Any] | None:
     """The planner's figures for the job as it runs (plan.json): the strategy's record as
     `trainwise plan --json` gives it, plus the assumptions the report names when the run
@@ -459,6 +479,12 @@ def job_plan(job: Job) -> dict[str, Any] | None:
         "checkpoint_write_gbps": inputs.checkpoint_bps / GB,
         "price_per_gpu_hour": hw.price_per_gpu_hour,
         "gpu": hw.gpu,
+        "checkpoint_latency_s": inputs.checkpoint_latency_s,
+        "calibration": job.plan_notes,
+        # The calibration run's own step: a miss here that it did not have is this run's.
+        "calibration_source": job.calibration.source if job.calibration else None,
+        "calibration_step_s": job.calibration.step_s if job.calibration else None,
+        "calibration_save_s": job.calibration.save_s if job.calibration else None,
         # The other strategies on the same workers, for the report's advice.
         "alternatives": [
             {"name": alt.name, "fits": alt.fits, "step_total": alt.step.total,

@@ -22,6 +22,7 @@ from trainwise.run.telemetry import (
     Progress,
     StepRecord,
     peak_memory,
+    peak_reserved,
     read_metrics,
 )
 from trainwise.run.trackers import Trackers
@@ -171,6 +172,7 @@ class Recorder:
             mfu=mfu(tps, self.flops_per_token, self.peak) if use_mfu else None,
             mem_bytes=mem, mem_kind=kind, elapsed_s=res.end - self.start, time=time.time(),
             attempt=self.attempt, profiled=profiled,
+            mem_reserved_bytes=peak_reserved(self.device),
         )  # fmt: skip
 
     def _check_data_wait(self, step: int) -> None:

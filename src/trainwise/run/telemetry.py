@@ -43,20 +43,56 @@ class StepRecord:
     tokens_per_s: float
     samples_per_s: float
     mfu: float | None  # model FLOPs utilisation; null when the device's peak is unknown
-    mem_bytes: int  # peak CUDA memory allocated, or peak RSS of the process on CPU
-    mem_kind: str  # "cuda_peak" or "rss_peak"
+    # Peak CUDA memory allocated; on CPU the peak resident set the job added over the
+    # worker's baseline (taken before the model is built), else the whole peak RSS.
+    mem_bytes: int
+    mem_kind: str  # "cuda_peak", "rss_added" or "rss_peak"
     elapsed_s: float  # since the loop started
     time: float  # unix time
     attempt: int  # elastic restart count: a resumed run repeats the steps since its checkpoint
     profiled: bool = False  # logging.profile_steps and the step after: slowed by the profiler
+    # Peak CUDA memory the caching allocator reserved (what the device really gave up);
+    # null on CPU.
+    mem_reserved_bytes: int | None = None
 
 
 RECORD_FIELDS = tuple(f.name for f in fields(StepRecord))
 
 
+_rss_baseline: list[int] = []  # this process's resident set before the model was built
+
+
+def mark_memory_baseline() -> None:
+    """Note the resident set now, before the model is built: on CPU the step records count
+    the memory the job adds over it, what the plan's tensors are compared with. Linux only
+    (/proc); elsewhere the records keep the whole peak resident set."""
+    # The first tensor materialised from the meta device (as the model build does) imports
+    # sympy and torch.fx: tens of MB of Python objects that are the interpreter's, not the
+    # job's. Import them before the baseline.
+    torch.empty_like(torch.empty(0, device="meta"), device="cpu")
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from now
+        _rss_baseline[:] = [_status_bytes("VmRSS")]
+    except (OSError, ValueError):
+        _rss_baseline.clear()
+
+
+def _status_bytes(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024  # in kB
+    raise ValueError(f"no {key} in /proc/self/status")
+
+
+def peak_reserved(device: torch.device) -> int | None:
+    return int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None
+
+
 def peak_memory(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "cuda_peak"
+    if _rss_baseline:
+        return max(0, _status_bytes("VmHWM") - _rss_baseline[0]), "rss_added"
     # ru_maxrss is in KiB on Linux.
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024), "rss_peak"
 

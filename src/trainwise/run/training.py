@@ -33,6 +33,7 @@ from trainwise.run.loop import StepResult, evaluate
 from trainwise.run.peers import BARRIER_S, PeerFailure, absent_ranks, classify, last_line
 from trainwise.run.profiling import Profiler
 from trainwise.run.recorder import Recorder
+from trainwise.run.telemetry import mark_memory_baseline
 from trainwise.run.trackers import Trackers, build_trackers
 from trainwise.run.trainer import build_checkpointer, build_trainer
 
@@ -53,6 +54,7 @@ class Training:
         self.cfg, self.job, self.env, self.device = cfg, job, env, device
         self.run_dir, self.log = run_dir, log
         self.faults = Faults.from_env(env.rank, run_dir, env.attempt)
+        mark_memory_baseline()  # what the job adds over it is compared with the plan
         self.trainer = build_trainer(cfg, job, device, faults=self.faults)
         self.train_ds = self.faults.data(job.datasets[0])
         self.ckpt = build_checkpointer(cfg, job, env, device, run_dir, self.trainer, log)
