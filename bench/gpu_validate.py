@@ -103,7 +103,7 @@ def overrides(job: Job, gpus: int) -> list[str]:
 def run_job(job: Job, gpus: int, steps: int, root: Path) -> dict[str, Any]:
     run_dir = root / job.name.replace(" ", "_").replace("=", "-")
     cmd = [sys.executable, "-m", "trainwise", "train", "--nproc", str(gpus), "--steps",
-           str(steps), "--run-dir", str(run_dir)]  # fmt: skip
+           str(steps), "--run-dir", str(run_dir)]
     for item in overrides(job, gpus):
         cmd += ["--set", item]
     try:
@@ -152,7 +152,7 @@ def bandwidth(gpus: int, root: Path, catalog_gbps: float | None) -> str:
         return "NCCL all-reduce: skipped (one GPU has no peer to measure a link with)"
     run_dir = root / "doctor-bandwidth"
     cmd = [sys.executable, "-m", "trainwise", "doctor", "--only", "bandwidth", "--nproc",
-           str(gpus), "--run-dir", str(run_dir), "--set", 'cluster.device="cuda"']  # fmt: skip
+           str(gpus), "--run-dir", str(run_dir), "--set", 'cluster.device="cuda"']
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -177,7 +177,7 @@ def fmt(value: float | None, spec: str) -> str:
 
 def print_table(results: list[dict[str, Any]]) -> None:
     head = ("job", "alloc GB", "plan GB", "alloc/plan", "reserved/plan", "step s", "plan s",
-            "step/plan", "MFU")  # fmt: skip
+            "step/plan", "MFU")
     rows = []
     for r in results:
         if r["status"] != "ok":
@@ -188,7 +188,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
             fmt(r["alloc_ratio"], ".2f"), fmt(r["reserved_ratio"], ".2f"),
             fmt(r["step_s"], ".4f"), fmt(r["plan_step_s"], ".4f"), fmt(r["step_ratio"], ".2f"),
             fmt(r["mfu"], ".0%"),
-        ))  # fmt: skip
+        ))
     width = max(len(r[0]) for r in [head, *rows])
     print(f"{head[0]:<{width}}  " + "  ".join(f"{h:>13}" for h in head[1:]))
     for row in rows:
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available():
         print("gpu_validate: skipped: no CUDA device is visible (torch.cuda.is_available() is "
-              "False); run it on a machine with GPUs")  # fmt: skip
+              "False); run it on a machine with GPUs")
         return 0
     gpus = torch.cuda.device_count()
     print(f"gpu_validate: {gpus} x {torch.cuda.get_device_name(0)}, {args.steps} steps a job")

@@ -71,7 +71,7 @@ def worker(model: str, tp: int, mode: str, out: str) -> None:
 def launch(model: str, nproc: int, tp: int, mode: str, out: str) -> dict[str, float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", __file__, "--worker", model, str(tp), mode, out]  # fmt: skip
+           f"--nproc-per-node={nproc}", __file__, "--worker", model, str(tp), mode, out]
     subprocess.run(cmd, env=env, check=True, capture_output=True)
     ranks = [json.loads(Path(out, f"{mode}-{r}.json").read_text()) for r in range(nproc)]
     return {k: max(r[k] for r in ranks) for k in ranks[0]}
@@ -92,7 +92,7 @@ def main() -> None:
         }
     first = next(iter(rows.values()))
     print(f"{args.model} on {args.nproc} ranks, tp {args.tp}: model {first['model_mb']:.1f} MB, "
-          f"largest parameter {first['largest_param_mb']:.1f} MB")  # fmt: skip
+          f"largest parameter {first['largest_param_mb']:.1f} MB")
     for mode, r in rows.items():
         print(
             f"  {mode:5s}  peak growth {r['peak_growth_mb']:8.1f} MB   shard {r['shard_mb']:7.1f} MB"

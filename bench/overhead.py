@@ -157,7 +157,7 @@ def run_trainwise(strategy: str, rnd: int, args: argparse.Namespace, tmp: Path) 
         "--set", "model.name=tiny",
         "--set", f"data.micro_batch={args.micro_batch}",
         "--set", "train.eval_every=0",  # the raw loop does not evaluate
-    ]  # fmt: skip
+    ]
     for kv in args.overrides:
         cmd += ["--set", kv]
     wall = run_child(cmd, timeout=90 + args.steps)
@@ -198,7 +198,7 @@ def run_raw(strategy: str, rnd: int, args: argparse.Namespace, tmp: Path) -> Run
         "--steps", str(args.steps),
         "--micro-batch", str(args.micro_batch),
         "--out", str(out),
-    ]  # fmt: skip
+    ]
     wall = run_child(cmd, timeout=90 + args.steps)
     rec = json.loads(out.read_text())
     seconds, steps = window(rec["step_end_s"], args.warmup)

@@ -36,7 +36,7 @@ ROWS = {
         "--json",
         "--sweep",
         "1..4096",
-    ],  # fmt: skip
+    ],
     # The job: the search over every layout and knob at each of 13 counts.
     "plan 70b x 1024 --sweep 1..4096": [
         sys.executable,
@@ -52,7 +52,7 @@ ROWS = {
         "8",
         "--sweep",
         "1..4096",
-    ],  # fmt: skip
+    ],
     "import torch": [sys.executable, "-c", "import torch"],
 }
 TARGETS = ("plan --sweep 1..4096", "plan 70b x 1024 --sweep 1..4096")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 # Quiet, fast, loopback-only runs: every test job sets these.
 QUIET = ["--set", "logging.progress=none", "--set", "logging.tensorboard=false",
-         "--set", "logging.report=false"]  # fmt: skip
+         "--set", "logging.report=false"]
 
 
 def cli_env() -> dict[str, str]:
@@ -54,7 +54,7 @@ def tiny_llama(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=vocab, rms_norm_eps=1e-5, max_position_embeddings=64,
         tie_word_embeddings=tie, rope_theta=5000.0,
-    )  # fmt: skip
+    )
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(folder, **save)
     idx = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(seed))

@@ -43,7 +43,7 @@ JOBS = {
     "no_learning": (
         ["doctor", "--nproc", "1", "--run-dir", "nl", "--only", "smoke", "--set", "optim.lr=1e-9"],
         {},
-    ),  # fmt: skip
+    ),
     "train_slow_data": (
         ["train", "--nproc", "1", "--steps", "12", "--run-dir", "tsd"],
         {"TRAINWISE_FAULTS": "slow_data@seconds=0.003"},
@@ -130,10 +130,10 @@ def test_a_version_mismatch_fails_the_check_and_stops_training(runs):
     check = _check(_record(root, "mm"), "versions")
     assert check["status"] == "fail"
     assert check["data"]["differences"] == {"torch": {check["data"]["ranks"][0]["torch"]: [0],
-                                                      "9.9.9": [1]}}  # fmt: skip
+                                                      "9.9.9": [1]}}
     table = [line.split() for line in r.stdout.splitlines() if line.strip().startswith("torch ")]
     assert ["torch", "9.9.9", "1"] in table and ["torch", check["data"]["ranks"][0]["torch"],
-                                                  "0"] in table  # fmt: skip
+                                                  "0"] in table
     t = res["train_mismatch"]
     assert t.returncode == 2, t.stderr[-2000:]
     assert "9.9.9 on rank 1" in t.stderr and "--allow-version-mismatch" in t.stderr
@@ -211,7 +211,7 @@ def test_two_nodes_time_the_links_within_and_between_nodes_separately(tmp_path: 
         "-m", "trainwise", "doctor", "--only", "versions,bandwidth,scaling", "--run-dir", "two",
         "--strategy", "fsdp", "--set", "doctor.max_message_mb=1", "--set",
         "doctor.iterations=2", "--set", "doctor.timed_steps=2", *QUIET,
-    ]  # fmt: skip
+    ]
     agents = [
         subprocess.Popen(
             agent,
@@ -220,7 +220,7 @@ def test_two_nodes_time_the_links_within_and_between_nodes_separately(tmp_path: 
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
         for _ in range(2)
     ]
     outputs = [a.communicate(timeout=240)[0] for a in agents]

@@ -50,7 +50,7 @@ def _train(root: Path, name: str) -> list[float]:
         "--run-dir", str(root / name), "--set", f"data.micro_batch={mb}",
         "--set", f"data.grad_accum={accum}", "--set", "data.global_batch=16",
         "--set", "checkpoint.enabled=false", *QUIET, *sets, cwd=root,
-    )  # fmt: skip
+    )
     assert res.returncode == 0, f"{name} failed:\n{res.stderr[-3000:]}"
     job = json.loads((root / name / "job.json").read_text())
     assert job["strategy"] == strategy and job["world"] == nproc

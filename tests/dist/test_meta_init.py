@@ -31,7 +31,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
          "--standalone", str(WORKER), str(out)],
         env=cli_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     return torch.load(out / "gathered.pt"), ranks

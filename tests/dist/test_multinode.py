@@ -30,7 +30,7 @@ pytestmark = pytest.mark.dist
 
 STEPS = 10
 JOB = ["--steps", str(STEPS), "--strategy", "ddp", *QUIET,
-       "--set", "checkpoint.interval=4", "--set", "checkpoint.async_save=false"]  # fmt: skip
+       "--set", "checkpoint.interval=4", "--set", "checkpoint.async_save=false"]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def _agent(root: Path, args: list[str], env: dict[str, str] | None = None) -> su
         [sys.executable, "-m", "trainwise", "train", *args, *JOB], cwd=root,
         env={**cli_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True,
-    )  # fmt: skip
+    )
 
 
 def _rel_diff(a: list[dict], b: list[dict], steps: range) -> float:
@@ -79,7 +79,7 @@ class Host:
         """`trainwise ARGS` on this host: in its network namespace, under its hostname."""
         inner = 'hostname "$1" && shift && exec "$@"'
         return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "sh", "-c", inner,
-                "sh", self.hostname, sys.executable, "-m", "trainwise", *args]  # fmt: skip
+                "sh", self.hostname, sys.executable, "-m", "trainwise", *args]
 
 
 def _ip(*args: str) -> None:
@@ -91,7 +91,7 @@ def hosts():
     """Two hosts: namespaces `twNa`, `twNb` joined by a veth pair, 10.213.0.1 and .2."""
     tag = f"tw{os.getpid() % 100000}"
     made = [Host(f"{tag}{x}", f"tw-node-{x}", f"10.213.0.{i}", f"{tag}v{x}")
-            for i, x in ((1, "a"), (2, "b"))]  # fmt: skip
+            for i, x in ((1, "a"), (2, "b"))]
     try:
         if shutil.which("ip") is None or shutil.which("unshare") is None:
             raise OSError("the ip and unshare commands are missing (iproute2, util-linux)")
@@ -127,7 +127,7 @@ def _on_hosts(root: Path, hosts: list[Host], run: str, *args: str) -> list[tuple
         cwd.mkdir(exist_ok=True)
         where = ["--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", run,
                  "--run-dir", run, "--node-rank", str(i), "--local-addr", h.address,
-                 "--set", f"cluster.socket_ifname={h.interface}"]  # fmt: skip
+                 "--set", f"cluster.socket_ifname={h.interface}"]
         procs.append(
             subprocess.Popen(
                 h.command(*args, *where),
@@ -136,7 +136,7 @@ def _on_hosts(root: Path, hosts: list[Host], run: str, *args: str) -> list[tuple
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-            )  # fmt: skip
+            )
         )
     outputs = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, outputs, strict=True):
@@ -164,7 +164,7 @@ def test_two_hosts_train_the_same_model_as_one_node_with_two_workers(
     assert _rel_diff(two, _reference(one_node), range(1, STEPS + 1)) < 1e-5
 
     _on_hosts(tmp_path, hosts, "doc", "doctor", "--only", "versions,bandwidth", *QUIET,
-              "--set", "doctor.max_message_mb=1")  # fmt: skip
+              "--set", "doctor.max_message_mb=1")
     record = json.loads((tmp_path / hosts[0].hostname / "doc" / "doctor.json").read_text())
     checks = {c["name"]: c for c in record["checks"]}
     assert checks["versions"]["status"] == "pass"
@@ -198,7 +198,7 @@ def test_losing_a_node_of_an_elastic_job_the_other_resumes_alone(tmp_path: Path,
         "--set", "logging.flush_every=1",  # a record per step, so that steps 1-6 outlive the kill
         # Quick to give up on the dead node and to start without it (defaults: 15 s, 30 s).
         "--set", "cluster.node_timeout_s=3", "--set", "cluster.rdzv_last_call_s=4",
-    ]  # fmt: skip
+    ]
     fault = {"TRAINWISE_FAULTS": "pause@step=6,rank=1"}  # after step 6; last checkpoint 4
     # Both at once, so that the second joins well within the last call (4 s) that starts
     # when the first reaches the rendezvous; it retries until the first's store is up.
@@ -239,7 +239,7 @@ def test_losing_a_node_of_an_elastic_job_the_other_resumes_alone(tmp_path: Path,
          ["data.grad_accum = 1", "--nnodes 2:3", "multiple of 2"]),
         (["--nnodes", "2", "--node-rank", "2"], ["cluster.node_rank = 2"]),
     ],
-)  # fmt: skip
+)
 def test_several_machines_need_their_rendezvous_in_one_line(tmp_path: Path, args, words):
     res = run_cli("train", *args, *QUIET, cwd=tmp_path)
     assert res.returncode == 2

@@ -37,7 +37,7 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[d
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--standalone", str(WORKER), str(folder), str(out), *RUNS],
         env=cli_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return folder, out, [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
@@ -95,7 +95,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "--set", "model.name='hf:llama'", "--set", f"model.impl={impl}",
             "--set", "data.dataset=tokens", "--set", "data.path=corpus", "--set", "data.seq_len=16",
             "--set", "data.micro_batch=4", "--set", "optim.lr=0.01", *QUIET, cwd=root,
-        )  # fmt: skip
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         res = run_cli(
             "export", impl, "--format", "hf", "-o", f"{impl}-hf", "--shard-size", "40KB", cwd=root
@@ -132,7 +132,7 @@ def test_export_hf_of_a_gpt2_style_model_is_one_line(tmp_path):
     res = run_cli(
         "train", "--strategy", "single", "--steps", "1", "--run-dir", "run", "--set",
         "data.seq_len=16", "--set", "data.micro_batch=2", *QUIET, cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     res = run_cli("export", "run", "--format", "hf", "-o", "out", cwd=tmp_path)
     assert res.returncode == 2

@@ -49,7 +49,7 @@ def _simulate(case: tuple) -> object:
     return simulate_step(
         PRESETS[preset], strategy, world, *precision or ["fp32"], micro_batch=4,
         seq_len=SEQ[preset],
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module")

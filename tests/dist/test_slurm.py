@@ -39,7 +39,7 @@ STEPS = 20
 PAUSE = 8  # the step after which rank 0 waits for the preemption (a fault point)
 # The job of every run here, the Slurm ones and the plain reference alike.
 SETS = [*QUIET, "--set", f"train.steps={STEPS}", "--set", f"train.eval_every={STEPS}",
-        "--set", "checkpoint.interval=5"]  # fmt: skip
+        "--set", "checkpoint.interval=5"]
 COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
 CRED_EXPIRE_S = 5  # a requeued job starts again after this (and 1 s)
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
@@ -95,13 +95,13 @@ class Cluster:
         # munged wants for its socket.
         self._daemon("munged", "-F", "-f", f"--socket={self.socket}", f"--key-file={key}",
                      f"--pid-file={munge_dir / 'munged.pid'}",
-                     f"--seed-file={munge_dir / 'munged.seed'}")  # fmt: skip
+                     f"--seed-file={munge_dir / 'munged.seed'}")
         self._until(self.socket.exists, "munged's socket", 20)
         self.node = self._write_conf()
         self._daemon("slurmctld", "-D", "-f", str(self.conf))
         self._daemon("slurmd", "-D", "-f", str(self.conf))
         self._until(lambda: self.slurm("sinfo", "-h", "-o", "%t", check=False).stdout.strip()
-                    == "idle", "the node to be idle", 60)  # fmt: skip
+                    == "idle", "the node to be idle", 60)
 
     def _write_conf(self) -> str:
         """slurm.conf for this machine; returns the node's name (its hostname)."""
@@ -165,7 +165,7 @@ class Cluster:
         self.daemons.append(
             subprocess.Popen([_find(name), *args], env=self.env, stdout=log,
                              stderr=subprocess.STDOUT, start_new_session=True)
-        )  # fmt: skip
+        )
         log.close()  # the child has its own copy
 
     def _until(self, ready, what: str, timeout: float) -> None:
@@ -209,9 +209,9 @@ class Cluster:
     # -- clients ------------------------------------------------------------------------
 
     def slurm(self, *args: str, check: bool = True, cwd: Path | None = None,
-              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         done = subprocess.run([_find(args[0]), *args[1:]], env={**self.env, **(env or {})},
-                              cwd=cwd, capture_output=True, text=True, timeout=60)  # fmt: skip
+                              cwd=cwd, capture_output=True, text=True, timeout=60)
         if check:
             assert done.returncode == 0, f"{' '.join(args)}: {done.stderr}"
         return done
@@ -249,11 +249,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
 
 
 def submit(cluster: Cluster, workdir: Path, flags: list[str], sbatch: tuple[str, ...] = (),
-           faults: str = "") -> tuple[str, Path]:  # fmt: skip
+           faults: str = "") -> tuple[str, Path]:
     """Write the job's script with `trainwise launch slurm FLAGS` and sbatch it from
     `workdir`; the job id and its run directory."""
     launch = ["launch", "slurm", "--config", str(TINY), "--nodes", "1", "--name", "tiny",
-              "--port", str(free_port()), *SETS, *flags, "-o", "job.sbatch"]  # fmt: skip
+              "--port", str(free_port()), *SETS, *flags, "-o", "job.sbatch"]
     made = run_cli(*launch, cwd=workdir)
     assert made.returncode == 0, made.stderr
     env = {"TRAINWISE_FAULTS": faults} if faults else {}
@@ -326,7 +326,7 @@ def test_time_limit_signal_requeues_by_itself(cluster: Cluster, reference, tmp_p
     after the start, while rank 0 waits after step PAUSE; nothing here signals the job.
     (Should it come before step PAUSE, the requeued attempt waits there for its own.)"""
     job_id, run_dir = submit(cluster, tmp_path, ["--time", "1"], sbatch=("--signal=B:USR1@15",),
-                             faults=f"pause@step={PAUSE},rank=0")  # fmt: skip
+                             faults=f"pause@step={PAUSE},rank=0")
     assert cluster.job(job_id)["TimeLimit"] == "00:01:00"
     job = cluster.wait_end(job_id, tmp_path, timeout=240)
     assert_preempted_and_resumed(tmp_path, job_id, job)
@@ -336,7 +336,7 @@ def test_time_limit_signal_requeues_by_itself(cluster: Cluster, reference, tmp_p
 def test_elastic_script_is_accepted(cluster: Cluster, tmp_path: Path):
     """--min-nodes 1 --nodes 2 on a one-node cluster: Slurm may start it on one node."""
     made = run_cli("launch", "slurm", "--config", str(TINY), "--nodes", "2", "--min-nodes",
-                   "1", "-o", "job.sbatch", cwd=tmp_path)  # fmt: skip
+                   "1", "-o", "job.sbatch", cwd=tmp_path)
     assert made.returncode == 0, made.stderr
     done = cluster.slurm("sbatch", "--test-only", "job.sbatch", cwd=tmp_path, check=False)
     assert done.returncode == 0, done.stderr

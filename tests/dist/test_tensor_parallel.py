@@ -42,7 +42,7 @@ RUNS = {
     "accum_unsharded": (
         4, "fsdp", 4, 2, ["parallel.accumulate='unsharded'"], "dp_replicate 1 x dp_shard 2 x tp 2"
     ),
-}  # fmt: skip
+}
 
 
 def _train(root: Path, name: str) -> list[float]:
@@ -55,7 +55,7 @@ def _train(root: Path, name: str) -> list[float]:
         "--set", f"data.grad_accum={accum}", "--set", "data.global_batch=16",
         "--set", "checkpoint.enabled=false", "--set", "checkpoint.max_restarts=0",
         *QUIET, *tp, *sets, cwd=root,
-    )  # fmt: skip
+    )
     assert res.returncode == 0, f"{name} failed:\n{res.stderr[-3000:]}"
     job = json.loads((root / name / "job.json").read_text())
     assert job["layout"] == layout and job["world"] == nproc

@@ -20,7 +20,7 @@ def test_the_checkpoint_bench_saves_and_loads_a_whole_state(tmp_path: Path):
         [sys.executable, str(REPO / "bench" / "checkpoint.py"), "--mb", "2", "--rounds", "1",
          "--dir", str(tmp_path), "--json"],
         capture_output=True, text=True, env=cli_env(), timeout=300,
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr
     payload = json.loads(out.stdout[out.stdout.index("\n{") :])
     measured = {row["what"] for row in payload["rows"]}
@@ -52,7 +52,7 @@ def test_gpu_validate_without_cuda_says_so_in_one_line():
     out = subprocess.run(
         [sys.executable, str(REPO / "bench" / "gpu_validate.py")],
         capture_output=True, text=True, env=cli_env(), timeout=120,
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1 and "no CUDA device is visible" in lines[0], out.stdout
@@ -70,11 +70,11 @@ def test_gpu_validate_jobs_are_valid_jobs_on_any_gpu_count():
             cfg = load_config(None, overrides=bench.overrides(job, gpus))
             assert (cfg.model.name, cfg.data.micro_batch, cfg.parallel.ac) == (
                 job.preset, job.micro_batch, job.ac,
-            )  # fmt: skip
+            )
             assert cfg.precision.dtype == "bf16" and cfg.cluster.backend == "nccl"
             single = gpus == 1 and job.layout == "replicate"
             assert cfg.parallel.strategy == ("single" if single else
-                                             "ddp" if job.layout == "replicate" else "fsdp")  # fmt: skip
+                                             "ddp" if job.layout == "replicate" else "fsdp")
 
 
 def test_gpu_validate_compares_a_run_with_its_plan(tmp_path: Path):
@@ -82,10 +82,10 @@ def test_gpu_validate_compares_a_run_with_its_plan(tmp_path: Path):
     total less its overhead), reserved / tensors x 1.05, the median steady step / plan."""
     bench = _gpu_validate()
     plan = {"memory_per_gpu": {"total": 3e9, "overhead": 1e9}, "step": {"total": 0.1},
-            "mfu": 0.4, "intra_node_gbps": 450}  # fmt: skip
+            "mfu": 0.4, "intra_node_gbps": 450}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     rows = [{"step": s, "step_s": 1.0 if s <= 2 else 0.1 + 0.01 * s, "ckpt_s": 0.0,
-             "mem_bytes": 2.5e9, "mem_reserved_bytes": 3.15e9, "mfu": 0.3} for s in range(1, 8)]  # fmt: skip
+             "mem_bytes": 2.5e9, "mem_reserved_bytes": 3.15e9, "mfu": 0.3} for s in range(1, 8)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     got = bench.compare(tmp_path)
     assert got["alloc_ratio"] == pytest.approx(1.25)

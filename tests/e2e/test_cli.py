@@ -134,7 +134,7 @@ def _example(root: Path, example: Path) -> tuple[Path, object]:
     res = run_cli(
         "train", "--config", f"examples/{example.name}", "--steps", "6", "--run-dir", "run",
         *QUIET, cwd=workdir,
-    )  # fmt: skip
+    )
     return workdir, res
 
 

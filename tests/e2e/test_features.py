@@ -71,12 +71,12 @@ def test_a_hugging_face_config_trains_sharded(workdir: Path):
         "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 256, "max_position_embeddings": 128,
-    }  # fmt: skip
+    }
     (workdir / "config.json").write_text(json.dumps(config))
     res = run_cli(
         "train", "--model", "hf:config.json", "--strategy", "fsdp", "--nproc", "2",
         "--steps", "10", "--run-dir", "run", *QUIET, cwd=workdir,
-    )  # fmt: skip
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads((workdir / "run" / "job.json").read_text())["strategy"] == "fsdp"
     records = read_records(workdir / "run")

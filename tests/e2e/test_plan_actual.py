@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 
 # The demo's job, shorter: saves and evaluations at the same rhythm in both runs.
 DEMO = ["train", *QUIET, "--steps", "60", "--set", "checkpoint.interval=20",
-        "--set", "train.eval_every=30"]  # fmt: skip
+        "--set", "train.eval_every=30"]
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,7 @@ def test_json_follows_the_schema_and_reads_back_the_flags(capsys):
         "--ac", "full",
         "--price", "1.5",
         "--sweep", "8..64",
-    )  # fmt: skip
+    )
     assert code == 0
     record = json.loads(out)
     inputs = record["inputs"]

@@ -59,7 +59,7 @@ def test_the_emitted_job_trains(tmp_path: Path):
         "--seq", "64", "--global-batch", "8", "--set", "train.steps=3",
         "--set", "data.dataset=synthetic", "--emit", str(job), "--json",
         cwd=tmp_path, timeout=60,
-    )  # fmt: skip
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     rec = json.loads(res.stdout)["recommendation"]
     res = run_cli("train", "--config", str(job), "--run-dir", "run", *QUIET, cwd=tmp_path)

@@ -25,7 +25,7 @@ needs_browser = pytest.mark.skipif(
 # network, a fresh profile.
 FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-quic", "--no-first-run", "--window-size=1200,900")  # fmt: skip
+         "--disable-quic", "--no-first-run", "--window-size=1200,900")
 
 
 def _browse(page: Path, profile: Path) -> tuple[list, str, bytes, list]:
@@ -62,7 +62,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
         "train", "--nproc", "1", "--strategy", "single", "--steps", "6", "--run-dir", "run",
         "--set", "logging.progress=none", "--set", "logging.tensorboard=false",
         "--set", "logging.profile_steps=[3, 4]", cwd=root,
-    )  # fmt: skip
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "report     run/report.html" in res.stdout
     made = run_cli("report", "run", "--format", "json", cwd=root)

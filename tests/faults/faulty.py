@@ -30,7 +30,7 @@ def job_args(
         "--set", f"data.micro_batch={micro}", "--set", f"train.eval_every={steps}",
         "--set", "checkpoint.interval=4", "--set", "checkpoint.keep_last=3",
         "--set", "parallel.timeout_s=60", *extra,
-    ]  # fmt: skip
+    ]
 
 
 def start(args: list[str], cwd: Path, faults: str = "") -> subprocess.Popen:

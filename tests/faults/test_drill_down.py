@@ -28,7 +28,7 @@ mlflow = pytest.importorskip("mlflow", reason="pip install 'trainwise[mlflow]'")
 STEPS = 8
 TRACKED = ("--set", 'logging.trackers=["tensorboard", "mlflow", "wandb"]',
            "--set", "logging.flush_every=1", "--set", "logging.profile_steps=[2, 3]",
-           "--set", "logging.report=true")  # fmt: skip
+           "--set", "logging.report=true")
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -112,7 +112,7 @@ def wandb_history(run_dir: Path) -> tuple[dict[int, float], int]:
         shown = subprocess.run(
             [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)],
             capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        )
         assert shown.returncode == 0, shown.stderr
         for line in shown.stdout.splitlines():
             rec = json.loads(line)

@@ -89,7 +89,7 @@ def start_in_session(args: list[str], cwd: Path, faults: str = "") -> subprocess
     return subprocess.Popen(
         [sys.executable, "-m", "trainwise", *args], cwd=cwd, env=env, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
+    )
 
 
 def complaint_lines(stderr: str) -> list[str]:
@@ -125,7 +125,7 @@ def test_a_new_lineage_keeps_its_checkpoints_and_resumes_within_itself(
     moved = next(e for e in log if e["kind"] == "lineage")["moved_to"]
     assert sorted(p.name for p in Path(moved).iterdir()) == [
         "step-00000004", "step-00000008", "step-00000012",
-    ]  # fmt: skip
+    ]
     current = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name != "previous")
     assert current == ["step-00000004", "step-00000008", "step-00000012"]
     assert losses(run_dir) == reference_losses(reference)
@@ -255,13 +255,13 @@ def test_a_full_run_directory_ends_the_job_at_once(workdir: Path, tmp_path: Path
     mount = tmp_path / "small"
     mount.mkdir()
     made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)  # fmt: skip
+                          capture_output=True, text=True)
     if made.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {made.stderr.strip()}")
     try:
         run_dir, ckpts = mount / "run", tmp_path / "ckpts"
         args = job_args(run_dir, 2, "ddp", "--set", f"checkpoint.dir={ckpts}",
-                        "--set", "logging.flush_every=1")  # fmt: skip
+                        "--set", "logging.flush_every=1")
         proc = start(args, workdir, faults="pause@step=6,rank=0,seconds=3")
         wait_for_pid(proc, run_dir / "faults" / "pause-step-6.pid")
         with open(mount / "filler", "wb") as filler:  # the disk fills while the run pauses
@@ -307,7 +307,7 @@ def test_rerunning_a_finished_run_touches_nothing_and_more_steps_continue_it(wor
     done = run_cli(*args, "--set", "logging.report=true", cwd=workdir)
     assert done.returncode == 0, done.stderr
     kept = {name: (run_dir / name).read_bytes()
-            for name in ("summary.json", "metrics.jsonl", "events.jsonl", "report.html")}  # fmt: skip
+            for name in ("summary.json", "metrics.jsonl", "events.jsonl", "report.html")}
 
     again = run_cli(*args, "--set", "logging.report=true", cwd=workdir)
     assert again.returncode == 0, again.stderr

@@ -97,7 +97,7 @@ def test_export_matches_the_sharded_model(workdir: Path, reference: References):
             ),
             autocast,
             cpu,
-        )  # fmt: skip
+        )
         for rank in range(2)
     ]
     assert sum(per_rank) / 2 == pytest.approx(measured, rel=1e-5)

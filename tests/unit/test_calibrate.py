@@ -110,7 +110,7 @@ def write_planned_run(path: Path) -> Path:
         "gpus": 2, "intra_node_gbps": 2.0, "inter_node_gbps": 50.0, "checkpoint_write_gbps": 1.0,
         "step": {"comm": 0.001, "exposed_comm": 0.001},
         "memory_per_gpu": {"total": 10_000_000, "overhead": 0},
-    }  # fmt: skip
+    }
     (path / "plan.json").write_text(json.dumps(plan))
     events = [{"kind": "ready", "nodes": 1}] + [
         {"kind": "checkpoint", "save_s": s, "bytes": 100_000_000} for s in (0.15, 0.25)

@@ -23,7 +23,7 @@ from trainwise.hardware.catalog import parse_catalog
 
 # The GPUs the planner must know (issue: plan), by the names users type.
 REQUIRED = ["V100", "T4", "L4", "A10G", "A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe",
-            "H200", "B200", "MI300X", "cpu"]  # fmt: skip
+            "H200", "B200", "MI300X", "cpu"]
 
 
 def test_every_required_gpu_is_there_with_sources_and_a_link():
@@ -94,7 +94,7 @@ GOOD = {
             "intra_node": "nv",
             "price_per_hour": 1,
             "source": "s",
-        }  # fmt: skip
+        }
     },
 }
 

@@ -51,7 +51,7 @@ def test_a_worker_survives_the_double_delivery_only_in_a_slurm_step(step, surviv
     env = {k: v for k, v in os.environ.items() if k != "SLURM_STEP_ID"}
     env.update({"SLURM_STEP_ID": step} if step else {})
     done = subprocess.run([sys.executable, "-c", DOUBLE_DELIVERY], env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+                          capture_output=True, text=True, timeout=120)
     if survives:
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == "SIGUSR1 (True, False)"  # one stop, at the next step

@@ -94,13 +94,13 @@ def _record(*statuses: str) -> DoctorRecord:
             expected="2 GB/s",
             detail="why",
             fix="do this" if s in ("warn", "fail") else None,
-        )  # fmt: skip
+        )
         for i, s in enumerate(statuses)
     ]
     return DoctorRecord(
         created=0.0, run_dir="runs/x", world=2, device="cpu", strategy="ddp", elapsed_s=3.0,
         checks=checks,
-    )  # fmt: skip
+    )
 
 
 def test_failed_means_a_check_failed():
@@ -182,7 +182,7 @@ def test_a_version_mismatch_renders_as_a_table_of_field_value_and_ranks():
                     "nccl": {"2.21": [0, 1], "2.20": [2]},
                 }
             },
-        }  # fmt: skip
+        }
     )
     rows = [line.split() for line in render_text(record).splitlines()[2:6]]
     assert rows == [

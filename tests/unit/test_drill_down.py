@@ -90,7 +90,7 @@ def test_a_resumed_run_reopens_the_stored_run_ids(tmp_path):
 
 def test_trackers_get_the_numbers_of_a_record():
     row = {"step": 3, "loss": 2.5, "eval_loss": None, "mem_kind": "rss_peak",
-           "profiled": True, "tokens": 96}  # fmt: skip
+           "profiled": True, "tokens": 96}
     assert numeric(row) == {"loss": 2.5, "profiled": 1.0, "tokens": 96.0}
 
 
@@ -111,14 +111,14 @@ def test_profile_steps_is_a_window():
      ("aten::copy_", "copies"), ("Memcpy HtoD", "copies"),
      ("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", "data"),
      ("Optimizer.step#AdamW.step", "compute")],
-)  # fmt: skip
+)
 def test_operators_fall_in_groups(name, group):
     assert group_of(name) == group
 
 
 def _event(name: str, start: float, end: float, self_us: float, thread: int = 1):
     return SimpleNamespace(name=name, thread=thread, self_cpu_time_total=self_us,
-                           time_range=SimpleNamespace(start=start, end=end))  # fmt: skip
+                           time_range=SimpleNamespace(start=start, end=end))
 
 
 def test_the_summary_splits_the_steps_spans_by_group_and_stage():
@@ -133,13 +133,13 @@ def test_the_summary_splits_the_steps_spans_by_group_and_stage():
         _event("Optimizer.step#AdamW.step", 850, 1000, 150),
         _event("gloo:all_reduce", 600, 850, 250, thread=2), _event("aten::mul", 10, 20, 10, 2),
         _event("aten::add", 1200, 1300, 100), _event(f"{STEP_SPAN}2", 2000, 3000, 1000),
-    ]  # fmt: skip
+    ]
     s = summarise(events, wall_s=0.5, window=[1, 2], cuda=False)
     assert s["window_s"] == pytest.approx(0.002)
     assert s["groups_s"] == pytest.approx(
         {"compute": 600e-6, "communication": 50e-6, "copies": 0.0, "data": 100e-6,
          "other": 1250e-6}
-    )  # fmt: skip
+    )
     assert sum(s["groups_s"].values()) == pytest.approx(s["window_s"])
     # Per step: the 200 us this thread waited for gloo count as exposed communication.
     assert s["stages_s"] == pytest.approx(
@@ -156,7 +156,7 @@ def test_hangs_name_who_did_not_arrive():
         {"kind": "peer_failure", "step": 6, "rank": 1, "cause": "lost", "absent": None,
          "stage": "forward/backward", "message": "step 6: rank 1 lost"},
         {"kind": "finish", "step": 12},
-    ]  # fmt: skip
+    ]
     (h,) = hangs(events)
     assert (h.step, h.cause, h.absent, h.seen_by) == (6, "timeout", [1], [0, 1])
 
@@ -178,7 +178,7 @@ def _traced_run(root: Path) -> Path:
                    "stages_s": {"data": 0.01, "compute": 0.4, "exposed_comm": 0.3,
                                 "optimizer": 0.02},
                    "top": [{"name": "aten::mm", "group": "compute", "calls": 8,
-                            "self_s": 0.8}]}  # fmt: skip
+                            "self_s": 0.8}]}
         (profile / f"summary-rank-{rank}.json").write_text(json.dumps(summary))
         (profile / f"trace-rank-{rank}.json").write_text('{"traceEvents": []}')
     (profile / "summary-rank-2.json").write_text("{half")  # damaged: passed over
@@ -187,7 +187,7 @@ def _traced_run(root: Path) -> Path:
     with (run / "events.jsonl").open("a") as f:
         f.write(json.dumps({"time": 105.5, "kind": "peer_failure", "step": 5, "rank": 0,
                             "cause": "timeout", "absent": [1], "stage": "the step",
-                            "message": "m", "dump": "hang/rank-0.txt"}) + "\n")  # fmt: skip
+                            "message": "m", "dump": "hang/rank-0.txt"}) + "\n")
     return run
 
 
@@ -238,7 +238,7 @@ def mlflow_env(monkeypatch):
     pytest.importorskip("mlflow", reason="pip install 'trainwise[mlflow]'")
     for var, value in (("MLFLOW_ALLOW_FILE_STORE", "true"),
                        ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0"),
-                       ("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")):  # fmt: skip
+                       ("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")):
         monkeypatch.setenv(var, value)
 
 

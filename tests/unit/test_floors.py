@@ -12,7 +12,7 @@ import trainwise
 FLOORS = {
     "cli": 5, "report": 4, "run": 3, "doctor": 3, "plan": 2,
     "config": 1, "hardware": 1, "models": 1, "data": 1,
-}  # fmt: skip
+}
 PACKAGE = Path(trainwise.__file__).parent
 
 

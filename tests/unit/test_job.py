@@ -236,7 +236,7 @@ def _same_as_the_plan(job) -> None:
     chosen = job.decision.choice.dims
     assert (job.dims.dp_replicate, job.dims.dp_shard, job.dims.fsdp) == (
         chosen.dp_replicate, chosen.dp_shard, chosen.fsdp,
-    )  # fmt: skip
+    )
 
 
 def test_auto_on_two_machines_with_a_slow_link_is_hsdp_across_them():

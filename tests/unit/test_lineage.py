@@ -17,7 +17,7 @@ def lineage(*overrides: str, global_batch: int = 32) -> dict:
     "change",
     ["parallel.strategy='fsdp'", "cluster.nproc=4", "train.steps=999", "model.init='random'",
      "checkpoint.interval=7", "data.micro_batch=4"],
-)  # fmt: skip
+)
 def test_what_a_resume_may_change_keeps_the_lineage(change: str):
     assert lineage_hash(lineage(change)) == lineage_hash(lineage())
 
@@ -27,7 +27,7 @@ def test_what_a_resume_may_change_keeps_the_lineage(change: str):
     [("optim.lr=1e-3", "optim.lr"), ("model.name='small'", "model.name"),
      ("train.seed=7", "train.seed"), ("precision.dtype='bf16'", "precision.dtype"),
      ("data.seq_len=32", "data.seq_len")],
-)  # fmt: skip
+)
 def test_what_training_computes_is_the_lineage(change: str, key: str):
     ours, theirs = lineage(change), lineage()
     assert lineage_hash(ours) != lineage_hash(theirs)

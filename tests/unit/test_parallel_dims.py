@@ -65,5 +65,5 @@ def test_config_keys_run_the_layout():
     dims = ParallelDims.from_strategy("fsdp", 4, shard="grad_op", cpu_offload=True)
     assert dims.config_keys() == {
         "parallel.strategy": "fsdp", "parallel.shard": "grad_op", "parallel.cpu_offload": True,
-    }  # fmt: skip
+    }
     assert ParallelDims.from_strategy("hsdp", 8, replicate=2).config_keys()["parallel.replicate"] == 2

@@ -211,7 +211,7 @@ def test_activation_bytes_per_token_by_hand_fp32():
     assert per == {
         "layer": 552, "block_input": 32, "head": 256, "working_set": 288,
         "norms": 128, "head_norm": 64, "residual": 32,
-    }  # fmt: skip
+    }
 
 
 def test_activation_bytes_by_hand_fp32():

@@ -244,7 +244,7 @@ def test_nothing_fits_is_offline_batch_with_the_smallest_footprint_and_a_fix():
     # The same at 32k tokens a sequence and 100 GB of host memory: nothing fits; the plan
     # shows the configuration that needs the least, and the fewest GPUs that do fit.
     flags = {"model.name": "llama-70b", "cluster.gpu": "A10G", "plan.gpus": 2,
-             "data.seq_len": 32768, "cluster.host_memory_gb": 100}  # fmt: skip
+             "data.seq_len": 32768, "cluster.host_memory_gb": 100}
     inputs = plan_inputs(**flags)
     plan = make_plan(inputs)
     rec = plan.recommendation
@@ -387,7 +387,7 @@ def test_json_record_has_the_documented_schema():
     }
     rec = record["recommendation"]
     assert set(rec) == {"strategy", "scenario", "reasons", "fits", "configuration", "layout",
-                        "config", "plan", "alternatives"}  # fmt: skip
+                        "config", "plan", "alternatives"}
     assert rec["config"]["parallel.strategy"] in ("fsdp", "hsdp") and rec["plan"]["fits"]
     assert all(set(a) == {"configuration", "config", "why_not", "plan"} for a in rec["alternatives"])
     assert all(set(q) == {"question", "answer"} for q in record["questions"])

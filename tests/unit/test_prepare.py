@@ -140,7 +140,7 @@ def test_failed_prepare_leaves_nothing_complete(tmp_path: Path):
         ({"a.jsonl": "\n\n"}, ["--tokenizer", "bytes"], "hold no text"),
         ({"a.jsonl": '{"text": ""}\n'}, ["--tokenizer", "bytes"], "hold no text"),
     ],
-)  # fmt: skip
+)
 def test_bad_inputs_one_line_exit_2(tmp_path: Path, files, args, message):
     for name, text in files.items():
         (tmp_path / name).write_text(text)
@@ -156,7 +156,7 @@ def test_prepare_then_train(tmp_path: Path):
     proc = run_cli(
         "data", "prepare", "corpus.jsonl", "--out", "corpus", "--tokenizer", "bytes",
         cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr
     assert "documents" in proc.stdout
     index = json.loads((tmp_path / "corpus" / "index.json").read_text())
@@ -166,7 +166,7 @@ def test_prepare_then_train(tmp_path: Path):
         "--set", "parallel.strategy=single", "--set", "train.steps=2", "--set", "data.seq_len=32",
         "--set", "data.micro_batch=4", "--set", "logging.run_dir=run", "--set",
         "checkpoint.enabled=false", cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr
     steps = [r for r in read_records(tmp_path / "run") if "loss" in r]
     assert steps and np.isfinite(steps[-1]["loss"])
@@ -236,7 +236,7 @@ def test_sft_corpus_trains(sft_corpus: Path, tmp_path: Path):
         "--set", "parallel.strategy=single", "--set", "train.steps=2", "--set", "data.seq_len=40",
         "--set", "data.micro_batch=4", "--set", "data.val_fraction=0.2", "--set",
         "logging.run_dir=run", "--set", "checkpoint.enabled=false", cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     steps = [r for r in read_records(tmp_path / "run") if "loss" in r]
     assert steps and all(np.isfinite(r["loss"]) for r in steps)

@@ -91,7 +91,7 @@ def _edit_weights(folder: Path, edit) -> None:
         (lambda t: t.update(extra=torch.zeros(3)), "hold 'extra', which the model does not have"),
         (lambda t: t.update({"model.norm.weight": torch.ones(31)}), "'model.norm.weight' has shape [31]"),
     ],
-)  # fmt: skip
+)
 @pytest.mark.parametrize("impl", ["transformers", "trainwise"])
 def test_weights_that_do_not_match_name_the_key(tmp_path, edit, message, impl):
     folder = tiny_llama(tmp_path / "m")
@@ -136,7 +136,7 @@ def broken(models, tmp_path_factory) -> dict[str, Path]:
         ("no_weights", ["model.init=pretrained"], "holds no model.safetensors"),
         ("untied", ["data.vocab_size=200"], "token ids up to 199 but the model's vocab_size is 97"),
     ],
-)  # fmt: skip
+)
 def test_cli_bad_model_one_line_exit_2(models, broken, tmp_path, which, sets, message):
     folder = {**models, **broken}[which]
     extra = [a for kv in sets for a in ("--set", kv)]
@@ -144,7 +144,7 @@ def test_cli_bad_model_one_line_exit_2(models, broken, tmp_path, which, sets, me
         "train", *QUIET, "--set", f"model.name='hf:{folder}'", "--set", "train.steps=1",
         "--set", "parallel.strategy=single", "--set", "data.seq_len=16",
         "--set", f"data.vocab_size={VOCAB}", *extra, cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]

@@ -29,7 +29,7 @@ def _record(step: int, attempt: int, t: float, elapsed: float, ckpt: float = 0.0
         "tokens_per_s": 1000.0, "samples_per_s": 10.0, "mfu": None,
         "mem_bytes": 100_000_000 + step, "mem_kind": "rss_peak", "elapsed_s": elapsed,
         "time": t, "attempt": attempt,
-    }  # fmt: skip
+    }
 
 
 def make_run(root: Path, failure: bool = True) -> Path:
@@ -39,7 +39,7 @@ def make_run(root: Path, failure: bool = True) -> Path:
         "world": GPUS, "device": "cpu", "device_kind": "cpu", "strategy": "ddp",
         "reason": "ddp (set by parallel.strategy)", "params": 1234, "precision": "fp32",
         "tokens_per_step": 1000, "global_batch": 10,
-    }))  # fmt: skip
+    }))
     (run / "config.toml").write_text(
         '[model]\nname = "tiny"\n[train]\nsteps = 6\n[data]\nnum_workers = 0\n'
         f"[cost]\nprice_per_gpu_hour = {PRICE}\n"
@@ -48,7 +48,7 @@ def make_run(root: Path, failure: bool = True) -> Path:
         "step": {"data": 0.1, "compute": 0.5, "exposed_comm": 0.05, "total": 0.65},
         "tokens_per_s": 1000 / 0.65, "memory_per_gpu": {"total": 1_000_000},
         "checkpoint": {"save_s": 0.25}, "price_per_gpu_hour": 1.0, "efficiency": 0.4,
-    }))  # fmt: skip
+    }))
     # Attempt 0: steps 1-5 at t = 101..105 (step 4 stalls 0.5 s saving); attempt 1 resumes
     # from step 4 and redoes 5, then 6, at t = 111, 112.
     recs = [_record(s, 0, 100 + s, s, 0.5 if s == 4 else 0.0) for s in range(1, 6)]
@@ -62,7 +62,7 @@ def make_run(root: Path, failure: bool = True) -> Path:
         {"time": 100.0, "kind": "ready", "attempt": 0, "step": 0, "world": 2, "nodes": 1},
         {"time": 104.5, "kind": "checkpoint", "step": 4, "step_time": 104.5, "save_s": 0.5,
          "stall_s": 0.5},
-    ]  # fmt: skip
+    ]
     if failure:
         events += [
             {"time": 106.0, "kind": "failure", "rank": 1, "exit_code": -9, "signal": "SIGKILL"},
@@ -180,7 +180,7 @@ def test_the_command_writes_the_page_and_prints_the_summary(tmp_path: Path, caps
         (lambda run: (run / "metrics.jsonl").write_text('{"step": 1}\nxx\n{"step": 2}\n'),
          ["line 2: not JSON"]),
     ],
-)  # fmt: skip
+)
 def test_a_missing_or_half_written_run_is_one_line_and_exit_2(
     tmp_path: Path, capsys, damage, words
 ):
@@ -267,7 +267,7 @@ def test_the_idle_time_between_two_launches_is_not_wall_time(tmp_path: Path):
         {"time": 499.0, "kind": "resume", "attempt": 0, "step": 6, "path": "ckpt"},
         {"time": 499.8, "kind": "ready", "attempt": 0, "step": 6, "world": 2, "nodes": 1},
         {"time": 501.0, "kind": "finish", "step": 7},
-    ])  # fmt: skip
+    ])
     _append(run, "metrics.jsonl", [_record(7, 0, 501.0, 1.5)])
     assert analyse(load_run(run)).headline.wall_s == pytest.approx(14.0)
 
@@ -277,7 +277,7 @@ def test_a_rerun_that_trains_nothing_adds_only_its_own_seconds(tmp_path: Path):
     _append(run, "events.jsonl", [
         {"time": 900.0, "kind": "ready", "attempt": 0, "step": 6, "world": 2, "nodes": 1},
         {"time": 900.5, "kind": "finish", "step": 6},
-    ])  # fmt: skip
+    ])
     assert analyse(load_run(run)).headline.wall_s == pytest.approx(6.5)
 
 
@@ -287,7 +287,7 @@ def test_a_launch_that_fails_before_ready_counts_only_its_own_seconds(tmp_path: 
     _append(run, "events.jsonl", [
         {"time": 700.0, "kind": "resume", "attempt": 0, "step": 6, "path": "ckpt"},
         {"time": 700.5, "kind": "fatal", "rank": 0, "message": "data differs"},
-    ])  # fmt: skip
+    ])
     assert analyse(load_run(run)).headline.wall_s == pytest.approx(12.5)
 
 
@@ -296,7 +296,7 @@ def test_a_start_event_begins_a_launch(tmp_path: Path):
     _append(run, "events.jsonl", [
         {"time": 300.0, "kind": "start"},
         {"time": 301.0, "kind": "fatal", "rank": 0, "message": "no worker started"},
-    ])  # fmt: skip
+    ])
     assert analyse(load_run(run)).headline.wall_s == pytest.approx(7.0)
 
 
@@ -307,7 +307,7 @@ def test_a_rerun_whose_other_rank_failed_first_counts_no_gap(tmp_path: Path):
         {"time": 800.0, "kind": "fatal", "rank": 1, "message": "data differs"},
         {"time": 800.0, "kind": "resume", "attempt": 0, "step": 6, "path": "ckpt"},
         {"time": 800.25, "kind": "fatal", "rank": 0, "message": "data differs"},
-    ])  # fmt: skip
+    ])
     assert analyse(load_run(run)).headline.wall_s == pytest.approx(6.0, abs=0.3)
 
 
@@ -321,7 +321,7 @@ def test_a_requeue_is_a_stop_with_its_wait_and_the_steps_it_redid(tmp_path: Path
         {"time": 141.0, "kind": "resume", "attempt": 0, "step": 6, "path": "ckpt"},
         {"time": 141.5, "kind": "ready", "attempt": 0, "step": 6, "world": 2, "nodes": 1},
         {"time": 143.0, "kind": "finish", "step": 7},
-    ])  # fmt: skip
+    ])
     _append(run, "metrics.jsonl", [_record(7, 0, 143.0, 1.5)])
     report = analyse(load_run(run))
     assert not report.headline.preempted  # it finished after the requeue

@@ -36,7 +36,7 @@ COMMANDS = {
                    "--gpus-per-node", str(GPUS), "--partition", "gpu", "--time", "24:00:00"],
     "job.yaml": ["launch", "k8s", "--config", str(CONFIG), "--nodes", str(NODES),
                  "--gpus-per-node", str(GPUS), "--image", IMAGE],
-}  # fmt: skip
+}
 # What the shell would put in for the srun line's variables.
 SAMPLE_ENV = {"RUN_DIR": "runs/job", "HEAD_NODE": "node001", "SLURM_JOB_ID": "4242"}
 
@@ -82,7 +82,7 @@ def test_sbatch_is_valid_bash_with_the_readme_srun_line(capsys):
     assert line + " &\n" in script
     assert line in (REPO / "docs" / "train.md").read_text()
     for directive in ("--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8", "--requeue",
-                      "--signal=B:USR1@180", "--partition=gpu", "--time=24:00:00"):  # fmt: skip
+                      "--signal=B:USR1@180", "--partition=gpu", "--time=24:00:00"):
         assert f"#SBATCH {directive}\n" in script
     assert "#SBATCH --account" not in script
     # The config is embedded verbatim, unexpanded.
@@ -119,7 +119,7 @@ def test_srun_line_parses_as_trainwise_train(min_nodes, monkeypatch):
     job = ClusterJob(
         name="job", config_text=CONFIG.read_text(), nodes=NODES, nproc=GPUS, gpus_per_node=GPUS,
         min_nodes=min_nodes, sets=("optim.lr=3e-4", "train.seed=7"),
-    )  # fmt: skip
+    )
     line = srun_line(job)
     for var, value in SAMPLE_ENV.items():
         line = line.replace(f"${var}", value)
@@ -188,7 +188,7 @@ def test_manifest_elastic_range_and_sets():
     job = ClusterJob(
         name="job", config_text=CONFIG.read_text(), nodes=NODES, nproc=GPUS, gpus_per_node=GPUS,
         min_nodes=2, image=IMAGE, pvc="shared", max_restarts=5, sets=("optim.lr=3e-4",),
-    )  # fmt: skip
+    )
     _, doc = yaml.safe_load_all(pytorchjob_manifest(job))
     policy = doc["spec"]["elasticPolicy"]
     assert (policy["minReplicas"], policy["maxReplicas"], policy["maxRestarts"]) == (2, NODES, 5)
@@ -286,7 +286,7 @@ def test_gpu_count_defaults_to_cluster_nproc(tmp_path, capsys):
 
 def test_elastic_script_lets_slurm_start_on_fewer_nodes(capsys):
     code, script, _ = slurm_print(capsys, CONFIG, "--nodes", "4", "--min-nodes", "2",
-                                  "--set", "data.grad_accum=6")  # fmt: skip
+                                  "--set", "data.grad_accum=6")
     assert code == 0
     assert "--nodes=2-4" in directives(script) and "--nnodes 2:4 " in script
 

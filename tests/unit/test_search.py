@@ -61,7 +61,7 @@ GB = 1e9
 SHAPE = GPTShape(
     n_layer=2, d_model=8, n_head=2, n_kv_head=2, d_ff=32, vocab_size=16, max_seq_len=4,
     norm="layernorm", mlp="gelu", pos="learned", tie_embeddings=True, bias=True,
-)  # fmt: skip
+)
 
 
 def plan_inputs(**flags):
@@ -109,7 +109,7 @@ def test_tp_collectives_by_hand():
     fwd, bwd = tp_collectives(SHAPE, 4, 2, "fp32", 2, 0, 3, 100.0)
     assert (fwd.name, fwd.wire_bytes, bwd.name, bwd.wire_bytes) == (
         TP_FORWARD, 3072, TP_BACKWARD, 3072,
-    )  # fmt: skip
+    )
     fwd, _ = tp_collectives(SHAPE, 4, 2, "fp32", 2, 2, 3, 100.0)
     assert fwd.wire_bytes == 6144
     assert tp_collectives(SHAPE, 4, 2, "fp32", 1, 0, 3, 100.0) == []
@@ -134,7 +134,7 @@ def test_hybrid_collectives_by_hand():
     out = layout_collectives(dims, 1000, layout, "bf16", "fp32", 1)
     assert [(c.wire_bytes, c.bytes_per_s) for c in out] == [
         (3000, 100.0), (3000, 100.0), (1000, 10.0),
-    ]  # fmt: skip
+    ]
     # Sharded accumulation over 3 micro-batches: every reduction on each of them.
     out = layout_collectives(dims, 1000, layout, "bf16", "fp32", 3, "sharded")
     assert [c.wire_bytes for c in out] == [9000, 9000, 3000]
@@ -193,7 +193,7 @@ def test_the_job_file_holds_the_recommendation(llama70b):
     assert (c.tp, c.ac, c.accumulate) == (choice.dims.tp, choice.ac, choice.accumulate)
     assert (emitted.data.micro_batch, emitted.data.grad_accum) == (
         choice.micro_batch, choice.grad_accum,
-    )  # fmt: skip
+    )
     assert emitted.cluster.nproc * emitted.cluster.nodes == 1024
     dp = 1024 // c.tp
     assert emitted.data.micro_batch * emitted.data.grad_accum * dp == emitted.data.global_batch

@@ -25,13 +25,13 @@ def recorder(run_dir: Path, start_step: int, attempt: int = 0) -> Recorder:
         run_dir=run_dir, distributed=False, tokens_per_step=100, tokens_per_sample=10,
         flops_per_token=None, peak_flops_total=None, device=torch.device("cpu"),
         start_step=start_step, attempt=attempt,
-    )  # fmt: skip
+    )
 
 
 def result(loss: float) -> StepResult:
     t = time.perf_counter()
     marks = [("start", t), ("data", t + 0.01), ("compute", t + 0.02), ("last", t + 0.03),
-             ("optim", t + 0.04)]  # fmt: skip
+             ("optim", t + 0.04)]
     return StepResult(torch.tensor(loss), torch.tensor(1.0), marks, probe=False, end=t + 0.04)
 
 
@@ -65,7 +65,7 @@ def test_missing_figures_print_as_n_a():
         "reason": "ddp", "world": 2, "device": "cpu", "precision": "fp32", "steps": 6,
         "global_batch": 32, "first_loss": None, "final_loss": None, "final_eval_loss": None,
         "tokens_per_s": None, "wall_s": None, "stage_share": {"data": None, "compute": 0.5},
-    }  # fmt: skip
+    }
     text = render_summary(summary)
     assert f"loss       {MISSING} -> {MISSING}" in text
     assert f"(wall {MISSING})" in text and f"data wait {MISSING}" in text

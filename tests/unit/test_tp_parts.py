@@ -190,7 +190,7 @@ def test_the_stepper_syncs_every_micro_batch_only_when_sharded(sharded, probe, e
     stepper = Stepper(
         model, torch.nn.functional.cross_entropy, opt, sched, None, nullcontext, 3, 1.0,
         torch.device("cpu"), sharded_accumulation=sharded,
-    )  # fmt: skip
+    )
     batches = iter([(torch.randn(2, 4), torch.tensor([0, 1]))] * 3)
     stepper.step(batches, probe=probe)
     assert model.syncs == expected

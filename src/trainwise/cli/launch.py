@@ -158,7 +158,7 @@ def run_slurm(args: argparse.Namespace) -> int:
     job = build_job(
         args, "slurm", run_dir=args.run_dir, partition=args.partition, time=args.time,
         account=args.account,
-    )  # fmt: skip
+    )
     return _emit(args, slurm_script(job), "an sbatch script", "sbatch")
 
 

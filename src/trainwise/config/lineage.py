@@ -25,7 +25,7 @@ LINEAGE_KEYS = (
     "data.dataset", "data.path", "data.seq_len", "data.val_fraction", "data.vocab_size",
     "data.synthetic_tokens", "train.seed", "train.grad_clip", "precision.dtype",
     "precision.reduce_dtype",
-)  # fmt: skip
+)
 
 
 def lineage_keys(cfg: JobConfig, global_batch: int) -> dict[str, Any]:

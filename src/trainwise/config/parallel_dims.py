@@ -64,7 +64,7 @@ class ParallelDims:
         return {
             "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp,
             "pp": self.pp, "cp": self.cp,
-        }  # fmt: skip
+        }
 
     @property
     def world(self) -> int:
@@ -212,7 +212,7 @@ class ParallelDims:
         return cls(
             dp_replicate=groups, dp_shard=dp // groups, tp=tp, fsdp=True,
             reshard_after_forward=shard == "full", cpu_offload=cpu_offload,
-        )  # fmt: skip
+        )
 
     @classmethod
     def from_plan_name(cls, name: str, world: int, gpus_per_node: int) -> ParallelDims:
@@ -227,4 +227,4 @@ class ParallelDims:
         return cls.from_strategy(
             "fsdp", world, shard="grad_op" if name == "fsdp-grad-op" else "full",
             cpu_offload=name == "fsdp-offload",
-        )  # fmt: skip
+        )

@@ -180,4 +180,4 @@ def build_eval_loader(
     return build_loader(
         dataset, micro_batch=mb, grad_accum=1, dp_rank=dp_rank, dp_size=dp_size, seed=seed,
         num_steps=steps, shuffle=False,
-    )  # fmt: skip
+    )

@@ -261,7 +261,7 @@ def prepare(
         "response_field": response_field,
         "sources": [{"path": str(p), "sha256": _sha256(p)} for p in paths],
         "command": list(command),
-    }  # fmt: skip
+    }
     write_index(partial, index)
     os.replace(partial, out)
     return index

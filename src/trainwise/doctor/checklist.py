@@ -44,7 +44,7 @@ def run_checks(ctx: Context, names: list[str] | None = None) -> list[CheckResult
             result = CheckResult.skipped(
                 name, name, "not run: the ranks run different versions, and collectives "
                 "between them may hang (fix the versions first)",
-            )  # fmt: skip
+            )
         else:
             result = _run_one(ctx, name)
         result.seconds = time.perf_counter() - start
@@ -63,7 +63,7 @@ def _run_one(ctx: Context, name: str) -> CheckResult:
             f"{lines[-1] if lines else ''}"[:300],
             detail="the check itself failed", fix="see the traceback in doctor.json",
             data={"traceback": traceback.format_exc()},
-        )  # fmt: skip
+        )
 
 
 def _worst_over_ranks(ctx: Context, result: CheckResult) -> CheckResult:

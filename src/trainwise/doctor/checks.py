@@ -53,7 +53,7 @@ def check_versions(ctx: Context) -> CheckResult:
             fix="install the same Python, torch, CUDA/NCCL and trainwise on every machine and "
             "give every rank the same config (trainwise env prints a machine's versions)",
             data=data,
-        )  # fmt: skip
+        )
     first = per_rank[0]
     return CheckResult(
         name="versions", title=title, status="pass",
@@ -62,7 +62,7 @@ def check_versions(ctx: Context) -> CheckResult:
         detail=f"torch {first['torch']}, python {first['python']}, CUDA {first['cuda']}, "
         f"NCCL {first['nccl']}, trainwise {first['trainwise']}, code {first['code']}",
         data=data,
-    )  # fmt: skip
+    )
 
 
 def check_bandwidth(ctx: Context) -> CheckResult:
@@ -121,7 +121,7 @@ def check_bandwidth(ctx: Context) -> CheckResult:
         + " per worker (plan)",
         detail=verdict, fix=fix,
         data={"rows": [r.as_dict() for r in rows], "fsdp_exposed_share": share},
-    )  # fmt: skip
+    )
 
 
 def _resident_bytes() -> float:
@@ -143,7 +143,7 @@ def check_memory(ctx: Context) -> CheckResult:
         fix = None
         if status == "fail":
             fix = "the step does not fit: shard (strategy fsdp), checkpoint activations " \
-                  "(parallel.ac) or lower data.micro_batch"  # fmt: skip
+                  "(parallel.ac) or lower data.micro_batch"
         elif status == "warn":
             fix = "the plan is off for this model: size the job on the measured peak"
         return CheckResult(
@@ -152,7 +152,7 @@ def check_memory(ctx: Context) -> CheckResult:
             expected=f"{fmt_bytes(est)} (plan)",
             detail=f"the plan is {'over' if error < 0 else 'under'} by {abs(error):.0%}",
             fix=fix, data={"peak_bytes": peak, "plan_bytes": est, "budget_bytes": budget},
-        )  # fmt: skip
+        )
     rss = ctx.slowest(_resident_bytes())
     return CheckResult(
         name="memory", title=title, status="pass",
@@ -161,7 +161,7 @@ def check_memory(ctx: Context) -> CheckResult:
         detail="on CPU the resident set also holds Python, torch's libraries and the "
         "allocator's cache; the plan counts tensors only",
         data={"resident_bytes": rss, "plan_bytes": est},
-    )  # fmt: skip
+    )
 
 
 def _write_speed(folder, size: int) -> float:
@@ -261,4 +261,4 @@ def check_disk(ctx: Context) -> CheckResult:
         data={"free_bytes": free, "needed_bytes": need, "write_bytes_per_s": speed,
               "checkpoint_bytes": size, "save_s": save_s, "assumed_save_s": assumed_s,
               "save_latency_s": latency},
-    )  # fmt: skip
+    )

@@ -84,7 +84,7 @@ class Context:
         loader = build_loader(
             self.job.datasets[0], micro_batch=c.data.micro_batch, grad_accum=self.job.grad_accum,
             dp_rank=trainer.dp_rank, dp_size=trainer.dp_size, seed=c.train.seed, num_steps=1,
-        )  # fmt: skip
+        )
         return [(x.to(self.device), y.to(self.device)) for x, y in loader]
 
 

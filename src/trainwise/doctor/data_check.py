@@ -42,7 +42,7 @@ def loader_seconds_per_step(ctx: Context, workers: int, dp_rank: int, dp_size: i
         dp_size=dp_size, seed=c.train.seed, num_steps=batches + ahead, num_workers=workers,
         pin_memory=c.data.pin_memory and ctx.device.type == "cuda",
         prefetch_factor=c.data.prefetch_factor,
-    )  # fmt: skip
+    )
     it = iter(loader)
     for _ in range(ahead):
         next(it)
@@ -70,7 +70,7 @@ def check_data(ctx: Context) -> CheckResult:
         rows.append(
             {"workers": workers, "data_s": data_s,
              "wait_share": wait_share(data_s, compute_s, workers)}
-        )  # fmt: skip
+        )
     mine = next(r for r in rows if r["workers"] == c.data.num_workers)
     share = mine["wait_share"]
     samples = c.data.micro_batch * ctx.job.grad_accum
@@ -97,4 +97,4 @@ def check_data(ctx: Context) -> CheckResult:
         fix=fix,
         data={"compute_s": compute_s, "rows": rows, "wait_share": share,
               "data_s": mine["data_s"], "num_workers": c.data.num_workers},
-    )  # fmt: skip
+    )

@@ -50,7 +50,7 @@ def run_doctor(cfg: JobConfig, run_dir: Path | None = None) -> DoctorRecord | No
         ),
         data_samples_per_s_per_worker=ctx.measured.get("data_samples_per_s"),
         checkpoint_latency_s=ctx.measured.get("checkpoint_latency_s"),
-    )  # fmt: skip
+    )
     write_record(run_dir, record)
     return record
 

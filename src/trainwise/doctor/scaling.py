@@ -68,7 +68,7 @@ def check_scaling(ctx: Context) -> CheckResult:
         rows.append(
             {"workers": k, "strategy": plan_name(job), "step_s": seconds,
              "tokens_per_s": k * tokens / seconds, "plan_tokens_per_s": predicted.tokens_per_s}
-        )  # fmt: skip
+        )
     base, plan_base = rows[0]["tokens_per_s"], rows[0]["plan_tokens_per_s"]
     for row in rows:
         k = row["workers"]
@@ -89,7 +89,7 @@ def check_scaling(ctx: Context) -> CheckResult:
     elif last["efficiency"] < KNEE_SHARE:
         status = "warn"
         fix = "each added worker buys less than half of its share: use fewer workers or a " \
-              "larger micro-batch"  # fmt: skip
+              "larger micro-batch"
     return CheckResult(
         name="scaling", title=title, status=status,
         measured=f"{last['efficiency']:.0%} efficiency on {last['workers']} workers "
@@ -100,4 +100,4 @@ def check_scaling(ctx: Context) -> CheckResult:
             for r in rows
         ),
         fix=fix, data={"rows": rows, "slower_at": slower},
-    )  # fmt: skip
+    )

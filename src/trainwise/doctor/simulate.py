@@ -101,7 +101,7 @@ def simulate_step(
             model = parallelize(
                 model, blocks, dims, device=device, precision=precision,
                 reduce_dtype=reduce_dtype, ac=ac,
-            )  # fmt: skip
+            )
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=device)
             x = torch.randint(0, shape.vocab_size, (micro_batch, seq))
@@ -236,12 +236,12 @@ def simulate_plan(plan, progress=None) -> list[dict]:
         sim = simulate_step(
             w.shape, s.name, s.gpus, w.precision, s.micro_batch, w.seq_len, w.ac,
             w.reduce_dtype, w.optimizer,
-        )  # fmt: skip
+        )
         dims = ParallelDims.from_plan_name(s.name, s.gpus, s.gpus)
         here = estimate_memory(
             replace(w, micro_batch=s.micro_batch), dims.strategy, s.gpus, shard=dims.shard,
             device="cpu",
-        )  # fmt: skip
+        )
         rows.append(
             {
                 "strategy": s.name,

@@ -62,7 +62,7 @@ def roundtrip(ctx: Context, trainer: Trainer, batch: list) -> tuple[list[str], f
     ckpt = build_checkpointer(
         ctx.cfg, ctx.job, ctx.env, ctx.device, folder, trainer,
         logging.getLogger("trainwise.doctor"), root=folder / "checkpoints",
-    )  # fmt: skip
+    )
     step = ctx.cfg.doctor.smoke_steps
     before = snapshot(trainer)
     try:
@@ -131,7 +131,7 @@ def check_smoke(ctx: Context) -> CheckResult:
         fix = (
             "a saved and reloaded state differs in " + ", ".join(differ[:3])
             + (" ..." if len(differ) > 3 else "") + ": please report it with trainwise env"
-        )  # fmt: skip
+        )
     elif gap is not None and abs(gap) > PRECISION_GAP:
         status = "warn"
         fix = f"{dtype} moves the loss by {gap:+.1%}: train in fp32 or keep reduce_dtype fp32"
@@ -141,4 +141,4 @@ def check_smoke(ctx: Context) -> CheckResult:
         expected=f"loss falls >= {MIN_FALL:.0%}; identical state after reload",
         detail="the configured model, optimizer and strategy on one repeated batch",
         fix=fix, data=data,
-    )  # fmt: skip
+    )

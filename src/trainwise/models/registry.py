@@ -116,7 +116,7 @@ def build_model(spec: ModelSpec) -> ModelBundle:
         return ModelBundle(
             gpt, cross_entropy_loss, list(gpt.blocks), shape,
             tp_plan=partial(gpt_tp_plan, gpt), init_parameter=partial(gpt_init_parameter, gpt),
-        )  # fmt: skip
+        )
     if kind == "mlp":
         missing = [
             f"model.{k} is required for model.name = 'mlp'; set it (the data usually decides it)"
@@ -131,7 +131,7 @@ def build_model(spec: ModelSpec) -> ModelBundle:
         hf = build_from_dir(
             spec.name[len("hf:") :], spec.vocab_size, spec.seq_len, spec.dropout, spec.init,
             spec.impl,
-        )  # fmt: skip
+        )
         bundle = ModelBundle(hf.module, cross_entropy_loss, hf.blocks, hf.shape, hf.load_weights)
         if isinstance(hf.module, GPT):  # model.impl = 'trainwise': the GPT's own hooks
             bundle.tp_plan = partial(gpt_tp_plan, hf.module)
@@ -142,7 +142,7 @@ def build_model(spec: ModelSpec) -> ModelBundle:
         module, loss_fn or cross_entropy_loss, _blocks_of(module), None,
         tp_plan=getattr(module, "tp_plan", None),
         init_parameter=getattr(module, "init_parameter", None),
-    )  # fmt: skip
+    )
 
 
 def count_parameters(spec: ModelSpec) -> int:

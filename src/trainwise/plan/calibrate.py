@@ -181,7 +181,7 @@ def _saves(path: Path) -> list[dict]:
     return [
         e for e in _lines(path / "events.jsonl")
         if e.get("kind") == "checkpoint" and e.get("save_s") is not None and e.get("bytes")
-    ]  # fmt: skip
+    ]
 
 
 def _median_save(path: Path) -> float | None:

@@ -283,7 +283,7 @@ def _communication(
     n_layer = w.shape.n_layer if w.shape else 1
     recomputed = len(checkpointed_blocks(w.ac, n_layer)) if w.shape else 0
     tp_comm = tp_collectives(w.shape, w.seq_len, w.micro_batch, w.precision, tp, recomputed,
-                             accum, layout.link(tp))  # fmt: skip
+                             accum, layout.link(tp))
     exposed += tp_exposed_seconds(tp_comm, busy, recompute_factor(w.ac, n_layer))
     return collectives + tp_comm, host_s, exposed
 

@@ -244,7 +244,7 @@ def unknown_device_inputs(
         gpu="unknown", memory_bytes=memory, peak_flops=cfg.cluster.gpu_tflops * TFLOP
         if cfg.cluster.gpu_tflops else TFLOP, intra_bps=free, inter_bps=free,
         host_bps=free, host_memory_bytes=free, price_per_gpu_hour=0.0, device=device,
-    )  # fmt: skip
+    )
     tokens = cfg.train.steps * workload.micro_batch * grad_accum * gpus * workload.seq_len
     return PlanInputs(
         model="job", workload=workload, global_batch=None, grad_accum=grad_accum,
@@ -253,7 +253,7 @@ def unknown_device_inputs(
         mtbf_hours=cfg.cluster.mtbf_hours, restart_s=cfg.cluster.restart_min * 60.0,
         checkpoint_bps=cfg.checkpoint.write_gbps * GB, headroom=cfg.parallel.headroom,
         objective="time", strategy=None, checkpoint_latency_s=cfg.checkpoint.save_latency_s,
-    )  # fmt: skip
+    )
 
 
 def _model(cfg: JobConfig) -> tuple[int, GPTShape | None, str]:

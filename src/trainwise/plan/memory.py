@@ -144,7 +144,7 @@ def activation_bytes_per_token(
     return {
         "layer": attn + mlp, "block_input": r * h, "head": head, "working_set": working,
         "norms": 2 * norm, "head_norm": norm, "residual": r * h,
-    }  # fmt: skip
+    }
 
 
 def checkpointed_blocks(ac: str, n_layer: int) -> set[int]:
@@ -304,7 +304,7 @@ def estimate_memory(
             p, g_end, o, prof and prof.rest, root * c + params_in_flight + grads_in_flight,
         ),
         "optimizer step": (p, g, o, prof and 0.0, temp),
-    }  # fmt: skip
+    }
     est = _at_peak(phases, device, states=states)
     if cpu_offload:
         return replace(est, host=states + n / d * step_temp, states=states)

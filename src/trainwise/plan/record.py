@@ -124,7 +124,7 @@ def recommendation_record(plan: Plan) -> dict:
                  "why_not": why, "plan": strategy_record(s)}
                 for s, why in rec.alternatives
             ],
-        }  # fmt: skip
+        }
     return out
 
 

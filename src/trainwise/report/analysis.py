@@ -327,7 +327,7 @@ def cost_of(run: RunFiles, gpus: int, cost: RetryCost, notes: list[str]) -> Cost
     shrank."""
     price, source = _price(run)
     workers = {e.get("attempt", 0): int(e["world"]) for e in run.events
-               if e["kind"] == "ready" and e.get("world")}  # fmt: skip
+               if e["kind"] == "ready" and e.get("world")}
     if len(set(workers.values())) > 1:
         sizes = " -> ".join(str(workers[a]) for a in sorted(workers))
         notes.append(f"the job ran on {sizes} workers; each step is charged at its attempt's")
@@ -391,7 +391,7 @@ def plan_vs_actual(run: RunFiles, stages: StageSplit, notes: list[str]) -> list[
             tokens / step_s if tokens and step_s else None,
             slow_part,
             reason=speed,
-        ),  # fmt: skip
+        ),
         _check(
             "memory per worker",
             "bytes",
@@ -399,7 +399,7 @@ def plan_vs_actual(run: RunFiles, stages: StageSplit, notes: list[str]) -> list[
             mem or None,
             MEMORY_ASSUMPTION.get(mem_kind, MEMORY_ASSUMPTION["cuda_peak"]),
             comparable=mem_kind in MEMORY_ASSUMPTION,
-        ),  # fmt: skip
+        ),
         _check(
             "checkpoint save",
             "s",
@@ -408,7 +408,7 @@ def plan_vs_actual(run: RunFiles, stages: StageSplit, notes: list[str]) -> list[
             "the checkpoint write speed and fixed latency (checkpoint.write_gbps, "
             "save_latency_s; trainwise doctor measures them)",
             reason=disk,
-        ),  # fmt: skip
+        ),
     ]
     if mem_kind == "rss_peak":
         notes.append(
@@ -458,7 +458,7 @@ def _largest_miss(stages: StageSplit, plan: dict[str, Any]) -> str:
         "measures it)": m["exposed sync"] - (p.get("exposed sync") or 0.0),
         "the loader's rate (trainwise doctor measures it)":
             m["data wait"] - (p.get("data wait") or 0.0),
-    }  # fmt: skip
+    }
     return max(misses, key=lambda k: abs(misses[k]))
 
 
@@ -520,7 +520,7 @@ def advice(
             change=loader_fixes(workers, run.job.get("device_kind") == "cuda"),
             saving=f"up to {fmt_gpu_hours(hours)} GPU-h ({fmt_usd_exact(hours * price)}) on a run like this "
             "one, if the loader kept up",
-        ))  # fmt: skip
+        ))
     sync_share = stages.total_s["exposed sync"] / step_total
     if sync_share > COMM_BOUND_SHARE:
         hours = stages.total_s["exposed sync"] * gpus / 3600
@@ -544,7 +544,7 @@ def advice(
             f"{COMM_BOUND_SHARE:.0%})" + _doctor_said(doctor, "bandwidth"),
             change=change,
             saving=saving + " on a run like this",
-        ))  # fmt: skip
+        ))
     scaling = doctor.get("scaling")
     if scaling and scaling.get("status") == "warn":
         out.append(Advice(
@@ -552,7 +552,7 @@ def advice(
             evidence=f"the doctor measured: {scaling.get('measured')}",
             change=scaling.get("fix") or "run on fewer workers",
             saving="the workers beyond the knee cost more than they add",
-        ))  # fmt: skip
+        ))
     off = [c for c in checks if c.flagged]
     if off:
         names = ", ".join(f"{c.name} {c.error:+.0%}" for c in off if c.error is not None)
@@ -563,7 +563,7 @@ def advice(
             + f"; `trainwise plan --calibrate {run.typed}` replaces the assumptions with "
             "this run's measurements",
             saving="a plan that matches the machine picks the cheaper strategy next time",
-        ))  # fmt: skip
+        ))
     if costs.failures:
         retry = next(t for t in costs.terms if t.name == "failure retry")
         out.append(Advice(
@@ -574,7 +574,7 @@ def advice(
             "optimum) and use async saves to keep the stall small",
             saving=f"at most the {fmt_gpu_hours(retry.gpu_hours)} GPU-h ({fmt_usd_exact(retry.usd)}) they "
             "cost",
-        ))  # fmt: skip
+        ))
     return out
 
 

@@ -139,7 +139,7 @@ def _bandwidth_figure(record: DoctorRecord) -> str | None:
                 marker="o" if link == "intra_node" else "s",
                 linestyle="-" if link == "intra_node" else "--",
                 color=LINE_COLOURS[ops_index(series, op) % len(LINE_COLOURS)], label=label,
-            )  # fmt: skip
+            )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("message size (bytes)")
         ax.set_ylabel("bus bandwidth (GB/s)")
@@ -147,7 +147,7 @@ def _bandwidth_figure(record: DoctorRecord) -> str | None:
         return figure_html(
             fig, "bw", "Bus bandwidth by message size",
             "Bus bandwidth (nccl-tests' definition) of each collective by message size.",
-        )  # fmt: skip
+        )
 
 
 def _scaling_figure(record: DoctorRecord) -> str | None:
@@ -163,9 +163,9 @@ def _scaling_figure(record: DoctorRecord) -> str | None:
         fig = new_figure(FIGURE_WIDTH, 3.2, 0.8, 0.6, labels)
         ax = fig.add_subplot()
         ax.plot(workers, [100 * r["efficiency"] for r in rows], marker="o",
-                color=LINE_COLOURS[0], label="measured")  # fmt: skip
+                color=LINE_COLOURS[0], label="measured")
         ax.plot(workers, [100 * r["plan_efficiency"] for r in rows], marker="s",
-                linestyle="--", color=LINE_COLOURS[1], label="plan")  # fmt: skip
+                linestyle="--", color=LINE_COLOURS[1], label="plan")
         ax.set_xticks(workers)
         ax.set_xlabel("workers")
         ax.set_ylabel("scaling efficiency (%)")
@@ -174,4 +174,4 @@ def _scaling_figure(record: DoctorRecord) -> str | None:
         return figure_html(
             fig, "scaling", "Scaling efficiency by worker count",
             "Throughput per worker against one worker's, measured and as planned.",
-        )  # fmt: skip
+        )

@@ -83,7 +83,7 @@ def drill_down(run: RunFiles) -> DrillDown:
             steps=list(p.get("steps", [])),
             window_s=float(p.get("window_s", 0.0)),
             groups_s={g: float(p.get("groups_s", {}).get(g, 0.0)) for g in GROUPS},
-        )  # fmt: skip
+        )
         for p in run.profiles
     ]
     profiles.sort(key=lambda p: p.rank)
@@ -115,7 +115,7 @@ def attributed(run: RunFiles) -> list[Attributed]:
                 stage, plan.get(plan_key) if plan_key else None,
                 sum(values) / len(values) if values else None, trace.get(trace_key),
             )
-        )  # fmt: skip
+        )
     return out
 
 
@@ -130,7 +130,7 @@ def top_operators(summaries: list[dict[str, Any]]) -> list[Operator]:
         Operator(o["name"], o.get("group", "compute"), int(o.get("calls", 0)),
                  float(o.get("self_s", 0.0)), float(o.get("self_s", 0.0)) / window)
         for o in ops
-    ]  # fmt: skip
+    ]
 
 
 def memory_line(run: RunFiles) -> str:
@@ -163,5 +163,5 @@ def hangs(events: list[dict[str, Any]]) -> list[Hang]:
             Hang(step=step, stage=str(first.get("stage", "")), cause=str(first.get("cause", "")),
                  absent=absent, seen_by=sorted(e.get("rank", 0) for e in seen),
                  message=str(first.get("message", "")))
-        )  # fmt: skip
+        )
     return out

@@ -89,7 +89,7 @@ def render_html(reports: list[RunReport]) -> str:
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>{e(title)}</title>", f"<style>{CSS}{EXTRA_CSS}</style>", "</head>",
         "<body>", "<main>", f"<h1>{e(title)}</h1>",
-    ]  # fmt: skip
+    ]
     with matplotlib.rc_context(SVG_RC):
         if len(reports) > 1:
             out += _comparison(reports)
@@ -105,28 +105,28 @@ def _run_section(r: RunReport, key: str, heading: bool) -> list[str]:
     if heading:
         out.append(f"<h2>{e(r.headline.run)}</h2>")
     out += ['<table class="summary">', *(f'<tr><th class="l">{e(k)}</th><td class="l">{e(v)}</td></tr>'
-                         for k, v in summary_rows(r)), "</table>"]  # fmt: skip
+                         for k, v in summary_rows(r)), "</table>"]
     out += ["<h2>Where the time went</h2>",
             figure_html(_stage_figure(r), f"{key}-stages", "time per stage",
                         "Seconds per step by stage, per window of steps; beside them the "
                         "steady steps' median and the plan's split."),
-            *html_table("Time per stage", STAGE_COLUMNS, stage_rows(r))]  # fmt: skip
+            *html_table("Time per stage", STAGE_COLUMNS, stage_rows(r))]
     out += ["<h2>Where the money went</h2>",
             figure_html(_cost_figure(r), f"{key}-cost", "cost breakdown",
                         f"GPU-hours by term, {price_line(r)}."),
-            *html_table("Cost", COST_COLUMNS, cost_rows(r))]  # fmt: skip
+            *html_table("Cost", COST_COLUMNS, cost_rows(r))]
     if r.plan_vs_actual:
         out += ["<h2>Plan versus actual</h2>",
                 figure_html(_plan_figure(r), f"{key}-plan", "plan versus actual",
                             "The error of each planned figure; the band is ±25 %."),
-                *html_table("Plan versus actual", PLAN_COLUMNS, plan_rows(r))]  # fmt: skip
+                *html_table("Plan versus actual", PLAN_COLUMNS, plan_rows(r))]
         line = calibrate_line(r)
         if line:
             out.append(f'<p class="flag">{e(line)}</p>')
     out += ["<h2>Curves</h2>",
             figure_html(_curves_figure(r), f"{key}-curves", "training curves",
                         "Over steps; dotted lines are checkpoints, dashed red lines the steps "
-                        "a restart resumed from.")]  # fmt: skip
+                        "a restart resumed from.")]
     out += ["<h2>Advice</h2>", '<ol class="advice">']
     out += [
         f"<li><strong>{e(a.title)}</strong>: {e(a.evidence)}. Change: {e(a.change)}. "
@@ -154,15 +154,15 @@ def _drill_section(r: RunReport, key: str) -> list[str]:
                 *html_table("A traced step by stage: plan, the loop's timers, the trace",
                             ATTRIBUTED_COLUMNS, attributed_rows(r)),
                 *html_table("Top operators by self time (rank 0)", OPERATOR_COLUMNS,
-                            operator_rows(r))]  # fmt: skip
+                            operator_rows(r))]
     if d.hangs:
         out += html_table("Hangs: who did not arrive", HANG_COLUMNS, hang_rows(r))
     links = [f'<li><a href="{e(t)}">{e(t)}</a> (chrome://tracing, ui.perfetto.dev)</li>'
-             for t in d.traces if "trace" in t]  # fmt: skip
+             for t in d.traces if "trace" in t]
     out += ['<ul class="next">', *links, f"<li>{e(d.memory)}</li>", "</ul>"]
     for rank, text in d.dumps.items():
         out += [f"<details><summary>Stacks of rank {rank} (hang/rank-{rank}.txt)</summary>",
-                f"<pre>{e(text)}</pre></details>"]  # fmt: skip
+                f"<pre>{e(text)}</pre></details>"]
     return out
 
 
@@ -186,14 +186,14 @@ def _comparison(reports: list[RunReport]) -> list[str]:
         figure_html(_compare_figure(reports), "cmp", "runs compared",
                     "Training loss over steps, and the steady step's time by stage, per run."),
         "</section>",
-    ]  # fmt: skip
+    ]
 
 
 def _stage_figure(r: RunReport):
     names = [name for _, name in STAGES]
     windows = r.stages.windows
     labels = [f"{w.first_step}-{w.last_step}" if w.last_step > w.first_step else str(w.first_step)
-              for w in windows]  # fmt: skip
+              for w in windows]
     bars = [w.seconds_per_step for w in windows]
     labels.append("median")
     bars.append(r.stages.measured_per_step)
@@ -222,10 +222,10 @@ def _cost_figure(r: RunReport):
     total = r.cost.total_gpu_hours or 1.0
     for t in terms:
         ax.barh([0], [t.gpu_hours], left=[left], height=0.5,
-                color=STAGE_COLOURS.get(t.name, "#0072B2"), label=t.name)  # fmt: skip
+                color=STAGE_COLOURS.get(t.name, "#0072B2"), label=t.name)
         if t.gpu_hours / total > 0.08:
             ax.text(left + t.gpu_hours / 2, 0, f"{t.gpu_hours / total:.0%}", ha="center",
-                    va="center", color="white", size=NOTE_SIZE)  # fmt: skip
+                    va="center", color="white", size=NOTE_SIZE)
         left += t.gpu_hours
     ax.set_yticks([])
     ax.set_xlim(0, total * 1.02)
@@ -252,7 +252,7 @@ def _plan_figure(r: RunReport):
     for y, err, bar in zip(ys, errors, shown, strict=True):
         cut = "+" if bar != err else ""  # cut at the clip: the label says by how much
         ax.text(bar, y, f" {err:+,.0f}%{cut} ", va="center", ha="left" if err >= 0 else "right",
-                size=NOTE_SIZE)  # fmt: skip
+                size=NOTE_SIZE)
     ax.set_yticks(ys, [c.name for c in checks])
     ax.invert_yaxis()
     span = max([abs(x) for x in shown] + [40.0]) * 1.35
@@ -283,7 +283,7 @@ def _curves_figure(r: RunReport):
         for i, (label, xs, ys) in enumerate(series):
             if xs:
                 ax.plot(xs, ys, color=LINE_COLOURS[i], label=label or None,
-                        marker="o" if len(xs) < 3 or i else None, markersize=3)  # fmt: skip
+                        marker="o" if len(xs) < 3 or i else None, markersize=3)
         for step in c.checkpoints:
             ax.axvline(step, color="#888888", linestyle=":", linewidth=0.8)
         for step in c.restarts:
@@ -316,7 +316,7 @@ def _compare_figure(reports: list[RunReport]):
     xs = stacked_bars(stages, parts, width=0.6)
     stages.set_xticks(xs, [f"{r.headline.strategy} x{r.headline.world}" for r in reports])
     stages.set_title("seconds per steady step", loc="left", fontsize=NOTE_SIZE + 1,
-                     fontweight="bold")  # fmt: skip
+                     fontweight="bold")
     stages.legend(fontsize=NOTE_SIZE - 1, frameon=False)
     for ax in (loss, stages):
         ax.spines[["top", "right"]].set_visible(False)

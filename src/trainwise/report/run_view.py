@@ -44,7 +44,7 @@ def summary_rows(r: RunReport) -> Rows:
     speed = (
         f"{h.tokens_per_s:,.0f} tokens/s" if h.tokens_per_s and h.tokens_per_s != h.samples_per_s
         else f"{h.samples_per_s or 0:,.0f} samples/s"
-    )  # fmt: skip
+    )
     stops = [("stops", "; ".join(h.stops))] if h.stops else []
     return [
         ("run", h.run),
@@ -76,7 +76,7 @@ def stage_rows(r: RunReport) -> Rows:
             name, f"{seconds:.3f}", f"{seconds / total:.1%}",
             _planned(name, planned, plan),
             "-" if measured is None else fmt_seconds(measured) + " s",
-        ))  # fmt: skip
+        ))
     return rows
 
 
@@ -120,7 +120,7 @@ def _plan_row(c: PlanCheck) -> tuple[str, ...]:
     if c.flagged:
         error += " !"
     return (c.name, _num(c.planned, c.unit), _num(c.actual, c.unit), error,
-            (c.reason or c.assumption) if c.flagged else "")  # fmt: skip
+            (c.reason or c.assumption) if c.flagged else "")
 
 
 def calibrate_line(r: RunReport) -> str | None:
@@ -144,7 +144,7 @@ def profile_rows(r: RunReport) -> Rows:
         (str(p.rank), f"{p.steps[0]}-{p.steps[-1]}" if p.steps else "-", _num(p.window_s, "s"),
          *(f"{p.groups_s[g] / p.window_s:.0%}" if p.window_s else "-" for g in GROUPS))
         for p in r.drill.profiles
-    ]  # fmt: skip
+    ]
 
 
 def attributed_rows(r: RunReport) -> Rows:
@@ -165,7 +165,7 @@ def hang_rows(r: RunReport) -> Rows:
         (str(h.step), h.stage, h.cause, ", ".join(map(str, h.absent)) or "unknown",
          ", ".join(map(str, h.seen_by)))
         for h in r.drill.hangs
-    ]  # fmt: skip
+    ]
 
 
 def drill_lines(r: RunReport) -> list[str]:
@@ -258,7 +258,7 @@ def to_json(reports: list[RunReport]) -> str:
 
 
 COMPARE_COLUMNS = ("", "strategy", "workers", "step time", "tokens/s", "peak memory",
-                   "final loss", "cost", "failures")  # fmt: skip
+                   "final loss", "cost", "failures")
 
 
 def compare_rows(reports: list[RunReport]) -> Rows:
@@ -271,7 +271,7 @@ def compare_rows(reports: list[RunReport]) -> Rows:
             f"{h.tokens_per_s or h.samples_per_s or 0:,.0f}",
             fmt_bytes(max(r.curves.mem_bytes, default=0)),
             f"{h.final_loss:.4f}", fmt_usd_exact(r.cost.total_usd), str(r.cost.failures),
-        ))  # fmt: skip
+        ))
     return rows
 
 

@@ -63,7 +63,7 @@ def load_run(path: str | Path) -> RunFiles:
     if not run.is_dir():
         raise ReportError(f"{path}: no such run directory; give one that trainwise train wrote")
     job = _json(run, "job.json", needed="not a trainwise run directory (trainwise train writes it "
-                "before the first step)")  # fmt: skip
+                "before the first step)")
     metrics = run / "metrics.jsonl"
     if not metrics.is_file():
         raise ReportError(

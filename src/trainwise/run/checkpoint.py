@@ -273,7 +273,7 @@ class Checkpointer:
                 "trainwise: checkpoint interval auto = %d steps (save stall %.3f s, step %.3f s,"
                 " MTBF %.0f h per node x %d nodes)",
                 every, stall, step_s, sched.mtbf_hours, sched.nodes,
-            )  # fmt: skip
+            )
         self.auto_every = every
 
     # -- save -------------------------------------------------------------------------
@@ -307,7 +307,7 @@ class Checkpointer:
                 future = dcp.async_save(
                     state, storage_writer=writer, process_group=self.group,
                     async_stager=self.stager,
-                )  # fmt: skip
+                )
             else:
                 metadata = dcp.save(state, storage_writer=writer, process_group=self.group)
         except BaseException as err:  # DCP raises on every rank together; report one line
@@ -447,12 +447,12 @@ class Checkpointer:
         deleted = store.apply_retention(
             self.root, self.cfg.keep_last, self.cfg.keep_every, lineage=self.lineage,
             protect=step,
-        )  # fmt: skip
+        )
         append_event(
             self.run_dir, "checkpoint", step=step, step_time=info["step_time"],
             stall_s=manifest.stall_s, save_s=manifest.save_s, bytes=manifest.total_bytes,
             path=str(final), async_save=async_save, deleted=[p.name for p in deleted],
-        )  # fmt: skip
+        )
 
     def wait(self) -> None:
         """Finish the save in flight (if any). Called at the same points on every rank; a

@@ -70,7 +70,7 @@ class Faults:
     nothing. `attempt` is the launcher's restart count (DistEnv.attempt)."""
 
     def __init__(self, faults: list[Fault], rank: int = 0, run_dir: Path | None = None,
-                 attempt: int = 0):  # fmt: skip
+                 attempt: int = 0):
         self.faults = faults
         self.rank = rank
         self.run_dir = run_dir

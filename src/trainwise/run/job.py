@@ -200,7 +200,7 @@ def prepare_job(
     device_bytes = device_budget(c, device, local)
     view = planner_view(c, workload, world, local, device, device_bytes, accum)
     calibration = read_calibration(c.plan.calibration, where=f"plan.calibration = "
-                                   f"{c.plan.calibration!r}") if c.plan.calibration else None  # fmt: skip
+                                   f"{c.plan.calibration!r}") if c.plan.calibration else None
     view, plan_notes = calibrated(view, calibration)
     cluster = view  # the planner's view: what auto decides with
     decision = decide(
@@ -492,7 +492,7 @@ def job_plan(job: Job) -> dict[str, Any] | None:
             for alt in (evaluate(inputs, n) for n in candidate_names(inputs))
             if alt.gpus == inputs.gpus and not (alt.name == "fsdp-offload" and hw.device == "cpu")
         ],
-    }  # fmt: skip
+    }
 
 
 def elastic_accum(c: JobConfig, world: int, local: int) -> tuple[int, str | None]:

@@ -28,7 +28,7 @@ GROUPS = (
                        "allgather", "reduce_scatter", "broadcast", "record_param_comms")),
     ("data", ("dataloader", "enumerate(")),
     ("copies", ("copy_", "memcpy", "_to_copy", "aten::to", "memset", "contiguous")),
-)  # fmt: skip
+)
 
 
 def group_of(name: str) -> str:
@@ -140,7 +140,7 @@ def summarise(events: Any, wall_s: float, window: list[int], cuda: bool) -> dict
         group = group_of(e.name)
         groups[group] += host
         op = ops.setdefault(e.name, {"name": e.name, "group": group, "calls": 0,
-                                     "self_s": 0.0, "device_s": 0.0})  # fmt: skip
+                                     "self_s": 0.0, "device_s": 0.0})
         op["calls"] += 1
         op["self_s"] += host
         op["device_s"] += getattr(e, "self_device_time_total", 0.0) / 1e6 if cuda else 0.0

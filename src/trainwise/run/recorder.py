@@ -173,7 +173,7 @@ class Recorder:
             mem_bytes=mem, mem_kind=kind, elapsed_s=res.end - self.start, time=time.time(),
             attempt=self.attempt, profiled=profiled,
             mem_reserved_bytes=peak_reserved(self.device),
-        )  # fmt: skip
+        )
 
     def _check_data_wait(self, step: int) -> None:
         """Warn once (rank 0) when the steady steps so far waited for data more than
@@ -190,7 +190,7 @@ class Recorder:
                 "trainwise: step %d: the workers waited for data %.0f%% of the time so far "
                 "(logging.data_wait_warn = %g); %s", step, 100 * share, limit,
                 loader_fixes(self.num_workers, self.device.type == "cuda"),
-            )  # fmt: skip
+            )
 
     def finish(self) -> dict:
         """Flush, close the writers; the figures of the summary."""

@@ -72,7 +72,7 @@ def _first_holder(fd: int, path: Path, run_dir: Path, job_id: str | None) -> Non
     stale = _holder(path)
     if stale:  # written by a launcher that never released it
         print(f"trainwise: taking over the lock of {run_dir} from {_describe(stale)}, "
-              "which is no longer running", file=sys.stderr)  # fmt: skip
+              "which is no longer running", file=sys.stderr)
     _write_holder(fd, job_id)  # before the wait, so that the job's other launchers can join
     _wait_for_workers(run_dir)
     if job_id is not None:
@@ -132,7 +132,7 @@ def _wait_for_workers(run_dir: Path) -> None:
                     ) from None
                 if not told:
                     print("trainwise: waiting for the workers of an earlier launch in "
-                          f"{run_dir} to stop", file=sys.stderr)  # fmt: skip
+                          f"{run_dir} to stop", file=sys.stderr)
                     told = True
                 time.sleep(POLL_S)
     finally:

@@ -144,7 +144,7 @@ def node_resources(
                 "drop the flag (cluster.nproc sets the workers, --cpus-per-node the CPUs)"
             )
         cpu = DeviceInfo(kind="cpu", name="cpu", count=1, memory_bytes=0.0, bf16=False,
-                         fp16=False, gpu=None)  # fmt: skip
+                         fp16=False, gpu=None)
         workers = resolve_nproc(cfg, cpu)
         return workers, 0, cpus_flag or workers
     nproc = cfg.cluster.nproc
@@ -192,7 +192,7 @@ def train_command(
         "--rdzv-endpoint", rdzv_endpoint,
         "--rdzv-id", rdzv_id,
         "--run-dir", run_dir,
-    ]  # fmt: skip
+    ]
     for item in job.sets:
         command += ["--set", item]
     return command

@@ -70,7 +70,7 @@ def start_job(
             launch_workers(
                 run_dir, nproc, launch, cfg.cluster.master_port, max_restarts, module=module,
                 cluster=cfg.cluster, checkpoints=checkpoint_root(cfg, run_dir),
-            )  # fmt: skip
+            )
         except LaunchError as err:
             err.run_dir = run_dir  # for a report of what the run recorded
             raise
@@ -132,7 +132,7 @@ def check_multi_node(cfg: JobConfig) -> None:
         raise ConfigError(
             f"--nnodes {c.min_nodes or c.nodes}:{c.nodes} runs on several machines: give "
             + ", ".join(missing) + ", the same on every machine"
-        )  # fmt: skip
+        )
 
 
 def train_here(cfg: JobConfig, run_dir: Path) -> object:

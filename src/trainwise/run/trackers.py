@@ -178,7 +178,7 @@ class WandB:
             project=os.environ.get("WANDB_PROJECT", WANDB_PROJECT), dir=str(self.run_dir),
             id=run_id or uuid.uuid4().hex[:12], resume="allow", name=self.run_dir.name,
             config=self.params, mode=mode, settings=wandb.Settings(silent=True, console="off"),
-        )  # fmt: skip
+        )
         return self.run.id
 
     def records(self, rows: list[dict[str, Any]]) -> None:
@@ -252,7 +252,7 @@ class Trackers:
         self.log.warning(
             "trainwise: the %s tracker %s; it records nothing more, training goes on "
             "(metrics.jsonl has every step)", tracker.name, why,
-        )  # fmt: skip
+        )
         return None
 
 
@@ -276,7 +276,7 @@ def flat_params(config: dict[str, Any]) -> dict[str, str]:
 def build_trackers(
     names: list[str], run_dir: Path, config: dict[str, Any], *, mlflow_uri: str | None,
     tensorboard_every: int, wrap: Callable[[Tracker], Tracker] | None = None,
-) -> Trackers:  # fmt: skip
+) -> Trackers:
     """The trackers of `logging.trackers` for this run (`wrap`: a test's fault seam)."""
     params = flat_params(config)
     made: dict[str, Callable[[], Tracker]] = {

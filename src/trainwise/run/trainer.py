@@ -85,11 +85,11 @@ def build_trainer(
         job.grad_accum, c.train.grad_clip, device,
         sharded_accumulation=dims.accumulates_sharded(c.parallel.accumulate, job.grad_accum),
         backward_context=lambda: loss_context(dims.tp),
-    )  # fmt: skip
+    )
     return Trainer(
         model, loss_fn, optimizer, scheduler, scaler, autocast, stepper,
         dims.dp_rank(rank), dims.dp_size,
-    )  # fmt: skip
+    )
 
 
 def build_model_for(
@@ -187,4 +187,4 @@ def build_checkpointer(
         log=log,
         timeout_s=c.parallel.timeout_s,
         attempt=env.attempt,
-    )  # fmt: skip
+    )

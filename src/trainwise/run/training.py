@@ -50,7 +50,7 @@ class Training:
     def __init__(
         self, cfg: JobConfig, job: Job, env: DistEnv, device: torch.device, run_dir: Path,
         log: logging.Logger,
-    ):  # fmt: skip
+    ):
         self.cfg, self.job, self.env, self.device = cfg, job, env, device
         self.run_dir, self.log = run_dir, log
         self.faults = Faults.from_env(env.rank, run_dir, env.attempt)
@@ -136,19 +136,19 @@ class Training:
         self.log.info(
             "trainwise: %s on %d x %s (%s), %s", c.model.name, env.world,
             self.job.device.name, self.job.dims.describe(), self.job.decision.reason,
-        )  # fmt: skip
+        )
         if env.world > 1:
             self.log.info(
                 "trainwise: %d machine(s) x %d workers, %s",
                 env.world // max(env.local_world, 1), env.local_world, network_line(),
-            )  # fmt: skip
+            )
         if env.is_main and path:
             append_event(
                 self.run_dir, "resume", attempt=env.attempt, step=self.resumed.step,
                 path=str(path), rng=self.resumed.rng, skipped=skipped,
                 from_world=self.resumed.trainer.get("world_size"),
                 from_strategy=self.resumed.trainer.get("strategy"),
-            )  # fmt: skip
+            )
         self._check_data(path)
         self.step = self.resumed.step
         self.batches = self.batches_from(self.step)
@@ -249,7 +249,7 @@ class Training:
         append_event(
             self.run_dir, "peer_failure", **asdict(failure), message=line, traceback=trace,
             dump=str(dump.relative_to(self.run_dir)),
-        )  # fmt: skip
+        )
         raise SystemExit(1) from None  # no traceback: the line says it; the agent restarts
 
     def finish(self) -> dict[str, Any] | None:
@@ -266,7 +266,7 @@ class Training:
                 append_event(
                     self.run_dir, "preempted", step=step, signal=self.preempted,
                     checkpoint=str(saved),
-                )  # fmt: skip
+                )
         elif env.is_main:
             append_event(self.run_dir, "finish", step=step)
         if not env.is_main:
@@ -296,7 +296,7 @@ class Training:
                 pin_memory=c.data.pin_memory and self.device.type == "cuda",
                 prefetch_factor=c.data.prefetch_factor,
             )
-        )  # fmt: skip
+        )
 
     def eval_batches(self) -> Any:
         c, t = self.cfg, self.trainer
@@ -304,7 +304,7 @@ class Training:
             self.job.datasets[1], micro_batch=c.data.micro_batch,
             max_batches=c.train.eval_batches, dp_rank=t.dp_rank, dp_size=t.dp_size,
             seed=c.train.seed,
-        )  # fmt: skip
+        )
 
     def _check_data(self, path: Path | None) -> None:
         saved = self.resumed.trainer.get("data", self.data_state)
@@ -326,14 +326,14 @@ class Training:
             peak_flops_total=peak * env.world if peak else None, device=self.device,
             start_step=self.step, attempt=env.attempt, num_workers=c.data.num_workers,
             trackers=self.trackers,
-        )  # fmt: skip
+        )
 
     def _build_trackers(self) -> Trackers:
         c = self.cfg.logging
         return build_trackers(
             c.trackers, self.run_dir, self.cfg.model_dump(mode="json"), mlflow_uri=c.mlflow_uri,
             tensorboard_every=c.tensorboard_every, wrap=self.faults.tracker,
-        )  # fmt: skip
+        )
 
     def _rollback(self) -> int:
         """Reload the newest valid checkpoint in place; returns the step to continue from."""
@@ -395,5 +395,5 @@ def record_membership(run_dir: Path, env: DistEnv, step: int) -> None:
         append_event(
             run_dir, "membership", attempt=attempt, step=step, from_world=last["world"],
             world=env.world, from_nodes=last.get("nodes"), nodes=nodes,
-        )  # fmt: skip
+        )
     append_event(run_dir, "ready", attempt=attempt, step=step, world=env.world, nodes=nodes)
