@@ -62,3 +62,9 @@ def tiny_llama(
         torch.save(model(input_ids=idx).logits, folder / "logits.pt")
     torch.save(idx, folder / "idx.pt")
     return folder
+
+
+def max_rel_diff(a: list[float], b: list[float], steps: int) -> float:
+    """The largest relative difference of two runs' per-step losses (both `steps` long)."""
+    assert len(a) == len(b) == steps
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import QUIET, read_records, run_cli
+from helpers import QUIET, max_rel_diff, read_records, run_cli
 
 pytestmark = pytest.mark.dist
 
@@ -67,23 +67,19 @@ def losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
         return {name: future.result() for name, future in futures.items()}
 
 
-def max_rel_diff(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) == int(STEPS)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
-
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp_full", "fsdp_grad_op_accum", "hsdp"])
 def test_distributed_strategies_match_single_process(losses, name):
-    assert max_rel_diff(losses[name], losses["single"]) <= FP32_RTOL
+    assert max_rel_diff(losses[name], losses["single"], int(STEPS)) <= FP32_RTOL
 
 
 def test_grad_accumulation_matches_a_larger_micro_batch(losses):
-    assert max_rel_diff(losses["accum"], losses["single"]) <= FP32_RTOL
+    assert max_rel_diff(losses["accum"], losses["single"], int(STEPS)) <= FP32_RTOL
 
 
 @pytest.mark.parametrize("name", ["ddp_bf16", "fsdp_bf16"])
 def test_bf16_trains_close_to_fp32(losses, name):
-    assert max_rel_diff(losses[name], losses["ddp"]) <= BF16_RTOL
+    assert max_rel_diff(losses[name], losses["ddp"], int(STEPS)) <= BF16_RTOL
     assert losses[name] != losses["ddp"], "bf16 run computed exactly fp32: precision not applied"
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import QUIET, read_records, run_cli
+from helpers import QUIET, max_rel_diff, read_records, run_cli
 
 pytestmark = pytest.mark.dist
 
@@ -70,18 +70,14 @@ def losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
         return {name: future.result() for name, future in futures.items()}
 
 
-def max_rel_diff(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) == int(STEPS)
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
-
 
 @pytest.mark.parametrize("name", [n for n in RUNS if n != "single"])
 def test_tensor_parallel_layouts_match_single_process(losses, name):
-    assert max_rel_diff(losses[name], losses["single"]) <= FP32_RTOL
+    assert max_rel_diff(losses[name], losses["single"], int(STEPS)) <= FP32_RTOL
 
 
 def test_sharded_and_unsharded_accumulation_train_alike(losses):
-    assert max_rel_diff(losses["accum_sharded"], losses["accum_unsharded"]) <= FP32_RTOL
+    assert max_rel_diff(losses["accum_sharded"], losses["accum_unsharded"], int(STEPS)) <= FP32_RTOL
 
 
 def test_the_loss_falls(losses):
