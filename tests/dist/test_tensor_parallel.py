@@ -36,6 +36,9 @@ RUNS = {
         2, "auto", 16, 1, ["parallel.sequence_parallel=false", "parallel.ac='full'"],
         "dp_replicate 1 x dp_shard 1 x tp 2",
     ),
+    # `auto` keeps the job's tp and lets the planner lay out the rest (here: replicas,
+    # FSDP2's replication on the dp x tp mesh, as a tiny model fits every worker).
+    "auto_tp2": (4, "auto", 4, 2, [], "dp_replicate 2 x dp_shard 1 x tp 2"),
     "accum_sharded": (
         4, "fsdp", 4, 2, ["parallel.accumulate='sharded'"], "dp_replicate 1 x dp_shard 2 x tp 2"
     ),
@@ -59,6 +62,9 @@ def _train(root: Path, name: str) -> list[float]:
     assert res.returncode == 0, f"{name} failed:\n{res.stderr[-3000:]}"
     job = json.loads((root / name / "job.json").read_text())
     assert job["layout"] == layout and job["world"] == nproc
+    plan = json.loads((root / name / "plan.json").read_text())  # what the report compares
+    assert (plan["layout"], plan["accumulate"]) == (layout, job["accumulate"])
+    assert plan["name"].startswith("tp2 + ") == (nproc > 1)
     return [r["loss"] for r in read_records(root / name)]
 
 

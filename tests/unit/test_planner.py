@@ -10,8 +10,9 @@ from dataclasses import replace
 import pytest
 
 from trainwise.config import load_config
+from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import PRESETS
-from trainwise.plan import decide_auto, runtime_allowed
+from trainwise.plan import choose_accumulation, decide_auto, runtime_allowed
 from trainwise.plan.comm import Layout, exposed_seconds, step_collectives
 from trainwise.plan.cost import checkpoint_plan, job_cost
 from trainwise.plan.estimate import SIMPLER_WITHIN, evaluate
@@ -492,10 +493,29 @@ def test_auto_weighs_ddp_against_sharding_when_a_replica_fits():
     assert small.choice.plan.step.total < ddp.step.total
 
 
-def test_auto_never_chooses_what_the_runtime_cannot_run():
-    # llama-70b on 64 GPUs: the planner's best uses tensor parallelism; the runtime's may not.
+def test_auto_keeps_the_jobs_tensor_parallel_degree():
+    # llama-70b on 64 GPUs: the planner's best uses tensor parallelism, but tp sets the
+    # samples per step, so auto keeps the job's degree and lays out the rest around it.
     flags = {"model.name": "llama-70b", "parallel.ac": "full"}
     inputs = _job_inputs(64, **flags)
     assert recommend(inputs).dims.tp > 1
-    d = decide_auto(inputs, runtime_allowed("full", None))
-    assert d.choice.dims.tp == 1 and d.choice.accumulate == "unsharded"
+    assert decide_auto(inputs, runtime_allowed("full", None)).choice.dims.tp == 1
+    d = decide_auto(inputs, runtime_allowed("full", None, tp=8))
+    assert (d.choice.dims.tp, d.choice.dims.fsdp, d.choice.dims.world) == (8, True, 64)
+    assert "tp 8" in d.reason
+
+
+def test_accumulation_is_sharded_only_when_the_full_gradients_do_not_fit():
+    # 16 H100s in two machines, 4 micro-batches a step. llama-7b keeps its full gradients
+    # between micro-batches within 72 GB and reduce-scatters once; llama-13b's full
+    # gradients (26 GB) do not fit beside the rest, so they are reduce-scattered every time.
+    def job(model: str):
+        return replace(_job_inputs(16, **{"model.name": model, "cluster.nodes": 2}), grad_accum=4)
+
+    zero3 = ParallelDims(2, 8, fsdp=True)
+    assert decide_auto(job("llama-7b"), ALLOW).choice.accumulate == "unsharded"
+    assert choose_accumulation(job("llama-7b"), zero3, "none", 1, 4) == "unsharded"
+    assert decide_auto(job("llama-13b"), ALLOW).choice.accumulate == "sharded"
+    assert choose_accumulation(job("llama-13b"), zero3, "none", 1, 4) == "sharded"
+    kept = decide_auto(job("llama-13b"), runtime_allowed("full", None, accumulate="unsharded"))
+    assert kept.choice.accumulate == "unsharded" and not kept.choice.fits

@@ -28,7 +28,6 @@ from trainwise.plan.memory import (
 from trainwise.plan.planner import make_plan
 from trainwise.plan.search import (
     EVERYTHING,
-    RUNTIME_TODAY,
     Goal,
     limit_counts,
     rank,
@@ -37,6 +36,7 @@ from trainwise.plan.search import (
     search,
 )
 from trainwise.plan.space import (
+    Allowed,
     ac_modes,
     accumulations,
     layouts,
@@ -143,11 +143,14 @@ def test_hybrid_collectives_by_hand():
 
 # --- the space -------------------------------------------------------------------------------
 
+NARROW = Allowed(tp=False, sharded_accumulation=False)  # data parallelism alone
+
 
 def test_tp_divides_heads_and_a_node():
     inputs = plan_inputs(**{"model.name": "llama-70b", "plan.gpus": 64})  # 64 heads, 8 kv
     assert tp_degrees(inputs, EVERYTHING) == [1, 2, 4, 8]
-    assert tp_degrees(inputs, RUNTIME_TODAY) == [1]
+    assert tp_degrees(inputs, NARROW) == [1]
+    assert tp_degrees(inputs, Allowed(tp_degree=4)) == [4]  # the job's own, as auto keeps it
     assert tp_degrees(inputs.with_gpus(12), EVERYTHING) == [1, 2, 4]
 
 
@@ -156,7 +159,16 @@ def test_layouts_cover_every_shard_group():
     shards = {(d.dp_shard, d.tp) for d in layouts(inputs, EVERYTHING) if d.fsdp}
     assert shards >= {(1, 8), (2, 4), (4, 2), (8, 1), (2, 1), (4, 1)}
     assert all(d.world == 8 for d in layouts(inputs, EVERYTHING))
-    assert all(d.tp == 1 for d in layouts(inputs, RUNTIME_TODAY))
+    assert all(d.tp == 1 for d in layouts(inputs, NARROW))
+    assert {d.tp for d in layouts(inputs, Allowed(tp_degree=2))} == {2}
+
+
+def test_accumulation_modes_keep_the_jobs_own():
+    zero3 = ParallelDims(1, 4, fsdp=True)
+    assert accumulations(zero3, 4, EVERYTHING) == ("unsharded", "sharded")
+    assert accumulations(zero3, 4, Allowed(accumulate="sharded")) == ("sharded",)
+    assert accumulations(zero3, 1, Allowed(accumulate="sharded")) == ("unsharded",)
+    assert accumulations(ParallelDims(4), 4, EVERYTHING) == ("unsharded",)  # DDP
 
 
 # --- the check the issue names: llama-70b on 1024 GPUs ---------------------------------------
@@ -277,7 +289,7 @@ def best_score(plans, goal) -> float | None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(small, st.sampled_from([EVERYTHING, RUNTIME_TODAY]))
+@given(small, st.sampled_from([EVERYTHING, NARROW]))
 def test_the_search_equals_a_brute_force_and_fits_when_anything_fits(job, allowed):
     inputs = plan_inputs(**job)
     goal = Goal(inputs.objective)
@@ -295,7 +307,7 @@ def test_the_search_equals_a_brute_force_and_fits_when_anything_fits(job, allowe
 def test_more_options_never_worsen_the_best(job):
     inputs = plan_inputs(**job)
     goal = Goal(inputs.objective)
-    fewer = best_score(search(inputs, RUNTIME_TODAY)[0], goal)
+    fewer = best_score(search(inputs, NARROW)[0], goal)
     more = best_score(search(inputs, EVERYTHING)[0], goal)
     if fewer is not None:
         assert more is not None and more <= fewer * (1 + 1e-12)

@@ -155,6 +155,14 @@ class ParallelDims:
             return accumulate == "sharded"
         return self.reshard_after_forward and self.dp_shard > 1
 
+    def runnable(self) -> ParallelDims:
+        """The layout the runtime builds: DDP cannot hold DTensor shards, so replicas of a
+        tensor-parallel model are FSDP2's replication (dp_shard 1) on the same mesh, with
+        the same memory and an all-reduce of the same bytes."""
+        if self.tp > 1 and self.dp_replicate > 1 and not self.fsdp:
+            return ParallelDims(self.dp_replicate, 1, self.tp, fsdp=True)
+        return self
+
     def describe(self) -> str:
         """`dp_replicate 2 x dp_shard 4 x tp 1`, as the summary and plan.json name it."""
         return f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp}"
@@ -198,9 +206,7 @@ class ParallelDims:
         if strategy == "single":
             return cls(tp=tp)
         if strategy == "ddp":
-            if tp > 1 and dp > 1:
-                return cls(dp_replicate=dp, dp_shard=1, tp=tp, fsdp=True)
-            return cls(dp_replicate=dp, tp=tp)
+            return cls(dp_replicate=dp, tp=tp).runnable()
         if strategy not in ("fsdp", "hsdp"):
             raise ConfigError(f"parallel.strategy = '{strategy}' has no layout; resolve auto first")
         groups = (replicate or 1) if strategy == "hsdp" else 1

@@ -12,6 +12,8 @@ from torch import nn
 from trainwise.errors import ModelError
 from trainwise.models.shapes import GPTShape
 
+INIT_STD = 0.02  # GPT-2's
+
 
 def _bare(cls: type[nn.Module], *args: object, **kwargs: object) -> nn.Module:
     """Build a layer without its default init: GPT.init_weights initialises every tensor once,
@@ -155,23 +157,32 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """GPT-2 style init of every parameter (and rebuild of the rope tables); safe on
-        meta and after `to_empty`."""
-        std = 0.02
-        residual_std = std / math.sqrt(2 * self.shape.n_layer)
+        """GPT-2 style init of every parameter (init_parameter, from the global RNG) and a
+        rebuild of the rope tables; safe on meta and after `to_empty`."""
+        for name, param in self.named_parameters():
+            self.init_parameter(name, param)
         for module in self.modules():
-            if isinstance(module, nn.Linear | nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
-                module.reset_parameters()
-            elif isinstance(module, Rotary):
+            if isinstance(module, Rotary):
                 module.reset_buffers()
-        # Projections that write into the residual stream are scaled down by depth.
-        for block in self.blocks:
-            nn.init.normal_(block.attn.out_proj.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(block.mlp.down.weight, mean=0.0, std=residual_std)
+
+    @torch.no_grad()
+    def init_parameter(
+        self, name: str, tensor: torch.Tensor, generator: torch.Generator | None = None
+    ) -> None:
+        """Fill parameter `name` (or a full-size tensor standing for it): normal(0.02)
+        weights, zero biases, unit norm scales; the projections that write into the
+        residual stream scaled down by depth. The one place of these statistics: meta-device
+        builds (run.materialize) draw each parameter with its own `generator`."""
+        owner, leaf = name.split(".")[-2:]
+        if owner.startswith("norm"):
+            nn.init.ones_(tensor) if leaf == "weight" else nn.init.zeros_(tensor)
+        elif leaf == "bias":
+            nn.init.zeros_(tensor)
+        elif name.endswith(("attn.out_proj.weight", "mlp.down.weight")):
+            std = INIT_STD / math.sqrt(2 * self.shape.n_layer)
+            nn.init.normal_(tensor, mean=0.0, std=std, generator=generator)
+        else:
+            nn.init.normal_(tensor, mean=0.0, std=INIT_STD, generator=generator)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]

@@ -1,5 +1,5 @@
 """The built-in GPT's parallel side, beside the model (as torchtitan keeps a
-`parallelize.py` per model): its tensor-parallel plan and its per-parameter initialisation.
+`parallelize.py` per model): its tensor-parallel plan.
 
 The tensor-parallel plan is Megatron's: q/k/v and the MLP's up/gate projections split
 column-wise (each rank holds whole heads and a slice of the FFN width), the attention output
@@ -13,15 +13,12 @@ The runtime reads two hooks of any model (`run.parallelize`): `tp_plan(sequence_
 returns the plan (a list of `parallelize_module` plans, applied in order), and
 `init_parameter(name, tensor, generator)` fills one parameter at full size, so that a model
 built on the meta device can be initialised shard by shard with the values of a single
-process. The registry hands both to the runtime with the GPT (`ModelBundle`).
+process (the GPT's is `GPT.init_parameter`, beside its `init_weights`). The registry hands
+both to the runtime with the GPT (`ModelBundle`).
 """
 
 from __future__ import annotations
 
-import math
-
-import torch
-from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -34,8 +31,6 @@ from torch.distributed.tensor.parallel import (
 
 from trainwise.models.gpt import GPT
 from trainwise.models.shapes import GPTShape
-
-INIT_STD = 0.02  # GPT-2's
 
 
 def tp_problems(s: GPTShape, tp: int, seq_len: int, sequence_parallel: bool) -> list[str]:
@@ -105,22 +100,3 @@ def gpt_tp_plan(model: GPT, sequence_parallel: bool) -> list[dict[str, ParallelS
             output_layouts=stream, desired_output_layouts=Replicate(), use_local_output=False
         )
     return [plan, head] if head else [plan]
-
-
-@torch.no_grad()
-def gpt_init_parameter(
-    model: GPT, name: str, tensor: torch.Tensor, generator: torch.Generator
-) -> None:
-    """Fill parameter `name` (full size, on CPU) as GPT.init_weights does, from `generator`:
-    normal(0.02) weights, zero biases, unit norm scales; projections that write into the
-    residual stream scaled down by depth."""
-    owner, leaf = name.split(".")[-2:]
-    if owner.startswith("norm"):
-        nn.init.ones_(tensor) if leaf == "weight" else nn.init.zeros_(tensor)
-    elif leaf == "bias":
-        nn.init.zeros_(tensor)
-    elif name.endswith(("attn.out_proj.weight", "mlp.down.weight")):
-        std = INIT_STD / math.sqrt(2 * model.shape.n_layer)
-        nn.init.normal_(tensor, mean=0.0, std=std, generator=generator)
-    else:
-        nn.init.normal_(tensor, mean=0.0, std=INIT_STD, generator=generator)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from trainwise.errors import ModelError
 from trainwise.models.custom import build_custom
 from trainwise.models.gpt import GPT
-from trainwise.models.gpt_parallel import gpt_init_parameter, gpt_tp_plan, tp_problems
+from trainwise.models.gpt_parallel import gpt_tp_plan, tp_problems
 from trainwise.models.hf import build_from_dir, hf_shape
 from trainwise.models.mlp import MLPClassifier
 from trainwise.models.shapes import PRESETS, GPTShape, job_shape
@@ -115,7 +115,7 @@ def build_model(spec: ModelSpec) -> ModelBundle:
         gpt = GPT(shape, dropout=spec.dropout)
         return ModelBundle(
             gpt, cross_entropy_loss, list(gpt.blocks), shape,
-            tp_plan=partial(gpt_tp_plan, gpt), init_parameter=partial(gpt_init_parameter, gpt),
+            tp_plan=partial(gpt_tp_plan, gpt), init_parameter=gpt.init_parameter,
         )
     if kind == "mlp":
         missing = [
@@ -135,7 +135,7 @@ def build_model(spec: ModelSpec) -> ModelBundle:
         bundle = ModelBundle(hf.module, cross_entropy_loss, hf.blocks, hf.shape, hf.load_weights)
         if isinstance(hf.module, GPT):  # model.impl = 'trainwise': the GPT's own hooks
             bundle.tp_plan = partial(gpt_tp_plan, hf.module)
-            bundle.init_parameter = partial(gpt_init_parameter, hf.module)
+            bundle.init_parameter = hf.module.init_parameter
         return bundle
     module, loss_fn = build_custom(spec.name, spec.kwargs)
     return ModelBundle(

@@ -1,7 +1,14 @@
 """The planner: pure functions from a workload to memory, time, cost and reliability
 estimates (no torch)."""
 
-from trainwise.plan.advisor import Decision, decide_auto, describe, fmt_bytes, runtime_allowed
+from trainwise.plan.advisor import (
+    Decision,
+    choose_accumulation,
+    decide_auto,
+    describe,
+    fmt_bytes,
+    runtime_allowed,
+)
 from trainwise.plan.flops import flops_per_token, matmul_params, mfu
 from trainwise.plan.memory import MemoryEstimate, Workload, activation_bytes, estimate_memory
 from trainwise.plan.precision import BYTES, OPTIMIZER_STATE_BYTES
@@ -22,6 +29,7 @@ __all__ = [
     "MemoryEstimate",
     "Workload",
     "activation_bytes",
+    "choose_accumulation",
     "decide_auto",
     "describe",
     "estimate_memory",

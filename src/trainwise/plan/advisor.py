@@ -6,12 +6,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from trainwise.config.parallel_dims import ParallelDims
+from trainwise.plan.estimate import SIMPLER_WITHIN, Setup, price
 from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.memory import MemoryEstimate, estimate_memory
-from trainwise.plan.search import RUNTIME_TODAY, Allowed, Choice, describe_setup, recommend
+from trainwise.plan.search import EVERYTHING, Allowed, Choice, describe_setup, recommend
 from trainwise.plan.units import fmt_bytes
 
-__all__ = ["Decision", "decide_auto", "describe", "fmt_bytes", "runtime_allowed"]
+__all__ = [
+    "Decision", "choose_accumulation", "decide_auto", "describe", "fmt_bytes", "runtime_allowed"
+]
 
 
 @dataclass(frozen=True)
@@ -39,12 +43,21 @@ def describe(m: MemoryEstimate) -> str:
     return ", ".join(f"{name} {fmt_bytes(v)}" for name, v in parts if v)
 
 
-def runtime_allowed(shard: str, dp_shard: int | None) -> Allowed:
-    """What `auto` may choose: what the runtime runs today (RUNTIME_TODAY), with the job's
-    own micro-batch, accumulation, checkpointing, parallel.shard and, when given,
-    parallel.dp_shard: facts of the job the search takes as given."""
+def runtime_allowed(
+    shard: str, dp_shard: int | None, tp: int = 1, accumulate: str = "auto"
+) -> Allowed:
+    """What `auto` may choose: everything the planner prices (the runtime runs all of it),
+    with the job's own micro-batch, accumulation steps, checkpointing, parallel.shard,
+    parallel.tp and, when given, parallel.dp_shard and parallel.accumulate: facts of the job
+    the search takes as given. The tensor-parallel degree is the job's because it sets the
+    data-parallel size and so the samples per step; `trainwise plan` recommends one."""
     return replace(
-        RUNTIME_TODAY, knobs=False, reshard_after_forward=shard == "full", shard_group=dp_shard
+        EVERYTHING,
+        knobs=False,
+        reshard_after_forward=shard == "full",
+        shard_group=dp_shard,
+        tp_degree=tp,
+        accumulate=None if accumulate == "auto" else accumulate,
     )
 
 
@@ -78,6 +91,25 @@ def decide_auto(inputs: PlanInputs, allowed: Allowed) -> Decision:
     return Decision(
         dims.strategy, dims.cpu_offload, est, replica, budget, reason, replicate, choice
     )
+
+
+def choose_accumulation(
+    inputs: PlanInputs, dims: ParallelDims, ac: str, micro_batch: int, grad_accum: int
+) -> str:
+    """`parallel.accumulate = "auto"` for a layout the job set itself: the planner prices
+    both modes (memory, and the reduce-scatters each exposes) and takes the faster that
+    fits, unsharded when they are within SIMPLER_WITHIN (one reduction a step, the simpler);
+    when neither fits, the one needing less memory."""
+    plans = [
+        price(inputs, Setup(dims, ac, micro_batch, grad_accum, mode))
+        for mode in ("unsharded", "sharded")
+    ]
+    fitting = [p for p in plans if p.fits]
+    if not fitting:
+        return min(plans, key=lambda p: p.memory.total).setup.accumulate
+    best = min(p.step.total for p in fitting)
+    simplest = next(p for p in fitting if p.step.total <= best * (1 + SIMPLER_WITHIN))
+    return simplest.setup.accumulate
 
 
 # What makes a loader keep up: said the same way by the planner, the doctor and the

@@ -198,6 +198,13 @@ def resolve_hardware(
     )
 
 
+def job_tokens(cfg: JobConfig, workload: Workload, gpus: int, grad_accum: int) -> int:
+    """The tokens a job trains: steps x micro-batch x accumulation x the ranks that read
+    different samples (a tensor-parallel group reads the same) x sequence length."""
+    dp = gpus // cfg.parallel.tp if gpus % cfg.parallel.tp == 0 else gpus
+    return cfg.train.steps * workload.micro_batch * grad_accum * dp * workload.seq_len
+
+
 def job_inputs(
     cfg: JobConfig,
     workload: Workload,
@@ -210,7 +217,7 @@ def job_inputs(
     """The planner's view of a job about to run: `workload` on `gpus` workers, `per_node` of
     them on each machine, with the same hardware figures `trainwise plan` would use. What
     the run-time `auto` times strategies with."""
-    tokens = cfg.train.steps * workload.micro_batch * grad_accum * gpus * workload.seq_len
+    tokens = job_tokens(cfg, workload, gpus, grad_accum)
     return PlanInputs(
         model="job",
         workload=workload,
@@ -245,7 +252,7 @@ def unknown_device_inputs(
         if cfg.cluster.gpu_tflops else TFLOP, intra_bps=free, inter_bps=free,
         host_bps=free, host_memory_bytes=free, price_per_gpu_hour=0.0, device=device,
     )
-    tokens = cfg.train.steps * workload.micro_batch * grad_accum * gpus * workload.seq_len
+    tokens = job_tokens(cfg, workload, gpus, grad_accum)
     return PlanInputs(
         model="job", workload=workload, global_batch=None, grad_accum=grad_accum,
         tokens=float(tokens), gpus=gpus, node_size=gpus, hardware=hardware,

@@ -1,7 +1,7 @@
 """The planner's decision: search the space (plan.space) for the configuration to run,
 price each candidate with the same models (plan.estimate.price), keep those that fit, and
 rank them. The one chooser: `trainwise plan` prints it and the runtime's `auto` runs it
-(restricted to RUNTIME_TODAY).
+(narrowed to the job's own choices: plan.advisor.runtime_allowed).
 
 Ranking: the objective (cost or time); with a deadline the cheapest that finishes in time;
 with a budget the fastest within it. Within SIMPLER_WITHIN of the best, the simplest wins
@@ -29,7 +29,6 @@ from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.space import (
     AC_MODES,
     EVERYTHING,
-    RUNTIME_TODAY,
     Allowed,
     ac_modes,
     accumulations,
@@ -39,7 +38,7 @@ from trainwise.plan.space import (
 )
 from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_usd
 
-__all__ = ["EVERYTHING", "RUNTIME_TODAY", "Allowed", "Choice", "Goal", "recommend"]
+__all__ = ["EVERYTHING", "Allowed", "Choice", "Goal", "recommend"]
 
 
 @dataclass(frozen=True)

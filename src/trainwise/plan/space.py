@@ -25,7 +25,8 @@ class Allowed:
     """What the search may vary. `knobs`: the micro-batch and activation checkpointing
     (else the job's own); `tp`: tensor-parallel layouts; `sharded_accumulation`:
     reduce-scattering every micro-batch; `offload`: FSDP's CPU offload (never on CPU
-    workers, whatever this says)."""
+    workers, whatever this says). The runtime runs all of it: `auto` narrows it only by
+    the job's own choices below."""
 
     tp: bool = True
     sharded_accumulation: bool = True
@@ -35,19 +36,21 @@ class Allowed:
     # (parallel.shard) and the shard group's size (parallel.dp_shard / replicate).
     reshard_after_forward: bool | None = None
     shard_group: int | None = None
+    # The tensor-parallel degree (parallel.tp): the job keeps it, as it sets how many ranks
+    # read different samples and so the samples per step.
+    tp_degree: int | None = None
+    accumulate: str | None = None  # parallel.accumulate when sharded / unsharded
 
 
 EVERYTHING = Allowed()
-# What `trainwise train` runs today: no tensor parallelism (run.job.layout_problems), and
-# FSDP accumulates unsharded gradients (set_requires_gradient_sync(False) between
-# micro-batches, run.loop).
-RUNTIME_TODAY = Allowed(tp=False, sharded_accumulation=False)
 
 
 def tp_degrees(inputs: PlanInputs, allowed: Allowed) -> list[int]:
     """Tensor-parallel degrees: divisors of the heads (and key/value heads), of the GPUs
     a node holds and of the GPUs; 1 alone for a model without a shape."""
     shape = inputs.workload.shape
+    if allowed.tp_degree is not None:
+        return [allowed.tp_degree]  # checked against the model by the job
     if not allowed.tp or shape is None:
         return [1]
     limit = math.gcd(shape.n_head, shape.n_kv_head, inputs.gpus_per_node, inputs.gpus)
@@ -72,7 +75,8 @@ def layouts(inputs: PlanInputs, allowed: Allowed) -> list[ParallelDims]:
     for tp in tp_degrees(inputs, allowed):
         dp = inputs.gpus // tp
         if allowed.shard_group is None:
-            out.append(ParallelDims(dp_replicate=dp, tp=tp))  # dp 1: no wrapper at all
+            # dp 1: no wrapper at all; replicas of a TP model are FSDP2's (as they run)
+            out.append(ParallelDims(dp_replicate=dp, tp=tp).runnable())
         for shard in divisors(dp):
             if allowed.shard_group not in (None, shard):
                 continue
@@ -114,7 +118,10 @@ def ac_modes(inputs: PlanInputs, allowed: Allowed) -> tuple[str, ...]:
 
 
 def accumulations(dims: ParallelDims, grad_accum: int, allowed: Allowed) -> tuple[str, ...]:
-    """Accumulation modes: sharded or unsharded for FSDP with several micro-batches."""
-    if dims.fsdp and grad_accum > 1 and allowed.sharded_accumulation:
-        return ("unsharded", "sharded")
-    return ("unsharded",)
+    """Accumulation modes: sharded or unsharded for FSDP with several micro-batches (the
+    job's, when it names one)."""
+    if not (dims.fsdp and grad_accum > 1):
+        return ("unsharded",)
+    if allowed.accumulate is not None:
+        return (allowed.accumulate,)
+    return ("unsharded", "sharded") if allowed.sharded_accumulation else ("unsharded",)

@@ -25,6 +25,7 @@ from trainwise.models import (
 from trainwise.plan import (
     Decision,
     Workload,
+    choose_accumulation,
     decide_auto,
     describe,
     estimate_memory,
@@ -56,6 +57,8 @@ class Job:
     calibration: Calibration | None = field(repr=False, default=None)  # plan.calibration's
     plan_notes: list[str] = field(repr=False, default_factory=list)  # what it replaced
     datasets: tuple[Any, Any] = field(repr=False, default=(None, None))
+    # FSDP with accumulation: reduce-scatter every micro-batch (parallel.accumulate resolved).
+    sharded_accumulation: bool = False
 
     @property
     def dp_size(self) -> int:
@@ -74,6 +77,11 @@ class Job:
     def replicate(self) -> int:
         """HSDP's replica groups (1 otherwise)."""
         return self.dims.dp_replicate if self.dims.hybrid else 1
+
+    @property
+    def accumulate(self) -> str:
+        """parallel.accumulate as it runs: sharded or unsharded."""
+        return "sharded" if self.sharded_accumulation else "unsharded"
 
     @property
     def global_batch(self) -> int:
@@ -102,6 +110,7 @@ class Job:
             "cpu_offload": self.cpu_offload,
             "replicate": self.replicate,
             "grad_accum": self.grad_accum,
+            "accumulate": self.accumulate,
             "reason": self.decision.reason,
             "params": self.params,
             "global_batch": self.global_batch,
@@ -206,12 +215,13 @@ def prepare_job(
     decision = decide(
         workload, strategy, world, device_bytes, c, replicate, device.kind, accum, cluster
     )
+    dims = layout_of(decision, strategy, world, replicate, c)
     return Job(
         cfg=c,
         world=world,
         device=device,
         backend=backend,
-        dims=layout_of(decision, strategy, world, replicate, c),
+        dims=dims,
         grad_accum=accum,
         decision=decision,
         model_spec=data.spec,
@@ -222,6 +232,7 @@ def prepare_job(
         calibration=calibration,
         plan_notes=plan_notes,
         datasets=data.datasets,
+        sharded_accumulation=accumulation_of(c, dims, accum, decision, view),
     )
 
 
@@ -352,9 +363,9 @@ def device_budget(c: JobConfig, device: DeviceInfo, local: int) -> float:
 def layout_of(
     decision: Decision, strategy: str, world: int, replicate: int, c: JobConfig
 ) -> ParallelDims:
-    """The decided layout as degrees."""
-    if strategy == "auto" and decision.strategy == "hsdp":
-        replicate = decision.replicate  # the shard groups the planner chose
+    """The decided layout as degrees: the planner's for `auto`, else the shortcut's."""
+    if strategy == "auto" and decision.choice is not None:
+        return decision.choice.dims.runnable()
     sharded_in_groups = decision.strategy == "fsdp" and replicate > 1  # auto with dp_shard
     return ParallelDims.from_strategy(
         "hsdp" if sharded_in_groups else decision.strategy,
@@ -364,6 +375,24 @@ def layout_of(
         cpu_offload=decision.cpu_offload,
         tp=c.parallel.tp,
     )
+
+
+def accumulation_of(
+    c: JobConfig, dims: ParallelDims, accum: int, decision: Decision, view: PlanInputs | None
+) -> bool:
+    """Whether FSDP reduce-scatters every micro-batch: parallel.accumulate when it says;
+    for auto, the planner's choice (the search's for `auto` layouts, else both modes
+    priced for the job's layout); the layout's rule when the planner knows no figures."""
+    if not dims.fsdp or accum == 1:
+        return False
+    if c.parallel.accumulate != "auto":
+        return c.parallel.accumulate == "sharded"
+    if decision.choice is not None:
+        return decision.choice.accumulate == "sharded"
+    if view is not None:
+        mode = choose_accumulation(view, dims, c.parallel.ac, c.data.micro_batch, accum)
+        return mode == "sharded"
+    return dims.accumulates_sharded("auto", accum)
 
 
 def replica_groups(c: JobConfig, world: int, nodes: int) -> int:
@@ -466,13 +495,14 @@ def job_plan(job: Job) -> dict[str, Any] | None:
     inputs = job.plan_inputs
     if inputs is None:
         return None
-    name = job.dims.plan_name
     hw = inputs.hardware
     c = job.cfg
     # The job's own layout and knobs (its shard groups need not be one per machine).
-    setup = Setup(job.dims, c.parallel.ac, c.data.micro_batch, job.grad_accum)
+    setup = Setup(job.dims, c.parallel.ac, c.data.micro_batch, job.grad_accum, job.accumulate)
     return {
-        **strategy_record(price(inputs, setup, name)),
+        **strategy_record(price(inputs, setup)),  # named as the planner's rows: tp2 + fsdp-full
+        "layout": job.dims.describe(),
+        "accumulate": job.accumulate,
         "efficiency": inputs.efficiency,
         "intra_node_gbps": hw.intra_bps / GB,
         "inter_node_gbps": hw.inter_bps / GB,
@@ -485,13 +515,14 @@ def job_plan(job: Job) -> dict[str, Any] | None:
         "calibration_source": job.calibration.source if job.calibration else None,
         "calibration_step_s": job.calibration.step_s if job.calibration else None,
         "calibration_save_s": job.calibration.save_s if job.calibration else None,
-        # The other strategies on the same workers, for the report's advice.
+        # The other strategies on the same workers, for the report's advice. Only beside a
+        # data-parallel layout: they run more samples a step than a tensor-parallel one.
         "alternatives": [
             {"name": alt.name, "fits": alt.fits, "step_total": alt.step.total,
              "tokens_per_s": alt.tokens_per_s}
             for alt in (evaluate(inputs, n) for n in candidate_names(inputs))
             if alt.gpus == inputs.gpus and not (alt.name == "fsdp-offload" and hw.device == "cpu")
-        ],
+        ] if job.dims.tp == 1 else [],
     }
 
 
@@ -527,7 +558,9 @@ def decide(
 ) -> Decision:
     if strategy == "auto":  # the planner's chooser; `cluster`: its view of these machines
         inputs = cluster or unknown_device_inputs(c, w, world, accum, device_bytes, device_kind)
-        return decide_auto(inputs, runtime_allowed(c.parallel.shard, c.parallel.dp_shard))
+        p = c.parallel
+        shard_group = p.dp_shard or (world // p.tp // p.replicate if p.replicate else None)
+        return decide_auto(inputs, runtime_allowed(p.shard, shard_group, p.tp, p.accumulate))
     offload = c.parallel.cpu_offload
     shard_degree = world // replicate if strategy == "hsdp" else None
     est = estimate_memory(

@@ -105,7 +105,12 @@ def build_mesh(
     # numbers ranks machine by machine, so with one replica per machine each shard group
     # is one machine and only dp_replicate crosses machines.
     names, sizes = dims.mesh_dims()
-    return init_device_mesh(device_type, sizes, mesh_dim_names=names)
+    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+    if "dp_shard" in names and "tp" in names:
+        # A gradient norm is partial over both: with the flattened dim registered DTensor
+        # completes it in one all-reduce instead of one per dim.
+        mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
+    return mesh
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:

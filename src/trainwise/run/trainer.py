@@ -83,7 +83,7 @@ def build_trainer(
     stepper = Stepper(
         model, loss_fn, optimizer, scheduler, scaler, autocast,
         job.grad_accum, c.train.grad_clip, device,
-        sharded_accumulation=dims.accumulates_sharded(c.parallel.accumulate, job.grad_accum),
+        sharded_accumulation=job.sharded_accumulation,
         backward_context=lambda: loss_context(dims.tp),
     )
     return Trainer(
