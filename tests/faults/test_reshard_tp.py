@@ -1,6 +1,7 @@
 """Resharding across tensor-parallel layouts: a checkpoint written by 2-way FSDP x 2-way TP
-(DTensors on a 2-D mesh) resumes on one process, one written by one process resumes under
-2-way TP, and both continue with the losses of the uninterrupted run; `trainwise export`
+(DTensors on a 2-D mesh) resumes on one process and under 4-way FSDP, one written by one
+process resumes under 2-way TP, one written by 4-way FSDP under 2 x 2, and each continues
+with the losses of the uninterrupted run; `trainwise export`
 writes the whole model from the TP checkpoint; a worker killed under TP resumes bit-exact. Like test_reshard, on the shared
 job_args (12 steps, a checkpoint every 4, global batch 16)."""
 
@@ -50,7 +51,7 @@ def tp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def resume(workdir: Path, written: Path, nproc: int, strategy: str, *extra: str) -> Path:
     checkpoint = written / "checkpoints" / f"step-{RESUME_AT:08d}"
-    run_dir = workdir / f"resumed-{nproc}-{strategy}"
+    run_dir = workdir / f"resumed-{written.name}-{nproc}-{strategy}"
     args = job_args(run_dir, nproc, strategy, *extra, "--set", f"checkpoint.resume={checkpoint}")
     done = run_cli(*args, cwd=workdir)
     assert done.returncode == 0, done.stderr
@@ -73,6 +74,16 @@ def test_single_checkpoint_resumes_under_tp(workdir: Path, reference: References
     written = reference.run(1, "single")
     nproc, strategy, extra = TP_LAYOUTS["tp2"]
     assert_continues(written, resume(workdir, written, nproc, strategy, *extra))
+
+
+def test_fsdp_checkpoint_resumes_under_fsdp_and_tp(workdir: Path, reference: References):
+    written = reference.run(4, "fsdp")  # dp 4: every parameter sharded 4 ways, no TP
+    nproc, strategy, extra = TP_LAYOUTS["fsdp2_tp2"]
+    assert_continues(written, resume(workdir, written, nproc, strategy, *extra))
+
+
+def test_tp_checkpoint_resumes_under_fsdp_alone(workdir: Path, tp_run: Path):
+    assert_continues(tp_run, resume(workdir, tp_run, 4, "fsdp"))
 
 
 def test_export_of_a_tp_checkpoint_is_the_whole_model(

@@ -292,6 +292,12 @@ def stage_split(run: RunFiles, failures: RetryCost, notes: list[str]) -> StageSp
     total["restart downtime"] = failures.downtime_s
     if any(r.get("sync_s") is None for r in recs) and int(run.job.get("world", 1)) > 1:
         notes.append("exposed sync is measured by probes; steps before the first probe count 0")
+    tp = [r["tp_s"] for r in calm(recs) if r.get("tp_s") is not None]
+    if tp:
+        notes.append(
+            f"exposed sync includes the tensor-parallel collectives inside forward and backward "
+            f"({_median(tp):.3g} s a step, timed on probe steps), as the plan counts them"
+        )
     size = max(1, -(-len(recs) // WINDOWS))
     windows = [
         StageWindow(

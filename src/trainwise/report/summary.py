@@ -16,9 +16,11 @@ def fig(value: Any, spec: str = "", unit: str = "", scale: float = 1) -> str:
 
 def render_summary(s: dict[str, Any]) -> str:
     shares = s.get("stage_share") or {}
+    tp = s.get("tp_comm_share")
+    parts = {"sync": f" (tensor-parallel {fig(tp, '.1f', '%', scale=100)})"} if tp else {}
     stages = (
         " | ".join(
-            f"{name} {fig(shares[key], '.1f', '%', scale=100)}"
+            f"{name} {fig(shares[key], '.1f', '%', scale=100)}{parts.get(key, '')}"
             for name, key in (
                 ("data wait", "data"),
                 ("compute", "compute"),

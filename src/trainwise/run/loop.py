@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from trainwise.run.comm_timer import CollectiveTimer
 from trainwise.run.parallelize import set_gradient_sync
 from trainwise.run.telemetry import Marks, StageClock, resolve_spans
 
@@ -27,6 +28,7 @@ class StepResult:
     probe: bool  # the step ran the probe pass
     end: float  # perf_counter when the step returned (host time)
     finite: bool = True  # False: non-finite gradient norm, the update was skipped
+    tp_comm: CollectiveTimer | None = None  # a probe step's tensor-parallel collectives
 
     def spans(self) -> tuple[dict[str, float], float | None]:
         """Stage seconds (data, compute, optim) and, on a probe step, the exposed sync."""
@@ -37,6 +39,12 @@ class StepResult:
             # the first pass is communication the step could not hide.
             probe_sync = max(0.0, spans.pop("probe") - spans["last"])
         spans["compute"] = spans.get("compute", 0.0) + spans.pop("last")
+        if self.tp_comm is not None:
+            # Communication too, though inside forward and backward: the planner counts it
+            # with the exposed sync.
+            tp_s = min(self.tp_comm.seconds(), spans["compute"])
+            spans["compute"] -= tp_s
+            spans["tp"] = tp_s
         return spans, probe_sync
 
 
@@ -61,6 +69,7 @@ class Stepper:
         *,
         sharded_accumulation: bool = False,
         backward_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+        time_tp: bool = False,
     ):
         self.model = model
         self.loss_fn = loss_fn
@@ -75,6 +84,7 @@ class Stepper:
         # (parallel.accumulate); False: full gradients until the last micro-batch syncs.
         self.sharded_accumulation = sharded_accumulation
         self.backward_context = backward_context  # loss_parallel under tensor parallelism
+        self.time_tp = time_tp  # time DTensor's collectives on probe steps (tp > 1)
         self.clock = StageClock(device)
         self.poison = False
         self.stage = "the training step"  # where a failed collective was: named in its message
@@ -91,28 +101,18 @@ class Stepper:
     def step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], probe: bool) -> StepResult:
         clock = self.clock
         clock.mark("start")
-        total = torch.zeros((), device=self.device)
-        x = y = None
-        for a in range(self.grad_accum):
-            self.stage = "data loading"
-            x, y = next(batches)
-            x = x.to(self.device, non_blocking=True)
-            y = y.to(self.device, non_blocking=True)
-            clock.mark("data")
-            last = a == self.grad_accum - 1
-            sync = (last and not probe) or (self.sharded_accumulation and not last)
-            self.stage = f"forward/backward of micro-batch {a + 1}/{self.grad_accum}" + (
-                " (gradient sync)" if sync else ""
-            )
-            total += self._forward_backward(x, y, sync, 1.0 / self.grad_accum)
-            clock.mark("last" if a == self.grad_accum - 1 else "compute")
-        if probe:
-            self.stage = "the probe pass (gradient sync)"
-            # Restore the RNG afterwards: the probe must not shift later dropout masks.
-            devices = [self.device] if self.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices, device_type=self.device.type):
-                self._forward_backward(x, y, True, 0.0)
-            clock.mark("probe")
+        timer = CollectiveTimer(self.device) if probe and self.time_tp else None
+        with timer or contextlib.nullcontext():
+            total, x, y = self._micro_batches(batches, probe)
+            if probe:
+                self.stage = "the probe pass (gradient sync)"
+                if timer:  # intercepted as the pass it repeats was, so the two compare
+                    timer.counting = False
+                # Restore the RNG afterwards: the probe must not shift later dropout masks.
+                devices = [self.device] if self.device.type == "cuda" else []
+                with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+                    self._forward_backward(x, y, True, 0.0)
+                clock.mark("probe")
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         # torchtitan's way: one all-reduce for the norm of sharded gradients, then clip with
@@ -134,7 +134,28 @@ class Stepper:
         self.scheduler.step()  # a skipped step still moves the schedule: lr stays a function of step
         self.optimizer.zero_grad(set_to_none=True)
         clock.mark("optim")
-        return StepResult(total, norm, clock.take(), probe, time.perf_counter(), finite)
+        return StepResult(total, norm, clock.take(), probe, time.perf_counter(), finite, timer)
+
+    def _micro_batches(
+        self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], probe: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward and backward of the step's micro-batches: (the summed loss, the last
+        micro-batch, which the probe repeats)."""
+        total = torch.zeros((), device=self.device)
+        for a in range(self.grad_accum):
+            self.stage = "data loading"
+            x, y = next(batches)
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+            self.clock.mark("data")
+            last = a == self.grad_accum - 1
+            sync = (last and not probe) or (self.sharded_accumulation and not last)
+            self.stage = f"forward/backward of micro-batch {a + 1}/{self.grad_accum}" + (
+                " (gradient sync)" if sync else ""
+            )
+            total += self._forward_backward(x, y, sync, 1.0 / self.grad_accum)
+            self.clock.mark("last" if last else "compute")
+        return total, x, y
 
 
 def by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -75,6 +75,8 @@ class Recorder:
         self.device = device
         self.sync_estimate: float | None = None if distributed else 0.0
         self._probes: list[float] = []
+        self._tp_probes: list[float] = []  # the TP collectives' part of those probes
+        self.tp_total = 0.0  # their seconds over the steady steps (part of the sync)
         self._pending: list[tuple[int, StepResult, float, float | None, float]] = []
         self.totals = dict.fromkeys(("step_s", *STAGES), 0.0)  # steady steps only
         self.steady_steps = 0
@@ -136,9 +138,15 @@ class Recorder:
         ckpt_s: float,
     ) -> StepRecord:
         spans, probe_sync = res.spans()
+        tp_s = spans.get("tp")  # a probe step's tensor-parallel collectives (tp > 1)
         if probe_sync is not None:
+            # The exposed communication: the gradient sync the probe found, and the TP
+            # collectives inside forward and backward (as the planner counts both).
+            probe_sync += tp_s or 0.0
             self._probes = (self._probes + [probe_sync])[-PROBE_WINDOW:]
             self.sync_estimate = statistics.median(self._probes)
+            if tp_s is not None:
+                self._tp_probes = (self._tp_probes + [tp_s])[-PROBE_WINDOW:]
         data_s, optim_s = spans.get("data", 0.0), spans.get("optim", 0.0)
         compute = spans.get("compute", 0.0)
         if probe_sync is not None:
@@ -146,6 +154,8 @@ class Recorder:
         else:
             sync = None if self.sync_estimate is None else min(self.sync_estimate, compute)
             compute -= sync or 0.0
+        # The TP part of `sync`, from the latest probes as the sync itself on other steps.
+        tp_part = min(statistics.median(self._tp_probes), sync or 0.0) if self._tp_probes else None
         step_s = data_s + compute + (sync or 0.0) + optim_s + ckpt_s
 
         self.first_loss = loss if self.first_loss is None else self.first_loss
@@ -159,6 +169,7 @@ class Recorder:
             values = (step_s, data_s, compute, sync or 0.0, optim_s, ckpt_s)
             for key, value in zip(("step_s", *STAGES), values, strict=True):
                 self.totals[key] += value
+            self.tp_total += tp_part or 0.0
             self._check_data_wait(step)
         mem, kind = peak_memory(self.device)
         tps = self.tokens_per_step / step_s if step_s > 0 else 0.0
@@ -166,7 +177,7 @@ class Recorder:
         return StepRecord(
             step=step, loss=loss, eval_loss=eval_loss, lr=lr, grad_norm=float(res.grad_norm),
             step_s=step_s, data_s=data_s, compute_s=compute, sync_s=sync, optim_s=optim_s,
-            ckpt_s=ckpt_s,
+            ckpt_s=ckpt_s, tp_s=tp_part,
             tokens=step * self.tokens_per_step, tokens_per_s=tps,
             samples_per_s=tps / self.tokens_per_sample,
             mfu=mfu(tps, self.flops_per_token, self.peak) if use_mfu else None,
@@ -213,6 +224,8 @@ class Recorder:
             if timed
             else {},
             "sync_measured": self.probe_every > 0,
+            # The tensor-parallel collectives' share of the step (inside the exposed sync).
+            "tp_comm_share": self.tp_total / timed if timed and self._tp_probes else None,
         }
         if not self.is_main:
             return figures

@@ -36,7 +36,9 @@ class StepRecord:
     step_s: float  # wall time of the step
     data_s: float  # waiting for batches
     compute_s: float  # forward + backward, less the exposed sync
-    sync_s: float | None  # exposed gradient sync (from the latest probe); null before one
+    # Exposed communication: the gradient sync and, under tensor parallelism, its collectives
+    # (from the latest probes); null before one.
+    sync_s: float | None
     optim_s: float  # clipping, optimizer and scheduler step
     ckpt_s: float  # the loop blocked by a checkpoint save (staging only when async)
     tokens: int  # tokens processed so far, all ranks
@@ -54,6 +56,9 @@ class StepRecord:
     # Peak CUDA memory the caching allocator reserved (what the device really gave up);
     # null on CPU.
     mem_reserved_bytes: int | None = None
+    # Of sync_s, the tensor-parallel collectives inside forward and backward (timed on the
+    # latest probes, run.comm_timer); null without tensor parallelism or before a probe.
+    tp_s: float | None = None
 
 
 RECORD_FIELDS = tuple(f.name for f in fields(StepRecord))

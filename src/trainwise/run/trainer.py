@@ -85,6 +85,8 @@ def build_trainer(
         job.grad_accum, c.train.grad_clip, device,
         sharded_accumulation=job.sharded_accumulation,
         backward_context=lambda: loss_context(dims.tp),
+        # Compiled blocks run their collectives inside the graph: no dispatch to time.
+        time_tp=dims.tp > 1 and not c.train.compile,
     )
     return Trainer(
         model, loss_fn, optimizer, scheduler, scaler, autocast, stepper,
