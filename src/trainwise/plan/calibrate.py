@@ -26,6 +26,7 @@ from pathlib import Path
 
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, find_gpu
+from trainwise.jsonl import read_objects
 from trainwise.plan.inputs import PlanInputs
 
 WARMUP_STEPS = 2  # the first steps pay for allocation and autotuning; not steady state
@@ -159,27 +160,14 @@ def _against_plan(path: Path, plan: dict, steady: list[dict], cal: Calibration) 
     )
 
 
-def _lines(path: Path) -> list[dict]:
-    """The JSON objects of a .jsonl file, skipping lines that are not (a crash's tail)."""
-    out = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            out.append(row)
-    return out
-
-
 def _nodes(path: Path) -> int:
-    ready = [e for e in _lines(path / "events.jsonl") if e.get("kind") == "ready"]
+    ready = [e for e in read_objects(path / "events.jsonl") if e.get("kind") == "ready"]
     return int(ready[-1].get("nodes") or 1) if ready else 1
 
 
 def _saves(path: Path) -> list[dict]:
     return [
-        e for e in _lines(path / "events.jsonl")
+        e for e in read_objects(path / "events.jsonl")
         if e.get("kind") == "checkpoint" and e.get("save_s") is not None and e.get("bytes")
     ]
 

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainwise.jsonl import read_objects
+
 EVENTS_FILE = "events.jsonl"
 KINDS = (
     "start",
@@ -90,22 +92,7 @@ def append_event(run_dir: Path, kind: str, **fields: Any) -> dict[str, Any]:
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
     """Every event of ``run_dir/events.jsonl`` in file order; ``[]`` when there is no file.
     A line that is not a JSON object (truncated by a crash mid-write, or garbled) is skipped."""
-    path = Path(run_dir) / EVENTS_FILE
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    events: list[dict[str, Any]] = []
-    for line in raw.decode("utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            events.append(obj)
-    return events
+    return read_objects(Path(run_dir) / EVENTS_FILE)
 
 
 @dataclass

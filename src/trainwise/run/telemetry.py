@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from trainwise.jsonl import read_objects
 from trainwise.run.trackers import Trackers
 
 STAGES = ("data_s", "compute_s", "sync_s", "optim_s", "ckpt_s")
@@ -197,19 +198,8 @@ class MetricsWriter:
 def read_metrics(run_dir: Path) -> list[dict]:
     """The records of metrics.jsonl as written ([] without the file). A line that is not a
     record is skipped: a writer killed mid-line leaves one, and a resumed run appends."""
-    try:
-        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    records = []
-    for line in lines:
-        try:
-            row = json.loads(line) if line.strip() else None
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            records.append(row)
-    return records
+    rows = read_objects(Path(run_dir) / "metrics.jsonl")
+    return [row for row in rows if isinstance(row.get("step"), int)]
 
 
 class Progress:
