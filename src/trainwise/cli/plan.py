@@ -122,16 +122,9 @@ def load_plan_inputs(args: argparse.Namespace):
         if value is not None and kind is not str:
             value = _number(flag, value, kind)
         if key == "plan.tokens" and value is not None and value != "chinchilla":
-            try:
-                number = float(value)
-            except ValueError:
-                number = math.nan
-            if not (math.isfinite(number) and number > 0):
-                raise ConfigError(
-                    f"--tokens {value!r}: expected a number of tokens > 0 (e.g. 2e12) or "
-                    "'chinchilla'"
-                )
-            value = number
+            value = _positive(
+                flag, value, value, "a number of tokens > 0 (e.g. 2e12) or 'chinchilla'"
+            )
         flags[key] = value
         names[key] = flag
     if args.sweep is not None:
@@ -166,28 +159,27 @@ def _deadline_hours(text: str | None) -> float | None:
     body, unit = text.strip(), "h"
     if body and body[-1].lower() in HOURS_PER:
         body, unit = body[:-1], body[-1].lower()
-    try:
-        hours = float(body) * HOURS_PER[unit]
-    except ValueError:
-        hours = math.nan
-    if not (math.isfinite(hours) and hours > 0):
-        raise ConfigError(
-            f"--deadline {text!r}: expected a duration > 0 like 30d, 72h or 2w (h: hours, "
-            "d: days, w: weeks)"
-        )
-    return hours
+    expected = "a duration > 0 like 30d, 72h or 2w (h: hours, d: days, w: weeks)"
+    return _positive("--deadline", text, body, expected, scale=HOURS_PER[unit])
 
 
 def _budget_usd(text: str | None) -> float | None:
     if text is None:
         return None
+    number = text.strip().lstrip("$").replace(",", "")
+    return _positive("--budget", text, number, "US dollars > 0, e.g. 2e6 or 2,000,000")
+
+
+def _positive(flag: str, text: str, number: str, expected: str, scale: float = 1.0) -> float:
+    """`number` (the figure in the flag's `text`) x `scale`, a finite value > 0; else one
+    line naming the flag and what it expects."""
     try:
-        usd = float(text.strip().lstrip("$").replace(",", ""))
+        value = float(number) * scale
     except ValueError:
-        usd = math.nan
-    if not (math.isfinite(usd) and usd > 0):
-        raise ConfigError(f"--budget {text!r}: expected US dollars > 0, e.g. 2e6 or 2,000,000")
-    return usd
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{flag} {text!r}: expected {expected}")
+    return value
 
 
 def _number(flag: str, text: str, kind: type) -> int | float:
