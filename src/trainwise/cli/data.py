@@ -4,6 +4,8 @@ that `data.path` trains from."""
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -15,13 +17,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     prep = actions.add_parser(
         "prepare",
-        help="tokenize text or JSONL files into token shards",
-        description="Tokenize text files (one document each) or JSONL files (one document "
-        "per line, its --field) into uint16/uint32 token shards with an EOS id after every "
-        "document, plus index.json. Set data.dataset = 'tokens' and data.path = OUT to "
-        "train on it.",
+        help="tokenize text, JSONL, Parquet or a saved dataset into token shards",
+        description="Tokenize text files (one document each), JSONL or Parquet files and "
+        "Hugging Face datasets saved with save_to_disk (one document per record: its --field "
+        "or --column) into uint16/uint32 token shards with an EOS id after every document, "
+        "plus index.json. Run again after a kill, it resumes. Set data.dataset = 'tokens' "
+        "and data.path = OUT to train on it.",
     )
-    prep.add_argument("inputs", nargs="+", metavar="INPUT", help="text or .jsonl files")
+    prep.add_argument(
+        "inputs", nargs="+", metavar="INPUT",
+        help="text, .jsonl or .parquet files, or folders written by datasets' save_to_disk",
+    )
     prep.add_argument("--out", required=True, help="the directory to create")
     prep.add_argument(
         "--tokenizer",
@@ -30,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "EOS 256)",
     )
     prep.add_argument(
-        "--field", default="text", help="the JSONL field holding the text (or the prompt)"
+        "--field", "--column", dest="field", default="text",
+        help="the field (JSONL) or column (Parquet, dataset) holding the text, or the prompt",
     )
     prep.add_argument(
         "--response-field",
@@ -44,6 +51,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=1 << 27,
         help="the most tokens in one shard file (default 134217728)",
     )
+    prep.add_argument(
+        "--val-fraction", type=float, default=0.0,
+        help="hold out this share of whole documents in OUT/val (the held-out split "
+        "training evaluates on); default 0: training cuts its own",
+    )
+    prep.add_argument(
+        "--workers", type=int, default=min(os.cpu_count() or 1, 8),
+        help="tokenizer processes (default: the cores, at most 8)",
+    )
+    prep.add_argument("--quiet", action="store_true", help="no progress line")
     prep.set_defaults(run=run)
 
 
@@ -58,13 +75,20 @@ def run(args: argparse.Namespace) -> int:
         field=args.field,
         response_field=args.response_field,
         shard_tokens=args.shard_tokens,
+        val_fraction=args.val_fraction,
+        workers=args.workers,
         command=_command(args),
+        say=lambda line: print(line, file=sys.stderr),
+        progress=not args.quiet,
     )
     print(
         f"trainwise: wrote {args.out}: {index['documents']} {_unit(index)}, {index['tokens']} tokens "
         f"({index['dtype']}, vocabulary {index['vocab_size']}, EOS {index['eos_id']}) in "
         f"{len(index['shards'])} shard(s)"
     )
+    if "val" in index:
+        print(f"trainwise: held out {index['val']['documents']} {_unit(index)} in "
+              f"{args.out}/val ({index['val']['tokens']} tokens)")
     return 0
 
 
@@ -74,6 +98,7 @@ def _command(args: argparse.Namespace) -> list[str]:
     line += ["--tokenizer", args.tokenizer, "--field", args.field]
     line += ["--response-field", args.response_field] if args.response_field else []
     line += ["--shard-tokens", str(args.shard_tokens)] + (["--eos", args.eos] if args.eos else [])
+    line += ["--val-fraction", str(args.val_fraction)] if args.val_fraction else []
     return line
 
 

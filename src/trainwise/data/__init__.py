@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 from trainwise.data.datasets import ArrayDataset, TokenWindows, split_arrays, split_tokens
 from trainwise.data.digits import load_digits_arrays
 from trainwise.data.sampler import ShardedBatchSampler
-from trainwise.data.shards import PromptResponseExamples, TokenShards, read_index
+from trainwise.data.shards import PromptResponseExamples, TokenShards, is_prepared_dir, read_index
 from trainwise.data.synthetic import build_synthetic_corpus, synthetic_entropy_rate
 from trainwise.data.tokens import open_token_file, token_vocab_size, write_token_file
 from trainwise.errors import DataError
@@ -87,6 +87,20 @@ def _example_datasets(
     return train, val, DataInfo("lm", vocab, None, None, len(train), len(val), seq_len)
 
 
+def _held_out_datasets(path: str, seq_len: int) -> tuple[Dataset, Dataset, DataInfo]:
+    """A prepared corpus with the documents `data prepare --val-fraction` held out in
+    PATH/val: training reads PATH, evaluation PATH/val (data.val_fraction is not applied)."""
+    held = Path(path) / "val"
+    if read_index(path).get("kind") == "prompt_response":
+        train: Dataset = PromptResponseExamples(path, seq_len)
+        val: Dataset = PromptResponseExamples(held, seq_len)
+    else:
+        train = TokenWindows(TokenShards(path), seq_len, source=f"prepared corpus {path!r}")
+        val = TokenWindows(TokenShards(held), seq_len, source=f"its held-out part {str(held)!r}")
+    vocab = int(read_index(path)["vocab_size"])
+    return train, val, DataInfo("lm", vocab, None, None, len(train), len(val), seq_len)
+
+
 def build_datasets(
     name: Literal["synthetic", "digits", "tokens"],
     *,
@@ -114,6 +128,8 @@ def build_datasets(
                 "data.path is not set but data.name='tokens' needs it; set data.path to a uint16 "
                 "token file or a directory written by `trainwise data prepare`"
             )
+        if Path(path).is_dir() and is_prepared_dir(Path(path) / "val"):
+            return _held_out_datasets(path, seq_len)
         if Path(path).is_dir() and read_index(path).get("kind") == "prompt_response":
             return _example_datasets(path, seq_len, val_fraction)
         if Path(path).is_dir():

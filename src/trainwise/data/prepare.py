@@ -1,217 +1,61 @@
-"""`trainwise data prepare`: text and JSONL documents tokenized into a prepared directory.
+"""`trainwise data prepare`: documents (text files; JSONL, Parquet or saved-dataset records)
+or prompt/response examples tokenized into a prepared directory.
 
-Documents are read in the order given (a text file is one document, a JSONL line one
-document: its ``field``), tokenized with Hugging Face ``tokenizers`` without special
-tokens, and written as one stream with the tokenizer's EOS id after every document, cut
-into shards of at most ``shard_tokens`` ids. Everything goes to ``OUT.partial`` first and
-is renamed to ``OUT`` only when index.json is written, so a killed prepare never leaves a
-directory that looks complete. The output depends only on the inputs, the tokenizer and the
-options: the same command writes the same bytes.
+Inputs are read in the order given (data.sources), tokenized with Hugging Face
+`tokenizers` without special tokens, a batch at a time (in a pool of worker processes when
+there is more than one batch; the output keeps the input order), and written as one stream
+with the tokenizer's EOS id after every document, cut into shards of at most
+`shard_tokens` ids. With `val_fraction`, whole documents are held out (chosen by a hash of
+their position) into `OUT/val`, a prepared directory of its own.
+
+Everything goes to `OUT.partial` first and is renamed to `OUT` only when index.json is
+written, so a killed prepare never leaves a directory that looks complete. Every
+COMMIT_BATCHES batches the files are flushed and `progress.json` records how far they are
+durable; the same command run again resumes from there (the files cut back to the commit)
+and writes the same bytes as a run never killed. The output depends only on the inputs,
+the tokenizer and the options.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from trainwise.data.shards import DTYPES, FORMAT, VERSION, dtype_for_vocab, shard_name, write_index
+from trainwise.data.shard_writer import Output
+from trainwise.data.shards import FORMAT, VERSION, dtype_for_vocab, write_index
+from trainwise.data.sources import TEXT, read_records, source_kind, source_sha256, text_of
+from trainwise.data.tokenizer import BYTES, Tokenizer, load_tokenizer
 from trainwise.errors import DataError
 
-BYTES = "bytes"  # the built-in tokenizer: UTF-8 bytes 0..255, EOS = 256
-_EOS_NAMES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
-_BATCH = 512  # documents tokenized together (tokenizers parallelises a batch)
+__all__ = ["BYTES", "Options", "Tokenizer", "load_tokenizer", "prepare"]
+
+BATCH = 512  # documents tokenized together
+COMMIT_BATCHES = 8  # batches between commit points (each flushes and fsyncs the shards)
+PROGRESS = "progress.json"
+PAUSE_ENV = "TRAINWISE_PREPARE_PAUSE"  # tests: after this many commits, announce pid, wait
 
 
-@dataclass
-class Tokenizer:
-    """What prepare needs of a tokenizer: encode a batch, its vocabulary and EOS id."""
+@dataclass(frozen=True)
+class Options:
+    """What, besides the inputs and the tokenizer, decides the bytes written."""
 
-    spec: str
-    vocab_size: int
-    eos_id: int
-    sha256: str
-    _tok: Any = None  # a tokenizers.Tokenizer; None for bytes
+    field: str = "text"
+    response_field: str | None = None
+    shard_tokens: int = 1 << 27
+    val_fraction: float = 0.0
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        if self._tok is None:
-            return [list(t.encode("utf-8")) for t in texts]
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        if self._tok is None:
-            return bytes(ids).decode("utf-8")
-        return self._tok.decode(list(ids), skip_special_tokens=False)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _eos_from_config(folder: Path) -> str | None:
-    """The eos_token of a tokenizer_config.json beside tokenizer.json, when there is one."""
-    cfg = folder / "tokenizer_config.json"
-    try:
-        eos = json.loads(cfg.read_text(encoding="utf-8")).get("eos_token")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return eos.get("content") if isinstance(eos, dict) else eos
-
-
-def load_tokenizer(spec: str, eos: str | None = None) -> Tokenizer:
-    """`spec` is "bytes", a tokenizer.json, or "hf:DIR" (DIR/tokenizer.json). The EOS token is
-    `eos`, else the eos_token of tokenizer_config.json beside it, else a common name."""
-    if spec == BYTES:
-        return Tokenizer(BYTES, 257, 256, hashlib.sha256(b"bytes").hexdigest())
-    path = Path(spec[3:] if spec.startswith("hf:") else spec).expanduser()
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file():
-        raise DataError(
-            f"--tokenizer {spec}: no tokenizer file at {str(path)!r}; give a tokenizer.json, "
-            "hf:MODEL_DIR (holding tokenizer.json) or 'bytes'"
-        )
-    try:
-        from tokenizers import Tokenizer as HFTokenizer
-    except ImportError:
-        raise DataError(
-            f"--tokenizer {spec} needs Hugging Face tokenizers: pip install 'trainwise[hf]' "
-            "(or use --tokenizer bytes)"
-        ) from None
-
-    try:
-        tok = HFTokenizer.from_file(str(path))
-    except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
-        why = " ".join(str(exc).split())[:160]
-        raise DataError(
-            f"--tokenizer {spec}: {str(path)!r} is not a Hugging Face tokenizer.json ({why})"
-        ) from None
-    names = [eos] if eos else [n for n in (_eos_from_config(path.parent), *_EOS_NAMES) if n]
-    eos_id = next((i for i in map(tok.token_to_id, names) if i is not None), None)
-    if eos_id is None:
-        raise DataError(
-            f"--tokenizer {spec}: no end-of-document token found (tried {', '.join(names)}); "
-            "name the tokenizer's EOS token with --eos"
-        )
-    vocab = tok.get_vocab_size(with_added_tokens=True)
-    return Tokenizer(spec, vocab, eos_id, _sha256(path), tok)
-
-
-def read_documents(paths: Sequence[Path], field: str) -> Iterator[str]:
-    """The documents of every input in order: a .jsonl/.json-lines file gives each line's
-    `field`, any other file is one document. DataError naming file and line on bad input."""
-    for path in paths:
-        if not path.is_file():
-            raise DataError(f"input {str(path)!r} is not a file; give text or JSONL files")
-        if path.suffix.lower() not in (".jsonl", ".ndjson"):
-            yield path.read_text(encoding="utf-8")
-            continue
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                yield _field_of(line, field, f"{path}:{lineno}")
-
-
-def read_examples(paths: Sequence[Path], prompt: str, response: str) -> Iterator[tuple[str, str]]:
-    """(prompt, response) of every line of JSONL files, in order."""
-    for path in paths:
-        if not path.is_file() or path.suffix.lower() not in (".jsonl", ".ndjson"):
-            raise DataError(
-                f"input {str(path)!r} is not a .jsonl file; prompt/response examples are "
-                "JSONL lines with both fields"
-            )
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    where = f"{path}:{lineno}"
-                    yield _field_of(line, prompt, where), _field_of(line, response, where)
-
-
-def _field_of(line: str, field: str, where: str) -> str:
-    try:
-        record = json.loads(line)
-    except ValueError as exc:
-        raise DataError(f"{where} is not JSON ({exc}); fix or remove the line") from None
-    if not isinstance(record, dict) or field not in record:
-        have = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
-        raise DataError(
-            f"{where} has no field {field!r} (it has: {have or 'nothing'}); choose --field"
-        )
-    value = record[field]
-    if not isinstance(value, str):
-        raise DataError(f"{where}: field {field!r} is {type(value).__name__}, not text")
-    return value
-
-
-class _ShardWriter:
-    """Appends values to `part` shards of at most `shard_tokens` values in `folder`."""
-
-    def __init__(self, folder: Path, dtype: np.dtype, shard_tokens: int, part: str = "tokens"):
-        self.folder, self.dtype, self.limit, self.part = folder, dtype, shard_tokens, part
-        self.shards: list[dict[str, Any]] = []
-        self._file: Any = None
-
-    def write(self, ids: np.ndarray) -> None:
-        while len(ids):
-            if self._file is None or self.shards[-1]["tokens"] == self.limit:
-                self._open_next()
-            room = self.limit - self.shards[-1]["tokens"]
-            self._file.write(ids[:room].astype(self.dtype).tobytes())
-            self.shards[-1]["tokens"] += len(ids[:room])
-            ids = ids[room:]
-
-    def _open_next(self) -> None:
-        self.close()
-        name = shard_name(len(self.shards), self.part)
-        self.shards.append({"file": name, "tokens": 0})
-        self._file = (self.folder / name).open("wb")
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-            self._file = None
-
-
-class _Output:
-    """The streams of a prepared directory: token ids, and for prompt/response examples the
-    loss mask (same shards) and every example's start offset."""
-
-    def __init__(self, folder: Path, dtype: str, shard_tokens: int, examples: bool):
-        self.tokens = _ShardWriter(folder, DTYPES[dtype], shard_tokens)
-        self.mask = _ShardWriter(folder, np.dtype("u1"), shard_tokens, "mask") if examples else None
-        self.starts: list[int] = [0]
-
-    def add(self, ids: list[int], mask: list[int] | None = None) -> None:
-        self.tokens.write(np.asarray(ids, dtype=np.int64))
-        if self.mask is not None:
-            self.mask.write(np.asarray(mask, dtype=np.int64))
-            self.starts.append(self.starts[-1] + len(ids))
-
-    def close(self) -> list[dict[str, Any]]:
-        """The shard entries of index.json (after the files are flushed)."""
-        self.tokens.close()
-        shards = self.tokens.shards
-        if self.mask is not None:
-            self.mask.close()
-            for shard, mask in zip(shards, self.mask.shards, strict=True):
-                shard["mask"] = mask["file"]
-            starts = np.asarray(self.starts, dtype="<u8")
-            starts.tofile(self.tokens.folder / "documents.bin")
-        return shards
+    @property
+    def examples(self) -> bool:
+        return self.response_field is not None
 
 
 def prepare(
@@ -222,81 +66,274 @@ def prepare(
     field: str = "text",
     response_field: str | None = None,
     shard_tokens: int = 1 << 27,
+    val_fraction: float = 0.0,
+    workers: int = 1,
     command: Sequence[str] = (),
+    say: Callable[[str], None] | None = None,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Tokenize `inputs` into the prepared directory `out`; returns its index. With
-    `response_field`, every JSONL line is a (`field`, `response_field`) example whose loss
+    `response_field`, every record is a (`field`, `response_field`) example whose loss
     counts the response tokens and the EOS only."""
+    opts = Options(field, response_field, shard_tokens, val_fraction)
     out, paths = Path(out), [Path(p) for p in inputs]
-    if not paths:
-        raise DataError("data prepare: no input files given; name text or JSONL files")
-    if out.exists():
-        raise DataError(f"--out {out} exists; remove it or choose another folder")
-    if shard_tokens < 1:
-        raise DataError(f"--shard-tokens {shard_tokens}: must be a positive number of tokens")
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)  # what a killed prepare left
-    partial.mkdir(parents=True)
+    _check(paths, out, opts)
+    kinds = [source_kind(p) for p in paths]
+    sources = [{"path": str(p), "sha256": source_sha256(p)} for p in paths]
     dtype = dtype_for_vocab(tokenizer.vocab_size)
-    output = _Output(partial, dtype, shard_tokens, examples=response_field is not None)
+    key = _key(sources, tokenizer, opts, dtype)
+    partial = out.with_name(out.name + ".partial")
+    done = _resume_point(partial, key, say or (lambda _: None))
+    train = Output(partial, dtype, shard_tokens, opts.examples)
+    val = Output(partial / "val", dtype, shard_tokens, opts.examples) if val_fraction else None
+    if done:
+        train.restore(done["train"])
+        if val is not None:
+            val.restore(done["val"])
+    items = _items(paths, kinds, opts)
+    meter = _Meter(progress)
     try:
-        if response_field is None:
-            docs = _write_documents(output, tokenizer, read_documents(paths, field))
-        else:
-            docs = _write_examples(output, tokenizer, read_examples(paths, field, response_field))
+        _write(items, tokenizer, opts, (train, val), workers, partial, key, done, meter)
     finally:
-        shards = output.close()
-    tokens = sum(s["tokens"] for s in shards)
-    if docs == 0 or tokens == docs:  # nothing but separators
-        shutil.rmtree(partial, ignore_errors=True)
-        raise DataError(
-            f"data prepare: the inputs ({', '.join(map(str, paths))}) hold no text under "
-            f"field {field!r}; check the files and --field"
-        )
-    index = {
-        "format": FORMAT, "version": VERSION, "dtype": dtype, "vocab_size": tokenizer.vocab_size,
-        "eos_id": tokenizer.eos_id, "documents": docs, "tokens": tokens, "shards": shards,
-        "kind": "text" if response_field is None else "prompt_response",
-        "tokenizer": {"spec": tokenizer.spec, "sha256": tokenizer.sha256}, "field": field,
-        "response_field": response_field,
-        "sources": [{"path": str(p), "sha256": _sha256(p)} for p in paths],
-        "command": list(command),
-    }
+        meter.close()
+        parts = (train.close(), val.close() if val else None)
+    index = _index(train, parts[0], tokenizer, opts, dtype, sources, command, partial, paths)
+    if val is not None and parts[1] is not None:
+        write_index(partial / "val", _split_index(val, parts[1], index))
+        index["val"] = {"path": "val", "documents": val.documents, "tokens": val.end}
+    (partial / PROGRESS).unlink(missing_ok=True)
     write_index(partial, index)
     os.replace(partial, out)
     return index
+
+
+def _check(paths: list[Path], out: Path, opts: Options) -> None:
+    if not paths:
+        raise DataError("data prepare: no inputs given; name text, JSONL or Parquet files")
+    if out.exists():
+        raise DataError(f"--out {out} exists; remove it or choose another folder")
+    if opts.shard_tokens < 1:
+        raise DataError(f"--shard-tokens {opts.shard_tokens}: must be a positive number of tokens")
+    if not 0.0 <= opts.val_fraction < 0.5:
+        raise DataError(f"--val-fraction {opts.val_fraction}: give a share in [0, 0.5)")
+
+
+def _key(sources: list[dict], tokenizer: Tokenizer, opts: Options, dtype: str) -> str:
+    """The identity of a prepare's output: a partial output resumes only under the same."""
+    what = {"sources": sources, "tokenizer": tokenizer.sha256, "eos": tokenizer.eos_id,
+            "options": asdict(opts), "dtype": dtype, "version": VERSION}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+def _resume_point(partial: Path, key: str, say: Callable[[str], None]) -> dict | None:
+    """The last commit of an earlier prepare of the same command into `partial`, or None
+    (what is there is removed: another command's, or nothing committed yet)."""
+    try:
+        progress = json.loads((partial / PROGRESS).read_text())
+    except (OSError, ValueError):
+        progress = None
+    if progress and progress.get("key") == key:
+        say(f"trainwise: resuming the prepare in {partial} after {progress['items']} records")
+        return progress
+    if partial.exists():
+        what = "another command's" if progress else "an unfinished"
+        say(f"trainwise: removing {what} partial output {partial}; starting over")
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    return None
+
+
+def _items(paths: list[Path], kinds: list[str], opts: Options) -> Iterator[Any]:
+    """Documents (str) or examples ((prompt, response)) of every input, in order."""
+    for path, kind in zip(paths, kinds, strict=True):
+        if kind == TEXT and not opts.examples:
+            yield path.read_text(encoding="utf-8")
+            continue
+        fields = [opts.field] + ([opts.response_field] if opts.response_field else [])
+        for where, record in read_records(path, kind, fields):
+            if opts.response_field is None:
+                yield text_of(record, opts.field, where)
+            else:
+                yield (text_of(record, opts.field, where),
+                       text_of(record, opts.response_field, where, "--response-field"))
+
+
+def _write(
+    items: Iterator[Any],
+    tokenizer: Tokenizer,
+    opts: Options,
+    outputs: tuple[Output, Output | None],
+    workers: int,
+    partial: Path,
+    key: str,
+    done: dict | None,
+    meter: _Meter,
+) -> None:
+    """Tokenize and write every item after the resume point, committing as it goes."""
+    skip = done["items"] if done else 0
+    position, commits = skip, 0
+    batches = _batches(item for i, item in enumerate(items) if i >= skip)
+    for encoded in _encoded(batches, tokenizer, opts.examples, workers):
+        for ids, mask in encoded:
+            held = opts.val_fraction and _held_out(position, opts.val_fraction)
+            target = outputs[1] if held and outputs[1] is not None else outputs[0]
+            target.add(ids, mask)
+            position += 1
+            meter.add(len(ids))
+        if (position - skip) // BATCH % COMMIT_BATCHES == 0:
+            commits += 1
+            _commit(partial, key, position, outputs)
+            _maybe_pause(partial, commits)
+
+
+def _commit(partial: Path, key: str, items: int, outputs: tuple[Output, Output | None]) -> None:
+    train, val = outputs
+    state = {"key": key, "items": items, "train": train.state(),
+             "val": val.state() if val else None}
+    tmp = partial / (PROGRESS + ".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, partial / PROGRESS)
+
+
+def _maybe_pause(partial: Path, commits: int) -> None:
+    """A test's seam (PAUSE_ENV = N): after the N-th commit of this run, write the pid
+    beside the output and wait to be killed, so the kill lands at a known point."""
+    if os.environ.get(PAUSE_ENV) != str(commits):
+        return
+    marker = partial.with_name(partial.name + ".pid")
+    marker.with_suffix(".tmp").write_text(str(os.getpid()))
+    os.replace(marker.with_suffix(".tmp"), marker)
+    while True:
+        time.sleep(0.05)
+
+
+def _held_out(position: int, fraction: float) -> bool:
+    """Whether the document at `position` is held out: a hash, so the choice is spread over
+    the corpus and the same on every run."""
+    digest = hashlib.blake2b(position.to_bytes(8, "little"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < fraction
 
 
 def _batches(items: Iterator[Any]) -> Iterator[list[Any]]:
     batch: list[Any] = []
     for item in items:
         batch.append(item)
-        if len(batch) == _BATCH:
+        if len(batch) == BATCH:
             yield batch
             batch = []
     if batch:
         yield batch
 
 
-def _write_documents(output: _Output, tokenizer: Tokenizer, docs: Iterator[str]) -> int:
-    n = 0
-    for batch in _batches(docs):
-        for ids in tokenizer.encode_batch(batch):
-            output.add([*ids, tokenizer.eos_id])
-        n += len(batch)
-    return n
+# -- tokenizing, in this process or a pool --------------------------------------------------
+
+_worker_tokenizer: Tokenizer | None = None
 
 
-def _write_examples(
-    output: _Output, tokenizer: Tokenizer, examples: Iterator[tuple[str, str]]
-) -> int:
-    """Prompt and response tokenized apart (so the boundary is exact), then one sequence:
-    prompt, response, EOS; the mask marks the response and the EOS."""
-    n = 0
-    for batch in _batches(examples):
-        prompts = tokenizer.encode_batch([p for p, _ in batch])
-        responses = tokenizer.encode_batch([r for _, r in batch])
-        for p, r in zip(prompts, responses, strict=True):
-            output.add([*p, *r, tokenizer.eos_id], [0] * len(p) + [1] * (len(r) + 1))
-        n += len(batch)
-    return n
+def _init_worker(tokenizer: Tokenizer) -> None:
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
+    _worker_tokenizer = tokenizer
+
+
+def _encode_in_worker(job: tuple[bool, list[Any]]) -> list[tuple[list[int], list[int] | None]]:
+    assert _worker_tokenizer is not None
+    return encode(_worker_tokenizer, *job)
+
+
+def encode(
+    tokenizer: Tokenizer, examples: bool, batch: list[Any]
+) -> list[tuple[list[int], list[int] | None]]:
+    """(ids, loss mask) of each item. A document: its ids then EOS (no mask). An example:
+    prompt and response tokenized apart (so the boundary is exact), then prompt, response,
+    EOS; the mask marks the response and the EOS."""
+    eos = tokenizer.eos_id
+    if not examples:
+        return [([*ids, eos], None) for ids in tokenizer.encode_batch(batch)]
+    prompts = tokenizer.encode_batch([p for p, _ in batch])
+    responses = tokenizer.encode_batch([r for _, r in batch])
+    return [
+        ([*p, *r, eos], [0] * len(p) + [1] * (len(r) + 1))
+        for p, r in zip(prompts, responses, strict=True)
+    ]
+
+
+def _encoded(
+    batches: Iterator[list[Any]], tokenizer: Tokenizer, examples: bool, workers: int
+) -> Iterator[list[tuple[list[int], list[int] | None]]]:
+    """Each batch encoded, in order: the first here, the rest in a pool of `workers`
+    processes when there are more (starting processes costs more than a small corpus)."""
+    first = next(batches, None)
+    if first is None:
+        return
+    yield encode(tokenizer, examples, first)
+    if workers <= 1:
+        yield from (encode(tokenizer, examples, b) for b in batches)
+        return
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+        yield from pool.imap(_encode_in_worker, ((examples, b) for b in batches))
+
+
+# -- the index --------------------------------------------------------------------------------
+
+
+def _index(
+    train: Output,
+    shards: list[dict[str, Any]],
+    tokenizer: Tokenizer,
+    opts: Options,
+    dtype: str,
+    sources: list[dict],
+    command: Sequence[str],
+    partial: Path,
+    paths: list[Path],
+) -> dict[str, Any]:
+    if train.documents == 0 or train.end == train.documents:  # nothing but separators
+        shutil.rmtree(partial, ignore_errors=True)
+        raise DataError(
+            f"data prepare: the inputs ({', '.join(map(str, paths))}) hold no text under "
+            f"field {opts.field!r}; check the files and --field"
+        )
+    return {
+        "format": FORMAT, "version": VERSION, "dtype": dtype, "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id, "documents": train.documents, "tokens": train.end,
+        "shards": shards, "kind": "prompt_response" if opts.examples else "text",
+        "tokenizer": {"spec": tokenizer.spec, "sha256": tokenizer.sha256},
+        "field": opts.field, "response_field": opts.response_field,
+        "val_fraction": opts.val_fraction, "sources": sources, "command": list(command),
+    }
+
+
+def _split_index(val: Output, shards: list[dict[str, Any]], index: dict) -> dict[str, Any]:
+    """The held-out directory's own index: the same corpus, its documents."""
+    if val.documents == 0:
+        raise DataError(
+            f"--val-fraction {index['val_fraction']} held out no document of "
+            f"{index['documents']}; raise it or prepare more documents"
+        )
+    return {**index, "documents": val.documents, "tokens": val.end, "shards": shards,
+            "split": "val"}
+
+
+class _Meter:
+    """A progress line on stderr (a terminal only): records, tokens, tokens per second."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and sys.stderr.isatty()
+        self.records = self.tokens = 0
+        self.start = self.last = time.monotonic()
+
+    def add(self, tokens: int) -> None:
+        self.records += 1
+        self.tokens += tokens
+        now = time.monotonic()
+        if self.enabled and now - self.last > 0.5:
+            self.last = now
+            rate = self.tokens / max(now - self.start, 1e-9)
+            print(f"\rprepare: {self.records:,} records, {self.tokens:,} tokens, "
+                  f"{rate:,.0f} tokens/s", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled and self.records:
+            print(file=sys.stderr)

@@ -1,0 +1,179 @@
+"""`trainwise data prepare` beyond text and JSONL: Parquet and saved Hugging Face datasets,
+a pool of tokenizer processes, held-out documents, and a prepare killed with SIGKILL that
+resumes to the same bytes as one never killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_prepare import DOCS, _bpe_tokenizer, _documents, _jsonl
+
+from helpers import cli_env, run_cli
+from trainwise.data import build_datasets
+from trainwise.data.prepare import BATCH, COMMIT_BATCHES, PAUSE_ENV, load_tokenizer, prepare
+from trainwise.errors import DataError
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+datasets = pytest.importorskip("datasets")
+
+MANY = [f"document {i}: " + DOCS[i % len(DOCS)] for i in range(3 * BATCH * COMMIT_BATCHES)]
+
+
+def _parquet(path: Path, columns: dict[str, list], row_group: int = 3) -> Path:
+    pq.write_table(pa.table(columns), path, row_group_size=row_group)
+    return path
+
+
+def _same_output(a: Path, b: Path) -> None:
+    """Every file byte for byte; index.json alike but for the command (its --out)."""
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+    for f in files:
+        if f.name == "index.json":
+            one, two = (json.loads((d / f).read_text()) for d in (a, b))
+            one.pop("command"), two.pop("command")
+            assert one == two, f
+        else:
+            assert (a / f).read_bytes() == (b / f).read_bytes(), f
+
+
+def _decoded(out: Path, tok) -> list[str]:
+    return [tok.decode(d[:-1].tolist()) for d in _documents(out)]
+
+
+def test_parquet_and_saved_datasets_round_trip(tmp_path: Path):
+    tok = load_tokenizer("bytes")
+    table = _parquet(tmp_path / "a.parquet", {"id": list(range(7)), "body": DOCS[:7]})
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"body": DOCS[7:12], "n": list(range(5))}).save_to_disk(saved)
+    splits = tmp_path / "splits"
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict({"body": DOCS[12:14]}),
+         "test": datasets.Dataset.from_dict({"body": ["not read"]})}
+    ).save_to_disk(splits)
+    index = prepare([table, saved, splits], tmp_path / "out", tok, field="body")
+    assert _decoded(tmp_path / "out", tok) == DOCS[:14]
+    assert [s["path"] for s in index["sources"]] == [str(table), str(saved), str(splits)]
+
+
+def test_examples_read_alike_from_jsonl_and_parquet(tmp_path: Path):
+    tok = load_tokenizer("bytes")
+    prompts, responses = DOCS[:6], [d.upper() for d in DOCS[:6]]
+    rows = tmp_path / "ex.jsonl"
+    rows.write_text("".join(json.dumps({"q": p, "a": r}) + "\n" for p, r in zip(prompts, responses, strict=True)))
+    table = _parquet(tmp_path / "ex.parquet", {"q": prompts, "a": responses})
+    for name, src in (("j", rows), ("p", table)):
+        prepare([src], tmp_path / name, tok, field="q", response_field="a")
+    for f in ("tokens-00000.bin", "mask-00000.bin", "documents.bin"):
+        assert (tmp_path / "j" / f).read_bytes() == (tmp_path / "p" / f).read_bytes(), f
+
+
+def test_a_pool_of_tokenizers_writes_the_same_bytes(tmp_path: Path):
+    tok = load_tokenizer(str(_bpe_tokenizer(tmp_path / "tokenizer.json", DOCS)))
+    src = _jsonl(tmp_path / "many.jsonl", MANY[: 3 * BATCH])  # three batches: two in the pool
+    for name, workers in (("one", 1), ("two", 2)):
+        prepare([src], tmp_path / name, tok, shard_tokens=4096, workers=workers)
+    _same_output(tmp_path / "one", tmp_path / "two")
+
+
+def test_held_out_documents_are_whole_and_evaluated(tmp_path: Path):
+    tok = load_tokenizer("bytes")
+    src = _jsonl(tmp_path / "c.jsonl", MANY[:400])
+    index = prepare([src], tmp_path / "out", tok, val_fraction=0.1)
+    train, val = _decoded(tmp_path / "out", tok), _decoded(tmp_path / "out" / "val", tok)
+    assert sorted(train + val) == sorted(MANY[:400])  # every document once, whole
+    assert index["val"]["documents"] == len(val) and 20 <= len(val) <= 60
+    prepare([src], tmp_path / "again", tok, val_fraction=0.1)
+    _same_output(tmp_path / "out", tmp_path / "again")
+    train_ds, val_ds, info = build_datasets(
+        "tokens", seq_len=32, val_fraction=0.3, seed=0, path=str(tmp_path / "out")
+    )
+    held = np.asarray(val_ds.tokens)  # the held-out directory, not a cut of the stream
+    assert held.tolist() == np.fromfile(tmp_path / "out" / "val" / "tokens-00000.bin", "<u2").tolist()
+    assert info.val_samples == len(val_ds) == (index["val"]["tokens"] - 1) // 32
+
+
+def _prepare_cmd(src: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "trainwise", "data", "prepare", str(src), "--out", str(out),
+            "--tokenizer", "bytes", "--shard-tokens", "20000", "--val-fraction", "0.05",
+            "--workers", "1", "--quiet", *extra]
+
+
+def _killed_after_first_commit(src: Path, out: Path, *extra: str) -> None:
+    proc = subprocess.Popen(_prepare_cmd(src, out, *extra), env={**cli_env(), PAUSE_ENV: "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    marker = out.with_name(out.name + ".partial.pid")
+    deadline = time.monotonic() + 120
+    while not marker.exists():  # the prepare pauses at its first commit until killed
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the prepare never reached its first commit"
+        time.sleep(0.05)
+    os.kill(int(marker.read_text()), signal.SIGKILL)
+    proc.wait(timeout=60)
+    marker.unlink()
+
+
+def test_a_killed_prepare_resumes_to_the_same_bytes(tmp_path: Path):
+    src = _jsonl(tmp_path / "many.jsonl", MANY)
+    _killed_after_first_commit(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing looks complete
+    partial = tmp_path / "out.partial"
+    assert json.loads((partial / "progress.json").read_text())["items"] == BATCH * COMMIT_BATCHES
+    resumed = subprocess.run(_prepare_cmd(src, tmp_path / "out"), env=cli_env(),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"after {BATCH * COMMIT_BATCHES} records" in resumed.stderr
+    whole = subprocess.run(_prepare_cmd(src, tmp_path / "whole"), env=cli_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    _same_output(tmp_path / "out", tmp_path / "whole")
+    assert not partial.exists()
+
+
+def test_another_command_over_a_partial_output_starts_over(tmp_path: Path):
+    src = _jsonl(tmp_path / "many.jsonl", MANY)
+    _killed_after_first_commit(src, tmp_path / "out", "--field", "text")
+    other = run_cli("data", "prepare", str(src), "--out", "out", "--tokenizer", "bytes",
+                    "--shard-tokens", "30000", "--quiet", cwd=tmp_path)
+    assert other.returncode == 0, other.stderr
+    assert "removing another command's partial output" in other.stderr
+    tok = load_tokenizer("bytes")
+    assert _decoded(tmp_path / "out", tok) == MANY
+
+
+@pytest.mark.parametrize(
+    ("make", "args", "message"),
+    [
+        (lambda d: _parquet(d / "a.parquet", {"body": ["x"]}), ["--column", "text"],
+         "a.parquet has no column 'text' (it has: body)"),
+        (lambda d: (d / "a.parquet").mkdir(), [], "is a folder but not a saved Hugging Face dataset"),
+        (lambda d: datasets.DatasetDict({"test": datasets.Dataset.from_dict({"text": ["x"]})})
+         .save_to_disk(d / "a.parquet"), [], "splits test and no 'train'"),
+        (lambda d: _parquet(d / "a.parquet", {"text": ["x y"]}), ["--val-fraction", "0.7"],
+         "--val-fraction 0.7"),
+        (lambda d: None, [], "'a.parquet' does not exist"),
+    ],
+)
+def test_bad_inputs_are_one_line(tmp_path: Path, make, args, message):
+    make(tmp_path)
+    proc = run_cli("data", "prepare", "a.parquet", "--out", "out", "--tokenizer", "bytes",
+                   *args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_library_errors_name_the_row(tmp_path: Path):
+    table = _parquet(tmp_path / "n.parquet", {"text": ["fine", None, "x"]})
+    with pytest.raises(DataError, match=r"n.parquet row 2: field 'text' is NoneType"):
+        prepare([table], tmp_path / "out", load_tokenizer("bytes"))
