@@ -177,3 +177,64 @@ def test_library_errors_name_the_row(tmp_path: Path):
     table = _parquet(tmp_path / "n.parquet", {"text": ["fine", None, "x"]})
     with pytest.raises(DataError, match=r"n.parquet row 2: field 'text' is NoneType"):
         prepare([table], tmp_path / "out", load_tokenizer("bytes"))
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHATS = [
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Two plus two?"},
+     {"role": "assistant", "content": "Four."}, {"role": "user", "content": "And three?"},
+     {"role": "assistant", "content": "Five... no, six."}],
+    [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "Seven."}],
+]
+
+
+def _chat_model_dir(folder: Path, template: str | None) -> Path:
+    """A model folder's tokenizer files: a BPE with ChatML's special tokens, and
+    tokenizer_config.json with the EOS and (when given) the chat template."""
+    from tokenizers import AddedToken
+
+    folder.mkdir()
+    texts = [m["content"] for chat in CHATS for m in chat] + DOCS
+    path = _bpe_tokenizer(folder / "tokenizer.json", texts)
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer.from_file(str(path))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|im_start|>", "<|im_end|>")])
+    tok.save(str(path))
+    config = {"eos_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"}
+    if template:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_chat_messages_count_the_assistant_turns_only(tmp_path: Path):
+    model = _chat_model_dir(tmp_path / "model", CHATML)
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS))
+    tok = load_tokenizer(f"hf:{model}")
+    index = prepare([src], tmp_path / "out", tok, messages_field="messages")
+    assert index["kind"] == "prompt_response" and index["documents"] == 2
+    out = tmp_path / "out"
+    ids = np.fromfile(out / "tokens-00000.bin", "<u2")
+    mask = np.fromfile(out / "mask-00000.bin", "u1").astype(bool)
+    starts = np.fromfile(out / "documents.bin", "<u8")
+    for chat, lo, hi in zip(CHATS, starts[:-1], starts[1:], strict=True):
+        counted = tok.decode(ids[lo:hi][mask[lo:hi]].tolist())
+        answers = "".join(m["content"] + "<|im_end|>\n" for m in chat if m["role"] == "assistant")
+        assert counted == answers + "<|endoftext|>"
+        whole = tok.decode(ids[lo : hi - 1].tolist())  # the conversation as the template renders it
+        assert whole.startswith("<|im_start|>") and chat[-1]["content"] in whole
+
+
+def test_chat_without_a_template_is_one_line(tmp_path: Path):
+    model = _chat_model_dir(tmp_path / "model", None)
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": CHATS[1]}) + "\n")
+    proc = run_cli("data", "prepare", "c.jsonl", "--out", "out", "--tokenizer", f"hf:{model}",
+                   "--messages-field", "messages", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "has no chat template" in lines[0], proc.stderr

@@ -44,6 +44,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="supervised fine-tuning: the JSONL field holding the response; --field is then "
         "the prompt, and only response tokens count in the loss",
     )
+    prep.add_argument(
+        "--messages-field",
+        help="supervised fine-tuning on conversations: the field holding a list of "
+        "{role, content} messages, rendered with the tokenizer's chat template; only the "
+        "assistant's turns count in the loss",
+    )
     prep.add_argument("--eos", help="the EOS token (default: from tokenizer_config.json)")
     prep.add_argument(
         "--shard-tokens",
@@ -76,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         response_field=args.response_field,
         shard_tokens=args.shard_tokens,
         val_fraction=args.val_fraction,
+        messages_field=args.messages_field,
         workers=args.workers,
         command=_command(args),
         say=lambda line: print(line, file=sys.stderr),
@@ -99,6 +106,7 @@ def _command(args: argparse.Namespace) -> list[str]:
     line += ["--response-field", args.response_field] if args.response_field else []
     line += ["--shard-tokens", str(args.shard_tokens)] + (["--eos", args.eos] if args.eos else [])
     line += ["--val-fraction", str(args.val_fraction)] if args.val_fraction else []
+    line += ["--messages-field", args.messages_field] if args.messages_field else []
     return line
 
 

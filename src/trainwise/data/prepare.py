@@ -32,8 +32,15 @@ from typing import Any
 
 from trainwise.data.shard_writer import Output
 from trainwise.data.shards import FORMAT, VERSION, dtype_for_vocab, write_index
-from trainwise.data.sources import TEXT, read_records, source_kind, source_sha256, text_of
-from trainwise.data.tokenizer import BYTES, Tokenizer, load_tokenizer
+from trainwise.data.sources import (
+    TEXT,
+    field_of,
+    read_records,
+    source_kind,
+    source_sha256,
+    text_of,
+)
+from trainwise.data.tokenizer import BYTES, Tokenizer, chat_renderer, load_tokenizer
 from trainwise.errors import DataError
 
 __all__ = ["BYTES", "Options", "Tokenizer", "load_tokenizer", "prepare"]
@@ -52,10 +59,13 @@ class Options:
     response_field: str | None = None
     shard_tokens: int = 1 << 27
     val_fraction: float = 0.0
+    messages_field: str | None = None
 
     @property
     def examples(self) -> bool:
-        return self.response_field is not None
+        """Records are examples whose loss counts some tokens only (a response, the
+        assistant's turns)."""
+        return self.response_field is not None or self.messages_field is not None
 
 
 def prepare(
@@ -67,6 +77,7 @@ def prepare(
     response_field: str | None = None,
     shard_tokens: int = 1 << 27,
     val_fraction: float = 0.0,
+    messages_field: str | None = None,
     workers: int = 1,
     command: Sequence[str] = (),
     say: Callable[[str], None] | None = None,
@@ -74,8 +85,12 @@ def prepare(
 ) -> dict[str, Any]:
     """Tokenize `inputs` into the prepared directory `out`; returns its index. With
     `response_field`, every record is a (`field`, `response_field`) example whose loss
-    counts the response tokens and the EOS only."""
-    opts = Options(field, response_field, shard_tokens, val_fraction)
+    counts the response tokens and the EOS only; with `messages_field`, a conversation
+    rendered by the tokenizer's chat template whose loss counts the assistant's turns."""
+    if response_field and messages_field:
+        raise DataError("--response-field and --messages-field were both given: give one")
+    opts = Options(field, response_field, shard_tokens, val_fraction, messages_field)
+    chat = chat_renderer(tokenizer.spec) if messages_field else None
     out, paths = Path(out), [Path(p) for p in inputs]
     _check(paths, out, opts)
     kinds = [source_kind(p) for p in paths]
@@ -90,7 +105,7 @@ def prepare(
         train.restore(done["train"])
         if val is not None:
             val.restore(done["val"])
-    items = _items(paths, kinds, opts)
+    items = _items(paths, kinds, opts, chat)
     meter = _Meter(progress)
     try:
         _write(items, tokenizer, opts, (train, val), workers, partial, key, done, meter)
@@ -143,19 +158,25 @@ def _resume_point(partial: Path, key: str, say: Callable[[str], None]) -> dict |
     return None
 
 
-def _items(paths: list[Path], kinds: list[str], opts: Options) -> Iterator[Any]:
-    """Documents (str) or examples ((prompt, response)) of every input, in order."""
+def _items(
+    paths: list[Path], kinds: list[str], opts: Options, chat: Callable | None
+) -> Iterator[Any]:
+    """Documents (str) or examples (Segments: text parts, counted or not) of every input,
+    in order."""
     for path, kind in zip(paths, kinds, strict=True):
         if kind == TEXT and not opts.examples:
             yield path.read_text(encoding="utf-8")
             continue
-        fields = [opts.field] + ([opts.response_field] if opts.response_field else [])
+        field = opts.messages_field or opts.field
+        fields = [field] + ([opts.response_field] if opts.response_field else [])
         for where, record in read_records(path, kind, fields):
-            if opts.response_field is None:
+            if chat is not None:
+                yield chat(field_of(record, field, where, "--messages-field"), where)
+            elif opts.response_field is None:
                 yield text_of(record, opts.field, where)
             else:
-                yield (text_of(record, opts.field, where),
-                       text_of(record, opts.response_field, where, "--response-field"))
+                yield [(text_of(record, opts.field, where), False),
+                       (text_of(record, opts.response_field, where, "--response-field"), True)]
 
 
 def _write(
@@ -245,17 +266,23 @@ def encode(
     tokenizer: Tokenizer, examples: bool, batch: list[Any]
 ) -> list[tuple[list[int], list[int] | None]]:
     """(ids, loss mask) of each item. A document: its ids then EOS (no mask). An example:
-    prompt and response tokenized apart (so the boundary is exact), then prompt, response,
-    EOS; the mask marks the response and the EOS."""
+    its parts tokenized apart (so the boundaries are exact: prompt and response, or the
+    turns of a conversation) and joined, then EOS; the mask marks the counted parts, and
+    the EOS when the last part is counted."""
     eos = tokenizer.eos_id
     if not examples:
         return [([*ids, eos], None) for ids in tokenizer.encode_batch(batch)]
-    prompts = tokenizer.encode_batch([p for p, _ in batch])
-    responses = tokenizer.encode_batch([r for _, r in batch])
-    return [
-        ([*p, *r, eos], [0] * len(p) + [1] * (len(r) + 1))
-        for p, r in zip(prompts, responses, strict=True)
-    ]
+    encoded = iter(tokenizer.encode_batch([text for parts in batch for text, _ in parts]))
+    out = []
+    for parts in batch:
+        ids: list[int] = []
+        mask: list[int] = []
+        for _, counted in parts:
+            piece = next(encoded)
+            ids += piece
+            mask += [int(counted)] * len(piece)
+        out.append(([*ids, eos], [*mask, int(parts[-1][1])]))
+    return out
 
 
 def _encoded(
@@ -301,6 +328,7 @@ def _index(
         "shards": shards, "kind": "prompt_response" if opts.examples else "text",
         "tokenizer": {"spec": tokenizer.spec, "sha256": tokenizer.sha256},
         "field": opts.field, "response_field": opts.response_field,
+        "messages_field": opts.messages_field,
         "val_fraction": opts.val_fraction, "sources": sources, "command": list(command),
     }
 

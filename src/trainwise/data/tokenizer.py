@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,3 +93,68 @@ def load_tokenizer(spec: str, eos: str | None = None) -> Tokenizer:
         )
     vocab = tok.get_vocab_size(with_added_tokens=True)
     return Tokenizer(spec, vocab, eos_id, _sha256(path), tok)
+
+
+Segments = list[tuple[str, bool]]  # an example's text in order, each part counted or not
+
+
+def chat_renderer(spec: str) -> Callable[[Any, str], Segments]:
+    """For `--messages-field`: a function from one conversation (a list of {role, content})
+    to its text as the model's chat template renders it (transformers' apply_chat_template),
+    cut so that the assistant turns are counted in the loss and the rest not. DataError when
+    the tokenizer has no chat template."""
+    if spec == BYTES:
+        raise DataError(
+            "--messages-field needs a tokenizer with a chat template (hf:MODEL_DIR); 'bytes' "
+            "has none: give --field and --response-field instead"
+        )
+    folder = Path(spec[3:] if spec.startswith("hf:") else spec).expanduser()
+    folder = folder if folder.is_dir() else folder.parent
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise DataError("--messages-field needs transformers: pip install 'trainwise[hf]'") from None
+    try:
+        hf = AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as exc:
+        raise DataError(f"--tokenizer {spec}: transformers cannot load it ({exc})") from None
+    if not getattr(hf, "chat_template", None):
+        raise DataError(
+            f"--tokenizer {spec} has no chat template (tokenizer_config.json 'chat_template' or "
+            "chat_template.jinja): render the conversations into --field / --response-field"
+        )
+
+    def render(messages: list[dict[str, str]], **kw: Any) -> str:
+        return hf.apply_chat_template(messages, tokenize=False, **kw)
+
+    def segments(messages: Any, where: str) -> Segments:
+        _check_messages(messages, where)
+        full, out, pos = render(messages), [], 0
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = render(messages[:k], add_generation_prompt=True) if k else ""
+            upto = render(messages[: k + 1])
+            if not (full.startswith(upto) and upto.startswith(before) and len(before) >= pos):
+                raise DataError(
+                    f"{where}: the chat template does not render a conversation as the "
+                    "rendering of its first turns followed by the rest, so the assistant's "
+                    "tokens cannot be told apart; render it into --field / --response-field"
+                )
+            out += [(full[pos : len(before)], False), (full[len(before) : len(upto)], True)]
+            pos = len(upto)
+        return [part for part in [*out, (full[pos:], False)] if part[0]]
+
+    return segments
+
+
+def _check_messages(messages: Any, where: str) -> None:
+    ok = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    )
+    if not ok:
+        raise DataError(
+            f"{where}: messages must be a non-empty list of {{'role': ..., 'content': ...}} "
+            "with text values"
+        )
