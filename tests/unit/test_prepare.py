@@ -191,7 +191,7 @@ def sft_corpus(tmp_path: Path) -> Path:
 
 def test_examples_mask_the_prompt(sft_corpus: Path):
     train, val, info = build_datasets(
-        "tokens", seq_len=40, val_fraction=0.2, seed=0, path=str(sft_corpus)
+        "tokens", seq_len=40, val_fraction=0.2, seed=0, path=str(sft_corpus), packing=False
     )
     assert (len(train), len(val), info.vocab_size) == (24, 6, 257)
     for i, example in ((0, EXAMPLES[0]), (5, EXAMPLES[5]), (-1, EXAMPLES[-1])):
@@ -214,7 +214,7 @@ def test_prompt_tokens_add_nothing_to_loss_or_gradients(sft_corpus: Path):
     from trainwise.models import ModelSpec, build_model
 
     train, _, _ = build_datasets(
-        "tokens", seq_len=40, val_fraction=0.2, seed=0, path=str(sft_corpus)
+        "tokens", seq_len=40, val_fraction=0.2, seed=0, path=str(sft_corpus), packing=False
     )
     x, y = (torch.stack(t) for t in zip(*(train[i] for i in range(4)), strict=True))
     torch.manual_seed(0)

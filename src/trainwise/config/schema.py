@@ -105,6 +105,17 @@ class DataConfig(Section):
     path: str | None = Field(
         None, description="The token file or prepared directory for dataset = 'tokens'."
     )
+    format: Literal["auto", "text", "prompt_response"] = Field(
+        "auto",
+        description="tokens: how a prepared directory is read. prompt_response: examples whose "
+        "loss counts the responses (or assistant turns) only; text: one token stream; auto: "
+        "as the directory was prepared.",
+    )
+    packing: bool = Field(
+        True,
+        description="prompt_response: pack several whole examples into each sequence "
+        "(attention never crosses an example); false: one example per sequence, padded.",
+    )
     seq_len: int = Field(64, gt=0, description="Tokens per training sequence.")
     micro_batch: int = Field(16, gt=0, description="Samples per worker per forward pass.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")

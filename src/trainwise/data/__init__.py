@@ -15,7 +15,13 @@ from torch.utils.data import DataLoader, Dataset
 from trainwise.data.datasets import ArrayDataset, TokenWindows, split_arrays, split_tokens
 from trainwise.data.digits import load_digits_arrays
 from trainwise.data.sampler import ShardedBatchSampler
-from trainwise.data.shards import PromptResponseExamples, TokenShards, is_prepared_dir, read_index
+from trainwise.data.shards import (
+    PackedExamples,
+    PromptResponseExamples,
+    TokenShards,
+    is_prepared_dir,
+    read_index,
+)
 from trainwise.data.synthetic import build_synthetic_corpus, synthetic_entropy_rate
 from trainwise.data.tokens import open_token_file, token_vocab_size, write_token_file
 from trainwise.errors import DataError
@@ -25,6 +31,7 @@ __all__ = [
     "ArrayDataset",
     "DataInfo",
     "ShardedBatchSampler",
+    "PackedExamples",
     "PromptResponseExamples",
     "TokenShards",
     "TokenWindows",
@@ -55,6 +62,7 @@ class DataInfo:
     train_samples: int
     val_samples: int
     tokens_per_sample: int  # seq_len for lm, 1 for classify (used for tokens/s)
+    packed: bool = False  # samples are (x, y, doc): packed examples the model keeps apart
 
 
 def _lm_datasets(
@@ -69,10 +77,17 @@ def _lm_datasets(
     return train_ds, val_ds, info
 
 
+def _examples(
+    path: str | Path, seq_len: int, packing: bool, first: int = 0, last: int | None = None
+) -> PromptResponseExamples:
+    cls = PackedExamples if packing else PromptResponseExamples
+    return cls(path, seq_len, first, last)
+
+
 def _example_datasets(
-    path: str, seq_len: int, val_fraction: float
+    path: str, seq_len: int, val_fraction: float, packing: bool
 ) -> tuple[Dataset, Dataset, DataInfo]:
-    """A prompt/response corpus: one example per sample, the last val_fraction held out."""
+    """A prompt/response corpus: the last val_fraction of the examples held out."""
     index = read_index(path)
     n = int(index["documents"])
     n_val = int(round(n * val_fraction))
@@ -81,24 +96,40 @@ def _example_datasets(
             f"data.val_fraction={val_fraction} of the {n} examples in {str(path)!r} leaves an "
             "empty split; use more examples or a val_fraction nearer 0.5"
         )
-    train = PromptResponseExamples(path, seq_len, 0, n - n_val)
-    val = PromptResponseExamples(path, seq_len, n - n_val, n)
+    train = _examples(path, seq_len, packing, 0, n - n_val)
+    val = _examples(path, seq_len, packing, n - n_val, n)
     vocab = int(index["vocab_size"])
-    return train, val, DataInfo("lm", vocab, None, None, len(train), len(val), seq_len)
+    return train, val, DataInfo("lm", vocab, None, None, len(train), len(val), seq_len, packing)
 
 
-def _held_out_datasets(path: str, seq_len: int) -> tuple[Dataset, Dataset, DataInfo]:
+def _held_out_datasets(
+    path: str, seq_len: int, examples: bool, packing: bool
+) -> tuple[Dataset, Dataset, DataInfo]:
     """A prepared corpus with the documents `data prepare --val-fraction` held out in
     PATH/val: training reads PATH, evaluation PATH/val (data.val_fraction is not applied)."""
     held = Path(path) / "val"
-    if read_index(path).get("kind") == "prompt_response":
-        train: Dataset = PromptResponseExamples(path, seq_len)
-        val: Dataset = PromptResponseExamples(held, seq_len)
+    if examples:
+        train: Dataset = _examples(path, seq_len, packing)
+        val: Dataset = _examples(held, seq_len, packing)
     else:
         train = TokenWindows(TokenShards(path), seq_len, source=f"prepared corpus {path!r}")
         val = TokenWindows(TokenShards(held), seq_len, source=f"its held-out part {str(held)!r}")
     vocab = int(read_index(path)["vocab_size"])
-    return train, val, DataInfo("lm", vocab, None, None, len(train), len(val), seq_len)
+    packed = examples and packing
+    return train, val, DataInfo("lm", vocab, None, None, len(train), len(val), seq_len, packed)
+
+
+def example_format(path: str, format: str) -> bool:
+    """Whether the corpus at `path` is read as examples (prompt/response: masked labels) or
+    as a plain token stream: data.format, or for auto the prepared index's kind."""
+    kind = read_index(path).get("kind") if Path(path).is_dir() else None
+    if format == "prompt_response" and kind != "prompt_response":
+        raise DataError(
+            f"data.format = 'prompt_response' but data.path {path!r} is not a prepared "
+            "prompt/response corpus: prepare it with --response-field or --messages-field, "
+            "or set data.format = 'auto'"
+        )
+    return kind == "prompt_response" and format != "text"
 
 
 def build_datasets(
@@ -110,6 +141,8 @@ def build_datasets(
     path: str | None = None,
     vocab_size: int = 256,
     synthetic_tokens: int = 1_000_000,
+    format: str = "auto",
+    packing: bool = True,
 ) -> tuple[Dataset, Dataset, DataInfo]:
     """Build (train, val, info) for a dataset name.
 
@@ -128,10 +161,11 @@ def build_datasets(
                 "data.path is not set but data.name='tokens' needs it; set data.path to a uint16 "
                 "token file or a directory written by `trainwise data prepare`"
             )
+        examples = example_format(path, format)
         if Path(path).is_dir() and is_prepared_dir(Path(path) / "val"):
-            return _held_out_datasets(path, seq_len)
-        if Path(path).is_dir() and read_index(path).get("kind") == "prompt_response":
-            return _example_datasets(path, seq_len, val_fraction)
+            return _held_out_datasets(path, seq_len, examples, packing)
+        if examples:
+            return _example_datasets(path, seq_len, val_fraction, packing)
         if Path(path).is_dir():
             shards = TokenShards(path)
             what = f"prepared corpus {str(path)!r} ({len(shards)} tokens)"

@@ -130,10 +130,10 @@ IGNORE = -100  # the target id cross entropy skips (torch's default ignore_index
 
 
 class PromptResponseExamples:
-    """One prompt/response example per sample, cut to seq_len + 1 tokens: x the inputs
-    padded with EOS, y the next tokens where they are response tokens (or the EOS) and
-    IGNORE elsewhere (prompt, padding), so only responses count in the loss. An example
-    alone in its sample attends to nothing else: no packing across examples."""
+    """One prompt/response example per sample (data.packing = false), cut to seq_len + 1
+    tokens: x the inputs padded with EOS, y the next tokens where they are response tokens
+    (or the EOS) and IGNORE elsewhere (prompt, padding), so only responses count in the
+    loss. An example alone in its sample attends to nothing else."""
 
     def __init__(
         self, path: str | os.PathLike[str], seq_len: int, first: int = 0, last: int | None = None
@@ -146,15 +146,58 @@ class PromptResponseExamples:
     def __len__(self) -> int:
         return len(self.starts) - 1
 
-    def __getitem__(self, i: int) -> tuple[Any, Any]:
-        import torch
-
+    def example(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Example i's (inputs, targets), at most seq_len of each: targets IGNORE where the
+        token is not counted."""
         lo = int(self.starts[i])
         hi = min(int(self.starts[i + 1]), lo + self.seq_len + 1)
         ids = np.asarray(self.tokens[lo:hi], dtype=np.int64)
         counted = np.asarray(self.mask[lo:hi], dtype=bool)
+        return ids[:-1], np.where(counted[1:], ids[1:], IGNORE)
+
+    def __getitem__(self, i: int) -> tuple[Any, Any]:
+        import torch
+
+        inputs, targets = self.example(i)
         x = np.full(self.seq_len, self.eos, dtype=np.int64)
         y = np.full(self.seq_len, IGNORE, dtype=np.int64)
-        x[: len(ids) - 1] = ids[:-1]
-        y[: len(ids) - 1] = np.where(counted[1:], ids[1:], IGNORE)
+        x[: len(inputs)], y[: len(targets)] = inputs, targets
         return torch.from_numpy(x), torch.from_numpy(y)
+
+
+class PackedExamples(PromptResponseExamples):
+    """Whole examples packed into sequences of seq_len (data.packing = true), in order: a
+    sample takes examples while they fit. Each sample is (x, y, doc): `doc` numbers the
+    example each position belongs to (-1: padding), and the model keeps attention inside
+    an example and restarts its positions there (models.gpt.packed_layout)."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], seq_len: int, first: int = 0, last: int | None = None
+    ):
+        super().__init__(path, seq_len, first, last)
+        sizes = np.minimum(np.diff(self.starts.astype(np.int64)), seq_len + 1) - 1
+        groups, fill = [0], 0
+        for i, size in enumerate(sizes.tolist()):
+            if fill + size > seq_len and fill:
+                groups.append(i)
+                fill = 0
+            fill += size
+        groups.append(len(sizes))
+        self.groups = np.asarray(groups)  # sample j holds examples groups[j] .. groups[j+1]-1
+
+    def __len__(self) -> int:
+        return len(self.groups) - 1
+
+    def __getitem__(self, j: int) -> tuple[Any, Any, Any]:
+        import torch
+
+        x = np.full(self.seq_len, self.eos, dtype=np.int64)
+        y = np.full(self.seq_len, IGNORE, dtype=np.int64)
+        doc = np.full(self.seq_len, -1, dtype=np.int64)
+        pos = 0
+        for k, i in enumerate(range(int(self.groups[j]), int(self.groups[j + 1]))):
+            inputs, targets = self.example(i)
+            end = pos + len(inputs)
+            x[pos:end], y[pos:end], doc[pos:end] = inputs, targets, k
+            pos = end
+        return torch.from_numpy(x), torch.from_numpy(y), torch.from_numpy(doc)

@@ -77,7 +77,7 @@ class Context:
         dist.all_gather_object(everyone, obj, group=self.host)
         return everyone
 
-    def batches(self, trainer: Trainer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self, trainer: Trainer) -> list[tuple[torch.Tensor, ...]]:
         """One step's micro-batches of this rank's data, read once and held on the device:
         timing the model without the loader."""
         c = self.cfg
@@ -85,7 +85,7 @@ class Context:
             self.job.datasets[0], micro_batch=c.data.micro_batch, grad_accum=self.job.grad_accum,
             dp_rank=trainer.dp_rank, dp_size=trainer.dp_size, seed=c.train.seed, num_steps=1,
         )
-        return [(x.to(self.device), y.to(self.device)) for x, y in loader]
+        return [tuple(t.to(self.device) for t in batch) for batch in loader]
 
 
 def plan_name(job: Job) -> str:

@@ -51,10 +51,14 @@ class Rotary(nn.Module):
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x[B, H, T, head_dim] by position (rotate-half layout, real arithmetic)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate x[B, H, T, head_dim] by position (rotate-half layout, real arithmetic):
+        0..T-1, or `positions` [B, T] (packed examples each start at 0)."""
         t = x.shape[-2]
-        cos, sin = self.cos[:t].to(x.dtype), self.sin[:t].to(x.dtype)
+        if positions is None:
+            cos, sin = self.cos[:t].to(x.dtype), self.sin[:t].to(x.dtype)
+        else:
+            cos, sin = self.cos[positions][:, None].to(x.dtype), self.sin[positions][:, None].to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -79,20 +83,29 @@ class Attention(nn.Module):
         )
         self.dropout = dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal attention over the sequence, or with `attn_mask` [B, 1, T, T] (True:
+        attend) and `positions`, the layout of packed examples (packed_layout)."""
         b, t, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_head / tp of them.
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
         if self.n_kv_head != self.n_head:
             # Plain repeat rather than SDPA's enable_gqa: every backend accepts it.
             k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
             v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0,
+            is_causal=attn_mask is None,
         )
         return self.out_proj(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -124,9 +137,30 @@ class Block(nn.Module):
         self.norm2, self.mlp = _norm(shape), MLP(shape)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.norm1(x)))
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # Keyword arguments: tensor parallelism's input layouts apply to x alone.
+        x = x + self.drop(self.attn(self.norm1(x), positions=positions, attn_mask=attn_mask))
         return x + self.drop(self.mlp(self.norm2(x)))
+
+
+def packed_layout(doc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For tokens tagged with their example [B, T] (several examples packed in a sequence):
+    the positions, restarting at every example [B, T], and the attention mask [B, 1, T, T],
+    causal and within an example only, so that no example sees another."""
+    t = doc.shape[1]
+    index = torch.arange(t, device=doc.device).expand_as(doc)
+    starts = torch.ones_like(doc, dtype=torch.bool)
+    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    causal = torch.ones(t, t, dtype=torch.bool, device=doc.device).tril()
+    same = doc[:, :, None] == doc[:, None, :]
+    return index - first, (same & causal)[:, None]
 
 
 class GPT(nn.Module):
@@ -184,7 +218,9 @@ class GPT(nn.Module):
         else:
             nn.init.normal_(tensor, mean=0.0, std=INIT_STD, generator=generator)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of idx[B, T]; with `doc` [B, T] (the example each token belongs to, from
+        packed SFT data) attention stays inside each example and positions restart."""
         t = idx.shape[1]
         if t > self.shape.max_seq_len:
             raise ModelError(
@@ -192,12 +228,14 @@ class GPT(nn.Module):
                 f"{self.shape.max_seq_len}; shorten the sequence or raise "
                 "model.seq_len"
             )
+        positions, mask = packed_layout(doc) if doc is not None else (None, None)
         x = self.tok_emb(idx)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(t, device=idx.device))
+            at = positions if positions is not None else torch.arange(t, device=idx.device)
+            x = x + self.pos_emb(at)
         x = self.drop(x)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, positions=positions, attn_mask=mask)
         x = self.norm(x)
         if self.lm_head is None:
             return F.linear(x, self.tok_emb.weight)

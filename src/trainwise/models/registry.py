@@ -145,6 +145,13 @@ def build_model(spec: ModelSpec) -> ModelBundle:
     )
 
 
+def takes_example_ids(spec: ModelSpec) -> bool:
+    """Whether the model's forward takes `doc` (the example of each token, from packed SFT
+    data) and keeps examples apart: the built-in GPT's does."""
+    kind = model_kind(spec.name)
+    return kind == "preset" or (kind == "hf" and spec.impl == "trainwise")
+
+
 def count_parameters(spec: ModelSpec) -> int:
     """Parameter count without allocating: presets analytically, others built on meta."""
     shape = resolve_shape(spec)

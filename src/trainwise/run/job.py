@@ -20,6 +20,7 @@ from trainwise.models import (
     ModelSpec,
     count_parameters,
     resolve_shape,
+    takes_example_ids,
     tp_model_problems,
 )
 from trainwise.plan import (
@@ -295,6 +296,8 @@ def data_and_model(c: JobConfig, problems: list[str]) -> JobData:
             path=c.data.path,
             vocab_size=c.data.vocab_size,
             synthetic_tokens=c.data.synthetic_tokens,
+            format=c.data.format,
+            packing=c.data.packing,
         )
     except ConfigError as err:
         raise ConfigError(problems + err.problems) from None
@@ -314,6 +317,12 @@ def data_and_model(c: JobConfig, problems: list[str]) -> JobData:
         problems.append(
             f"model.vocab_size = {c.model.vocab_size} is smaller than the data's vocabulary "
             f"({info.vocab_size} token ids): raise it or leave it unset"
+        )
+    if info.packed and not takes_example_ids(spec):
+        problems.append(
+            f"data.packing = true packs several examples a sequence, which model.name = "
+            f"{spec.name!r} cannot keep apart (the built-in GPT and hf: models with model.impl "
+            "= 'trainwise' can): set data.packing = false"
         )
     try:
         params, shape = count_parameters(spec), resolve_shape(spec)

@@ -17,6 +17,9 @@ from trainwise.run.comm_timer import CollectiveTimer
 from trainwise.run.parallelize import set_gradient_sync
 from trainwise.run.telemetry import Marks, StageClock, resolve_spans
 
+# A micro-batch: (inputs, targets, and what else the model takes: packed examples' ids).
+Batch = tuple[torch.Tensor, ...]
+
 
 @dataclass
 class StepResult:
@@ -89,21 +92,22 @@ class Stepper:
         self.poison = False
         self.stage = "the training step"  # where a failed collective was: named in its message
 
-    def _forward_backward(self, x, y, sync: bool, scale: float) -> torch.Tensor:
+    def _forward_backward(self, batch: Batch, sync: bool, scale: float) -> torch.Tensor:
+        x, y, *rest = batch  # rest: what else the model takes (packed examples' ids)
         with set_gradient_sync(self.model, sync), self.autocast():
-            loss = self.loss_fn(self.model(x), y) * scale
+            loss = self.loss_fn(self.model(x, *rest), y) * scale
             if self.poison:
                 loss = loss * float("nan")  # a fault injected by a test
         with self.backward_context():
             (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss.detach()
 
-    def step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], probe: bool) -> StepResult:
+    def step(self, batches: Iterator[Batch], probe: bool) -> StepResult:
         clock = self.clock
         clock.mark("start")
         timer = CollectiveTimer(self.device) if probe and self.time_tp else None
         with timer or contextlib.nullcontext():
-            total, x, y = self._micro_batches(batches, probe)
+            total, last = self._micro_batches(batches, probe)
             if probe:
                 self.stage = "the probe pass (gradient sync)"
                 if timer:  # intercepted as the pass it repeats was, so the two compare
@@ -111,7 +115,7 @@ class Stepper:
                 # Restore the RNG afterwards: the probe must not shift later dropout masks.
                 devices = [self.device] if self.device.type == "cuda" else []
                 with torch.random.fork_rng(devices=devices, device_type=self.device.type):
-                    self._forward_backward(x, y, True, 0.0)
+                    self._forward_backward(last, True, 0.0)
                 clock.mark("probe")
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
@@ -136,26 +140,23 @@ class Stepper:
         clock.mark("optim")
         return StepResult(total, norm, clock.take(), probe, time.perf_counter(), finite, timer)
 
-    def _micro_batches(
-        self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], probe: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _micro_batches(self, batches: Iterator[Batch], probe: bool) -> tuple[torch.Tensor, Batch]:
         """Forward and backward of the step's micro-batches: (the summed loss, the last
         micro-batch, which the probe repeats)."""
         total = torch.zeros((), device=self.device)
+        batch: Batch = ()
         for a in range(self.grad_accum):
             self.stage = "data loading"
-            x, y = next(batches)
-            x = x.to(self.device, non_blocking=True)
-            y = y.to(self.device, non_blocking=True)
+            batch = tuple(t.to(self.device, non_blocking=True) for t in next(batches))
             self.clock.mark("data")
             last = a == self.grad_accum - 1
             sync = (last and not probe) or (self.sharded_accumulation and not last)
             self.stage = f"forward/backward of micro-batch {a + 1}/{self.grad_accum}" + (
                 " (gradient sync)" if sync else ""
             )
-            total += self._forward_backward(x, y, sync, 1.0 / self.grad_accum)
+            total += self._forward_backward(batch, sync, 1.0 / self.grad_accum)
             self.clock.mark("last" if last else "compute")
-        return total, x, y
+        return total, batch
 
 
 def by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -201,7 +202,7 @@ def mean_over_ranks(values: torch.Tensor) -> list[float]:
 def evaluate(
     model: torch.nn.Module,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    batches: Iterable[Batch],
     autocast: Callable[[], AbstractContextManager],
     device: torch.device,
 ) -> float:
@@ -209,9 +210,10 @@ def evaluate(
     model.eval()
     total = torch.zeros((), device=device)
     n = 0
-    for x, y in batches:
+    for batch in batches:
+        x, y, *rest = (t.to(device) for t in batch)
         with autocast():
-            total += loss_fn(model(x.to(device)), y.to(device)).float()
+            total += loss_fn(model(x, *rest), y).float()
         n += 1
     model.train()
     return mean_over_ranks(total / max(n, 1))[0]
