@@ -1,7 +1,7 @@
 """Pretrained Hugging Face weights in sharded training, and back out: real 2-process gloo
-runs. The weights load into the DDP-wrapped and the FSDP2-sharded model with the logits
-transformers gives, each FSDP rank reading about half of them; then a corpus prepared with
-`trainwise data prepare` trains a few steps under FSDP from `hf:DIR`, `trainwise export
+runs. The weights load into the DDP-wrapped, the FSDP2-sharded and the 2-way tensor-parallel
+model with the logits transformers gives, each FSDP or TP rank reading about half of them; then a corpus prepared with
+`trainwise data prepare` trains a few steps under FSDP (and TP) from `hf:DIR`, `trainwise export
 --format hf` writes the result, and transformers' from_pretrained gives the trained logits.
 """
 
@@ -26,20 +26,42 @@ RUNS = ("ddp:transformers", "ddp:trainwise", "fsdp:transformers", "fsdp:trainwis
 WORKER = Path(__file__).with_name("pretrained_worker.py")
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
-    """One torchrun launch of 2 workers that loads the model under every RUNS entry."""
-    root = tmp_path_factory.mktemp("pretrained")
-    folder = tiny_llama(root / "llama", max_shard_size="30KB")  # several files, an index
+def _launch(root: Path, vocab: int, runs: tuple[str, ...]) -> tuple[Path, Path, list[dict]]:
+    """One torchrun launch of 2 workers that loads the model under every entry of `runs`."""
+    folder = tiny_llama(root / "llama", max_shard_size="30KB", vocab=vocab)  # several files
     out = root / "out"
     out.mkdir()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--standalone", str(WORKER), str(folder), str(out), *RUNS],
+         "--standalone", str(WORKER), str(folder), str(out), *runs],
         env=cli_env(), capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return folder, out, [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
+    return _launch(tmp_path_factory.mktemp("pretrained"), 97, RUNS)
+
+
+@pytest.fixture(scope="module")
+def tp_loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
+    """The same under 2-way tensor parallelism (the vocabulary divides by 2)."""
+    return _launch(tmp_path_factory.mktemp("pretrained_tp"), 98, ("tp:trainwise",))
+
+
+def test_tensor_parallel_load_equals_transformers_and_reads_slices(tp_loaded):
+    folder, out, results = tp_loaded
+    want = torch.load(folder / "logits.pt")
+    for rank in (0, 1):
+        got = torch.load(out / f"tp-trainwise-rank{rank}.pt")
+        assert torch.allclose(got, want, atol=1e-5, rtol=0), (rank, (got - want).abs().max())
+    total, largest = _weights(folder)
+    reads = [r["tp:trainwise"]["bytes_read"] for r in results]
+    # Column and row splits of the projections and the vocabulary; the norms are whole on
+    # every rank (small): about half of the weights each, at most one tensor more.
+    assert all(0 < b <= total / 2 + largest for b in reads), (reads, total)
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -88,42 +110,55 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     )
     assert res.returncode == 0, res.stderr
     tiny_llama(root / "llama", tie=True, vocab=257)  # the byte tokenizer's vocabulary
+    tiny_llama(root / "llama-tp", tie=True, vocab=258)  # one that 2-way TP divides
     exports = {}
-    for impl in ("transformers", "trainwise"):
+    for name, (impl, layout) in TRAINED.items():
         res = run_cli(
-            "train", "--nproc", "2", "--strategy", "fsdp", "--steps", "3", "--run-dir", impl,
-            "--set", "model.name='hf:llama'", "--set", f"model.impl={impl}",
+            "train", "--nproc", "2", *layout, "--steps", "3", "--run-dir", name,
+            "--set", f"model.name='hf:{_llama(name)}'", "--set", f"model.impl={impl}",
             "--set", "data.dataset=tokens", "--set", "data.path=corpus", "--set", "data.seq_len=16",
             "--set", "data.micro_batch=4", "--set", "optim.lr=0.01", *QUIET, cwd=root,
         )
         assert res.returncode == 0, res.stderr[-3000:]
         res = run_cli(
-            "export", impl, "--format", "hf", "-o", f"{impl}-hf", "--shard-size", "40KB", cwd=root
+            "export", name, "--format", "hf", "-o", f"{name}-hf", "--shard-size", "40KB", cwd=root
         )
         assert res.returncode == 0, res.stderr[-3000:]
-        exports[impl] = root / impl
+        exports[name] = root / name
     return exports
 
 
-@pytest.mark.parametrize("impl", ["transformers", "trainwise"])
-def test_export_loads_in_transformers_with_the_trained_logits(trained, impl):
+# run name -> (model.impl, layout): FSDP under both implementations, and 2-way TP.
+TRAINED = {
+    "transformers": ("transformers", ("--strategy", "fsdp")),
+    "trainwise": ("trainwise", ("--strategy", "fsdp")),
+    "tp": ("trainwise", ("--set", "parallel.tp=2")),
+}
+
+
+def _llama(name: str) -> str:
+    return "llama-tp" if name == "tp" else "llama"
+
+
+@pytest.mark.parametrize("name", list(TRAINED))
+def test_export_loads_in_transformers_with_the_trained_logits(trained, name):
     from trainwise.models import ModelSpec, build_model
     from trainwise.run.export import load_model_state, resolve_checkpoint
 
-    run = trained[impl]
+    run, impl, llama = trained[name], TRAINED[name][0], _llama(name)
     root = run.parent
-    out = root / f"{impl}-hf"
+    out = root / f"{name}-hf"
     assert (out / "model.safetensors.index.json").is_file() and (out / "config.json").is_file()
     assert len(list(out.glob("model-*.safetensors"))) > 1
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     # The trained model: the checkpoint's weights in the model trainwise trained.
-    spec = ModelSpec(name=f"hf:{root / 'llama'}", seq_len=16, impl=impl, init="random")
+    spec = ModelSpec(name=f"hf:{root / llama}", seq_len=16, impl=impl, init="random")
     model = build_model(spec).module.eval()
     model.load_state_dict(load_model_state(resolve_checkpoint(run)), strict=True)
-    idx = torch.load(root / "llama" / "idx.pt")
+    idx = torch.load(root / llama / "idx.pt")
     with torch.no_grad():
         got, want = hf(input_ids=idx).logits, model(idx)
-        original = torch.load(root / "llama" / "logits.pt")
+        original = torch.load(root / llama / "logits.pt")
     assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
     assert not torch.allclose(got, original, atol=1e-3)  # training moved the weights
 
