@@ -9,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean finetune
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/trainwise train
+
+# Fine-tune a Hugging Face model end to end (no download): examples/finetune/run.py.
+finetune: $(STAMP)
+	$(BIN)/python examples/finetune/run.py --out runs/finetune-example
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
