@@ -23,7 +23,8 @@ NOT_LINEAGE = ("model.init",)
 # Single keys of the other sections; the data's global batch is the job's (derived).
 LINEAGE_KEYS = (
     "data.dataset", "data.path", "data.seq_len", "data.val_fraction", "data.vocab_size",
-    "data.synthetic_tokens", "train.seed", "train.grad_clip", "precision.dtype",
+    "data.synthetic_tokens", "data.format", "data.packing", "train.seed", "train.grad_clip",
+    "precision.dtype",
     "precision.reduce_dtype",
 )
 
