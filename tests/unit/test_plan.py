@@ -210,7 +210,7 @@ def test_activation_bytes_per_token_by_hand_fp32():
     per = activation_bytes_per_token(SHAPE, "fp32", autocast=False)
     assert per == {
         "layer": 552, "block_input": 32, "head": 256, "working_set": 288,
-        "norms": 128, "head_norm": 64, "residual": 32, "linear_input": 32,
+        "norms": 128, "head_norm": 64, "residual": 32,
     }
 
 

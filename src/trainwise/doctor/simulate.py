@@ -63,34 +63,28 @@ def simulate_step(
     ac: str = "none",
     reduce_dtype: str = "fp32",
     optimizer: str = "adamw",
-    tp: int = 1,
 ) -> Simulation:
     """The peak of one steady-state training step of a GPT of `shape` under `strategy`
-    (one of SIMULATED) on rank 0 of `world`; with `tp` > 1, `strategy` is the data-parallel
-    part over world / tp ranks and each tensor-parallel group of `tp` ranks runs the GPT's
-    TP plan (sequence parallel), as the runtime does."""
+    (one of SIMULATED) on rank 0 of `world`."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
+    from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from trainwise.config.schema import OptimConfig
     from trainwise.models.gpt import GPT
-    from trainwise.models.gpt_parallel import gpt_tp_plan
     from trainwise.models.registry import cross_entropy_loss
-    from trainwise.run.loop import clip_grads, total_grad_norm
     from trainwise.run.optim import build_optimizer
     from trainwise.run.parallelize import parallelize
     from trainwise.run.precision import autocast_context
-    from trainwise.run.trainer import loss_context
 
     if strategy not in SIMULATED:
         raise ValueError(f"cannot simulate {strategy!r}; simulated: {', '.join(SIMULATED)}")
-    world = tp if strategy == "single" else world
-    dims = layout(strategy, world, tp)
-    sharded = dims.fsdp or dims.tp > 1  # parallelized on meta, before the fakes
+    world = 1 if strategy == "single" else world
+    dims = ParallelDims.from_plan_name(strategy, world, world)
     seq = seq_len or shape.max_seq_len
     shape = replace(shape, max_seq_len=max(seq, shape.max_seq_len))
     device = torch.device("cpu")
@@ -103,11 +97,10 @@ def simulate_step(
         with torch.device("meta"):
             model = GPT(shape)
         blocks = list(model.blocks)
-        if sharded:
-            plan = gpt_tp_plan(model, sequence_parallel=True) if dims.tp > 1 else None
+        if dims.fsdp:
             model = parallelize(
                 model, blocks, dims, device=device, precision=precision,
-                reduce_dtype=reduce_dtype, ac=ac, tp_plan=plan,
+                reduce_dtype=reduce_dtype, ac=ac,
             )
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=device)
@@ -120,11 +113,8 @@ def simulate_step(
             else:
                 tracker = MemTracker()
                 tracker.track_external(model, x, y)
-                if sharded:  # tensor parallelism alone
-                    opt = build_optimizer(model, optim_cfg)
-                    tracker.track_external(opt)
             with tracker:
-                if not sharded:
+                if not dims.fsdp:
                     # DDP inside the tracker so that its buckets are seen (as "Other").
                     before = {id(w) for w, _ in tracker._WINFO.values()}
                     model = parallelize(
@@ -137,11 +127,14 @@ def simulate_step(
                 for _ in range(STEPS):
                     _reset_peak(tracker)
                     # The loop's step (run.loop.Stepper) without its data-dependent branches.
-                    with autocast_context(dims.fsdp, precision, device), loss_context(dims.tp):
+                    with autocast_context(dims.fsdp, precision, device):
                         loss = cross_entropy_loss(model(x), y)
-                        loss.backward()
+                    loss.backward()
                     params = [p for p in model.parameters() if p.grad is not None]
-                    clip_grads(params, 1.0, total_grad_norm(params))  # per mesh, as the loop
+                    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+                    if isinstance(norm, DTensor):
+                        norm = norm.full_tensor()
+                    torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm)
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     del loss
@@ -153,17 +146,6 @@ def simulate_step(
         if name != "Total":
             parts[PART[name]] += int(value)
     return Simulation(strategy, world, int(snapshot.get("Total", sum(parts.values()))), parts)
-
-
-def layout(strategy: str, world: int, tp: int = 1) -> ParallelDims:
-    """The layout simulated: the planner's data-parallel row `strategy` over world / tp
-    ranks, tensor parallelism inside each group of `tp`."""
-    if tp == 1:
-        return ParallelDims.from_plan_name(strategy, world, world)
-    dp = world // tp
-    if strategy in ("single", "ddp"):
-        return ParallelDims(dp_replicate=dp, tp=tp).runnable()
-    return ParallelDims(1, dp, tp, fsdp=True, reshard_after_forward=strategy == "fsdp-full")
 
 
 @contextlib.contextmanager
@@ -237,9 +219,8 @@ def _reset_peak(tracker) -> None:
 
 def simulate_plan(plan, progress=None) -> list[dict]:
     """Simulate each strategy of `plan` that one fake rank can play, at the plan's GPU
-    count, precision and per-GPU micro-batch, and the recommendation when it uses tensor
-    parallelism; beside each, the formula for the same kernels (this machine's) and the
-    plan's own figure (the target GPU's kernels and overhead)."""
+    count, precision and per-GPU micro-batch; beside each, the formula for the same kernels
+    (this machine's) and the plan's own figure (the target GPU's kernels and overhead)."""
     from trainwise.plan.memory import estimate_memory
 
     inputs = plan.inputs
@@ -272,31 +253,4 @@ def simulate_plan(plan, progress=None) -> list[dict]:
                 "parts": sim.parts,
             }
         )
-    choice = plan.recommendation.choice if plan.recommendation else None
-    if choice is not None and choice.dims.tp > 1 and choice.dims.plan_name in SIMULATED:
-        rows.append(_simulate_choice(choice, w, progress))
     return rows
-
-
-def _simulate_choice(choice, w, progress) -> dict:
-    """The recommended tensor-parallel layout, simulated and priced alike."""
-    from trainwise.plan.estimate import knob_workload, layout_name, setup_memory
-
-    setup, dims = choice.setup, choice.dims
-    name = layout_name(dims)
-    if progress:
-        progress(f"simulating {name} on {dims.world} fake ranks ...")
-    sim = simulate_step(
-        w.shape, dims.plan_name, dims.world, w.precision, setup.micro_batch, w.seq_len,
-        setup.ac, w.reduce_dtype, w.optimizer, tp=dims.tp,
-    )
-    here = setup_memory(knob_workload(w, setup.micro_batch, setup.ac), setup, "cpu")
-    return {
-        "strategy": name,
-        "gpus": dims.world,
-        "simulated_peak_bytes": sim.peak_bytes,
-        "formula_peak_bytes": int(here.total),
-        "gap": (here.total - sim.peak_bytes) / sim.peak_bytes,
-        "plan_total_bytes": int(choice.plan.memory.total),
-        "parts": sim.parts,
-    }

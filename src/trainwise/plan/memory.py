@@ -144,7 +144,6 @@ def activation_bytes_per_token(
     return {
         "layer": attn + mlp, "block_input": r * h, "head": head, "working_set": working,
         "norms": 2 * norm, "head_norm": norm, "residual": r * h,
-        "linear_input": e * h,  # what a norm hands the projection after it
     }
 
 

@@ -10,11 +10,9 @@ Activations (Korthikanti et al., 2022, "Reducing Activation Recomputation in Lar
 Transformer Models", Table 2): per layer s·b·h·(10 + 24/t) with tensor parallelism alone
 (the norms' inputs and outputs and the dropouts stay replicated) and s·b·h·34/t with
 sequence parallelism, which splits the norm regions over the sequence. Adapted to
-trainwise's block (memory.activation_bytes_per_token, SDPA instead of unfused attention)
-and to PyTorch's DTensor: with sequence parallelism every saved tensor is divided by `t`
-but the inputs of the column-parallel projections (after attention's and the MLP's norm,
-and the head's), which DTensor saves as it gathered them, whole (Megatron gathers them again
-in backward instead); without it the norms' share is kept whole. The loss is vocabulary-parallel (torchtitan's loss_parallel), so the
+trainwise's block (memory.activation_bytes_per_token, SDPA instead of unfused attention):
+with sequence parallelism every saved tensor is divided by `t`; without it the norms'
+share is kept whole. The loss is vocabulary-parallel (torchtitan's loss_parallel), so the
 head's saved logits are divided by `t` either way.
 
 Communication (ibid., section 4.2.2): each block runs two all-reduces forward (after the
@@ -54,10 +52,8 @@ def norm_size(shape: GPTShape) -> int:
 
 
 def norm_params(shape: GPTShape) -> int:
-    """The parameters TP replicates: every block's two norms and the final one, and a
-    learned position table (added to the whole sequence, outside the plan)."""
-    positions = shape.max_seq_len * shape.d_model if shape.pos == "learned" else 0
-    return norm_size(shape) * (2 * shape.n_layer + 1) + positions
+    """The parameters TP replicates: every block's two norms and the final one."""
+    return norm_size(shape) * (2 * shape.n_layer + 1)
 
 
 def params_per_rank(params: float, shape: GPTShape | None, tp: int) -> float:
@@ -73,11 +69,7 @@ def activation_split(per: dict, tp: int, sequence_parallel: bool) -> dict:
     if tp == 1:
         return per
     if sequence_parallel:
-        out = {key: value / tp for key, value in per.items()}
-        gathered = per["linear_input"]  # whole on every rank (see above)
-        out["layer"] += 2 * gathered * (1 - 1 / tp)
-        out["head"] += gathered * (1 - 1 / tp)
-        return out
+        return {key: value / tp for key, value in per.items()}
     norms = per["norms"]  # the norm regions, which TP alone leaves whole
     return {
         "layer": norms + (per["layer"] - norms) / tp,
