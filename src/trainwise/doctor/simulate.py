@@ -251,30 +251,32 @@ def _reset_peak(tracker) -> None:
 
 
 def simulate_plan(plan, progress=None) -> list[dict]:
-    """Simulate each strategy of `plan` that one fake rank can play, at the plan's GPU
-    count, precision and per-GPU micro-batch; beside each, the formula for the same kernels
-    (this machine's) and the plan's own figure (the target GPU's kernels and overhead)."""
-    from trainwise.plan.memory import estimate_memory
+    """Simulate each row of `plan`'s tables that one fake rank can play (the named
+    strategies, and the chosen configuration when it is none of them: a tensor-parallel
+    layout, say), at its GPU count, precision, per-GPU micro-batch and checkpointing; beside
+    each, the formula for the same kernels (this machine's) and the plan's own figure (the
+    target GPU's kernels and overhead)."""
+    from trainwise.plan.estimate import knob_workload, setup_memory
+    from trainwise.report.plan_view import table_plans
 
-    inputs = plan.inputs
-    w = inputs.workload
+    w = plan.inputs.workload
     if w.shape is None:
         raise ValueError("a bare parameter count has no model to simulate")
     rows = []
-    for s in plan.strategies:
-        if s.name not in SIMULATED:
+    for _, s in table_plans(plan):
+        setup = _setup(s, w.ac)
+        if not simulated(setup.dims):
             continue
+        dims = setup.dims
         if progress:
-            progress(f"simulating {s.name} on {s.gpus} fake ranks ...")
-        sim = simulate_step(
-            w.shape, s.name, s.gpus, w.precision, s.micro_batch, w.seq_len, w.ac,
-            w.reduce_dtype, w.optimizer,
+            progress(f"simulating {s.name} on {dims.world} fake ranks ...")
+        sim = simulate_layout(
+            w.shape, dims, w.precision, setup.micro_batch, w.seq_len, setup.ac,
+            w.reduce_dtype, w.optimizer, setup.sequence_parallel,
         )
-        dims = ParallelDims.from_plan_name(s.name, s.gpus, s.gpus)
-        here = estimate_memory(
-            replace(w, micro_batch=s.micro_batch), dims.strategy, s.gpus, shard=dims.shard,
-            device="cpu",
-        )
+        # The simulation runs one micro-batch a step: the formula without accumulation.
+        one = replace(setup, grad_accum=1)
+        here = setup_memory(knob_workload(w, setup.micro_batch, setup.ac), one, "cpu")
         rows.append(
             {
                 "strategy": s.name,
@@ -287,3 +289,18 @@ def simulate_plan(plan, progress=None) -> list[dict]:
             }
         )
     return rows
+
+
+def simulated(dims: ParallelDims) -> bool:
+    """Whether one fake rank can play the layout: no CPU offload (host memory is not
+    tracked); the data-parallel layouts of SIMULATED, any of them with tensor parallelism."""
+    return not dims.cpu_offload and (dims.plan_name in SIMULATED or dims.tp > 1)
+
+
+def _setup(s, ac: str):
+    """The configuration a row priced (a row built by hand: its named layout)."""
+    from trainwise.plan.estimate import Setup
+
+    if s.setup is not None:
+        return s.setup
+    return Setup(ParallelDims.from_plan_name(s.name, s.gpus, s.gpus), ac, s.micro_batch, 1)
