@@ -90,8 +90,8 @@ def simulate_layout(
     optimizer: str = "adamw",
     sequence_parallel: bool = True,
 ) -> Simulation:
-    """simulate_step for a layout (ParallelDims) without CPU offload: its mesh over the
-    fake process group of dims.world ranks, tensor parallelism with the GPT's own plan."""
+    """simulate_step for a layout (one that `simulated` accepts): its mesh over the fake
+    process group of dims.world ranks, tensor parallelism with the GPT's own plan."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -109,8 +109,8 @@ def simulate_layout(
     from trainwise.run.precision import autocast_context
     from trainwise.run.trainer import local_loss, loss_context
 
-    if dims.cpu_offload:
-        raise ValueError("cannot simulate cpu offload (host memory is not tracked)")
+    if not simulated(dims):
+        raise ValueError(f"cannot simulate {layout_name(dims)}; simulated: {', '.join(SIMULATED)}")
     world = dims.world
     seq = seq_len or shape.max_seq_len
     shape = replace(shape, max_seq_len=max(seq, shape.max_seq_len))
@@ -250,20 +250,19 @@ def _reset_peak(tracker) -> None:
     tracker._peak_mem = {d: s["Total"] for d, s in tracker._peak_mem_snap.items()}
 
 
-def simulate_plan(plan, progress=None) -> list[dict]:
-    """Simulate each row of `plan`'s tables that one fake rank can play (the named
-    strategies, and the chosen configuration when it is none of them: a tensor-parallel
-    layout, say), at its GPU count, precision, per-GPU micro-batch and checkpointing; beside
-    each, the formula for the same kernels (this machine's) and the plan's own figure (the
-    target GPU's kernels and overhead)."""
+def simulate_plan(plan, progress=None, rows: list | None = None) -> list[dict]:
+    """Simulate each of `rows` (default: the plan's named strategies; the CLI passes the
+    rows its tables print, the chosen configuration among them, tensor-parallel or not)
+    that one fake rank can play, at its GPU count, precision, per-GPU micro-batch and
+    checkpointing; beside each, the formula for the same kernels (this machine's) and the
+    plan's own figure (the target GPU's kernels and overhead)."""
     from trainwise.plan.estimate import knob_workload, setup_memory
-    from trainwise.report.plan_view import table_plans
 
     w = plan.inputs.workload
     if w.shape is None:
         raise ValueError("a bare parameter count has no model to simulate")
-    rows = []
-    for _, s in table_plans(plan):
+    out = []
+    for s in plan.strategies if rows is None else rows:
         setup = _setup(s, w.ac)
         if not simulated(setup.dims):
             continue
@@ -277,7 +276,7 @@ def simulate_plan(plan, progress=None) -> list[dict]:
         # The simulation runs one micro-batch a step: the formula without accumulation.
         one = replace(setup, grad_accum=1)
         here = setup_memory(knob_workload(w, setup.micro_batch, setup.ac), one, "cpu")
-        rows.append(
+        out.append(
             {
                 "strategy": s.name,
                 "gpus": s.gpus,
@@ -288,13 +287,14 @@ def simulate_plan(plan, progress=None) -> list[dict]:
                 "parts": sim.parts,
             }
         )
-    return rows
+    return out
 
 
 def simulated(dims: ParallelDims) -> bool:
-    """Whether one fake rank can play the layout: no CPU offload (host memory is not
-    tracked); the data-parallel layouts of SIMULATED, any of them with tensor parallelism."""
-    return not dims.cpu_offload and (dims.plan_name in SIMULATED or dims.tp > 1)
+    """Whether one fake rank can play the layout: the data-parallel layouts of SIMULATED,
+    with tensor parallelism or without (not hsdp: FSDP2's replication fails on the fake
+    process group; not cpu offload: host memory is not tracked)."""
+    return dims.plan_name in SIMULATED
 
 
 def _setup(s, ac: str):
