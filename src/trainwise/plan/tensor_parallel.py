@@ -2,18 +2,23 @@
 block's matmuls hold, send and compute. The one place for the TP formulas.
 
 Memory. The attention and MLP projections are split column- then row-wise over the `tp`
-ranks, the embedding and the head over the vocabulary (torchtitan's Llama plan); only the
-norms stay replicated. So parameters, gradients and optimizer state are divided by `tp`
-except the norms'.
+ranks, the embedding and the head over the vocabulary (torchtitan's Llama plan); the
+norms, the row-parallel projections' biases (added once the partial sums are reduced) and
+learned position embeddings stay replicated. So parameters, gradients and optimizer state
+are divided by `tp` except those.
 
 Activations (Korthikanti et al., 2022, "Reducing Activation Recomputation in Large
 Transformer Models", Table 2): per layer s·b·h·(10 + 24/t) with tensor parallelism alone
 (the norms' inputs and outputs and the dropouts stay replicated) and s·b·h·34/t with
 sequence parallelism, which splits the norm regions over the sequence. Adapted to
-trainwise's block (memory.activation_bytes_per_token, SDPA instead of unfused attention):
-with sequence parallelism every saved tensor is divided by `t`; without it the norms'
+trainwise's block (memory.activation_bytes_per_token, SDPA instead of unfused attention)
+and to DTensor's sequence parallelism, measured with `trainwise plan --simulate`: every
+saved tensor is divided by `t` except each norm's output, which is all-gathered before
+the column-parallel linears and saved whole by them (Megatron-LM saves the shard and
+gathers again in backward; DTensor does not). Without sequence parallelism the norms'
 share is kept whole. The loss is vocabulary-parallel (torchtitan's loss_parallel), so the
-head's saved logits are divided by `t` either way.
+head's logits are divided by `t` either way, but its decomposed ops hold
+LOSS_PARALLEL_TENSORS shard-sized tensors where the fused loss holds three.
 
 Communication (ibid., section 4.2.2): each block runs two all-reduces forward (after the
 attention and after the MLP) and two backward, each of s·b·h activations; with sequence
