@@ -206,11 +206,12 @@ def test_activation_bytes_per_token_by_hand_fp32():
     # Head: norm 64 + log-softmax and two gradients of the fp32 loss 3x4x16 = 192 -> 256.
     # Working set of a block's backward: 2x4x32 + 4x8 = 288.
     # The parts tensor parallelism alone keeps whole: the two norms 2 x 64 = 128, the
-    # head's norm 64, the residual 32.
+    # head's norm 64, the residual 32; what sequence parallelism all-gathers: a norm's
+    # output 4x8 = 32; one loss tensor 4x16 = 64.
     per = activation_bytes_per_token(SHAPE, "fp32", autocast=False)
     assert per == {
         "layer": 552, "block_input": 32, "head": 256, "working_set": 288,
-        "norms": 128, "head_norm": 64, "residual": 32,
+        "norms": 128, "head_norm": 64, "residual": 32, "gathered": 32, "loss": 64,
     }
 
 

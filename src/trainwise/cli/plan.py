@@ -238,8 +238,10 @@ def run(args: argparse.Namespace) -> int:
     simulation = None
     if args.simulate:
         from trainwise.doctor.simulate import simulate_plan
+        from trainwise.report.plan_view import table_plans
 
-        simulation = simulate_plan(plan, lambda line: print(line, file=sys.stderr))
+        rows = [s for _, s in table_plans(plan)]  # the rows the tables print
+        simulation = simulate_plan(plan, lambda line: print(line, file=sys.stderr), rows)
     if args.html:
         from trainwise.report.plan_html import render_html
 

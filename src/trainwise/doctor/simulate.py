@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import GPTShape
+from trainwise.plan.estimate import layout_name
 
 SIMULATED = ("single", "ddp", "fsdp-grad-op", "fsdp-full")  # what one fake rank can play
 STEPS = 2
@@ -63,32 +64,61 @@ def simulate_step(
     ac: str = "none",
     reduce_dtype: str = "fp32",
     optimizer: str = "adamw",
+    tp: int = 1,
 ) -> Simulation:
     """The peak of one steady-state training step of a GPT of `shape` under `strategy`
-    (one of SIMULATED) on rank 0 of `world`."""
+    (one of SIMULATED) on rank 0 of `world`, with `tp`-way tensor parallelism (sequence
+    parallel) inside each data-parallel rank when tp > 1."""
+    if strategy not in SIMULATED:
+        raise ValueError(f"cannot simulate {strategy!r}; simulated: {', '.join(SIMULATED)}")
+    world = tp if strategy == "single" else world
+    dp = world // tp
+    dims = replace(ParallelDims.from_plan_name(strategy, dp, dp), tp=tp).runnable()
+    return simulate_layout(
+        shape, dims, precision, micro_batch, seq_len, ac, reduce_dtype, optimizer
+    )
+
+
+def simulate_layout(
+    shape: GPTShape,
+    dims: ParallelDims,
+    precision: str = "fp32",
+    micro_batch: int = 1,
+    seq_len: int | None = None,
+    ac: str = "none",
+    reduce_dtype: str = "fp32",
+    optimizer: str = "adamw",
+    sequence_parallel: bool = True,
+) -> Simulation:
+    """simulate_step for a layout (one that `simulated` accepts): its mesh over the fake
+    process group of dims.world ranks, tensor parallelism with the GPT's own plan."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
-    from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from trainwise.config.schema import OptimConfig
     from trainwise.models.gpt import GPT
+    from trainwise.models.gpt_parallel import gpt_tp_plan
     from trainwise.models.registry import cross_entropy_loss
+    from trainwise.run.loop import clip_grads, total_grad_norm
     from trainwise.run.optim import build_optimizer
     from trainwise.run.parallelize import parallelize
     from trainwise.run.precision import autocast_context
+    from trainwise.run.trainer import local_loss, loss_context
 
-    if strategy not in SIMULATED:
-        raise ValueError(f"cannot simulate {strategy!r}; simulated: {', '.join(SIMULATED)}")
-    world = 1 if strategy == "single" else world
-    dims = ParallelDims.from_plan_name(strategy, world, world)
+    if not simulated(dims):
+        raise ValueError(f"cannot simulate {layout_name(dims)}; simulated: {', '.join(SIMULATED)}")
+    world = dims.world
     seq = seq_len or shape.max_seq_len
     shape = replace(shape, max_seq_len=max(seq, shape.max_seq_len))
     device = torch.device("cpu")
     optim_cfg = OptimConfig(name=optimizer)
+    loss_fn = local_loss(cross_entropy_loss)
+    # The model is a DTensor one (tracked by FSDPMemTracker) unless it is plain or DDP's.
+    dtensors = dims.fsdp or dims.tp > 1
     warnings.filterwarnings("ignore", message="DTensor random operators")
 
     with _fake_world(dist, FakeStore, world), _ddp_on_fake_tensors():
@@ -97,24 +127,29 @@ def simulate_step(
         with torch.device("meta"):
             model = GPT(shape)
         blocks = list(model.blocks)
-        if dims.fsdp:
+        if dtensors:
+            tp_plan = gpt_tp_plan(model, sequence_parallel) if dims.tp > 1 else None
             model = parallelize(
                 model, blocks, dims, device=device, precision=precision,
-                reduce_dtype=reduce_dtype, ac=ac,
+                reduce_dtype=reduce_dtype, ac=ac, tp_plan=tp_plan,
             )
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=device)
+            # A tensor-parallel group reads the same micro-batch on every rank.
             x = torch.randint(0, shape.vocab_size, (micro_batch, seq))
             y = torch.randint(0, shape.vocab_size, (micro_batch, seq))
-            if dims.fsdp:
+            if dtensors:
                 opt = build_optimizer(model, optim_cfg)
-                tracker = FSDPMemTracker(model, opt)
-                tracker.track_inputs((x, y))
+                tracker = FSDPMemTracker(model, opt) if dims.fsdp else MemTracker()
+                if dims.fsdp:
+                    tracker.track_inputs((x, y))
+                else:
+                    tracker.track_external(model, opt, x, y)
             else:
                 tracker = MemTracker()
                 tracker.track_external(model, x, y)
             with tracker:
-                if not dims.fsdp:
+                if not dtensors:
                     # DDP inside the tracker so that its buckets are seen (as "Other").
                     before = {id(w) for w, _ in tracker._WINFO.values()}
                     model = parallelize(
@@ -127,14 +162,11 @@ def simulate_step(
                 for _ in range(STEPS):
                     _reset_peak(tracker)
                     # The loop's step (run.loop.Stepper) without its data-dependent branches.
-                    with autocast_context(dims.fsdp, precision, device):
-                        loss = cross_entropy_loss(model(x), y)
-                    loss.backward()
+                    with loss_context(dims.tp, autocast_context(dims.fsdp, precision, device)):
+                        loss = loss_fn(model(x), y)
+                        loss.backward()
                     params = [p for p in model.parameters() if p.grad is not None]
-                    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-                    if isinstance(norm, DTensor):
-                        norm = norm.full_tensor()
-                    torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm)
+                    clip_grads(params, 1.0, total_grad_norm(params))
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     del loss
@@ -142,10 +174,11 @@ def simulate_step(
                     tracker.reset_mod_stats()
     parts = dict.fromkeys(("params", "grads", "optimizer", "activations", "buffers"), 0)
     for key, value in snapshot.items():
-        name = getattr(key, "value", key)
-        if name != "Total":
-            parts[PART[name]] += int(value)
-    return Simulation(strategy, world, int(snapshot.get("Total", sum(parts.values()))), parts)
+        part = getattr(key, "value", key)
+        if part != "Total":
+            parts[PART[part]] += int(value)
+    peak = int(snapshot.get("Total", sum(parts.values())))
+    return Simulation(layout_name(dims), world, peak, parts)
 
 
 @contextlib.contextmanager
@@ -217,32 +250,33 @@ def _reset_peak(tracker) -> None:
     tracker._peak_mem = {d: s["Total"] for d, s in tracker._peak_mem_snap.items()}
 
 
-def simulate_plan(plan, progress=None) -> list[dict]:
-    """Simulate each strategy of `plan` that one fake rank can play, at the plan's GPU
-    count, precision and per-GPU micro-batch; beside each, the formula for the same kernels
-    (this machine's) and the plan's own figure (the target GPU's kernels and overhead)."""
-    from trainwise.plan.memory import estimate_memory
+def simulate_plan(plan, progress=None, rows: list | None = None) -> list[dict]:
+    """Simulate each of `rows` (default: the plan's named strategies; the CLI passes the
+    rows its tables print, the chosen configuration among them, tensor-parallel or not)
+    that one fake rank can play, at its GPU count, precision, per-GPU micro-batch and
+    checkpointing; beside each, the formula for the same kernels (this machine's) and the
+    plan's own figure (the target GPU's kernels and overhead)."""
+    from trainwise.plan.estimate import knob_workload, setup_memory
 
-    inputs = plan.inputs
-    w = inputs.workload
+    w = plan.inputs.workload
     if w.shape is None:
         raise ValueError("a bare parameter count has no model to simulate")
-    rows = []
-    for s in plan.strategies:
-        if s.name not in SIMULATED:
+    out = []
+    for s in plan.strategies if rows is None else rows:
+        setup = _setup(s, w.ac)
+        if not simulated(setup.dims):
             continue
+        dims = setup.dims
         if progress:
-            progress(f"simulating {s.name} on {s.gpus} fake ranks ...")
-        sim = simulate_step(
-            w.shape, s.name, s.gpus, w.precision, s.micro_batch, w.seq_len, w.ac,
-            w.reduce_dtype, w.optimizer,
+            progress(f"simulating {s.name} on {dims.world} fake ranks ...")
+        sim = simulate_layout(
+            w.shape, dims, w.precision, setup.micro_batch, w.seq_len, setup.ac,
+            w.reduce_dtype, w.optimizer, setup.sequence_parallel,
         )
-        dims = ParallelDims.from_plan_name(s.name, s.gpus, s.gpus)
-        here = estimate_memory(
-            replace(w, micro_batch=s.micro_batch), dims.strategy, s.gpus, shard=dims.shard,
-            device="cpu",
-        )
-        rows.append(
+        # The simulation runs one micro-batch a step: the formula without accumulation.
+        one = replace(setup, grad_accum=1)
+        here = setup_memory(knob_workload(w, setup.micro_batch, setup.ac), one, "cpu")
+        out.append(
             {
                 "strategy": s.name,
                 "gpus": s.gpus,
@@ -253,4 +287,20 @@ def simulate_plan(plan, progress=None) -> list[dict]:
                 "parts": sim.parts,
             }
         )
-    return rows
+    return out
+
+
+def simulated(dims: ParallelDims) -> bool:
+    """Whether one fake rank can play the layout: the data-parallel layouts of SIMULATED,
+    with tensor parallelism or without (not hsdp: FSDP2's replication fails on the fake
+    process group; not cpu offload: host memory is not tracked)."""
+    return dims.plan_name in SIMULATED
+
+
+def _setup(s, ac: str):
+    """The configuration a row priced (a row built by hand: its named layout)."""
+    from trainwise.plan.estimate import Setup
+
+    if s.setup is not None:
+        return s.setup
+    return Setup(ParallelDims.from_plan_name(s.name, s.gpus, s.gpus), ac, s.micro_batch, 1)

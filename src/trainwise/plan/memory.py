@@ -35,7 +35,7 @@ from functools import lru_cache
 
 from trainwise.models.shapes import GPTShape
 from trainwise.plan.precision import BYTES, MASTER_BYTES, OPTIMIZER_STATE_BYTES
-from trainwise.plan.tensor_parallel import activation_split, norm_size, params_per_rank
+from trainwise.plan.tensor_parallel import activation_split, block_replicated, params_per_rank
 
 # Assumption, not a measurement: a CUDA context with PyTorch's kernels loaded holds about
 # 0.5-1 GB, and the caching allocator's fragmentation typically costs a few percent of the
@@ -139,11 +139,13 @@ def activation_bytes_per_token(
     head = norm + 3 * loss * v
     # The gradients of a block's intermediates while it runs backward.
     working = e * f * (3 if shape.mlp == "swiglu" else 2) + r * h
-    # The norm regions and the residual, which tensor parallelism alone leaves whole
-    # (plan.tensor_parallel).
+    # What tensor parallelism splits otherwise (plan.tensor_parallel): the norm regions and
+    # the residual, which TP alone leaves whole; the linears' inputs after the norms, which
+    # sequence parallelism all-gathers (`gathered`, e·h a norm); one loss tensor (`loss`).
     return {
         "layer": attn + mlp, "block_input": r * h, "head": head, "working_set": working,
-        "norms": 2 * norm, "head_norm": norm, "residual": r * h,
+        "norms": 2 * norm, "head_norm": norm, "residual": r * h, "gathered": e * h,
+        "loss": loss * v,
     }
 
 
@@ -212,9 +214,9 @@ def block_params(w: Workload, tp: int = 1) -> tuple[float, float]:
         return float(w.params) / (w.units or 1) / tp, 0.0
     block = _one_block(w.shape)
     root = w.params - w.shape.n_layer * block
-    if tp > 1:  # each block's two norms are replicated, the rest split
-        norms = 2 * norm_size(w.shape)
-        block = norms + (block - norms) / tp
+    if tp > 1:  # each block's norms and row-parallel biases are replicated, the rest split
+        whole = block_replicated(w.shape)
+        block = whole + (block - whole) / tp
         root = params_per_rank(w.params, w.shape, tp) - w.shape.n_layer * block
     return float(block), float(root)
 

@@ -2,18 +2,23 @@
 block's matmuls hold, send and compute. The one place for the TP formulas.
 
 Memory. The attention and MLP projections are split column- then row-wise over the `tp`
-ranks, the embedding and the head over the vocabulary (torchtitan's Llama plan); only the
-norms stay replicated. So parameters, gradients and optimizer state are divided by `tp`
-except the norms'.
+ranks, the embedding and the head over the vocabulary (torchtitan's Llama plan); the
+norms, the row-parallel projections' biases (added once the partial sums are reduced) and
+learned position embeddings stay replicated. So parameters, gradients and optimizer state
+are divided by `tp` except those.
 
 Activations (Korthikanti et al., 2022, "Reducing Activation Recomputation in Large
 Transformer Models", Table 2): per layer s·b·h·(10 + 24/t) with tensor parallelism alone
 (the norms' inputs and outputs and the dropouts stay replicated) and s·b·h·34/t with
 sequence parallelism, which splits the norm regions over the sequence. Adapted to
-trainwise's block (memory.activation_bytes_per_token, SDPA instead of unfused attention):
-with sequence parallelism every saved tensor is divided by `t`; without it the norms'
+trainwise's block (memory.activation_bytes_per_token, SDPA instead of unfused attention)
+and to DTensor's sequence parallelism, measured with `trainwise plan --simulate`: every
+saved tensor is divided by `t` except each norm's output, which is all-gathered before
+the column-parallel linears and saved whole by them (Megatron-LM saves the shard and
+gathers again in backward; DTensor does not). Without sequence parallelism the norms'
 share is kept whole. The loss is vocabulary-parallel (torchtitan's loss_parallel), so the
-head's saved logits are divided by `t` either way.
+head's logits are divided by `t` either way, but its decomposed ops hold
+LOSS_PARALLEL_TENSORS shard-sized tensors where the fused loss holds three.
 
 Communication (ibid., section 4.2.2): each block runs two all-reduces forward (after the
 attention and after the MLP) and two backward, each of s·b·h activations; with sequence
@@ -42,6 +47,10 @@ from trainwise.plan.precision import BYTES
 # are 1/t as wide; Megatron-LM reports 77 % weak-scaling efficiency at t = 8 for whole
 # steps, communication included, so 0.97 per doubling for the GEMMs alone is mild).
 TP_EFFICIENCY_PER_DOUBLING = 0.97
+# Measured (`trainwise plan --simulate`): DTensor's loss_parallel runs log-softmax and the
+# NLL as decomposed ops on the vocabulary shards, and at the head's backward holds this many
+# shard-sized tensors a token (the fused kernel on a whole vocabulary: 3).
+LOSS_PARALLEL_TENSORS = 5
 TP_FORWARD = "tp forward all-reduce (or all-gather + reduce-scatter)"
 TP_BACKWARD = "tp backward all-reduce (or all-gather + reduce-scatter)"
 
@@ -51,16 +60,24 @@ def norm_size(shape: GPTShape) -> int:
     return shape.d_model * (2 if shape.norm == "layernorm" and shape.bias else 1)
 
 
-def norm_params(shape: GPTShape) -> int:
-    """The parameters TP replicates: every block's two norms and the final one."""
-    return norm_size(shape) * (2 * shape.n_layer + 1)
+def block_replicated(shape: GPTShape) -> int:
+    """Parameters of one block that TP replicates: its two norms, and the biases of the
+    row-parallel projections (out_proj, down), added after the partial sums are reduced."""
+    return 2 * norm_size(shape) + (2 * shape.d_model if shape.bias else 0)
+
+
+def replicated_params(shape: GPTShape) -> int:
+    """The parameters TP replicates: every block's (block_replicated), the final norm and
+    learned position embeddings (added to the whole sequence; not in the plan)."""
+    positions = shape.max_seq_len * shape.d_model if shape.pos == "learned" else 0
+    return shape.n_layer * block_replicated(shape) + norm_size(shape) + positions
 
 
 def params_per_rank(params: float, shape: GPTShape | None, tp: int) -> float:
-    """Parameters one TP rank holds: the norms whole, the rest divided by `tp`."""
+    """Parameters one TP rank holds: the replicated ones whole, the rest divided by `tp`."""
     if tp == 1:
         return float(params)
-    replicated = norm_params(shape) if shape is not None else 0
+    replicated = replicated_params(shape) if shape is not None else 0
     return replicated + (params - replicated) / tp
 
 
@@ -68,17 +85,22 @@ def activation_split(per: dict, tp: int, sequence_parallel: bool) -> dict:
     """memory.activation_bytes_per_token's figures on one of `tp` ranks (see above)."""
     if tp == 1:
         return per
+    # The loss on vocabulary shards: LOSS_PARALLEL_TENSORS of 1/t each where the head's
+    # figure has 3 (which the split below divides by t).
+    loss = (LOSS_PARALLEL_TENSORS - 3) * per["loss"] / tp
     if sequence_parallel:
-        return {key: value / tp for key, value in per.items()}
+        # Each norm's output is all-gathered before its linears, which save it whole.
+        gathered = per["gathered"] * (1 - 1 / tp)
+        out = {key: value / tp for key, value in per.items()}
+        out["layer"] += 2 * gathered
+        out["head"] += gathered + loss
+        return out
     norms = per["norms"]  # the norm regions, which TP alone leaves whole
     return {
+        **per,
         "layer": norms + (per["layer"] - norms) / tp,
-        "block_input": per["block_input"],
-        "head": per["head_norm"] + (per["head"] - per["head_norm"]) / tp,
+        "head": per["head_norm"] + (per["head"] - per["head_norm"]) / tp + loss,
         "working_set": per["residual"] + (per["working_set"] - per["residual"]) / tp,
-        "norms": norms,
-        "head_norm": per["head_norm"],
-        "residual": per["residual"],
     }
 
 
