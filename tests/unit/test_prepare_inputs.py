@@ -4,6 +4,7 @@ resumes to the same bytes as one never killed."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from test_prepare import DOCS, _bpe_tokenizer, _documents, _jsonl
 from helpers import cli_env, run_cli
 from trainwise.data import build_datasets
 from trainwise.data.prepare import BATCH, COMMIT_BATCHES, PAUSE_ENV, load_tokenizer, prepare
+from trainwise.data.progress_line import ProgressLine
 from trainwise.errors import DataError
 
 pa = pytest.importorskip("pyarrow")
@@ -161,6 +163,8 @@ def test_another_command_over_a_partial_output_starts_over(tmp_path: Path):
         (lambda d: _parquet(d / "a.parquet", {"text": ["x y"]}), ["--val-fraction", "0.7"],
          "--val-fraction 0.7"),
         (lambda d: None, [], "'a.parquet' does not exist"),
+        (lambda d: _parquet(d / "a.parquet", {"text": ["x y"]}), ["--workers", "0"],
+         "--workers 0: give at least 1"),
     ],
 )
 def test_bad_inputs_are_one_line(tmp_path: Path, make, args, message):
@@ -238,3 +242,38 @@ def test_chat_without_a_template_is_one_line(tmp_path: Path):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "has no chat template" in lines[0], proc.stderr
+
+
+def test_chat_records_read_alike_from_jsonl_and_parquet(tmp_path: Path):
+    tok = load_tokenizer(f"hf:{_chat_model_dir(tmp_path / 'model', CHATML)}")
+    rows = tmp_path / "chats.jsonl"
+    rows.write_text("".join(json.dumps({"messages": c, "id": i}) + "\n" for i, c in enumerate(CHATS)))
+    table = _parquet(tmp_path / "chats.parquet", {"messages": CHATS, "id": [0, 1]})
+    for name, src in (("j", rows), ("p", table)):
+        prepare([src], tmp_path / name, tok, messages_field="messages")
+    for f in ("tokens-00000.bin", "mask-00000.bin", "documents.bin"):
+        assert (tmp_path / "j" / f).read_bytes() == (tmp_path / "p" / f).read_bytes(), f
+
+
+class _Terminal(io.StringIO):
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_progress_line_on_a_terminal_only():
+    now = [0.0]
+    for tty, quiet in ((True, False), (False, False), (True, True)):
+        stream = _Terminal(tty)
+        line = ProgressLine(not quiet, stream, clock=lambda: now[0])
+        for doc in ("é" * 500_000, "x" * 1_000_000):  # 2 MB of UTF-8 in all
+            line.add(len(line.read(doc)) + 1)
+            now[0] += 1.0  # one second a document
+        line.close()
+        if tty and not quiet:
+            assert stream.getvalue().endswith("\rprepare: 2 records, 1,500,002 tokens, 1.0 MB/s\n")
+        else:
+            assert stream.getvalue() == ""
