@@ -277,3 +277,42 @@ def test_progress_line_on_a_terminal_only():
             assert stream.getvalue().endswith("\rprepare: 2 records, 1,500,002 tokens, 1.0 MB/s\n")
         else:
             assert stream.getvalue() == ""
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_examples_resume_cut_back_to_the_commit(tmp_path: Path, monkeypatch):
+    """A prepare of examples that dies after its first commit, having written more (mask
+    shards, example offsets, held-out part): run again, it cuts every file back to the commit
+    and ends with the bytes of a run never stopped."""
+    from trainwise.data import prepare as prepare_module
+
+    src = tmp_path / "ex.jsonl"
+    src.write_text("".join(json.dumps({"q": d, "a": d[::-1]}) + "\n" for d in MANY[: 2 * BATCH * COMMIT_BATCHES]))
+    tok = load_tokenizer("bytes")
+    args = dict(field="q", response_field="a", shard_tokens=50_000, val_fraction=0.05)
+    real_held_out = prepare_module._held_out
+    committed = BATCH * COMMIT_BATCHES
+
+    def crash_past_the_commit(position: int, fraction: float) -> bool:
+        if position == committed + 100:  # 100 records written after the first commit
+            raise _Crash
+        return real_held_out(position, fraction)
+
+    monkeypatch.setattr(prepare_module, "_held_out", crash_past_the_commit)
+    with pytest.raises(_Crash):
+        prepare([src], tmp_path / "out", tok, **args)
+    monkeypatch.setattr(prepare_module, "_held_out", real_held_out)
+    partial = tmp_path / "out.partial"
+    progress = json.loads((partial / "progress.json").read_text())
+    assert progress["items"] == committed
+    # more than the commit is on disk, for the resume to cut back
+    assert (partial / "documents.bin").stat().st_size > 8 * (progress["train"]["documents"] + 1)
+    messages = []
+    prepare([src], tmp_path / "out", tok, say=messages.append, **args)
+    assert messages == [f"trainwise: resuming the prepare in {partial} after {committed} records"]
+    prepare([src], tmp_path / "whole", tok, **args)
+    _same_output(tmp_path / "out", tmp_path / "whole")
+    assert len(list((tmp_path / "out").glob("mask-*.bin"))) > 1
