@@ -105,7 +105,7 @@ def prepare(
         train.restore(done["train"])
         if val is not None:
             val.restore(done["val"])
-    items = _items(paths, kinds, opts, chat)
+    items = _items(paths, kinds, opts, chat, skip=done["items"] if done else 0)
     meter = ProgressLine(progress)
     try:
         _write(items, tokenizer, opts, (train, val), workers, partial, key, done, meter)
@@ -161,17 +161,23 @@ def _resume_point(partial: Path, key: str, say: Callable[[str], None]) -> dict |
 
 
 def _items(
-    paths: list[Path], kinds: list[str], opts: Options, chat: Callable | None
+    paths: list[Path], kinds: list[str], opts: Options, chat: Callable | None, skip: int = 0
 ) -> Iterator[Any]:
     """Documents (str) or examples (Segments: text parts, counted or not) of every input,
-    in order."""
+    in order, after the first `skip` records (a resume: those are counted, not rendered)."""
+    position = 0
     for path, kind in zip(paths, kinds, strict=True):
         if kind == TEXT and not opts.examples:
-            yield path.read_text(encoding="utf-8")
+            position += 1
+            if position > skip:
+                yield path.read_text(encoding="utf-8")
             continue
         field = opts.messages_field or opts.field
         fields = [field] + ([opts.response_field] if opts.response_field else [])
         for where, record in read_records(path, kind, fields):
+            position += 1
+            if position <= skip:
+                continue
             if chat is not None:
                 yield chat(field_of(record, field, where, "--messages-field"), where)
             elif opts.response_field is None:
@@ -192,10 +198,10 @@ def _write(
     done: dict | None,
     meter: ProgressLine,
 ) -> None:
-    """Tokenize and write every item after the resume point, committing as it goes."""
+    """Tokenize and write the items (those after the resume point), committing as it goes."""
     skip = done["items"] if done else 0
     position, commits = skip, 0
-    batches = _batches(meter.read(item) for i, item in enumerate(items) if i >= skip)
+    batches = _batches(meter.read(item) for item in items)
     for encoded in _encoded(batches, tokenizer, opts.examples, workers):
         for ids, mask in encoded:
             held = opts.val_fraction and _held_out(position, opts.val_fraction)
