@@ -29,9 +29,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from trainwise.data.progress_line import ProgressLine
 from trainwise.data.shard_writer import Output
-from trainwise.data.shards import FORMAT, VERSION, dtype_for_vocab, write_index
+from trainwise.data.shards import DTYPES, FORMAT, VERSION, dtype_for_vocab, write_index
 from trainwise.data.sources import (
     TEXT,
     field_of,
@@ -265,9 +267,13 @@ def _init_worker(tokenizer: Tokenizer) -> None:
     _worker_tokenizer = tokenizer
 
 
-def _encode_in_worker(job: tuple[bool, list[Any]]) -> list[tuple[list[int], list[int] | None]]:
+def _encode_in_worker(job: tuple[bool, list[Any]]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """`encode` in a pool process; arrays, since pickling lists of ints back costs more
+    than tokenizing."""
     assert _worker_tokenizer is not None
-    return encode(_worker_tokenizer, *job)
+    dtype = DTYPES[dtype_for_vocab(_worker_tokenizer.vocab_size)]  # the shards' own
+    return [(np.asarray(ids, dtype), None if mask is None else np.asarray(mask, np.uint8))
+            for ids, mask in encode(_worker_tokenizer, *job)]
 
 
 def encode(
