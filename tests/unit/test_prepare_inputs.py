@@ -4,6 +4,7 @@ resumes to the same bytes as one never killed."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from test_prepare import DOCS, _bpe_tokenizer, _documents, _jsonl
 from helpers import cli_env, run_cli
 from trainwise.data import build_datasets
 from trainwise.data.prepare import BATCH, COMMIT_BATCHES, PAUSE_ENV, load_tokenizer, prepare
+from trainwise.data.progress_line import ProgressLine
 from trainwise.errors import DataError
 
 pa = pytest.importorskip("pyarrow")
@@ -161,6 +163,8 @@ def test_another_command_over_a_partial_output_starts_over(tmp_path: Path):
         (lambda d: _parquet(d / "a.parquet", {"text": ["x y"]}), ["--val-fraction", "0.7"],
          "--val-fraction 0.7"),
         (lambda d: None, [], "'a.parquet' does not exist"),
+        (lambda d: _parquet(d / "a.parquet", {"text": ["x y"]}), ["--workers", "0"],
+         "--workers 0: give at least 1"),
     ],
 )
 def test_bad_inputs_are_one_line(tmp_path: Path, make, args, message):
@@ -238,3 +242,77 @@ def test_chat_without_a_template_is_one_line(tmp_path: Path):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "has no chat template" in lines[0], proc.stderr
+
+
+def test_chat_records_read_alike_from_jsonl_and_parquet(tmp_path: Path):
+    tok = load_tokenizer(f"hf:{_chat_model_dir(tmp_path / 'model', CHATML)}")
+    rows = tmp_path / "chats.jsonl"
+    rows.write_text("".join(json.dumps({"messages": c, "id": i}) + "\n" for i, c in enumerate(CHATS)))
+    table = _parquet(tmp_path / "chats.parquet", {"messages": CHATS, "id": [0, 1]})
+    for name, src in (("j", rows), ("p", table)):
+        prepare([src], tmp_path / name, tok, messages_field="messages")
+    for f in ("tokens-00000.bin", "mask-00000.bin", "documents.bin"):
+        assert (tmp_path / "j" / f).read_bytes() == (tmp_path / "p" / f).read_bytes(), f
+
+
+class _Terminal(io.StringIO):
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_progress_line_on_a_terminal_only():
+    now = [0.0]
+    for tty, quiet in ((True, False), (False, False), (True, True)):
+        stream = _Terminal(tty)
+        line = ProgressLine(not quiet, stream, clock=lambda: now[0])
+        for doc in ("é" * 500_000, "x" * 1_000_000):  # 2 MB of UTF-8 in all
+            line.add(len(line.read(doc)) + 1)
+            now[0] += 1.0  # one second a document
+        line.close()
+        if tty and not quiet:
+            assert stream.getvalue().endswith("\rprepare: 2 records, 1,500,002 tokens, 1.0 MB/s\n")
+        else:
+            assert stream.getvalue() == ""
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_examples_resume_cut_back_to_the_commit(tmp_path: Path, monkeypatch):
+    """A prepare of examples that dies after its first commit, having written more (mask
+    shards, example offsets, held-out part): run again, it cuts every file back to the commit
+    and ends with the bytes of a run never stopped."""
+    from trainwise.data import prepare as prepare_module
+
+    src = tmp_path / "ex.jsonl"
+    src.write_text("".join(json.dumps({"q": d, "a": d[::-1]}) + "\n" for d in MANY[: 2 * BATCH * COMMIT_BATCHES]))
+    tok = load_tokenizer("bytes")
+    args = dict(field="q", response_field="a", shard_tokens=50_000, val_fraction=0.05)
+    real_held_out = prepare_module._held_out
+    committed = BATCH * COMMIT_BATCHES
+
+    def crash_past_the_commit(position: int, fraction: float) -> bool:
+        if position == committed + 100:  # 100 records written after the first commit
+            raise _Crash
+        return real_held_out(position, fraction)
+
+    monkeypatch.setattr(prepare_module, "_held_out", crash_past_the_commit)
+    with pytest.raises(_Crash):
+        prepare([src], tmp_path / "out", tok, **args)
+    monkeypatch.setattr(prepare_module, "_held_out", real_held_out)
+    partial = tmp_path / "out.partial"
+    progress = json.loads((partial / "progress.json").read_text())
+    assert progress["items"] == committed
+    # more than the commit is on disk, for the resume to cut back
+    assert (partial / "documents.bin").stat().st_size > 8 * (progress["train"]["documents"] + 1)
+    messages = []
+    prepare([src], tmp_path / "out", tok, say=messages.append, **args)
+    assert messages == [f"trainwise: resuming the prepare in {partial} after {committed} records"]
+    prepare([src], tmp_path / "whole", tok, **args)
+    _same_output(tmp_path / "out", tmp_path / "whole")
+    assert len(list((tmp_path / "out").glob("mask-*.bin"))) > 1

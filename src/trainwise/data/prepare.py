@@ -23,15 +23,17 @@ import json
 import multiprocessing
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from trainwise.data.progress_line import ProgressLine
 from trainwise.data.shard_writer import Output
-from trainwise.data.shards import FORMAT, VERSION, dtype_for_vocab, write_index
+from trainwise.data.shards import DTYPES, FORMAT, VERSION, dtype_for_vocab, write_index
 from trainwise.data.sources import (
     TEXT,
     field_of,
@@ -92,7 +94,7 @@ def prepare(
     opts = Options(field, response_field, shard_tokens, val_fraction, messages_field)
     chat = chat_renderer(tokenizer.spec) if messages_field else None
     out, paths = Path(out), [Path(p) for p in inputs]
-    _check(paths, out, opts)
+    _check(paths, out, opts, workers)
     kinds = [source_kind(p) for p in paths]
     sources = [{"path": str(p), "sha256": source_sha256(p)} for p in paths]
     dtype = dtype_for_vocab(tokenizer.vocab_size)
@@ -105,8 +107,8 @@ def prepare(
         train.restore(done["train"])
         if val is not None:
             val.restore(done["val"])
-    items = _items(paths, kinds, opts, chat)
-    meter = _Meter(progress)
+    items = _items(paths, kinds, opts, chat, skip=done["items"] if done else 0)
+    meter = ProgressLine(progress)
     try:
         _write(items, tokenizer, opts, (train, val), workers, partial, key, done, meter)
     finally:
@@ -122,7 +124,7 @@ def prepare(
     return index
 
 
-def _check(paths: list[Path], out: Path, opts: Options) -> None:
+def _check(paths: list[Path], out: Path, opts: Options, workers: int) -> None:
     if not paths:
         raise DataError("data prepare: no inputs given; name text, JSONL or Parquet files")
     if out.exists():
@@ -131,6 +133,8 @@ def _check(paths: list[Path], out: Path, opts: Options) -> None:
         raise DataError(f"--shard-tokens {opts.shard_tokens}: must be a positive number of tokens")
     if not 0.0 <= opts.val_fraction < 0.5:
         raise DataError(f"--val-fraction {opts.val_fraction}: give a share in [0, 0.5)")
+    if workers < 1:
+        raise DataError(f"--workers {workers}: give at least 1 tokenizer process")
 
 
 def _key(sources: list[dict], tokenizer: Tokenizer, opts: Options, dtype: str) -> str:
@@ -159,17 +163,23 @@ def _resume_point(partial: Path, key: str, say: Callable[[str], None]) -> dict |
 
 
 def _items(
-    paths: list[Path], kinds: list[str], opts: Options, chat: Callable | None
+    paths: list[Path], kinds: list[str], opts: Options, chat: Callable | None, skip: int = 0
 ) -> Iterator[Any]:
     """Documents (str) or examples (Segments: text parts, counted or not) of every input,
-    in order."""
+    in order, after the first `skip` records (a resume: those are counted, not rendered)."""
+    position = 0
     for path, kind in zip(paths, kinds, strict=True):
         if kind == TEXT and not opts.examples:
-            yield path.read_text(encoding="utf-8")
+            position += 1
+            if position > skip:
+                yield path.read_text(encoding="utf-8")
             continue
         field = opts.messages_field or opts.field
         fields = [field] + ([opts.response_field] if opts.response_field else [])
         for where, record in read_records(path, kind, fields):
+            position += 1
+            if position <= skip:
+                continue
             if chat is not None:
                 yield chat(field_of(record, field, where, "--messages-field"), where)
             elif opts.response_field is None:
@@ -188,12 +198,12 @@ def _write(
     partial: Path,
     key: str,
     done: dict | None,
-    meter: _Meter,
+    meter: ProgressLine,
 ) -> None:
-    """Tokenize and write every item after the resume point, committing as it goes."""
+    """Tokenize and write the items (those after the resume point), committing as it goes."""
     skip = done["items"] if done else 0
     position, commits = skip, 0
-    batches = _batches(item for i, item in enumerate(items) if i >= skip)
+    batches = _batches(meter.read(item) for item in items)
     for encoded in _encoded(batches, tokenizer, opts.examples, workers):
         for ids, mask in encoded:
             held = opts.val_fraction and _held_out(position, opts.val_fraction)
@@ -257,9 +267,13 @@ def _init_worker(tokenizer: Tokenizer) -> None:
     _worker_tokenizer = tokenizer
 
 
-def _encode_in_worker(job: tuple[bool, list[Any]]) -> list[tuple[list[int], list[int] | None]]:
+def _encode_in_worker(job: tuple[bool, list[Any]]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """`encode` in a pool process; arrays, since pickling lists of ints back costs more
+    than tokenizing."""
     assert _worker_tokenizer is not None
-    return encode(_worker_tokenizer, *job)
+    dtype = DTYPES[dtype_for_vocab(_worker_tokenizer.vocab_size)]  # the shards' own
+    return [(np.asarray(ids, dtype), None if mask is None else np.asarray(mask, np.uint8))
+            for ids, mask in encode(_worker_tokenizer, *job)]
 
 
 def encode(
@@ -342,26 +356,3 @@ def _split_index(val: Output, shards: list[dict[str, Any]], index: dict) -> dict
         )
     return {**index, "documents": val.documents, "tokens": val.end, "shards": shards,
             "split": "val"}
-
-
-class _Meter:
-    """A progress line on stderr (a terminal only): records, tokens, tokens per second."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled and sys.stderr.isatty()
-        self.records = self.tokens = 0
-        self.start = self.last = time.monotonic()
-
-    def add(self, tokens: int) -> None:
-        self.records += 1
-        self.tokens += tokens
-        now = time.monotonic()
-        if self.enabled and now - self.last > 0.5:
-            self.last = now
-            rate = self.tokens / max(now - self.start, 1e-9)
-            print(f"\rprepare: {self.records:,} records, {self.tokens:,} tokens, "
-                  f"{rate:,.0f} tokens/s", end="", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.enabled and self.records:
-            print(file=sys.stderr)
