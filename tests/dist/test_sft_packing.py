@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import QUIET, read_records, run_cli, tiny_llama
+from helpers import QUIET, read_records, run_cli
 from trainwise.data.prepare import load_tokenizer, prepare
 
 pytestmark = pytest.mark.dist
@@ -42,9 +42,14 @@ def test_packed_corpus_trains_under_fsdp_and_bad_settings_are_one_line(corpus: P
     assert len(records) == 3 and all(np.isfinite(r["loss"]) for r in records)
     assert records[-1]["eval_loss"] is not None
     # A model that cannot keep packed examples apart, and a format the data is not.
-    llama = tiny_llama(tmp_path / "llama", vocab=257)  # run by transformers: no example ids
+    neo = tmp_path / "neo"  # a transformers model that builds its own mask: no example ids
+    neo.mkdir()
+    (neo / "config.json").write_text(json.dumps({
+        "model_type": "gpt_neo", "hidden_size": 32, "num_layers": 2, "num_heads": 4,
+        "attention_types": [[["global"], 2]], "vocab_size": 257,
+    }))
     bad = [
-        (("--set", f"model.name=hf:{llama}"), "data.packing = true packs several examples"),
+        (("--set", f"model.name=hf:{neo}"), "data.packing = true packs several examples"),
         (("--set", "data.format=prompt_response", "--set", "data.path=text"),
          "data.format = 'prompt_response' but data.path 'text'"),
     ]

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import tiny_llama
 from trainwise.data import (
     PackedExamples,
     PromptResponseExamples,
@@ -22,7 +23,7 @@ from trainwise.data import (
 )
 from trainwise.data.prepare import load_tokenizer, prepare
 from trainwise.errors import DataError
-from trainwise.models import ModelSpec, build_model
+from trainwise.models import ModelSpec, build_model, takes_example_ids
 from trainwise.models.gpt import packed_layout
 
 EXAMPLES = [
@@ -157,3 +158,33 @@ def test_the_format_follows_the_index_and_a_wrong_one_is_one_line(corpus: Path, 
         message = str(err.value)
         assert "\n" not in message and "data.format = 'prompt_response'" in message
         assert str(path) in message and "--response-field" in message
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_transformers_model_keeps_packed_examples_apart(
+    corpus: Path, tmp_path: Path, attention: str
+):
+    """A transformers Llama gets the examples' 4-D mask and restarting positions."""
+    spec = ModelSpec(name=f"hf:{tiny_llama(tmp_path / 'llama', vocab=257)}", vocab_size=257,
+                     seq_len=SEQ)
+    assert takes_example_ids(spec)
+    model = build_model(spec).module.eval()
+    model.model.set_attn_implementation(attention)
+    x, _, doc = (t[None] for t in PackedExamples(corpus, SEQ)[1])
+    with torch.no_grad():
+        logits = model(x, doc)
+        other = x.clone()
+        other[doc == 0] = (other[doc == 0] + 7) % 256
+        changed = model(other, doc)
+        for k in range(int(doc.max()) + 1):
+            at = (doc[0] == k).nonzero().flatten()
+            torch.testing.assert_close(logits[:, at], model(x[:, at]), rtol=0, atol=1e-5)
+            if k > 0:
+                torch.testing.assert_close(changed[:, at], logits[:, at], rtol=0, atol=1e-6)
+
+
+def test_a_transformers_model_with_its_own_mask_cannot_pack(tmp_path: Path):
+    config = {"model_type": "gpt_neo", "hidden_size": 32, "num_layers": 2, "num_heads": 4,
+              "attention_types": [[["global"], 2]], "vocab_size": 257}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert not takes_example_ids(ModelSpec(name=f"hf:{tmp_path}", vocab_size=257))
