@@ -132,7 +132,10 @@ def hf_takes_example_ids(path: str) -> bool:
     """Whether the transformers causal LM of the config at `path` can keep packed examples
     apart: the models on transformers' attention interface take a custom 4-D attention
     mask (as it is) and position ids; older ones build their own mask."""
-    import transformers
+    try:
+        import transformers
+    except ImportError:
+        return False  # building the model asks for the optional extra
 
     config = {
         k: v for k, v in read_hf_config(path).items() if k not in ("torch_dtype", "dtype")
