@@ -83,7 +83,7 @@ def test_a_packed_example_has_its_logits_alone(corpus: Path, preset: str):
         for k in range(int(doc.max()) + 1):
             at = (doc[0] == k).nonzero().flatten()
             alone = model(x[:, at])
-            torch.testing.assert_close(logits[:, at], alone, rtol=0, atol=1e-5)
+            torch.testing.assert_close(logits[:, at], alone, rtol=0, atol=1e-6)
             if k > 0:
                 torch.testing.assert_close(changed[:, at], logits[:, at], rtol=0, atol=0)
 
@@ -178,7 +178,7 @@ def test_a_transformers_model_keeps_packed_examples_apart(
         changed = model(other, doc)
         for k in range(int(doc.max()) + 1):
             at = (doc[0] == k).nonzero().flatten()
-            torch.testing.assert_close(logits[:, at], model(x[:, at]), rtol=0, atol=1e-5)
+            torch.testing.assert_close(logits[:, at], model(x[:, at]), rtol=0, atol=1e-6)
             if k > 0:
                 torch.testing.assert_close(changed[:, at], logits[:, at], rtol=0, atol=1e-6)
 
