@@ -1,6 +1,7 @@
-"""Packed supervised fine-tuning in real jobs: a packed prompt/response corpus trains under
-2-way FSDP (with evaluation), under 2-way TP with the losses of one process (the example
-ids reach every TP rank's attention), and the settings it cannot run are one line."""
+"""Packed supervised fine-tuning in real jobs: a packed prompt/response corpus trains a
+transformers Llama under 2-way FSDP (with evaluation), the built-in GPT under 2-way TP with
+the losses of one process (the example ids reach every TP rank's attention), and the
+settings it cannot run are one line."""
 
 from __future__ import annotations
 
@@ -35,16 +36,24 @@ def test_packed_corpus_trains_under_fsdp_and_bad_settings_are_one_line(corpus: P
     common = ("--set", "data.dataset=tokens", "--set", f"data.path={corpus}", "--set",
               f"data.seq_len={SEQ}", "--set", "data.micro_batch=2", "--set", "data.val_fraction=0.2",
               "--set", "checkpoint.enabled=false", "--set", "train.eval_every=3")
+    # A transformers Llama: the example ids reach its attention as a 4-D mask under FSDP
+    # (the built-in GPT trains packed in the TP test below).
+    llama = tiny_llama(tmp_path / "llama", vocab=257)
     proc = run_cli("train", *QUIET, "--nproc", "2", "--strategy", "fsdp", "--steps", "3",
-                   "--run-dir", "run", *common, cwd=tmp_path)
+                   "--run-dir", "run", *common, "--set", f"model.name=hf:{llama}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = read_records(tmp_path / "run")
     assert len(records) == 3 and all(np.isfinite(r["loss"]) for r in records)
     assert records[-1]["eval_loss"] is not None
     # A model that cannot keep packed examples apart, and a format the data is not.
-    llama = tiny_llama(tmp_path / "llama", vocab=257)  # run by transformers: no example ids
+    neo = tmp_path / "neo"  # a transformers model that builds its own mask: no example ids
+    neo.mkdir()
+    (neo / "config.json").write_text(json.dumps({
+        "model_type": "gpt_neo", "hidden_size": 32, "num_layers": 2, "num_heads": 4,
+        "attention_types": [[["global"], 2]], "vocab_size": 257,
+    }))
     bad = [
-        (("--set", f"model.name=hf:{llama}"), "data.packing = true packs several examples"),
+        (("--set", f"model.name=hf:{neo}"), "data.packing = true packs several examples"),
         (("--set", "data.format=prompt_response", "--set", "data.path=text"),
          "data.format = 'prompt_response' but data.path 'text'"),
     ]

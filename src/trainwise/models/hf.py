@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from trainwise.errors import ModelError
-from trainwise.models.gpt import GPT
+from trainwise.models.gpt import GPT, packed_layout
 from trainwise.models.hf_weights import check_weights, load_weights, weight_files
 from trainwise.models.llama import gpt_to_hf, shape_from_llama
 from trainwise.models.shapes import GPTShape
@@ -46,8 +46,30 @@ class HFCausalLM(nn.Module):
                 return obj
         return nn.ModuleList()
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=idx, use_cache=False).logits
+    def forward(self, idx: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of idx[B, T]; with `doc` (packed examples' ids) each example attends to
+        itself only and its positions restart, through a custom 4-D attention mask."""
+        if doc is None:
+            return self.model(input_ids=idx, use_cache=False).logits
+        positions, allowed = packed_layout(doc)
+        return self.model(
+            input_ids=idx, attention_mask=self._mask(allowed), position_ids=positions,
+            use_cache=False,
+        ).logits
+
+    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """The 4-D mask as the attention implementation takes it: sdpa a boolean one (True:
+        attend), eager an additive one (added to the scores)."""
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        if impl == "sdpa":
+            return allowed
+        if impl == "eager":
+            blocked = torch.finfo(torch.float32).min
+            return torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed, blocked)
+        raise ModelError(
+            f"data.packing = true needs a custom 4-D attention mask, which attention "
+            f"implementation {impl!r} does not take; set data.packing = false"
+        )
 
 
 def read_hf_config(path: str) -> dict[str, Any]:
@@ -104,6 +126,26 @@ def build_hf(
             f"({reason}); check model_type and the config fields"
         ) from exc
     return HFCausalLM(model, int(cfg.vocab_size))
+
+
+def hf_takes_example_ids(path: str) -> bool:
+    """Whether the transformers causal LM of the config at `path` can keep packed examples
+    apart: the models on transformers' attention interface take a custom 4-D attention
+    mask (as it is) and position ids; older ones build their own mask."""
+    try:
+        import transformers
+    except ImportError:
+        return False  # building the model asks for the optional extra
+
+    config = {
+        k: v for k, v in read_hf_config(path).items() if k not in ("torch_dtype", "dtype")
+    }
+    try:
+        cfg = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+    except (ValueError, KeyError, TypeError):
+        return False  # building the model says why, in its own line
+    cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
+    return bool(getattr(cls, "_supports_attention_backend", False))
 
 
 def _strip_wrapper(name: str) -> str:

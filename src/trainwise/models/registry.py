@@ -16,7 +16,7 @@ from trainwise.errors import ModelError
 from trainwise.models.custom import build_custom
 from trainwise.models.gpt import GPT
 from trainwise.models.gpt_parallel import gpt_tp_plan, tp_problems
-from trainwise.models.hf import build_from_dir, hf_shape
+from trainwise.models.hf import build_from_dir, hf_shape, hf_takes_example_ids
 from trainwise.models.mlp import MLPClassifier
 from trainwise.models.shapes import PRESETS, GPTShape, job_shape
 
@@ -147,9 +147,12 @@ def build_model(spec: ModelSpec) -> ModelBundle:
 
 def takes_example_ids(spec: ModelSpec) -> bool:
     """Whether the model's forward takes `doc` (the example of each token, from packed SFT
-    data) and keeps examples apart: the built-in GPT's does."""
+    data) and keeps examples apart: the built-in GPT's does, and a transformers model's
+    when its attention takes a custom 4-D mask."""
     kind = model_kind(spec.name)
-    return kind == "preset" or (kind == "hf" and spec.impl == "trainwise")
+    if kind != "hf":
+        return kind == "preset"
+    return spec.impl == "trainwise" or hf_takes_example_ids(spec.name[len("hf:") :])
 
 
 def count_parameters(spec: ModelSpec) -> int:

@@ -321,8 +321,9 @@ def data_and_model(c: JobConfig, problems: list[str]) -> JobData:
     if info.packed and not takes_example_ids(spec):
         problems.append(
             f"data.packing = true packs several examples a sequence, which model.name = "
-            f"{spec.name!r} cannot keep apart (the built-in GPT and hf: models with model.impl "
-            "= 'trainwise' can): set data.packing = false"
+            f"{spec.name!r} cannot keep apart (it needs the built-in GPT, model.impl = "
+            "'trainwise', or a transformers model whose attention takes a custom 4-D mask): "
+            "set data.packing = false"
         )
     try:
         params, shape = count_parameters(spec), resolve_shape(spec)
