@@ -116,7 +116,7 @@ DOCS = [f"Document {i}: the quick brown fox jumps over the lazy dog {i} times." 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """prepare -> train (2 workers, FSDP, from hf:DIR) -> export --format hf, for both impls."""
+    """prepare -> train (from hf:DIR) -> export --format hf, for every layout of TRAINED."""
     root = tmp_path_factory.mktemp("finetune")
     (root / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
     res = run_cli(
@@ -126,9 +126,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tiny_llama(root / "llama", tie=True, vocab=257)  # the byte tokenizer's vocabulary
     tiny_llama(root / "llama-tp", tie=True, vocab=258)  # one that 2-way TP divides
     exports = {}
-    for name, (impl, layout) in TRAINED.items():
+    for name, (impl, nproc, layout) in TRAINED.items():
         res = run_cli(
-            "train", "--nproc", "2", *layout, "--steps", "3", "--run-dir", name,
+            "train", "--nproc", str(nproc), *layout, "--steps", "3", "--run-dir", name,
             "--set", f"model.name='hf:{_llama(name)}'", "--set", f"model.impl={impl}",
             "--set", "data.dataset=tokens", "--set", "data.path=corpus", "--set", "data.seq_len=16",
             "--set", "data.micro_batch=4", "--set", "optim.lr=0.01", *QUIET, cwd=root,
@@ -142,16 +142,18 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return exports
 
 
-# run name -> (model.impl, layout): FSDP under both implementations, and 2-way TP.
+# run name -> (model.impl, workers, layout): FSDP under both implementations, 2-way TP, and
+# FSDP over 2-way TP groups (dp_shard 2 x tp 2).
 TRAINED = {
-    "transformers": ("transformers", ("--strategy", "fsdp")),
-    "trainwise": ("trainwise", ("--strategy", "fsdp")),
-    "tp": ("trainwise", ("--set", "parallel.tp=2")),
+    "transformers": ("transformers", 2, ("--strategy", "fsdp")),
+    "trainwise": ("trainwise", 2, ("--strategy", "fsdp")),
+    "tp": ("trainwise", 2, ("--set", "parallel.tp=2")),
+    "fsdp_tp": ("trainwise", 4, ("--strategy", "fsdp", "--set", "parallel.tp=2")),
 }
 
 
 def _llama(name: str) -> str:
-    return "llama-tp" if name == "tp" else "llama"
+    return "llama-tp" if "tp" in name else "llama"
 
 
 @pytest.mark.parametrize("name", list(TRAINED))
