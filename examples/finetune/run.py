@@ -34,8 +34,10 @@ def main() -> int:
     parser.add_argument("--nproc", type=int, default=2, help="workers (FSDP)")
     args = parser.parse_args()
     out = Path(args.out)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    problem = fresh_folder(out)
+    if problem:
+        print(f"run.py: {problem}", file=sys.stderr)
+        return 2
 
     model_dir = build_model_dir(out / "base-model")
     trainwise("data", "prepare", str(HERE / "qa.jsonl"), "--out", str(out / "qa"),
@@ -51,6 +53,21 @@ def main() -> int:
           f"{result['generated']!r}")
     print(json.dumps(result))
     return 0
+
+
+MARK = ".finetune-example"  # what this script leaves in --out: a rerun may replace it
+
+
+def fresh_folder(out: Path) -> str | None:
+    """Empty `out` for this run; a folder this script did not write is never deleted
+    (None, or why not)."""
+    if out.exists() and any(out.iterdir()) and not (out / MARK).is_file():
+        return (f"--out {out} exists and was not written by this example; "
+                "give a new or empty folder")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    (out / MARK).write_text("written by examples/finetune/run.py; a rerun replaces it\n")
+    return None
 
 
 def trainwise(*args: str) -> None:

@@ -1,7 +1,8 @@
 """A torchrun worker for test_pretrained_dist: for each (strategy, impl) given, build the
-model of a Hugging Face directory, wrap it (DDP, FSDP2, or `tp`: tensor parallelism over
-all ranks), load the pretrained weights into
-the wrapped model, and save this rank's bytes read and first-forward logits. Not a test."""
+model of a Hugging Face directory, wrap it (DDP, FSDP2, `tp`: tensor parallelism over all
+ranks, or `fsdp_tp`: FSDP2 over 2-way tensor-parallel groups), load the pretrained
+weights into the wrapped model, and save this rank's bytes read, bytes of parameters held
+and first-forward logits. Not a test."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from torch.distributed.tensor import DTensor
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models import ModelSpec, build_model
+from trainwise.run.materialize import allocate
 from trainwise.run.parallelize import parallelize
+
+CPU = torch.device("cpu")
 
 
 def main(model_dir: str, out: str, *runs: str) -> None:
@@ -25,14 +29,19 @@ def main(model_dir: str, out: str, *runs: str) -> None:
     results = {}
     for run in runs:  # "fsdp:trainwise", ...
         strategy, impl = run.split(":")
-        bundle = build_model(ModelSpec(name=f"hf:{model_dir}", seq_len=16, impl=impl))
-        tp = world if strategy == "tp" else 1  # all ranks one tensor-parallel group
-        dims = ParallelDims(tp=tp) if tp > 1 else ParallelDims.from_strategy(strategy, world)
-        plan = bundle.tp_plan(True) if tp > 1 else None
-        model = parallelize(
-            bundle.module, bundle.blocks, dims, device=torch.device("cpu"), tp_plan=plan
-        )
+        spec = ModelSpec(name=f"hf:{model_dir}", seq_len=16, impl=impl)
+        dims = _dims(strategy, world)
+        # As the trainer builds it: trainwise's GPT on the meta device, only the local
+        # shards allocated after parallelizing; transformers' models whole.
+        meta = (impl == "trainwise" and dims.fsdp) or dims.tp > 1
+        with torch.device("meta" if meta else "cpu"):
+            bundle = build_model(spec)
+        plan = bundle.tp_plan(True) if dims.tp > 1 else None
+        model = parallelize(bundle.module, bundle.blocks, dims, device=CPU, tp_plan=plan)
+        if meta:
+            allocate(model, CPU)
         results[run] = bundle.load_weights(model)
+        results[run]["bytes_held"] = sum(_local_bytes(p) for p in model.parameters())
         with torch.no_grad():
             logits = model(idx)
             if isinstance(logits, DTensor):  # TP: sharded by vocabulary
@@ -41,6 +50,19 @@ def main(model_dir: str, out: str, *runs: str) -> None:
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _dims(strategy: str, world: int) -> ParallelDims:
+    if strategy == "tp":  # all ranks one tensor-parallel group (DDP cannot replicate TP)
+        return ParallelDims(tp=world)
+    if strategy == "fsdp_tp":  # dp_shard x 2-way tp
+        return ParallelDims(dp_shard=world // 2, tp=2, fsdp=True)
+    return ParallelDims.from_strategy(strategy, world)
+
+
+def _local_bytes(param: torch.Tensor) -> int:
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return local.numel() * local.element_size()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Pretrained Hugging Face weights in sharded training, and back out: real 2-process gloo
-runs. The weights load into the DDP-wrapped, the FSDP2-sharded and the 2-way tensor-parallel
-model with the logits transformers gives, each FSDP or TP rank reading about half of them; then a corpus prepared with
+"""Pretrained Hugging Face weights in sharded training, and back out: real gloo runs. The
+weights load into the DDP-wrapped, the FSDP2-sharded and the 2-way tensor-parallel model (2
+workers) and into FSDP over 2-way TP groups (4 workers) with the logits transformers gives,
+each FSDP or TP rank reading and holding only its share of them; then a corpus prepared with
 `trainwise data prepare` trains a few steps under FSDP (and TP) from `hf:DIR`, `trainwise export
 --format hf` writes the result, and transformers' from_pretrained gives the trained logits.
 """
@@ -26,18 +27,20 @@ RUNS = ("ddp:transformers", "ddp:trainwise", "fsdp:transformers", "fsdp:trainwis
 WORKER = Path(__file__).with_name("pretrained_worker.py")
 
 
-def _launch(root: Path, vocab: int, runs: tuple[str, ...]) -> tuple[Path, Path, list[dict]]:
-    """One torchrun launch of 2 workers that loads the model under every entry of `runs`."""
+def _launch(
+    root: Path, vocab: int, runs: tuple[str, ...], nproc: int = 2
+) -> tuple[Path, Path, list[dict]]:
+    """One torchrun launch of `nproc` workers that loads the model under every entry of `runs`."""
     folder = tiny_llama(root / "llama", max_shard_size="30KB", vocab=vocab)  # several files
     out = root / "out"
     out.mkdir()
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
          "--standalone", str(WORKER), str(folder), str(out), *runs],
         env=cli_env(), capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return folder, out, [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return folder, out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
 @pytest.fixture(scope="module")
@@ -45,23 +48,33 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[d
     return _launch(tmp_path_factory.mktemp("pretrained"), 97, RUNS)
 
 
-@pytest.fixture(scope="module")
-def tp_loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
-    """The same under 2-way tensor parallelism (the vocabulary divides by 2)."""
-    return _launch(tmp_path_factory.mktemp("pretrained_tp"), 98, ("tp:trainwise",))
+# Tensor-parallel layouts -> workers: 2-way TP alone, and FSDP over two 2-way TP groups
+# (dp_shard 2 x tp 2). The vocabulary (98) divides by 2.
+TP_LAYOUTS = {"tp": 2, "fsdp_tp": 4}
+
+
+@pytest.fixture(scope="module", params=list(TP_LAYOUTS))
+def tp_loaded(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path, list]:
+    """The model built on the meta device, parallelized, its shards allocated, then loaded."""
+    layout, nproc = request.param, TP_LAYOUTS[request.param]
+    root = tmp_path_factory.mktemp(f"pretrained_{layout}")
+    return (layout, *_launch(root, 98, (f"{layout}:trainwise",), nproc))
 
 
 def test_tensor_parallel_load_equals_transformers_and_reads_slices(tp_loaded):
-    folder, out, results = tp_loaded
+    layout, folder, out, results = tp_loaded
     want = torch.load(folder / "logits.pt")
-    for rank in (0, 1):
-        got = torch.load(out / f"tp-trainwise-rank{rank}.pt")
+    for rank in range(len(results)):
+        got = torch.load(out / f"{layout}-trainwise-rank{rank}.pt")
         assert torch.allclose(got, want, atol=1e-5, rtol=0), (rank, (got - want).abs().max())
     total, largest = _weights(folder)
-    reads = [r["tp:trainwise"]["bytes_read"] for r in results]
-    # Column and row splits of the projections and the vocabulary; the norms are whole on
-    # every rank (small): about half of the weights each, at most one tensor more.
-    assert all(0 < b <= total / 2 + largest for b in reads), (reads, total)
+    loads = [r[f"{layout}:trainwise"] for r in results]
+    # Column and row splits of the projections and the vocabulary, FSDP's rows of those;
+    # the norms are whole on every TP rank (small): about 1/world each, one tensor more.
+    share = total / len(results) + largest
+    assert all(0 < x["bytes_read"] <= share for x in loads), (loads, total)
+    # Each rank holds exactly the slices it read: no full tensor was materialised.
+    assert all(x["bytes_held"] == x["bytes_read"] for x in loads), loads
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -93,6 +106,7 @@ def test_each_fsdp_rank_reads_only_its_slices(loaded, impl):
     # Each rank reads its shard of every tensor: half, give or take uneven row splits.
     assert all(0 < b <= total / 2 + largest for b in reads), (reads, total)
     assert sum(reads) == total
+    assert all(r[f"fsdp:{impl}"]["bytes_held"] == r[f"fsdp:{impl}"]["bytes_read"] for r in results)
     # DDP replicas read everything.
     assert all(r[f"ddp:{impl}"]["bytes_read"] == total for r in results)
 
@@ -102,7 +116,7 @@ DOCS = [f"Document {i}: the quick brown fox jumps over the lazy dog {i} times." 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """prepare -> train (2 workers, FSDP, from hf:DIR) -> export --format hf, for both impls."""
+    """prepare -> train (from hf:DIR) -> export --format hf, for every layout of TRAINED."""
     root = tmp_path_factory.mktemp("finetune")
     (root / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
     res = run_cli(
@@ -112,9 +126,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tiny_llama(root / "llama", tie=True, vocab=257)  # the byte tokenizer's vocabulary
     tiny_llama(root / "llama-tp", tie=True, vocab=258)  # one that 2-way TP divides
     exports = {}
-    for name, (impl, layout) in TRAINED.items():
+    for name, (impl, nproc, layout) in TRAINED.items():
         res = run_cli(
-            "train", "--nproc", "2", *layout, "--steps", "3", "--run-dir", name,
+            "train", "--nproc", str(nproc), *layout, "--steps", "3", "--run-dir", name,
             "--set", f"model.name='hf:{_llama(name)}'", "--set", f"model.impl={impl}",
             "--set", "data.dataset=tokens", "--set", "data.path=corpus", "--set", "data.seq_len=16",
             "--set", "data.micro_batch=4", "--set", "optim.lr=0.01", *QUIET, cwd=root,
@@ -128,16 +142,18 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return exports
 
 
-# run name -> (model.impl, layout): FSDP under both implementations, and 2-way TP.
+# run name -> (model.impl, workers, layout): FSDP under both implementations, 2-way TP, and
+# FSDP over 2-way TP groups (dp_shard 2 x tp 2).
 TRAINED = {
-    "transformers": ("transformers", ("--strategy", "fsdp")),
-    "trainwise": ("trainwise", ("--strategy", "fsdp")),
-    "tp": ("trainwise", ("--set", "parallel.tp=2")),
+    "transformers": ("transformers", 2, ("--strategy", "fsdp")),
+    "trainwise": ("trainwise", 2, ("--strategy", "fsdp")),
+    "tp": ("trainwise", 2, ("--set", "parallel.tp=2")),
+    "fsdp_tp": ("trainwise", 4, ("--strategy", "fsdp", "--set", "parallel.tp=2")),
 }
 
 
 def _llama(name: str) -> str:
-    return "llama-tp" if name == "tp" else "llama"
+    return "llama-tp" if "tp" in name else "llama"
 
 
 @pytest.mark.parametrize("name", list(TRAINED))

@@ -34,3 +34,17 @@ def test_the_finetune_example_runs_end_to_end(tmp_path: Path):
     assert len(records) == 20 and records[-1]["loss"] < records[0]["loss"]
     index = json.loads((out / "qa" / "index.json").read_text())
     assert index["kind"] == "prompt_response"  # only the answers were learned
+
+
+def test_the_example_never_deletes_a_folder_it_did_not_write(tmp_path: Path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(mine)],
+        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "was not written by this example" in lines[0], proc.stderr
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]

@@ -14,6 +14,7 @@ from helpers import QUIET, run_cli, tiny_llama
 from trainwise.errors import ModelError
 from trainwise.models import ModelSpec, build_model, count_parameters
 from trainwise.models.llama import gpt_to_hf
+from trainwise.run.materialize import allocate
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -48,6 +49,21 @@ def test_logits_equal_transformers(models, which, impl):
         assert len(list(folder.glob("*.safetensors"))) > 1
     got, want = _logits(folder, impl), torch.load(folder / "logits.pt")
     assert got.shape == want.shape
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("which", ["untied", "tied"])
+def test_meta_build_allocated_then_loaded_equals_transformers(models, which):
+    """The trainer's pretrained path: built on meta, storage allocated with no random
+    draws (the rope tables rebuilt), every parameter then filled by the load."""
+    folder = models[which]
+    with torch.device("meta"):
+        bundle = build_model(ModelSpec(name=f"hf:{folder}", seq_len=16, impl="trainwise"))
+    allocate(bundle.module, torch.device("cpu"))
+    bundle.load_weights(bundle.module)
+    with torch.no_grad():
+        got = bundle.module.eval()(torch.load(folder / "idx.pt"))
+    want = torch.load(folder / "logits.pt")
     assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
 
 

@@ -7,7 +7,8 @@ full values of one parameter at a time are generated and each rank keeps only it
 sent).
 One process uses the same per-parameter draws, so every layout starts from the same
 model and trains the same losses. A rank holds at most its shards plus one full
-parameter (the largest: the embedding).
+parameter (the largest: the embedding). A model whose weights load next (pretrained) is
+only allocated: each rank then reads just its shards (models.hf_weights).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def materialize(
     """Allocate a meta-built (and parallelized) model on `device` and fill every
     parameter's local shard with its share of the full initial values; rebuild computed
     buffers (modules with `reset_buffers`, e.g. rope tables)."""
-    model.to_empty(device=device)
+    allocate(model, device)
     for name, param in model.named_parameters():
         name = plain_name(name)
         full = torch.empty(param.shape, dtype=param.dtype)  # the global shape of a DTensor
@@ -67,6 +68,15 @@ def materialize(
             param.to_local().copy_(local_block(full, param))
         else:
             param.copy_(full)
+
+
+@torch.no_grad()
+def allocate(model: nn.Module, device: torch.device) -> None:
+    """Give a meta-built (and parallelized) model storage for its local shards only, with
+    undefined values, and rebuild computed buffers (modules with `reset_buffers`, e.g.
+    rope tables). For weights about to be loaded (a pretrained model): drawing random
+    values first would cost a full tensor per parameter for nothing."""
+    model.to_empty(device=device)
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):

@@ -25,7 +25,7 @@ from trainwise.run.distributed import DistEnv
 from trainwise.run.faults import NO_FAULTS, Faults
 from trainwise.run.job import Job, sequence_parallel
 from trainwise.run.loop import Stepper
-from trainwise.run.materialize import materialize
+from trainwise.run.materialize import allocate, materialize
 from trainwise.run.optim import build_optimizer, build_scheduler
 from trainwise.run.parallelize import parallelize
 from trainwise.run.precision import autocast_context, build_grad_scaler
@@ -116,7 +116,7 @@ def build_model_for(
     whole = not dims.fsdp and dims.tp == 1
     init = bundle.init_parameter
     if init is not None and whole:
-        materialize(bundle.module, init, c.train.seed, device)
+        _fill(bundle, bundle.module, c.train.seed, device)
     sp = sequence_parallel(c)
     model = parallelize(
         bundle.module,
@@ -133,10 +133,19 @@ def build_model_for(
     if init is not None and not whole:
         # FSDP's CPU offload keeps the sharded parameters in host memory.
         home = torch.device("cpu") if dims.cpu_offload else device
-        materialize(model, init, c.train.seed, home)
+        _fill(bundle, model, c.train.seed, home)
     if bundle.load_weights is not None:  # pretrained: each rank reads its own shards
         bundle.load_weights(model)
     return bundle, model
+
+
+def _fill(bundle: ModelBundle, model: torch.nn.Module, seed: int, device: torch.device) -> None:
+    """Storage for a meta-built model's shards: random values, or none yet when the
+    pretrained weights load next (they fill every parameter: load_weights checks)."""
+    if bundle.load_weights is not None:
+        allocate(model, device)
+    else:
+        materialize(model, bundle.init_parameter, seed, device)
 
 
 def loss_context(tp: int, inner: AbstractContextManager | None = None) -> AbstractContextManager:
