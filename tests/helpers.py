@@ -68,3 +68,21 @@ def max_rel_diff(a: list[float], b: list[float], steps: int) -> float:
     """The largest relative difference of two runs' per-step losses (both `steps` long)."""
     assert len(a) == len(b) == steps
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+# A prompt/response corpus whose examples differ in length (packing has work to do).
+SFT_EXAMPLES = [
+    {"prompt": f"Q{i}: {'what is ' * (i % 4)}{i} + {i}?", "response": f" {2 * i}." * (1 + i % 3)}
+    for i in range(40)
+]
+SFT_SEQ = 128
+
+
+def sft_corpus(root: Path) -> Path:
+    """SFT_EXAMPLES prepared with the byte tokenizer into root/sft (prompt / response)."""
+    from trainwise.data.prepare import load_tokenizer, prepare
+
+    src = root / "sft.jsonl"
+    src.write_text("".join(json.dumps(e) + "\n" for e in SFT_EXAMPLES))
+    prepare([src], root / "sft", load_tokenizer("bytes"), field="prompt", response_field="response")
+    return root / "sft"

@@ -11,30 +11,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import QUIET, read_records, run_cli, tiny_llama
+from helpers import SFT_EXAMPLES, SFT_SEQ, sft_corpus, QUIET, read_records, run_cli, tiny_llama
 from trainwise.data.prepare import load_tokenizer, prepare
 
 pytestmark = pytest.mark.dist
 
-EXAMPLES = [
-    {"prompt": f"Q{i}: {'what is ' * (i % 4)}{i} + {i}?", "response": f" {2 * i}." * (1 + i % 3)}
-    for i in range(40)
-]
-SEQ = 128
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("packing")
-    src = root / "sft.jsonl"
-    src.write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES))
-    prepare([src], root / "sft", load_tokenizer("bytes"), field="prompt", response_field="response")
-    return root / "sft"
+    return sft_corpus(tmp_path_factory.mktemp("packing"))
 
 
 def test_packed_corpus_trains_under_fsdp_and_bad_settings_are_one_line(corpus: Path, tmp_path: Path):
     common = ("--set", "data.dataset=tokens", "--set", f"data.path={corpus}", "--set",
-              f"data.seq_len={SEQ}", "--set", "data.micro_batch=2", "--set", "data.val_fraction=0.2",
+              f"data.seq_len={SFT_SEQ}", "--set", "data.micro_batch=2", "--set", "data.val_fraction=0.2",
               "--set", "checkpoint.enabled=false", "--set", "train.eval_every=3")
     # A transformers Llama: the example ids reach its attention as a 4-D mask under FSDP
     # (the built-in GPT trains packed in the TP test below).
@@ -75,7 +64,7 @@ def test_packed_examples_under_tensor_parallelism_train_as_one_process(corpus: P
         proc = run_cli(
             "train", *QUIET, *layout, "--steps", "4", "--run-dir", name, "--set", "model.name=small",
             "--set", "model.vocab_size=258", "--set", "data.dataset=tokens", "--set",
-            f"data.path={corpus}", "--set", f"data.seq_len={SEQ}", "--set", "data.micro_batch=4",
+            f"data.path={corpus}", "--set", f"data.seq_len={SFT_SEQ}", "--set", "data.micro_batch=4",
             "--set", "data.val_fraction=0.2", "--set", "checkpoint.enabled=false", cwd=tmp_path,
         )
         assert proc.returncode == 0, proc.stderr[-2000:]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import tiny_llama
+from helpers import SFT_EXAMPLES, SFT_SEQ, sft_corpus, tiny_llama
 from trainwise.data import (
     PackedExamples,
     PromptResponseExamples,
@@ -21,25 +21,14 @@ from trainwise.data import (
     build_loader,
     write_token_file,
 )
-from trainwise.data.prepare import load_tokenizer, prepare
 from trainwise.errors import DataError
 from trainwise.models import ModelSpec, build_model, takes_example_ids
 from trainwise.models.gpt import packed_layout
 
-EXAMPLES = [
-    {"prompt": f"Q{i}: {'what is ' * (i % 4)}{i} + {i}?", "response": f" {2 * i}." * (1 + i % 3)}
-    for i in range(40)
-]
-SEQ = 128
-
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("packing")
-    src = root / "sft.jsonl"
-    src.write_text("".join(json.dumps(e) + "\n" for e in EXAMPLES))
-    prepare([src], root / "sft", load_tokenizer("bytes"), field="prompt", response_field="response")
-    return root / "sft"
+    return sft_corpus(tmp_path_factory.mktemp("packing"))
 
 
 def test_positions_restart_and_attention_stays_inside_an_example():
@@ -52,7 +41,7 @@ def test_positions_restart_and_attention_stays_inside_an_example():
 
 
 def test_every_example_is_packed_once_in_order(corpus: Path):
-    packed = PackedExamples(corpus, SEQ)
+    packed = PackedExamples(corpus, SFT_SEQ)
     plain = packed.example  # the same corpus read one example at a time
     seen = []
     for j in range(len(packed)):
@@ -65,15 +54,15 @@ def test_every_example_is_packed_once_in_order(corpus: Path):
             seen.append(i)
         pad = doc == -1
         assert (y[pad] == -100).all()
-    assert seen == list(range(len(EXAMPLES)))
-    assert len(packed) < len(EXAMPLES) / 2  # packing is worth it here
+    assert seen == list(range(len(SFT_EXAMPLES)))
+    assert len(packed) < len(SFT_EXAMPLES) / 2  # packing is worth it here
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])  # learned positions, rope
 def test_a_packed_example_has_its_logits_alone(corpus: Path, preset: str):
     torch.manual_seed(0)
-    model = build_model(ModelSpec(name=preset, vocab_size=257, seq_len=SEQ)).module.eval()
-    packed = PackedExamples(corpus, SEQ)
+    model = build_model(ModelSpec(name=preset, vocab_size=257, seq_len=SFT_SEQ)).module.eval()
+    packed = PackedExamples(corpus, SFT_SEQ)
     x, y, doc = (t[None] for t in packed[1])
     with torch.no_grad():
         logits = model(x, doc)
@@ -90,8 +79,8 @@ def test_a_packed_example_has_its_logits_alone(corpus: Path, preset: str):
 
 def test_the_packed_loss_is_the_responses_alone(corpus: Path):
     torch.manual_seed(0)
-    bundle = build_model(ModelSpec(name="small", vocab_size=257, seq_len=SEQ))
-    packed = PackedExamples(corpus, SEQ)
+    bundle = build_model(ModelSpec(name="small", vocab_size=257, seq_len=SFT_SEQ))
+    packed = PackedExamples(corpus, SFT_SEQ)
     x, y, doc = (torch.stack(t) for t in zip(*(packed[j] for j in range(2)), strict=True))
     loss = bundle.loss_fn(bundle.module(x, doc), y)
     total, count = torch.zeros(()), 0
@@ -124,7 +113,7 @@ def _rows(batches) -> list[tuple]:
 
 
 def test_the_loader_packs_the_same_samples_on_one_and_two_ranks(corpus: Path):
-    packed = PackedExamples(corpus, SEQ)
+    packed = PackedExamples(corpus, SFT_SEQ)
     common = dict(grad_accum=1, seed=3, num_steps=3)
     one = list(build_loader(packed, micro_batch=4, dp_rank=0, dp_size=1, **common))
     two = [
@@ -143,7 +132,7 @@ def test_the_loader_packs_the_same_samples_on_one_and_two_ranks(corpus: Path):
 
 
 def test_the_format_follows_the_index_and_a_wrong_one_is_one_line(corpus: Path, tmp_path: Path):
-    common = dict(seq_len=SEQ, val_fraction=0.2, seed=0, path=str(corpus))
+    common = dict(seq_len=SFT_SEQ, val_fraction=0.2, seed=0, path=str(corpus))
     train, _, info = build_datasets("tokens", **common)  # auto: the index says prompt_response
     assert isinstance(train, PackedExamples) and info.packed
     train, _, info = build_datasets("tokens", **common, packing=False)
@@ -166,11 +155,11 @@ def test_a_transformers_model_keeps_packed_examples_apart(
 ):
     """A transformers Llama gets the examples' 4-D mask and restarting positions."""
     spec = ModelSpec(name=f"hf:{tiny_llama(tmp_path / 'llama', vocab=257)}", vocab_size=257,
-                     seq_len=SEQ)
+                     seq_len=SFT_SEQ)
     assert takes_example_ids(spec)
     model = build_model(spec).module.eval()
     model.model.set_attn_implementation(attention)
-    x, _, doc = (t[None] for t in PackedExamples(corpus, SEQ)[1])
+    x, _, doc = (t[None] for t in PackedExamples(corpus, SFT_SEQ)[1])
     with torch.no_grad():
         logits = model(x, doc)
         other = x.clone()
