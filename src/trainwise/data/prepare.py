@@ -107,10 +107,11 @@ def prepare(
         train.restore(done["train"])
         if val is not None:
             val.restore(done["val"])
-    items = _items(paths, kinds, opts, chat, skip=done["items"] if done else 0)
+    skip = done["items"] if done else 0  # records already written
+    items = _items(paths, kinds, opts, chat, skip)
     meter = ProgressLine(progress)
     try:
-        _write(items, tokenizer, opts, (train, val), workers, partial, key, done, meter)
+        _write(items, tokenizer, opts, (train, val), workers, partial, key, skip, meter)
     finally:
         meter.close()
         parts = (train.close(), val.close() if val else None)
@@ -197,11 +198,10 @@ def _write(
     workers: int,
     partial: Path,
     key: str,
-    done: dict | None,
+    skip: int,
     meter: ProgressLine,
 ) -> None:
     """Tokenize and write the items (those after the resume point), committing as it goes."""
-    skip = done["items"] if done else 0
     position, commits = skip, 0
     batches = _batches(meter.read(item) for item in items)
     for encoded in _encoded(batches, tokenizer, opts.examples, workers):

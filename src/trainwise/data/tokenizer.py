@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainwise.data.sources import source_sha256
 from trainwise.errors import DataError
 
 BYTES = "bytes"  # the built-in tokenizer: UTF-8 bytes 0..255, EOS = 256
@@ -38,12 +39,9 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+def _spec_path(spec: str) -> Path:
+    """The file or folder a --tokenizer names (tokenizer.json, or hf:MODEL_DIR)."""
+    return Path(spec[3:] if spec.startswith("hf:") else spec).expanduser()
 
 
 def _eos_from_config(folder: Path) -> str | None:
@@ -61,7 +59,7 @@ def load_tokenizer(spec: str, eos: str | None = None) -> Tokenizer:
     `eos`, else the eos_token of tokenizer_config.json beside it, else a common name."""
     if spec == BYTES:
         return Tokenizer(BYTES, 257, 256, hashlib.sha256(b"bytes").hexdigest())
-    path = Path(spec[3:] if spec.startswith("hf:") else spec).expanduser()
+    path = _spec_path(spec)
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
@@ -92,7 +90,7 @@ def load_tokenizer(spec: str, eos: str | None = None) -> Tokenizer:
             "name the tokenizer's EOS token with --eos"
         )
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    return Tokenizer(spec, vocab, eos_id, _sha256(path), tok)
+    return Tokenizer(spec, vocab, eos_id, source_sha256(path), tok)
 
 
 Segments = list[tuple[str, bool]]  # an example's text in order, each part counted or not
@@ -108,7 +106,7 @@ def chat_renderer(spec: str) -> Callable[[Any, str], Segments]:
             "--messages-field needs a tokenizer with a chat template (hf:MODEL_DIR); 'bytes' "
             "has none: give --field and --response-field instead"
         )
-    folder = Path(spec[3:] if spec.startswith("hf:") else spec).expanduser()
+    folder = _spec_path(spec)
     folder = folder if folder.is_dir() else folder.parent
     try:
         from transformers import AutoTokenizer

@@ -393,16 +393,13 @@ def accumulation_of(
     """Whether FSDP reduce-scatters every micro-batch: parallel.accumulate when it says;
     for auto, the planner's choice (the search's for `auto` layouts, else both modes
     priced for the job's layout); the layout's rule when the planner knows no figures."""
-    if not dims.fsdp or accum == 1:
-        return False
-    if c.parallel.accumulate != "auto":
-        return c.parallel.accumulate == "sharded"
-    if decision.choice is not None:
-        return decision.choice.accumulate == "sharded"
-    if view is not None:
-        mode = choose_accumulation(view, dims, c.parallel.ac, c.data.micro_batch, accum)
-        return mode == "sharded"
-    return dims.accumulates_sharded("auto", accum)
+    mode = c.parallel.accumulate
+    if mode == "auto" and dims.fsdp and accum > 1:
+        if decision.choice is not None:
+            mode = decision.choice.accumulate
+        elif view is not None:
+            mode = choose_accumulation(view, dims, c.parallel.ac, c.data.micro_batch, accum)
+    return dims.accumulates_sharded(mode, accum)
 
 
 def replica_groups(c: JobConfig, world: int, nodes: int) -> int:
