@@ -36,6 +36,14 @@ def run_cli(
     )
 
 
+def worker_failure(stderr: str) -> str:
+    """A failed launch's stderr for an assertion message: from the first worker's traceback
+    (or faulthandler's dump), where the cause is, then the launcher's summary at the end."""
+    starts = [i for i in (stderr.find("Traceback"), stderr.find("Fatal Python error")) if i >= 0]
+    head = stderr[min(starts):][:3000] if starts else ""
+    return f"{head}\n...\n{stderr[-1500:]}"
+
+
 def read_records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

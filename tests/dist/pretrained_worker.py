@@ -6,6 +6,8 @@ and first-forward logits. Not a test."""
 
 from __future__ import annotations
 
+import faulthandler
+import gc
 import json
 import sys
 from pathlib import Path
@@ -23,33 +25,41 @@ CPU = torch.device("cpu")
 
 
 def main(model_dir: str, out: str, *runs: str) -> None:
+    faulthandler.enable()  # a crash in C++ (gloo, teardown) prints where it happened
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     idx = torch.load(Path(model_dir) / "idx.pt")
-    results = {}
-    for run in runs:  # "fsdp:trainwise", ...
-        strategy, impl = run.split(":")
-        spec = ModelSpec(name=f"hf:{model_dir}", seq_len=16, impl=impl)
-        dims = _dims(strategy, world)
-        # As the trainer builds it: trainwise's GPT on the meta device, only the local
-        # shards allocated after parallelizing; transformers' models whole.
-        meta = (impl == "trainwise" and dims.fsdp) or dims.tp > 1
-        with torch.device("meta" if meta else "cpu"):
-            bundle = build_model(spec)
-        plan = bundle.tp_plan(True) if dims.tp > 1 else None
-        model = parallelize(bundle.module, bundle.blocks, dims, device=CPU, tp_plan=plan)
-        if meta:
-            allocate(model, CPU)
-        results[run] = bundle.load_weights(model)
-        results[run]["bytes_held"] = sum(_local_bytes(p) for p in model.parameters())
-        with torch.no_grad():
-            logits = model(idx)
-            if isinstance(logits, DTensor):  # TP: sharded by vocabulary
-                logits = logits.full_tensor()
-            torch.save(logits, Path(out) / f"{strategy}-{impl}-rank{rank}.pt")
+    results = {run: _load(run, model_dir, out, idx) for run in runs}
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
+    # The wrapped models hold the groups' pending work through reference cycles: freed at
+    # interpreter exit, gloo's threads can abort the process (SIGABRT). Free them first.
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _load(run: str, model_dir: str, out: str, idx: torch.Tensor) -> dict:
+    """One entry of `runs` ("fsdp:trainwise", ...): wrap, load, save the first logits."""
+    strategy, impl = run.split(":")
+    spec = ModelSpec(name=f"hf:{model_dir}", seq_len=16, impl=impl)
+    dims = _dims(strategy, dist.get_world_size())
+    # As the trainer builds it: trainwise's GPT on the meta device, only the local
+    # shards allocated after parallelizing; transformers' models whole.
+    meta = (impl == "trainwise" and dims.fsdp) or dims.tp > 1
+    with torch.device("meta" if meta else "cpu"):
+        bundle = build_model(spec)
+    plan = bundle.tp_plan(True) if dims.tp > 1 else None
+    model = parallelize(bundle.module, bundle.blocks, dims, device=CPU, tp_plan=plan)
+    if meta:
+        allocate(model, CPU)
+    result = bundle.load_weights(model)
+    result["bytes_held"] = sum(_local_bytes(p) for p in model.parameters())
+    with torch.no_grad():
+        logits = model(idx)
+        if isinstance(logits, DTensor):  # TP: sharded by vocabulary
+            logits = logits.full_tensor()
+        torch.save(logits, Path(out) / f"{strategy}-{impl}-rank{dist.get_rank()}.pt")
+    return result
 
 
 def _dims(strategy: str, world: int) -> ParallelDims:

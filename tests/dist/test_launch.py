@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import QUIET, cli_env, read_records, run_cli
+from helpers import QUIET, cli_env, read_records, run_cli, worker_failure
 from trainwise.run.distributed import free_port
 
 pytestmark = pytest.mark.dist
@@ -83,7 +83,7 @@ def test_under_torchrun_each_process_is_one_worker(workdir: Path):
     res = subprocess.run(
         cmd, cwd=workdir, env=cli_env(), capture_output=True, text=True, timeout=240
     )
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, worker_failure(res.stderr)
     assert res.stdout.count("training finished") == 1  # rank 0 alone reports
     job = json.loads((workdir / "run" / "job.json").read_text())
     assert job["world"] == 2 and job["strategy"] == "ddp"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli_env
+from helpers import cli_env, worker_failure
 from trainwise.models import ModelSpec, build_model
 from trainwise.run.materialize import materialize
 
@@ -32,7 +32,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]
          "--standalone", str(WORKER), str(out)],
         env=cli_env(), capture_output=True, text=True, timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, worker_failure(proc.stderr)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     return torch.load(out / "gathered.pt"), ranks
 

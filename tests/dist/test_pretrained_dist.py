@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import QUIET, cli_env, run_cli, tiny_llama
+from helpers import QUIET, cli_env, run_cli, tiny_llama, worker_failure
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,7 +39,7 @@ def _launch(
          "--standalone", str(WORKER), str(folder), str(out), *runs],
         env=cli_env(), capture_output=True, text=True, timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, worker_failure(proc.stderr)
     return folder, out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import SFT_EXAMPLES, SFT_SEQ, sft_corpus, QUIET, read_records, run_cli, tiny_llama
+from helpers import QUIET, SFT_SEQ, read_records, run_cli, sft_corpus, tiny_llama
 from trainwise.data.prepare import load_tokenizer, prepare
 
 pytestmark = pytest.mark.dist

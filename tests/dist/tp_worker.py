@@ -6,6 +6,8 @@ Not a test."""
 
 from __future__ import annotations
 
+import faulthandler
+import gc
 import json
 import sys
 from pathlib import Path
@@ -50,21 +52,29 @@ def grad_bytes_after_one_micro_batch(dims: ParallelDims, sharded: bool) -> int:
 
 
 def main(out: str) -> None:
+    faulthandler.enable()  # a crash in C++ (gloo, teardown) prints where it happened
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    dims = ParallelDims.from_strategy("fsdp", dist.get_world_size(), tp=2)
+    figures, full = measured(ParallelDims.from_strategy("fsdp", dist.get_world_size(), tp=2))
+    if rank == 0:
+        torch.save(full, Path(out) / "gathered.pt")
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(figures))
+    # The wrapped models hold the groups' pending work through reference cycles: freed at
+    # interpreter exit, gloo's threads can abort the process (SIGABRT). Free them first.
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measured(dims: ParallelDims) -> tuple[dict, dict[str, torch.Tensor]]:
+    """This rank's storage figures, and the parameters gathered whole."""
     _, model = built(dims)
     figures = {
         "param_bytes": sum(local_bytes(p) for p in model.parameters()),
         "grad_bytes_sharded": grad_bytes_after_one_micro_batch(dims, True),
         "grad_bytes_unsharded": grad_bytes_after_one_micro_batch(dims, False),
     }
-    full = {plain_name(n): p.full_tensor() for n, p in model.named_parameters()}
-    if rank == 0:
-        torch.save(full, Path(out) / "gathered.pt")
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps(figures))
-    dist.barrier()
-    dist.destroy_process_group()
+    return figures, {plain_name(n): p.full_tensor() for n, p in model.named_parameters()}
 
 
 if __name__ == "__main__":
