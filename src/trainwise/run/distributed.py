@@ -6,6 +6,7 @@ started by `trainwise train --nproc N` gets torchrun's variables from the elasti
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -132,6 +133,9 @@ def side_group(timeout_s: float) -> dist.ProcessGroup:
 def destroy_process_group() -> None:
     """Leave the job: wait for every rank, then tear the group down."""
     if dist.is_initialized():
+        # Wrapped models keep their groups' pending work alive through reference cycles;
+        # left to interpreter exit, gloo's threads can abort the process. Free them now.
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
 
