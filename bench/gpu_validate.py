@@ -20,6 +20,7 @@ against the catalog's figure (skipped on one GPU: it has no peer).
 
     python bench/gpu_validate.py                  # every job, 20 steps each
     python bench/gpu_validate.py --steps 10 --only gpt2-124m
+    python bench/gpu_validate.py --set checkpoint.enabled=false   # one more override
 
 About 4-6 minutes on one H100/H200 (most of it process start-up). Without CUDA it prints
 one line and exits 0: there is nothing to validate, which is not a failure (a CPU
@@ -100,11 +101,13 @@ def overrides(job: Job, gpus: int) -> list[str]:
     return [f"{key}={toml_value(value)}" for key, value in job.settings(gpus).items()]
 
 
-def run_job(job: Job, gpus: int, steps: int, root: Path) -> dict[str, Any]:
+def run_job(
+    job: Job, gpus: int, steps: int, root: Path, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
     run_dir = root / job.name.replace(" ", "_").replace("=", "-")
     cmd = [sys.executable, "-m", "trainwise", "train", "--nproc", str(gpus), "--steps",
            str(steps), "--run-dir", str(run_dir)]
-    for item in overrides(job, gpus):
+    for item in [*overrides(job, gpus), *extra]:
         cmd += ["--set", item]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
@@ -203,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="steps per job (default 20)")
     p.add_argument("--only", help="run only the jobs whose name contains this")
     p.add_argument("--json", action="store_true", help="print the results as JSON too")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more config override for every job (repeatable)")
     args = p.parse_args(argv)
     import torch
 
@@ -218,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             if time.perf_counter() - start > BUDGET_S:
                 results.append({"job": job.name, "status": "not run (time budget spent)"})
                 continue
-            results.append(run_job(job, gpus, args.steps, Path(tmp)))
+            results.append(run_job(job, gpus, args.steps, Path(tmp), tuple(args.set)))
             print(f"  {job.name}: {results[-1]['status']}", flush=True)
         catalog = next((r["intra_node_gbps"] for r in results if r.get("intra_node_gbps")), None)
         link = bandwidth(gpus, Path(tmp), catalog)

@@ -93,3 +93,26 @@ def test_missing_items_finds_what_a_failed_writer_thread_left_out(tmp_path: Path
     dropped = next(iter(metadata.storage_data))
     del metadata.storage_data[dropped]  # what a writer thread dying mid-file leaves
     assert missing_items(metadata) == 1
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_without_storage_records_returned_the_written_file_is_counted(tmp_path: Path):
+    """torch 2.11 returns the metadata without storage records (seen on a GPU machine):
+    the check reads the .metadata file DCP wrote instead of calling every item missing."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from trainwise.run.checkpoint import missing_items, written_metadata
+
+    state = {"a": torch.ones(64), "b": torch.zeros(8, 8), "note": {"text": "bytes item"}}
+    returned = dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path), thread_count=2))
+    returned.storage_data = None  # as 2.11 returns it
+    assert missing_items(returned) == 3  # every item: what the check said of each save there
+    assert missing_items(written_metadata(returned, tmp_path)) == 0
+    on_disk = pickle.loads((tmp_path / ".metadata").read_bytes())
+    del on_disk.storage_data[next(iter(on_disk.storage_data))]  # a writer thread's loss
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(on_disk))
+    assert missing_items(written_metadata(returned, tmp_path)) == 1
+    assert written_metadata(returned, tmp_path / "elsewhere") is None  # not this rank's to read

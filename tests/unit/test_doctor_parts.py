@@ -231,3 +231,30 @@ def test_links_are_timed_within_each_node_and_across_nodes_on_rails():
     }
     # One worker per node: nothing within a node to time.
     assert link_groups(["a", "b", "c"]) == {"intra_node": [], "inter_node": [[0, 1, 2]]}
+
+
+def test_the_cuda_memory_check_holds_allocated_bytes_against_the_plans_tensors():
+    """torch.cuda.max_memory_allocated counts tensors, not the CUDA context the plan adds
+    (on a GPU the check once called a plan of 10 MB of tensors plus 1 GB of context 92 %
+    over); the context still counts for the fit."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from trainwise.doctor.checks import check_memory
+    from trainwise.plan.memory import MemoryEstimate
+
+    plan = MemoryEstimate(params=1e6, grads=1e6, optimizer=2e6, activations=6e6, buffers=0.0,
+                          overhead=1e9)
+
+    def ran(peak: float, budget: float = 80e9) -> CheckResult:
+        decision = SimpleNamespace(estimate=plan, budget_bytes=budget)
+        return check_memory(SimpleNamespace(
+            device=torch.device("cuda"), measured={"smoke_peak_bytes": peak},
+            slowest=lambda value: value, job=SimpleNamespace(decision=decision),
+        ))
+
+    near = ran(10.5e6)
+    assert near.status == "pass" and near.data["plan_bytes"] == 10e6, near
+    assert ran(30e6).status == "warn"  # 200 % over the plan's tensors
+    assert ran(10e6, budget=1.005e9).status == "fail"  # fits only without the context

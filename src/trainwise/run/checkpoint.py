@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import pickle
 import shutil
 import threading
 import time
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
@@ -95,6 +96,19 @@ def missing_items(metadata: Metadata) -> int:
         elif MetadataIndex(fqn) not in stored:
             missing += 1
     return missing
+
+
+def written_metadata(metadata: Metadata, tmp: Path) -> Metadata | None:
+    """DCP's record of a save, with the storage records missing_items counts. torch 2.13
+    returns them; 2.11 (seen on a GPU machine) returns the plan without them
+    (storage_data None), and only the .metadata file it wrote in `tmp` has them. None
+    when this rank cannot read that file (rank 0, which wrote it, checks it)."""
+    if metadata.storage_data is not None:
+        return metadata
+    try:
+        return FileSystemReader(str(tmp)).read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return None
 
 
 @dataclass
@@ -220,13 +234,16 @@ class Checkpointer:
         self._last_tick: float | None = None
         self._step_s: list[float] = []
 
-    def _write_failure(self, metadata: Any) -> str | None:
-        """Why DCP's write is incomplete on this rank, or None: a writer thread's error, or
-        items without data."""
+    def _write_failure(self, metadata: Any, tmp: Path) -> str | None:
+        """Why DCP's write into `tmp` is incomplete on this rank, or None: a writer thread's
+        error, or items without data."""
         errors = WRITER_ERRORS.take()
         if errors:
             return f"rank {self.rank}: a writer thread failed: {errors[0]}"
-        if isinstance(metadata, Metadata) and (n := missing_items(metadata)):
+        if not isinstance(metadata, Metadata):
+            return None
+        written = written_metadata(metadata, tmp)
+        if written is not None and (n := missing_items(written)):
             return f"rank {self.rank}: DCP recorded no data for {n} items"
         return None
 
@@ -328,7 +345,7 @@ class Checkpointer:
         if self.before_commit is not None:
             self.before_commit(step)
         if not use_async:
-            known, error = self._gather_hashes(tmp, self._write_failure(metadata))
+            known, error = self._gather_hashes(tmp, self._write_failure(metadata, tmp))
             if self.is_main and error is None:
                 try:
                     self._commit(info, t0, async_save=False, known=known)
@@ -408,7 +425,7 @@ class Checkpointer:
             return
         tmp = store.tmp_dir(self.root, flight.step)
         try:
-            known, error = self._gather_hashes(tmp, self._write_failure(metadata))
+            known, error = self._gather_hashes(tmp, self._write_failure(metadata, tmp))
             if error:
                 raise CheckpointError(error)
             if self.is_main:
