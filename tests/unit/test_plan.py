@@ -27,7 +27,12 @@ from trainwise.plan import (
     runtime_allowed,
 )
 from trainwise.plan.inputs import unknown_device_inputs
-from trainwise.plan.memory import activation_bytes_per_token, activation_profile, block_params
+from trainwise.plan.memory import (
+    CUBLAS_WORKSPACE_BYTES,
+    activation_bytes_per_token,
+    activation_profile,
+    block_params,
+)
 from trainwise.run.optim import lr_factor
 
 # A model of 1000 parameters whose activations are not modelled.
@@ -131,13 +136,16 @@ def test_adamw_vs_sgd_optimizer_bytes():
     assert estimate_memory(sgd, "fsdp", 4).optimizer == 1000  # 1000 x 4 / 4
 
 
-def test_cuda_adds_the_context_fragmentation_and_foreach_temporaries():
-    # On CUDA AdamW runs foreach: one more fp32 value per parameter at the step, 4000, so
-    # the peak is 20000; then 1 GB of context + 5 % of the peak. CPU workers have neither.
+def test_cuda_adds_the_context_fragmentation_foreach_temporaries_and_cublas_workspaces():
+    # On CUDA AdamW runs foreach: one more fp32 value per parameter at the step, 4000, and
+    # cuBLAS's two 32 MiB workspaces (forward and backward threads), so the peak is
+    # 20000 + 64 MiB; then 1 GB of context + 5 % of the peak. CPU workers have none of it.
     est = estimate_memory(W, "single", 1, device="cuda")
-    assert est.peak == 20000
-    assert est.overhead == 1e9 + 0.05 * 20000
-    assert est.total == 20000 + 1e9 + 1000
+    workspaces = 64 * 2**20
+    assert est.peak == 20000 + workspaces
+    assert est.overhead == 1e9 + 0.05 * (20000 + workspaces)
+    assert est.total == est.peak + est.overhead
+    assert estimate_memory(W, "single", 1).peak == 16000  # CPU
     assert estimate_memory(W, "single", 1).overhead == 0
 
 
@@ -338,23 +346,28 @@ def test_shard_mode_is_passed_through():
     assert d.estimate.total == 46048
 
 
+# What a GPU holds besides the model's own tensors: 1 GB of CUDA context, and cuBLAS's
+# workspaces with their 5 % of fragmentation.
+GPU_FIXED = 1e9 + 1.05 * CUBLAS_WORKSPACE_BYTES
+
+
 def test_neither_fits_offloads_on_a_gpu():
-    # On a GPU (1 GB of CUDA context + 5 % assumed), 1 GB + 5000 bytes: sharded needs
-    # 1 GB + 12600, offloaded 1 GB + 8400: nothing fits, offload needs the least.
-    d = _auto(W, 4, 1e9 + 5_000, 0.0, device="cuda")
+    # On a GPU, GPU_FIXED + 5000 bytes: sharded needs GPU_FIXED + 12600, offloaded
+    # GPU_FIXED + 8400: nothing fits, offload needs the least.
+    d = _auto(W, 4, GPU_FIXED + 5_000, 0.0, device="cuda")
     assert (d.strategy, d.cpu_offload) == ("fsdp", True)
     assert d.estimate == estimate_memory(W, "fsdp", 4, cpu_offload=True, device="cuda")
     assert "may still not fit" in d.reason
 
 
 def test_offload_that_fits_says_so():
-    # SHAPE on 4 GPUs: fsdp full needs 1 GB + 1.05 x 24576; offloaded 1 GB + 1.05 x 18816
-    # (the states leave the device): 1 GB + 20000 holds only the offloaded one.
+    # SHAPE on 4 GPUs: fsdp full needs GPU_FIXED + 1.05 x 24576; offloaded GPU_FIXED +
+    # 1.05 x 18816 (the states leave the device): GPU_FIXED + 20000 holds only the latter.
     w = _gpt_workload()
     full = estimate_memory(w, "fsdp", 4, device="cuda").total
     offloaded = estimate_memory(w, "fsdp", 4, cpu_offload=True, device="cuda").total
-    assert offloaded < 1e9 + 20_000 < full
-    d = _auto(w, 4, 1e9 + 20_000, 0.0, device="cuda")
+    assert offloaded < GPU_FIXED + 20_000 < full
+    d = _auto(w, 4, GPU_FIXED + 20_000, 0.0, device="cuda")
     assert (d.strategy, d.cpu_offload, d.choice.fits) == ("fsdp", True, True)
     assert d.estimate.total == offloaded
     assert d.reason.startswith("fsdp with cpu offload: ")

@@ -42,6 +42,11 @@ from trainwise.plan.tensor_parallel import activation_split, block_replicated, p
 # peak (PyTorch "CUDA semantics: memory management"). CPU workers have neither.
 CUDA_CONTEXT_BYTES = 1e9
 FRAGMENTATION = 0.05
+# Measured on one H200 (torch 2.11, bench/gpu_validate.py and the doctor): cuBLAS takes a
+# 32 MiB workspace per handle and stream from the caching allocator, so tensors count it,
+# once for the forward (the main thread's handle) and once for autograd's backward
+# thread: the tiny model peaked at 81.8 MB against 14.1 MB of planned tensors.
+CUBLAS_WORKSPACE_BYTES = 2 * 32 * 2**20
 
 
 @dataclass(frozen=True)
@@ -322,6 +327,8 @@ def _at_peak(phases: dict[str, tuple], device: str, states: float) -> MemoryEsti
 
     phase = max(phases, key=lambda k: size(phases[k]))
     p, g, o, act, buffers = phases[phase]
-    peak = size(phases[phase])
+    if device == "cuda":
+        buffers += CUBLAS_WORKSPACE_BYTES
+    peak = size((p, g, o, act, buffers))
     overhead = CUDA_CONTEXT_BYTES + FRAGMENTATION * peak if device == "cuda" else 0.0
     return MemoryEstimate(p, g, o, act, buffers, phase, overhead, states=states)
