@@ -177,3 +177,14 @@ def test_a_transformers_model_with_its_own_mask_cannot_pack(tmp_path: Path):
               "attention_types": [[["global"], 2]], "vocab_size": 257}
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert not takes_example_ids(ModelSpec(name=f"hf:{tmp_path}", vocab_size=257))
+
+
+def test_a_transformers_model_on_flash_or_flex_attention_cannot_pack(tmp_path: Path):
+    """config.json's attn_implementation reaches the built model; flash and flex attention
+    take no custom 4-D mask, so packing is refused before any worker starts."""
+    folder = tiny_llama(tmp_path / "llama", vocab=257)
+    config = json.loads((folder / "config.json").read_text())
+    spec = ModelSpec(name=f"hf:{folder}", vocab_size=257)
+    for impl, packs in (("sdpa", True), ("flex_attention", False)):
+        (folder / "config.json").write_text(json.dumps({**config, "attn_implementation": impl}))
+        assert takes_example_ids(spec) == packs, impl

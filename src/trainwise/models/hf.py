@@ -144,6 +144,8 @@ def hf_takes_example_ids(path: str) -> bool:
         cfg = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
     except (ValueError, KeyError, TypeError):
         return False  # building the model says why, in its own line
+    if getattr(cfg, "_attn_implementation", None) not in (None, "sdpa", "eager"):
+        return False  # config.json asks for flash or flex attention: no custom 4-D mask
     cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
     return bool(getattr(cls, "_supports_attention_backend", False))
 
