@@ -1,6 +1,7 @@
 """Async save: the loop stalls only while the state is staged; writing, hashing and the
-commit happen in the background. Measured on the same state in one process: the async
-save's stall against the sync save's (a ratio within one run, not a wall-clock target)."""
+commit happen in the background (the save returns with the write in flight, and its
+record counts a stall shorter than the whole save). How much shorter is a performance
+figure: bench/checkpoint.py measures it against the sync save, side by side."""
 
 from __future__ import annotations
 
@@ -52,9 +53,11 @@ def saved(run_dir: Path) -> dict:
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-def test_async_stall_is_below_the_sync_stall(tmp_path: Path):
-    """The best of three saves each, so that one slow moment of a shared machine (or the
-    async stager's first allocation) does not decide the comparison."""
+def test_async_saves_return_with_the_write_in_flight_and_commit_valid_checkpoints(
+    tmp_path: Path,
+):
+    """Three saves each way. (Comparing the two stalls here was a wall-clock assertion,
+    which a loaded machine can reverse: the comparison lives in the bench.)"""
     parts = trained_state()
     sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
 
@@ -71,7 +74,6 @@ def test_async_stall_is_below_the_sync_stall(tmp_path: Path):
     later.close()
 
     print(f"stalls: async {async_stalls}, sync {sync_stalls}")
-    assert min(async_stalls) < min(sync_stalls)
     event = saved(async_dir)
     assert event["async_save"] and event["stall_s"] < event["save_s"]
     assert saved(sync_dir)["stall_s"] == saved(sync_dir)["save_s"]  # sync: all of it stalls
@@ -116,3 +118,20 @@ def test_without_storage_records_returned_the_written_file_is_counted(tmp_path: 
     (tmp_path / ".metadata").write_bytes(pickle.dumps(on_disk))
     assert missing_items(written_metadata(returned, tmp_path)) == 1
     assert written_metadata(returned, tmp_path / "elsewhere") is None  # not this rank's to read
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_rank_0_that_cannot_read_back_its_metadata_fails_the_save(tmp_path: Path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    written = tmp_path / "written"
+    returned = dcp.save({"a": torch.ones(4)}, storage_writer=FileSystemWriter(str(written)))
+    returned.storage_data = None  # as torch 2.11 returns it
+    ckpt = checkpointer(tmp_path / "run", False, trained_state())
+    try:
+        assert ckpt._write_failure(returned, written) is None
+        (written / ".metadata").write_bytes(b"")  # cut short
+        assert "cannot be read back" in ckpt._write_failure(returned, written)
+    finally:
+        ckpt.close()

@@ -243,6 +243,8 @@ class Checkpointer:
         if not isinstance(metadata, Metadata):
             return None
         written = written_metadata(metadata, tmp)
+        if written is None and self.is_main:  # rank 0 wrote the file: it must read
+            return f"rank 0: DCP's .metadata in {tmp} cannot be read back"
         if written is not None and (n := missing_items(written)):
             return f"rank {self.rank}: DCP recorded no data for {n} items"
         return None
