@@ -13,7 +13,7 @@ import pytest
 
 from trainwise.cli.main import main
 from trainwise.config.parallel_dims import ParallelDims
-from trainwise.doctor.simulate import simulate_layout, simulate_step
+from trainwise.doctor.simulate import simulate_layout
 from trainwise.models.shapes import PRESETS
 from trainwise.plan.estimate import RUNTIME, Setup, setup_memory
 from trainwise.plan.memory import Workload, estimate_memory
@@ -63,10 +63,8 @@ def _simulate(case: tuple) -> object:
         preset, layout = case
         return simulate_layout(PRESETS[preset], TP_LAYOUTS[layout], "fp32", 4, SEQ[preset])
     preset, strategy, world, *precision = case
-    return simulate_step(
-        PRESETS[preset], strategy, world, *precision or ["fp32"], micro_batch=4,
-        seq_len=SEQ[preset],
-    )
+    dims = ParallelDims.from_plan_name(strategy, world, world)  # the planner's row
+    return simulate_layout(PRESETS[preset], dims, *precision or ["fp32"], 4, SEQ[preset])
 
 
 @pytest.fixture(scope="module")

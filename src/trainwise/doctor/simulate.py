@@ -54,31 +54,6 @@ class Simulation:
     parts: dict[str, int]  # at the peak, by the formula's parts
 
 
-def simulate_step(
-    shape: GPTShape,
-    strategy: str,
-    world: int,
-    precision: str = "fp32",
-    micro_batch: int = 1,
-    seq_len: int | None = None,
-    ac: str = "none",
-    reduce_dtype: str = "fp32",
-    optimizer: str = "adamw",
-    tp: int = 1,
-) -> Simulation:
-    """The peak of one steady-state training step of a GPT of `shape` under `strategy`
-    (one of SIMULATED) on rank 0 of `world`, with `tp`-way tensor parallelism (sequence
-    parallel) inside each data-parallel rank when tp > 1."""
-    if strategy not in SIMULATED:
-        raise ValueError(f"cannot simulate {strategy!r}; simulated: {', '.join(SIMULATED)}")
-    world = tp if strategy == "single" else world
-    dp = world // tp
-    dims = replace(ParallelDims.from_plan_name(strategy, dp, dp), tp=tp).runnable()
-    return simulate_layout(
-        shape, dims, precision, micro_batch, seq_len, ac, reduce_dtype, optimizer
-    )
-
-
 def simulate_layout(
     shape: GPTShape,
     dims: ParallelDims,
@@ -90,8 +65,9 @@ def simulate_layout(
     optimizer: str = "adamw",
     sequence_parallel: bool = True,
 ) -> Simulation:
-    """simulate_step for a layout (one that `simulated` accepts): its mesh over the fake
-    process group of dims.world ranks, tensor parallelism with the GPT's own plan."""
+    """The peak of one steady-state training step of a GPT of `shape` on rank 0 of a
+    layout that `simulated` accepts: its mesh over the fake process group of dims.world
+    ranks, tensor parallelism with the GPT's own plan (sequence parallel unless told)."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -184,7 +160,7 @@ def simulate_layout(
 @contextlib.contextmanager
 def _fake_world(dist, store_cls, world: int) -> Iterator[None]:
     if dist.is_initialized():
-        raise RuntimeError("simulate_step needs a process without a process group")
+        raise RuntimeError("simulate_layout needs a process without a process group")
     dist.init_process_group("fake", store=store_cls(), rank=0, world_size=world)
     try:
         yield
