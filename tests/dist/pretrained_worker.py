@@ -7,7 +7,6 @@ and first-forward logits. Not a test."""
 from __future__ import annotations
 
 import faulthandler
-import gc
 import json
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models import ModelSpec, build_model
+from trainwise.run.distributed import destroy_process_group
 from trainwise.run.materialize import allocate
 from trainwise.run.parallelize import parallelize
 
@@ -31,11 +31,7 @@ def main(model_dir: str, out: str, *runs: str) -> None:
     idx = torch.load(Path(model_dir) / "idx.pt")
     results = {run: _load(run, model_dir, out, idx) for run in runs}
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
-    # The wrapped models hold the groups' pending work through reference cycles: freed at
-    # interpreter exit, gloo's threads can abort the process (SIGABRT). Free them first.
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    destroy_process_group()  # the models' cycles freed first, as the trainer leaves
 
 
 def _load(run: str, model_dir: str, out: str, idx: torch.Tensor) -> dict:

@@ -7,7 +7,6 @@ Not a test."""
 from __future__ import annotations
 
 import faulthandler
-import gc
 import json
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models import ModelSpec, build_model
+from trainwise.run.distributed import destroy_process_group
 from trainwise.run.materialize import materialize, plain_name
 from trainwise.run.parallelize import parallelize, set_gradient_sync
 
@@ -59,11 +59,7 @@ def main(out: str) -> None:
     if rank == 0:
         torch.save(full, Path(out) / "gathered.pt")
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(figures))
-    # The wrapped models hold the groups' pending work through reference cycles: freed at
-    # interpreter exit, gloo's threads can abort the process (SIGABRT). Free them first.
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    destroy_process_group()  # the models' cycles freed first, as the trainer leaves
 
 
 def measured(dims: ParallelDims) -> tuple[dict, dict[str, torch.Tensor]]:
