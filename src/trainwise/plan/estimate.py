@@ -15,6 +15,7 @@ from functools import lru_cache
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.plan.comm import Collective, Layout, exposed_seconds, layout_collectives
+from trainwise.plan.compute import compute_time
 from trainwise.plan.cost import CheckpointPlan, Cost, checkpoint_plan, job_cost
 from trainwise.plan.flops import mfu, model_flops_per_token, recompute_factor
 from trainwise.plan.inputs import PlanInputs
@@ -27,7 +28,6 @@ from trainwise.plan.memory import (
 )
 from trainwise.plan.precision import MASTER_BYTES, OPTIMIZER_STATE_BYTES
 from trainwise.plan.tensor_parallel import (
-    gemm_efficiency,
     params_per_rank,
     tp_collectives,
     tp_exposed_seconds,
@@ -194,11 +194,9 @@ def price(
     host_per_node = memory.host * inputs.gpus_per_node
     host_fits = host_per_node <= hw.host_memory_bytes
 
-    n_layer = w.shape.n_layer if w.shape else 1
     model_flops = model_flops_per_token(w.params, w.shape, w.seq_len)
-    hw_flops = model_flops * recompute_factor(w.ac, n_layer)
-    rate = hw.peak_flops * inputs.efficiency
-    compute = per_rank * w.seq_len * hw_flops / (rate * tp * gemm_efficiency(tp))
+    timed = compute_time(inputs, w, per_rank, tp)
+    compute = timed.seconds
 
     collectives, host_s, exposed = _communication(inputs, setup, w, compute)
     compute += host_s
@@ -213,8 +211,7 @@ def price(
     tokens_per_step = global_batch * w.seq_len
     tokens_per_s = tokens_per_step / total
     utilisation = mfu(tokens_per_s, model_flops, gpus * hw.peak_flops)
-    one_gpu_rate = rate / hw_flops  # tokens/s of one GPU that only computes
-    scaling = tokens_per_s / (gpus * one_gpu_rate)
+    scaling = tokens_per_s / (gpus * timed.one_gpu_tokens_per_s)
 
     train_s = inputs.tokens / tokens_per_step * total
     size = w.params * (MASTER_BYTES + OPTIMIZER_STATE_BYTES[w.optimizer])
