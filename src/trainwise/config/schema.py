@@ -381,14 +381,20 @@ class ClusterConfig(Section):
     intra_node_gbps: float | None = Field(
         None,
         gt=0.0,
-        description="Plan: GB/s per GPU and direction within a node; "
+        description="Plan: GB/s per GPU and direction within a node, as NCCL reaches it; "
         "default: the catalog's link of cluster.gpu.",
     )
     inter_node_gbps: float | None = Field(
         None,
         gt=0.0,
-        description="Plan: GB/s per GPU and direction between nodes; "
-        "default: InfiniBand NDR, 50 GB/s (one 400 Gb/s port per GPU).",
+        description="Plan: GB/s per NIC and direction between nodes, as NCCL reaches it; "
+        "default: InfiniBand NDR, 47 of its 50 GB/s (one 400 Gb/s port).",
+    )
+    nics_per_node: int | None = Field(
+        None,
+        gt=0,
+        description="Plan: NICs per node between nodes; the node's collectives cross them "
+        "in parallel. Default: one per GPU (rail-optimized nodes such as DGX H100).",
     )
     host_memory_gb: float | None = Field(
         None,

@@ -32,8 +32,17 @@ class Link:
 
     name: str
     scope: str  # "intra" | "inter"
-    bytes_per_s: float  # per GPU and per direction
+    bytes_per_s: float  # line rate per direction: per GPU (intra), per NIC (inter)
     source: str
+    # The share of the line rate NCCL reaches (nccl-tests' bus bandwidth over it).
+    efficiency: float = 1.0
+    step_s: float = 0.0  # latency of one NCCL algorithm step over the link
+    nics_per_node: int | None = None  # inter: NICs a node has (None: one per GPU)
+
+    @property
+    def nccl_bytes_per_s(self) -> float:
+        """What NCCL reaches on the link: the figure the planner's network model uses."""
+        return self.bytes_per_s * self.efficiency
 
 
 @dataclass(frozen=True)
@@ -84,11 +93,18 @@ def parse_catalog(data: dict[str, Any], origin: str = "catalog.toml") -> Catalog
         scope = table.get("scope")
         if scope not in SCOPES:
             raise CatalogError(f"{where}.scope = {scope!r} must be one of {', '.join(SCOPES)}")
+        efficiency = _number(table.get("efficiency", 1.0), f"{where}.efficiency")
+        if efficiency > 1:
+            raise CatalogError(f"{where}.efficiency = {efficiency} must be at most 1")
+        nics = table.get("nics_per_node")
         links[name] = Link(
             name=name,
             scope=scope,
             bytes_per_s=_number(table.get("gbps"), f"{where}.gbps") * GB,
             source=_text(table.get("source"), f"{where}.source"),
+            efficiency=efficiency,
+            step_s=_number(table.get("step_us", 0.0), f"{where}.step_us", positive=False) * 1e-6,
+            nics_per_node=None if nics is None else int(_number(nics, f"{where}.nics_per_node")),
         )
     gpus: dict[str, GPUSpec] = {}
     for name, table in data.get("gpu", {}).items():

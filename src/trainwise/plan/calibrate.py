@@ -28,6 +28,7 @@ from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, find_gpu
 from trainwise.jsonl import read_objects
 from trainwise.plan.inputs import PlanInputs
+from trainwise.plan.network import Fabric, nic_bps_from_rail_busbw
 
 WARMUP_STEPS = 2  # the first steps pay for allocation and autotuning; not steady state
 
@@ -234,11 +235,15 @@ def apply_calibration(inputs: PlanInputs, cal: Calibration) -> tuple[PlanInputs,
         )
         hw = replace(hw, intra_bps=cal.intra_bps)
     if cal.inter_bps:
-        said.append(
-            f"between nodes {cal.inter_bps / GB:.3g} GB/s measured (assumed "
-            f"{hw.inter_bps / GB:.3g} GB/s)"
+        # The doctor's rails share the node's NICs: the busbw it saw is one rail's share.
+        nic = nic_bps_from_rail_busbw(
+            cal.inter_bps, Fabric(inputs.gpus_per_node, hw.intra_bps, hw.inter_bps, hw.nics_per_node)
         )
-        hw = replace(hw, inter_bps=cal.inter_bps)
+        said.append(
+            f"between nodes {nic / GB:.3g} GB/s a NIC, from {cal.inter_bps / GB:.3g} GB/s "
+            f"measured on the rails (assumed {hw.inter_bps / GB:.3g} GB/s)"
+        )
+        hw = replace(hw, inter_bps=nic)
     if cal.data_samples_per_s:
         said.append(
             f"the loader delivers {cal.data_samples_per_s:,.0f} samples/s per worker, measured "

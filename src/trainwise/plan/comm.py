@@ -1,11 +1,11 @@
 """Communication per training step: the bytes each GPU sends per strategy, the time on the
 bottleneck link, and the part that compute cannot hide.
 
-Ring collectives (the nccl-tests definitions, "PERFORMANCE.md"): over n ranks, an
-all-reduce of S bytes moves 2(n-1)/n x S through each rank's link, an all-gather or a
-reduce-scatter (n-1)/n x S. A collective that spans nodes runs at the inter-node bandwidth
-per GPU (the network is the slowest hop of the ring); within a node, at the NVLink/PCIe
-figure. Volumes per strategy follow ZeRO (Rajbhandari et al., 2020, section 7): DDP
+Each collective's bytes per rank are nccl-tests' bus bytes ("PERFORMANCE.md"): over n
+ranks an all-reduce of S bytes moves 2(n-1)/n x S, an all-gather or a reduce-scatter
+(n-1)/n x S. Their time on the cluster's links (NVLink within a node, the node's NICs
+across nodes, and a latency per algorithm step) is plan/network.py's. Volumes per
+strategy follow ZeRO (Rajbhandari et al., 2020, section 7): DDP
 all-reduces the gradients once per step (no_sync between micro-batches); FSDP all-gathers
 the parameters for forward (and again for backward when `full` reshards after forward) on
 every micro-batch and reduce-scatters the gradients once per step; HSDP does FSDP inside a
@@ -14,9 +14,11 @@ node and all-reduces the gradient shards across nodes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from trainwise.config.parallel_dims import ParallelDims
+from trainwise.plan.network import Fabric, collective, group_of
 from trainwise.plan.precision import BYTES, MASTER_BYTES
 
 GRAD_BYTES = MASTER_BYTES  # DDP reduces the fp32 gradients (autocast leaves them fp32)
@@ -35,7 +37,8 @@ def gather_factor(n: int) -> float:
 
 @dataclass(frozen=True)
 class Collective:
-    """One kind of collective in a step: bytes through each GPU's link, on which link."""
+    """One kind of collective in a step: bus bytes per rank (all its calls), the rate its
+    slowest link class moves them at, and the latency of all its calls."""
 
     name: str
     wire_bytes: float
@@ -43,28 +46,51 @@ class Collective:
     # Gathers run on every micro-batch, beside its compute; reductions once per step, in
     # the last micro-batch's backward.
     per_micro_batch: bool = False
+    latency_s: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return self.wire_bytes / self.bytes_per_s if self.wire_bytes else 0.0
+        return (self.wire_bytes / self.bytes_per_s if self.wire_bytes else 0.0) + self.latency_s
 
 
 @dataclass(frozen=True)
 class Layout:
-    """GPUs and the bandwidth per GPU and direction within and between nodes (bytes/s)."""
+    """GPUs and their links: bytes/s per direction per GPU within a node and per NIC
+    between nodes, as NCCL reaches them; NICs per node (None: one per GPU); the latency
+    of an algorithm step on each."""
 
     gpus: int
     gpus_per_node: int
     intra_bps: float
     inter_bps: float
+    nics_per_node: int | None = None
+    intra_step_s: float = 0.0
+    inter_step_s: float = 0.0
 
     @property
     def nodes(self) -> int:
         return -(-self.gpus // self.gpus_per_node)
 
-    def link(self, group: int) -> float:
-        """Bandwidth of a collective over `group` consecutive ranks."""
-        return self.inter_bps if group > self.gpus_per_node else self.intra_bps
+    @property
+    def fabric(self) -> Fabric:
+        return Fabric(
+            min(self.gpus_per_node, self.gpus), self.intra_bps, self.inter_bps,
+            self.nics_per_node, self.intra_step_s, self.inter_step_s,
+        )
+
+    def collective(
+        self, name: str, op: str, size: float, ranks: tuple[int, int], calls: int = 1,
+        per_micro_batch: bool = False,
+    ) -> Collective:
+        """`calls` calls of `op` moving `size` bytes in all (nccl-tests' buffer sizes) over
+        `ranks` = (group size, stride between its ranks)."""
+        fabric = self.fabric
+        group = group_of(ranks[0], ranks[1], fabric.gpus_per_node)
+        one = collective(op, size / max(1, calls), group, fabric)
+        bps = one.bus_bytes / one.bandwidth_s if one.bandwidth_s else math.inf
+        return Collective(
+            name, calls * one.bus_bytes, bps, per_micro_batch, calls * one.latency_s
+        )
 
 
 def step_collectives(
@@ -74,6 +100,7 @@ def step_collectives(
     precision: str,
     reduce_dtype: str,
     grad_accum: int,
+    units: int = 1,
 ) -> list[Collective]:
     """The collectives one optimizer step runs, per GPU, for one of the planner's named
     data-parallel strategies (hsdp: one shard group per node)."""
@@ -88,7 +115,9 @@ def step_collectives(
     else:
         full = strategy != "fsdp-grad-op"
         dims = ParallelDims(dp_shard=n, fsdp=True, reshard_after_forward=full)
-    return layout_collectives(dims, params, layout, precision, reduce_dtype, grad_accum)
+    return layout_collectives(
+        dims, params, layout, precision, reduce_dtype, grad_accum, units=units
+    )
 
 
 def layout_collectives(
@@ -99,42 +128,48 @@ def layout_collectives(
     reduce_dtype: str,
     grad_accum: int,
     accumulate: str = "unsharded",
+    units: int = 1,
 ) -> list[Collective]:
     """The data-parallel collectives of one optimizer step, per GPU, for the layout `dims`
-    (`params`: what one tensor-parallel rank holds). Ranks are row-major over (dp_replicate,
-    dp_shard, tp), so a group spans `size x stride` consecutive ranks and crosses nodes
-    when that exceeds a node. `accumulate` = "sharded" reduce-scatters (and, hybrid,
-    all-reduces) on every micro-batch instead of once per step."""
+    (`params`: what one tensor-parallel rank holds, in `units` FSDP units, each its own
+    call). Ranks are row-major over (dp_replicate, dp_shard, tp), so a shard group is
+    dp_shard ranks tp apart and a replica group dp_replicate ranks dp_shard x tp apart.
+    `accumulate` = "sharded" reduce-scatters (and, hybrid, all-reduces) on every
+    micro-batch instead of once per step."""
     if dims.dp_size == 1:
         return []
     if not dims.fsdp:
-        wire = allreduce_factor(dims.dp_replicate) * params * GRAD_BYTES
-        return [Collective("all-reduce grads", wire, layout.link(dims.world))]
+        grads = params * GRAD_BYTES
+        buckets = max(1, math.ceil(grads / DDP_BUCKET_BYTES))
+        group = (dims.dp_replicate, dims.tp)
+        return [layout.collective("all-reduce grads", "all_reduce", grads, group, buckets)]
     gather = params * BYTES[precision]  # FSDP all-gathers param_dtype copies
     reduce = params * BYTES[reduce_dtype]
     d = dims.dp_shard
     every = grad_accum if accumulate == "sharded" else 1
-    shard = "full" if dims.reshard_after_forward else "grad_op"
-    out = _fsdp(gather, reduce, d, layout.link(d * dims.tp), shard, grad_accum, every)
+    passes = 2 if dims.reshard_after_forward else 1  # full gathers again for backward
+    shard = (d, dims.tp)
+    out = [
+        layout.collective(
+            "all-gather params", "all_gather", passes * grad_accum * gather, shard,
+            passes * grad_accum * units, per_micro_batch=True,
+        ),
+        # The reduce-scatter `every` times a step: once, or on every micro-batch with
+        # sharded accumulation (then beside each backward).
+        layout.collective(
+            "reduce-scatter grads", "reduce_scatter", every * reduce, shard, every * units,
+            per_micro_batch=every > 1,
+        ),
+    ]
     if dims.hybrid:
-        wire = every * allreduce_factor(dims.dp_replicate) * reduce / d
+        replicas = (dims.dp_replicate, d * dims.tp)
         out.append(
-            Collective(ACROSS_NODES, wire, layout.link(dims.world), per_micro_batch=every > 1)
+            layout.collective(
+                ACROSS_NODES, "all_reduce", every * reduce / d, replicas, every * units,
+                per_micro_batch=every > 1,
+            )
         )
     return out
-
-
-def _fsdp(
-    gather: float, reduce: float, d: int, bps: float, shard: str, accum: int, reduces: int = 1
-) -> list:
-    """FSDP's gathers on every micro-batch; its reduce-scatter `reduces` times a step (once,
-    or on every micro-batch with sharded accumulation: then beside each backward)."""
-    f = gather_factor(d)
-    passes = 2 if shard == "full" else 1  # full gathers again for backward
-    return [
-        Collective("all-gather params", passes * accum * f * gather, bps, per_micro_batch=True),
-        Collective("reduce-scatter grads", reduces * f * reduce, bps, per_micro_batch=reduces > 1),
-    ]
 
 
 def exposed_seconds(

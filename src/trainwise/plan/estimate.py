@@ -254,10 +254,14 @@ def _communication(
     """(the step's collectives and host copies, the host optimizer's seconds with cpu
     offload, the seconds the step waits for them) of `setup`, whose compute is `compute`."""
     dims, hw, accum, tp = setup.dims, inputs.hardware, setup.grad_accum, setup.dims.tp
-    layout = Layout(inputs.gpus, inputs.gpus_per_node, hw.intra_bps, hw.inter_bps)
+    layout = Layout(
+        inputs.gpus, inputs.gpus_per_node, hw.intra_bps, hw.inter_bps,
+        hw.nics_per_node, hw.intra_step_s, hw.inter_step_s,
+    )
     rank_params = params_per_rank(w.params, w.shape, tp)
+    units = w.shape.n_layer + 1 if w.shape else (w.units or 1)  # blocks and the root
     collectives = layout_collectives(
-        dims, rank_params, layout, w.precision, w.reduce_dtype, accum, setup.accumulate
+        dims, rank_params, layout, w.precision, w.reduce_dtype, accum, setup.accumulate, units
     )
     host_s = 0.0
     if dims.cpu_offload:
@@ -280,7 +284,7 @@ def _communication(
     n_layer = w.shape.n_layer if w.shape else 1
     recomputed = len(checkpointed_blocks(w.ac, n_layer)) if w.shape else 0
     tp_comm = tp_collectives(w.shape, w.seq_len, w.micro_batch, w.precision, tp, recomputed,
-                             accum, layout.link(tp))
+                             accum, layout)
     exposed += tp_exposed_seconds(tp_comm, busy, recompute_factor(w.ac, n_layer))
     return collectives + tp_comm, host_s, exposed
 

@@ -31,7 +31,8 @@ PLAN_DEFAULTS = {
 TOKENS_PER_PARAM = 20
 DEFAULT_GPU = "H100-SXM"
 DEFAULT_GPUS_PER_NODE = 8
-# Between nodes: one 400 Gb/s InfiniBand NDR port per GPU, as in DGX H100 (catalog link).
+# Between nodes: one 400 Gb/s InfiniBand NDR port per GPU, as in DGX H100 (catalog link;
+# cluster.inter_node_gbps and cluster.nics_per_node replace its figures).
 DEFAULT_INTER_LINK = "ib-ndr"
 # Host-device copies of cpu offload go over PCIe (catalog link).
 HOST_LINK = "pcie4"
@@ -57,12 +58,15 @@ class Hardware:
     gpu: str  # catalog name, or "custom"
     memory_bytes: float  # per GPU
     peak_flops: float  # dense, at the plan's precision, per GPU
-    intra_bps: float  # bytes/s per GPU per direction, within a node
-    inter_bps: float  # between nodes
+    intra_bps: float  # bytes/s per GPU per direction within a node, as NCCL reaches it
+    inter_bps: float  # between nodes: per NIC
     host_bps: float  # host <-> device (cpu offload)
     host_memory_bytes: float  # per node
     price_per_gpu_hour: float  # USD
     device: str  # "cuda" or "cpu": whether the CUDA context overhead applies
+    nics_per_node: int | None = None  # None: one per GPU
+    intra_step_s: float = 0.0  # latency of a collective's step within a node
+    inter_step_s: float = 0.0  # and across nodes
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,8 @@ def resolve_hardware(
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     catalog = default_catalog()
     # A GPU without an intra-node link in the catalog talks to its peers over PCIe.
-    intra = (spec.intra_node or catalog.links[HOST_LINK]).bytes_per_s
+    intra_link = spec.intra_node or catalog.links[HOST_LINK]
+    inter_link = catalog.links[DEFAULT_INTER_LINK]
     c = cfg.cluster
     return Hardware(
         gpu=spec.name
@@ -179,12 +184,11 @@ def resolve_hardware(
         else f"{spec.name} (custom figures)",
         memory_bytes=float(memory),
         peak_flops=float(peak),
-        intra_bps=(c.intra_node_gbps * GB if c.intra_node_gbps else intra),
-        inter_bps=(
-            c.inter_node_gbps * GB
-            if c.inter_node_gbps
-            else catalog.links[DEFAULT_INTER_LINK].bytes_per_s
-        ),
+        intra_bps=(c.intra_node_gbps * GB if c.intra_node_gbps else intra_link.nccl_bytes_per_s),
+        inter_bps=(c.inter_node_gbps * GB if c.inter_node_gbps else inter_link.nccl_bytes_per_s),
+        nics_per_node=c.nics_per_node or inter_link.nics_per_node,
+        intra_step_s=intra_link.step_s,
+        inter_step_s=inter_link.step_s,
         host_bps=catalog.links[HOST_LINK].bytes_per_s,
         host_memory_bytes=(
             c.host_memory_gb * GB if c.host_memory_gb else HOST_MEMORY_PER_GPU * per_node

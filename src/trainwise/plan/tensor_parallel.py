@@ -24,7 +24,8 @@ Communication (ibid., section 4.2.2): each block runs two all-reduces forward (a
 attention and after the MLP) and two backward, each of s·b·h activations; with sequence
 parallelism each becomes an all-gather plus a reduce-scatter of the same volume. A
 recomputed (checkpointed) block runs its forward's two again. They run on the link between
-the `tp` ranks, which sit inside one node. Assumption: forward's wait (each feeds the next
+the `tp` ranks, which sit inside one node, each call priced by plan/network.py (its bytes
+and its steps' latency). Assumption: forward's wait (each feeds the next
 matmul); backward's overlap the weight-gradient GEMMs, as Megatron-LM's tensor-parallel
 linear layers do (the input gradient's all-reduce, or reduce-scatter with sequence
 parallelism, runs asynchronously while the weight gradient is computed), and wait only for
@@ -40,7 +41,7 @@ from __future__ import annotations
 import math
 
 from trainwise.models.shapes import GPTShape
-from trainwise.plan.comm import Collective, allreduce_factor
+from trainwise.plan.comm import Collective, Layout
 from trainwise.plan.precision import BYTES
 
 # Assumption: each doubling of tp keeps this share of the compute efficiency (the GEMMs
@@ -117,21 +118,22 @@ def tp_collectives(
     tp: int,
     recomputed_blocks: int,
     grad_accum: int,
-    link_bps: float,
+    layout: Layout,
 ) -> list[Collective]:
     """The TP traffic of one step through one rank's link, forward and backward: per
     micro-batch and block, two collectives forward (two more for a recomputed block) and two
-    backward, each of s·b·h elements in the compute dtype moving 2(t-1)/t of it (an
-    all-reduce, or an all-gather and a reduce-scatter)."""
+    backward, each an all-reduce of s·b·h elements in the compute dtype (moving 2(t-1)/t of
+    it; an all-gather and a reduce-scatter with sequence parallelism move the same) over
+    `tp` consecutive ranks of `layout`."""
     if tp == 1 or shape is None:
         return []
-    one = grad_accum * allreduce_factor(tp) * seq_len * micro_batch * shape.d_model
-    one *= BYTES[precision]
-    forward = (2 * shape.n_layer + 2 * recomputed_blocks) * one
-    backward = 2 * shape.n_layer * one
+    one = seq_len * micro_batch * shape.d_model * BYTES[precision]
+    forward = grad_accum * (2 * shape.n_layer + 2 * recomputed_blocks)
+    backward = grad_accum * 2 * shape.n_layer
+    group = (tp, 1)
     return [
-        Collective(TP_FORWARD, forward, link_bps, per_micro_batch=True),
-        Collective(TP_BACKWARD, backward, link_bps, per_micro_batch=True),
+        layout.collective(TP_FORWARD, "all_reduce", forward * one, group, forward, True),
+        layout.collective(TP_BACKWARD, "all_reduce", backward * one, group, backward, True),
     ]
 
 
