@@ -222,9 +222,11 @@ def test_forced_fsdp_is_kept_with_its_reason():
 # 16 ranks need 2-token batches and no held-out evaluation on the small synthetic data.
 MANY = ("data.micro_batch=2", "train.eval_every=0")
 # 3 MB devices: the default model's replica (3.5 MB) does not fit 2.7 MB usable; fsdp over
-# 16 (2.0 MB) and hsdp over 8 (2.1 MB) do. Between machines 0.01 GB/s, within the catalog's
-# cpu loopback at 2 GB/s: the planner predicts fsdp 0.138 s a step, hsdp over 8 0.00921 s.
-TINY_SLOW = (*MANY, "cluster.device_memory_gb=0.003", "cluster.inter_node_gbps=0.01")
+# 16 (2.0 MB) and hsdp over 8 (2.1 MB) do. Between machines one NIC of 0.01 GB/s, within
+# the catalog's cpu loopback at 2 GB/s: the planner predicts fsdp 0.138 s a step, hsdp
+# over 8 0.0516 s (its 8 rails share the one NIC).
+SLOW_LINK = ("cluster.inter_node_gbps=0.01", "cluster.nics_per_node=1")
+TINY_SLOW = (*MANY, "cluster.device_memory_gb=0.003", *SLOW_LINK)
 
 
 def _same_as_the_plan(job) -> None:
@@ -245,7 +247,7 @@ def test_auto_on_two_machines_with_a_slow_link_is_hsdp_across_them():
     assert job.dp_size == 16
     assert job.decision.reason.startswith("hsdp: ")
     assert "dp_replicate 2 x dp_shard 8 x tp 1" in job.decision.reason
-    assert job.decision.choice.plan.step.total == pytest.approx(0.00921, rel=0.01)
+    assert job.decision.choice.plan.step.total == pytest.approx(0.0516, rel=0.01)
     assert evaluate(job.plan_inputs, "fsdp-full").step.total == pytest.approx(0.138, rel=0.01)
     assert job.summary_dict()["replicate"] == 2
     _same_as_the_plan(job)
@@ -259,11 +261,15 @@ def test_auto_on_one_machine_takes_the_planners_shard_group():
     _same_as_the_plan(job)
 
 
-def test_auto_on_two_machines_with_a_slow_link_shards_even_a_replica_that_fits():
-    # The replica fits, but ddp's all-reduce over 0.01 GB/s takes 10x hsdp's step.
-    job = prepare_job(cfg(*MANY, "cluster.inter_node_gbps=0.01"), 16, CPU, local_world=8)
-    assert job.strategy == "hsdp"
-    assert evaluate(job.plan_inputs, "ddp").step.total > 5 * job.decision.choice.plan.step.total
+def test_auto_on_two_machines_with_a_slow_link_keeps_ddp_when_a_replica_fits():
+    # The replica fits. NCCL's tree all-reduce reduces inside each machine before crossing,
+    # so ddp puts the bytes hsdp's all-reduce across machines would on the one NIC: the
+    # simplest, ddp, is within 1 % of the best.
+    job = prepare_job(cfg(*MANY, *SLOW_LINK), 16, CPU, local_world=8)
+    assert job.strategy == "ddp"
+    assert evaluate(job.plan_inputs, "ddp").step.total <= 1.01 * evaluate(
+        job.plan_inputs, "hsdp"
+    ).step.total
     _same_as_the_plan(job)
 
 
