@@ -43,7 +43,8 @@ FLAGS: list[tuple[str, str, type, str]] = [
     ("--headroom", "parallel.headroom", float, "share of GPU memory kept free"),
     ("--efficiency", "plan.efficiency", float, "achieved share of peak FLOP/s"),
     ("--data-rate", "plan.data_samples_per_s", float, "samples/s one GPU's loader delivers"),
-    ("--strategy", "plan.strategy", str, "plan only this strategy"),
+    ("--strategy", "plan.strategy", str, "search only this strategy's layouts: single, ddp, "
+     "fsdp, hsdp, auto (or fsdp-full, fsdp-grad-op, fsdp-offload)"),
     ("--objective", "plan.objective", str, "cost or time"),
 ]
 # A figure for the duration units of --deadline: hours per unit.
