@@ -50,24 +50,48 @@ def test_a_pipe_gets_every_figure_whole(tmp_path: Path):
     assert "$-" not in res.stdout  # no negative "more"
 
 
-def test_the_emitted_job_trains(tmp_path: Path):
-    """The small job the planner chooses for 2 CPU workers runs unchanged."""
+def test_the_emitted_job_for_3_cpu_workers_trains(tmp_path: Path):
+    """The job the planner writes for 3 CPU workers and a global batch of 32 (which 3 do not
+    split) runs unchanged: 33 = 11 x 3, said in the file and the output."""
     job = tmp_path / "job.toml"
     res = run_cli(
-        "plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "2", "--gpus-per-node", "2",
-        "--seq", "64", "--global-batch", "8", "--set", "train.steps=3",
-        "--set", "data.dataset=synthetic", "--emit", str(job), "--json",
-        cwd=tmp_path, timeout=60,
+        "plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "3", "--seq", "64",
+        "--global-batch", "32", "--emit", str(job), "--json", cwd=tmp_path, timeout=60,
     )
     assert res.returncode == 0, res.stderr[-2000:]
+    assert "global batch 33 instead of 32" in res.stderr
     rec = json.loads(res.stdout)["recommendation"]
-    res = run_cli("train", "--config", str(job), "--run-dir", "run", *QUIET, cwd=tmp_path)
+    res = run_cli(
+        "train", "--config", str(job), "--steps", "2", "--run-dir", "run", *QUIET, cwd=tmp_path
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     ran = json.loads((tmp_path / "run" / "job.json").read_text())
-    assert ran["world"] == 2
+    assert (ran["world"], ran["global_batch"]) == (3, 33)
     assert ran["strategy"] == rec["config"]["parallel.strategy"]
     assert ran["layout"] == rec["configuration"].split(" (")[0]
-    assert [r["step"] for r in read_records(tmp_path / "run")] == [1, 2, 3]
+    assert [r["step"] for r in read_records(tmp_path / "run")] == [1, 2]
+
+
+def test_the_settings_given_are_kept(capsys):
+    code, out, _ = plan(
+        capsys, "--model", "llama-7b", "--gpus", "64", "--gpus-per-node", "8", "--ac", "full",
+        "--micro-batch", "4", "--set", "parallel.tp=4", "--json",
+    )
+    assert code == 0
+    config = json.loads(out)["recommendation"]["config"]
+    assert (config["parallel.ac"], config["data.micro_batch"], config["parallel.tp"]) == (
+        "full", 4, 4,
+    )
+
+
+def test_nothing_fits_under_ddp_is_said_with_the_nearest_that_fits(capsys):
+    code, out, _ = plan(
+        capsys, "--model", "llama-7b", "--gpus", "8", "--strategy", "ddp", "--set",
+        "parallel.tp=1",
+    )
+    assert code == 0
+    assert "Recommendation:" not in out and "Nothing fits under these settings" in out
+    assert "The nearest configuration that fits relaxes" in " ".join(out.split())
 
 
 @pytest.mark.parametrize(
@@ -80,6 +104,8 @@ def test_the_emitted_job_trains(tmp_path: Path):
         (["--budget", "100"], ["--budget $100", "the cheapest costs", "over"]),
         (["--deadline", "1h"], ["--deadline 1.0 h", "the fastest takes", "over"]),
         (["--emit", "/nonexistent-dir/job.toml"], ["--emit", "cannot write"]),
+        (["--set", "parallel.tp=3"], ["parallel.tp = 3 does not divide"]),
+        (["--strategy", "fsdp-grad-op", "--set", "parallel.shard=full"], ["parallel.shard"]),
     ],
 )
 def test_bad_goal_or_emit_is_one_line_and_exit_2(capsys, args, words):

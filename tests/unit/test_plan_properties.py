@@ -9,11 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainwise.config import load_config
+from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import gpu_names
 from trainwise.models.shapes import PRESETS
-from trainwise.plan.estimate import evaluate
+from trainwise.plan.estimate import SIMPLER_WITHIN, evaluate
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 from trainwise.plan.planner import make_plan
+from trainwise.plan.search import EVERYTHING, Goal, recommend, score
 
 GPUS = [g for g in gpu_names() if g not in ("cpu", "T4", "V100")]  # with a bf16 peak
 SHARDED = ("fsdp-grad-op", "fsdp-full", "fsdp-offload")
@@ -78,3 +80,30 @@ def test_the_recommendation_fits_whenever_something_fits(job):
         assert plan.best.fits
     if not plan.best.fits:
         assert plan.recommendation.scenario == "offline-batch"
+
+
+# One setting the user may fix: (the Allowed field, the values it takes).
+TIGHTENINGS = st.one_of(
+    st.tuples(st.just("ac"), st.sampled_from(["none", "selective", "full"])),
+    st.tuples(st.just("micro_batch"), st.sampled_from([1, 2, 4])),
+    st.tuples(st.just("tp_degree"), st.sampled_from([1, 2])),
+    st.tuples(st.just("strategy"), st.sampled_from(["ddp", "fsdp", "hsdp"])),
+    st.tuples(st.just("accumulate"), st.sampled_from(["sharded", "unsharded"])),
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(jobs, TIGHTENINGS)
+def test_tightening_a_setting_never_yields_a_cheaper_plan(job, tightening):
+    inputs = inputs_of({**job, "data.global_batch": 1024, "plan.gpus": min(job["plan.gpus"], 64)})
+    field, value = tightening
+    free = recommend(inputs)
+    try:
+        tight = recommend(inputs, replace(EVERYTHING, **{field: value}))
+    except ConfigError:  # no layout of these GPUs meets it: nothing to compare
+        return
+    goal = Goal(inputs.objective)
+    if tight.fits:
+        assert free.fits
+        # the free answer is the simplest within 1 % of its best (plan.search)
+        assert score(free.plan, goal) <= score(tight.plan, goal) * (1 + SIMPLER_WITHIN) + 1e-12

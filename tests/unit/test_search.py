@@ -39,6 +39,8 @@ from trainwise.plan.space import (
     Allowed,
     ac_modes,
     accumulations,
+    exact,
+    exact_batch,
     layouts,
     micro_batches,
     replica_batch,
@@ -158,7 +160,8 @@ def test_tp_divides_heads_and_a_node():
     assert tp_degrees(inputs, EVERYTHING) == [1, 2, 4, 8]
     assert tp_degrees(inputs, NARROW) == [1]
     assert tp_degrees(inputs, Allowed(tp_degree=4)) == [4]  # the job's own, as auto keeps it
-    assert tp_degrees(inputs.with_gpus(12), EVERYTHING) == [1, 2, 4]
+    # 12 GPUs run as 2 machines of 6 (the same count on each): tp stays inside one
+    assert tp_degrees(inputs.with_gpus(12), EVERYTHING) == [1, 2]
 
 
 def test_layouts_cover_every_shard_group():
@@ -290,9 +293,12 @@ small = st.fixed_dictionaries(
 
 
 def brute_force(inputs, allowed) -> list:
-    """Every option of the space priced, no pruning: those that fit."""
+    """Every option of the space priced, no pruning: those that fit (among the layouts that
+    run the global batch exactly, as a job must)."""
     out = []
     for dims in layouts(inputs, allowed):
+        if not exact(inputs, dims, allowed):
+            continue
         batch = replica_batch(inputs, dims)
         for ac, micro in itertools.product(
             ac_modes(inputs, allowed), micro_batches(inputs, batch, allowed)
@@ -312,7 +318,7 @@ def best_score(plans, goal) -> float | None:
 @settings(max_examples=40, deadline=None)
 @given(small, st.sampled_from([EVERYTHING, NARROW]))
 def test_the_search_equals_a_brute_force_and_fits_when_anything_fits(job, allowed):
-    inputs = plan_inputs(**job)
+    inputs, _ = exact_batch(plan_inputs(**job), allowed)
     goal = Goal(inputs.objective)
     everything = brute_force(inputs, allowed)
     fitting, _ = search(inputs, allowed)

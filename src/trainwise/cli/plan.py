@@ -44,7 +44,8 @@ FLAGS: list[tuple[str, str, type, str]] = [
     ("--headroom", "parallel.headroom", float, "share of GPU memory kept free"),
     ("--efficiency", "plan.efficiency", float, "achieved share of peak FLOP/s"),
     ("--data-rate", "plan.data_samples_per_s", float, "samples/s one GPU's loader delivers"),
-    ("--strategy", "plan.strategy", str, "plan only this strategy"),
+    ("--strategy", "plan.strategy", str, "search only this strategy's layouts: single, ddp, "
+     "fsdp, hsdp, auto (or fsdp-full, fsdp-grad-op, fsdp-offload)"),
     ("--objective", "plan.objective", str, "cost or time"),
 ]
 # A figure for the duration units of --deadline: hours per unit.
@@ -112,8 +113,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def load_plan_inputs(args: argparse.Namespace):
-    """The resolved inputs and the sweep counts, or ConfigError (exit 2)."""
-    from trainwise.config import load_config
+    """The resolved inputs, the sweep counts, the config and the keys the user gave (key
+    -> where from), or ConfigError (exit 2)."""
+    from trainwise.config.load import load_job
     from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
     from trainwise.plan.planner import parse_sweep
 
@@ -137,8 +139,8 @@ def load_plan_inputs(args: argparse.Namespace):
                 f"--sweep {detail}: expected counts like 1,2,4,8 or a range like 1..1024"
             ) from None
         names["plan.sweep"] = "--sweep"
-    cfg = load_config(args.config, flags, args.set, base=PLAN_DEFAULTS, flag_names=names)
-    return resolve_inputs(cfg), cfg.plan.sweep, cfg
+    cfg, given = load_job(args.config, flags, args.set, base=PLAN_DEFAULTS, flag_names=names)
+    return resolve_inputs(cfg), cfg.plan.sweep, cfg, given
 
 
 def load_goal(args: argparse.Namespace, objective: str):
@@ -197,7 +199,7 @@ def _number(flag: str, text: str, kind: type) -> int | float:
     raise ConfigError(f"{flag} {text!r}: expected {what}")
 
 
-def _emit(path: str, cfg, plan) -> None:
+def _emit(path: str, cfg, plan, given) -> None:
     """Write the recommendation as a job file; one line (exit 2) when it cannot."""
     from trainwise.plan.emit import job_toml
 
@@ -208,19 +210,30 @@ def _emit(path: str, cfg, plan) -> None:
             "plan's smallest changes (run it without --emit)"
         )
     try:
-        Path(path).write_text(job_toml(cfg, choice, plan.inputs), encoding="utf-8")
+        Path(path).write_text(job_toml(cfg, choice, plan.inputs, given), encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"--emit {path}: cannot write ({err.strerror})") from None
     print(f"trainwise: wrote the recommended job to {path}", file=sys.stderr)
+    if choice.batch_note:
+        print(f"trainwise: {choice.batch_note} (the job file says so)", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
+    from trainwise.models.shapes import PRESETS
+    from trainwise.plan.constraints import check_allowed, user_allowed
     from trainwise.plan.planner import make_plan
     from trainwise.plan.record import plan_record
     from trainwise.report.plan_view import render_markdown, render_terminal
 
-    inputs, sweep, cfg = load_plan_inputs(args)
+    inputs, sweep, cfg, given = load_plan_inputs(args)
     goal = load_goal(args, inputs.objective)
+    allowed = user_allowed(cfg, given)  # what the user set stays; the rest is searched
+    check_allowed(inputs, allowed)
+    if args.emit and inputs.model not in PRESETS:
+        raise ConfigError(
+            f"--emit {args.emit}: {inputs.model} is no model `trainwise train` builds; give "
+            f"a preset (--model {', '.join(PRESETS)})"
+        )
     notes: list[str] = []
     source = args.calibrate or cfg.plan.calibration
     if source:
@@ -233,9 +246,9 @@ def run(args: argparse.Namespace) -> int:
             "--simulate needs a model to build: give a preset (--model) or a shape "
             "(--layers --hidden --heads ...) instead of --params"
         )
-    plan = make_plan(inputs, sweep, notes, goal)
+    plan = make_plan(inputs, sweep, notes, goal, allowed)
     if args.emit:
-        _emit(args.emit, cfg, plan)
+        _emit(args.emit, cfg, plan, given)
     simulation = None
     if args.simulate:
         from trainwise.doctor.simulate import simulate_plan

@@ -63,7 +63,11 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         help="0 on the machine of --rdzv-endpoint, which hosts the rendezvous (cluster.node_rank)",
     )
-    p.add_argument("--strategy", help="auto, single, ddp, fsdp or hsdp (parallel.strategy)")
+    p.add_argument(
+        "--strategy",
+        help="auto, single, ddp, fsdp or hsdp; also fsdp-full, fsdp-grad-op, fsdp-offload "
+        "(parallel.strategy)",
+    )
     p.add_argument("--precision", help="fp32, bf16 or fp16 (precision.dtype)")
     p.add_argument("--steps", type=int, help="optimizer steps (train.steps)")
     p.add_argument("--model", help="preset, 'mlp', 'module:factory' or 'hf:config.json'")

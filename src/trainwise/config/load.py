@@ -35,6 +35,18 @@ def load_config(
     `overrides` are ``key=value`` strings whose value is read as TOML (bare words are strings).
     `base` (dotted keys) replaces schema defaults when no file is given (`trainwise plan`'s
     own defaults); `flag_names` names the flag of a key in error messages."""
+    return load_job(path, flags, overrides, base, flag_names)[0]
+
+
+def load_job(
+    path: str | Path | None = None,
+    flags: dict[str, Any] | None = None,
+    overrides: list[str] | None = None,
+    base: dict[str, Any] | None = None,
+    flag_names: dict[str, str] | None = None,
+) -> tuple[JobConfig, dict[str, str]]:
+    """load_config, and where each key the user gave came from (the file, a flag or
+    --set; `base` and schema defaults are not given): what the planner keeps fixed."""
     raw: dict[str, Any] = {}
     origin: dict[str, str] = {}
     if path is None:
@@ -69,7 +81,7 @@ def load_config(
     problems = check_consistency(cfg)
     if problems:
         raise ConfigError(problems)
-    return cfg
+    return cfg, {k: v for k, v in origin.items() if v != "defaults"}
 
 
 def read_toml(path: Path) -> dict[str, Any]:

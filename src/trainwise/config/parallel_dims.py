@@ -22,6 +22,49 @@ from trainwise.errors import ConfigError
 
 # The planner's names of the data-parallel layouts, simplest first.
 PLAN_NAMES = ("single", "ddp", "fsdp-grad-op", "fsdp-full", "hsdp", "fsdp-offload")
+# The user's shortcuts (parallel.strategy), and the planner's row names they also accept:
+# row name -> (shortcut, parallel.shard, parallel.cpu_offload).
+SHORTCUTS = ("auto", "single", "ddp", "fsdp", "hsdp")
+ALIASES = {
+    "fsdp-full": ("fsdp", "full", False),
+    "fsdp-grad-op": ("fsdp", "grad_op", False),
+    "fsdp-offload": ("fsdp", "full", True),
+}
+STRATEGY_WORDS = (*SHORTCUTS, *ALIASES)
+
+
+def read_strategy(
+    word: str, shard: str | None = None, cpu_offload: bool | None = None
+) -> tuple[str, str | None, bool | None]:
+    """A strategy word as (shortcut, parallel.shard, parallel.cpu_offload): a row name
+    (fsdp-full, ...) sets the two options, which must then agree with those given (None:
+    not given). The one place the words are read."""
+    if word not in ALIASES:
+        return word, shard, cpu_offload
+    kind, its_shard, its_offload = ALIASES[word]
+    if shard not in (None, its_shard) or cpu_offload not in (None, its_offload):
+        given = f"parallel.shard = '{shard}'" if shard not in (None, its_shard) else (
+            f"parallel.cpu_offload = {str(cpu_offload).lower()}"
+        )
+        raise ConfigError(
+            f"strategy '{word}' is fsdp with parallel.shard = '{its_shard}' and "
+            f"parallel.cpu_offload = {str(its_offload).lower()}, but {given}: remove one, or "
+            f"use 'fsdp' with the options"
+        )
+    return kind, its_shard, its_offload
+
+
+def plan_name(word: str, shard: str = "full", cpu_offload: bool = False) -> str | None:
+    """The planner's row name of a strategy word (None for auto): fsdp with grad_op is
+    fsdp-grad-op, with offload fsdp-offload."""
+    kind, shard_, offload = read_strategy(word)
+    if kind == "auto":
+        return None
+    if kind != "fsdp":
+        return kind
+    if offload if offload is not None else cpu_offload:
+        return "fsdp-offload"
+    return "fsdp-grad-op" if (shard_ or shard) == "grad_op" else "fsdp-full"
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,12 @@ from pydantic import (
     model_validator,
 )
 
+from trainwise.config.parallel_dims import read_strategy
+from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import find_gpu, gpu_names
 
-Strategy = Literal["auto", "single", "ddp", "fsdp", "hsdp"]
+# parallel.strategy: train's shortcuts and the planner's row names (config.parallel_dims).
+Strategy = Literal["auto", "single", "ddp", "fsdp", "hsdp", "fsdp-full", "fsdp-grad-op", "fsdp-offload"]
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 Precision = Literal["fp32", "bf16", "fp16"]
 
@@ -245,6 +248,25 @@ class ParallelConfig(Section):
         description="A collective that has not completed after this many seconds fails the "
         "step (and the elastic agent restarts the group).",
     )
+
+
+    @model_validator(mode="after")
+    def _shortcut(self) -> ParallelConfig:
+        """A planner row name (fsdp-full, ...) becomes fsdp with its options."""
+        given = self.model_fields_set
+        try:
+            kind, shard, offload = read_strategy(
+                self.strategy,
+                self.shard if "shard" in given else None,
+                self.cpu_offload if "cpu_offload" in given else None,
+            )
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
+        # object.__setattr__: an assignment would validate (and call this) again
+        object.__setattr__(self, "strategy", kind)
+        object.__setattr__(self, "shard", shard or self.shard)
+        object.__setattr__(self, "cpu_offload", self.cpu_offload if offload is None else offload)
+        return self
 
 
 class PrecisionConfig(Section):
@@ -521,9 +543,12 @@ class PlanConfig(Section):
     objective: Literal["cost", "time"] = Field(
         "cost", description="Recommend the cheapest or the fastest strategy that fits."
     )
-    strategy: (
-        Literal["single", "ddp", "fsdp-grad-op", "fsdp-full", "hsdp", "fsdp-offload"] | None
-    ) = Field(None, description="Plan only this strategy.")
+    strategy: Strategy | None = Field(
+        None,
+        description="Plan only this strategy (train's words: single, ddp, fsdp with "
+        "parallel.shard, hsdp, auto; or the plan's row names fsdp-full, fsdp-grad-op, "
+        "fsdp-offload); the knobs the job does not set are still searched.",
+    )
     efficiency: float = Field(
         0.4,
         gt=0.0,

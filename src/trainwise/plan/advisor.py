@@ -4,13 +4,15 @@ makes a loader keep up."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from trainwise.config.parallel_dims import ParallelDims
+from trainwise.config.schema import JobConfig, ParallelConfig
+from trainwise.plan.constraints import user_allowed
 from trainwise.plan.estimate import SIMPLER_WITHIN, Setup, price
 from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.memory import MemoryEstimate, estimate_memory
-from trainwise.plan.search import EVERYTHING, Allowed, Choice, describe_setup, recommend
+from trainwise.plan.search import Allowed, Choice, describe_setup, recommend
 from trainwise.plan.units import fmt_bytes
 
 __all__ = [
@@ -51,14 +53,8 @@ def runtime_allowed(
     parallel.tp and, when given, parallel.dp_shard and parallel.accumulate: facts of the job
     the search takes as given. The tensor-parallel degree is the job's because it sets the
     data-parallel size and so the samples per step; `trainwise plan` recommends one."""
-    return replace(
-        EVERYTHING,
-        knobs=False,
-        reshard_after_forward=shard == "full",
-        shard_group=dp_shard,
-        tp_degree=tp,
-        accumulate=None if accumulate == "auto" else accumulate,
-    )
+    parallel = ParallelConfig(shard=shard, dp_shard=dp_shard, tp=tp, accumulate=accumulate)
+    return user_allowed(JobConfig(parallel=parallel))
 
 
 def decide_auto(inputs: PlanInputs, allowed: Allowed) -> Decision:

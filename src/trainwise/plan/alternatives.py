@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import default_catalog
+from trainwise.plan.constraints import relaxed
 from trainwise.plan.estimate import SIMPLER_WITHIN, StrategyPlan
 from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.search import Allowed, Choice, Goal, describe_setup, recommend, score
@@ -51,11 +53,45 @@ def why_it_loses(other: StrategyPlan, best: StrategyPlan, goal: Goal) -> str:
     return f"costs {fmt_usd(-diff)} less but misses the deadline; {room}"
 
 
+def nearest_relaxed(inputs: PlanInputs, allowed: Allowed, goal: Goal) -> str | None:
+    """When nothing fits under the user's settings: the best configuration (by the goal)
+    that fits with one of them searched again, and which one; all of them, when no single
+    one is enough. None when no setting was given or nothing fits even then."""
+    found = []
+    for fields, words in allowed.given:
+        choice = _fitting(inputs, relaxed(allowed, fields), goal)
+        if choice is not None:
+            found.append((score(choice.plan, goal), words, choice))
+    if found:
+        _, words, choice = min(found, key=lambda t: t[0])
+        return f"The nearest configuration that fits relaxes {words}: {_figures(choice)}."
+    if len(allowed.given) < 2:
+        return None
+    free = allowed
+    for fields, _ in allowed.given:
+        free = relaxed(free, fields)
+    choice = _fitting(inputs, free, goal)
+    if choice is None:
+        return None
+    every = "; ".join(words for _, words in allowed.given)
+    return f"Relaxing all of {every}, this fits: {_figures(choice)}."
+
+
+def _fitting(inputs: PlanInputs, allowed: Allowed, goal: Goal) -> Choice | None:
+    try:
+        choice = recommend(inputs, allowed, goal)
+    except ConfigError:  # a limit (deadline, budget) or a batch no layout runs
+        return None
+    return choice if choice.fits else None
+
+
 def smallest_changes(inputs: PlanInputs, allowed: Allowed, goal: Goal) -> list[str]:
-    """When nothing fits: the fewest GPUs (a multiple of today's) at which something does,
-    and the cheapest larger GPU of the catalog on which it does at today's count, each with
-    its numbers; the knobs the search was not allowed to turn."""
-    out = []
+    """When nothing fits: the configuration that fits if one of the user's settings is
+    relaxed, the fewest GPUs (a multiple of today's) at which something does, and the
+    cheapest larger GPU of the catalog on which it does at today's count, each with its
+    numbers; the knobs the search was not allowed to turn."""
+    nearest = nearest_relaxed(inputs, allowed, goal)
+    out = [nearest] if nearest else []
     for factor in MORE_GPUS:
         more = recommend(inputs.with_gpus(inputs.gpus * factor), allowed, goal)
         if more.fits:

@@ -157,7 +157,9 @@ def evaluate(inputs: PlanInputs, name: str) -> StrategyPlan:
     per_gpu = max(1.0, global_batch / gpus)
     accum = max(1, math.ceil(per_gpu / w.micro_batch - 1e-9))
     micro = max(1, math.ceil(per_gpu / accum - 1e-9))
-    return price(inputs, Setup(dims, w.ac, micro, accum), name)
+    # parallel.accumulate when the job sets it (sharded or unsharded), else once a step
+    mode = inputs.accumulate if inputs.accumulate != "auto" and dims.fsdp and accum > 1 else None
+    return price(inputs, Setup(dims, w.ac, micro, accum, mode or "unsharded"), name)
 
 
 @lru_cache(maxsize=1024)

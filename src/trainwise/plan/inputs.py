@@ -8,6 +8,7 @@ import math
 import os
 from dataclasses import dataclass, replace
 
+from trainwise.config.parallel_dims import plan_name
 from trainwise.config.schema import JobConfig
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, TFLOP, GPUSpec, default_catalog, find_gpu
@@ -90,11 +91,13 @@ class PlanInputs:
     checkpoint_latency_s: float = 0.0  # fixed seconds of a save, whatever its size
     # Memory a worker's runtime adds beyond the modelled tensors (a calibration measures it).
     memory_overhead_bytes: float = 0.0
+    accumulate: str = "auto"  # parallel.accumulate: the named rows price it when set
 
     @property
     def gpus_per_node(self) -> int:
-        """GPUs used on each node: a job smaller than a node uses part of one."""
-        return min(self.node_size, self.gpus)
+        """GPUs used on each node: every node runs as many (torchrun starts the same count
+        on each), the most that divide the GPUs; a job smaller than a node uses part of one."""
+        return max(d for d in range(1, min(self.node_size, self.gpus) + 1) if self.gpus % d == 0)
 
     @property
     def nodes(self) -> int:
@@ -150,7 +153,10 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
         checkpoint_latency_s=cfg.checkpoint.save_latency_s,
         headroom=cfg.parallel.headroom,
         objective=p.objective,
-        strategy=p.strategy,
+        strategy=plan_name(p.strategy, cfg.parallel.shard, cfg.parallel.cpu_offload)
+        if p.strategy
+        else None,
+        accumulate=cfg.parallel.accumulate,
     )
 
 

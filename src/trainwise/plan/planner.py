@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from trainwise.config.parallel_dims import ParallelDims
 from trainwise.hardware.catalog import GB
 from trainwise.plan.advisor import describe, loader_fixes
 from trainwise.plan.alternatives import distinct, smallest_changes, why_it_loses
@@ -14,6 +15,7 @@ from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.precision import MASTER_BYTES, OPTIMIZER_STATE_BYTES
 from trainwise.plan.reliability import SECONDS_PER_HOUR, system_mtbf_s
 from trainwise.plan.search import EVERYTHING, Allowed, Choice, Goal, describe_setup, recommend
+from trainwise.plan.space import exact_batch
 from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_usd
 
 SMALL_MODEL_PARAMS = 1e9  # the product's guide: under 1B parameters is an `mvp`
@@ -86,8 +88,12 @@ def make_plan(
     """The plan of `inputs`; `counts`: the GPU counts of a scaling sweep; `goal`: what
     "best" means (default: the inputs' objective); `allowed`: what the search may vary."""
     goal = goal or Goal(inputs.objective)
+    allowed = with_row(allowed, inputs.strategy)
+    inputs, batch_note = exact_batch(inputs, allowed)
     strategies = [evaluate(inputs, name) for name in candidate_names(inputs)]
     choice = choose(inputs, allowed, goal)
+    if batch_note:  # the batch was changed here, before the search saw it
+        choice = replace(choice, batch_note=batch_note)
     best = choice.plan
     single = strategies[0] if strategies[0].name == "single" else evaluate(inputs, "single")
     # The scenario is the job's, whichever strategy was asked for.
@@ -104,7 +110,9 @@ def make_plan(
         rows = sweep(inputs, counts, allowed, goal)
         for name in {r.strategy for r in rows}:
             knees[name] = knee([r for r in rows if r.strategy == name])
-    warnings = _warnings(inputs, best, single, strategies, knees)
+    warnings = ([batch_note] if batch_note else []) + _warnings(
+        inputs, best, single, strategies, knees
+    )
     questions = [
         ("Does one replica fit on one GPU?", _fit_answer(inputs, single)),
         (
@@ -132,12 +140,22 @@ def make_plan(
 
 
 def choose(inputs: PlanInputs, allowed: Allowed = EVERYTHING, goal: Goal | None = None) -> Choice:
-    """The search's answer (plan.search.recommend); with inputs.strategy, that strategy at
-    the job's own knobs, as asked."""
-    if not inputs.strategy:
-        return recommend(inputs, allowed, goal)
-    asked = evaluate(inputs, inputs.strategy)
-    return Choice(asked, asked.fits, "asked for (--strategy)")
+    """The search's answer (plan.search.recommend) under the user's settings; with
+    inputs.strategy, among that strategy's layouts (the knobs the job does not set are
+    searched)."""
+    return recommend(inputs, with_row(allowed, inputs.strategy), goal)
+
+
+def with_row(allowed: Allowed, name: str | None) -> Allowed:
+    """`allowed` kept to the planner's row `name` (fsdp-full, hsdp, ...) when it does not
+    name a strategy already (the CLI's constraints carry --strategy themselves)."""
+    if name is None or allowed.strategy is not None:
+        return allowed
+    dims = ParallelDims.from_plan_name(name, 4, 2)  # any mesh: its kind and options
+    fixed = {"strategy": dims.strategy, "cpu_offload": dims.cpu_offload}
+    if dims.fsdp:
+        fixed["reshard_after_forward"] = dims.reshard_after_forward
+    return replace(allowed, **fixed)  # type: ignore[arg-type]
 
 
 def _scenario(inputs: PlanInputs, single: StrategyPlan, strategies: list[StrategyPlan]) -> str:

@@ -32,6 +32,8 @@ from trainwise.plan.space import (
     Allowed,
     ac_modes,
     accumulations,
+    exact,
+    exact_batch,
     layouts,
     micro_batches,
     replica_batch,
@@ -60,6 +62,7 @@ class Choice:
     fits: bool
     why: str  # the reason, without the configuration
     alternatives: list[StrategyPlan] = field(default_factory=list)
+    batch_note: str = ""  # the global batch changed to one a job runs (space.exact_batch)
 
     @property
     def reason(self) -> str:
@@ -134,16 +137,21 @@ def simplicity(s: StrategyPlan) -> tuple:
     )
 
 
-def best_of_layout(inputs: PlanInputs, dims, allowed: Allowed) -> tuple[list, StrategyPlan]:
+def best_of_layout(
+    inputs: PlanInputs, dims, allowed: Allowed
+) -> tuple[list, StrategyPlan | None]:
     """The candidates worth pricing for one layout: for each checkpointing and accumulation
     mode, the largest micro-batch that fits (larger is never slower, plan.space); and the
-    least-memory setting, for when nothing fits anywhere. Returns (fitting plans, smallest)."""
+    least-memory setting, for when nothing fits anywhere. Returns (fitting plans, smallest;
+    None when no micro-batch the user allows splits the batch)."""
     batch = replica_batch(inputs, dims)
     w, hw = inputs.workload, inputs.hardware
     budget = hw.memory_bytes * (1.0 - inputs.headroom)
     fitting: list[StrategyPlan] = []
     smallest: tuple[float, Setup] | None = None
     micros = micro_batches(inputs, batch, allowed)
+    if not micros:
+        return [], None
     for ac in ac_modes(inputs, allowed):
         for accumulate in ("unsharded", "sharded"):
             for micro in reversed(micros):  # largest first: the first that fits wins
@@ -161,18 +169,23 @@ def best_of_layout(inputs: PlanInputs, dims, allowed: Allowed) -> tuple[list, St
                     if plan.fits:  # the host's memory too
                         fitting.append(plan)
                     break
-    assert smallest is not None
+    if smallest is None:  # no accumulation mode allowed for this layout
+        return fitting, None
     return fitting, price(inputs, smallest[1])
 
 
 def search(inputs: PlanInputs, allowed: Allowed = EVERYTHING) -> tuple[list, list]:
-    """(every fitting candidate, the least-memory candidate of each layout)."""
+    """(every fitting candidate, the least-memory candidate of each layout), over the
+    layouts that run the global batch exactly."""
     fitting: list[StrategyPlan] = []
     smallest: list[StrategyPlan] = []
     for dims in layouts(inputs, allowed):
+        if not exact(inputs, dims, allowed):
+            continue
         fits, small = best_of_layout(inputs, dims, allowed)
         fitting += fits
-        smallest.append(small)
+        if small is not None:
+            smallest.append(small)
     return fitting, smallest
 
 
@@ -231,16 +244,29 @@ def recommend(
     inputs' objective); when nothing fits, the one that needs the least device memory.
     With a deadline or a budget, on inputs.gpus or fewer (limit_counts)."""
     goal = goal or Goal(inputs.objective)
+    inputs, note = exact_batch(inputs, allowed)
     fitting, smallest = search(inputs, allowed)
+    if not smallest:
+        raise ConfigError(_unmeetable(inputs, allowed))
     if goal.deadline_hours is not None or goal.budget_usd is not None:
         for n in limit_counts(inputs.gpus)[1:]:
             fitting += search(inputs.with_gpus(n), allowed)[0]
     ordered = rank(fitting, goal)
     if not ordered:
         least = min(smallest, key=lambda s: (s.memory.total, simplicity(s)))
-        return Choice(least, False, _reason_unfit(least))
+        return Choice(least, False, _reason_unfit(least), batch_note=note)
     best = ordered[0]
-    return Choice(best, True, _reason(best, ordered, goal), ordered[1:])
+    return Choice(best, True, _reason(best, ordered, goal), ordered[1:], note)
+
+
+def _unmeetable(inputs: PlanInputs, allowed: Allowed) -> str:
+    """One line: no layout of the GPUs runs the global batch with the settings given."""
+    words = ", ".join(text for _, text in allowed.given) or "the job's settings"
+    batch = f"a global batch of {inputs.global_batch}" if inputs.global_batch else "the batch"
+    return (
+        f"{words}: no layout of {inputs.gpus} GPUs runs {batch} with these settings; "
+        "change or remove one of them"
+    )
 
 
 def _reason(best: StrategyPlan, ordered: list[StrategyPlan], goal: Goal) -> str:

@@ -12,7 +12,7 @@ longer window to hide the reductions), so only the largest that fits is priced.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.plan.inputs import PlanInputs
@@ -40,6 +40,18 @@ class Allowed:
     # read different samples and so the samples per step.
     tp_degree: int | None = None
     accumulate: str | None = None  # parallel.accumulate when sharded / unsharded
+    # What the user set (None: searched; plan.constraints.user_allowed fills them): the
+    # data-parallel shortcut (ParallelDims.strategy: single, ddp, fsdp, hsdp), cpu offload,
+    # hsdp's replica groups, checkpointing, the micro-batch and the accumulation steps.
+    strategy: str | None = None
+    cpu_offload: bool | None = None
+    replicas: int | None = None
+    ac: str | None = None
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+    # The settings above as the user wrote them: (the fields one setting fixes, its words),
+    # for saying which one a configuration that fits would relax.
+    given: tuple[tuple[tuple[str, ...], str], ...] = ()
 
 
 EVERYTHING = Allowed()
@@ -60,6 +72,23 @@ def tp_degrees(inputs: PlanInputs, allowed: Allowed) -> list[int]:
 def divisors(n: int) -> list[int]:
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
+
+
+def shortcut(dims: ParallelDims) -> str:
+    """The user's word for a layout (parallel.strategy): ParallelDims.strategy, except that
+    replicas of a tensor-parallel model are ddp as asked (FSDP2 runs them, see runnable)."""
+    if dims.fsdp and dims.dp_shard == 1 and dims.tp > 1 and not dims.cpu_offload:
+        return "ddp"
+    return dims.strategy
+
+
+def permitted(dims: ParallelDims, allowed: Allowed) -> bool:
+    """Whether a layout keeps the user's strategy, offload and replica groups."""
+    if allowed.strategy is not None and shortcut(dims) != allowed.strategy:
+        return False
+    if allowed.cpu_offload is not None and dims.cpu_offload != allowed.cpu_offload:
+        return False
+    return allowed.replicas is None or (dims.fsdp and dims.dp_replicate == allowed.replicas)
 
 
 def layouts(inputs: PlanInputs, allowed: Allowed) -> list[ParallelDims]:
@@ -88,7 +117,7 @@ def layouts(inputs: PlanInputs, allowed: Allowed) -> list[ParallelDims]:
                     )
             if offload and True in resharding:
                 out.append(ParallelDims(replicas, shard, tp, fsdp=True, cpu_offload=True))
-    return out
+    return [dims for dims in out if permitted(dims, allowed)]
 
 
 def replica_batch(inputs: PlanInputs, dims: ParallelDims) -> int:
@@ -101,17 +130,53 @@ def replica_batch(inputs: PlanInputs, dims: ParallelDims) -> int:
 
 
 def micro_batches(inputs: PlanInputs, batch: int, allowed: Allowed) -> list[int]:
-    """Micro-batch sizes, ascending: the divisors of the replica's batch; or the job's own
-    (at most the batch), when the knobs are fixed."""
+    """Micro-batch sizes, ascending: the divisors of the replica's batch (so micro-batch x
+    accumulation is the batch), kept to the user's micro-batch and accumulation steps; or
+    the job's own (at most the batch), when the knobs are the job's (the runtime's auto)."""
     if allowed.knobs:
-        return divisors(batch)
+        return [
+            m for m in divisors(batch)
+            if allowed.micro_batch in (None, m) and allowed.grad_accum in (None, batch // m)
+        ]
     accum = max(1, math.ceil(batch / inputs.workload.micro_batch - 1e-9))
     return [max(1, math.ceil(batch / accum - 1e-9))]
 
 
+def exact(inputs: PlanInputs, dims: ParallelDims, allowed: Allowed) -> bool:
+    """Whether `dims` runs the global batch exactly: micro-batch x accumulation x its
+    data-parallel ranks, with the user's micro-batch and accumulation (always, when the
+    global batch is the job's product)."""
+    batch = inputs.global_batch
+    if batch is None:
+        return True
+    return batch % dims.dp_size == 0 and bool(
+        micro_batches(inputs, batch // dims.dp_size, allowed)
+    )
+
+
+def exact_batch(inputs: PlanInputs, allowed: Allowed) -> tuple[PlanInputs, str]:
+    """The inputs with a global batch some allowed layout runs exactly: the asked one when
+    one does, else the nearest multiple of the data-parallel ranks (x the user's micro-batch
+    and accumulation) a job can run; and the sentence that says so ("" when unchanged)."""
+    asked = inputs.global_batch
+    if asked is None or any(exact(inputs, d, allowed) for d in layouts(inputs, allowed)):
+        return inputs, ""
+    ranks = inputs.gpus // (allowed.tp_degree or 1)
+    unit = ranks * (allowed.micro_batch or 1) * (allowed.grad_accum or 1)
+    size = unit if allowed.grad_accum else max(unit, round(asked / unit) * unit)
+    note = (
+        f"global batch {size:,} instead of {asked:,}: {asked:,} sequences do not split into "
+        f"equal micro-batches over {ranks} data-parallel ranks"
+        + (" at the micro-batch and accumulation set" if unit != ranks else "")
+    )
+    return replace(inputs, global_batch=size), note
+
+
 def ac_modes(inputs: PlanInputs, allowed: Allowed) -> tuple[str, ...]:
-    """Checkpointing modes: all three for a model with a shape (without one, recomputing
-    saves no modelled memory); the job's own when the knobs are fixed."""
+    """Checkpointing modes: the user's; all three for a model with a shape (without one,
+    recomputing saves no modelled memory); the job's own when the knobs are fixed."""
+    if allowed.ac is not None:
+        return (allowed.ac,)
     if not allowed.knobs or inputs.workload.shape is None:
         return (inputs.workload.ac,)
     return AC_MODES

@@ -172,13 +172,15 @@ def cost_line(plan: Plan) -> str:
 def recommendation_title(plan: Plan) -> str:
     rec = plan.recommendation
     what = describe_setup(rec.choice.setup) if rec.choice else rec.strategy
+    if rec.choice and not rec.choice.fits:  # no recommendation for what does not fit
+        return f"Nothing fits under these settings; the least memory: {what}"
     return f"Recommendation: {what} (scenario: {rec.scenario})"
 
 
 def config_lines(plan: Plan) -> list[str]:
     """The recommended settings as a job file's lines (what --emit writes them into)."""
     rec = plan.recommendation
-    return keys_toml(rec.choice.config_keys()) if rec.choice else []
+    return keys_toml(rec.choice.config_keys()) if rec.choice and rec.choice.fits else []
 
 
 def alternative_lines(plan: Plan) -> list[str]:

@@ -31,10 +31,10 @@ from trainwise.plan import (
     describe,
     estimate_memory,
     fmt_bytes,
-    runtime_allowed,
 )
 from trainwise.plan.calibrate import Calibration, apply_calibration, read_calibration
-from trainwise.plan.estimate import Setup, candidate_names, evaluate, price
+from trainwise.plan.constraints import user_allowed
+from trainwise.plan.estimate import Setup, candidate_names, evaluate, price, setup_memory
 from trainwise.plan.flops import flops_per_token, recompute_factor
 from trainwise.plan.inputs import PlanInputs, job_inputs, unknown_device_inputs
 from trainwise.plan.record import strategy_record
@@ -565,14 +565,17 @@ def decide(
 ) -> Decision:
     if strategy == "auto":  # the planner's chooser; `cluster`: its view of these machines
         inputs = cluster or unknown_device_inputs(c, w, world, accum, device_bytes, device_kind)
-        p = c.parallel
-        shard_group = p.dp_shard or (world // p.tp // p.replicate if p.replicate else None)
-        return decide_auto(inputs, runtime_allowed(p.shard, shard_group, p.tp, p.accumulate))
+        # The constraints `trainwise plan` reads from the same job (plan.constraints).
+        return decide_auto(inputs, user_allowed(c))
     offload = c.parallel.cpu_offload
-    shard_degree = world // replicate if strategy == "hsdp" else None
-    est = estimate_memory(
-        w, strategy, world, c.parallel.shard, offload, shard_degree, device_kind, accum
+    # The layout as it runs (tensor parallelism and accumulation mode included), priced by
+    # the planner's memory model: the configuration `trainwise plan` priced for this job.
+    dims = ParallelDims.from_strategy(
+        strategy, world, replicate=replicate, shard=c.parallel.shard, cpu_offload=offload,
+        tp=c.parallel.tp,
     )
+    mode = "sharded" if dims.accumulates_sharded(c.parallel.accumulate, accum) else "unsharded"
+    est = setup_memory(w, Setup(dims, w.ac, w.micro_batch, accum, mode), device_kind)
     replica = estimate_memory(
         w, "ddp" if world > 1 else "single", world, device=device_kind, grad_accum=accum
     )

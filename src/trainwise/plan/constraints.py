@@ -1,0 +1,120 @@
+"""What the user set constrains the planner's search; what is unset is searched.
+
+`user_allowed` is the one place a job's settings become the search's `Allowed`: `trainwise
+plan` passes the keys the user gave (a flag, --set or the job file), `train --strategy
+auto` passes none and keeps what the runtime cannot vary (it runs its own micro-batch,
+accumulation steps, checkpointing, tensor parallelism and parallel.shard). A job file that
+sets all of them is planned as exactly that configuration by both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+from trainwise.config import JobConfig
+from trainwise.config.load import toml_value
+from trainwise.config.parallel_dims import read_strategy
+from trainwise.errors import ConfigError
+from trainwise.plan.inputs import PlanInputs
+from trainwise.plan.space import EVERYTHING, Allowed
+
+# What the runtime's auto cannot vary: it runs the job's values of these, given or not.
+RUNTIME_FIXED = ("parallel.shard", "parallel.tp", "parallel.ac", "data.micro_batch",
+                 "data.grad_accum")
+
+
+def user_allowed(cfg: JobConfig, given: Mapping[str, str] | None = None) -> Allowed:
+    """The search's Allowed for `cfg`: each key in `given` (key -> where it came from: a
+    flag, --set, the file) fixes its part of the space. None: the runtime's auto
+    (RUNTIME_FIXED fixed; the micro-batch, accumulation and checkpointing are the job's own,
+    as the planner's inputs carry them, since an elastic job scales its accumulation).
+    A strategy fsdp or hsdp fixes parallel.shard and parallel.cpu_offload as the job has
+    them (what `train` runs); a row name (fsdp-grad-op, ...) sets them itself."""
+    runtime = given is None
+    given = dict.fromkeys(RUNTIME_FIXED, "the job") if runtime else dict(given)
+    p, d = cfg.parallel, cfg.data
+    fixed: dict[str, object] = {}
+    words: list[tuple[tuple[str, ...], str]] = []
+
+    def fix(key: str, value: object, source: str | None = None, **fields: object) -> None:
+        fixed.update(fields)
+        words.append((tuple(fields), f"{key} = {toml_value(value)} ({source or given[key]})"))
+
+    shard = p.shard if "parallel.shard" in given else None
+    offload = p.cpu_offload if "parallel.cpu_offload" in given else None
+    key = next((k for k in ("plan.strategy", "parallel.strategy") if _asked(cfg, k, given)), None)
+    if key is not None:
+        word = str(cfg.plan.strategy if key == "plan.strategy" else p.strategy)
+        kind, shard, offload = read_strategy(word, shard, offload)
+        fix(key, word, strategy=kind)
+        if kind in ("fsdp", "hsdp"):
+            shard = shard or p.shard
+            offload = p.cpu_offload if offload is None else offload
+    source = given[key] if key else None
+    if shard is not None:
+        fix("parallel.shard", shard, given.get("parallel.shard", source),
+            reshard_after_forward=shard == "full")
+    if offload is not None:
+        fix("parallel.cpu_offload", offload, given.get("parallel.cpu_offload", source),
+            cpu_offload=offload)
+    for name, value, field in (
+        ("parallel.tp", p.tp, "tp_degree"),
+        ("parallel.dp_shard", p.dp_shard, "shard_group"),
+        ("parallel.replicate", p.replicate, "replicas"),
+        ("parallel.accumulate", p.accumulate, "accumulate"),
+        ("parallel.ac", p.ac, "ac"),
+        ("data.micro_batch", d.micro_batch, "micro_batch"),
+        ("data.grad_accum", d.grad_accum, "grad_accum"),
+    ):
+        free = value is None or value == "auto" or (runtime and field in KNOBS)
+        if not free and (name in given or field in ALWAYS):
+            fix(name, value, given.get(name, "the job"), **{field: value})
+    return replace(EVERYTHING, knobs=not runtime, given=tuple(words), **fixed)  # type: ignore[arg-type]
+
+
+# Fixed whenever set (they have no default but "searched"); the knobs the runtime's inputs
+# carry themselves (see user_allowed).
+ALWAYS = ("shard_group", "replicas", "accumulate")
+KNOBS = ("ac", "micro_batch", "grad_accum")
+
+
+def _asked(cfg: JobConfig, key: str, given: Mapping[str, str]) -> bool:
+    value = cfg.plan.strategy if key == "plan.strategy" else cfg.parallel.strategy
+    return key in given and value not in (None, "auto")
+
+
+def check_allowed(inputs: PlanInputs, allowed: Allowed) -> None:
+    """A setting no layout of these GPUs can meet: one line (ConfigError, exit 2)."""
+    tp, shape = allowed.tp_degree, inputs.workload.shape
+    problems = []
+    if tp is not None and tp > 1:
+        if shape is None:
+            problems.append(
+                f"parallel.tp = {tp}: tensor parallelism needs a model shape; give a preset "
+                "(--model) or a shape (--layers --hidden --heads ...) instead of --params"
+            )
+        elif inputs.gpus % tp or shape.n_head % tp or shape.n_kv_head % tp:
+            problems.append(
+                f"parallel.tp = {tp} does not divide the {inputs.gpus} GPUs, the "
+                f"{shape.n_head} heads and the {shape.n_kv_head} key/value heads: choose a "
+                "common divisor"
+            )
+    if allowed.strategy == "single" and inputs.gpus > 1:
+        problems.append(
+            f"strategy 'single' runs one GPU but the plan has {inputs.gpus}: give --gpus 1 "
+            "or another strategy"
+        )
+    if allowed.replicas is not None and (inputs.gpus // (tp or 1)) % allowed.replicas:
+        problems.append(
+            f"parallel.replicate = {allowed.replicas} does not divide the data-parallel "
+            f"ranks of {inputs.gpus} GPUs: choose a divisor"
+        )
+    if problems:
+        raise ConfigError(problems)
+
+
+def relaxed(allowed: Allowed, fields: tuple[str, ...]) -> Allowed:
+    """`allowed` with the setting that fixed `fields` searched again."""
+    rest = tuple(g for g in allowed.given if g[0] != fields)
+    return replace(allowed, given=rest, **dict.fromkeys(fields))  # type: ignore[arg-type]
