@@ -366,6 +366,11 @@ class ClusterConfig(Section):
         description="Train even when ranks run different versions of Python, torch, CUDA, "
         "NCCL or trainwise (checked at start-up).",
     )
+    oversubscribe: bool = Field(
+        False,
+        description="Start more CPU workers (cluster.nproc) than this machine has cores "
+        "(they take turns on them: slower steps; for tests of a layout). Refused otherwise.",
+    )
     device_memory_gb: float | None = Field(
         None,
         gt=0.0,
@@ -572,6 +577,16 @@ class LoggingConfig(Section):
     run_dir: str | None = Field(
         None, description="Run directory; default: runs/<date>-<time>-<model>."
     )
+
+    @field_validator("run_dir")
+    @classmethod
+    def _named_run_dir(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError(
+                "an empty run directory: give a path, or leave the key out for "
+                "runs/<date>-<time>-<model>"
+            )
+        return value
     flush_every: int = Field(
         10,
         gt=0,

@@ -37,6 +37,9 @@ HEREDOC_END = "TRAINWISE_JOB_TOML"
 
 _DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _SLURM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# The log %x-%j.out and the run directory runs/NAME are file names: at most 255 bytes on
+# Linux (NAME_MAX, <linux/limits.h>), less "-" + a 32-bit job id (10 digits) + ".out".
+SLURM_NAME_MAX = 255 - len("-4294967295.out")
 # minutes, minutes:seconds, hours:minutes:seconds, days-hours[:minutes[:seconds]]
 _SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}")
 
@@ -94,10 +97,12 @@ def check_cluster_job(job: ClusterJob, scheduler: str) -> None:
     if not 1 <= job.port <= 65535:
         problems.append(f"--port {job.port}: give a TCP port, 1 to 65535")
     if scheduler == "slurm":
-        if not _SLURM_NAME.fullmatch(job.name):
+        if not _SLURM_NAME.fullmatch(job.name) or len(job.name) > SLURM_NAME_MAX:
+            shown = job.name if len(job.name) <= 60 else job.name[:40] + "..."
             problems.append(
-                f"--name {job.name!r}: use letters, digits, '.', '_' and '-' "
-                "(it names the run directory too)"
+                f"--name {shown!r} ({len(job.name)} characters): use at most "
+                f"{SLURM_NAME_MAX} letters, digits, '.', '_' and '-', starting with a letter "
+                "or digit (it names the run directory and the log file too)"
             )
         if job.time is not None and not _SLURM_TIME.fullmatch(job.time):
             problems.append(
