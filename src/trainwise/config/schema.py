@@ -611,8 +611,8 @@ class LoggingConfig(Section):
     )
     mlflow_uri: str | None = Field(
         None,
-        description="MLflow tracking URI (a server URL or file:PATH); default: a file store "
-        "in RUN/mlruns.",
+        description="MLflow tracking URI (a server URL, sqlite:///PATH or file:PATH); default: "
+        "sqlite:///RUN/mlflow.db (MLflow's recommended local backend).",
     )
     tensorboard: bool = Field(
         True,
