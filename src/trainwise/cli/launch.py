@@ -12,6 +12,7 @@ import tomli_w
 
 from trainwise.config import load_config, read_toml
 from trainwise.errors import ConfigError
+from trainwise.run.schedulers import DEFAULT_MEMORY_PER_WORKER_GI, DEFAULT_STORAGE
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -72,13 +73,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     k.add_argument(
         "--storage",
         metavar="SIZE",
-        default="100Gi",
-        help="size of the claim the manifest creates (default 100Gi)",
+        default=DEFAULT_STORAGE,
+        help=f"size of the claim the manifest creates (default {DEFAULT_STORAGE})",
     )
     k.add_argument(
         "--memory-per-node",
         metavar="QUANTITY",
-        help="memory each pod requests and may use, e.g. 128Gi (default: 8Gi per worker)",
+        help="memory each pod requests and may use, e.g. 128Gi (default: "
+        f"{DEFAULT_MEMORY_PER_WORKER_GI}Gi per worker)",
     )
     _add_output(k)
     k.set_defaults(run=run_k8s)

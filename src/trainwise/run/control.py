@@ -2,8 +2,9 @@
 
 Slurm and Kubernetes send SIGTERM (or SIGUSR1 with `--signal`) before they kill a job; a
 user presses Ctrl-C or closes the terminal. The first signal asks the run to finish its
-step, save and exit 128 + the signal (stop_status); a second one exits at once (in a Slurm job step, the same signal
-again within seconds is the first one delivered twice: see SLURM_REPEAT_S).
+step, save and exit 128 + the signal (stop_status); a second one exits at once (in a
+Slurm job step, the same signal again within seconds is the first one delivered twice:
+see SLURM_REPEAT_S).
 A signal reaches the ranks at slightly different moments, and time-based save decisions
 are taken on rank 0's clock, so the flags are agreed with a MAX all-reduce on a gloo group
 of their own: issued after each step, waited for after the next one, so it overlaps a

@@ -152,8 +152,8 @@ def check_cores(cfg: JobConfig, device: DeviceInfo, nproc: int, cores: int) -> N
     if device.kind != "cpu" or c.nproc is None or nproc <= cores or c.oversubscribe:
         return
     raise ConfigError(
-        f"--nproc {nproc} (cluster.nproc): {nproc} CPU workers on {cores} cores would take turns on them "
-        f"(slower, not faster): use --nproc {cores} or fewer, or add --oversubscribe "
+        f"--nproc {nproc} (cluster.nproc): {nproc} CPU workers on {cores} cores would take "
+        f"turns on them (slower, not faster): use --nproc {cores} or fewer, or add --oversubscribe "
         "(cluster.oversubscribe = true) to start them anyway"
     )
 

@@ -80,7 +80,7 @@ class ClusterJob:
     max_restarts: int = 3  # Kubernetes only: elasticPolicy.maxRestarts
     pvc: str | None = None  # Kubernetes only: an existing claim for /runs; None: write one
     storage: str = DEFAULT_STORAGE  # Kubernetes only: the size of the claim trainwise writes
-    memory_per_node: str | None = None  # Kubernetes only: a quantity; None: 8Gi per worker
+    memory_per_node: str | None = None  # Kubernetes only: a quantity; None: by the workers
     python: str = "python3"  # Slurm only: the interpreter with trainwise on every node
 
 
