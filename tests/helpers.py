@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 # Quiet, fast, loopback-only runs: every test job sets these.
+# The tests run up to 4 CPU workers on 2 cores on purpose (layouts, not speed).
+ON_FEW_CORES = ["--set", "cluster.oversubscribe=true"]
 QUIET = ["--set", "logging.progress=none", "--set", "logging.tensorboard=false",
-         "--set", "logging.report=false"]
+         "--set", "logging.report=false", *ON_FEW_CORES]
 
 
 def cli_env() -> dict[str, str]:

@@ -24,7 +24,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -76,8 +75,7 @@ class Cluster:
         self.conf = root / "slurm.conf"
         self.daemons: list[subprocess.Popen] = []
         self.env = {**cli_env(), "SLURM_CONF": str(self.conf)}
-        # The job's `trainwise` is this interpreter's (sbatch passes the environment on).
-        self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{self.env['PATH']}"
+        # No `trainwise` on PATH: the script runs the interpreter it was written from.
         for var in [v for v in self.env if v.startswith(("SLURM_", "SBATCH_", "SRUN_"))]:
             if var != "SLURM_CONF":
                 del self.env[var]  # an outer Slurm job's settings are not ours

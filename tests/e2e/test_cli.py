@@ -69,6 +69,9 @@ BAD_INPUTS = {
     "unsupported precision": (["--precision", "fp8"], "(from --precision): Input should be"),
     "absurd steps": (["--set", "train.steps=1e23"], "train.steps = 1e+23 (from --set): is beyond"),
     "fractional steps": (["--set", "train.steps=2.5"], "must be a whole number"),
+    "empty run dir": (["--run-dir", ""], "logging.run_dir = '' (from --run-dir)"),
+    "more CPU workers than cores": (["--nproc", "4096", "--set", "cluster.device='cpu'"],
+                                    "--oversubscribe"),
 }
 
 

@@ -1,4 +1,5 @@
-"""The drill-down on real runs: MLflow (a local file store, read back through MlflowClient)
+"""The drill-down on real runs: MLflow (its default store, SQLite in the run directory, read
+back through MlflowClient)
 and W&B (offline, read back by wandb's own reader) hold what metrics.jsonl holds, and a
 killed and restarted run goes on in the same tracker runs; a tracker that raises on every
 call is one warning and changes no loss; the profiler's window leaves a Chrome trace per
@@ -10,7 +11,6 @@ Two launches of two workers, shared by the tests of this module."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -22,7 +22,6 @@ from faulty import finish, job_args, kill, start, wait_for_pid
 from helpers import run_cli
 
 pytestmark = pytest.mark.dist
-os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads its file store so
 mlflow = pytest.importorskip("mlflow", reason="pip install 'trainwise[mlflow]'")
 
 STEPS = 8
@@ -38,7 +37,7 @@ def records(run_dir: Path) -> list[dict]:
 def mlflow_run(run_dir: Path):
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
+    client = MlflowClient(tracking_uri=f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
     run_id = json.loads((run_dir / "trackers.json").read_text())["mlflow"]
     return client, run_id
 
@@ -100,6 +99,9 @@ def test_mlflow_holds_every_record_and_a_restart_continues_its_run(tracked):
     assert run.data.tags["trainwise.events.resume"] == "1"
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert {"report.html", "plan.json", "summary.json", "events.jsonl"} <= artifacts
+    # MLflow's recommended local store, all of it in the run directory.
+    assert run.info.artifact_uri.startswith((run_dir / "mlartifacts").resolve().as_uri())
+    assert not (run_dir / "mlruns").exists()
 
 
 def wandb_history(run_dir: Path) -> tuple[dict[int, float], int]:

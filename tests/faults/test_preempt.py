@@ -1,6 +1,7 @@
 """Preemption as Slurm and Kubernetes do it: SIGTERM (or SIGUSR1) to `trainwise train`.
-The run finishes its step, saves synchronously and exits 0 with a `preempted` event; the
-same command started again resumes and ends bit-identical to an uninterrupted run."""
+The run finishes its step, saves synchronously and exits 128 + the signal (never 0: it did
+not finish) with a `preempted` event; the same command started again resumes and ends
+bit-identical to an uninterrupted run, and exits 0 when it finishes."""
 
 from __future__ import annotations
 
@@ -20,8 +21,6 @@ from faulty import (
     wait_for_pid,
 )
 
-from helpers import run_cli
-
 pytestmark = pytest.mark.dist
 
 
@@ -33,7 +32,7 @@ def preempt(workdir: Path, run_dir: Path, sig: signal.Signals) -> dict:
     wait_for_pid(proc, run_dir / "faults" / "pause-step-6.pid")
     proc.send_signal(sig)  # to the launcher, as the scheduler would
     rc, out, err = finish(proc)
-    assert rc == 0, err
+    assert rc == 128 + sig, err  # 143 SIGTERM, 138 SIGUSR1: `train && export` stops here
     assert "stopped by" in out and "run the same command again" in out
     log = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     stop = next(e for e in log if e["kind"] == "preempted")
@@ -44,16 +43,20 @@ def preempt(workdir: Path, run_dir: Path, sig: signal.Signals) -> dict:
     return stop
 
 
-def test_sigterm_saves_exits_zero_and_resumes_exactly(workdir: Path, reference: References):
+def test_sigterm_saves_exits_143_and_resumes_exactly(workdir: Path, reference: References):
+    """The resumed run is Ctrl-C'd after its last step (paused there, in teardown): that
+    run has finished, so it ends with its summary and exit 0, not as a stop."""
     run_dir = workdir / "run"
     stop = preempt(workdir, run_dir, signal.SIGTERM)
-    again = run_cli(*job_args(run_dir, 2, "fsdp"), cwd=workdir)
-    assert again.returncode == 0, again.stderr
-    assert f"resuming from step {stop['step']}" in again.stderr
-    assert f"stopped by SIGTERM after step {stop['step']}; resumed from step {stop['step']}" in (
-        again.stderr
-    )
-    assert "0 step(s) redone" in again.stderr
+    proc = start(job_args(run_dir, 2, "fsdp"), workdir, faults=f"pause@step={STEPS},rank=0")
+    wait_for_pid(proc, run_dir / "faults" / f"pause-step-{STEPS}.pid")
+    proc.send_signal(signal.SIGINT)
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    assert "before a save" not in out + err and "finished" in out
+    assert f"resuming from step {stop['step']}" in err
+    assert f"stopped by SIGTERM after step {stop['step']}; resumed from step {stop['step']}" in err
+    assert "0 step(s) redone" in err
     assert_identical(reference.weights(2, "fsdp"), final_weights(run_dir, workdir))
 
 

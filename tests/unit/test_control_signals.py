@@ -57,3 +57,13 @@ def test_a_worker_survives_the_double_delivery_only_in_a_slurm_step(step, surviv
         assert done.stdout.strip() == "SIGUSR1 (True, False)"  # one stop, at the next step
     else:
         assert done.returncode == 128 + signal.SIGUSR1 and done.stdout == ""
+
+
+def test_a_stop_exits_with_128_plus_its_signal_never_0():
+    from trainwise.run.control import stop_status
+
+    assert [stop_status(name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGHUP")] == [
+        130, 143, 138, 129
+    ]
+    assert stop_status("launcher exit") == 128 + signal.SIGUSR2  # lifeline.LAUNCHER_GONE
+    assert stop_status(None) == 143  # a stop of unknown cause is still not a success

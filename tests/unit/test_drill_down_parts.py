@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -255,20 +256,40 @@ def test_an_mlflow_server_that_is_down_is_one_warning(tmp_path, caplog, mlflow_e
     assert trackers.live == []
 
 
-def test_mlflow_continues_its_run_after_a_restart(tmp_path, mlflow_env):
+def test_mlflow_continues_its_run_after_a_restart(tmp_path, mlflow_env, monkeypatch):
+    """In its default store: SQLite in the run directory (MLflow's recommended local
+    backend), with the artifacts beside it, not in the current directory."""
     from mlflow.tracking import MlflowClient
 
     from trainwise.run.trackers import MLflow, default_mlflow_uri
 
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")  # the default must not need it
+    monkeypatch.chdir(tmp_path.parent)
     uri = default_mlflow_uri(tmp_path)
+    assert uri == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    (tmp_path / "summary.json").write_text("{}")
     for attempt, steps in enumerate(([1, 2, 3], [3, 4])):  # the second redoes step 3
         trackers = Trackers(tmp_path, [MLflow(tmp_path, uri, {"train.steps": "4"})])
         trackers.open()
         trackers.records([{"step": s, "loss": 10.0 * attempt + s, "time": 1.0} for s in steps])
         trackers.finish([{"kind": "resume"}] * attempt, finished=attempt == 1)
+    assert trackers.live  # no tracker was dropped
+    assert (tmp_path / "mlflow.db").is_file() and not (tmp_path.parent / "mlruns").exists()
+    assert len(list((tmp_path / "mlartifacts").rglob("summary.json"))) == 1
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([client.get_experiment_by_name("trainwise").experiment_id])
     history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss"))
     assert history == [(1, 1.0), (2, 2.0), (3, 3.0), (3, 13.0), (4, 14.0)]
     assert run.info.status == "FINISHED" and run.data.params == {"train.steps": "4"}
     assert run.data.tags["trainwise.events.resume"] == "1"
+
+
+def test_the_default_store_without_sqlalchemy_says_what_to_install(tmp_path, caplog, monkeypatch):
+    from trainwise.run.trackers import MLflow, default_mlflow_uri
+
+    monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # `import sqlalchemy` fails
+    trackers = Trackers(tmp_path, [MLflow(tmp_path, default_mlflow_uri(tmp_path), {})])
+    with caplog.at_level(logging.WARNING, logger="trainwise"):
+        trackers.open()
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "trainwise"]
+    assert "needs sqlalchemy: pip install 'trainwise[mlflow]'" in line and trackers.live == []

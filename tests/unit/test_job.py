@@ -385,7 +385,9 @@ def test_the_launcher_prints_the_start_lines(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(detect, "usable_cores", lambda: 2)
     started = []
     monkeypatch.setattr(launch, "launch_workers", lambda *a, **kw: started.append(a[1]))
-    config = cfg("cluster.nproc=8", f"logging.run_dir='{tmp_path / 'run'}'")
+    # Asked for (cluster.oversubscribe): started, with the warning.
+    config = cfg("cluster.nproc=8", "cluster.oversubscribe=true",
+                 f"logging.run_dir='{tmp_path / 'run'}'")
     start_job(config, lambda *_: None, "trainwise.run.worker")
     err = capsys.readouterr().err.splitlines()
     assert started == [8]

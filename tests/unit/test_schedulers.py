@@ -18,11 +18,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import tomli_w
 import yaml
 
 from trainwise.cli.main import build_parser, main
 from trainwise.cli.train import job_flags
-from trainwise.config import JobConfig, load_config
+from trainwise.config import JobConfig, load_config, read_toml
 from trainwise.run.schedulers import ClusterJob, pytorchjob_manifest, srun_line
 from trainwise.run.start import check_multi_node
 
@@ -31,14 +32,18 @@ GOLDEN = REPO / "tests" / "golden"
 CONFIG = GOLDEN / "job.toml"
 NODES, GPUS = 4, 8
 IMAGE = "registry.example.com/trainwise:0.1.0"
+PYTHON = "/opt/venv/bin/python"  # default: the generator's own interpreter
 COMMANDS = {
     "job.sbatch": ["launch", "slurm", "--config", str(CONFIG), "--nodes", str(NODES),
-                   "--gpus-per-node", str(GPUS), "--partition", "gpu", "--time", "24:00:00"],
+                   "--gpus-per-node", str(GPUS), "--partition", "gpu", "--time", "24:00:00",
+                   "--python", PYTHON],
     "job.yaml": ["launch", "k8s", "--config", str(CONFIG), "--nodes", str(NODES),
                  "--gpus-per-node", str(GPUS), "--image", IMAGE],
 }
 # What the shell would put in for the srun line's variables.
-SAMPLE_ENV = {"RUN_DIR": "runs/job", "HEAD_NODE": "node001", "SLURM_JOB_ID": "4242"}
+SAMPLE_ENV = {"RUN_DIR": "runs/job", "HEAD_ADDR": "10.0.0.1", "SLURM_JOB_ID": "4242",
+              "PYTHON": PYTHON}
+KEYS = tomli_w.dumps(read_toml(CONFIG))  # the job file's keys, without its comments
 
 
 def generate(name: str, capsys) -> str:
@@ -85,8 +90,9 @@ def test_sbatch_is_valid_bash_with_the_readme_srun_line(capsys):
                       "--signal=B:USR1@180", "--partition=gpu", "--time=24:00:00"):
         assert f"#SBATCH {directive}\n" in script
     assert "#SBATCH --account" not in script
-    # The config is embedded verbatim, unexpanded.
-    assert "<<'TRAINWISE_JOB_TOML'\n" + CONFIG.read_text() + "TRAINWISE_JOB_TOML\n" in script
+    # The job file's keys are embedded, unexpanded, without the file's comments.
+    assert "<<'TRAINWISE_JOB_TOML'\n" + KEYS + "TRAINWISE_JOB_TOML\n" in script
+    assert "# A GPT-2 (124M) job" not in script
     assert 'kill -USR1 "$SRUN_PID"' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
 
 
@@ -124,7 +130,7 @@ def test_srun_line_parses_as_trainwise_train(min_nodes, monkeypatch):
     for var, value in SAMPLE_ENV.items():
         line = line.replace(f"${var}", value)
     args = parse_train(shlex.split(line))
-    assert args.rdzv_endpoint == "node001:29400" and args.rdzv_id == "4242"
+    assert args.rdzv_endpoint == "10.0.0.1:29400" and args.rdzv_id == "4242"
     assert args.set == ["optim.lr=3e-4", "train.seed=7"]
     cfg = assert_valid_multi_node_job(args, f"{min_nodes}:{NODES}" if min_nodes else str(NODES))
     # Each srun task (one per node) starts the elastic agent, not training as a rank.
@@ -136,9 +142,13 @@ def test_srun_line_parses_as_trainwise_train(min_nodes, monkeypatch):
     assert not is_worker(cfg)
 
 
+def by_kind(text: str) -> dict[str, dict]:
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(text)}
+
+
 def manifest(capsys) -> tuple[dict, dict]:
-    config_map, job = yaml.safe_load_all(generate("job.yaml", capsys))
-    return config_map, job
+    docs = by_kind(generate("job.yaml", capsys))
+    return docs["ConfigMap"], docs["PyTorchJob"]
 
 
 def test_manifest_is_a_pytorchjob(capsys, tmp_path):
@@ -153,11 +163,15 @@ def test_manifest_is_a_pytorchjob(capsys, tmp_path):
     assert 1 <= policy["minReplicas"] <= policy["maxReplicas"] == NODES
     assert policy["maxRestarts"] == 3 and policy["nProcPerNode"] == GPUS
     worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
-    assert worker["replicas"] == NODES and worker["restartPolicy"] == "OnFailure"
+    # Kubeflow's ExitCode policy: 1-127 permanent (2: bad input), 128 + a signal retried.
+    assert worker["replicas"] == NODES and worker["restartPolicy"] == "ExitCode"
     pod = worker["template"]["spec"]
     (container,) = pod["containers"]
     assert container["name"] == "pytorch" and container["image"] == IMAGE
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == GPUS
+    assert container["resources"] == {
+        "requests": {"cpu": GPUS, "memory": f"{8 * GPUS}Gi"},
+        "limits": {"memory": f"{8 * GPUS}Gi", "nvidia.com/gpu": GPUS},
+    }
     assert container["ports"] == [{"name": "pytorchjob-port", "containerPort": 29400}]
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
@@ -168,7 +182,7 @@ def test_manifest_is_a_pytorchjob(capsys, tmp_path):
 
     assert (config_map["apiVersion"], config_map["kind"]) == ("v1", "ConfigMap")
     text = config_map["data"]["job.toml"]
-    assert text == CONFIG.read_text()
+    assert text == KEYS
     mounted = tmp_path / "job.toml"  # what the pods read
     mounted.write_text(text)
     assert load_config(mounted) == load_config(CONFIG)
@@ -189,7 +203,9 @@ def test_manifest_elastic_range_and_sets():
         name="job", config_text=CONFIG.read_text(), nodes=NODES, nproc=GPUS, gpus_per_node=GPUS,
         min_nodes=2, image=IMAGE, pvc="shared", max_restarts=5, sets=("optim.lr=3e-4",),
     )
-    _, doc = yaml.safe_load_all(pytorchjob_manifest(job))
+    docs = by_kind(pytorchjob_manifest(job))
+    assert "PersistentVolumeClaim" not in docs  # --pvc names an existing claim
+    doc = docs["PyTorchJob"]
     policy = doc["spec"]["elasticPolicy"]
     assert (policy["minReplicas"], policy["maxReplicas"], policy["maxRestarts"]) == (2, NODES, 5)
     pod = doc["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
@@ -207,6 +223,8 @@ BAD = {
     "k8s name not a label": ["k8s", "--nodes", "2", "--image", IMAGE, "--name", "Job_1"],
     "k8s name too long": ["k8s", "--nodes", "2", "--image", IMAGE, "--name", "a" * 60],
     "bad --set": ["k8s", "--nodes", "2", "--image", IMAGE, "--set", "optim.lrr=1"],
+    "bad storage size": ["k8s", "--nodes", "2", "--image", IMAGE, "--storage", "lots"],
+    "bad memory": ["k8s", "--nodes", "2", "--image", IMAGE, "--memory-per-node", "8 GB"],
     # 1 accumulation step cannot keep the global batch of 4 machines on 3.
     "elastic batch": ["slurm", "--nodes", "4", "--min-nodes", "3"],
 }
@@ -234,7 +252,7 @@ def test_default_name_is_dns_safe(tmp_path, capsys):
     config.write_text(CONFIG.read_text())
     argv = ["launch", "k8s", "--config", str(config), "--nodes", "2", "--image", IMAGE, "--print"]
     assert main(argv) == 0
-    _, job = yaml.safe_load_all(capsys.readouterr().out)
+    job = by_kind(capsys.readouterr().out)["PyTorchJob"]
     assert job["metadata"]["name"] == "job-2-my-job-v1"
 
 
@@ -324,8 +342,81 @@ def test_resource_flags_that_contradict_the_job_are_exit_2(config, flags, named,
 def test_k8s_cpu_job_asks_for_cpus_not_gpus(capsys):
     capsys.readouterr()
     argv = ["launch", "k8s", "--config", str(TINY_CPU), "--nodes", "2", "--image", IMAGE]
-    assert main([*argv, "--print"]) == 0
-    _, job = yaml.safe_load_all(capsys.readouterr().out)
+    assert main([*argv, "--memory-per-node", "6Gi", "--print"]) == 0
+    job = by_kind(capsys.readouterr().out)["PyTorchJob"]
     assert job["spec"]["elasticPolicy"]["nProcPerNode"] == 2
     pod = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
-    assert pod["containers"][0]["resources"] == {"limits": {"cpu": 2}}
+    assert pod["containers"][0]["resources"] == {
+        "requests": {"cpu": 2, "memory": "6Gi"}, "limits": {"memory": "6Gi"}
+    }
+
+
+# --- what the generated files do -------------------------------------------------------
+
+
+def test_the_manifest_writes_the_claim_it_mounts(capsys):
+    docs = by_kind(generate("job.yaml", capsys))
+    claim = docs["PersistentVolumeClaim"]
+    pod = docs["PyTorchJob"]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    mounted = {v["name"]: v for v in pod["volumes"]}["runs"]["persistentVolumeClaim"]
+    assert claim["metadata"]["name"] == mounted["claimName"] == "job-runs"
+    assert claim["spec"] == {"accessModes": ["ReadWriteMany"],
+                             "resources": {"requests": {"storage": "100Gi"}}}
+
+
+FAKE_SLURM = {
+    # srun: the hostname step prints the head node's addresses; the launchers' step
+    # records its command line and exits with $SRUN_EXIT.
+    "srun": """#!/bin/bash
+if [ "${@: -2:1}" = hostname ]; then echo "10.1.2.3 fe80::1"; exit 0; fi
+printf '%s\\n' "$@" > srun.args
+exit "$SRUN_EXIT"
+""",
+    "scontrol": """#!/bin/bash
+case "$1" in
+    show) echo node001; echo node002 ;;
+    requeue) echo "$2" > requeued ;;
+esac
+""",
+}
+
+
+@pytest.mark.parametrize(("srun_exit", "requeued", "status"),
+                         [(0, False, 0), (143, True, 0), (130, True, 0), (1, False, 1),
+                          (2, False, 2)])
+def test_the_script_requeues_a_stop_and_nothing_else(srun_exit, requeued, status, tmp_path,
+                                                     capsys):
+    """The batch script under stand-ins for srun and scontrol: it runs trainwise with the
+    interpreter it was written from (no `trainwise` on PATH), meets at the head node's
+    address, and requeues the job when the launchers stopped after a checkpoint
+    (128 + a signal), not when they finished or failed."""
+    script = tmp_path / "job.sbatch"
+    script.write_text(generate("job.sbatch", capsys))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in FAKE_SLURM.items():
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin",
+           "SLURM_JOB_NODELIST": "node[001-002]", "SLURM_JOB_ID": "4242",
+           "SRUN_EXIT": str(srun_exit)}
+    done = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == status, done.stderr
+    assert (tmp_path / "requeued").exists() == requeued
+    words = (tmp_path / "srun.args").read_text().splitlines()
+    start = words.index(PYTHON)
+    assert words[start : start + 4] == [PYTHON, "-m", "trainwise", "train"]
+    args = build_parser().parse_args(words[start + 3 :])
+    assert args.rdzv_endpoint == "10.1.2.3:29400" and args.rdzv_id == "4242"
+    assert (tmp_path / "runs/job/job.toml").read_text() == KEYS
+
+
+def test_the_script_requeues_every_status_a_stop_exits_with():
+    from trainwise.run.control import PREEMPT_SIGNALS, signal_name, stop_status
+    from trainwise.run.lifeline import LAUNCHER_GONE
+    from trainwise.run.schedulers import STOP_STATUSES
+
+    launcher_stops = [s for s in PREEMPT_SIGNALS if s != LAUNCHER_GONE]  # the workers' own
+    assert set(STOP_STATUSES) == {stop_status(signal_name(s)) for s in launcher_stops}
+    assert STOP_STATUSES == (129, 130, 138, 143)  # Linux's signal numbers

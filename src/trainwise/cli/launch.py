@@ -8,8 +8,11 @@ import argparse
 import sys
 from pathlib import Path
 
+import tomli_w
+
 from trainwise.config import load_config, read_toml
 from trainwise.errors import ConfigError
+from trainwise.run.schedulers import DEFAULT_MEMORY_PER_WORKER_GI, DEFAULT_STORAGE
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,6 +41,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="run directory on storage every node sees (default: runs/NAME)",
     )
+    s.add_argument(
+        "--python",
+        metavar="PATH",
+        help="the interpreter with trainwise installed, at the same path on every node "
+        "(default: this one)",
+    )
     _add_output(s)
     s.set_defaults(run=run_slurm)
 
@@ -57,7 +66,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="restarts of the worker group (elasticPolicy.maxRestarts; default 3)",
     )
     k.add_argument(
-        "--pvc", metavar="CLAIM", help="ReadWriteMany claim for /runs (default NAME-runs)"
+        "--pvc",
+        metavar="CLAIM",
+        help="an existing ReadWriteMany claim for /runs (default: the manifest creates NAME-runs)",
+    )
+    k.add_argument(
+        "--storage",
+        metavar="SIZE",
+        default=DEFAULT_STORAGE,
+        help=f"size of the claim the manifest creates (default {DEFAULT_STORAGE})",
+    )
+    k.add_argument(
+        "--memory-per-node",
+        metavar="QUANTITY",
+        help="memory each pod requests and may use, e.g. 128Gi (default: "
+        f"{DEFAULT_MEMORY_PER_WORKER_GI}Gi per worker)",
     )
     _add_output(k)
     k.set_defaults(run=run_k8s)
@@ -111,14 +134,14 @@ def build_job(args: argparse.Namespace, scheduler: str, **extra: object):
     )
 
     path = Path(args.config)
-    read_toml(path)  # a missing or malformed file: one line naming it
+    keys = read_toml(path)  # a missing or malformed file: one line naming it
     # The job file as written (with --set): whether it trains on CPUs, and its workers.
     nproc, gpus, cpus = node_resources(
         load_config(path, {}, list(args.set)), args.gpus_per_node, args.cpus_per_node, str(path)
     )
     job = ClusterJob(
         name=args.name or default_job_name(path.stem),
-        config_text=path.read_text(),
+        config_text=tomli_w.dumps(keys),  # the keys, not the comments around them
         nodes=args.nodes,
         nproc=nproc,
         gpus_per_node=gpus,
@@ -157,7 +180,7 @@ def run_slurm(args: argparse.Namespace) -> int:
 
     job = build_job(
         args, "slurm", run_dir=args.run_dir, partition=args.partition, time=args.time,
-        account=args.account,
+        account=args.account, python=args.python or sys.executable,
     )
     return _emit(args, slurm_script(job), "an sbatch script", "sbatch")
 
@@ -165,7 +188,10 @@ def run_slurm(args: argparse.Namespace) -> int:
 def run_k8s(args: argparse.Namespace) -> int:
     from trainwise.run.schedulers import pytorchjob_manifest
 
-    job = build_job(args, "k8s", image=args.image, max_restarts=args.max_restarts, pvc=args.pvc)
+    job = build_job(
+        args, "k8s", image=args.image, max_restarts=args.max_restarts, pvc=args.pvc,
+        storage=args.storage, memory_per_node=args.memory_per_node,
+    )
     return _emit(args, pytorchjob_manifest(job), "a PyTorchJob manifest", "kubectl apply -f")
 
 

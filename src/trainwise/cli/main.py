@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from trainwise import __version__
 from trainwise.cli import checkpoints, data, doctor, env, export, launch, plan, report, train
@@ -13,8 +14,16 @@ from trainwise.errors import ConfigError, TrainwiseError
 COMMANDS = (plan, train, doctor, report, env, checkpoints, export, launch, data)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's errors as one line naming --help, instead of the usage block first.
+    Subcommands' parsers are of the same class (add_subparsers' default parser_class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="trainwise",
         description="Plan, train, check and report distributed PyTorch training.",
     )
@@ -27,7 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the subcommand that was given them, not by `trainwise`
+        words = ["trainwise", getattr(args, "command", None), getattr(args, "scheduler", None)]
+        prog = " ".join(w for w in words if w)
+        parser.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extra)}; "
+                    f"see `{prog} --help`\n")
     if not getattr(args, "run", None):
         parser.print_help()
         return 2

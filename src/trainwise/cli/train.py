@@ -43,6 +43,12 @@ def add_job_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--nproc", type=int, help="workers on this machine (cluster.nproc)")
     p.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        default=None,
+        help="allow more CPU workers than cores (cluster.oversubscribe)",
+    )
+    p.add_argument(
         "--nnodes",
         metavar="N|MIN:MAX",
         help="machines in the job, or an elastic range (cluster.nodes, cluster.min_nodes)",
@@ -99,6 +105,7 @@ JOB_FLAGS = {
     "cluster.node_rank": "--node-rank",
     "cluster.local_addr": "--local-addr",
     "cluster.nproc": "--nproc",
+    "cluster.oversubscribe": "--oversubscribe",
     "parallel.strategy": "--strategy",
     "precision.dtype": "--precision",
     "train.steps": "--steps",
@@ -140,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     # Imported here so that --print-config and config errors stay instant.
+    from trainwise.run.control import stop_status
     from trainwise.run.launch import LaunchError, Preempted
     from trainwise.run.start import is_worker, start_job, train_here
 
@@ -150,15 +158,16 @@ def run(args: argparse.Namespace) -> int:
         if summary:
             print(render_summary(summary))
             finish_report(cfg, Path(summary["run_dir"]))
-        return 0
+        return stop_status(summary["preempted"]) if summary and summary.get("preempted") else 0
 
     try:
         run_dir = start_job(
             cfg, train_here, "trainwise.run.worker", max_restarts=cfg.checkpoint.max_restarts
         )
     except Preempted as stop:
+        # Saved but not finished: 128 + the signal, so that `train && export` stops here.
         print(f"trainwise: {stop}; {resume_hint(cfg, stop.event)}")
-        return 0
+        return stop.exit_status
     except LaunchError as failed:
         if failed.run_dir is not None:
             finish_report(cfg, failed.run_dir, after_failure=True)

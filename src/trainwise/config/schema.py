@@ -388,6 +388,11 @@ class ClusterConfig(Section):
         description="Train even when ranks run different versions of Python, torch, CUDA, "
         "NCCL or trainwise (checked at start-up).",
     )
+    oversubscribe: bool = Field(
+        False,
+        description="Start more CPU workers (cluster.nproc) than this machine has cores "
+        "(they take turns on them: slower steps; for tests of a layout). Refused otherwise.",
+    )
     device_memory_gb: float | None = Field(
         None,
         gt=0.0,
@@ -603,6 +608,16 @@ class LoggingConfig(Section):
     run_dir: str | None = Field(
         None, description="Run directory; default: runs/<date>-<time>-<model>."
     )
+
+    @field_validator("run_dir")
+    @classmethod
+    def _named_run_dir(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError(
+                "an empty run directory: give a path, or leave the key out for "
+                "runs/<date>-<time>-<model>"
+            )
+        return value
     flush_every: int = Field(
         10,
         gt=0,
@@ -627,8 +642,8 @@ class LoggingConfig(Section):
     )
     mlflow_uri: str | None = Field(
         None,
-        description="MLflow tracking URI (a server URL or file:PATH); default: a file store "
-        "in RUN/mlruns.",
+        description="MLflow tracking URI (a server URL, sqlite:///PATH or file:PATH); default: "
+        "sqlite:///RUN/mlflow.db (MLflow's recommended local backend).",
     )
     tensorboard: bool = Field(
         True,

@@ -2,8 +2,9 @@
 
 Slurm and Kubernetes send SIGTERM (or SIGUSR1 with `--signal`) before they kill a job; a
 user presses Ctrl-C or closes the terminal. The first signal asks the run to finish its
-step, save and exit 0; a second one exits at once (in a Slurm job step, the same signal
-again within seconds is the first one delivered twice: see SLURM_REPEAT_S).
+step, save and exit 128 + the signal (stop_status); a second one exits at once (in a
+Slurm job step, the same signal again within seconds is the first one delivered twice:
+see SLURM_REPEAT_S).
 A signal reaches the ranks at slightly different moments, and time-based save decisions
 are taken on rank 0's clock, so the flags are agreed with a MAX all-reduce on a gloo group
 of their own: issued after each step, waited for after the next one, so it overlaps a
@@ -64,6 +65,19 @@ def _on_early_signal(signum: int, frame: object) -> None:
 def signal_name(signum: int) -> str:
     """How a stop's cause reads in events and summaries."""
     return "launcher exit" if signum == LAUNCHER_GONE else signal.Signals(signum).name
+
+
+def stop_status(name: str | None) -> int:
+    """The exit status of a run that saved and stopped before its last step, from the
+    signal's name (signal_name): 128 + the signal, as a shell reports a job a signal ended
+    (130 SIGINT, 143 SIGTERM, 138 SIGUSR1, 129 SIGHUP), so that `train && export` never
+    goes on and a scheduler keyed on exit codes retries it. 0 is a finished run only."""
+    if name == "launcher exit":
+        return 128 + LAUNCHER_GONE
+    try:
+        return 128 + signal.Signals[name or ""]
+    except KeyError:
+        return 128 + signal.SIGTERM  # a stop of unknown cause is still not a success
 
 
 class Control:

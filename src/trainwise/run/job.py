@@ -144,6 +144,20 @@ def resolve_nproc(cfg: JobConfig, device: DeviceInfo) -> int:
     return max(device.count, 1) if device.kind == "cuda" else 2
 
 
+def check_cores(cfg: JobConfig, device: DeviceInfo, nproc: int, cores: int) -> None:
+    """Before any worker: more CPU workers asked for (cluster.nproc) than this machine's
+    cores is refused unless cluster.oversubscribe (they would take turns on the cores:
+    every step slower, a machine's worth of processes started by a typo)."""
+    c = cfg.cluster
+    if device.kind != "cpu" or c.nproc is None or nproc <= cores or c.oversubscribe:
+        return
+    raise ConfigError(
+        f"--nproc {nproc} (cluster.nproc): {nproc} CPU workers on {cores} cores would take "
+        f"turns on them (slower, not faster): use --nproc {cores} or fewer, or add --oversubscribe "
+        "(cluster.oversubscribe = true) to start them anyway"
+    )
+
+
 def start_lines(job: Job, nproc: int, cores: int) -> list[str]:
     """What the launcher says before the workers start: where the global batch comes from
     (it grows with --nproc), and warnings when CPU workers outnumber the cores or tensor

@@ -24,6 +24,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from trainwise.config.schema import ClusterConfig
 from trainwise.errors import TrainwiseError
 from trainwise.run.checkpoint_store import find_latest_valid
+from trainwise.run.control import stop_status
 from trainwise.run.events import append_event, read_events
 from trainwise.run.lifeline import Launch
 
@@ -40,12 +41,14 @@ class LaunchError(TrainwiseError):
     run_dir: Path | None = None
 
 
-class Preempted(TrainwiseError):  # noqa: N818 - an outcome, reported with exit status 0
-    """The run was stopped by a signal after saving a checkpoint (its `preempted` event)."""
+class Preempted(TrainwiseError):  # noqa: N818 - an outcome: saved, not finished
+    """The run was stopped by a signal after saving a checkpoint (its `preempted` event);
+    its exit status is 128 + the signal (control.stop_status), never 0."""
 
     def __init__(self, event: dict):
         super().__init__(f"stopped by {event.get('signal')} after step {event.get('step')}")
         self.event = event
+        self.exit_status = stop_status(event.get("signal"))
 
 
 class _FailureEvents(logging.Handler):
@@ -136,6 +139,8 @@ def launch_workers(
         elastic_launch(config, entrypoint=sys.executable)("-m", module, str(run_dir))
     except SignalException as err:
         _raise_outcome(run_dir, launch)
+        if _events_since(run_dir, launch.since, "finish"):
+            return  # the signal came after the last step, in teardown: the run finished
         stopped = LaunchError(
             f"stopped by {signal.Signals(err.sigval).name} before a save; "
             f"{resume_line(checkpoints)}"

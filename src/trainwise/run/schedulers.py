@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,18 @@ SIGNAL_LEAD_S = 180
 TERMINATION_GRACE_S = 180
 # GPUs per machine when neither the job file (cluster.nproc) nor --gpus-per-node says.
 DEFAULT_GPUS_PER_NODE = 8
+# A pod's memory request per worker when --memory-per-node does not say: an assumption
+# (the data loader's processes and pinned batches, a checkpoint's staging copy on async
+# saves), not a measurement; the request is also the limit, so a pod over it is OOM-killed.
+DEFAULT_MEMORY_PER_WORKER_GI = 8
+DEFAULT_STORAGE = "100Gi"  # the run claim trainwise writes when --pvc names none
+# The exit statuses of a run that saved and stopped before its last step: 128 + each
+# stop signal a launcher gets (trainwise.run.control.stop_status; a test keeps the two
+# in step). The batch script requeues the job on them; a PyTorchJob's ExitCode policy
+# retries them too.
+STOP_STATUSES = tuple(
+    sorted(128 + s for s in (signal.SIGHUP, signal.SIGINT, signal.SIGUSR1, signal.SIGTERM))
+)
 
 CONFIG_MOUNT = "/etc/trainwise"  # the ConfigMap's job.toml, in every pod
 RUNS_MOUNT = "/runs"  # the shared volume that holds the run directories
@@ -37,6 +50,11 @@ HEREDOC_END = "TRAINWISE_JOB_TOML"
 
 _DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _SLURM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# The log %x-%j.out and the run directory runs/NAME are file names: at most 255 bytes on
+# Linux (NAME_MAX, <linux/limits.h>), less "-" + a 32-bit job id (10 digits) + ".out".
+SLURM_NAME_MAX = 255 - len("-4294967295.out")
+# A Kubernetes quantity as a size: 100Gi, 512Mi, 1.5T (binary or decimal suffixes).
+_QUANTITY = re.compile(r"\d+(\.\d+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
 # minutes, minutes:seconds, hours:minutes:seconds, days-hours[:minutes[:seconds]]
 _SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}")
 
@@ -60,7 +78,10 @@ class ClusterJob:
     account: str | None = None  # Slurm only
     image: str | None = None  # Kubernetes only: a container image with trainwise installed
     max_restarts: int = 3  # Kubernetes only: elasticPolicy.maxRestarts
-    pvc: str | None = None  # Kubernetes only: claim for /runs; default <name>-runs
+    pvc: str | None = None  # Kubernetes only: an existing claim for /runs; None: write one
+    storage: str = DEFAULT_STORAGE  # Kubernetes only: the size of the claim trainwise writes
+    memory_per_node: str | None = None  # Kubernetes only: a quantity; None: by the workers
+    python: str = "python3"  # Slurm only: the interpreter with trainwise on every node
 
 
 def default_job_name(stem: str) -> str:
@@ -94,10 +115,12 @@ def check_cluster_job(job: ClusterJob, scheduler: str) -> None:
     if not 1 <= job.port <= 65535:
         problems.append(f"--port {job.port}: give a TCP port, 1 to 65535")
     if scheduler == "slurm":
-        if not _SLURM_NAME.fullmatch(job.name):
+        if not _SLURM_NAME.fullmatch(job.name) or len(job.name) > SLURM_NAME_MAX:
+            shown = job.name if len(job.name) <= 60 else job.name[:40] + "..."
             problems.append(
-                f"--name {job.name!r}: use letters, digits, '.', '_' and '-' "
-                "(it names the run directory too)"
+                f"--name {shown!r} ({len(job.name)} characters): use at most "
+                f"{SLURM_NAME_MAX} letters, digits, '.', '_' and '-', starting with a letter "
+                "or digit (it names the run directory and the log file too)"
             )
         if job.time is not None and not _SLURM_TIME.fullmatch(job.time):
             problems.append(
@@ -118,6 +141,9 @@ def check_cluster_job(job: ClusterJob, scheduler: str) -> None:
             problems.append("--image: give a container image with trainwise installed")
         if job.max_restarts < 0:
             problems.append(f"--max-restarts {job.max_restarts}: give 0 or more")
+        for flag, size in (("--storage", job.storage), ("--memory-per-node", job.memory_per_node)):
+            if size is not None and not _QUANTITY.fullmatch(size):
+                problems.append(f"{flag} {size!r}: give a Kubernetes quantity, e.g. 100Gi")
     if problems:
         raise ConfigError(problems)
 
@@ -185,7 +211,7 @@ def train_command(
 ) -> list[str]:
     """The launcher's command on every node, the same on each."""
     command = [
-        "trainwise", "train",
+        "trainwise", "train",  # Slurm runs it with "$PYTHON" -m (srun_line)
         "--config", config,
         "--nnodes", nnodes_arg(job),
         "--nproc", str(job.nproc),
@@ -213,10 +239,10 @@ def srun_line(job: ClusterJob) -> str:
     """The batch script's one srun line (the README quotes it for its example). Each task
     is a node's launcher: under srun with a rendezvous endpoint, `trainwise train` starts
     the elastic agent instead of training as one of srun's ranks (run.start.is_worker)."""
-    command = train_command(
+    command = ["$PYTHON", "-m"] + train_command(
         job,
         config="$RUN_DIR/job.toml",
-        rdzv_endpoint=f"$HEAD_NODE:{job.port}",
+        rdzv_endpoint=f"$HEAD_ADDR:{job.port}",
         rdzv_id="$SLURM_JOB_ID",
         run_dir="$RUN_DIR",
     )
@@ -260,6 +286,7 @@ def slurm_script(job: ClusterJob) -> str:
         "--open-mode=append",
     ]
     config = job.config_text if job.config_text.endswith("\n") else job.config_text + "\n"
+    stops = "|".join(str(code) for code in STOP_STATUSES)
     lines = [
         "#!/bin/bash",
         *(f"#SBATCH {d}" for d in directives),
@@ -269,17 +296,28 @@ def slurm_script(job: ClusterJob) -> str:
         "",
         "set -euo pipefail",
         "",
+        "# The interpreter the script was written from, with trainwise installed; every node",
+        "# must see it at this path (TRAINWISE_PYTHON=/path/to/python sbatch FILE overrides).",
+        f"PYTHON=${{TRAINWISE_PYTHON:-{shlex.quote(job.python)}}}",
+        "",
         "# The run directory must be on storage that every node sees: each rank writes its",
         "# checkpoint shards there, and a requeued job resumes from the newest checkpoint.",
         f"RUN_DIR={shlex.quote(job_run_dir(job, 'slurm'))}",
         'mkdir -p "$RUN_DIR"',
         "",
-        "# The job file, verbatim (a quoted heredoc: nothing in it is expanded).",
+        "# The job's keys as `trainwise launch` read them (a quoted heredoc: nothing in it is",
+        "# expanded); the machine counts and --set come from the srun line below.",
         f"cat > \"$RUN_DIR/job.toml\" <<'{HEREDOC_END}'",
         config + HEREDOC_END,
         "",
-        "# The first node hosts the c10d rendezvous; every node's launcher meets it there.",
-        'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "# The first node hosts the c10d rendezvous; every node's launcher meets it at that",
+        "# node's address, as torchtitan's multinode_trainer.slurm finds it (pytorch/torchtitan).",
+        "# Where the first address is not one the others reach (127.0.1.1 in /etc/hosts), set",
+        "# TRAINWISE_HEAD_ADDR.",
+        "# (awk, not head: head's early exit would fail the pipe under pipefail, SIGPIPE).",
+        'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk \'NR == 1\')',
+        'HEAD_ADDR=${TRAINWISE_HEAD_ADDR:-$(srun --nodes=1 --ntasks=1 -w "$HEAD_NODE" '
+        "hostname --ip-address | awk 'NR == 1 {print $1}')}",
         "",
         f"# Slurm sends USR1 to this shell {SIGNAL_LEAD_S} s before the time limit (and scancel",
         "# --signal=USR1 --batch does, to preempt). srun passes it to the launchers, whose",
@@ -302,7 +340,18 @@ def slurm_script(job: ClusterJob) -> str:
         srun_line(job) + " &",
         "SRUN_PID=$!",
         "",
-        'wait "$SRUN_PID"',
+        "# 0: finished. 128 + a signal: stopped by it after a checkpoint (SIGTERM from a",
+        "# preemption, SIGINT, ...): requeued, to resume. Anything else: failed, not requeued.",
+        'STATUS=0',
+        'wait "$SRUN_PID" || STATUS=$?',
+        'case "$STATUS" in',
+        f'    {stops})',
+        '        echo "trainwise: stopped after a checkpoint (exit $STATUS);" \\',
+        '            "requeueing job $SLURM_JOB_ID"',
+        '        scontrol requeue "$SLURM_JOB_ID"',
+        "        exit 0 ;;",
+        "esac",
+        'exit "$STATUS"',
     ]
     return "\n".join(lines) + "\n"
 
@@ -322,12 +371,33 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
 _Dumper.add_representer(str, _str)
 
 
-def _pod_limits(job: ClusterJob) -> dict[str, int]:
-    """A pod's resources: its GPUs, and its CPUs where asked for (always on a CPU job)."""
-    limits = {"nvidia.com/gpu": job.gpus_per_node} if job.gpus_per_node else {}
-    if job.cpus_per_node:
-        limits["cpu"] = job.cpus_per_node
-    return limits
+def pod_resources(job: ClusterJob) -> dict[str, dict[str, int | str]]:
+    """A pod's requests and limits: its CPUs (one per worker unless --cpus-per-node says)
+    and memory are requested, so that the scheduler places it where they are free; memory
+    and GPUs are limits too. No CPU limit: a throttled data loader would slow every step."""
+    memory = job.memory_per_node or f"{DEFAULT_MEMORY_PER_WORKER_GI * job.nproc}Gi"
+    requests: dict[str, int | str] = {"cpu": job.cpus_per_node or job.nproc, "memory": memory}
+    limits: dict[str, int | str] = {"memory": memory}
+    if job.gpus_per_node:
+        limits["nvidia.com/gpu"] = job.gpus_per_node
+    return {"requests": requests, "limits": limits}
+
+
+def run_claim(job: ClusterJob) -> dict:
+    """The ReadWriteMany claim the run directories live on, when --pvc names none."""
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": claim_name(job)},
+        "spec": {
+            "accessModes": ["ReadWriteMany"],  # every pod writes its shards there
+            "resources": {"requests": {"storage": job.storage}},
+        },
+    }
+
+
+def claim_name(job: ClusterJob) -> str:
+    return job.pvc or f"{job.name}-runs"
 
 
 def pytorchjob_manifest(job: ClusterJob) -> str:
@@ -335,7 +405,7 @@ def pytorchjob_manifest(job: ClusterJob) -> str:
     each run one trainwise launcher; the operator's elastic policy sets the range."""
     check_cluster_job(job, "k8s")
     config_map_name = f"{job.name}-config"
-    claim = job.pvc or f"{job.name}-runs"
+    claim = claim_name(job)
     command = train_command(
         job,
         config=f"{CONFIG_MOUNT}/job.toml",
@@ -355,7 +425,7 @@ def pytorchjob_manifest(job: ClusterJob) -> str:
         "command": command,
         # Named so that the operator's per-pod service uses it (else it adds port 23456).
         "ports": [{"name": "pytorchjob-port", "containerPort": job.port}],
-        "resources": {"limits": _pod_limits(job)},
+        "resources": pod_resources(job),
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
             {"name": "runs", "mountPath": RUNS_MOUNT},
@@ -377,7 +447,10 @@ def pytorchjob_manifest(job: ClusterJob) -> str:
             "pytorchReplicaSpecs": {
                 "Worker": {
                     "replicas": job.nodes,
-                    "restartPolicy": "OnFailure",
+                    # 0 succeeded; 1-127 (2: bad input, 1: a failure past its restarts) are
+                    # permanent; 128 + a signal (a stop after a checkpoint, a kill) is
+                    # retried (kubeflow/training-operator pkg/util/train IsRetryableExitCode).
+                    "restartPolicy": "ExitCode",
                     "template": {
                         "spec": {
                             "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
@@ -399,11 +472,14 @@ def pytorchjob_manifest(job: ClusterJob) -> str:
         f"# trainwise job '{job.name}', {describe_shape(job)}.",
         "# Written by `trainwise launch k8s`; apply with `kubectl apply -f FILE` (needs the",
         "# Kubeflow training operator).",
-        f"# The PersistentVolumeClaim {claim} must exist, ReadWriteMany: every pod writes its",
-        f"# checkpoint shards to {RUNS_MOUNT}/{job.name}, and a restarted pod resumes from there.",
+        f"# Runs go to {RUNS_MOUNT}/{job.name} on the ReadWriteMany claim {claim}: every pod",
+        "# writes its checkpoint shards there, and a restarted pod resumes from them.",
+        "# The claim must exist (--pvc)." if job.pvc else "# The claim is written below: the "
+        "cluster's default storage class must offer\n# ReadWriteMany (else pass --pvc CLAIM).",
     ]
+    documents = ([] if job.pvc else [run_claim(job)]) + [config_map, pytorch_job]
     body = yaml.dump_all(
-        [config_map, pytorch_job],
+        documents,
         Dumper=_Dumper,
         sort_keys=False,
         default_flow_style=False,

@@ -42,7 +42,7 @@ def start_job(
     from trainwise.hardware import detect_device
     from trainwise.hardware.detect import usable_cores
     from trainwise.run.events import append_event
-    from trainwise.run.job import prepare_job, resolve_nproc, start_lines
+    from trainwise.run.job import check_cores, prepare_job, resolve_nproc, start_lines
     from trainwise.run.launch import LaunchError, launch_workers
     from trainwise.run.lifeline import end_launch, start_launch
     from trainwise.run.run_files import default_run_dir, write_run_files
@@ -50,6 +50,7 @@ def start_job(
 
     device = detect_device(cfg.cluster.device)
     nproc = resolve_nproc(cfg, device)
+    check_cores(cfg, device, nproc, usable_cores())
     nodes = cfg.cluster.nodes
     check_multi_node(cfg)
     # Planned at the most machines of the range.

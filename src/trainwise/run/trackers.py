@@ -24,6 +24,7 @@ IDS_FILE = "trackers.json"
 ARTIFACTS = ("report.html", "plan.json", "summary.json", "events.jsonl")
 EXTRA = {"mlflow": "trainwise[mlflow]", "wandb": "trainwise[wandb]"}
 MLFLOW_EXPERIMENT = "trainwise"
+MLFLOW_DB, MLFLOW_ARTIFACTS = "mlflow.db", "mlartifacts"  # the default store, in RUN
 WANDB_PROJECT = "trainwise"
 
 
@@ -98,8 +99,9 @@ class TensorBoard:
 
 
 class MLflow:
-    """An MLflow run through MlflowClient (no global active run): a local file store by
-    default, or any tracking URI."""
+    """An MLflow run through MlflowClient (no global active run): by default a SQLite
+    database in the run directory (RUN/mlflow.db, MLflow's recommended local backend; its
+    file store is in maintenance mode since MLflow 3), or any tracking URI."""
 
     name = "mlflow"
 
@@ -110,8 +112,14 @@ class MLflow:
 
     def open(self, run_id: str | None) -> str | None:
         if self.uri.startswith("file:"):
-            # MLflow 3 keeps the file store in maintenance; it still reads and writes it.
+            # Asked for: MLflow 3 keeps the file store in maintenance; it still works.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        if self.uri.startswith("sqlite:"):
+            import sqlalchemy  # noqa: F401 - mlflow-skinny's SQL store needs it: say so
+
+            # Not the database's creation lines in the user's terminal.
+            for name in ("mlflow.store.db.utils", "alembic"):
+                logging.getLogger(name).setLevel(logging.WARNING)
         # A server that is down costs seconds, not MLflow's default minutes of retries.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
@@ -124,7 +132,9 @@ class MLflow:
             self.run_id = run_id
             return run_id
         exp = self.client.get_experiment_by_name(MLFLOW_EXPERIMENT)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(MLFLOW_EXPERIMENT)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(
+            MLFLOW_EXPERIMENT, artifact_location=artifact_location(self.uri)
+        )
         run = self.client.create_run(
             exp_id, run_name=self.run_dir.name, tags={"trainwise.run_dir": str(self.run_dir)}
         )
@@ -289,7 +299,17 @@ def build_trackers(
 
 
 def default_mlflow_uri(run_dir: Path) -> str:
-    return (Path(run_dir).resolve() / "mlruns").as_uri()
+    """RUN/mlflow.db: MLflow's recommended local backend, offline, one file per run."""
+    return f"sqlite:///{(Path(run_dir).resolve() / MLFLOW_DB).as_posix()}"  # 4 slashes: absolute
+
+
+def artifact_location(uri: str) -> str | None:
+    """Where an experiment of a SQLite store keeps its files: beside the database (MLflow's
+    own default is ./mlruns in whatever the current directory is). Others: MLflow's."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    database = Path(uri.removeprefix("sqlite:///"))
+    return (database.parent / MLFLOW_ARTIFACTS).resolve().as_uri()
 
 
 def add_report(run_dir: Path, names: list[str], mlflow_uri: str | None) -> None:
