@@ -55,8 +55,8 @@ def _browse(page: Path, profile: Path) -> tuple[list, str, bytes, list]:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """A real (one-worker) run, and its report as JSON."""
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
+    """A real (one-worker) run, its report as JSON, and what `trainwise train` printed."""
     root = tmp_path_factory.mktemp("report")
     res = run_cli(
         "train", "--nproc", "1", "--strategy", "single", "--steps", "6", "--run-dir", "run",
@@ -67,20 +67,29 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     assert "report     run/report.html" in res.stdout
     made = run_cli("report", "run", "--format", "json", cwd=root)
     assert made.returncode == 0, made.stderr
-    return root / "run", json.loads(made.stdout)["runs"][0]
+    return root / "run", json.loads(made.stdout)["runs"][0], res.stdout
 
 
 def test_every_train_ends_by_writing_its_report(trained):
-    run_dir, report = trained
+    run_dir, report, _ = trained
     page = (run_dir / "report.html").read_text()
     assert page.count("<svg") == 5 and "<script" not in page  # with the traced window's
     assert report["headline"]["steps_done"] == 6 and report["plan_vs_actual"]
     assert (run_dir / "plan.json").is_file()  # what the plan-versus-actual rows compare with
 
 
+def test_the_terminal_and_the_report_give_the_same_wall_time(trained):
+    from trainwise.plan.units import fmt_seconds
+
+    run_dir, report, printed = trained
+    wall = f"wall {fmt_seconds(report['headline']['wall_s'])} s"
+    assert f"({wall})" in printed, printed  # the terminal summary
+    assert wall in (run_dir / "report.html").read_text()
+
+
 @needs_browser
 def test_a_real_browser_shows_every_picture_and_the_headline_numbers(trained, tmp_path: Path):
-    run_dir, run = trained
+    run_dir, run, _ = trained
     sizes, text, png, logs = _browse(run_dir / "report.html", tmp_path / "profile")
     (tmp_path / "report.png").write_bytes(png)  # kept for a look when the test fails
     assert not [e for e in logs if e["level"] == "SEVERE"], logs

@@ -364,3 +364,18 @@ def test_the_plans_memory_is_compared_like_with_like():
     assert planned_memory(memory, "cuda_peak") == 1_950_000_000
     # On CPU the overhead is the runtime's own memory, which the resident set holds.
     assert planned_memory(memory, "rss_added") == 3_000_000_000
+
+
+def test_the_terminal_and_the_report_give_one_wall_time(tmp_path: Path):
+    """The launcher's `start` at t = 93 (7 s of start-up before the loop's `ready` at 100):
+    the summary rank 0 writes (run.wall.wall_of) and the report both count it, 19 s."""
+    from trainwise.report.summary import render_summary
+    from trainwise.run.wall import wall_of
+
+    run = make_run(tmp_path)  # ready at 100, finished at 112
+    events = (run / "events.jsonl").read_text()
+    (run / "events.jsonl").write_text(json.dumps({"time": 93.0, "kind": "start"}) + "\n" + events)
+    report = analyse(load_run(run))
+    assert report.headline.wall_s == pytest.approx(19.0) == wall_of(run)
+    assert "(wall 19 s)" in render_summary({"wall_s": wall_of(run)})
+    assert "wall 19 s" in render_text(report)
