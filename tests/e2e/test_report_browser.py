@@ -28,7 +28,7 @@ FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-u
          "--disable-quic", "--no-first-run", "--window-size=1200,900")
 
 
-def _browse(page: Path, profile: Path) -> tuple[list, str, bytes, list]:
+def _browse(page: Path, profile: Path) -> tuple[list, str, bytes, list, list]:
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
@@ -46,12 +46,16 @@ def _browse(page: Path, profile: Path) -> tuple[list, str, bytes, list]:
             "return Array.from(document.querySelectorAll('svg, img')).map(e => {"
             "const r = e.getBoundingClientRect(); return [r.width, r.height]; })"
         )
+        # The page's full width and its visible width: a table that runs off widens the first.
+        widths = driver.execute_script(
+            "const d = document.documentElement; return [d.scrollWidth, d.clientWidth];"
+        )
         text = driver.find_element(By.TAG_NAME, "body").text
         png = driver.get_screenshot_as_png()
         logs = driver.get_log("browser")
     finally:
         driver.quit()
-    return sizes, text, png, logs
+    return sizes, text, png, logs, widths
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +94,15 @@ def test_the_terminal_and_the_report_give_the_same_wall_time(trained):
 @needs_browser
 def test_a_real_browser_shows_every_picture_and_the_headline_numbers(trained, tmp_path: Path):
     run_dir, run, _ = trained
-    sizes, text, png, logs = _browse(run_dir / "report.html", tmp_path / "profile")
+    sizes, text, png, logs, widths = _browse(run_dir / "report.html", tmp_path / "profile")
     (tmp_path / "report.png").write_bytes(png)  # kept for a look when the test fails
     assert not [e for e in logs if e["level"] == "SEVERE"], logs
     assert len(sizes) == 5 and all(w > 50 and h > 50 for w, h in sizes), sizes
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
+    # Every table keeps to the page (the plan's "assumption to check" sentences wrap).
+    assert any(c["assumption"] for c in run["plan_vs_actual"] if c["flagged"])
+    page_width, visible = widths
+    assert page_width <= visible, widths
     h = run["headline"]
     for number in (f"{h['final_loss']:.4f}", f"{run['cost']['total_gpu_hours']:.3g}", "tiny"):
         assert number in text, number

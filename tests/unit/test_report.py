@@ -379,3 +379,17 @@ def test_the_terminal_and_the_report_give_one_wall_time(tmp_path: Path):
     assert report.headline.wall_s == pytest.approx(19.0) == wall_of(run)
     assert "(wall 19 s)" in render_summary({"wall_s": wall_of(run)})
     assert "wall 19 s" in render_text(report)
+
+
+def test_the_plan_table_wraps_its_sentences_to_keep_to_the_page(tmp_path: Path):
+    """The "assumption to check" sentences would run a nowrap table off a 1400 px page: the
+    column wraps, and no table grows past the page's width."""
+    page = render_html([analyse(load_run(make_run(tmp_path)))])
+    table = page[page.index("<caption>Plan versus actual</caption>"):]
+    table = table[: table.index("</table>")]
+    assert '<th scope="col" class="prose">assumption to check</th>' in table
+    flagged = re.findall(r'<td class="prose">([^<]+)</td>', table)
+    assert flagged and all(len(text) > 20 for text in flagged)  # the step's sentences
+    css = page[page.index("<style>"): page.index("</style>")]
+    assert "table{max-width:100%}" in css
+    assert re.search(r"td\.prose\{white-space:normal", css)
