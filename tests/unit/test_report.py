@@ -393,3 +393,29 @@ def test_the_plan_table_wraps_its_sentences_to_keep_to_the_page(tmp_path: Path):
     css = page[page.index("<style>"): page.index("</style>")]
     assert "table{max-width:100%}" in css
     assert re.search(r"td\.prose\{white-space:normal", css)
+
+
+def test_a_report_that_cannot_be_written_leaves_no_part_file(tmp_path: Path, monkeypatch, capsys):
+    """A full disk mid-write: the page written before stays whole, the half-written
+    temporary file is removed, and the run says in one line that the report was not written."""
+    import errno
+
+    from trainwise.cli.train import finish_report
+    from trainwise.config import load_config
+
+    run = make_run(tmp_path)
+    (run / "report.html").write_text("the previous page")
+    real = Path.write_text
+
+    def full_disk(self: Path, text: str, *args, **kwargs) -> int:
+        if self.name.endswith(".part"):
+            real(self, text[: len(text) // 2], *args, **kwargs)  # what fitted
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    finish_report(load_config(None), run)
+    assert sorted(p.name for p in run.iterdir() if "report" in p.name) == ["report.html"]
+    assert (run / "report.html").read_text() == "the previous page"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the report was not written" in err[0] and "No space" in err[0]
