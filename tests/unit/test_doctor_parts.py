@@ -293,3 +293,4 @@ def test_a_gap_on_a_machine_without_a_price_is_told_in_time():
     assert terms.cost_of(0.15) == "+50% step time = 50 s more per 1000 steps (10 s more on " \
         "the planned 20 s of 200 steps)"
     assert short_of(0.7, 1.0) and not short_of(0.8, 1.0) and not short_of(2.0, 1.0)
+    assert terms.cost_of(0.1000016).startswith("+0.0016% step time"), terms.cost_of(0.1000016)

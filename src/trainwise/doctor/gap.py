@@ -46,10 +46,15 @@ class JobTerms:
         )
         job = self.step_s * self.steps
         return (
-            f"{extra_s / self.step_s:+.0%} step time = {money} "
+            f"{_share(extra_s / self.step_s)} step time = {money} "
             f"({_duration(extra_s * self.steps)} more on the planned {_duration(job)} "
             f"of {self.steps} steps)"
         )
+
+
+def _share(x: float) -> str:
+    """+68%, or two significant digits under 1 % (+0.0016%): never a bare +0%."""
+    return f"{x:+.0%}" if abs(x) >= 0.01 else f"{100 * x:+.2g}%"
 
 
 def _duration(seconds: float) -> str:
