@@ -1,10 +1,11 @@
 """A minimal hand-written torchrun training loop: the competitor of `bench/overhead.py`.
 
 It trains exactly what `trainwise train` trains by default (the same `build_model` call
-and per-parameter seeded initial weights, the same synthetic data and sampler, AdamW with the same hyperparameters and lr schedule,
-clip_grad_norm_ 1.0, DDP or FSDP2 with trainwise's settings) and nothing else: no
-logging, no loss all-reduce, no probes, no TensorBoard inside the loop. Rank 0 records
-time.perf_counter() at the end of every step and writes them to a JSON file.
+and per-parameter seeded initial weights, the same synthetic data and sampler, AdamW
+with the same hyperparameters and lr schedule, clip_grad_norm_ 1.0, DDP or FSDP2 with
+trainwise's settings) and nothing else: no logging, no loss all-reduce, no probes, no
+TensorBoard inside the loop. Rank 0 records time.perf_counter() at the end of every step
+and writes them to a JSON file.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench/raw_loop.py \
         --strategy ddp --steps 150 --out /tmp/raw.json
