@@ -1,10 +1,11 @@
 """A minimal hand-written torchrun training loop: the competitor of `bench/overhead.py`.
 
-It trains exactly what `trainwise train` trains by default (the same `build_model` call,
-the same synthetic data and sampler, AdamW with the same hyperparameters and lr schedule,
-clip_grad_norm_ 1.0, DDP or FSDP2 with trainwise's settings) and nothing else: no
-logging, no loss all-reduce, no probes, no TensorBoard inside the loop. Rank 0 records
-time.perf_counter() at the end of every step and writes them to a JSON file.
+It trains exactly what `trainwise train` trains by default (the same `build_model` call
+and per-parameter seeded initial weights, the same synthetic data and sampler, AdamW
+with the same hyperparameters and lr schedule, clip_grad_norm_ 1.0, DDP or FSDP2 with
+trainwise's settings) and nothing else: no logging, no loss all-reduce, no probes, no
+TensorBoard inside the loop. Rank 0 records time.perf_counter() at the end of every step
+and writes them to a JSON file.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench/raw_loop.py \
         --strategy ddp --steps 150 --out /tmp/raw.json
@@ -26,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainwise.config.schema import ScheduleConfig
 from trainwise.data import build_datasets, build_loader
 from trainwise.models import ModelSpec, build_model
+from trainwise.run.materialize import materialize
 from trainwise.run.optim import build_scheduler
 
 # trainwise's defaults (config/schema.py), spelled out so that the loop stands alone.
@@ -60,6 +62,22 @@ def wrap(model: torch.nn.Module, blocks: list[torch.nn.Module], strategy: str, w
     return model
 
 
+def build_wrapped(spec: ModelSpec, strategy: str, world: int):
+    """The model with trainwise's initial weights: built on the meta device and filled
+    parameter by parameter from (seed, name) generators (trainwise.run.materialize), whole
+    before DDP, shard by shard after FSDP, as trainwise's build_model_for does. Drawing
+    from the global RNG instead gives other weights, and the two loops no longer train
+    alike."""
+    with torch.device("meta"):
+        bundle = build_model(spec)
+    if strategy == "ddp":
+        materialize(bundle.module, bundle.init_parameter, SEED, torch.device("cpu"))
+        return wrap(bundle.module, bundle.blocks, strategy, world), bundle
+    model = wrap(bundle.module, bundle.blocks, strategy, world)
+    materialize(model, bundle.init_parameter, SEED, torch.device("cpu"))
+    return model, bundle
+
+
 def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo")
@@ -73,9 +91,8 @@ def main() -> None:
         vocab_size=VOCAB,
         synthetic_tokens=SYNTHETIC_TOKENS,
     )
-    torch.manual_seed(SEED)  # identical initial weights on every rank, as trainwise
-    bundle = build_model(ModelSpec(name=args.model, vocab_size=info.vocab_size, seq_len=SEQ_LEN))
-    model = wrap(bundle.module, bundle.blocks, args.strategy, world)
+    spec = ModelSpec(name=args.model, vocab_size=info.vocab_size, seq_len=SEQ_LEN)
+    model, bundle = build_wrapped(spec, args.strategy, world)
     torch.manual_seed(SEED + 1 + rank)
     loss_fn = bundle.loss_fn
 

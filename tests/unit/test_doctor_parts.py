@@ -258,3 +258,39 @@ def test_the_cuda_memory_check_holds_allocated_bytes_against_the_plans_tensors()
     assert near.status == "pass" and near.data["plan_bytes"] == 10e6, near
     assert ran(30e6).status == "warn"  # 200 % over the plan's tensors
     assert ran(10e6, budget=1.005e9).status == "fail"  # fits only without the context
+
+
+def test_a_scaling_efficiency_far_below_the_plans_warns_with_what_it_costs():
+    """59 % measured against 99 % planned once passed with a tick: beyond the tolerance it
+    warns, and says the cost: each step 99/59 as long, charged to the planned job."""
+    from trainwise.doctor.gap import JobTerms
+    from trainwise.doctor.scaling import judge_scaling
+
+    def rows(two_workers_tokens_per_s: float) -> list[dict]:
+        return [
+            {"workers": 1, "step_s": 1.0, "tokens_per_s": 1000.0, "plan_tokens_per_s": 500.0},
+            {"workers": 2, "step_s": 1.0, "tokens_per_s": two_workers_tokens_per_s,
+             "plan_tokens_per_s": 990.0},
+        ]
+
+    terms = JobTerms(step_s=2.0, steps=10_000, gpus=2, price_per_gpu_hour=3.6)
+    far = judge_scaling(rows(1180.0), terms)  # 59 % on 2 workers, the plan 99 %
+    assert far.status == "warn", far
+    assert far.measured.startswith("59% efficiency") and "99% (plan" in far.expected
+    assert "passes at >= 74%" in far.expected
+    # 2 s x 99/59 = 3.356 s a step: +68 %, 1356 s more per 1000 steps on 2 workers at
+    # $3.6 an hour = $2.71; 10,000 steps: 3.77 h more than the planned 5.56 h.
+    assert far.fix.startswith("+68% step time = $2.71 per 1000 steps on 2 workers"), far.fix
+    assert "3.8 h more on the planned 5.6 h of 10000 steps" in far.fix, far.fix
+    near = judge_scaling(rows(1700.0), terms)  # 85 %: within 25 % of 99 %
+    assert near.status == "pass" and near.fix is None, near
+
+
+def test_a_gap_on_a_machine_without_a_price_is_told_in_time():
+    from trainwise.doctor.gap import JobTerms, short_of
+
+    terms = JobTerms(step_s=0.1, steps=200, gpus=2, price_per_gpu_hour=0.0)
+    assert terms.cost_of(0.15) == "+50% step time = 50 s more per 1000 steps (10 s more on " \
+        "the planned 20 s of 200 steps)"
+    assert short_of(0.7, 1.0) and not short_of(0.8, 1.0) and not short_of(2.0, 1.0)
+    assert terms.cost_of(0.1000016).startswith("+0.0016% step time"), terms.cost_of(0.1000016)

@@ -364,3 +364,58 @@ def test_the_plans_memory_is_compared_like_with_like():
     assert planned_memory(memory, "cuda_peak") == 1_950_000_000
     # On CPU the overhead is the runtime's own memory, which the resident set holds.
     assert planned_memory(memory, "rss_added") == 3_000_000_000
+
+
+def test_the_terminal_and_the_report_give_one_wall_time(tmp_path: Path):
+    """The launcher's `start` at t = 93 (7 s of start-up before the loop's `ready` at 100):
+    the summary rank 0 writes (run.wall.wall_of) and the report both count it, 19 s."""
+    from trainwise.report.summary import render_summary
+    from trainwise.run.wall import wall_of
+
+    run = make_run(tmp_path)  # ready at 100, finished at 112
+    events = (run / "events.jsonl").read_text()
+    (run / "events.jsonl").write_text(json.dumps({"time": 93.0, "kind": "start"}) + "\n" + events)
+    report = analyse(load_run(run))
+    assert report.headline.wall_s == pytest.approx(19.0) == wall_of(run)
+    assert "(wall 19 s)" in render_summary({"wall_s": wall_of(run)})
+    assert "wall 19 s" in render_text(report)
+
+
+def test_the_plan_table_wraps_its_sentences_to_keep_to_the_page(tmp_path: Path):
+    """The "assumption to check" sentences would run a nowrap table off a 1400 px page: the
+    column wraps, and no table grows past the page's width."""
+    page = render_html([analyse(load_run(make_run(tmp_path)))])
+    table = page[page.index("<caption>Plan versus actual</caption>"):]
+    table = table[: table.index("</table>")]
+    assert '<th scope="col" class="prose">assumption to check</th>' in table
+    flagged = re.findall(r'<td class="prose">([^<]+)</td>', table)
+    assert flagged and all(len(text) > 20 for text in flagged)  # the step's sentences
+    css = page[page.index("<style>"): page.index("</style>")]
+    assert "table{max-width:100%}" in css
+    assert re.search(r"td\.prose\{white-space:normal", css)
+
+
+def test_a_report_that_cannot_be_written_leaves_no_part_file(tmp_path: Path, monkeypatch, capsys):
+    """A full disk mid-write: the page written before stays whole, the half-written
+    temporary file is removed, and the run says in one line that the report was not written."""
+    import errno
+
+    from trainwise.cli.train import finish_report
+    from trainwise.config import load_config
+
+    run = make_run(tmp_path)
+    (run / "report.html").write_text("the previous page")
+    real = Path.write_text
+
+    def full_disk(self: Path, text: str, *args, **kwargs) -> int:
+        if self.name.endswith(".part"):
+            real(self, text[: len(text) // 2], *args, **kwargs)  # what fitted
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    finish_report(load_config(None), run)
+    assert sorted(p.name for p in run.iterdir() if "report" in p.name) == ["report.html"]
+    assert (run / "report.html").read_text() == "the previous page"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the report was not written" in err[0] and "No space" in err[0]

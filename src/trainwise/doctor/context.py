@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from trainwise.config import JobConfig
 from trainwise.data import build_loader
+from trainwise.doctor.gap import JobTerms
 from trainwise.hardware import find_gpu
 from trainwise.plan.estimate import StrategyPlan, evaluate
 from trainwise.plan.inputs import PlanInputs, resolve_inputs
@@ -55,6 +56,14 @@ class Context:
     def planned(self, gpus: int | None = None, job: Job | None = None) -> StrategyPlan:
         """The plan's figures for the job's strategy at `gpus` workers."""
         return evaluate(self.plan_inputs(gpus), plan_name(job or self.job))
+
+    def job_terms(self) -> JobTerms:
+        """The planned job at this world, which a check's gap is charged to."""
+        inputs = self.plan_inputs()
+        plan = evaluate(inputs, plan_name(self.job))
+        return JobTerms(
+            plan.step.total, self.cfg.train.steps, self.world, inputs.hardware.price_per_gpu_hour
+        )
 
     def slowest(self, seconds: float, host: Any = None) -> float:
         """The largest of every rank's `seconds` (a step is as slow as its slowest rank),

@@ -22,6 +22,12 @@ from trainwise.run.trainer import build_trainer
 MAX_WORKERS = 4  # worker counts tried: 0 .. min(this, the cores per rank)
 
 
+def wait_seconds(data_s: float, compute_s: float, workers: int) -> float:
+    """Seconds a step waits for data: all of the loading in line, what outlasts the step
+    with workers."""
+    return data_s if workers == 0 else max(0.0, data_s - compute_s)
+
+
 def wait_share(data_s: float, compute_s: float, workers: int) -> float:
     """The share of a step spent waiting for data."""
     if workers == 0:
@@ -75,7 +81,7 @@ def check_data(ctx: Context) -> CheckResult:
     share = mine["wait_share"]
     samples = c.data.micro_batch * ctx.job.grad_accum
     ctx.measured["data_samples_per_s"] = samples / mine["data_s"]
-    status, fix = "pass", None
+    status, fix, cost = "pass", None, None
     if share > DATA_BOUND_SHARE:
         status = "warn"
         better = [r for r in rows if r["wait_share"] <= DATA_BOUND_SHARE]
@@ -85,6 +91,11 @@ def check_data(ctx: Context) -> CheckResult:
                 f"set data.num_workers = {better[0]['workers']}: the wait measured with it is "
                 f"{better[0]['wait_share']:.0%}"
             )
+        # The plan's step assumes the loader keeps up: the wait comes on top of it.
+        terms = ctx.job_terms()
+        wait = wait_seconds(mine["data_s"], compute_s, c.data.num_workers)
+        cost = terms.cost_of(terms.step_s * (1 + wait / max(compute_s, 1e-12)))
+        fix = f"{cost}: {fix}"
     return CheckResult(
         name="data", title="data pipeline", status=status,
         measured=f"{mine['data_s'] * 1e3:.3g} ms of loading per step "
@@ -95,6 +106,6 @@ def check_data(ctx: Context) -> CheckResult:
         detail=f"the {'GPUs' if ctx.device.type == 'cuda' else 'workers'} would wait for data "
         f"{share:.0%} of the time" + (" (data-bound)" if status == "warn" else ""),
         fix=fix,
-        data={"compute_s": compute_s, "rows": rows, "wait_share": share,
+        data={"compute_s": compute_s, "rows": rows, "wait_share": share, "gap_cost": cost,
               "data_s": mine["data_s"], "num_workers": c.data.num_workers},
     )

@@ -82,6 +82,7 @@ table{border-collapse:collapse;margin:.6em 0 1.4em;font-size:.9em}
 caption{text-align:left;font-weight:600;padding:.3em 0}
 th,td{padding:.25em .6em;border-bottom:1px solid #e4e4e4;text-align:right;white-space:nowrap}
 th:first-child,td:first-child,th.l,td.l{text-align:left}
+table{max-width:100%}th.prose,td.prose{white-space:normal;text-align:left;min-width:14em}
 tr.rec td{background:#e8f5e9;font-weight:600}tr.nofit td{color:#888}
 dt{font-weight:600;margin-top:.8em}dd{margin:.2em 0 0 1.2em}
 .warnings li{color:#8a4b00}
@@ -179,16 +180,22 @@ def html_table(
     columns: Sequence[str],
     rows: Sequence[Sequence[str]],
     classes: Sequence[str] | None = None,
+    prose: Sequence[str] = (),
 ) -> list[str]:
-    """A captioned table; `classes` per row (e.g. the recommended one). The plan's and the
+    """A captioned table; `classes` per row (e.g. the recommended one); `prose`: columns of
+    sentences, which wrap so that the table keeps to the page's width. The plan's and the
     run report's pages share it."""
     e = html.escape
     classes = classes or [""] * len(rows)
+
+    def align(column: str) -> str:
+        return ' class="prose"' if column in prose else _align(column)
+
     out = ["<table>", f"<caption>{e(title)}</caption>", "<thead><tr>"]
-    out += [f'<th scope="col"{_align(c)}>{e(c)}</th>' for c in columns]
+    out += [f'<th scope="col"{align(c)}>{e(c)}</th>' for c in columns]
     out += ["</tr></thead>", "<tbody>"]
     for row, cls in zip(rows, classes, strict=True):
-        cells = "".join(f"<td{_align(c)}>{e(v)}</td>" for c, v in zip(columns, row, strict=True))
+        cells = "".join(f"<td{align(c)}>{e(v)}</td>" for c, v in zip(columns, row, strict=True))
         out.append(f'<tr class="{cls}">{cells}</tr>' if cls else f"<tr>{cells}</tr>")
     out += ["</tbody>", "</table>"]
     return out

@@ -33,6 +33,7 @@ from trainwise.report.run_view import (
     HANG_COLUMNS,
     OPERATOR_COLUMNS,
     PLAN_COLUMNS,
+    PLAN_PROSE,
     PROFILE_COLUMNS,
     STAGE_COLUMNS,
     attributed_rows,
@@ -119,7 +120,8 @@ def _run_section(r: RunReport, key: str, heading: bool) -> list[str]:
         out += ["<h2>Plan versus actual</h2>",
                 figure_html(_plan_figure(r), f"{key}-plan", "plan versus actual",
                             "The error of each planned figure; the band is ±25 %."),
-                *html_table("Plan versus actual", PLAN_COLUMNS, plan_rows(r))]
+                *html_table("Plan versus actual", PLAN_COLUMNS, plan_rows(r),
+                            prose=PLAN_PROSE)]
         line = calibrate_line(r)
         if line:
             out.append(f'<p class="flag">{e(line)}</p>')

@@ -109,6 +109,7 @@ def price_line(r: RunReport) -> str:
 
 
 PLAN_COLUMNS = ("figure", "plan", "actual", "error", "assumption to check")
+PLAN_PROSE = ("assumption to check",)  # sentences: they wrap on the page
 
 
 def plan_rows(r: RunReport) -> Rows:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainwise.plan.units import fmt_seconds
+
 MISSING = "n/a"  # a figure the summary lacks (a rerun that trained nothing, an older file)
 
 
@@ -39,6 +41,9 @@ def render_summary(s: dict[str, Any]) -> str:
         loss += f"  (held-out {fig(s['final_eval_loss'], '.4f')})"
     unit = " tokens/s" if (s.get("tokens_per_sample") or 1) > 1 else " samples/s"
     speed = fig(s.get("tokens_per_s"), ",.0f", unit)
+    # The report's wall figure (run.wall), written as the report writes it.
+    wall = fig(s.get("wall_s"))
+    wall = f"{fmt_seconds(s['wall_s'])} s" if wall != MISSING else wall
     head = "trainwise: training finished"
     if s.get("preempted"):
         head = f"trainwise: preempted by {s['preempted']} after step {s.get('last_step')}; saved"
@@ -50,7 +55,7 @@ def render_summary(s: dict[str, Any]) -> str:
         f"  steps      {s.get('steps', MISSING)} x global batch {s.get('global_batch', MISSING)}"
         f" on {s.get('world', MISSING)} x {s.get('device', MISSING)}",
         f"  loss       {loss}",
-        f"  speed      {speed}  (wall {fig(s.get('wall_s'), '.1f', ' s')})",
+        f"  speed      {speed}  (wall {wall})",
         f"  step time  {stages}",
         f"  run dir    {s.get('run_dir', MISSING)}",
     ]

@@ -206,7 +206,6 @@ class Recorder:
     def finish(self) -> dict:
         """Flush, close the writers; the figures of the summary."""
         self.flush()
-        wall = time.perf_counter() - self.start
         if self.progress:
             self.progress.close()
         if self.writer:
@@ -219,7 +218,6 @@ class Recorder:
             # None, not 0, when no steady step was timed: nothing was measured.
             "tokens_per_s": self.steady_steps * self.tokens_per_step / timed if timed else None,
             "tokens_per_sample": self.tokens_per_sample,
-            "wall_s": wall,
             "stage_share": {k.removesuffix("_s"): self.totals[k] / timed for k in STAGES}
             if timed
             else {},

@@ -23,10 +23,15 @@ def default_run_dir(cfg: JobConfig, strategy: str) -> Path:
 def write_whole(path: Path, text: str) -> None:
     """`text` into `path` whole or not at all: written beside it, then renamed over it, so a
     reader (another process, another machine) never sees half a file. The temporary name
-    carries the pid: several writers of the same file do not collide."""
+    carries the pid: several writers of the same file do not collide. A failed write (a
+    full disk) removes its temporary file: nothing half-written is left behind."""
     part = path.with_name(f".{path.name}.{os.getpid()}.part")
-    part.write_text(text)
-    os.replace(part, path)
+    try:
+        part.write_text(text)
+        os.replace(part, path)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
 
 
 def write_run_files(run_dir: Path, cfg: JobConfig, job: Job) -> None:

@@ -36,6 +36,7 @@ from trainwise.run.recorder import Recorder
 from trainwise.run.telemetry import mark_memory_baseline
 from trainwise.run.trackers import Trackers, build_trackers
 from trainwise.run.trainer import build_checkpointer, build_trainer
+from trainwise.run.wall import wall_of
 
 MAX_ROLLBACKS = 3
 
@@ -380,6 +381,8 @@ class Training:
             "retry_cost": asdict(cost),
             "retry_line": cost.summary_line(),
             **figures,
+            # The report's definition (launches summed, start-up included): one wall figure.
+            "wall_s": wall_of(self.run_dir),
         }
 
 
