@@ -7,10 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainwise.plan.units import fmt_hours, fmt_usd_exact
-from trainwise.report.analysis import PLAN_ERROR_FLAG
-
-PLAN_TOLERANCE = PLAN_ERROR_FLAG
+from trainwise.plan.units import PLAN_TOLERANCE, fmt_hours, fmt_usd_exact
 
 
 def short_of(measured: float, planned: float, tolerance: float = PLAN_TOLERANCE) -> bool:

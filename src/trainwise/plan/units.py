@@ -47,3 +47,8 @@ def fmt_seconds(x: float) -> str:
     if x < 0.01:
         return "<0.01"
     return f"{x:,.0f}" if x >= 1000 else f"{x:.3g}"
+
+
+# How far a measured figure may be from the plan's: beyond it the report names the
+# assumption to check and a doctor check warns with the cost of the gap (one threshold).
+PLAN_TOLERANCE = 0.25

@@ -19,7 +19,7 @@ from trainwise.plan.calibrate import WARMUP_STEPS
 from trainwise.plan.cost import CostTerm, run_cost
 from trainwise.plan.estimate import SIMPLER_WITHIN, config_keys
 from trainwise.plan.planner import COMM_BOUND_SHARE
-from trainwise.plan.units import fmt_gpu_hours, fmt_usd_exact
+from trainwise.plan.units import PLAN_TOLERANCE, fmt_gpu_hours, fmt_usd_exact
 from trainwise.report.drilldown import DrillDown, drill_down
 from trainwise.report.rundir import RunFiles
 from trainwise.run.events import RetryCost, resumptions, retry_cost
@@ -33,7 +33,7 @@ STAGES = (
     ("optim_s", "optimizer"),
     ("ckpt_s", "checkpoint stall"),
 )
-PLAN_ERROR_FLAG = 0.25  # a plan figure off by more than this names its assumption
+PLAN_ERROR_FLAG = PLAN_TOLERANCE  # a plan figure off by more than this names its assumption
 REPRODUCED = 0.10  # a calibrated plan this close to its calibration run's figure matches it
 DATA_BOUND_SHARE = 0.10  # the loop's own warning level (logging.data_wait_warn's default)
 WINDOWS = 10  # step windows in the stage picture
