@@ -41,6 +41,7 @@ def start_job(
     directory's default name ends with `label` (default: the strategy); it is returned."""
     from trainwise.hardware import detect_device
     from trainwise.hardware.detect import usable_cores
+    from trainwise.jsonl import cut_torn_files
     from trainwise.run.events import append_event
     from trainwise.run.job import prepare_job, resolve_nproc, start_lines
     from trainwise.run.launch import LaunchError, launch_workers
@@ -57,6 +58,8 @@ def start_job(
     default = default_run_dir(cfg, label or job.strategy)
     run_dir = Path(cfg.logging.run_dir) if cfg.logging.run_dir else default
     with hold_run_dir(run_dir, job_identity(cfg)):
+        for line in cut_torn_files(run_dir):  # a rerun appends after whole records only
+            print(line, file=sys.stderr)
         check_run_dir(cfg, job, run_dir)
         write_run_files(run_dir, cfg, job)
         append_event(run_dir, "start", pid=os.getpid(), nproc=nproc, nodes=nodes)
