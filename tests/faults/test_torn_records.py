@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from faulty import fill_disk, finish, job_args, start, tmpfs, wait_for_pid
 
-from helpers import run_cli
+from helpers import QUIET, run_cli
 
 pytestmark = pytest.mark.dist
 
@@ -46,3 +46,18 @@ def test_full_run_dir_tears_no_record_and_the_rerun_continues(tmp_path: Path):
         assert sorted({r["step"] for r in records}) == list(range(1, STEPS + 1))
         report = run_cli("report", str(run_dir), "-o", str(tmp_path / "r.html"), cwd=tmp_path)
         assert report.returncode == 0, report.stderr
+
+
+def test_a_full_disk_at_launch_is_one_line(tmp_path: Path):
+    with tmpfs(tmp_path / "small", 256 << 10) as disk:
+        earlier = disk / "earlier"
+        earlier.mkdir()
+        (earlier / ".lock").touch()  # a run directory an earlier launch left
+        (earlier / "events.jsonl").write_text('{"time": 1.0, "kind": "start"}\n')
+        fill_disk(disk)
+        for run_dir in (disk / "new", earlier):
+            done = run_cli("train", "--steps", "2", "--run-dir", str(run_dir), *QUIET, cwd=tmp_path)
+            assert done.returncode == 2, done.stderr
+            lines = done.stderr.strip().splitlines()
+            assert len(lines) == 1, done.stderr
+            assert f"'{run_dir}' cannot be used (No space left on device): free space" in lines[0]
