@@ -107,6 +107,13 @@ def test_an_ambiguous_or_impossible_eos_is_refused(given: str, words: str):
         parse_eos(given, 100)
 
 
+def test_the_bytes_tokenizer_takes_no_other_eos():
+    assert load_tokenizer("bytes", "id:256").eos_id == 256
+    for given in ("0", "id:0", "</s>"):
+        with pytest.raises(DataError, match="--eos"):
+            load_tokenizer("bytes", given)
+
+
 def test_text_that_is_not_utf8_names_the_file_and_byte(tmp_path: Path):
     src = tmp_path / "latin1.txt"
     src.write_bytes("café au lait".encode("latin-1"))  # é is byte 3, 0xe9

@@ -58,6 +58,8 @@ def load_tokenizer(spec: str, eos: str | None = None) -> Tokenizer:
     """`spec` is "bytes", a tokenizer.json, or "hf:DIR" (DIR/tokenizer.json). The EOS token is
     `eos`, else the eos_token of tokenizer_config.json beside it, else a common name."""
     if spec == BYTES:
+        if eos and parse_eos(eos, 257) != 256:
+            raise DataError(f"--eos {eos}: the bytes tokenizer's EOS is id 256; drop --eos")
         return Tokenizer(BYTES, 257, 256, hashlib.sha256(b"bytes").hexdigest())
     path = _spec_path(spec)
     if path.is_dir():

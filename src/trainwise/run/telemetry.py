@@ -220,8 +220,8 @@ def append_whole(fd: int, text: str) -> None:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The records of metrics.jsonl as written ([] without the file). A line that is not a
-    record is skipped: a writer killed mid-line leaves one, and a resumed run appends."""
+    """The records of metrics.jsonl as written ([] without the file); a torn last line is
+    skipped with a warning (see trainwise.jsonl)."""
     rows = read_objects(Path(run_dir) / "metrics.jsonl")
     return [row for row in rows if isinstance(row.get("step"), int)]
 
