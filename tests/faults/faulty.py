@@ -3,11 +3,14 @@ point to be reached (a file the worker writes), and read a run's final weights."
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -106,3 +109,38 @@ class References:
         if key not in self.exported:
             self.exported[key] = final_weights(self.run(nproc, strategy), self.root)
         return self.exported[key]
+
+
+@contextlib.contextmanager
+def tmpfs(mount: Path, size: int) -> Iterator[Path]:
+    """A tmpfs of `size` bytes at `mount` (a small disk to fill); the test is skipped where
+    mounting needs rights this process lacks."""
+    import pytest
+
+    mount.mkdir(parents=True, exist_ok=True)
+    try:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+            check=True, capture_output=True, text=True,
+        )
+    except (OSError, subprocess.CalledProcessError) as err:
+        reason = getattr(err, "stderr", "") or err
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {reason}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=False)
+
+
+def fill_disk(folder: Path) -> Path:
+    """A file that takes every free block of `folder`'s file system (written until ENOSPC)."""
+    filler = folder / "filler"
+    with filler.open("wb", buffering=0) as f:
+        for chunk in (1 << 16, 1 << 12):
+            try:
+                while True:
+                    f.write(b"\0" * chunk)
+            except OSError as err:
+                if err.errno != errno.ENOSPC:
+                    raise
+    return filler

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from trainwise.jsonl import JsonlError, cut_torn_files, cut_torn_tail
 from trainwise.run.events import (
     EVENTS_FILE,
     KINDS,
@@ -59,10 +60,8 @@ def test_creates_run_dir(tmp_path):
     assert [e["kind"] for e in read_events(run)] == ["ready"]
 
 
-def test_garbled_lines_are_skipped(tmp_path):
+def test_a_torn_last_line_is_skipped_with_a_warning(tmp_path, caplog):
     append_event(tmp_path, "start", time=1.0)
-    with open(tmp_path / EVENTS_FILE, "ab") as f:
-        f.write(b"not json\n[1, 2]\n\n")
     append_event(tmp_path, "ready", time=2.0, attempt=0, step=0)
     with open(tmp_path / EVENTS_FILE, "ab") as f:
         f.write(b'{"time": 3.0, "kind": "fail')  # a crash mid-write: no closing brace, no newline
@@ -70,6 +69,17 @@ def test_garbled_lines_are_skipped(tmp_path):
         {"time": 1.0, "kind": "start"},
         {"time": 2.0, "kind": "ready", "attempt": 0, "step": 0},
     ]
+    assert "cut off mid-record" in caplog.text and EVENTS_FILE in caplog.text
+
+
+@pytest.mark.parametrize("garbage", [b"not json\n", b"[1, 2]\n"])
+def test_a_damaged_line_in_the_middle_is_one_error_naming_it(tmp_path, garbage):
+    append_event(tmp_path, "start", time=1.0)
+    with open(tmp_path / EVENTS_FILE, "ab") as f:
+        f.write(garbage)
+    append_event(tmp_path, "ready", time=2.0, attempt=0, step=0)
+    with pytest.raises(JsonlError, match=r"events.jsonl line 2: not JSON"):
+        read_events(tmp_path)
 
 
 def test_unknown_kind_raises(tmp_path):
@@ -241,3 +251,38 @@ def test_summary_line_plural():
 def test_bad_gpus_raise(gpus):
     with pytest.raises(ValueError, match="gpus"):
         retry_cost([], gpus=gpus)
+
+
+@pytest.mark.parametrize(
+    "text, kept",
+    [
+        ('{"a": 1}\n{"a": 2', '{"a": 1}\n'),  # torn: cut off
+        ('{"a": 1}\n{"a": 2}', '{"a": 1}\n{"a": 2}\n'),  # whole but for its newline
+        ('{"a": 1}\n', '{"a": 1}\n'),  # nothing torn
+        ('{"a": ', ""),  # no whole record at all
+    ],
+)
+def test_cut_torn_tail_leaves_whole_records(tmp_path, text, kept):
+    path = tmp_path / "x.jsonl"
+    path.write_text(text)
+    cut_torn_tail(path)
+    assert path.read_text() == kept
+
+
+def test_cut_torn_tail_finds_the_newline_far_from_the_end(tmp_path, monkeypatch):
+    import trainwise.jsonl as jsonl
+
+    monkeypatch.setattr(jsonl, "TAIL_BLOCK", 4)  # the search crosses several blocks
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"a": 1}\n{"b": "' + "y" * 50)
+    assert cut_torn_tail(path) == 57
+    assert path.read_text() == '{"a": 1}\n'
+
+
+def test_cut_torn_files_names_each_file_it_cut(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"st')
+    (tmp_path / "events.jsonl").write_text('{"kind": "start"}\n')
+    (tmp_path / "other.jsonl").write_text('{"x": 1}\n{')
+    said = cut_torn_files(tmp_path)
+    assert len(said) == 2 and "metrics.jsonl" in said[0] and "other.jsonl" in said[1]
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'

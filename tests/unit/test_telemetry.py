@@ -4,9 +4,12 @@ writing and reading, the stage clock on CPU and the plain-line progress output."
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
 import types
 
+import pytest
 import torch
 
 from trainwise.run import telemetry
@@ -116,9 +119,39 @@ def test_read_metrics_skips_blank_lines(tmp_path):
 
 def test_read_metrics_skips_a_line_cut_by_a_crash(tmp_path):
     assert read_metrics(tmp_path) == []  # no file yet
-    # A writer killed mid-line, then the resumed run appending after it.
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "lo{"step": 2}\n[3]\n')
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "lo')
     assert read_metrics(tmp_path) == [{"step": 1}]
+
+
+def test_a_resumed_writer_appends_after_the_last_whole_record(tmp_path):
+    # A writer killed mid-line, then the resumed run's writer: the torn line is cut off.
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "lo')
+    writer = MetricsWriter(tmp_path, append=True)
+    writer.write(record(2))
+    writer.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+def test_a_failed_write_leaves_no_part_of_it(tmp_path, monkeypatch):
+    writer = MetricsWriter(tmp_path)
+    writer.write(record(1))
+    writer.sync()
+    real = os.write
+
+    def half_then_full(fd, data):  # as a full disk does: part of the write, then ENOSPC
+        if len(data) > 8:
+            return real(fd, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(telemetry.os, "write", half_then_full)
+    writer.write(record(2))
+    with pytest.raises(RuntimeError, match="No space left"):
+        writer.sync()
+    monkeypatch.setattr(telemetry.os, "write", real)
+    assert [json.loads(line)["step"] for line in
+            (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+    with pytest.raises(RuntimeError):
+        writer.close()
 
 
 def test_tensorboard_events_are_written(tmp_path):

@@ -50,7 +50,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "{role, content} messages, rendered with the tokenizer's chat template; only the "
         "assistant's turns count in the loss",
     )
-    prep.add_argument("--eos", help="the EOS token (default: from tokenizer_config.json)")
+    prep.add_argument(
+        "--eos",
+        help="the EOS: id:N (an id), token:TEXT or TEXT (a token); a bare number is refused "
+        "as ambiguous (default: tokenizer_config.json's eos_token)",
+    )
+    prep.add_argument(
+        "--errors", choices=("strict", "replace", "ignore"), default="strict",
+        help="bytes that are not UTF-8: strict (stop, naming the file and byte; default), "
+        "replace (with U+FFFD) or ignore (drop them)",
+    )
     prep.add_argument(
         "--shard-tokens",
         type=int,
@@ -83,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         shard_tokens=args.shard_tokens,
         val_fraction=args.val_fraction,
         messages_field=args.messages_field,
+        errors=args.errors,
         workers=args.workers,
         command=_command(args),
         say=lambda line: print(line, file=sys.stderr),
@@ -107,6 +117,7 @@ def _command(args: argparse.Namespace) -> list[str]:
     line += ["--shard-tokens", str(args.shard_tokens)] + (["--eos", args.eos] if args.eos else [])
     line += ["--val-fraction", str(args.val_fraction)] if args.val_fraction else []
     line += ["--messages-field", args.messages_field] if args.messages_field else []
+    line += ["--errors", args.errors] if args.errors != "strict" else []
     return line
 
 

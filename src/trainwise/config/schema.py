@@ -119,6 +119,13 @@ class DataConfig(Section):
         description="prompt_response: pack several whole examples into each sequence "
         "(attention never crosses an example); false: one example per sequence, padded.",
     )
+    verify: Literal["full", "fast"] = Field(
+        "full",
+        description="tokens, a prepared directory: checked before any worker starts. full: "
+        "every shard's checksum (xxh3) and largest token id, one read of the corpus (about "
+        "a second per GB from a warm cache; a 100 GB corpus read from disk takes minutes); "
+        "fast: sizes only.",
+    )
     seq_len: int = Field(64, gt=0, description="Tokens per training sequence.")
     micro_batch: int = Field(16, gt=0, description="Samples per worker per forward pass.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")

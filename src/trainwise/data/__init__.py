@@ -1,7 +1,7 @@
 """trainwise.data: built-in and user datasets, splits, and the sharded batch sampler.
 
 This package sits on the lowest floor: it imports nothing from trainwise but
-trainwise.errors, and takes plain arguments rather than config objects.
+trainwise.errors and trainwise.checksum, and takes plain arguments rather than config objects.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from trainwise.data.shard_writer import Output
 from trainwise.data.shards import DTYPES, FORMAT, VERSION, dtype_for_vocab, write_index
 from trainwise.data.sources import (
     TEXT,
+    decode,
     field_of,
     read_records,
     source_kind,
@@ -62,6 +63,7 @@ class Options:
     shard_tokens: int = 1 << 27
     val_fraction: float = 0.0
     messages_field: str | None = None
+    errors: str = "strict"  # bytes that are not UTF-8: strict (stop), replace or ignore
 
     @property
     def examples(self) -> bool:
@@ -80,6 +82,7 @@ def prepare(
     shard_tokens: int = 1 << 27,
     val_fraction: float = 0.0,
     messages_field: str | None = None,
+    errors: str = "strict",
     workers: int = 1,
     command: Sequence[str] = (),
     say: Callable[[str], None] | None = None,
@@ -88,10 +91,12 @@ def prepare(
     """Tokenize `inputs` into the prepared directory `out`; returns its index. With
     `response_field`, every record is a (`field`, `response_field`) example whose loss
     counts the response tokens and the EOS only; with `messages_field`, a conversation
-    rendered by the tokenizer's chat template whose loss counts the assistant's turns."""
+    rendered by the tokenizer's chat template whose loss counts the assistant's turns.
+    `errors` says what bytes that are not UTF-8 do: strict (one line naming the file and
+    the byte offset), replace (U+FFFD) or ignore (dropped)."""
     if response_field and messages_field:
         raise DataError("--response-field and --messages-field were both given: give one")
-    opts = Options(field, response_field, shard_tokens, val_fraction, messages_field)
+    opts = Options(field, response_field, shard_tokens, val_fraction, messages_field, errors)
     chat = chat_renderer(tokenizer.spec) if messages_field else None
     out, paths = Path(out), [Path(p) for p in inputs]
     _check(paths, out, opts, workers)
@@ -173,11 +178,11 @@ def _items(
         if kind == TEXT and not opts.examples:
             position += 1
             if position > skip:
-                yield path.read_text(encoding="utf-8")
+                yield decode(path.read_bytes(), opts.errors, str(path))
             continue
         field = opts.messages_field or opts.field
         fields = [field] + ([opts.response_field] if opts.response_field else [])
-        for where, record in read_records(path, kind, fields):
+        for where, record in read_records(path, kind, fields, opts.errors):
             position += 1
             if position <= skip:
                 continue

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from trainwise.data.shards import DTYPES, shard_name
+from trainwise.data.shards import DTYPES, shard_facts, shard_name
 
 STARTS = "documents.bin"  # uint64 start offset of every example, then the end
 
@@ -113,9 +113,13 @@ class Output:
             self._starts = (self.folder / STARTS).open("ab")
 
     def close(self) -> list[dict[str, Any]]:
-        """The shard entries of index.json (after the files are flushed)."""
+        """The shard entries of index.json (after the files are flushed), each with its
+        checksum and largest token id, which training checks before it starts."""
         self.tokens.close()
-        shards = [dict(s) for s in self.tokens.shards]
+        shards = [
+            {**s, **shard_facts(self.folder / s["file"], self.tokens.dtype)}
+            for s in self.tokens.shards
+        ]
         if self.mask is not None and self._starts is not None:
             self.mask.close()
             for shard, mask in zip(shards, self.mask.shards, strict=True):

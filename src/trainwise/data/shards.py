@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from trainwise.checksum import CHECKSUM, new_hasher
 from trainwise.errors import DataError
 
 INDEX = "index.json"
@@ -117,6 +118,51 @@ class TokenShards:
             pos, i = end, i + 1
         out = np.concatenate(pieces) if pieces else np.empty(0, dtype=self.dtype)
         return out if dtype is None else out.astype(dtype, copy=False)
+
+
+VERIFY_CHUNK = 1 << 24  # bytes read at a time by the checks
+
+
+def shard_facts(path: Path, dtype: np.dtype) -> dict[str, Any]:
+    """A token shard's checksum (xxh3, as checkpoint files) and largest id, in one read."""
+    digest, top = new_hasher(CHECKSUM), 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(VERIFY_CHUNK - VERIFY_CHUNK % dtype.itemsize):
+            digest.update(chunk)
+            top = max(top, int(np.frombuffer(chunk, dtype=dtype).max()))
+    return {CHECKSUM: digest.hexdigest(), "max_id": top}
+
+
+def verify_shards(path: str | os.PathLike[str]) -> None:
+    """Before any worker starts: every token shard of a prepared directory (and of its
+    held-out val/) holds what `data prepare` wrote, by its checksum, and no id at or above
+    the vocabulary. One read of the corpus; DataError (one line) naming the shard."""
+    folder = Path(path)
+    for where in [folder] + ([folder / "val"] if is_prepared_dir(folder / "val") else []):
+        index = read_index(where)
+        dtype, vocab = DTYPES[index["dtype"]], int(index["vocab_size"])
+        for shard in index["shards"]:
+            _verify_shard(where / shard["file"], shard, dtype, vocab)
+
+
+def _verify_shard(file: Path, shard: dict[str, Any], dtype: np.dtype, vocab: int) -> None:
+    expected = int(shard["tokens"]) * dtype.itemsize
+    if not file.is_file() or file.stat().st_size != expected:
+        raise DataError(
+            f"data.path: shard {str(file)!r} is missing or not {expected} bytes as {INDEX} "
+            "says; prepare the corpus again"
+        )
+    found = shard_facts(file, dtype)
+    if shard.get(CHECKSUM) not in (None, found[CHECKSUM]):
+        raise DataError(
+            f"data.path: shard {str(file)!r} does not match the checksum {INDEX} recorded "
+            "(the file was changed or damaged since `data prepare`): prepare the corpus again"
+        )
+    if found["max_id"] >= vocab:
+        raise DataError(
+            f"data.path: shard {str(file)!r} holds token id {found['max_id']}, outside the "
+            f"vocabulary of {vocab} ids {INDEX} declares: prepare the corpus again"
+        )
 
 
 def write_index(out: Path, index: dict[str, Any]) -> None:

@@ -42,10 +42,13 @@ def source_kind(path: Path) -> str:
     return PARQUET if suffix == ".parquet" else TEXT
 
 
-def read_records(path: Path, kind: str, fields: Sequence[str]) -> Iterator[tuple[str, Any]]:
-    """(where, record) of every record of a JSONL, Parquet or dataset input, in order."""
+def read_records(
+    path: Path, kind: str, fields: Sequence[str], errors: str = "strict"
+) -> Iterator[tuple[str, Any]]:
+    """(where, record) of every record of a JSONL, Parquet or dataset input, in order;
+    `errors`: what bytes of a JSONL file that are not UTF-8 do (see decode)."""
     if kind == JSONL:
-        yield from _jsonl(path)
+        yield from _jsonl(path, errors)
     elif kind == PARQUET:
         yield from _parquet(path, fields)
     elif kind == DATASET:
@@ -85,9 +88,12 @@ def source_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+def _jsonl(path: Path, errors: str = "strict") -> Iterator[tuple[str, Any]]:
+    offset = 0  # of the line in the file, for a decoding error
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = decode(raw, errors, f"{path}:{lineno}", offset)
+            offset += len(raw)
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
@@ -95,6 +101,18 @@ def _jsonl(path: Path) -> Iterator[tuple[str, Any]]:
                 yield where, json.loads(line)
             except ValueError as exc:
                 raise DataError(f"{where} is not JSON ({exc}); fix or remove the line") from None
+
+
+def decode(data: bytes, errors: str, where: str, offset: int = 0) -> str:
+    """UTF-8 text of `data`; errors: strict (a DataError naming `where` and the byte
+    offset in the file, `offset` being where `data` starts), replace or ignore."""
+    try:
+        return data.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as err:
+        raise DataError(
+            f"{where}: not UTF-8 at byte {offset + err.start} ({err.reason}); convert the file "
+            "to UTF-8, or give --errors replace (or ignore) to replace (or drop) such bytes"
+        ) from None
 
 
 def _missing(where: str, fields: Sequence[str], columns: Sequence[str]) -> None:

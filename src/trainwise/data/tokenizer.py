@@ -58,6 +58,8 @@ def load_tokenizer(spec: str, eos: str | None = None) -> Tokenizer:
     """`spec` is "bytes", a tokenizer.json, or "hf:DIR" (DIR/tokenizer.json). The EOS token is
     `eos`, else the eos_token of tokenizer_config.json beside it, else a common name."""
     if spec == BYTES:
+        if eos and parse_eos(eos, 257) != 256:
+            raise DataError(f"--eos {eos}: the bytes tokenizer's EOS is id 256; drop --eos")
         return Tokenizer(BYTES, 257, 256, hashlib.sha256(b"bytes").hexdigest())
     path = _spec_path(spec)
     if path.is_dir():
@@ -82,15 +84,36 @@ def load_tokenizer(spec: str, eos: str | None = None) -> Tokenizer:
         raise DataError(
             f"--tokenizer {spec}: {str(path)!r} is not a Hugging Face tokenizer.json ({why})"
         ) from None
-    names = [eos] if eos else [n for n in (_eos_from_config(path.parent), *_EOS_NAMES) if n]
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    given = parse_eos(eos, vocab) if eos else None
+    if isinstance(given, int):
+        return Tokenizer(spec, vocab, given, source_sha256(path), tok)
+    names = [given] if given else [n for n in (_eos_from_config(path.parent), *_EOS_NAMES) if n]
     eos_id = next((i for i in map(tok.token_to_id, names) if i is not None), None)
     if eos_id is None:
         raise DataError(
             f"--tokenizer {spec}: no end-of-document token found (tried {', '.join(names)}); "
             "name the tokenizer's EOS token with --eos"
         )
-    vocab = tok.get_vocab_size(with_added_tokens=True)
     return Tokenizer(spec, vocab, eos_id, source_sha256(path), tok)
+
+
+def parse_eos(eos: str, vocab: int) -> int | str:
+    """--eos: `id:N` (an id), `token:TEXT` or TEXT (a token's text). A bare number could be
+    either, so it is refused."""
+    kind, _, value = eos.partition(":")
+    if kind == "id" and value.isdigit() and int(value) < vocab:
+        return int(value)
+    if kind == "id":
+        raise DataError(f"--eos {eos}: give an id in 0..{vocab - 1} (the tokenizer's vocabulary)")
+    if kind == "token" and value:
+        return value
+    if eos.isdigit():
+        raise DataError(
+            f"--eos {eos} could be the id {eos} or the token text {eos!r}: write --eos id:{eos} "
+            f"or --eos token:{eos}"
+        )
+    return eos
 
 
 Segments = list[tuple[str, bool]]  # an example's text in order, each part counted or not

@@ -17,6 +17,7 @@ from typing import Any
 
 from trainwise.config import read_toml
 from trainwise.errors import ConfigError
+from trainwise.jsonl import JsonlError, read_objects
 from trainwise.run.events import read_events
 
 
@@ -137,18 +138,12 @@ def _json(run: Path, name: str, needed: str | None = None) -> Any:
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
-    lines = path.read_text().splitlines()
-    out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            if n == len(lines):  # the writer was killed mid-line: that record is lost
-                break
-            raise ReportError(f"{path} line {n}: not JSON; the file is damaged") from None
-        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-            raise ReportError(f"{path} line {n}: not a step record (no integer 'step')")
-        out.append(rec)
-    return out
+    """The step records; a torn last line is skipped (read_objects warns)."""
+    try:
+        rows = read_objects(path)
+    except JsonlError as err:
+        raise ReportError(str(err)) from None
+    for n, rec in enumerate(rows, 1):
+        if not isinstance(rec.get("step"), int):
+            raise ReportError(f"{path} record {n}: not a step record (no integer 'step')")
+    return rows

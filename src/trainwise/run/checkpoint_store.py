@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import xxhash
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from trainwise.checksum import CHECKSUM, digest_file
 from trainwise.errors import TrainwiseError
 
 MANIFEST = "manifest.json"
@@ -122,23 +122,6 @@ class Manifest(BaseModel):
     @property
     def total_bytes(self) -> int:
         return sum(entry.bytes for entry in self.files)
-
-
-# xxh3-128 hashes at several GB/s on one core, about 10x sha256: a corruption check needs
-# no cryptographic strength, and the hash was a third of a synchronous save's time.
-CHECKSUM = "xxh3"
-_HASHERS = {"xxh3": xxhash.xxh3_128, "sha256": hashlib.sha256}
-
-
-def digest_file(path: Path, algo: str = CHECKSUM, chunk: int = 1 << 20) -> str:
-    """The hex digest of a file, read in chunks so large shards fit in memory."""
-    digest = _HASHERS[algo]()
-    buffer = bytearray(chunk)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            digest.update(view[:n])
-    return digest.hexdigest()
 
 
 def config_hash(text: str) -> str:

@@ -91,7 +91,8 @@ def append_event(run_dir: Path, kind: str, **fields: Any) -> dict[str, Any]:
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
     """Every event of ``run_dir/events.jsonl`` in file order; ``[]`` when there is no file.
-    A line that is not a JSON object (truncated by a crash mid-write, or garbled) is skipped."""
+    A torn last line (a crash mid-write) is skipped with a warning; a damaged line in the
+    middle raises JsonlError (see trainwise.jsonl)."""
     return read_objects(Path(run_dir) / EVENTS_FILE)
 
 

@@ -3,7 +3,8 @@ SIGKILL to a pid, fills a disk, flips bytes); these points only make *when* dete
 
 `TRAINWISE_FAULTS` holds `;`-separated faults `KIND@key=value,...`:
 - `pause@step=N,rank=R`: after step N, rank R writes `RUN_DIR/faults/pause-step-N.pid` and
-  waits to be killed (or until `seconds`, default forever).
+  waits to be killed, or until the test creates `pause-step-N.go` beside it (or `seconds`,
+  default forever).
 - `pause_in_save@step=N,rank=R`: the same, inside the save of step N, after this rank's
   shards are written and before the commit.
 - `nan@step=N`: the loss of step N is multiplied by NaN on every rank.
@@ -144,7 +145,11 @@ class Faults:
         part = marker.with_suffix(".part")
         part.write_text(str(os.getpid()))
         part.rename(marker)  # the test sees the whole pid or nothing
-        _wait(fault.seconds if fault.seconds is not None else 1e9, until)
+        go = marker.with_suffix(".go")  # an empty file: it can be made on a full disk
+        _wait(
+            fault.seconds if fault.seconds is not None else 1e9,
+            lambda: go.exists() or bool(until and until()),
+        )
 
 
 NO_FAULTS = Faults([])

@@ -106,12 +106,22 @@ class Recorder:
         eval_loss: float | None = None,
         ckpt_s: float = 0.0,
     ) -> None:
-        """Keep a step; every `flush_every` steps, at evaluations and at the end, average the
-        losses over ranks in one collective and write the records. Every rank calls this
-        at the same steps."""
+        """Keep a step; every `flush_every` steps, at evaluations, saves and the end, average
+        the losses over ranks in one collective and write the records. Every rank calls
+        this at the same steps."""
         self._pending.append((step, res, lr, eval_loss, ckpt_s))
-        if step % self.cfg.flush_every == 0 or step == self.steps or eval_loss is not None:
+        # A step that saved (ckpt_s > 0) is written at once: a rerun resumes after it.
+        due = step % self.cfg.flush_every == 0 or step == self.steps or ckpt_s > 0
+        if due or eval_loss is not None:
             self.flush()
+
+    def make_durable(self) -> None:
+        """Every record so far in metrics.jsonl, before a checkpoint commits its step: a
+        write that failed (a full disk) stops the run here, so no checkpoint ever resumes
+        past steps whose records are lost. Every rank calls it at the same step."""
+        self.flush()
+        if self.writer:
+            self.writer.sync()
 
     def flush(self) -> None:
         if not self._pending:

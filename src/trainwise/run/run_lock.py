@@ -17,6 +17,7 @@ one; the others join only a holder of the same identity.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -49,23 +50,33 @@ def hold_run_dir(run_dir: Path, job_id: str | None = None) -> Iterator[None]:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as err:
-        raise ConfigError(
-            f"logging.run_dir = '{run_dir}' cannot be used ({err.strerror or err}): "
-            "choose a writable directory"
-        ) from None
+        raise unusable_run_dir(run_dir, err) from None
     try:
-        if _try_lock(fd, fcntl.LOCK_EX):
-            _first_holder(fd, path, run_dir, job_id)
-        elif job_id is None:
-            raise _busy(run_dir, path)
-        else:
-            _join(fd, path, run_dir, job_id)
+        try:
+            if _try_lock(fd, fcntl.LOCK_EX):
+                _first_holder(fd, path, run_dir, job_id)
+            elif job_id is None:
+                raise _busy(run_dir, path)
+            else:
+                _join(fd, path, run_dir, job_id)
+        except OSError as err:  # a full disk: the holder's name cannot be written
+            raise unusable_run_dir(run_dir, err) from None
         yield
     finally:
         if _try_lock(fd, fcntl.LOCK_EX):  # the last holder out: an empty file is no stale lock
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
         os.close(fd)
+
+
+def unusable_run_dir(run_dir: Path, err: OSError) -> ConfigError:
+    """One line for a run directory that cannot be written (full, read-only, no rights)."""
+    full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+    fix = "free space on it" if full else "make it writable"
+    return ConfigError(
+        f"logging.run_dir = '{run_dir}' cannot be used ({err.strerror or err}): {fix}, or "
+        "choose another directory with --run-dir"
+    )
 
 
 def _first_holder(fd: int, path: Path, run_dir: Path, job_id: str | None) -> None:

@@ -41,12 +41,14 @@ def start_job(
     directory's default name ends with `label` (default: the strategy); it is returned."""
     from trainwise.hardware import detect_device
     from trainwise.hardware.detect import usable_cores
+    from trainwise.jsonl import cut_torn_files
+    from trainwise.run.data_checks import check_data
     from trainwise.run.events import append_event
     from trainwise.run.job import check_cores, prepare_job, resolve_nproc, start_lines
     from trainwise.run.launch import LaunchError, launch_workers
     from trainwise.run.lifeline import end_launch, start_launch
     from trainwise.run.run_files import default_run_dir, write_run_files
-    from trainwise.run.run_lock import hold_run_dir, job_identity
+    from trainwise.run.run_lock import hold_run_dir, job_identity, unusable_run_dir
 
     device = detect_device(cfg.cluster.device)
     nproc = resolve_nproc(cfg, device)
@@ -55,12 +57,21 @@ def start_job(
     check_multi_node(cfg)
     # Planned at the most machines of the range.
     job = prepare_job(cfg, nproc * nodes, device, nproc)
+    check_data(cfg)  # once, here: every worker would meet a bad corpus
     default = default_run_dir(cfg, label or job.strategy)
     run_dir = Path(cfg.logging.run_dir) if cfg.logging.run_dir else default
     with hold_run_dir(run_dir, job_identity(cfg)):
+        try:
+            for line in cut_torn_files(run_dir):  # a rerun appends after whole records only
+                print(line, file=sys.stderr)
+        except OSError as err:
+            raise unusable_run_dir(run_dir, err) from None
         check_run_dir(cfg, job, run_dir)
         write_run_files(run_dir, cfg, job)
-        append_event(run_dir, "start", pid=os.getpid(), nproc=nproc, nodes=nodes)
+        try:
+            append_event(run_dir, "start", pid=os.getpid(), nproc=nproc, nodes=nodes)
+        except OSError as err:  # a full disk
+            raise unusable_run_dir(run_dir, err) from None
         for line in start_lines(job, nproc, usable_cores()):
             print(line, file=sys.stderr)  # beside the workers' start-up lines
         if nproc == 1 and nodes == 1:

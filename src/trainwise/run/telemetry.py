@@ -8,7 +8,9 @@ The stages are the ones the planner and the report speak in: data wait, compute
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import queue
 import resource
 import sys
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from trainwise.jsonl import read_objects
+from trainwise.jsonl import cut_torn_tail, read_objects
 from trainwise.run.trackers import Trackers
 
 STAGES = ("data_s", "compute_s", "sync_s", "optim_s", "ckpt_s")
@@ -153,8 +155,12 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path, trackers: Trackers | None = None, append: bool = False):
         self.path = run_dir / "metrics.jsonl"
-        # A resumed run continues the record; a fresh one starts a new one.
-        self._file = self.path.open("a" if append else "w")
+        # A resumed run continues the record (after its last whole line: an attempt that
+        # died mid-write tore it); a fresh one starts a new one.
+        if append:
+            cut_torn_tail(self.path)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+        self._fd = os.open(self.path, flags, 0o644)
         self.trackers = trackers
         self._queue: queue.Queue[list[StepRecord] | None] = queue.Queue()
         self._error: BaseException | None = None
@@ -172,8 +178,8 @@ class MetricsWriter:
         while (batch := self._queue.get()) is not None:
             try:
                 rows = [asdict(rec) for rec in batch]
-                self._file.write("".join(json.dumps(row) + "\n" for row in rows))
-                self._file.flush()  # on disk batch by batch: a crash loses only the queue
+                # On disk batch by batch: a crash loses only the queue.
+                append_whole(self._fd, "".join(json.dumps(row) + "\n" for row in rows))
                 if self.trackers is not None:
                     self.trackers.records(rows)
             except BaseException as err:  # reported to the loop at its next write
@@ -182,22 +188,40 @@ class MetricsWriter:
                 self._queue.task_done()
 
     def sync(self) -> None:
-        """Wait until every record written so far is in the file."""
+        """Wait until every record written so far is in the file; raise when one could
+        not be written."""
         self._queue.join()
+        if self._error is not None:
+            raise RuntimeError(f"writing {self.path} failed: {self._error}") from self._error
 
     def close(self) -> None:
         """Write what is queued, then close the file (the trackers stay open: the run's
         end gives them its events and files)."""
         self._queue.put(None)
         self._thread.join()
-        self._file.close()
+        os.close(self._fd)
         if self._error is not None:
             raise RuntimeError(f"writing {self.path} failed: {self._error}") from self._error
 
 
+def append_whole(fd: int, text: str) -> None:
+    """`text` appended whole or not at all: a write that fails part-way (a full disk) is
+    cut back off, so the file keeps ending on a whole record."""
+    data = text.encode("utf-8")
+    start = os.fstat(fd).st_size
+    try:
+        written = 0
+        while written < len(data):
+            written += os.write(fd, data[written:])
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, start)
+        raise
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The records of metrics.jsonl as written ([] without the file). A line that is not a
-    record is skipped: a writer killed mid-line leaves one, and a resumed run appends."""
+    """The records of metrics.jsonl as written ([] without the file); a torn last line is
+    skipped with a warning (see trainwise.jsonl)."""
     rows = read_objects(Path(run_dir) / "metrics.jsonl")
     return [row for row in rows if isinstance(row.get("step"), int)]
 

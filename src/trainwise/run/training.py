@@ -225,6 +225,8 @@ class Training:
         stop, save_now = self.control.exchange()
         if not (stop or save_now or ckpt.due(step)) or not (ckpt.cfg.enabled or stop):
             return stop, 0.0
+        self.stage = "the metrics reduction"
+        self.recorder.make_durable()  # no checkpoint past steps whose records are lost
         self.stage = "the checkpoint save"
         tokens = step * self.job.tokens_per_step
         return stop, ckpt.save(step, tokens, time.time(), self.data_state, sync=stop)
