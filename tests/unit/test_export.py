@@ -38,6 +38,7 @@ from trainwise.run.checkpoint_store import (
     tmp_dir,
 )
 from trainwise.run.export import (
+    ExportIOError,
     checkpoint_root,
     export_weights,
     load_model_state,
@@ -228,7 +229,8 @@ def test_export_of_a_broken_checkpoint_is_one_line(run_copy: Path, tmp_path: Pat
 def test_a_write_that_fails_midway_leaves_nothing(
     trained: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
 ):
-    """A full disk during the write: one line naming -o, and no file that looks complete."""
+    """A full disk during the write: one line naming -o, an I/O fault (exit 1, as a full
+    disk in training), and no file that looks complete."""
 
     def half_then_fail(_tensors: object, path: object, **_: object) -> None:
         Path(path).write_bytes(b"half a file")
@@ -239,10 +241,11 @@ def test_a_write_that_fails_midway_leaves_nothing(
     monkeypatch.setattr(safetensors.torch, "save_file", half_then_fail)
     monkeypatch.setattr(torch, "save", half_then_fail)
     out = tmp_path / f"m.{fmt}"
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(ExportIOError) as err:
         export_weights(resolve_checkpoint(trained["run"], None), out, fmt)
     line = str(err.value)
-    assert "\n" not in line and f"-o {out}" in line and "No space left" in line
+    assert "\n" not in line and f"-o {out}" in line and "no space left" in line
+    assert err.value.exit_status == 1
     assert list(tmp_path.iterdir()) == []
 
 
@@ -380,7 +383,8 @@ def test_cli_checkpoints_json(run_copy: Path, capsys: pytest.CaptureFixture):
     assert first["problems"] == [] and first["bytes"] > 0
     assert rows[2]["problems"] == ["incomplete (ignored)"] and rows[2]["bytes"] == 7
 
-    assert main(["checkpoints", str(final_dir(root, 2)), "--json", "--verify", "full"]) == 0
+    # The newest (step 4) is invalid, step 2 is valid: exit status 3 for scripts.
+    assert main(["checkpoints", str(final_dir(root, 2)), "--json", "--verify", "full"]) == 3
     rows = json.loads(capsys.readouterr().out)
     assert [r["valid"] for r in rows] == [True, False, False]
     assert "xxh3 mismatch" in rows[1]["problems"][0]
@@ -394,7 +398,7 @@ def test_cli_checkpoints_table(
     shard = final_dir(root, 4) / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:10])
     (root / "step-00000006.tmp").mkdir()
-    assert main(["checkpoints", str(run_copy)]) == 0
+    assert main(["checkpoints", str(run_copy)]) == 3  # the newest is invalid, not step 2
     lines = capsys.readouterr().out.splitlines()
     assert str(root) in lines[0]
     rows = {line.split()[0]: line for line in lines if line.strip()[:1].isdigit()}
