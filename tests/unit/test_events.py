@@ -241,3 +241,21 @@ def test_summary_line_plural():
 def test_bad_gpus_raise(gpus):
     with pytest.raises(ValueError, match="gpus"):
         retry_cost([], gpus=gpus)
+
+
+def test_a_new_lineage_after_a_stop_is_not_a_resume():
+    """A rerun with checkpoint.resume = 'never' after Ctrl-C redoes nothing: it starts over."""
+    from trainwise.run.events import resumptions
+
+    log = [
+        {"kind": "preempted", "time": 10.0, "step": 112, "signal": "SIGINT"},
+        {"kind": "start", "time": 15.0},
+        {"kind": "lineage", "time": 16.0, "lineage": "abcd", "moved_to": "x"},
+        {"kind": "ready", "time": 17.0, "step": 0, "attempt": 0},
+    ]
+    (found,) = resumptions(log)
+    assert found.new_lineage and found.redone_steps is None
+    assert "redone" not in found.line() and "resumed from" not in found.line()
+    assert "new lineage" in found.line() and "checkpoint.resume = 'never'" in found.line()
+    resumed = resumptions([e for e in log if e["kind"] != "lineage"])[0]
+    assert resumed.line().endswith("resumed from step 0 5 s later, 112 step(s) redone")

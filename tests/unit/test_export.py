@@ -7,7 +7,9 @@ like the trained one; resolve_checkpoint's choices and errors; `trainwise export
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import time
 import warnings
 from dataclasses import replace
@@ -25,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import trainwise
+from trainwise.cli.checkpoints import collect
 from trainwise.cli.main import main
 from trainwise.config import dump_toml, load_config
 from trainwise.errors import ConfigError
@@ -44,6 +47,7 @@ from trainwise.run.export import (
     load_model_state,
     resolve_checkpoint,
 )
+from trainwise.run.export_hf import export_hf
 
 SPEC = ModelSpec(name="tiny", vocab_size=64, seq_len=16)
 
@@ -445,3 +449,91 @@ def test_cli_export_of_a_checkpoint_dir_writes_to_the_cwd(
     assert (tmp_path / "model-step-00000002.pt").is_file()
     assert "model-step-00000002.pt" in capsys.readouterr().out
     assert not list(ckpt.glob("model-*"))  # the checkpoint itself stays as committed
+
+
+# --- trust nothing unverified ----------------------------------------------------------------
+
+
+def flip_byte_of(path: Path, tensor: torch.Tensor) -> None:
+    """Flip one byte inside the stored bytes of `tensor` (its first value), keeping the size:
+    only a checksum sees it."""
+    data = bytearray(path.read_bytes())
+    at = data.find(tensor.detach().contiguous().numpy().tobytes()[:16])
+    assert at >= 0, "the tensor's bytes are not in the shard"
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_cli_export_takes_the_newest_valid_checkpoint_and_says_why(
+    run_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+):
+    """One flipped byte inside tok_emb.weight of the newest step: that step is not exported;
+    step 2 is, with a line naming the invalid one and the file."""
+    root = run_copy / "checkpoints"
+    shard = final_dir(root, 4) / "__0_0.distcp"
+    flip_byte_of(shard, load_model_state(final_dir(root, 4))["tok_emb.weight"])
+    out = tmp_path / "x.safetensors"
+    assert main(["export", str(run_copy), "-o", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "step-00000004 is invalid and skipped" in captured.err
+    assert "__0_0.distcp: xxh3 mismatch" in captured.err
+    assert "exporting step-00000002, the newest valid one" in captured.err
+    assert "from step 2" in captured.out
+    exported = load_file(out)
+    want = load_model_state(final_dir(root, 2))
+    assert all(torch.equal(exported[k], want[k]) for k in exported)
+
+    # Asked for by step or by directory: refused, one line, exit 2.
+    for args in (["--step", "4"], []):
+        target = str(final_dir(root, 4)) if not args else str(run_copy)
+        assert main(["export", target, *args, "-o", str(tmp_path / "y.safetensors")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "xxh3 mismatch" in err
+
+
+def test_an_existing_output_is_refused_unless_forced(
+    run_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+):
+    """One rule for a file and a --format hf directory: refused (exit 2, one line, the file
+    untouched) unless --force, which replaces it."""
+    out = tmp_path / "m.safetensors"
+    out.write_bytes(b"someone's file")
+    assert main(["export", str(run_copy), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "exists" in err and "--force" in err
+    assert out.read_bytes() == b"someone's file"
+    assert main(["export", str(run_copy), "-o", str(out), "--force"]) == 0
+    assert set(load_file(out)) == set(load_model_state(final_dir(run_copy / "checkpoints", 4)))
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match="exists.*--force"):
+        export_hf(final_dir(run_copy / "checkpoints", 4), folder)
+
+
+def test_exported_file_has_a_new_files_mode(run_copy: Path, tmp_path: Path):
+    out = tmp_path / "m.safetensors"
+    export_weights(final_dir(run_copy / "checkpoints", 4), out, "safetensors")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~umask
+
+
+def test_cli_checkpoints_exit_status_when_none_is_valid(
+    run_copy: Path, capsys: pytest.CaptureFixture
+):
+    root = run_copy / "checkpoints"
+    for step in (2, 4):
+        shard = final_dir(root, step) / "__0_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    assert main(["checkpoints", str(run_copy), "--verify", "fast"]) == 0  # sizes hold
+    assert main(["checkpoints", str(run_copy), "--verify", "full"]) == 4
+    (final_dir(root, 4) / "manifest.json").write_text("{garbled")
+    rows = collect(root, "fast")
+    assert [(r["step"], r["status"], r["valid"]) for r in rows] == [
+        (2, "complete", True), (4, "damaged", False),
+    ]
+    assert main(["checkpoints", str(run_copy)]) == 3
+    capsys.readouterr()
