@@ -6,7 +6,9 @@ disk is one line. One in-process worker on copies of the session's reference run
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,3 +146,23 @@ def test_an_export_onto_a_full_disk_is_one_line(
     assert len(lines) == 1, done.stderr
     assert f"-o {out}" in lines[0] and "no space left on the device" in lines[0]
     assert list(full_disk.iterdir()) == []  # no partial output that could look complete
+
+
+def test_an_hf_export_has_one_mode_and_replaces_only_with_force(workdir: Path, llama_run: Path):
+    out = workdir / "hf"
+    first = run_cli("export", str(llama_run), "--format", "hf", "-o", str(out), cwd=workdir)
+    assert first.returncode == 0, first.stderr
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
+
+    (out / "mine.txt").write_text("kept unless --force")
+    again = run_cli("export", str(llama_run), "--format", "hf", "-o", str(out), cwd=workdir)
+    assert again.returncode == 2 and "--force" in again.stderr, again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1 and (out / "mine.txt").is_file()
+    forced = run_cli("export", str(llama_run), "--format", "hf", "-o", str(out), "--force",
+                     cwd=workdir)
+    assert forced.returncode == 0, forced.stderr
+    assert not (out / "mine.txt").exists() and (out / "model.safetensors").is_file()
+    assert [p.name for p in workdir.iterdir() if p.name.startswith("hf")] == ["hf"]

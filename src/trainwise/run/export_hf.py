@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainwise.errors import ConfigError, TrainwiseError
+from trainwise.errors import ConfigError
 from trainwise.models import ModelSpec, model_kind, resolve_shape
 from trainwise.models.hf import model_dir, read_hf_config
 from trainwise.models.llama import gpt_to_hf, llama_config
@@ -113,6 +113,7 @@ def export_hf(
     """Write ``checkpoint``'s model as a Hugging Face directory ``out`` via ``out.partial``
     renamed at the end. An existing ``out`` is refused unless `force`; then it is replaced
     only once the new directory is complete. Returns what was written."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     checkpoint, out = Path(checkpoint), Path(out)
@@ -139,8 +140,8 @@ def export_hf(
         _replace_dir(partial, out)
     except BaseException as err:
         shutil.rmtree(partial, ignore_errors=True)  # never leave half a model behind
-        if isinstance(err, Exception) and not isinstance(err, TrainwiseError):
-            raise unwritable(out, err) from None  # OSError, SafetensorError: all I/O
+        if isinstance(err, (OSError, SafetensorError)):  # the checkpoint was read by DCP
+            raise unwritable(out, err) from None
         raise
     return {"tensors": len(weight_map), "files": len(groups), "step": checkpoint_step(checkpoint)}
 
