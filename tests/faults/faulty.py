@@ -75,7 +75,7 @@ def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]
 def final_weights(run_dir: Path, cwd: Path) -> dict[str, torch.Tensor]:
     """The run's newest checkpoint, exported through the CLI and loaded back."""
     out = run_dir / "final.safetensors"
-    done = run_cli("export", str(run_dir), "-o", str(out), cwd=cwd)
+    done = run_cli("export", str(run_dir), "-o", str(out), "--force", cwd=cwd)
     assert done.returncode == 0, done.stderr
     return load_file(out)
 

@@ -453,3 +453,54 @@ def test_a_manifest_of_an_earlier_release_is_verified_by_its_sha256(tmp_path: Pa
     assert verify(final, "full") == []
     _flip_byte(final / "model.pt")
     assert verify(final, "full") == [f"{final / 'model.pt'}: sha256 mismatch (corrupted)"]
+
+
+# --- unreadable manifests are damage, not another lineage ------------------------------------
+
+
+def _save_of(root: Path, step: int, lineage: str) -> Path:
+    tmp = tmp_dir(root, step)
+    tmp.mkdir(parents=True)
+    (tmp / "model.pt").write_bytes(b"w%d" % step * 40)
+    commit(tmp, final_dir(root, step), {**_fields(step), "lineage": lineage})
+    return final_dir(root, step)
+
+
+def test_a_garbled_manifest_is_skipped_as_invalid_not_passed_over(tmp_path: Path):
+    root = tmp_path / "ckpt"
+    _save_of(root, 4, "aaaa")
+    _save_of(root, 8, "bbbb")  # another lineage's: passed over unverified, not "invalid"
+    garbled = _save_of(root, 12, "aaaa")
+    (garbled / MANIFEST).write_text('{"step": 12, "tok')
+    best, skipped = find_latest_valid(root, "fast", lineage="aaaa")
+    assert best is not None and best.step == 4
+    assert [info.step for info in skipped] == [12]
+    assert str(garbled / MANIFEST) in skipped[0].problems[0]
+    assert "manifest unreadable" in skipped[0].problems[0]
+
+
+def test_make_room_deletes_only_what_this_lineage_wrote(tmp_path: Path):
+    root = tmp_path / "ckpt"
+    own = _save_of(root, 4, "aaaa" * 4)
+    _flip_byte(own / "model.pt")  # damaged, but this lineage's: a new save replaces it
+    assert cs.make_room(own, "aaaa" * 4) is None and not own.exists()
+
+    theirs = _save_of(root, 8, "bbbb" * 4)
+    garbled = _save_of(root, 12, "aaaa" * 4)
+    (garbled / MANIFEST).write_bytes(b"\x00garbage")
+    kept = [cs.make_room(path, "aaaa" * 4) for path in (theirs, garbled)]
+    assert not theirs.exists() and not garbled.exists()
+    assert (kept[0] / theirs.name / "model.pt").read_bytes() == b"w8" * 40
+    assert kept[0].name.endswith("-bbbbbbbb")  # labelled with the lineage that wrote it
+    assert kept[0].parent == root / cs.PREVIOUS
+    assert (kept[1] / garbled.name / "model.pt").is_file()
+    assert kept[1].name.endswith("-unknown")
+
+
+def test_move_aside_labels_with_the_old_lineage(tmp_path: Path):
+    root = tmp_path / "ckpt"
+    _save_of(root, 4, "1111" * 4)
+    _save_of(root, 8, "2222" * 4)
+    moved = cs.move_aside(root)
+    assert moved is not None and moved.name.endswith("-22222222")
+    assert sorted(p.name for p in moved.iterdir()) == ["step-00000004", "step-00000008"]

@@ -286,3 +286,21 @@ def test_cut_torn_files_names_each_file_it_cut(tmp_path):
     said = cut_torn_files(tmp_path)
     assert len(said) == 2 and "metrics.jsonl" in said[0] and "other.jsonl" in said[1]
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_a_new_lineage_after_a_stop_is_not_a_resume():
+    """A rerun with checkpoint.resume = 'never' after Ctrl-C redoes nothing: it starts over."""
+    from trainwise.run.events import resumptions
+
+    log = [
+        {"kind": "preempted", "time": 10.0, "step": 112, "signal": "SIGINT"},
+        {"kind": "start", "time": 15.0},
+        {"kind": "lineage", "time": 16.0, "lineage": "abcd", "moved_to": "x"},
+        {"kind": "ready", "time": 17.0, "step": 0, "attempt": 0},
+    ]
+    (found,) = resumptions(log)
+    assert found.new_lineage and found.redone_steps is None
+    assert "redone" not in found.line() and "resumed from" not in found.line()
+    assert "new lineage" in found.line() and "checkpoint.resume = 'never'" in found.line()
+    resumed = resumptions([e for e in log if e["kind"] != "lineage"])[0]
+    assert resumed.line().endswith("resumed from step 0 5 s later, 112 step(s) redone")

@@ -7,7 +7,9 @@ like the trained one; resolve_checkpoint's choices and errors; `trainwise export
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import time
 import warnings
 from dataclasses import replace
@@ -25,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import trainwise
+from trainwise.cli.checkpoints import collect
 from trainwise.cli.main import main
 from trainwise.config import dump_toml, load_config
 from trainwise.errors import ConfigError
@@ -38,11 +41,13 @@ from trainwise.run.checkpoint_store import (
     tmp_dir,
 )
 from trainwise.run.export import (
+    ExportIOError,
     checkpoint_root,
     export_weights,
     load_model_state,
     resolve_checkpoint,
 )
+from trainwise.run.export_hf import export_hf
 
 SPEC = ModelSpec(name="tiny", vocab_size=64, seq_len=16)
 
@@ -228,7 +233,8 @@ def test_export_of_a_broken_checkpoint_is_one_line(run_copy: Path, tmp_path: Pat
 def test_a_write_that_fails_midway_leaves_nothing(
     trained: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
 ):
-    """A full disk during the write: one line naming -o, and no file that looks complete."""
+    """A full disk during the write: one line naming -o, an I/O fault (exit 1, as a full
+    disk in training), and no file that looks complete."""
 
     def half_then_fail(_tensors: object, path: object, **_: object) -> None:
         Path(path).write_bytes(b"half a file")
@@ -239,10 +245,11 @@ def test_a_write_that_fails_midway_leaves_nothing(
     monkeypatch.setattr(safetensors.torch, "save_file", half_then_fail)
     monkeypatch.setattr(torch, "save", half_then_fail)
     out = tmp_path / f"m.{fmt}"
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(ExportIOError) as err:
         export_weights(resolve_checkpoint(trained["run"], None), out, fmt)
     line = str(err.value)
-    assert "\n" not in line and f"-o {out}" in line and "No space left" in line
+    assert "\n" not in line and f"-o {out}" in line and "no space left" in line
+    assert err.value.exit_status == 1
     assert list(tmp_path.iterdir()) == []
 
 
@@ -380,7 +387,8 @@ def test_cli_checkpoints_json(run_copy: Path, capsys: pytest.CaptureFixture):
     assert first["problems"] == [] and first["bytes"] > 0
     assert rows[2]["problems"] == ["incomplete (ignored)"] and rows[2]["bytes"] == 7
 
-    assert main(["checkpoints", str(final_dir(root, 2)), "--json", "--verify", "full"]) == 0
+    # The newest (step 4) is invalid, step 2 is valid: exit status 3 for scripts.
+    assert main(["checkpoints", str(final_dir(root, 2)), "--json", "--verify", "full"]) == 3
     rows = json.loads(capsys.readouterr().out)
     assert [r["valid"] for r in rows] == [True, False, False]
     assert "xxh3 mismatch" in rows[1]["problems"][0]
@@ -394,7 +402,7 @@ def test_cli_checkpoints_table(
     shard = final_dir(root, 4) / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:10])
     (root / "step-00000006.tmp").mkdir()
-    assert main(["checkpoints", str(run_copy)]) == 0
+    assert main(["checkpoints", str(run_copy)]) == 3  # the newest is invalid, not step 2
     lines = capsys.readouterr().out.splitlines()
     assert str(root) in lines[0]
     rows = {line.split()[0]: line for line in lines if line.strip()[:1].isdigit()}
@@ -441,3 +449,91 @@ def test_cli_export_of_a_checkpoint_dir_writes_to_the_cwd(
     assert (tmp_path / "model-step-00000002.pt").is_file()
     assert "model-step-00000002.pt" in capsys.readouterr().out
     assert not list(ckpt.glob("model-*"))  # the checkpoint itself stays as committed
+
+
+# --- trust nothing unverified ----------------------------------------------------------------
+
+
+def flip_byte_of(path: Path, tensor: torch.Tensor) -> None:
+    """Flip one byte inside the stored bytes of `tensor` (its first value), keeping the size:
+    only a checksum sees it."""
+    data = bytearray(path.read_bytes())
+    at = data.find(tensor.detach().contiguous().numpy().tobytes()[:16])
+    assert at >= 0, "the tensor's bytes are not in the shard"
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_cli_export_takes_the_newest_valid_checkpoint_and_says_why(
+    run_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+):
+    """One flipped byte inside tok_emb.weight of the newest step: that step is not exported;
+    step 2 is, with a line naming the invalid one and the file."""
+    root = run_copy / "checkpoints"
+    shard = final_dir(root, 4) / "__0_0.distcp"
+    flip_byte_of(shard, load_model_state(final_dir(root, 4))["tok_emb.weight"])
+    out = tmp_path / "x.safetensors"
+    assert main(["export", str(run_copy), "-o", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "step-00000004 is invalid and skipped" in captured.err
+    assert "__0_0.distcp: xxh3 mismatch" in captured.err
+    assert "exporting step-00000002, the newest valid one" in captured.err
+    assert "from step 2" in captured.out
+    exported = load_file(out)
+    want = load_model_state(final_dir(root, 2))
+    assert all(torch.equal(exported[k], want[k]) for k in exported)
+
+    # Asked for by step or by directory: refused, one line, exit 2.
+    for args in (["--step", "4"], []):
+        target = str(final_dir(root, 4)) if not args else str(run_copy)
+        assert main(["export", target, *args, "-o", str(tmp_path / "y.safetensors")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "xxh3 mismatch" in err
+
+
+def test_an_existing_output_is_refused_unless_forced(
+    run_copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+):
+    """One rule for a file and a --format hf directory: refused (exit 2, one line, the file
+    untouched) unless --force, which replaces it."""
+    out = tmp_path / "m.safetensors"
+    out.write_bytes(b"someone's file")
+    assert main(["export", str(run_copy), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "exists" in err and "--force" in err
+    assert out.read_bytes() == b"someone's file"
+    assert main(["export", str(run_copy), "-o", str(out), "--force"]) == 0
+    assert set(load_file(out)) == set(load_model_state(final_dir(run_copy / "checkpoints", 4)))
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match="exists.*--force"):
+        export_hf(final_dir(run_copy / "checkpoints", 4), folder)
+
+
+def test_exported_file_has_a_new_files_mode(run_copy: Path, tmp_path: Path):
+    out = tmp_path / "m.safetensors"
+    export_weights(final_dir(run_copy / "checkpoints", 4), out, "safetensors")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~umask
+
+
+def test_cli_checkpoints_exit_status_when_none_is_valid(
+    run_copy: Path, capsys: pytest.CaptureFixture
+):
+    root = run_copy / "checkpoints"
+    for step in (2, 4):
+        shard = final_dir(root, step) / "__0_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    assert main(["checkpoints", str(run_copy), "--verify", "fast"]) == 0  # sizes hold
+    assert main(["checkpoints", str(run_copy), "--verify", "full"]) == 4
+    (final_dir(root, 4) / "manifest.json").write_text("{garbled")
+    rows = collect(root, "fast")
+    assert [(r["step"], r["status"], r["valid"]) for r in rows] == [
+        (2, "complete", True), (4, "damaged", False),
+    ]
+    assert main(["checkpoints", str(run_copy)]) == 3
+    capsys.readouterr()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
-from trainwise.run.checkpoint import _disk_full
+from trainwise.run.checkpoint import disk_full
 from trainwise.run.peers import (
     PeerError,
     PeerFailure,
@@ -79,14 +79,14 @@ def test_absent_ranks_without_a_group_is_unknown():
 
 
 def test_disk_full_needs_the_errno_or_a_short_write_on_a_full_disk(tmp_path: Path):
-    assert _disk_full(OSError(errno.ENOSPC, "No space left on device"), tmp_path)
-    assert _disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"), tmp_path)
+    assert disk_full(OSError(errno.ENOSPC, "No space left on device"), tmp_path)
+    assert disk_full(OSError(errno.EDQUOT, "Disk quota exceeded"), tmp_path)
     nested = CheckpointException({1: Wrapped(OSError(errno.ENOSPC, "x"))}, "rank 1 failed")
-    assert _disk_full(nested, tmp_path)
+    assert disk_full(nested, tmp_path)
     # This test's folder has room: a short write here is not a full disk, and neither is
     # any other error.
-    assert not _disk_full(RuntimeError("unexpected pos 704 vs 598"), tmp_path)
-    assert not _disk_full(PermissionError(13, "Permission denied"), tmp_path)
+    assert not disk_full(RuntimeError("unexpected pos 704 vs 598"), tmp_path)
+    assert not disk_full(PermissionError(13, "Permission denied"), tmp_path)
 
 
 def test_a_failed_dcp_writer_thread_is_collected_and_other_threads_are_not():

@@ -13,13 +13,19 @@ from trainwise.errors import ConfigError
 _TMP = ".tmp"
 INCOMPLETE = "incomplete (ignored)"
 
+# Exit statuses, for scripts (docs/train.md): 2 is bad input, as everywhere.
+NEWEST_INVALID = 3  # the newest checkpoint is invalid; an older one is valid (resume takes it)
+NONE_VALID = 4  # no checkpoint is valid: a resume would stop
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "checkpoints",
         help="list a run's checkpoints and verify them",
         description="List the checkpoints of a run (or of a checkpoint folder) and verify "
-        "them against their manifests: fast = file sizes, full = sizes and checksums.",
+        "them against their manifests: fast = file sizes, full = sizes and checksums. Exit "
+        f"status: 0 the newest checkpoint is valid, {NEWEST_INVALID} the newest is invalid "
+        f"but an older one is valid, {NONE_VALID} none is valid, 2 bad input.",
     )
     # dest is not "run": the dispatcher calls args.run.
     p.add_argument("target", metavar="RUN", help="run directory or checkpoint folder")
@@ -65,7 +71,7 @@ def _row(step: int, path: Path, manifest: Any, valid: bool, problems: list[str])
     return {
         "step": step,
         "path": str(path),
-        "status": "complete" if m is not None else "incomplete",
+        "status": _status(path, m),
         "created": m.created if m else None,
         "time": _local_time(m.created) if m else None,
         "bytes": m.total_bytes if m else dir_bytes(path),
@@ -79,6 +85,25 @@ def _row(step: int, path: Path, manifest: Any, valid: bool, problems: list[str])
         "valid": valid,
         "problems": list(problems),
     }
+
+
+def _status(path: Path, manifest: Any) -> str:
+    """complete (a readable manifest), damaged (a manifest that cannot be read: resume
+    skips it as invalid) or incomplete (no manifest: an interrupted save, cleaned later)."""
+    from trainwise.run.checkpoint_store import MANIFEST
+
+    if manifest is not None:
+        return "complete"
+    return "damaged" if (path / MANIFEST).is_file() else "incomplete"
+
+
+def exit_status(rows: list[dict[str, Any]]) -> int:
+    """0 when the newest checkpoint is valid, NEWEST_INVALID when an older one is, else
+    NONE_VALID. Interrupted saves do not count: resume ignores them."""
+    counted = [row for row in rows if row["status"] != "incomplete"]
+    if counted and counted[-1]["valid"]:
+        return 0
+    return NEWEST_INVALID if any(row["valid"] for row in counted) else NONE_VALID
 
 
 def collect(root: Path, verify_mode: str) -> list[dict[str, Any]]:
@@ -180,8 +205,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.json:
         print(json.dumps(rows, indent=2))
-        return 0
+        return exit_status(rows)
     from rich.console import Console
 
     render(Console(), root, rows, args.verify)
-    return 0
+    return exit_status(rows)

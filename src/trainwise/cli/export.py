@@ -4,6 +4,7 @@ or (--format hf) a Hugging Face model directory."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from trainwise.errors import ConfigError
@@ -48,6 +49,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="output file (default: RUN/model-step-XXXXXXXX.safetensors; in the current "
         "directory when RUN is a checkpoint directory)",
     )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing OUT (file or --format hf directory) once the new one is "
+        "complete; without it an existing OUT is refused",
+    )
     p.set_defaults(run=run)
 
 
@@ -69,7 +76,7 @@ def output_format(out: Path | None, fmt: str | None) -> str:
 def run(args: argparse.Namespace) -> int:
     # Imported here so that `trainwise --help` does not import torch.
     from trainwise.run.checkpoint_store import CheckpointError
-    from trainwise.run.export import checkpoint_step, export_weights, resolve_checkpoint
+    from trainwise.run.export import checkpoint_step, choose_checkpoint, export_weights
 
     source = Path(args.target)
     out = Path(args.output) if args.output else None
@@ -81,12 +88,16 @@ def run(args: argparse.Namespace) -> int:
             f"{source}: no such run directory; give runs/NAME (or a checkpoint directory)"
         )
     try:
-        checkpoint = resolve_checkpoint(source, args.step)
+        checkpoint, skipped = choose_checkpoint(source, args.step)
     except CheckpointError as err:
         # Nothing to export from what was asked: bad input, like a wrong path.
         raise ConfigError(str(err)) from None
+    for note in skipped:  # said before the export: what is exported, and why not the newest
+        print(f"trainwise: checkpoint {note}", file=sys.stderr)
+    if skipped:
+        print(f"trainwise: exporting {checkpoint.name}, the newest valid one", file=sys.stderr)
     if fmt == "hf":
-        return _export_hf(checkpoint, out, args.shard_size)
+        return _export_hf(checkpoint, out, args.shard_size, args.force)
     if out is None:
         step = checkpoint_step(checkpoint)
         name = f"model-step-{step:08d}" if step is not None else f"model-{checkpoint.name}"
@@ -94,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         # untouched (an extra file there is not in its manifest), so the cwd gets it.
         base = Path(".") if checkpoint.resolve() == source.resolve() else source
         out = base / (name + _DEFAULT_SUFFIX[fmt])
-    result = export_weights(checkpoint, out, fmt)  # type: ignore[arg-type]
+    result = export_weights(checkpoint, out, fmt, args.force)  # type: ignore[arg-type]
     mb = result["bytes"] / 1e6
     print(
         f"trainwise: wrote {out} ({result['tensors']} tensors, {mb:.1f} MB, {fmt}) "
@@ -103,10 +114,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export_hf(checkpoint: Path, out: Path, shard_size: str) -> int:
+def _export_hf(checkpoint: Path, out: Path, shard_size: str, force: bool) -> int:
     from trainwise.run.export_hf import export_hf, parse_size
 
-    result = export_hf(checkpoint, out, parse_size(shard_size))
+    result = export_hf(checkpoint, out, parse_size(shard_size), force)
     print(
         f"trainwise: wrote {out} ({result['tensors']} tensors in {result['files']} safetensors "
         f"file(s), Hugging Face format) from step {result['step']} ({checkpoint})"

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
@@ -36,7 +37,7 @@ from trainwise.config.lineage import lineage_hash
 from trainwise.config.schema import CheckpointConfig
 from trainwise.plan.reliability import interval_steps
 from trainwise.run import checkpoint_store as store
-from trainwise.run.checkpoint_store import CheckpointError
+from trainwise.run.checkpoint_store import CheckpointError, root_cause
 from trainwise.run.distributed import side_group
 from trainwise.run.events import append_event
 from trainwise.run.peers import PeerError, find_peer_error, nested_errors
@@ -445,8 +446,12 @@ class Checkpointer:
         tmp = store.tmp_dir(self.root, step)
         (tmp / TRAINER_FILE).write_text(json.dumps(info["trainer"], indent=1) + "\n")
         final = store.final_dir(self.root, step)
-        if final.exists():  # left by an abandoned line of this run (resume = "never")
-            shutil.rmtree(final)
+        kept = store.make_room(final, self.lineage)
+        if kept is not None:
+            self.log.warning(
+                "trainwise: %s was not written by this lineage (or its manifest cannot be "
+                "read): moved to %s, not deleted", final, kept,
+            )
         fields = {
             **{k: v for k, v in info.items() if k != "trainer"},
             "world_size": self.world,
@@ -603,14 +608,16 @@ class Checkpointer:
     def _start_lineage(self) -> None:
         """checkpoint.resume = 'never' on a new launch: earlier checkpoints move aside into
         previous/ (never deleted), so that resume and retention see this lineage only."""
-        label = time.strftime("%Y%m%d-%H%M%S") + f"-{self.lineage[:8]}"
         self.lineage_started = True
-        moved = store.move_aside(self.root, label)
+        moved = store.move_aside(self.root)
         if moved is not None:
             self.log.warning(
                 "trainwise: checkpoint.resume = 'never': earlier checkpoints moved to %s", moved
             )
-            append_event(self.run_dir, "lineage", lineage=self.lineage, moved_to=str(moved))
+        # Always: the report tells a new lineage from a resume by this event.
+        append_event(
+            self.run_dir, "lineage", lineage=self.lineage, moved_to=moved and str(moved)
+        )
 
     def load(self, path: Path) -> Resumed:
         """Load the states and the trainer's progress from `path` into this rank,
@@ -645,14 +652,13 @@ class Checkpointer:
         anything else (a shape that does not match the model) is one line, exit 2."""
         try:
             dcp.load(state, checkpoint_id=str(path), process_group=self.group)
-        except Exception as err:
+        except (Exception, CheckpointException) as err:  # the latter is a BaseException
             peer = find_peer_error(err)
             if peer is not None:
                 raise PeerError(peer.cause, f"in the load of {path}: {peer}") from None
-            lines = str(err).strip().splitlines()
             failure = CheckpointError(
                 f"the checkpoint {path} does not load into this job's model "
-                f"({lines[-1] if lines else type(err).__name__}); resume it with the model "
+                f"({root_cause(err)}); resume it with the model "
                 "it was written with, or set checkpoint.resume = 'never'"
             )
             failure.exit_status = 2
@@ -684,12 +690,21 @@ def _save_error(step: int, tmp: Path, err: BaseException) -> CheckpointError:
     for the next start to clean; the previous checkpoint is untouched."""
     text = str(err).strip().splitlines()
     reason = text[-1] if text else type(err).__name__
-    if _disk_full(err, tmp.parent):
+    if disk_full(err, tmp.parent):
         reason = "no space left on the device"
+    try:
+        previous, _ = store.find_latest_valid(tmp.parent, "fast")
+    except OSError:
+        previous = None
+    kept = (
+        f"the previous checkpoint is intact ({previous.path.name}): free space or set "
+        "checkpoint.dir, then run again to resume"
+        if previous is not None
+        else "no earlier checkpoint exists: free space or set checkpoint.dir, then run "
+        "again (it starts over)"
+    )
     return CheckpointError(
-        f"checkpoint of step {step} could not be written to {tmp.parent} ({reason}); the "
-        "previous checkpoint is intact: free space or set checkpoint.dir, then run again "
-        "to resume"
+        f"checkpoint of step {step} could not be written to {tmp.parent} ({reason}); {kept}"
     )
 
 
@@ -699,7 +714,7 @@ DISK_FULL_TEXTS = ("no space left", "disk quota exceeded")
 SHORT_WRITE_TEXTS = ("unexpected pos", "file write failed")  # torch's writer, errno lost
 
 
-def _disk_full(err: BaseException, folder: Path) -> bool:
+def disk_full(err: BaseException, folder: Path) -> bool:
     """ENOSPC or EDQUOT anywhere in the error (DCP wraps each rank's failure); or a short
     write in torch's file writer, which loses the errno, on a nearly full file system."""
     short_write = False

@@ -198,6 +198,18 @@ def _one_line(error: ValidationError) -> str:
     return shown + (f" (+{len(parts) - 3} more)" if len(parts) > 3 else "")
 
 
+def root_cause(err: BaseException) -> str:
+    """The root cause of a DCP failure in one line. DCP wraps each rank's exception with
+    its traceback in a multi-line CheckpointException (its `failures`, by rank); the first
+    wrapped exception is the cause."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        wrapped = next(iter(failures.values()))
+        err = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
 def _load_manifest(directory: Path) -> tuple[Manifest | None, str | None]:
     """The manifest of a directory, or None and the one-line problem that prevented it."""
     path = Path(directory) / MANIFEST
@@ -467,14 +479,16 @@ def find_latest_valid(
     checksums: Checksums | None = None,
 ) -> tuple[CheckpointInfo | None, list[CheckpointInfo]]:
     """The newest valid checkpoint (of `lineage` when given: others are passed over
-    unverified), and the newer ones skipped as invalid (with their problems). Verifies
+    unverified; one whose manifest cannot be read may be of any lineage, so it is
+    damaged, not passed over), and the newer ones skipped as invalid (with their
+    problems). Verifies
     newest-first and stops at the first valid one, so older checkpoints are never hashed.
     `checksums` replaces the hashing of "full" (after the sizes are checked)."""
     if verify_mode not in ("full", "fast"):
         raise CheckpointError(f"verify mode {verify_mode!r} is unknown; use 'full' or 'fast'")
     skipped = []
     for step, path in reversed(_step_dirs(root)):
-        if lineage is not None and not _of_lineage(path, lineage):
+        if lineage is not None and _of_other_lineage(path, lineage):
             continue
         info = _info(path, step, verify_mode, checksums)
         if info.valid:
@@ -543,6 +557,12 @@ def apply_retention(
     return deleted
 
 
+def _of_other_lineage(path: Path, lineage: str) -> bool:
+    """Whether a checkpoint's readable manifest names another lineage than `lineage`."""
+    manifest, _ = _load_manifest(path)
+    return manifest is not None and manifest.lineage not in (None, lineage)
+
+
 def _of_lineage(path: Path, lineage: str) -> bool:
     """Whether a committed checkpoint belongs to `lineage`; one of an earlier release
     (no lineage recorded) is taken to, as it always was."""
@@ -553,12 +573,20 @@ def _of_lineage(path: Path, lineage: str) -> bool:
 PREVIOUS = "previous"  # checkpoints of earlier lineages, moved aside (never deleted)
 
 
-def move_aside(root: Path, label: str) -> Path | None:
-    """Move every checkpoint under `root` (committed, interrupted) into
-    ``root/previous/<label>/``, so that a new lineage starts from an empty root; returns
-    that folder, or None when there was nothing to move."""
+def previous_label(paths: list[Path]) -> str:
+    """The name of a ``previous/`` folder for `paths`: the time of the move and the lineage
+    that wrote them (the newest readable manifest's), "unknown" when none says."""
+    lineages = [m.lineage for m in map(read_manifest, reversed(paths)) if m and m.lineage]
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + (lineages[0][:8] if lineages else "unknown")
+
+
+def move_aside(root: Path, paths: list[Path] | None = None) -> Path | None:
+    """Move `paths` (default: every checkpoint under `root`, committed or interrupted) into
+    ``root/previous/<label>/`` (see previous_label), so that a new lineage starts from an
+    empty root, or a damaged checkpoint of unknown lineage is kept rather than deleted;
+    returns that folder, or None when there was nothing to move."""
     root = Path(root)
-    found = [
+    found = paths if paths is not None else [
         child
         for child in (sorted(root.iterdir()) if root.is_dir() else [])
         if child.is_dir()
@@ -566,12 +594,27 @@ def move_aside(root: Path, label: str) -> Path | None:
     ]
     if not found:
         return None
-    target = root / PREVIOUS / label
+    target = root / PREVIOUS / previous_label(found)
     target.mkdir(parents=True, exist_ok=True)
     for child in found:
         os.replace(child, target / child.name)
     _fsync_path(root)
     return target
+
+
+def make_room(final: Path, lineage: str) -> Path | None:
+    """Free the name of a checkpoint about to be committed. A directory there that this
+    lineage wrote (a damaged one resume skipped, or an abandoned line of this run) is
+    deleted; any other (another lineage's, or one whose manifest cannot be read) is moved
+    into ``previous/``, never deleted: returns where it went, or None."""
+    final = Path(final)
+    if not final.exists():
+        return None
+    manifest = read_manifest(final)
+    if manifest is not None and manifest.lineage in (None, lineage):
+        _remove_dir(final)
+        return None
+    return move_aside(final.parent, [final])
 
 
 def dir_bytes(directory: Path) -> int:

@@ -26,7 +26,8 @@ Fields per kind, as the runtime writes them:
 - ``nonfinite`` / ``rollback``: a non-finite loss, and the rollback to a checkpoint it caused.
 - ``finish``: the run ended normally.
 - ``fatal`` {rank, message, exit_status}: an error no restart can fix ended the launch.
-- ``lineage`` {lineage, moved_to}: ``checkpoint.resume = 'never'`` moved the earlier
+- ``lineage`` {lineage, moved_to}: ``checkpoint.resume = 'never'`` started a new lineage
+  (moved_to None when there was nothing to move) and moved the earlier
   checkpoints aside; a new lineage starts.
 - ``peer_failure`` {step, stage, rank, cause, absent, detail, message, traceback, dump}: a
   collective timed out or lost its peer; written by each rank that saw it, before it exits
@@ -61,7 +62,7 @@ KINDS = (
     "fatal",  # an error a restart cannot fix (disk full, no valid checkpoint, the guard)
     "peer_failure",
     "membership",
-    "lineage",  # resume = 'never' moved earlier checkpoints aside {lineage, moved_to}
+    "lineage",  # resume = 'never' started a new lineage {lineage, moved_to (or None)}
 )
 
 
@@ -238,16 +239,24 @@ class Resumption:
     stopped_step: int
     resumed_step: int | None = None
     waited_s: float | None = None
+    new_lineage: bool = False  # the next launch started over (checkpoint.resume = 'never')
 
     @property
     def redone_steps(self) -> int | None:
         """Steps trained again: those after the checkpoint the next launch resumed from."""
-        return None if self.resumed_step is None else self.stopped_step - self.resumed_step
+        if self.resumed_step is None or self.new_lineage:
+            return None
+        return self.stopped_step - self.resumed_step
 
     def line(self) -> str:
         said = f"stopped by {self.signal} after step {self.stopped_step}"
         if self.waited_s is None:
             return f"{said}; not resumed"
+        if self.new_lineage:
+            return (
+                f"{said}; not resumed: a new lineage started {self.waited_s:.0f} s later "
+                "(checkpoint.resume = 'never')"
+            )
         resumed = "" if self.resumed_step is None else f" from step {self.resumed_step}"
         redone = "" if self.redone_steps is None else f", {self.redone_steps} step(s) redone"
         return f"{said}; resumed{resumed} {self.waited_s:.0f} s later{redone}"
@@ -265,16 +274,20 @@ def resumptions(events: list[dict[str, Any]]) -> list[Resumption]:
         later = timed[i + 1 :]
         start = next(((ts, s) for ts, s in later if s.get("kind") == "start"), None)
         resumed = None
+        new_lineage = False
         if start is not None:
             after = [x for ts, x in later if ts >= start[0]]
-            resume = next((x for x in after if x.get("kind") in ("resume", "ready")), None)
-            resumed = int(resume.get("step") or 0) if resume else None
+            kinds = ("resume", "ready", "lineage")
+            resume = next((x for x in after if x.get("kind") in kinds), None)
+            new_lineage = resume is not None and resume.get("kind") == "lineage"
+            resumed = int(resume.get("step") or 0) if resume and not new_lineage else None
         found.append(
             Resumption(
                 signal=str(e.get("signal")),
                 stopped_step=int(e.get("step") or 0),
                 resumed_step=resumed,
                 waited_s=None if start is None else start[0] - t,
+                new_lineage=new_lineage,
             )
         )
     return found

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from trainwise.config import read_toml
-from trainwise.errors import ConfigError
+from trainwise.errors import ConfigError, TrainwiseError
 from trainwise.run.checkpoint_store import (
     MANIFEST,
     CheckpointError,
@@ -24,6 +24,7 @@ from trainwise.run.checkpoint_store import (
     list_checkpoints,
     parse_step,
     read_manifest,
+    root_cause,
     root_for,
     verify,
 )
@@ -67,10 +68,17 @@ def is_checkpoint_dir(path: Path) -> bool:
 
 
 def resolve_checkpoint(run_or_ckpt: Path, step: int | None = None) -> Path:
-    """The checkpoint directory to read: ``run_or_ckpt`` itself when it is a checkpoint, else
-    the newest valid checkpoint of the run (``step=None``) or the one of ``step``. Checks
-    sizes against the manifest ("fast" verification). Raises CheckpointError (one line)
-    when nothing valid matches."""
+    """The checkpoint directory to read (see choose_checkpoint), without the notes."""
+    return choose_checkpoint(run_or_ckpt, step)[0]
+
+
+def choose_checkpoint(run_or_ckpt: Path, step: int | None = None) -> tuple[Path, list[str]]:
+    """The checkpoint directory to read and one note per newer checkpoint passed over as
+    invalid: ``run_or_ckpt`` itself when it is a checkpoint, else the newest valid
+    checkpoint of the run (``step=None``) or the one of ``step``. Every file is checked
+    against the manifest's checksums ("full" verification: what a user gets is never
+    what a resume would refuse). Raises CheckpointError (one line) when nothing valid
+    matches."""
     path = Path(run_or_ckpt)
     if not path.is_dir():
         raise CheckpointError(
@@ -86,19 +94,24 @@ def resolve_checkpoint(run_or_ckpt: Path, step: int | None = None) -> Path:
                 f"{path} is the checkpoint of step {own_step}, not {step}: drop --step or "
                 "give the run directory"
             )
-        problems = verify(path, "fast")
+        problems = verify(path, "full")
         if problems:
             raise CheckpointError(
                 f"checkpoint {path} is not valid: {problems[0]}; pick another checkpoint"
             )
-        return path
+        return path, []
 
     # A run directory, or a checkpoint root given directly.
     root = checkpoint_root(path) if not _has_step_dirs(path) else path
     if step is None:
-        found, skipped = find_latest_valid(root, "fast")
+        found, skipped = find_latest_valid(root, "full")
         if found is not None:
-            return found.path
+            notes = [
+                f"{info.path.name} is invalid and skipped "
+                f"({info.problems[0] if info.problems else 'invalid'})"
+                for info in skipped
+            ]
+            return found.path, notes
         if skipped:
             newest = skipped[0]
             why = newest.problems[0] if newest.problems else "invalid"
@@ -119,12 +132,12 @@ def resolve_checkpoint(run_or_ckpt: Path, step: int | None = None) -> Path:
             f"no checkpoint of step {step} in {root} (steps available: {available}); "
             "pick one of those or drop --step for the newest"
         )
-    problems = verify(match.path, "fast")
+    problems = verify(match.path, "full")
     if problems:
         raise CheckpointError(
             f"checkpoint of step {step} in {root} is not valid: {problems[0]}; pick another step"
         )
-    return match.path
+    return match.path, []
 
 
 def _has_step_dirs(path: Path) -> bool:
@@ -171,7 +184,7 @@ def load_model_state(checkpoint: Path) -> dict[str, Any]:
         )
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         raise CheckpointError(
-            f"cannot read the model weights of {checkpoint}: {_one_line(err)}; verify it with "
+            f"cannot read the model weights of {checkpoint}: {root_cause(err)}; verify it with "
             "`trainwise checkpoints RUN --verify full` and pick a valid one"
         ) from None
     model = state.get(_MODEL_KEY)
@@ -181,17 +194,6 @@ def load_model_state(checkpoint: Path) -> dict[str, Any]:
             "give a checkpoint written by trainwise train"
         )
     return model
-
-
-def _one_line(err: BaseException) -> str:
-    """The root cause of a DCP failure in one line. DCP wraps each rank's exception with its
-    traceback in a multi-line CheckpointException; the first wrapped exception is the cause."""
-    failures = getattr(err, "failures", None)
-    if isinstance(failures, dict) and failures:
-        wrapped = next(iter(failures.values()))
-        err = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-    text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 def _independent(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -213,17 +215,20 @@ def _independent(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_weights(checkpoint: Path, out: Path, fmt: ExportFormat) -> dict[str, int | None]:
+def export_weights(
+    checkpoint: Path, out: Path, fmt: ExportFormat, force: bool = False
+) -> dict[str, int | None]:
     """Write the model weights of ``checkpoint`` to ``out`` as safetensors or a torch.save'd
     state dict, atomically (``out.part`` then rename). Returns
-    ``{"tensors": n, "bytes": size of the file written, "step": s}``. An output that cannot
-    be written is a ConfigError (exit 2), found before the checkpoint is read."""
+    ``{"tensors": n, "bytes": size of the file written, "step": s}``. An existing ``out`` is
+    refused unless `force` (then replaced atomically), and an output that cannot be
+    written fails (see unwritable), both before the checkpoint is read."""
     import torch  # here, so that finding checkpoints (the CLI listing) needs no torch
 
     if fmt not in ("safetensors", "torch"):
         raise CheckpointError(f"export format {fmt!r} is unknown; use safetensors or torch")
     checkpoint, out = Path(checkpoint), Path(out)
-    part = claim_output(out)
+    part = claim_output(out, force)
     try:
         step = checkpoint_step(checkpoint)
         state = load_model_state(checkpoint)
@@ -246,33 +251,68 @@ def export_weights(checkpoint: Path, out: Path, fmt: ExportFormat) -> dict[str, 
             else:
                 # Non-tensor entries (module extra state) stay: load_state_dict expects them.
                 torch.save({k: tensors.get(k, state[k]) for k in state}, part)
-            os.replace(part, out)
+            publish(part, out)
         except Exception as err:  # OSError, SafetensorError, torch's RuntimeError: all I/O
-            raise _unwritable(out, err) from None
+            raise unwritable(out, err) from None
     except BaseException:
         _discard(part)  # never leave a half-written .part behind
         raise
     return {"tensors": len(tensors), "bytes": out.stat().st_size, "step": step}
 
 
-def claim_output(out: Path) -> Path:
+def refuse_existing(out: Path, force: bool) -> None:
+    """The one rule of every export: an existing output is replaced only with --force."""
+    if out.exists() and not force:
+        what = "directory" if out.is_dir() else "file"
+        raise ConfigError(
+            f"-o {out}: the {what} exists; remove it, choose another path, or give --force "
+            "to replace it"
+        )
+
+
+def claim_output(out: Path, force: bool = False) -> Path:
     """Create ``out``'s folder and its empty ``.part`` file, so that an output that cannot
     be written fails at once, before a long checkpoint read; the part file is returned."""
     if out.is_dir():
         raise ConfigError(f"-o {out} is a directory: give a file path, e.g. {out / 'model'}")
+    refuse_existing(out, force)
     part = out.with_suffix(out.suffix + ".part")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         part.open("wb").close()
     except OSError as err:
-        raise _unwritable(out, err) from None
+        raise unwritable(out, err) from None
     return part
 
 
-def _unwritable(out: Path, err: BaseException) -> ConfigError:
-    why = err.strerror if isinstance(err, OSError) and err.strerror else _one_line(err)
+def publish(part: Path, out: Path) -> None:
+    """Rename a finished ``.part`` to ``out`` (replacing it atomically), with the mode a
+    new file gets (writers that go through a temporary file leave 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(part, 0o666 & ~umask)
+    os.replace(part, out)
+
+
+class ExportIOError(TrainwiseError):
+    """An export that could not be written for want of space: an I/O fault (exit 1, as a
+    full disk in training), not bad input."""
+
+
+def unwritable(out: Path, err: BaseException) -> TrainwiseError:
+    """One line for an output that cannot be written: a full disk is an I/O fault (exit
+    1, as in training); anything else (permissions, a read-only path) is a bad -o (2)."""
+    from trainwise.run.checkpoint import disk_full
+
+    where = out.parent if str(out.parent) else Path(".")
+    if disk_full(err, where):
+        return ExportIOError(
+            f"-o {out}: no space left on the device of {where}; nothing was written (the "
+            "partial output is removed): free space or give -o a path on another disk"
+        )
+    why = err.strerror if isinstance(err, OSError) and err.strerror else root_cause(err)
     return ConfigError(
-        f"-o {out}: cannot write a file in {out.parent or '.'} ({why}): "
+        f"-o {out}: cannot write a file in {where} ({why}): "
         "give -o a path in a folder you can write to"
     )
 

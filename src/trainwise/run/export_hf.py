@@ -23,7 +23,7 @@ from trainwise.models import ModelSpec, model_kind, resolve_shape
 from trainwise.models.hf import model_dir, read_hf_config
 from trainwise.models.llama import gpt_to_hf, llama_config
 from trainwise.run.checkpoint_store import CheckpointError
-from trainwise.run.export import checkpoint_step
+from trainwise.run.export import checkpoint_step, publish, refuse_existing, unwritable
 
 _MODEL = "model."  # the checkpoint's prefix of the model's entries
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -107,14 +107,17 @@ def _read(checkpoint: Path, names: list[str], sizes: dict) -> dict[str, Any]:
     return state
 
 
-def export_hf(checkpoint: Path, out: Path, shard_bytes: int = 5 * 10**9) -> dict[str, Any]:
-    """Write ``checkpoint``'s model as a Hugging Face directory ``out`` (created; it must
-    not exist), via ``out.partial`` renamed at the end. Returns what was written."""
+def export_hf(
+    checkpoint: Path, out: Path, shard_bytes: int = 5 * 10**9, force: bool = False
+) -> dict[str, Any]:
+    """Write ``checkpoint``'s model as a Hugging Face directory ``out`` via ``out.partial``
+    renamed at the end. An existing ``out`` is refused unless `force`; then it is replaced
+    only once the new directory is complete. Returns what was written."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     checkpoint, out = Path(checkpoint), Path(out)
-    if out.exists():
-        raise ConfigError(f"-o {out} exists; remove it or choose another directory")
+    refuse_existing(out, force)
     if shard_bytes < 1:
         raise ConfigError(f"--shard-size {shard_bytes}: must be a positive number of bytes")
     spec = _model_spec(checkpoint)
@@ -124,14 +127,9 @@ def export_hf(checkpoint: Path, out: Path, shard_bytes: int = 5 * 10**9) -> dict
         sizes = {k: v for k, v in sizes.items() if rename(k) != "lm_head.weight"}
     groups = plan_shards(sizes, shard_bytes)
     partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
     try:
+        shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-    except OSError as err:
-        raise ConfigError(
-            f"-o {out}: cannot create it ({err.strerror}); give another path"
-        ) from None
-    try:
         weight_map = _write_shards(checkpoint, partial, groups, sizes, rename, save_file)
         dtypes = {str(d).removeprefix("torch.") for _, d in sizes.values()}
         config["torch_dtype"] = config["dtype"] = (
@@ -139,11 +137,26 @@ def export_hf(checkpoint: Path, out: Path, shard_bytes: int = 5 * 10**9) -> dict
         )
         (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         _copy_tokenizer(spec, partial)
-        os.replace(partial, out)
-    except BaseException:
+        _replace_dir(partial, out)
+    except BaseException as err:
         shutil.rmtree(partial, ignore_errors=True)  # never leave half a model behind
+        if isinstance(err, (OSError, SafetensorError)):  # the checkpoint was read by DCP
+            raise unwritable(out, err) from None
         raise
     return {"tensors": len(weight_map), "files": len(groups), "step": checkpoint_step(checkpoint)}
+
+
+def _replace_dir(partial: Path, out: Path) -> None:
+    """Put the finished ``partial`` at ``out``; an existing ``out`` (--force) is renamed
+    away first and deleted only after, so a crash between leaves one of them whole."""
+    if not out.exists():
+        os.replace(partial, out)
+        return
+    old = out.with_name(out.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(out, old)
+    os.replace(partial, out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_shards(checkpoint, folder, groups, sizes, rename, save_file) -> dict[str, str]:
@@ -160,7 +173,9 @@ def _write_shards(checkpoint, folder, groups, sizes, rename, save_file) -> dict[
         )
         state = _read(checkpoint, names, sizes)
         tensors = {rename(n): t.contiguous() for n, t in state.items()}
-        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        part = folder / (file + ".part")
+        save_file(tensors, str(part), metadata={"format": "pt"})
+        publish(part, folder / file)  # the mode of the folder's other files
         weight_map.update(dict.fromkeys(tensors, file))
         total += sum(math.prod(t.shape) * t.element_size() for t in tensors.values())
         del state, tensors

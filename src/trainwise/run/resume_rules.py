@@ -53,19 +53,29 @@ def check_before_launch(cfg: CheckpointConfig, root: Path, keys: dict[str, Any])
     """Raise LineageError when the run would resume from another run's checkpoint: an
     explicit `checkpoint.resume` path of another lineage, or, for `auto`, committed
     checkpoints of which none is of this lineage."""
-    if cfg.resume == "never" or cfg.resume_from_other != "no":
+    if cfg.resume_from_other != "no":
         return
+    found = other_lineage_checkpoint(cfg, root, keys)
+    if found:
+        raise refusal(*found)
+
+
+def other_lineage_checkpoint(
+    cfg: CheckpointConfig, root: Path, keys: dict[str, Any]
+) -> tuple[Path, list[str]] | None:
+    """The checkpoint of another lineage the run would resume from, with how its settings
+    differ: an explicit `checkpoint.resume` path of another lineage, or, for `auto`, the
+    newest committed checkpoint when none is of this lineage. None otherwise."""
+    if cfg.resume == "never":
+        return None
     if cfg.resume != "auto":
         found = differences(Path(cfg.resume), keys)
-        if found:
-            raise refusal(Path(cfg.resume), found)
-        return
+        return (Path(cfg.resume), found) if found else None
     committed = [info for info in store.list_checkpoints(root) if info.manifest is not None]
     newest_other = None
     for info in reversed(committed):
         found = differences(info.path, keys)
         if not found:
-            return  # the run's own lineage has a checkpoint: resume picks among those
+            return None  # the run's own lineage has a checkpoint: resume picks among those
         newest_other = newest_other or (info.path, found)
-    if newest_other:
-        raise refusal(*newest_other)
+    return newest_other

@@ -101,12 +101,13 @@ def check_run_dir(cfg: JobConfig, job: Job, run_dir: Path) -> None:
     """Before any worker starts: the checkpoints it would resume from are of this run's
     lineage (else one line, exit 2), and a finished run is not run again."""
     from trainwise.config.lineage import lineage_keys
+    from trainwise.run.compat import check_other_fits
     from trainwise.run.events import read_events
     from trainwise.run.resume_rules import check_before_launch
 
-    check_before_launch(
-        cfg.checkpoint, checkpoint_root(cfg, run_dir), lineage_keys(cfg, job.global_batch)
-    )
+    root, keys = checkpoint_root(cfg, run_dir), lineage_keys(cfg, job.global_batch)
+    check_before_launch(cfg.checkpoint, root, keys)
+    check_other_fits(cfg, job, root, keys)
     if cfg.checkpoint.resume == "never" or not (run_dir / "events.jsonl").is_file():
         return
     lifecycle = [e for e in read_events(run_dir) if e["kind"] in ("ready", "finish")]

@@ -164,9 +164,14 @@ class Training:
         if not self.env.is_main or self.env.attempt:
             return None
         found = resumptions(read_events(self.run_dir))
-        if not found or found[-1].waited_s is None or found[-1].resumed_step is not None:
+        last = found[-1] if found else None
+        if last is None or last.waited_s is None or last.resumed_step is not None:
             return None  # none, or the last one was resumed by an earlier launch
-        return replace(found[-1], resumed_step=self.resumed.step).line()
+        if last.new_lineage and not self.ckpt.lineage_started:
+            return None  # an earlier launch started the new lineage and said so
+        return replace(
+            last, resumed_step=self.resumed.step, new_lineage=self.ckpt.lineage_started
+        ).line()
 
     def train_step(self) -> StepResult:
         self.stage = "the training step"

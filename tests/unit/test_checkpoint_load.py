@@ -1,0 +1,53 @@
+"""A checkpoint that does not fit the job's model is an error no restart can fix: one line,
+exit status 2 (the worker records it as fatal, so the elastic agent does not restart)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from trainwise.run.checkpoint import Checkpointer
+from trainwise.run.checkpoint_store import CheckpointError
+
+
+def test_a_shape_mismatch_in_dcp_load_is_one_line_exit_2(tmp_path: Path):
+    """DCP reports it as a CheckpointException, a BaseException: it must still become the
+    one-line CheckpointError, not escape as a traceback that the agent restarts."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ..." (on purpose)
+        dcp.save({"model": {"w": torch.zeros(4, 8)}}, checkpoint_id=tmp_path)
+        with pytest.raises(CheckpointError) as err:
+            Checkpointer._read(SimpleNamespace(group=None), {"model": {"w": torch.zeros(4, 4)}},
+                               tmp_path)
+    line = str(err.value)
+    assert err.value.exit_status == 2 and "\n" not in line
+    assert "does not load into this job's model" in line and "Size mismatch" in line
+
+
+def test_a_failed_save_says_whether_an_earlier_checkpoint_is_intact(tmp_path: Path):
+    import errno
+
+    from trainwise.run.checkpoint import _save_error
+    from trainwise.run.checkpoint_store import commit, final_dir, tmp_dir
+
+    root = tmp_path / "checkpoints"
+    full = OSError(errno.ENOSPC, "No space left on device")
+    first = str(_save_error(4, tmp_dir(root, 4), full))
+    assert "no space left" in first and "no earlier checkpoint exists" in first
+    assert "intact" not in first
+
+    tmp = tmp_dir(root, 4)
+    tmp.mkdir(parents=True)
+    (tmp / "w.bin").write_bytes(b"w" * 64)
+    fields = {
+        "step": 4, "tokens": 64, "world_size": 1, "dp_size": 1, "strategy": "single",
+        "config_hash": "x", "trainwise_version": "0", "torch_version": "0", "step_time": 0.0,
+    }
+    commit(tmp, final_dir(root, 4), fields)
+    later = str(_save_error(8, tmp_dir(root, 8), full))
+    assert "the previous checkpoint is intact (step-00000004)" in later
