@@ -8,8 +8,12 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainwise.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainwise.plan.inputs import PlanInputs
 
 # flag -> (config key, argparse type, help). One table: the parser, the key mapping and the
 # flag named in error messages all come from it.
@@ -213,6 +217,22 @@ def _emit(path: str, cfg, plan) -> None:
     print(f"trainwise: wrote the recommended job to {path}", file=sys.stderr)
 
 
+def calibrated_inputs(
+    inputs: PlanInputs, source: str | None, key: str
+) -> tuple[PlanInputs, list[str]]:
+    """The inputs priced by the calibrated model when `source` (a file or a run directory)
+    or this machine kind's calibration file gives one; the analytic model otherwise."""
+    from trainwise.plan.calibrate import machine_calibration
+    from trainwise.plan.performance import ANALYTIC, CalibratedModel
+
+    where = f"--calibrate {source}" if key == "--calibrate" else f"plan.calibration = {source!r}"
+    cal, warnings = machine_calibration(source, inputs.hardware.gpu, where)
+    for line in warnings:
+        print(f"trainwise: warning: {line}", file=sys.stderr)
+    model = CalibratedModel(calibration=cal) if cal else ANALYTIC
+    return model.adopt(inputs)
+
+
 def run(args: argparse.Namespace) -> int:
     from trainwise.plan.planner import make_plan
     from trainwise.plan.record import plan_record
@@ -220,13 +240,8 @@ def run(args: argparse.Namespace) -> int:
 
     inputs, sweep, cfg = load_plan_inputs(args)
     goal = load_goal(args, inputs.objective)
-    notes: list[str] = []
-    source = args.calibrate or cfg.plan.calibration
-    if source:
-        from trainwise.plan.calibrate import apply_calibration, read_calibration
-
-        where = f"--calibrate {source}" if args.calibrate else f"plan.calibration = {source!r}"
-        inputs, notes = apply_calibration(inputs, read_calibration(source, where=where))
+    inputs, notes = calibrated_inputs(inputs, args.calibrate or cfg.plan.calibration,
+                                      "--calibrate" if args.calibrate else "plan.calibration")
     if args.simulate and inputs.workload.shape is None:
         raise ConfigError(
             "--simulate needs a model to build: give a preset (--model) or a shape "

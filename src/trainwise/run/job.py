@@ -33,10 +33,16 @@ from trainwise.plan import (
     fmt_bytes,
     runtime_allowed,
 )
-from trainwise.plan.calibrate import Calibration, apply_calibration, read_calibration
+from trainwise.plan.calibrate import (
+    NO_CALIBRATION,
+    Calibration,
+    machine_calibration,
+    read_calibration,
+)
 from trainwise.plan.estimate import Setup, candidate_names, evaluate, price
 from trainwise.plan.flops import flops_per_token, recompute_factor
 from trainwise.plan.inputs import PlanInputs, job_inputs, unknown_device_inputs
+from trainwise.plan.performance import CalibratedModel, model_of
 from trainwise.plan.record import strategy_record
 
 
@@ -150,7 +156,9 @@ def start_lines(job: Job, nproc: int, cores: int) -> list[str]:
     parallelism spans machines."""
     c, nodes = job.cfg, job.world // nproc
     machines = f" x {nodes} machines" if nodes > 1 else ""
-    lines = [
+    figures = model_of(job.plan_inputs).header() if job.plan_inputs else None
+    lines = [f"trainwise: plan figures: {figures}"] if figures else []
+    lines += [
         f"trainwise: global batch {job.global_batch} samples per step = data.micro_batch "
         f"{c.data.micro_batch} x data.grad_accum {job.grad_accum} x data-parallel size "
         f"{job.dp_size} (--nproc {nproc}{machines}); another --nproc changes it"
@@ -209,9 +217,16 @@ def prepare_job(
     )
     device_bytes = device_budget(c, device, local)
     view = planner_view(c, workload, world, local, device, device_bytes, accum)
-    calibration = read_calibration(c.plan.calibration, where=f"plan.calibration = "
-                                   f"{c.plan.calibration!r}") if c.plan.calibration else None
-    view, plan_notes = calibrated(view, calibration)
+    calibration, plan_notes = None, []
+    if view is not None:  # the given calibration, or this machine kind's default file
+        calibration, plan_notes = machine_calibration(
+            c.plan.calibration, view.hardware.gpu, f"plan.calibration = {c.plan.calibration!r}"
+        )
+    elif c.plan.calibration not in (None, NO_CALIBRATION):
+        calibration = read_calibration(c.plan.calibration, where=f"plan.calibration = "
+                                       f"{c.plan.calibration!r}")
+    view, notes = calibrated(view, calibration)
+    plan_notes += notes
     cluster = view  # the planner's view: what auto decides with
     decision = decide(
         workload, strategy, world, device_bytes, c, replicate, device.kind, accum, cluster
@@ -492,7 +507,7 @@ def calibrated(
         return view, []
     if view is None:
         return None, [f"plan.calibration {cal.source}: the catalog does not know this device"]
-    return apply_calibration(view, cal)
+    return CalibratedModel(calibration=cal).adopt(view)
 
 
 def job_plan(job: Job) -> dict[str, Any] | None:
@@ -518,6 +533,8 @@ def job_plan(job: Job) -> dict[str, Any] | None:
         "gpu": hw.gpu,
         "checkpoint_latency_s": inputs.checkpoint_latency_s,
         "calibration": job.plan_notes,
+        "figures": model_of(inputs).header(),  # calibrated from FILE, or the defaults
+        "calibrated": job.calibration is not None,
         # The calibration run's own step: a miss here that it did not have is this run's.
         "calibration_source": job.calibration.source if job.calibration else None,
         "calibration_step_s": job.calibration.step_s if job.calibration else None,
