@@ -69,6 +69,8 @@ def check_scaling(ctx: Context) -> CheckResult:
             {"workers": k, "strategy": plan_name(job), "step_s": seconds,
              "tokens_per_s": k * tokens / seconds, "plan_tokens_per_s": predicted.tokens_per_s}
         )
+    if rows[-1]["workers"] == ctx.world:  # the job itself: what calibrates the compute rate
+        ctx.measured["job_step_s"] = rows[-1]["step_s"]
     base, plan_base = rows[0]["tokens_per_s"], rows[0]["plan_tokens_per_s"]
     for row in rows:
         k = row["workers"]

@@ -254,8 +254,9 @@ def _from_doctor(path: Path, where: str, cal: Calibration) -> Calibration:
     intra = bandwidth.get("intra_node_busbw_bytes_per_s")
     inter = bandwidth.get("inter_node_busbw_bytes_per_s")
     data = record.get("data_samples_per_s_per_worker")
-    latency = record.get("checkpoint_latency_s")
     machine = record.get("machine") or {}
+    # A save of the job's own state (smoke) over the disk check's probe of a few bytes.
+    latency = _first(machine.get("save_latency_s"), record.get("checkpoint_latency_s"))
     return replace(
         cal,
         device=cal.device or record.get("device"),
