@@ -16,6 +16,7 @@ import torch.distributed as dist
 from trainwise.config import JobConfig
 from trainwise.data import build_loader
 from trainwise.hardware import find_gpu
+from trainwise.plan.calibrate import WARMUP_STEPS  # the run report's steady state, too
 from trainwise.plan.estimate import StrategyPlan, evaluate
 from trainwise.plan.inputs import PlanInputs, resolve_inputs
 from trainwise.run.distributed import DistEnv
@@ -94,7 +95,12 @@ def plan_name(job: Job) -> str:
 
 
 def timed_steps(
-    trainer: Trainer, batches: list, steps: int, ctx: Context, host: Any = None, warmup: int = 1
+    trainer: Trainer,
+    batches: list,
+    steps: int,
+    ctx: Context,
+    host: Any = None,
+    warmup: int = WARMUP_STEPS,
 ) -> float:
     """Seconds per step: the slowest rank's mean over `steps` after `warmup`, the batches
     cycled. The ranks of the gloo group `host` (default: all) call it."""

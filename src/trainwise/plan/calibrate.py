@@ -31,6 +31,7 @@ from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, find_gpu
 from trainwise.jsonl import read_objects
 from trainwise.plan.inputs import PlanInputs
+from trainwise.records import JobRecord, RunPlanFigures
 
 WARMUP_STEPS = 2  # the first steps pay for allocation and autotuning; not steady state
 
@@ -143,15 +144,13 @@ def _json(path: Path, where: str) -> dict:
 
 
 def _from_train(path: Path, where: str, cal: Calibration) -> Calibration:
-    job = _json(path / "job.json", where)
-    flops = job.get("flops_per_token")
-    peak = job.get("peak_flops_per_device")
-    world = job.get("world")
-    tokens = job.get("tokens_per_step")
+    job = JobRecord.from_dict(_json(path / "job.json", where))
+    flops, peak, world = job.flops_per_token, job.peak_flops_per_device, job.world
+    tokens = job.tokens_per_step
     if not (flops and peak and world and tokens):
         return replace(
             cal,
-            device=job.get("device"),
+            device=job.device,
             notes=cal.notes
             + ["the run's model FLOPs or its device's peak are unknown: efficiency not measured"],
         )
@@ -169,7 +168,7 @@ def _from_train(path: Path, where: str, cal: Calibration) -> Calibration:
         )
     # Achieved FLOP/s of one device while it computes: its tokens x hardware FLOPs per token
     # over forward + backward + optimizer seconds.
-    work = tokens / world * flops * job.get("recompute_factor", 1.0)
+    work = tokens / world * flops * job.recompute_factor
     try:
         rates = [work / (r["compute_s"] + r["optim_s"]) for r in steady]
     except (KeyError, TypeError, ZeroDivisionError):
@@ -178,34 +177,37 @@ def _from_train(path: Path, where: str, cal: Calibration) -> Calibration:
             "run written by trainwise train"
         ) from None
     efficiency = statistics.median(rates) / peak
-    cal = replace(cal, device=job.get("device"), efficiency=min(efficiency, 1.0))
-    plan = _json(path / "plan.json", where) if (path / "plan.json").is_file() else None
-    return _against_plan(path, plan, steady, cal) if plan else cal
+    cal = replace(cal, device=job.device, efficiency=min(efficiency, 1.0))
+    if not (path / "plan.json").is_file():
+        return cal
+    return _against_plan(path, RunPlanFigures.from_dict(_json(path / "plan.json", where)),
+                         steady, cal)
 
 
-def _against_plan(path: Path, plan: dict, steady: list[dict], cal: Calibration) -> Calibration:
+def _against_plan(
+    path: Path, plan: RunPlanFigures, steady: list[dict], cal: Calibration
+) -> Calibration:
     """What the run measured where its own plan (plan.json) assumed: the link rate of its
     exposed sync, the memory its runtime added, the fixed latency of its saves."""
-    step, memory = plan.get("step") or {}, plan.get("memory_per_gpu") or {}
     notes = list(cal.notes)
     calm = [r for r in steady if not r.get("ckpt_s")] or steady
     # The step's time beyond compute and the optimizer is its exposed sync: taken as what
     # the median step has left (medians of the probed split do not add up to the step's).
     busy = statistics.median(r["compute_s"] + (r.get("sync_s") or 0.0) + r["optim_s"] for r in calm)
     sync = busy - statistics.median(r["compute_s"] + r["optim_s"] for r in calm)
-    comm, exposed = step.get("comm") or 0.0, step.get("exposed_comm") or 0.0
+    comm, exposed = plan.step.comm, plan.step.exposed_comm
     intra = None
-    if sync > 0 and comm and plan.get("intra_node_gbps") and plan.get("gpus", 0) > 1:
+    if sync > 0 and comm and plan.intra_node_gbps and plan.gpus > 1:
         if abs(exposed - comm) > 0.01 * comm:
             notes.append("the run's plan overlaps communication: its link rate not measured")
         elif _nodes(path) > 1:
             notes.append("the run spans nodes: its sync does not single out one link")
         else:  # the plan's sync time is wire bytes / link rate: scale the rate by the miss
-            intra = plan["intra_node_gbps"] * GB * comm / sync
+            intra = plan.intra_node_gbps * GB * comm / sync
     mem = [r for r in steady if r.get("mem_kind") == "rss_added" and r.get("mem_bytes")]
     runtime = None
-    if mem and memory.get("total") is not None:
-        tensors = memory["total"] - (memory.get("overhead") or 0.0)
+    if mem and plan.memory_total is not None:
+        tensors = plan.memory_total - plan.memory_overhead
         runtime = max(0.0, max(r["mem_bytes"] for r in mem) - tensors)
     return replace(
         cal,
@@ -236,10 +238,10 @@ def _median_save(path: Path) -> float | None:
     return statistics.median(e["save_s"] for e in saves) if saves else None
 
 
-def _save_latency(path: Path, plan: dict, nodes: int) -> float | None:
+def _save_latency(path: Path, plan: RunPlanFigures, nodes: int) -> float | None:
     """The median save's seconds less its bytes at the plan's write speed: what a save
     costs whatever its size."""
-    gbps = plan.get("checkpoint_write_gbps")
+    gbps = plan.checkpoint_write_gbps
     saves = _saves(path)
     if not saves or not gbps:
         return None

@@ -44,6 +44,7 @@ from trainwise.plan.flops import flops_per_token, recompute_factor
 from trainwise.plan.inputs import PlanInputs, job_inputs, unknown_device_inputs
 from trainwise.plan.performance import CalibratedModel, model_of
 from trainwise.plan.record import strategy_record
+from trainwise.records import JobRecord
 
 
 @dataclass
@@ -104,33 +105,34 @@ class Job:
 
     def summary_dict(self) -> dict[str, Any]:
         """What job.json records about the decision (the report reads it)."""
+        return self.record().to_dict()
+
+    def record(self) -> JobRecord:
         est = self.decision.estimate
-        return {
-            "world": self.world,
-            "device": self.device.name,
-            "device_kind": self.device.kind,
-            "backend": self.backend,
-            "strategy": self.strategy,
-            "layout": self.dims.describe(),
-            "plan_name": self.dims.plan_name,
-            "requested_strategy": self.cfg.parallel.strategy,
-            "cpu_offload": self.cpu_offload,
-            "replicate": self.replicate,
-            "grad_accum": self.grad_accum,
-            "accumulate": self.accumulate,
-            "reason": self.decision.reason,
-            "params": self.params,
-            "global_batch": self.global_batch,
-            "tokens_per_step": self.tokens_per_step,
-            "flops_per_token": self.flops_per_token,
-            # The hardware FLOPs per model FLOP (activation recomputation) and the peak the
-            # MFU is measured against: what `trainwise plan --calibrate` needs.
-            "recompute_factor": recompute_factor(
+        return JobRecord(
+            world=self.world,
+            device=self.device.name,
+            device_kind=self.device.kind,
+            backend=self.backend,
+            strategy=self.strategy,
+            layout=self.dims.describe(),
+            plan_name=self.dims.plan_name,
+            requested_strategy=self.cfg.parallel.strategy,
+            cpu_offload=self.cpu_offload,
+            replicate=self.replicate,
+            grad_accum=self.grad_accum,
+            accumulate=self.accumulate,
+            reason=self.decision.reason,
+            params=self.params,
+            global_batch=self.global_batch,
+            tokens_per_step=self.tokens_per_step,
+            flops_per_token=self.flops_per_token,
+            recompute_factor=recompute_factor(
                 self.cfg.parallel.ac, self.shape.n_layer if self.shape else 1
             ),
-            "peak_flops_per_device": self.device.peak_flops(self.cfg.precision.dtype),
-            "precision": self.cfg.precision.dtype,
-            "memory_estimate": {
+            peak_flops_per_device=self.device.peak_flops(self.cfg.precision.dtype),
+            precision=self.cfg.precision.dtype,
+            memory_estimate={
                 "params": est.params,
                 "grads": est.grads,
                 "optimizer": est.optimizer,
@@ -138,8 +140,8 @@ class Job:
                 "buffers": est.buffers,
                 "total": est.total,
             },
-            "device_budget_bytes": self.decision.budget_bytes,
-        }
+            device_budget_bytes=self.decision.budget_bytes,
+        )
 
 
 def resolve_nproc(cfg: JobConfig, device: DeviceInfo) -> int:

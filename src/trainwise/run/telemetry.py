@@ -9,6 +9,7 @@ The stages are the ones the planner and the report speak in: data wait, compute
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import queue
 import resource
@@ -88,7 +89,11 @@ def mark_memory_baseline() -> int | None:
 
 def restart_memory_peak() -> None:
     """The peak resident set restarts from now (Linux; elsewhere nothing happens): a peak
-    of what follows, over the baseline, without what ran before it."""
+    of what follows, over the baseline, without what ran before it. Memory freed before
+    goes back to the system first (glibc's malloc_trim), so that the restarted peak holds
+    what is alive, not what the allocator kept of earlier work."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
 
