@@ -97,9 +97,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--calibrate",
-        metavar="RUN_DIR",
-        help="re-plan with what a finished trainwise train or doctor run measured (compute "
-        "efficiency, links, loader, checkpoint latency, runtime memory; plan.calibration)",
+        metavar="FILE|RUN_DIR",
+        help="re-plan with what a calibration file or a finished trainwise train or doctor "
+        "run measured (compute efficiency, links, loader, checkpoint latency, runtime memory; "
+        "plan.calibration); default: this machine kind's file from trainwise doctor; 'none'",
     )
     p.add_argument(
         "--simulate",

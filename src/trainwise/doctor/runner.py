@@ -37,8 +37,10 @@ RECORD_FILE = "doctor.json"
 def run_doctor(cfg: JobConfig, run_dir: Path | None = None) -> DoctorRecord | None:
     """Every selected check on this rank; the record on rank 0 (None elsewhere). Without
     `run_dir` (started by torchrun or srun) rank 0 names it for all."""
-    baseline = mark_memory_baseline()  # what the job's steps add over it is the job's
     env, _, device, job = join_job(cfg)
+    # Where the training worker takes it (joined, data built, no model yet): what the
+    # job's steps add over it is the job's.
+    baseline = mark_memory_baseline()
     launch_s = launch_seconds(os.environ.get(LAUNCH_ENV))
     run_dir = agree_run_dir(env, cfg, job, run_dir, label="doctor")
     start = time.perf_counter()

@@ -9,6 +9,7 @@ import gc
 import itertools
 import logging
 import shutil
+import statistics
 import time
 
 import torch
@@ -26,6 +27,7 @@ PRECISION_GAP = 0.05  # a lower-precision loss further than this share from fp32
 # A save below this size is timed after a warm-up save (a larger one's one-time costs
 # are small beside its bytes).
 WARM_SAVE_BYTES = 256 * 2**20
+SMALL_SAVES = 3  # timed saves of a small checkpoint, after the warm-up one
 SMOKE_DIR = "doctor-smoke"  # inside the run directory; removed afterwards
 
 
@@ -70,13 +72,16 @@ def roundtrip(ctx: Context, trainer: Trainer, batch: list) -> tuple[list[str], f
     step = ctx.cfg.doctor.smoke_steps
     before = snapshot(trainer)
     try:
-        if ctx.planned().checkpoint.size_bytes < WARM_SAVE_BYTES:
-            # The first save pays one-time costs (imports, DCP's caches, the writer's
-            # threads); the timed one is a save as the run makes it, the planner's figure.
-            ckpt.save(step - 1, 0, time.time(), {"doctor": True}, sync=True)
-        start = time.perf_counter()
-        ckpt.save(step, 0, time.time(), {"doctor": True}, sync=True)
-        save_s = ctx.slowest(time.perf_counter() - start)
+        # A small save is timed after a warm-up save (the first pays one-time costs:
+        # imports, DCP's caches, the writer's threads), as the median of a few: a save as
+        # the run makes it, the planner's figure. A large one once.
+        small = ctx.planned().checkpoint.size_bytes < WARM_SAVE_BYTES
+        seconds = []
+        for k in range(step, step + SMALL_SAVES + 1) if small else [step]:
+            start = time.perf_counter()
+            ckpt.save(k, 0, time.time(), {"doctor": True}, sync=True)
+            seconds.append(ctx.slowest(time.perf_counter() - start))
+        save_s = statistics.median(seconds[1:] or seconds)
         with torch.no_grad():
             for p in trainer.model.parameters():
                 p.add_(1.0)
