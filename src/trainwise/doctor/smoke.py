@@ -18,8 +18,9 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from trainwise.doctor.context import Context
 from trainwise.doctor.result import CheckResult
+from trainwise.jsonl import read_objects
 from trainwise.run.loop import mean_over_ranks
-from trainwise.run.telemetry import peak_memory, restart_memory_peak
+from trainwise.run.telemetry import resident_peak, restart_memory_peak
 from trainwise.run.trainer import Trainer, build_checkpointer, build_trainer
 
 MIN_FALL = 0.01  # the loss must fall by at least this share over the smoke steps
@@ -81,7 +82,10 @@ def roundtrip(ctx: Context, trainer: Trainer, batch: list) -> tuple[list[str], f
             start = time.perf_counter()
             ckpt.save(k, 0, time.time(), {"doctor": True}, sync=True)
             seconds.append(ctx.slowest(time.perf_counter() - start))
-        save_s = statistics.median(seconds[1:] or seconds)
+        # The run's own figure where rank 0 has it: the checkpoint events' save_s.
+        recorded = [e["save_s"] for e in read_objects(folder / "events.jsonl")
+                    if e.get("kind") == "checkpoint" and e.get("save_s") is not None]
+        save_s = statistics.median(recorded[1:] or recorded or seconds[1:] or seconds)
         with torch.no_grad():
             for p in trainer.model.parameters():
                 p.add_(1.0)
@@ -107,15 +111,13 @@ def check_smoke(ctx: Context) -> CheckResult:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(ctx.device)
     else:
-        gc.collect()  # likewise: the resident peak is this step's, over the baseline
-        restart_memory_peak()
+        gc.collect()  # likewise: the resident peak is this job's, not the earlier checks'
+    before = restart_memory_peak() if ctx.device.type == "cpu" else None
     trainer, batch, losses = overfit(ctx)
     if ctx.device.type == "cuda":
         ctx.measured["smoke_peak_bytes"] = float(torch.cuda.max_memory_allocated(ctx.device))
-    else:  # the resident set the job's steps added over the worker's baseline (a peak)
-        added, kind = peak_memory(ctx.device)
-        if kind == "rss_added":
-            ctx.measured["rss_added_bytes"] = ctx.slowest(float(added))
+    elif before is not None:  # what the job's model and steps added to the resident set
+        ctx.measured["rss_added_bytes"] = ctx.slowest(float(resident_peak() - before))
     first, last = losses[0], losses[-1]
     learns = last < first * (1 - MIN_FALL)
     differ, save_s = roundtrip(ctx, trainer, batch)

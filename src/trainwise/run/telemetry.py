@@ -87,15 +87,23 @@ def mark_memory_baseline() -> int | None:
     return _rss_baseline[0] if _rss_baseline else None
 
 
-def restart_memory_peak() -> None:
-    """The peak resident set restarts from now (Linux; elsewhere nothing happens): a peak
-    of what follows, over the baseline, without what ran before it. Memory freed before
-    goes back to the system first (glibc's malloc_trim), so that the restarted peak holds
-    what is alive, not what the allocator kept of earlier work."""
+def restart_memory_peak() -> int | None:
+    """The peak resident set restarts from now, and the resident set now (Linux; None
+    elsewhere): the peak of what follows less it is what that work added. Memory freed
+    before goes back to the system first (glibc's malloc_trim), so that the work's new
+    pages are counted, not reused from what the allocator kept of earlier work."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with contextlib.suppress(OSError):
+    try:
         Path("/proc/self/clear_refs").write_text("5")
+        return _status_bytes("VmRSS")
+    except (OSError, ValueError):
+        return None
+
+
+def resident_peak() -> int:
+    """The peak resident set since the last restart (Linux)."""
+    return _status_bytes("VmHWM")
 
 
 def _status_bytes(key: str) -> int:
