@@ -2,8 +2,9 @@
 `machine` block), and the machine kind's calibration file written from doctor.json.
 
 The checks leave their figures in `Context.measured`: the job's step on every worker
-(scaling, `job_step_s`), the smoke save (`smoke_save_s`), the write speed
-(`write_bytes_per_s`), the resident set the steps added (`rss_added_bytes`), and on CUDA a
+and the resident set its build and steps added (scaling, `job_step_s`,
+`rss_added_bytes`), the smoke save (`smoke_save_s`), the write speed
+(`write_bytes_per_s`), and on CUDA a
 GEMM sweep's table (`gemm`, stored by the check that measures it). Here they become an
 efficiency, a runtime memory and a save latency against the analytic plan of the same job.
 """

@@ -20,7 +20,6 @@ from trainwise.doctor.context import Context
 from trainwise.doctor.result import CheckResult
 from trainwise.jsonl import read_objects
 from trainwise.run.loop import mean_over_ranks
-from trainwise.run.telemetry import resident_peak, restart_memory_peak
 from trainwise.run.trainer import Trainer, build_checkpointer, build_trainer
 
 MIN_FALL = 0.01  # the loss must fall by at least this share over the smoke steps
@@ -110,14 +109,9 @@ def check_smoke(ctx: Context) -> CheckResult:
         gc.collect()  # the earlier checks' models: not part of this step's peak
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    else:
-        gc.collect()  # likewise: the resident peak is this job's, not the earlier checks'
-    before = restart_memory_peak() if ctx.device.type == "cpu" else None
     trainer, batch, losses = overfit(ctx)
     if ctx.device.type == "cuda":
         ctx.measured["smoke_peak_bytes"] = float(torch.cuda.max_memory_allocated(ctx.device))
-    elif before is not None:  # what the job's model and steps added to the resident set
-        ctx.measured["rss_added_bytes"] = ctx.slowest(float(resident_peak() - before))
     first, last = losses[0], losses[-1]
     learns = last < first * (1 - MIN_FALL)
     differ, save_s = roundtrip(ctx, trainer, batch)
