@@ -58,6 +58,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 
     def go(name: str):
         args, env = JOBS[name]
+        # Each job its own machine calibrations: a doctor writes one, a train reads one.
+        env = {**env, "TRAINWISE_CALIBRATION_DIR": str(root / f"calibrations-{name}")}
         return name, run_cli(*args, *QUIET, cwd=root, env=env, timeout=300)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -121,6 +123,29 @@ def test_plan_calibrates_on_the_doctors_bandwidth_and_loader(runs):
     loader = _record(root, "full")["data_samples_per_s_per_worker"]
     assert loader > 0 and plan["inputs"]["data_samples_per_s_per_gpu"] == pytest.approx(loader)
     assert plan["inputs"]["calibration"]
+
+
+def test_the_doctor_writes_the_machine_calibration_that_plan_then_uses(runs):
+    root, res = runs
+    folder = root / "calibrations-full"
+    path = folder / "calibration-cpu.json"
+    assert f"calibration: {path}" in res["full"].stdout
+    cal = json.loads(path.read_text())
+    record = _record(root, "full")
+    assert cal["kind"] == "cpu" and cal["source"] == "trainwise doctor full"
+    assert cal["intra_bps"] == record["bandwidth"]["intra_node_busbw_bytes_per_s"]
+    machine = record["machine"]
+    assert 0 < cal["efficiency"] == machine["efficiency"] <= 1 and machine["step_s"] > 0
+    assert cal["checkpoint_latency_s"] == machine["save_latency_s"] >= 0
+    assert cal["cpu_runtime_bytes"] == machine["cpu_runtime_bytes"] > 0
+    assert machine["launch_s"] > 0 and cal["gemm"] is None  # no GEMM table on CPU
+    # A plan for this machine kind picks it up and says so; for another kind it does not.
+    env = {"TRAINWISE_CALIBRATION_DIR": str(folder), "COLUMNS": "200"}
+    cpu = run_cli("plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "2", cwd=root, env=env)
+    assert cpu.returncode == 0, cpu.stderr
+    assert f"figures: calibrated from {path}, measured {cal['measured']}" in cpu.stdout
+    h100 = run_cli("plan", "--model", "tiny", "--gpus", "2", cwd=root, env=env)
+    assert "figures: uncalibrated defaults" in h100.stdout
 
 
 def test_a_version_mismatch_fails_the_check_and_stops_training(runs):

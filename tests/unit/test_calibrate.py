@@ -83,7 +83,7 @@ def test_a_different_device_is_said(tmp_path: Path):
 
 
 def test_missing_or_unusable_run_directories(tmp_path: Path):
-    with pytest.raises(ConfigError, match="not a directory"):
+    with pytest.raises(ConfigError, match="no such file or directory"):
         read_calibration(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="neither job.json"):

@@ -366,14 +366,17 @@ def test_the_plan_counts_the_parameters_training_builds(name: str, extra: list[s
 def test_start_lines_say_how_the_batch_follows_from_nproc_and_warn_past_the_cores():
     two, eight = (prepare_job(cfg(), n, CPU) for n in (2, 8))
     assert start_lines(two, 2, cores=2) == [
+        "trainwise: plan figures: uncalibrated defaults (the catalog's figures and plan.* "
+        "assumptions; `trainwise doctor` measures this machine)",
         "trainwise: global batch 32 samples per step = data.micro_batch 16 x data.grad_accum "
-        "1 x data-parallel size 2 (--nproc 2); another --nproc changes it"
+        "1 x data-parallel size 2 (--nproc 2); another --nproc changes it",
     ]
-    batch, warning = start_lines(eight, 8, cores=2)
+    _, batch, warning = start_lines(eight, 8, cores=2)
     assert "global batch 128 " in batch and "data-parallel size 8 (--nproc 8)" in batch
     assert warning.startswith("trainwise: warning: 8 CPU workers (--nproc 8) on 2 cores")
     assert "--nproc 2 or fewer" in warning
-    assert len(start_lines(prepare_job(cfg(), 4, GPU4), 4, cores=2)) == 1  # GPUs: no warning
+    # A GPU the catalog lacks: no plan (so no figures line), and no warning.
+    assert len(start_lines(prepare_job(cfg(), 4, GPU4), 4, cores=2)) == 1
 
 
 def test_the_launcher_prints_the_start_lines(tmp_path, monkeypatch, capsys):

@@ -419,3 +419,22 @@ def test_a_report_that_cannot_be_written_leaves_no_part_file(tmp_path: Path, mon
     assert (run / "report.html").read_text() == "the previous page"
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the report was not written" in err[0] and "No space" in err[0]
+
+
+def test_a_plan_on_uncalibrated_defaults_is_not_marked_as_errors(tmp_path: Path):
+    """A plan.json that says its figures were the defaults: the misses are shown, not
+    flagged, and the line under the table says how to calibrate the machine."""
+    run = make_run(tmp_path, failure=False)
+    plan = json.loads((run / "plan.json").read_text())
+    (run / "plan.json").write_text(json.dumps({**plan, "calibrated": False}))
+    r = analyse(load_run(run))
+    step = next(c for c in r.plan_vs_actual if c.name == "step time")
+    assert step.error == pytest.approx((1.0 - 0.65) / 0.65)  # still compared
+    assert step.defaults and not any(c.flagged for c in r.plan_vs_actual)
+    assert "the plan was off" not in [a.title for a in r.advice]
+    line = calibrate_line(r)
+    assert "uncalibrated defaults" in line and f"trainwise doctor --nproc {GPUS}" in line
+    assert " !" not in render_text(r)
+    # The same files saying it was calibrated: flagged as before.
+    (run / "plan.json").write_text(json.dumps({**plan, "calibrated": True}))
+    assert any(c.flagged for c in analyse(load_run(run)).plan_vs_actual)

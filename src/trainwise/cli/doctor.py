@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         args.config, flags, args.set, flag_names={**JOB_FLAGS, "doctor.checks": "--only"}
     )
 
+    from trainwise.doctor.calibration import LAUNCH_ENV
     from trainwise.doctor.runner import read_record, run_doctor
     from trainwise.run.start import is_worker, start_job
 
@@ -62,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         record = run_doctor(cfg)
         return 0 if record is None else show(record, args)
 
+    os.environ.setdefault(LAUNCH_ENV, str(time.time()))  # the workers time their start
     run_dir = start_job(cfg, run_doctor, "trainwise.doctor.runner", label="doctor")
     if not (run_dir / "doctor.json").is_file():  # rank 0 is on another machine
         print(f"trainwise: this machine's checks finished; rank 0's machine has {run_dir}")
@@ -77,6 +81,9 @@ def show(record: DoctorRecord, args: argparse.Namespace) -> int:
         sys.stdout.write(record.model_dump_json(indent=1) + "\n")
     else:
         render_terminal(record)
+    if record.calibration_file and not args.json:
+        print(f"calibration: {record.calibration_file} (later plans and runs on this "
+              "machine kind use it)")
     if args.html:
         try:
             Path(args.html).write_text(render_html(record))

@@ -8,8 +8,12 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainwise.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainwise.plan.inputs import PlanInputs
 
 # flag -> (config key, argparse type, help). One table: the parser, the key mapping and the
 # flag named in error messages all come from it.
@@ -95,9 +99,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--calibrate",
-        metavar="RUN_DIR",
-        help="re-plan with what a finished trainwise train or doctor run measured (compute "
-        "efficiency, links, loader, checkpoint latency, runtime memory; plan.calibration)",
+        metavar="FILE|RUN_DIR",
+        help="re-plan with what a calibration file or a finished trainwise train or doctor "
+        "run measured (compute efficiency, links, loader, checkpoint latency, runtime memory; "
+        "plan.calibration); default: this machine kind's file from trainwise doctor; 'none'",
     )
     p.add_argument(
         "--simulate",
@@ -218,6 +223,22 @@ def _emit(path: str, cfg, plan, given) -> None:
         print(f"trainwise: {choice.batch_note} (the job file says so)", file=sys.stderr)
 
 
+def calibrated_inputs(
+    inputs: PlanInputs, source: str | None, key: str
+) -> tuple[PlanInputs, list[str]]:
+    """The inputs priced by the calibrated model when `source` (a file or a run directory)
+    or this machine kind's calibration file gives one; the analytic model otherwise."""
+    from trainwise.plan.calibrate import machine_calibration
+    from trainwise.plan.performance import ANALYTIC, CalibratedModel
+
+    where = f"--calibrate {source}" if key == "--calibrate" else f"plan.calibration = {source!r}"
+    cal, warnings = machine_calibration(source, inputs.hardware.gpu, where)
+    for line in warnings:
+        print(f"trainwise: warning: {line}", file=sys.stderr)
+    model = CalibratedModel(calibration=cal) if cal else ANALYTIC
+    return model.adopt(inputs)
+
+
 def run(args: argparse.Namespace) -> int:
     from trainwise.models.shapes import PRESETS
     from trainwise.plan.constraints import check_allowed, user_allowed
@@ -234,13 +255,8 @@ def run(args: argparse.Namespace) -> int:
             f"--emit {args.emit}: {inputs.model} is no model `trainwise train` builds; give "
             f"a preset (--model {', '.join(PRESETS)})"
         )
-    notes: list[str] = []
-    source = args.calibrate or cfg.plan.calibration
-    if source:
-        from trainwise.plan.calibrate import apply_calibration, read_calibration
-
-        where = f"--calibrate {source}" if args.calibrate else f"plan.calibration = {source!r}"
-        inputs, notes = apply_calibration(inputs, read_calibration(source, where=where))
+    inputs, notes = calibrated_inputs(inputs, args.calibrate or cfg.plan.calibration,
+                                      "--calibrate" if args.calibrate else "plan.calibration")
     if args.simulate and inputs.workload.shape is None:
         raise ConfigError(
             "--simulate needs a model to build: give a preset (--model) or a shape "

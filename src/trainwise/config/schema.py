@@ -574,9 +574,11 @@ class PlanConfig(Section):
     sweep: list[int] | None = Field(None, description="GPU counts to sweep, e.g. [1, 2, 4, 8].")
     calibration: str | None = Field(
         None,
-        description="A trainwise train or doctor run directory whose measurements replace the "
-        "plan's assumptions (efficiency, links, loader, checkpoint latency, runtime memory), "
-        "as `trainwise plan --calibrate` does; `trainwise train` plans and chooses with them.",
+        description="A calibration file or a trainwise train or doctor run directory whose "
+        "measurements replace the plan's assumptions (efficiency, links, loader, checkpoint "
+        "latency, runtime memory), as `trainwise plan --calibrate` does; `trainwise train` "
+        "plans and chooses with them. Unset: this machine kind's file that `trainwise doctor` "
+        "wrote, if any; 'none': the defaults.",
     )
 
     @field_validator("sweep")

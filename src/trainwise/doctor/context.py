@@ -5,6 +5,7 @@ memory, timed training steps, the slowest rank's figure)."""
 from __future__ import annotations
 
 import itertools
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,6 +18,7 @@ from trainwise.config import JobConfig
 from trainwise.data import build_loader
 from trainwise.doctor.gap import JobTerms
 from trainwise.hardware import find_gpu
+from trainwise.plan.calibrate import WARMUP_STEPS  # the run report's steady state, too
 from trainwise.plan.estimate import StrategyPlan, evaluate
 from trainwise.plan.inputs import PlanInputs, resolve_inputs
 from trainwise.run.distributed import DistEnv
@@ -103,10 +105,17 @@ def plan_name(job: Job) -> str:
 
 
 def timed_steps(
-    trainer: Trainer, batches: list, steps: int, ctx: Context, host: Any = None, warmup: int = 1
+    trainer: Trainer,
+    batches: list,
+    steps: int,
+    ctx: Context,
+    host: Any = None,
+    warmup: int = WARMUP_STEPS,
 ) -> float:
-    """Seconds per step: the slowest rank's mean over `steps` after `warmup`, the batches
-    cycled. The ranks of the gloo group `host` (default: all) call it."""
+    """Seconds per step: the slowest rank's median over `steps` after `warmup`, the
+    batches cycled (a median, as the run report's steady step: a step that other work on
+    the machine slowed does not move it). The ranks of the gloo group `host` (default:
+    all) call it."""
     source = itertools.cycle(batches)
     for _ in range(warmup):
         trainer.stepper.step(source, probe=False)
@@ -114,9 +123,11 @@ def timed_steps(
         torch.cuda.synchronize(ctx.device)
     if host or ctx.host:
         dist.barrier(group=host or ctx.host)
-    start = time.perf_counter()
+    seconds = []
     for _ in range(steps):
+        start = time.perf_counter()
         trainer.stepper.step(source, probe=False)
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)
-    return ctx.slowest((time.perf_counter() - start) / steps, host)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        seconds.append(time.perf_counter() - start)
+    return ctx.slowest(statistics.median(seconds), host)

@@ -48,6 +48,37 @@ class Bandwidth(BaseModel):
     inter_node_busbw_bytes_per_s: float | None = None
 
 
+class MachineFigures(BaseModel):
+    """What the doctor measured of this machine for the planner's calibrated model (the
+    calibration file holds them too)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step_s: float | None = Field(None, description="The job's step on every worker (scaling).")
+    efficiency: float | None = Field(
+        None, description="The share of peak FLOP/s that makes the plan's step the measured one."
+    )
+    cpu_runtime_bytes: float | None = Field(
+        None, description="CPU: a worker's resident set added beyond the plan's tensors."
+    )
+    worker_baseline_bytes: float | None = Field(
+        None, description="A worker's resident set before any model is built."
+    )
+    checkpoint_write_bytes_per_s: float | None = Field(
+        None, description="The slowest rank's write speed (disk check)."
+    )
+    save_s: float | None = Field(None, description="A save of the job's state (smoke check).")
+    save_latency_s: float | None = Field(
+        None, description="That save less its bytes at the write speed: a save's fixed cost."
+    )
+    launch_s: float | None = Field(
+        None, description="From the command's start to every worker joined."
+    )
+    gemm: dict[str, Any] | None = Field(
+        None, description="CUDA: achieved efficiency per GEMM shape (a GEMM sweep's table)."
+    )
+
+
 class DoctorRecord(BaseModel):
     """doctor.json."""
 
@@ -69,6 +100,10 @@ class DoctorRecord(BaseModel):
         None,
         description="Seconds of a checkpoint save of a few bytes on every rank (disk check): "
         "a save's fixed cost, for the planner.",
+    )
+    machine: MachineFigures = Field(default_factory=MachineFigures)
+    calibration_file: str | None = Field(
+        None, description="Where the doctor wrote this machine kind's calibration."
     )
 
     @property

@@ -4,6 +4,7 @@ RUN_DIR`, or in-process for one worker)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -12,6 +13,12 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainwise.config import JobConfig
+from trainwise.doctor.calibration import (
+    LAUNCH_ENV,
+    launch_seconds,
+    machine_figures,
+    write_machine_calibration,
+)
 from trainwise.doctor.checklist import run_checks
 from trainwise.doctor.context import Context
 from trainwise.doctor.result import Bandwidth, DoctorRecord
@@ -21,6 +28,7 @@ from trainwise.run.distributed import (
 )
 from trainwise.run.faults import Faults
 from trainwise.run.run_files import write_whole
+from trainwise.run.telemetry import mark_memory_baseline
 from trainwise.run.worker import agree_run_dir, join_job, run_worker
 
 RECORD_FILE = "doctor.json"
@@ -30,12 +38,21 @@ def run_doctor(cfg: JobConfig, run_dir: Path | None = None) -> DoctorRecord | No
     """Every selected check on this rank; the record on rank 0 (None elsewhere). Without
     `run_dir` (started by torchrun or srun) rank 0 names it for all."""
     env, _, device, job = join_job(cfg)
+    # Where the training worker takes it (joined, data built, no model yet): what the
+    # job's steps add over it is the job's.
+    baseline = mark_memory_baseline()
+    launch_s = launch_seconds(os.environ.get(LAUNCH_ENV))
     run_dir = agree_run_dir(env, cfg, job, run_dir, label="doctor")
     start = time.perf_counter()
     host = side_group(cfg.parallel.timeout_s) if dist.is_initialized() else None
     faults = Faults.from_env(env.rank, run_dir, env.attempt)
     ctx = Context(cfg, job, env, device, run_dir, host, faults)
+    if launch_s is not None:
+        launch_s = ctx.slowest(launch_s)
+    if baseline is not None:
+        ctx.measured["baseline_rss_bytes"] = baseline
     results = run_checks(ctx, cfg.doctor.checks)
+    machine = machine_figures(ctx, launch_s) if env.is_main else None
     if host is not None:
         dist.destroy_process_group(host)
     destroy_process_group()
@@ -50,8 +67,13 @@ def run_doctor(cfg: JobConfig, run_dir: Path | None = None) -> DoctorRecord | No
         ),
         data_samples_per_s_per_worker=ctx.measured.get("data_samples_per_s"),
         checkpoint_latency_s=ctx.measured.get("checkpoint_latency_s"),
+        machine=machine,
     )
     write_record(run_dir, record)
+    path = write_machine_calibration(record, run_dir)
+    if path is not None:  # doctor.json names it, for the checklist's last line
+        record = record.model_copy(update={"calibration_file": str(path)})
+        write_record(run_dir, record)
     return record
 
 

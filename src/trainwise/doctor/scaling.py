@@ -5,6 +5,7 @@ loader). Beside each row, the plan's prediction for the same strategy and world 
 
 from __future__ import annotations
 
+import gc
 import itertools
 
 import torch.distributed as dist
@@ -14,6 +15,7 @@ from trainwise.doctor.gap import JobTerms, short_of, threshold
 from trainwise.doctor.result import CheckResult
 from trainwise.plan.planner import KNEE_SHARE
 from trainwise.run.job import Job, prepare_job
+from trainwise.run.telemetry import resident_peak, restart_memory_peak
 from trainwise.run.trainer import build_trainer
 
 
@@ -35,6 +37,10 @@ def _time_world(ctx: Context, k: int) -> tuple[float, Job]:
     local = min(k, ctx.env.local_world)
     job = prepare_job(ctx.cfg, k, ctx.job.device, local)
     seconds = 0.0
+    measure = k == ctx.world and ctx.device.type == "cpu"
+    if measure:
+        gc.collect()
+        restart_memory_peak()  # the peak of the job's own build and steps
     if ctx.env.rank < k:
         try:
             trainer = build_trainer(ctx.cfg, job, ctx.device, group=group, faults=ctx.faults)
@@ -44,6 +50,12 @@ def _time_world(ctx: Context, k: int) -> tuple[float, Job]:
         finally:
             for g in [group] if gloo else [group, host]:
                 dist.destroy_process_group(g)
+    if measure and "baseline_rss_bytes" in ctx.measured:
+        # What the job added over a worker's baseline, as a training worker measures it:
+        # on the rank that built no model before (the smaller rows ran on the first ranks),
+        # so its library pages are first touched here, as in a fresh worker.
+        added = float(resident_peak() - ctx.measured["baseline_rss_bytes"])
+        ctx.measured["rss_added_bytes"] = ctx.reduce(added, dist.ReduceOp.MIN)
     dist.barrier(group=ctx.host)
     return seconds, job
 
@@ -70,6 +82,8 @@ def check_scaling(ctx: Context) -> CheckResult:
             {"workers": k, "strategy": plan_name(job), "step_s": seconds,
              "tokens_per_s": k * tokens / seconds, "plan_tokens_per_s": predicted.tokens_per_s}
         )
+    if rows[-1]["workers"] == ctx.world:  # the job itself: what calibrates the compute rate
+        ctx.measured["job_step_s"] = rows[-1]["step_s"]
     return judge_scaling(rows, ctx.job_terms())
 
 

@@ -1,18 +1,19 @@
 """Measured figures that replace the planner's assumptions (`trainwise plan --calibrate`,
-and `plan.calibration` for `trainwise train`).
+and `plan.calibration` for `trainwise train`), and the machine's calibration file that
+`trainwise doctor` writes and later plans on that machine kind use by default.
 
 From a `trainwise train` run directory: the achieved compute rate as a share of the
 device's peak, from job.json (FLOPs per token, recomputation, peak) and the steady steps of
 metrics.jsonl (compute and optimizer seconds); and, against the run's own plan.json, the
 link rate its exposed gradient sync achieved, the memory its runtime added beyond the
 planned tensors (CPU), and the fixed latency of its checkpoint saves (events.jsonl). From a
-`trainwise doctor` run: the measured bus bandwidth within and between nodes, the loader's
-rate and the checkpoint latency, from doctor.json:
+`trainwise doctor` run: what doctor.json holds (doctor.result.DoctorRecord): the bus
+bandwidth per link class, the loader's rate, the checkpoint latency and write speed, the
+efficiency of the job's timed steps, the runtime's memory, the launch latency.
 
-    {"bandwidth": {"intra_node_busbw_bytes_per_s": float | null,
-                   "inter_node_busbw_bytes_per_s": float | null},
-     "data_samples_per_s_per_worker": float | null,
-     "checkpoint_latency_s": float | null}
+A calibration file (JSON, `Calibration.to_dict`) names its machine kind (the catalog's
+device name, `kind`, and the device as detected); it lives at
+`calibration_dir()/calibration-<kind>.json` unless given by path.
 
 Pure file reading: no torch.
 """
@@ -20,17 +21,24 @@ Pure file reading: no torch.
 from __future__ import annotations
 
 import json
+import os
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, find_gpu
 from trainwise.jsonl import read_objects
 from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.network import Fabric, nic_bps_from_rail_busbw
+from trainwise.records import JobRecord, RunPlanFigures
 
 WARMUP_STEPS = 2  # the first steps pay for allocation and autotuning; not steady state
+
+
+CALIBRATION_DIR_ENV = "TRAINWISE_CALIBRATION_DIR"  # where machine calibrations live
+FILE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -42,22 +50,74 @@ class Calibration:
     inter_bps: float | None = None
     data_samples_per_s: float | None = None  # one worker's loader
     checkpoint_latency_s: float | None = None  # a save's fixed seconds
+    checkpoint_bps: float | None = None  # a node's checkpoint write speed
     # Per-worker memory the runtime added beyond the planned tensors, measured on CPU (the
     # resident set over the worker's baseline; a GPU's allocator peak holds tensors only).
     cpu_runtime_bytes: float | None = None
     link_note: str = ""  # how the links were measured (a doctor, or a run's own sync)
     step_s: float | None = None  # a train run's median steady step, checkpoints aside
     save_s: float | None = None  # and its median checkpoint save
+    launch_s: float | None = None  # the launcher's start to every worker joined
+    # Achieved efficiency per GEMM shape, measured on CUDA (trainwise.doctor.gemm's
+    # measure_gemm_table); None until a doctor on CUDA measured it.
+    gemm: dict[str, Any] | None = None
+    kind: str | None = None  # the catalog's name of the device: the machine kind
+    measured: str | None = None  # when (ISO 8601 date and time, UTC)
     notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The calibration file's JSON object."""
+        return {"version": FILE_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str) -> Calibration:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known - {"version"})
+        if data.get("version") != FILE_VERSION or unknown or "source" not in data:
+            what = f"unknown keys {', '.join(unknown)}" if unknown else "no version 1 record"
+            raise ConfigError(
+                f"{where}: not a trainwise calibration file ({what}); run trainwise doctor "
+                "to write one"
+            )
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def calibration_dir() -> Path:
+    """Where `trainwise doctor` writes machine calibrations: $TRAINWISE_CALIBRATION_DIR,
+    else $XDG_CACHE_HOME/trainwise, else ~/.cache/trainwise."""
+    given = os.environ.get(CALIBRATION_DIR_ENV)
+    if given:
+        return Path(given)
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "trainwise"
+
+
+def calibration_path(kind: str) -> Path:
+    """The default calibration file of machine kind `kind` (a catalog device name)."""
+    slug = "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in kind)
+    return calibration_dir() / f"calibration-{slug}.json"
+
+
+def write_calibration(cal: Calibration, path: Path) -> None:
+    """The file whole or not at all (a reader never sees half of it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(cal.to_dict(), indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 def read_calibration(run_dir: str | Path, where: str = "") -> Calibration:
-    """The measurements of a run directory; `where` names the input in a message (default:
-    the --calibrate option)."""
+    """The measurements of a calibration file or a run directory; `where` names the input
+    in a message (default: the --calibrate option)."""
     path = Path(run_dir)
     where = where or f"--calibrate {run_dir}"
+    if path.is_file():
+        return Calibration.from_dict(_json(path, where), where)
     if not path.is_dir():
-        raise ConfigError(f"{where}: not a directory; give a trainwise train or doctor run")
+        raise ConfigError(
+            f"{where}: no such file or directory; give a calibration file or a trainwise "
+            "train or doctor run"
+        )
     cal = Calibration(source=str(run_dir))
     found = False
     if (path / "job.json").is_file() and (path / "metrics.jsonl").is_file():
@@ -85,15 +145,13 @@ def _json(path: Path, where: str) -> dict:
 
 
 def _from_train(path: Path, where: str, cal: Calibration) -> Calibration:
-    job = _json(path / "job.json", where)
-    flops = job.get("flops_per_token")
-    peak = job.get("peak_flops_per_device")
-    world = job.get("world")
-    tokens = job.get("tokens_per_step")
+    job = JobRecord.from_dict(_json(path / "job.json", where))
+    flops, peak, world = job.flops_per_token, job.peak_flops_per_device, job.world
+    tokens = job.tokens_per_step
     if not (flops and peak and world and tokens):
         return replace(
             cal,
-            device=job.get("device"),
+            device=job.device,
             notes=cal.notes
             + ["the run's model FLOPs or its device's peak are unknown: efficiency not measured"],
         )
@@ -111,7 +169,7 @@ def _from_train(path: Path, where: str, cal: Calibration) -> Calibration:
         )
     # Achieved FLOP/s of one device while it computes: its tokens x hardware FLOPs per token
     # over forward + backward + optimizer seconds.
-    work = tokens / world * flops * job.get("recompute_factor", 1.0)
+    work = tokens / world * flops * job.recompute_factor
     try:
         rates = [work / (r["compute_s"] + r["optim_s"]) for r in steady]
     except (KeyError, TypeError, ZeroDivisionError):
@@ -120,34 +178,37 @@ def _from_train(path: Path, where: str, cal: Calibration) -> Calibration:
             "run written by trainwise train"
         ) from None
     efficiency = statistics.median(rates) / peak
-    cal = replace(cal, device=job.get("device"), efficiency=min(efficiency, 1.0))
-    plan = _json(path / "plan.json", where) if (path / "plan.json").is_file() else None
-    return _against_plan(path, plan, steady, cal) if plan else cal
+    cal = replace(cal, device=job.device, efficiency=min(efficiency, 1.0))
+    if not (path / "plan.json").is_file():
+        return cal
+    return _against_plan(path, RunPlanFigures.from_dict(_json(path / "plan.json", where)),
+                         steady, cal)
 
 
-def _against_plan(path: Path, plan: dict, steady: list[dict], cal: Calibration) -> Calibration:
+def _against_plan(
+    path: Path, plan: RunPlanFigures, steady: list[dict], cal: Calibration
+) -> Calibration:
     """What the run measured where its own plan (plan.json) assumed: the link rate of its
     exposed sync, the memory its runtime added, the fixed latency of its saves."""
-    step, memory = plan.get("step") or {}, plan.get("memory_per_gpu") or {}
     notes = list(cal.notes)
     calm = [r for r in steady if not r.get("ckpt_s")] or steady
     # The step's time beyond compute and the optimizer is its exposed sync: taken as what
     # the median step has left (medians of the probed split do not add up to the step's).
     busy = statistics.median(r["compute_s"] + (r.get("sync_s") or 0.0) + r["optim_s"] for r in calm)
     sync = busy - statistics.median(r["compute_s"] + r["optim_s"] for r in calm)
-    comm, exposed = step.get("comm") or 0.0, step.get("exposed_comm") or 0.0
+    comm, exposed = plan.step.comm, plan.step.exposed_comm
     intra = None
-    if sync > 0 and comm and plan.get("intra_node_gbps") and plan.get("gpus", 0) > 1:
+    if sync > 0 and comm and plan.intra_node_gbps and plan.gpus > 1:
         if abs(exposed - comm) > 0.01 * comm:
             notes.append("the run's plan overlaps communication: its link rate not measured")
         elif _nodes(path) > 1:
             notes.append("the run spans nodes: its sync does not single out one link")
         else:  # the plan's sync time is wire bytes / link rate: scale the rate by the miss
-            intra = plan["intra_node_gbps"] * GB * comm / sync
+            intra = plan.intra_node_gbps * GB * comm / sync
     mem = [r for r in steady if r.get("mem_kind") == "rss_added" and r.get("mem_bytes")]
     runtime = None
-    if mem and memory.get("total") is not None:
-        tensors = memory["total"] - (memory.get("overhead") or 0.0)
+    if mem and plan.memory_total is not None:
+        tensors = plan.memory_total - plan.memory_overhead
         runtime = max(0.0, max(r["mem_bytes"] for r in mem) - tensors)
     return replace(
         cal,
@@ -178,10 +239,10 @@ def _median_save(path: Path) -> float | None:
     return statistics.median(e["save_s"] for e in saves) if saves else None
 
 
-def _save_latency(path: Path, plan: dict, nodes: int) -> float | None:
+def _save_latency(path: Path, plan: RunPlanFigures, nodes: int) -> float | None:
     """The median save's seconds less its bytes at the plan's write speed: what a save
     costs whatever its size."""
-    gbps = plan.get("checkpoint_write_gbps")
+    gbps = plan.checkpoint_write_gbps
     saves = _saves(path)
     if not saves or not gbps:
         return None
@@ -196,15 +257,27 @@ def _from_doctor(path: Path, where: str, cal: Calibration) -> Calibration:
     intra = bandwidth.get("intra_node_busbw_bytes_per_s")
     inter = bandwidth.get("inter_node_busbw_bytes_per_s")
     data = record.get("data_samples_per_s_per_worker")
-    latency = record.get("checkpoint_latency_s")
+    machine = record.get("machine") or {}
+    # A save of the job's own state (smoke) over the disk check's probe of a few bytes.
+    latency = _first(machine.get("save_latency_s"), record.get("checkpoint_latency_s"))
     return replace(
         cal,
+        device=cal.device or record.get("device"),
         intra_bps=intra or cal.intra_bps,
         inter_bps=inter or cal.inter_bps,
         link_note="the doctor" if intra or inter else cal.link_note,
         data_samples_per_s=data or cal.data_samples_per_s,
         checkpoint_latency_s=latency if latency is not None else cal.checkpoint_latency_s,
+        checkpoint_bps=machine.get("checkpoint_write_bytes_per_s") or cal.checkpoint_bps,
+        efficiency=machine.get("efficiency") or cal.efficiency,
+        cpu_runtime_bytes=_first(machine.get("cpu_runtime_bytes"), cal.cpu_runtime_bytes),
+        launch_s=machine.get("launch_s") or cal.launch_s,
+        gemm=machine.get("gemm") or cal.gemm,
     )
+
+
+def _first(*values: float | None) -> float | None:
+    return next((v for v in values if v is not None), None)
 
 
 def apply_calibration(inputs: PlanInputs, cal: Calibration) -> tuple[PlanInputs, list[str]]:
@@ -256,6 +329,14 @@ def apply_calibration(inputs: PlanInputs, cal: Calibration) -> tuple[PlanInputs,
             f"measured in {cal.source} (assumed {inputs.checkpoint_latency_s:.3g} s)"
         )
         inputs = replace(inputs, checkpoint_latency_s=cal.checkpoint_latency_s)
+    if cal.checkpoint_bps:
+        said.append(
+            f"checkpoints write at {cal.checkpoint_bps / GB:.3g} GB/s per node, measured in "
+            f"{cal.source} (assumed {inputs.checkpoint_bps / GB:.3g} GB/s)"
+        )
+        inputs = replace(inputs, checkpoint_bps=cal.checkpoint_bps)
+    if cal.launch_s is not None:
+        said.append(f"starting the workers took {cal.launch_s:.3g} s, measured in {cal.source}")
     inputs, said = _runtime_memory(inputs, cal, said)
     return replace(inputs, hardware=hw), said
 
@@ -282,3 +363,41 @@ def _runtime_memory(
         f"(allocator cache, thread arenas, library code), measured in {cal.source}"
     ]
     return replace(inputs, memory_overhead_bytes=cal.cpu_runtime_bytes), said
+
+
+NO_CALIBRATION = "none"  # plan.calibration / --calibrate: plan on the defaults
+
+
+def machine_calibration(
+    given: str | None, gpu: str, where: str
+) -> tuple[Calibration | None, list[str]]:
+    """The calibration a plan for device `gpu` (the catalog's name) uses, and warnings:
+    `given` (a file or a run directory; "none": no calibration) or, when not given, this
+    machine kind's default file (calibration_path) when there is one. A calibration file
+    of another machine kind is refused when given (one line) and skipped with a warning
+    when found at the default place."""
+    kind = gpu.split(" ")[0]
+    if given == NO_CALIBRATION:
+        return None, []
+    if given:
+        cal = read_calibration(given, where=where)
+        if cal.kind and cal.kind != kind:
+            raise ConfigError(
+                f"{where}: measured on a {cal.kind} machine ({cal.device}), but this plan is "
+                f"for {kind}: give the calibration file of a {kind} machine (trainwise doctor "
+                f"on one writes it) or '{NO_CALIBRATION}'"
+            )
+        return cal, []
+    path = calibration_path(kind)
+    if not path.is_file():
+        return None, []
+    try:
+        cal = read_calibration(path, where=str(path))
+    except ConfigError as err:
+        return None, [f"{err.problems[0]}: planning on the defaults"]
+    if cal.kind != kind:
+        return None, [
+            f"{path} was measured on a {cal.kind} machine ({cal.device}), not {kind}: not "
+            "used; run trainwise doctor on this machine to replace it"
+        ]
+    return replace(cal, source=str(path)), []

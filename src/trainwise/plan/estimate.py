@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.plan.comm import Collective, Layout, exposed_seconds, layout_collectives
-from trainwise.plan.compute import compute_time
 from trainwise.plan.cost import CheckpointPlan, Cost, checkpoint_plan, job_cost
 from trainwise.plan.flops import mfu, model_flops_per_token, recompute_factor
 from trainwise.plan.inputs import PlanInputs
@@ -32,6 +32,9 @@ from trainwise.plan.tensor_parallel import (
     tp_collectives,
     tp_exposed_seconds,
 )
+
+if TYPE_CHECKING:
+    from trainwise.plan.performance import PerformanceModel
 
 # Assumption: a GPU's share of the host cores applies AdamW to 0.5 G parameters/s (PyTorch's
 # foreach CPU AdamW is memory-bound: ~32 bytes read and written per parameter).
@@ -173,9 +176,14 @@ def price(
     setup: Setup,
     name: str | None = None,
     memory: MemoryEstimate | None = None,
+    model: PerformanceModel | None = None,
 ) -> StrategyPlan:
     """Memory, step, throughput, time and cost of `setup` on inputs.gpus GPUs (`memory`:
-    its setup_memory, when the caller has it already)."""
+    its setup_memory, when the caller has it already), priced by `model` (default: the one
+    the inputs adopted, plan.performance)."""
+    from trainwise.plan.performance import model_of  # it delegates back to this module
+
+    model = model or model_of(inputs)
     dims, hw = setup.dims, inputs.hardware
     w = knob_workload(inputs.workload, setup.micro_batch, setup.ac)
     gpus, tp, accum = inputs.gpus, dims.tp, setup.grad_accum
@@ -191,16 +199,16 @@ def price(
         )
         per_rank = 1.0
 
-    memory = memory or setup_memory(w, setup, hw.device, inputs.memory_overhead_bytes)
+    memory = memory or model.memory(inputs, setup, w)
     budget = hw.memory_bytes * (1.0 - inputs.headroom)
     host_per_node = memory.host * inputs.gpus_per_node
     host_fits = host_per_node <= hw.host_memory_bytes
 
     model_flops = model_flops_per_token(w.params, w.shape, w.seq_len)
-    timed = compute_time(inputs, w, per_rank, tp)
+    timed = model.compute(inputs, w, per_rank, tp)
     compute = timed.seconds
 
-    collectives, host_s, exposed = _communication(inputs, setup, w, compute)
+    collectives, host_s, exposed = model.communication(inputs, setup, w, compute)
     compute += host_s
     comm = sum(c.seconds for c in collectives)
     busy = compute + exposed

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from trainwise.config.parallel_dims import plan_name
 from trainwise.config.schema import JobConfig
@@ -14,6 +15,9 @@ from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, TFLOP, GPUSpec, default_catalog, find_gpu
 from trainwise.models.shapes import PRESETS, GPTShape, job_shape
 from trainwise.plan.memory import Workload
+
+if TYPE_CHECKING:
+    from trainwise.plan.performance import PerformanceModel
 
 # Defaults of `trainwise plan` without --config: a Llama-2-7B pretraining step on one
 # 8-GPU H100 node (Llama 2 paper: 4M-token batches = 1024 x 4096, bf16, AdamW).
@@ -92,6 +96,8 @@ class PlanInputs:
     # Memory a worker's runtime adds beyond the modelled tensors (a calibration measures it).
     memory_overhead_bytes: float = 0.0
     accumulate: str = "auto"  # parallel.accumulate: the named rows price it when set
+    # The model that prices these inputs (plan.performance; None: the analytic one).
+    performance: PerformanceModel | None = None
 
     @property
     def gpus_per_node(self) -> int:

@@ -108,6 +108,9 @@ class PlanCheck:
     flagged: bool
     assumption: str  # which of the plan's inputs this figure rests on
     reason: str | None = None  # why the miss is not the plan's, when the files show it
+    # The plan rested on uncalibrated defaults (plan.json "calibrated": false): a miss is
+    # the machine's unmeasured figures, not an error of the model; not flagged.
+    defaults: bool = False
 
 
 @dataclass(frozen=True)
@@ -328,13 +331,15 @@ def plan_vs_actual(run: RunFiles, stages: StageSplit, notes: list[str]) -> list[
     mem_kind = run.records[-1].get("mem_kind", "")
     saves = [e for e in run.events if e["kind"] == "checkpoint" and e.get("save_s") is not None]
     slow_part = _largest_miss(stages, plan)
+    defaults = plan.get("calibrated") is False  # older plan.json files do not say
     speed = machine_changed(plan, "calibration_step_s", plan["step"]["total"], step_s, "a step")
     save_s = _median([e["save_s"] for e in saves])
     disk = machine_changed(
         plan, "calibration_save_s", plan["checkpoint"]["save_s"], save_s, "a save"
     )
     rows = [
-        _check("step time", "s", plan["step"]["total"], step_s, slow_part, reason=speed),
+        _check("step time", "s", plan["step"]["total"], step_s, slow_part, reason=speed,
+               defaults=defaults),
         _check(
             "tokens/s",
             "tokens/s",
@@ -342,6 +347,7 @@ def plan_vs_actual(run: RunFiles, stages: StageSplit, notes: list[str]) -> list[
             tokens / step_s if tokens and step_s else None,
             slow_part,
             reason=speed,
+            defaults=defaults,
         ),
         _check(
             "memory per worker",
@@ -350,6 +356,7 @@ def plan_vs_actual(run: RunFiles, stages: StageSplit, notes: list[str]) -> list[
             mem or None,
             MEMORY_ASSUMPTION.get(mem_kind, MEMORY_ASSUMPTION["cuda_peak"]),
             comparable=mem_kind in MEMORY_ASSUMPTION,
+            defaults=defaults,
         ),
         _check(
             "checkpoint save",
@@ -359,6 +366,7 @@ def plan_vs_actual(run: RunFiles, stages: StageSplit, notes: list[str]) -> list[
             "the checkpoint write speed and fixed latency (checkpoint.write_gbps, "
             "save_latency_s; trainwise doctor measures them)",
             reason=disk,
+            defaults=defaults,
         ),
     ]
     if mem_kind == "rss_peak":
@@ -421,11 +429,15 @@ def _check(
     assumption: str,
     comparable: bool = True,
     reason: str | None = None,
+    defaults: bool = False,
 ) -> PlanCheck:
     error = (actual - planned) / planned if planned and actual is not None else None
-    flagged = comparable and error is not None and abs(error) > PLAN_ERROR_FLAG
+    flagged = (
+        comparable and not defaults and error is not None and abs(error) > PLAN_ERROR_FLAG
+    )
     return PlanCheck(
-        name, unit, planned, actual, error, flagged, assumption, reason if flagged else None
+        name, unit, planned, actual, error, flagged, assumption, reason if flagged else None,
+        defaults,
     )
 
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from trainwise.hardware.catalog import GB
 from trainwise.plan.emit import keys_toml
 from trainwise.plan.estimate import StrategyPlan
+from trainwise.plan.performance import model_of
 from trainwise.plan.planner import BEST, Plan
 from trainwise.plan.search import describe_setup
 from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_seconds, fmt_usd
@@ -206,6 +207,7 @@ def render_terminal(plan: Plan, console=None, simulation: list[dict] | None = No
     console = console or Console()
     width = console.width
     console.print(f"[bold]trainwise plan[/]: {escape(headline(plan))}")
+    console.print(f"  figures: {escape(model_of(plan.inputs).header())}")
     for note in plan.calibration:
         console.print(f"  calibrated: {escape(note)}")
     for title, columns, rows in (
@@ -303,9 +305,8 @@ def md_table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]
 def render_markdown(plan: Plan, simulation: list[dict] | None = None) -> str:
     rec = plan.recommendation
     out = ["# trainwise plan", "", headline(plan), ""]
-    out += [f"- calibrated: {note}" for note in plan.calibration] + (
-        [""] if plan.calibration else []
-    )
+    out += [f"- figures: {model_of(plan.inputs).header()}"]
+    out += [f"- calibrated: {note}" for note in plan.calibration] + [""]
     out += [f"## {MEMORY_TITLE}", ""] + md_table(MEMORY_COLUMNS, memory_rows(plan))
     out += ["", f"## {TIME_TITLE}", ""]
     out += md_table(TIME_COLUMNS, time_rows(plan))

@@ -246,7 +246,10 @@ def _plan_figure(r: RunReport):
     ax = fig.add_subplot()
     ys = list(range(len(checks)))
     errors = [c.error * 100 for c in checks]  # type: ignore[operator]
-    colours = ["#D55E00" if c.flagged else "#009E73" for c in checks]
+    # Red: a calibrated plan missed; grey: the plan's uncalibrated defaults did.
+    colours = [
+        "#D55E00" if c.flagged else ("#999999" if c.defaults else "#009E73") for c in checks
+    ]
     ax.axvspan(-25, 25, color="#eeeeee")
     ax.axvline(0, color="#444444", linewidth=0.8)
     shown = [max(-ERROR_CLIP, min(ERROR_CLIP, x)) for x in errors]

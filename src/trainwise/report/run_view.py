@@ -125,6 +125,13 @@ def _plan_row(c: PlanCheck) -> tuple[str, ...]:
 
 
 def calibrate_line(r: RunReport) -> str | None:
+    if any(c.defaults for c in r.plan_vs_actual):
+        return (
+            "the plan's figures are uncalibrated defaults (the catalog's and plan.* "
+            "assumptions), not measurements of this machine, so its errors are not marked: "
+            f"`trainwise doctor --nproc {r.headline.world}` measures this machine for later "
+            f"plans and runs (or `trainwise plan --calibrate {r.headline.path}`)"
+        )
     if not any(c.flagged for c in r.plan_vs_actual):
         return None
     return (

@@ -32,12 +32,19 @@ from trainwise.plan import (
     estimate_memory,
     fmt_bytes,
 )
-from trainwise.plan.calibrate import Calibration, apply_calibration, read_calibration
+from trainwise.plan.calibrate import (
+    NO_CALIBRATION,
+    Calibration,
+    machine_calibration,
+    read_calibration,
+)
 from trainwise.plan.constraints import user_allowed
 from trainwise.plan.estimate import Setup, candidate_names, evaluate, price, setup_memory
 from trainwise.plan.flops import flops_per_token, recompute_factor
 from trainwise.plan.inputs import PlanInputs, job_inputs, unknown_device_inputs
+from trainwise.plan.performance import CalibratedModel, model_of
 from trainwise.plan.record import strategy_record
+from trainwise.records import JobRecord
 
 
 @dataclass
@@ -98,33 +105,34 @@ class Job:
 
     def summary_dict(self) -> dict[str, Any]:
         """What job.json records about the decision (the report reads it)."""
+        return self.record().to_dict()
+
+    def record(self) -> JobRecord:
         est = self.decision.estimate
-        return {
-            "world": self.world,
-            "device": self.device.name,
-            "device_kind": self.device.kind,
-            "backend": self.backend,
-            "strategy": self.strategy,
-            "layout": self.dims.describe(),
-            "plan_name": self.dims.plan_name,
-            "requested_strategy": self.cfg.parallel.strategy,
-            "cpu_offload": self.cpu_offload,
-            "replicate": self.replicate,
-            "grad_accum": self.grad_accum,
-            "accumulate": self.accumulate,
-            "reason": self.decision.reason,
-            "params": self.params,
-            "global_batch": self.global_batch,
-            "tokens_per_step": self.tokens_per_step,
-            "flops_per_token": self.flops_per_token,
-            # The hardware FLOPs per model FLOP (activation recomputation) and the peak the
-            # MFU is measured against: what `trainwise plan --calibrate` needs.
-            "recompute_factor": recompute_factor(
+        return JobRecord(
+            world=self.world,
+            device=self.device.name,
+            device_kind=self.device.kind,
+            backend=self.backend,
+            strategy=self.strategy,
+            layout=self.dims.describe(),
+            plan_name=self.dims.plan_name,
+            requested_strategy=self.cfg.parallel.strategy,
+            cpu_offload=self.cpu_offload,
+            replicate=self.replicate,
+            grad_accum=self.grad_accum,
+            accumulate=self.accumulate,
+            reason=self.decision.reason,
+            params=self.params,
+            global_batch=self.global_batch,
+            tokens_per_step=self.tokens_per_step,
+            flops_per_token=self.flops_per_token,
+            recompute_factor=recompute_factor(
                 self.cfg.parallel.ac, self.shape.n_layer if self.shape else 1
             ),
-            "peak_flops_per_device": self.device.peak_flops(self.cfg.precision.dtype),
-            "precision": self.cfg.precision.dtype,
-            "memory_estimate": {
+            peak_flops_per_device=self.device.peak_flops(self.cfg.precision.dtype),
+            precision=self.cfg.precision.dtype,
+            memory_estimate={
                 "params": est.params,
                 "grads": est.grads,
                 "optimizer": est.optimizer,
@@ -132,8 +140,8 @@ class Job:
                 "buffers": est.buffers,
                 "total": est.total,
             },
-            "device_budget_bytes": self.decision.budget_bytes,
-        }
+            device_budget_bytes=self.decision.budget_bytes,
+        )
 
 
 def resolve_nproc(cfg: JobConfig, device: DeviceInfo) -> int:
@@ -164,7 +172,9 @@ def start_lines(job: Job, nproc: int, cores: int) -> list[str]:
     parallelism spans machines."""
     c, nodes = job.cfg, job.world // nproc
     machines = f" x {nodes} machines" if nodes > 1 else ""
-    lines = [
+    figures = model_of(job.plan_inputs).header() if job.plan_inputs else None
+    lines = [f"trainwise: plan figures: {figures}"] if figures else []
+    lines += [
         f"trainwise: global batch {job.global_batch} samples per step = data.micro_batch "
         f"{c.data.micro_batch} x data.grad_accum {job.grad_accum} x data-parallel size "
         f"{job.dp_size} (--nproc {nproc}{machines}); another --nproc changes it"
@@ -223,9 +233,16 @@ def prepare_job(
     )
     device_bytes = device_budget(c, device, local)
     view = planner_view(c, workload, world, local, device, device_bytes, accum)
-    calibration = read_calibration(c.plan.calibration, where=f"plan.calibration = "
-                                   f"{c.plan.calibration!r}") if c.plan.calibration else None
-    view, plan_notes = calibrated(view, calibration)
+    calibration, plan_notes = None, []
+    if view is not None:  # the given calibration, or this machine kind's default file
+        calibration, plan_notes = machine_calibration(
+            c.plan.calibration, view.hardware.gpu, f"plan.calibration = {c.plan.calibration!r}"
+        )
+    elif c.plan.calibration not in (None, NO_CALIBRATION):
+        calibration = read_calibration(c.plan.calibration, where=f"plan.calibration = "
+                                       f"{c.plan.calibration!r}")
+    view, notes = calibrated(view, calibration)
+    plan_notes += notes
     cluster = view  # the planner's view: what auto decides with
     decision = decide(
         workload, strategy, world, device_bytes, c, replicate, device.kind, accum, cluster
@@ -506,7 +523,7 @@ def calibrated(
         return view, []
     if view is None:
         return None, [f"plan.calibration {cal.source}: the catalog does not know this device"]
-    return apply_calibration(view, cal)
+    return CalibratedModel(calibration=cal).adopt(view)
 
 
 def job_plan(job: Job) -> dict[str, Any] | None:
@@ -532,6 +549,8 @@ def job_plan(job: Job) -> dict[str, Any] | None:
         "gpu": hw.gpu,
         "checkpoint_latency_s": inputs.checkpoint_latency_s,
         "calibration": job.plan_notes,
+        "figures": model_of(inputs).header(),  # calibrated from FILE, or the defaults
+        "calibrated": job.calibration is not None,
         # The calibration run's own step: a miss here that it did not have is this run's.
         "calibration_source": job.calibration.source if job.calibration else None,
         "calibration_step_s": job.calibration.step_s if job.calibration else None,

@@ -9,6 +9,7 @@ The stages are the ones the planner and the report speak in: data wait, compute
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import queue
@@ -70,10 +71,11 @@ RECORD_FIELDS = tuple(f.name for f in fields(StepRecord))
 _rss_baseline: list[int] = []  # this process's resident set before the model was built
 
 
-def mark_memory_baseline() -> None:
+def mark_memory_baseline() -> int | None:
     """Note the resident set now, before the model is built: on CPU the step records count
     the memory the job adds over it, what the plan's tensors are compared with. Linux only
-    (/proc); elsewhere the records keep the whole peak resident set."""
+    (/proc); elsewhere the records keep the whole peak resident set. Returns the baseline
+    in bytes (None where unknown)."""
     # The first tensor materialised from the meta device (as the model build does) imports
     # sympy and torch.fx: tens of MB of Python objects that are the interpreter's, not the
     # job's. Import them before the baseline.
@@ -83,6 +85,26 @@ def mark_memory_baseline() -> None:
         _rss_baseline[:] = [_status_bytes("VmRSS")]
     except (OSError, ValueError):
         _rss_baseline.clear()
+    return _rss_baseline[0] if _rss_baseline else None
+
+
+def restart_memory_peak() -> int | None:
+    """The peak resident set restarts from now, and the resident set now (Linux; None
+    elsewhere): the peak of what follows less it is what that work added. Memory freed
+    before goes back to the system first (glibc's malloc_trim), so that the work's new
+    pages are counted, not reused from what the allocator kept of earlier work."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return _status_bytes("VmRSS")
+    except (OSError, ValueError):
+        return None
+
+
+def resident_peak() -> int:
+    """The peak resident set since the last restart (Linux)."""
+    return _status_bytes("VmHWM")
 
 
 def _status_bytes(key: str) -> int:
