@@ -518,12 +518,13 @@ class PlanConfig(Section):
     strategy: (
         Literal["single", "ddp", "fsdp-grad-op", "fsdp-full", "hsdp", "fsdp-offload"] | None
     ) = Field(None, description="Plan only this strategy.")
-    efficiency: float = Field(
-        0.4,
+    efficiency: float | None = Field(
+        None,
         gt=0.0,
         le=1.0,
-        description="Achieved share of the GPU's peak FLOP/s in compute (an assumption: "
-        "Llama 3 reports 38-43 % on H100; --calibrate replaces it with a measured one).",
+        description="Achieved share of the GPU's peak FLOP/s in compute, overriding the "
+        "planner's per-operation model (default: modelled per GEMM, attention, memory-bound "
+        "op and kernel launch; --calibrate replaces it with a measured share).",
     )
     data_samples_per_s: float | None = Field(
         None, gt=0.0, description="Samples/s one GPU's loader delivers; default: unlimited."

@@ -214,7 +214,7 @@ def apply_calibration(inputs: PlanInputs, cal: Calibration) -> tuple[PlanInputs,
     if cal.efficiency is not None:
         said.append(
             f"compute efficiency {cal.efficiency:.1%} of peak measured in {cal.source} "
-            f"(assumed {inputs.efficiency:.0%})"
+            f"(assumed {_assumed(inputs.efficiency)})"
         )
         if cal.device and not _same_device(cal, hw.gpu):
             said.append(
@@ -253,6 +253,10 @@ def apply_calibration(inputs: PlanInputs, cal: Calibration) -> tuple[PlanInputs,
         inputs = replace(inputs, checkpoint_latency_s=cal.checkpoint_latency_s)
     inputs, said = _runtime_memory(inputs, cal, said)
     return replace(inputs, hardware=hw), said
+
+
+def _assumed(efficiency: float | None) -> str:
+    return "per-operation model" if efficiency is None else f"{efficiency:.0%}"
 
 
 def _same_device(cal: Calibration, gpu: str) -> bool:

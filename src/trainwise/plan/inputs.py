@@ -12,6 +12,7 @@ from trainwise.config.schema import JobConfig
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, TFLOP, GPUSpec, default_catalog, find_gpu
 from trainwise.models.shapes import PRESETS, GPTShape, job_shape
+from trainwise.plan.gemm import GemmTable
 from trainwise.plan.memory import Workload
 
 # Defaults of `trainwise plan` without --config: a Llama-2-7B pretraining step on one
@@ -63,6 +64,8 @@ class Hardware:
     host_memory_bytes: float  # per node
     price_per_gpu_hour: float  # USD
     device: str  # "cuda" or "cpu": whether the CUDA context overhead applies
+    hbm_bps: float = 2e12  # device memory bandwidth, bytes/s (catalog hbm_gbps)
+    generation: str = "hopper"  # architecture: picks GEMM and attention efficiencies
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class PlanInputs:
     gpus: int
     node_size: int  # GPUs a node holds
     hardware: Hardware
-    efficiency: float  # achieved share of peak FLOP/s
+    efficiency: float | None  # achieved share of peak FLOP/s; None: the per-op model
     data_samples_per_s: float | None  # per GPU; None: the loader never limits
     mtbf_hours: float  # per node
     restart_s: float
@@ -86,6 +89,8 @@ class PlanInputs:
     checkpoint_latency_s: float = 0.0  # fixed seconds of a save, whatever its size
     # Memory a worker's runtime adds beyond the modelled tensors (a calibration measures it).
     memory_overhead_bytes: float = 0.0
+    compile: bool = False  # train.compile: blocks run as fused graphs (plan.compute)
+    gemm_table: GemmTable | None = None  # measured GEMM rates (a calibration), else modelled
 
     @property
     def gpus_per_node(self) -> int:
@@ -147,6 +152,7 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
         headroom=cfg.parallel.headroom,
         objective=p.objective,
         strategy=p.strategy,
+        compile=cfg.train.compile,
     )
 
 
@@ -195,6 +201,8 @@ def resolve_hardware(
             else spec.price_per_hour
         ),
         device="cpu" if spec.name == "cpu" else "cuda",
+        hbm_bps=spec.hbm_bytes_per_s,
+        generation=spec.generation,
     )
 
 
@@ -236,6 +244,7 @@ def job_inputs(
         headroom=cfg.parallel.headroom,
         objective="time",
         strategy=None,
+        compile=cfg.train.compile,
     )
 
 
@@ -260,6 +269,7 @@ def unknown_device_inputs(
         mtbf_hours=cfg.cluster.mtbf_hours, restart_s=cfg.cluster.restart_min * 60.0,
         checkpoint_bps=cfg.checkpoint.write_gbps * GB, headroom=cfg.parallel.headroom,
         objective="time", strategy=None, checkpoint_latency_s=cfg.checkpoint.save_latency_s,
+        compile=cfg.train.compile,
     )
 
 
