@@ -4,9 +4,8 @@ ones. Run directories are written here with known figures; the arithmetic is by 
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
