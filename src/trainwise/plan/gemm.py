@@ -11,9 +11,12 @@ A GEMM of shape (M, N, K) does 2·M·N·K FLOPs. Its time is the larger of
 - and its bytes (the two inputs read, the output written) at the memory bandwidth: a thin
   GEMM is memory-bound (ibid., "Math And Memory Bounds").
 
-The large-GEMM shares are maximum achievable matmul FLOPS (MAMF), measured with
-torch.matmul on bf16 over many shapes: S. Bekman, ml-engineering,
-compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table".
+The large-GEMM shares are the maximum sustainable matmul FLOPS (MSMF: torch.matmul in
+bf16 on the best shape, the GPU saturated at its power limit, "the sustained rate that
+matches real training throughput"), else the maximum achievable (MAMF, a boost-clock
+burst): S. Bekman, ml-engineering, compute/accelerator/benchmarks/README.md ("What we
+measured: alone vs all-8 concurrent") and compute/accelerator/README.md ("Maximum
+Achievable Matmul FLOPS comparison table").
 Attention runs as SDPA's flash kernel: FlashAttention-2 reaches 50-73 % of the A100's peak
 forward and backward (Dao, 2023, "FlashAttention-2", abstract and section 4.1) and 35 % of
 the H100's (Shah et al., 2024, "FlashAttention-3", abstract); PyTorch's SDPA flash backend
@@ -45,29 +48,32 @@ class Generation:
 
 GENERATIONS: dict[str, Generation] = {
     "ampere": Generation(
-        0.859, 0.6, 108,
-        "MAMF A100 SXM 267.9 of 312 TFLOPS; FlashAttention-2 50-73 % of A100 peak (0.6: the "
-        "middle); A100 whitepaper: 108 SMs",
+        0.728, 0.6, 108,
+        "MAMF A100 SXM 267.9 of 312 TFLOPS (85.9 %) at H200's sustained/burst ratio "
+        "(698.6 / 823.9: an assumption, no A100 MSMF published); FlashAttention-2 50-73 % "
+        "of A100 peak (0.6: the middle); A100 whitepaper: 108 SMs",
     ),
     "hopper": Generation(
-        0.801, 0.35, 132,
-        "MAMF H100 SXM 792.1 of 989 TFLOPS; FlashAttention-2 35 % of H100 peak "
-        "(FlashAttention-3 paper); H100 SXM5: 132 SMs",
+        0.706, 0.35, 132,
+        "MSMF H200 698.6 of 989 TFLOPS, all 8 GPUs of a node busy (H100 SXM: the same chip "
+        "and 700 W); FlashAttention-2 35 % of H100 peak (FlashAttention-3 paper); "
+        "H100 SXM5: 132 SMs",
     ),
     "blackwell": Generation(
-        0.776, 0.35, 148,
-        "MAMF B200 SXM 1745 of 2250 TFLOPS; attention: assumed as Hopper's FlashAttention-2 "
-        "share (no published SDPA figure); B200: 148 SMs",
+        0.634, 0.35, 148,
+        "MSMF B200 1426.4 of 2250 TFLOPS, all 8 GPUs busy; attention: assumed as Hopper's "
+        "FlashAttention-2 share (no published SDPA figure); B200: 148 SMs",
     ),
     "cdna3": Generation(
         0.601, 0.3, 304,
-        "MAMF MI300X 781.9 of 1300 TFLOPS; attention: an assumption (ROCm's flash kernel, "
-        "no published share); MI300X: 304 CUs",
+        "MAMF MI300X 781.9 of 1300 TFLOPS (it runs at its power cap at once: no burst "
+        "above the sustained rate); attention: an assumption (ROCm's flash kernel, no "
+        "published share); MI300X: 304 CUs",
     ),
     # Older parts: an assumption, Ampere's shares (the tensor-core GEMM kernels are alike).
-    "volta": Generation(0.859, 0.6, 80, "assumed as Ampere; V100: 80 SMs"),
-    "turing": Generation(0.859, 0.6, 40, "assumed as Ampere; T4: 40 SMs"),
-    "ada": Generation(0.859, 0.6, 58, "assumed as Ampere; L4: 58 SMs"),
+    "volta": Generation(0.728, 0.6, 80, "assumed as Ampere; V100: 80 SMs"),
+    "turing": Generation(0.728, 0.6, 40, "assumed as Ampere; T4: 40 SMs"),
+    "ada": Generation(0.728, 0.6, 58, "assumed as Ampere; L4: 58 SMs"),
     # A CPU runs a GEMM on its cores: the planner's former single efficiency (0.4 of an
     # assumed peak), no tiles, no waves.
     "cpu": Generation(0.4, 0.4, 1, "assumption: 0.4 of the catalog's assumed CPU peak", tile=1),
