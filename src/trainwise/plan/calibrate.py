@@ -12,7 +12,8 @@ rate and the checkpoint latency, from doctor.json:
     {"bandwidth": {"intra_node_busbw_bytes_per_s": float | null,
                    "inter_node_busbw_bytes_per_s": float | null},
      "data_samples_per_s_per_worker": float | null,
-     "checkpoint_latency_s": float | null}
+     "checkpoint_latency_s": float | null,
+     "gemm": GemmTable.to_dict() | null}   (optional: doctor.gemm.measure_gemm_table)
 
 Pure file reading: no torch.
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, find_gpu
 from trainwise.jsonl import read_objects
+from trainwise.plan.gemm import GemmTable
 from trainwise.plan.inputs import PlanInputs
 
 WARMUP_STEPS = 2  # the first steps pay for allocation and autotuning; not steady state
@@ -47,6 +49,7 @@ class Calibration:
     link_note: str = ""  # how the links were measured (a doctor, or a run's own sync)
     step_s: float | None = None  # a train run's median steady step, checkpoints aside
     save_s: float | None = None  # and its median checkpoint save
+    gemm: GemmTable | None = None  # a GEMM sweep (doctor.gemm), replacing the modelled rates
     notes: list[str] = field(default_factory=list)
 
 
@@ -196,8 +199,10 @@ def _from_doctor(path: Path, where: str, cal: Calibration) -> Calibration:
     inter = bandwidth.get("inter_node_busbw_bytes_per_s")
     data = record.get("data_samples_per_s_per_worker")
     latency = record.get("checkpoint_latency_s")
+    gemm = GemmTable.from_dict(record["gemm"]) if record.get("gemm") else cal.gemm
     return replace(
         cal,
+        gemm=gemm,
         intra_bps=intra or cal.intra_bps,
         inter_bps=inter or cal.inter_bps,
         link_note="the doctor" if intra or inter else cal.link_note,
@@ -252,6 +257,12 @@ def apply_calibration(inputs: PlanInputs, cal: Calibration) -> tuple[PlanInputs,
         )
         inputs = replace(inputs, checkpoint_latency_s=cal.checkpoint_latency_s)
     inputs, said = _runtime_memory(inputs, cal, said)
+    if cal.gemm is not None:
+        said.append(
+            f"GEMM rates of {len(cal.gemm.shapes)} shapes measured on {cal.gemm.device} in "
+            f"{cal.source} replace the modelled ones"
+        )
+        inputs = replace(inputs, gemm_table=cal.gemm)
     return replace(inputs, hardware=hw), said
 
 

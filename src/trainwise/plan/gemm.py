@@ -5,7 +5,8 @@ the measured table (`GemmTable`) a calibration replaces them with.
 A GEMM of shape (M, N, K) does 2·M·N·K FLOPs. Its time is the larger of
 - its FLOPs at the generation's large-GEMM rate (`gemm_share` of the dense peak), after
   tile quantization (each dimension padded to the kernel's output tile) and wave
-  quantization (the tiles run in waves of one per SM: a last partial wave idles the rest),
+  quantization (the tiles run in waves of one per SM: a last partial wave idles the rest;
+  a GEMM of fewer tiles than SMs splits K over them, cuBLAS's split-K),
   NVIDIA, "Matrix Multiplication Background User's Guide" (Deep Learning Performance docs),
   sections "Tile Quantization" and "Wave Quantization";
 - and its bytes (the two inputs read, the output written) at the memory bandwidth: a thin
@@ -31,6 +32,9 @@ from dataclasses import dataclass
 # Assumption: cuBLAS's large bf16 kernels write 128 x 128 output tiles (the guide's
 # examples; Hopper's also run 128 x 256).
 TILE = 128
+# Tensor cores compute in steps of 16 along each dimension (the guide's "multiples of 8 or
+# 16" rule for fp16/bf16 tensor-core use).
+MMA = 16
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,12 @@ def quantized(x: int, tile: int) -> int:
     return tile * math.ceil(x / tile)
 
 
+def _padded(x: int, tile: int) -> int:
+    """A dimension as the kernel computes it: whole tiles, or for one narrower than a tile
+    (a kernel with smaller tiles), whole tensor-core steps."""
+    return quantized(x, tile) if x >= tile else quantized(x, min(MMA, tile))
+
+
 def gemm_seconds(
     m: int,
     n: int,
@@ -144,10 +154,12 @@ def gemm_seconds(
     memory = (m * k + k * n + m * n) * element_bytes / hbm_bps
     if table is not None:
         return max(2.0 * m * n * k / table.rate(m, n, k), memory)
-    mp, np_, kp = quantized(m, gen.tile), quantized(n, gen.tile), quantized(k, gen.tile)
-    tiles = (mp // gen.tile) * (np_ // gen.tile)
-    waves = math.ceil(tiles / gen.sms)
-    wave_use = tiles / (waves * gen.sms)
+    mp, np_, kp = _padded(m, gen.tile), _padded(n, gen.tile), _padded(k, MMA)
+    tiles = math.ceil(m / gen.tile) * math.ceil(n / gen.tile)
+    # Fewer tiles than SMs: cuBLAS splits K over the idle ones (split-K), up to one wave.
+    split = max(1, min(gen.sms // tiles, math.ceil(k / gen.tile)))
+    units = tiles * split
+    wave_use = units / (math.ceil(units / gen.sms) * gen.sms)
     math_s = 2.0 * mp * np_ * kp / (peak_flops * gen.gemm_share * wave_use)
     return max(math_s, memory)
 
