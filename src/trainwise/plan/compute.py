@@ -130,18 +130,32 @@ def _flat(inputs: PlanInputs, w: Workload, samples: float, tp: int) -> ComputeTi
 def _step_seconds(
     inputs: PlanInputs, w: Workload, samples: float, tp: int, dims: ParallelDims | None
 ) -> float:
+    return _cached_step(
+        inputs.hardware, inputs.compile, inputs.gemm_table, w, samples, tp, dims
+    )
+
+
+@lru_cache(maxsize=4096)
+def _cached_step(
+    hw: Hardware,
+    compiled: bool,
+    table: GemmTable | None,
+    w: Workload,
+    samples: float,
+    tp: int,
+    dims: ParallelDims | None,
+) -> float:
+    """The step's seconds (cached: the planner's search prices the same setups often)."""
     assert w.shape is not None
-    hw = inputs.hardware
     fsdp = dims is not None and dims.fsdp
     autocast = not fsdp and w.precision != "fp32"  # FSDP's mixed precision casts once
     micro = _micro_batch(
         w.shape, w.seq_len, w.micro_batch, tp, hw, w.precision, autocast,
-        inputs.compile, w.ac, inputs.gemm_table, w.loss,
+        compiled, w.ac, table, w.loss,
     )
     micro_batches = samples / w.micro_batch
-    work = micro.times(micro_batches) + _per_step(inputs, w, tp, dims, micro_batches)
-    op_s = COMPILED_OP_S if inputs.compile else EAGER_OP_S
-    host = work.host_ops * op_s
+    work = micro.times(micro_batches) + _per_step(hw, w, tp, dims, micro_batches)
+    host = work.host_ops * (COMPILED_OP_S if compiled else EAGER_OP_S)
     if hw.device == "cpu":  # the same cores dispatch and compute
         return work.device_s + host
     return max(work.device_s, host)
@@ -284,11 +298,10 @@ def _head(
 
 
 def _per_step(
-    inputs: PlanInputs, w: Workload, tp: int, dims: ParallelDims | None, micro_batches: float
+    hw: Hardware, w: Workload, tp: int, dims: ParallelDims | None, micro_batches: float
 ) -> Work:
     """The optimizer step on this rank's parameters (on the host with cpu offload: priced
     by the caller), and FSDP's copies and per-parameter work for every micro-batch."""
-    hw = inputs.hardware
     block, root = block_params(w, tp)
     assert w.shape is not None
     rank_params = block * w.shape.n_layer + root
