@@ -39,6 +39,9 @@ HOST_LINK = "pcie4"
 # Assumption: a model known only by its parameter count is sharded in 32 FSDP units (its
 # blocks; Llama-2-7B has 32 layers): it sizes the gathered units and the exposed gather.
 BARE_COUNT_UNITS = 32
+# A device the catalog does not know has no generation to model its operations with: the
+# flat compute (model FLOPs at one share of its peak), the same for every layout.
+UNKNOWN_DEVICE_EFFICIENCY = 0.4
 # Assumption: 256 GB of host memory per GPU (a DGX H100 has 2 TB for 8).
 HOST_MEMORY_PER_GPU = 256 * GB
 
@@ -265,7 +268,7 @@ def unknown_device_inputs(
     return PlanInputs(
         model="job", workload=workload, global_batch=None, grad_accum=grad_accum,
         tokens=float(tokens), gpus=gpus, node_size=gpus, hardware=hardware,
-        efficiency=cfg.plan.efficiency, data_samples_per_s=None,
+        efficiency=cfg.plan.efficiency or UNKNOWN_DEVICE_EFFICIENCY, data_samples_per_s=None,
         mtbf_hours=cfg.cluster.mtbf_hours, restart_s=cfg.cluster.restart_min * 60.0,
         checkpoint_bps=cfg.checkpoint.write_gbps * GB, headroom=cfg.parallel.headroom,
         objective="time", strategy=None, checkpoint_latency_s=cfg.checkpoint.save_latency_s,
