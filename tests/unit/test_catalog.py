@@ -19,7 +19,7 @@ from trainwise.hardware import (
     find_gpu,
     load_catalog,
 )
-from trainwise.hardware.catalog import parse_catalog
+from trainwise.hardware.catalog import GENERATIONS, parse_catalog
 
 # The GPUs the planner must know (issue: plan), by the names users type.
 REQUIRED = ["V100", "T4", "L4", "A10G", "A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe",
@@ -91,6 +91,8 @@ GOOD = {
         "X1": {
             "memory_gb": 10,
             "peak_tflops": {"fp32": 1},
+            "hbm_gbps": 1000,
+            "generation": "hopper",
             "intra_node": "nv",
             "price_per_hour": 1,
             "source": "s",
@@ -131,6 +133,8 @@ def test_a_good_catalog_parses():
         ("link.nv.scope", "galactic", "link.nv.scope = 'galactic' must be one of intra, inter"),
         ("link.nv.gbps", "fast", "link.nv.gbps = 'fast' must be a number"),
         ("gpu.X1.aliases", "H1", "gpu.X1.aliases must be a list of strings"),
+        ("gpu.X1.hbm_gbps", None, "gpu.X1.hbm_gbps = None must be a number"),
+        ("gpu.X1.generation", "kepler", "gpu.X1.generation = 'kepler' must be one of"),
     ],
 )
 def test_a_broken_catalog_names_the_key(path: str, value: object, message: str):
@@ -158,3 +162,9 @@ def test_the_catalog_does_not_import_torch():
     code = "import sys, trainwise.hardware.catalog as c; c.default_catalog(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_every_shipped_gpu_has_memory_bandwidth_and_a_generation():
+    for spec in default_catalog().gpus.values():
+        assert spec.hbm_bytes_per_s > 0 and spec.generation in GENERATIONS
+        assert "Memory bandwidth:" in spec.source  # each figure with its source

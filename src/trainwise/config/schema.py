@@ -561,12 +561,13 @@ class PlanConfig(Section):
         "parallel.shard, hsdp, auto; or the plan's row names fsdp-full, fsdp-grad-op, "
         "fsdp-offload); the knobs the job does not set are still searched.",
     )
-    efficiency: float = Field(
-        0.4,
+    efficiency: float | None = Field(
+        None,
         gt=0.0,
         le=1.0,
-        description="Achieved share of the GPU's peak FLOP/s in compute (an assumption: "
-        "Llama 3 reports 38-43 % on H100; --calibrate replaces it with a measured one).",
+        description="Achieved share of the GPU's peak FLOP/s in compute, overriding the "
+        "planner's per-operation model (default: modelled per GEMM, attention, memory-bound "
+        "op and kernel launch; --calibrate replaces it with a measured share).",
     )
     data_samples_per_s: float | None = Field(
         None, gt=0.0, description="Samples/s one GPU's loader delivers; default: unlimited."

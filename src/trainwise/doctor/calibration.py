@@ -25,6 +25,7 @@ from trainwise.plan.calibrate import (
     read_calibration,
     write_calibration,
 )
+from trainwise.plan.compute import achieved_share
 from trainwise.plan.estimate import Setup, StrategyPlan, price
 from trainwise.plan.performance import ANALYTIC
 
@@ -56,7 +57,7 @@ def machine_figures(ctx: Context, launch_s: float | None) -> MachineFigures:
         # the efficiency scales by the miss (compute is FLOPs over the efficiency).
         compute_s = step_s - (plan.step.total - plan.step.compute)
         if compute_s > 0:
-            efficiency = min(1.0, ctx.plan_inputs().efficiency * plan.step.compute / compute_s)
+            efficiency = min(1.0, achieved_share(ctx.plan_inputs(), plan, compute_s))
     runtime = None
     if ctx.device.type == "cpu" and m.get("rss_added_bytes") is not None:
         runtime = max(0.0, m["rss_added_bytes"] - plan.memory.total)

@@ -20,6 +20,8 @@ TFLOP = 1e12
 GB = 1e9
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 SCOPES = ("intra", "inter")
+# Architectures the planner has GEMM and attention efficiencies for (trainwise.plan.gemm).
+GENERATIONS = ("volta", "turing", "ampere", "ada", "hopper", "blackwell", "cdna3", "cpu")
 
 
 class CatalogError(ValueError):
@@ -54,6 +56,8 @@ class GPUSpec:
     source: str
     intra_node: Link | None = None
     aliases: tuple[str, ...] = field(default=())
+    hbm_bytes_per_s: float = 0.0  # device memory bandwidth (datasheet)
+    generation: str = "cpu"  # architecture: one of GENERATIONS
 
     def peak(self, precision: str) -> float | None:
         return self.peak_flops.get(precision)
@@ -122,6 +126,11 @@ def parse_catalog(data: dict[str, Any], origin: str = "catalog.toml") -> Catalog
             raise CatalogError(f"{where}.intra_node = {link_name!r} is not a [link.*] table")
         if link_name is not None and links[link_name].scope != "intra":
             raise CatalogError(f"{where}.intra_node = {link_name!r} is not an intra-node link")
+        generation = table.get("generation")
+        if generation not in GENERATIONS:
+            raise CatalogError(
+                f"{where}.generation = {generation!r} must be one of {', '.join(GENERATIONS)}"
+            )
         aliases = table.get("aliases", [])
         if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
             raise CatalogError(f"{where}.aliases must be a list of strings")
@@ -137,6 +146,8 @@ def parse_catalog(data: dict[str, Any], origin: str = "catalog.toml") -> Catalog
             source=_text(table.get("source"), f"{where}.source"),
             intra_node=links[link_name] if link_name else None,
             aliases=tuple(aliases),
+            hbm_bytes_per_s=_number(table.get("hbm_gbps"), f"{where}.hbm_gbps") * GB,
+            generation=generation,
         )
     if not gpus:
         raise CatalogError(f"{origin}: no [gpu.*] table")

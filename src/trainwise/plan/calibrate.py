@@ -30,6 +30,7 @@ from typing import Any
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, find_gpu
 from trainwise.jsonl import read_objects
+from trainwise.plan.gemm import GemmTable
 from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.network import Fabric, nic_bps_from_rail_busbw
 from trainwise.records import JobRecord, RunPlanFigures
@@ -60,14 +61,16 @@ class Calibration:
     launch_s: float | None = None  # the launcher's start to every worker joined
     # Achieved efficiency per GEMM shape, measured on CUDA (trainwise.doctor.gemm's
     # measure_gemm_table); None until a doctor on CUDA measured it.
-    gemm: dict[str, Any] | None = None
+    gemm: GemmTable | None = None
     kind: str | None = None  # the catalog's name of the device: the machine kind
     measured: str | None = None  # when (ISO 8601 date and time, UTC)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """The calibration file's JSON object."""
-        return {"version": FILE_VERSION, **asdict(self)}
+        out = {"version": FILE_VERSION, **asdict(self)}
+        out["gemm"] = self.gemm.to_dict() if self.gemm else None
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str) -> Calibration:
@@ -79,7 +82,9 @@ class Calibration:
                 f"{where}: not a trainwise calibration file ({what}); run trainwise doctor "
                 "to write one"
             )
-        return cls(**{k: v for k, v in data.items() if k in known})
+        values = {k: v for k, v in data.items() if k in known}
+        values["gemm"] = _gemm(values.get("gemm"))
+        return cls(**values)
 
 
 def calibration_dir() -> Path:
@@ -272,8 +277,15 @@ def _from_doctor(path: Path, where: str, cal: Calibration) -> Calibration:
         efficiency=machine.get("efficiency") or cal.efficiency,
         cpu_runtime_bytes=_first(machine.get("cpu_runtime_bytes"), cal.cpu_runtime_bytes),
         launch_s=machine.get("launch_s") or cal.launch_s,
-        gemm=machine.get("gemm") or cal.gemm,
+        gemm=_gemm(machine.get("gemm") or record.get("gemm")) or cal.gemm,
     )
+
+
+def _gemm(data: dict[str, Any] | GemmTable | None) -> GemmTable | None:
+    """A GEMM table as the files hold it (GemmTable.to_dict), or already read."""
+    if data is None or isinstance(data, GemmTable):
+        return data
+    return GemmTable.from_dict(data)
 
 
 def _first(*values: float | None) -> float | None:
@@ -288,7 +300,7 @@ def apply_calibration(inputs: PlanInputs, cal: Calibration) -> tuple[PlanInputs,
     if cal.efficiency is not None:
         said.append(
             f"compute efficiency {cal.efficiency:.1%} of peak measured in {cal.source} "
-            f"(assumed {inputs.efficiency:.0%})"
+            f"(assumed {_assumed(inputs.efficiency)})"
         )
         if cal.device and not _same_device(cal, hw.gpu):
             said.append(
@@ -338,7 +350,17 @@ def apply_calibration(inputs: PlanInputs, cal: Calibration) -> tuple[PlanInputs,
     if cal.launch_s is not None:
         said.append(f"starting the workers took {cal.launch_s:.3g} s, measured in {cal.source}")
     inputs, said = _runtime_memory(inputs, cal, said)
+    if cal.gemm is not None:
+        said.append(
+            f"GEMM rates of {len(cal.gemm.shapes)} shapes measured on {cal.gemm.device} in "
+            f"{cal.source} replace the modelled ones"
+        )
+        inputs = replace(inputs, gemm_table=cal.gemm)
     return replace(inputs, hardware=hw), said
+
+
+def _assumed(efficiency: float | None) -> str:
+    return "per-operation model" if efficiency is None else f"{efficiency:.0%}"
 
 
 def _same_device(cal: Calibration, gpu: str) -> bool:

@@ -1,20 +1,82 @@
-"""The compute seconds of one training step on one GPU: the forward, the backward and any
-recomputation of the samples a data-parallel rank runs, on one of `tp` tensor-parallel
-ranks. The one place the planner turns FLOPs into seconds.
+"""The compute seconds of one training step on one GPU: the forward, the backward, any
+recomputation and the optimizer step of the samples a data-parallel rank runs, on one of
+`tp` tensor-parallel ranks. The one place the planner turns work into seconds.
 
-Today: model FLOPs (plan.flops) times the recomputation factor, at the device's peak times
-one efficiency (`plan.efficiency`, or a calibrated one), TP's narrower GEMMs at
-plan.tensor_parallel.gemm_efficiency.
+A per-operation model of trainwise's GPT (models.gpt), one micro-batch of T tokens:
+- the GEMMs of a block and of the head by shape, forward (T, out, in) and backward (the
+  input gradient (T, in, out) and the weight gradient (out, in, T)), the projections'
+  output or input width divided by `tp` as Megatron-style TP splits them, each priced by
+  plan.gemm (shape- and generation-dependent, or a measured GemmTable);
+- attention as SDPA's flash kernel: causal, 2·T·s·d FLOPs forward and 2.5 times that
+  backward (FlashAttention-2, section 3: five matmuls backward for two forward);
+- the memory-bound work as bytes over the device's memory bandwidth (MEMORY_SHARE of the
+  datasheet's): norms, residual adds, rotary, the MLP's activation, autocast's weight
+  casts, the loss over the vocabulary, the optimizer step, FSDP's copies;
+- the host: every operation the eager runtime dispatches costs EAGER_OP_S of CPU time;
+  under `train.compile` a block runs as a few fused kernels. The GPU runs asynchronously
+  behind the host, so a step takes the longer of the two (on a CPU device, which computes
+  on the same cores, their sum).
+Activation checkpointing adds the forward of each checkpointed block again (full: every
+block; selective: every other one, as run.parallelize wraps them).
+
+`plan.efficiency`, when the user sets it, overrides the model: model FLOPs x recomputation
+at that share of the peak. A model known only by its parameter count is priced as 6N FLOPs
+a token at BARE_EFFICIENCY.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
 
+from trainwise.config.parallel_dims import ParallelDims
+from trainwise.models.shapes import GPTShape
 from trainwise.plan.flops import model_flops_per_token, recompute_factor
-from trainwise.plan.inputs import PlanInputs
-from trainwise.plan.memory import Workload
-from trainwise.plan.tensor_parallel import gemm_efficiency
+from trainwise.plan.gemm import GENERATIONS, GemmTable, attention_seconds, gemm_seconds
+from trainwise.plan.inputs import Hardware, PlanInputs
+from trainwise.plan.memory import Workload, block_params, checkpointed_blocks
+from trainwise.plan.precision import BYTES, MASTER_BYTES
+
+if TYPE_CHECKING:
+    from trainwise.plan.estimate import StrategyPlan
+
+# A bare parameter count has no shape to price: the former single efficiency (Llama 3
+# reports 38-43 % MFU on H100; Dubey et al., 2024, Table 4).
+BARE_EFFICIENCY = 0.4
+# Assumption: elementwise kernels stream at 80 % of the datasheet's memory bandwidth
+# (STREAM-like copies reach 80-90 % on HBM parts).
+MEMORY_SHARE = 0.8
+# CPU time eager PyTorch spends dispatching one operation (Python, autograd, the
+# dispatcher, the kernel launch): 5-25 us ("From PyTorch op to kernel launch", jiahuanglin,
+# gpu_kernel_serving lesson 18); 20 us with nn.Module calls around them (an assumption).
+EAGER_OP_S = 20e-6
+# A compiled graph launches its kernels from generated code: the driver's 1-3 us and a
+# thin wrapper (assumption: 5 us), FUSED_KERNELS_PER_BLOCK besides the GEMMs and attention.
+COMPILED_OP_S = 5e-6
+FUSED_KERNELS_PER_BLOCK = 6
+# Assumption: Inductor fuses each block's elementwise chains (norm + cast, activation +
+# product, rotary), so they move half the bytes eager's separate kernels move.
+COMPILED_MEMORY_SHARE = 0.5
+# Autograd runs about two kernels per forward operation (a linear: the input and weight
+# gradients; an elementwise op: its gradient and the accumulation): an assumption.
+BACKWARD_OPS_PER_FORWARD_OP = 2
+# Operations of the model outside its blocks, per micro-batch forward (embedding, final
+# norm, head, the loss's log-softmax, gather and mean, their casts) and per step (foreach
+# AdamW's ~15 foreach ops, gradient clipping's norm and scale, zero_grad, the loss read).
+HEAD_FORWARD_OPS = 10
+STEP_OPS = 30
+# FSDP2 handles each parameter in Python on every unshard, reshard and gradient reduction
+# (views into the gathered buffer, version counters, the sharded gradient's DTensor):
+# an assumption of 20 operations per parameter tensor per micro-batch.
+FSDP_OPS_PER_PARAM = 20
+# Elementwise passes of a block's forward, in activation widths read or written per token
+# (counted from models.gpt.Block): rotary on q and k (chunks, four products, two sums, a
+# concatenation), the MLP's activation (silu, product: 5 widths; gelu: 2).
+ROTARY_PASSES = 8
+# Foreach AdamW in fp32 reads parameter, gradient and both moments and writes three of
+# them (28 bytes) plus its sqrt temporary (8); clipping reads and scales the gradient (12).
+OPTIMIZER_BYTES_PER_PARAM = 48
 
 
 @dataclass(frozen=True)
@@ -27,14 +89,262 @@ class ComputeTime:
     one_gpu_tokens_per_s: float
 
 
-def compute_time(inputs: PlanInputs, w: Workload, samples: float, tp: int) -> ComputeTime:
+@dataclass(frozen=True)
+class Work:
+    """Seconds on the device and operations the host dispatches."""
+
+    device_s: float = 0.0
+    host_ops: float = 0.0
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.device_s + other.device_s, self.host_ops + other.host_ops)
+
+    def times(self, k: float) -> Work:
+        return Work(self.device_s * k, self.host_ops * k)
+
+
+def compute_time(
+    inputs: PlanInputs,
+    w: Workload,
+    samples: float,
+    tp: int,
+    dims: ParallelDims | None = None,
+) -> ComputeTime:
     """Compute of `samples` sequences of workload `w` (at its micro-batch and ac) on one of
-    `tp` tensor-parallel ranks."""
-    hw = inputs.hardware
+    `tp` tensor-parallel ranks, in layout `dims` (None: one GPU alone)."""
+    if inputs.efficiency is not None or w.shape is None:
+        return _flat(inputs, w, samples, tp)
+    step = _step_seconds(inputs, w, samples, tp, dims)
+    one = step if tp == 1 and dims is None else _step_seconds(inputs, w, samples, 1, None)
+    return ComputeTime(step, samples * w.seq_len / one)
+
+
+def achieved_share(inputs: PlanInputs, plan: StrategyPlan, compute_s: float) -> float:
+    """The share of the peak that `compute_s` seconds of `plan`'s compute (one rank's step)
+    achieve on its model FLOPs x recomputation: what a measured step calibrates as the
+    `plan.efficiency` override (the flat model of _flat, run backwards)."""
+    setup = plan.setup
+    assert setup is not None
+    w = inputs.workload
+    n_layer = w.shape.n_layer if w.shape else 1
+    hw_flops = model_flops_per_token(w.params, w.shape, w.seq_len) * recompute_factor(
+        setup.ac, n_layer
+    )
+    tokens = setup.micro_batch * setup.grad_accum * w.seq_len
+    return tokens * hw_flops / (inputs.hardware.peak_flops * setup.dims.tp * compute_s)
+
+
+def _flat(inputs: PlanInputs, w: Workload, samples: float, tp: int) -> ComputeTime:
+    """Model FLOPs x recomputation at one share of the peak (the override, or a bare count)."""
     n_layer = w.shape.n_layer if w.shape else 1
     hw_flops = model_flops_per_token(w.params, w.shape, w.seq_len) * recompute_factor(
         w.ac, n_layer
     )
-    rate = hw.peak_flops * inputs.efficiency
-    seconds = samples * w.seq_len * hw_flops / (rate * tp * gemm_efficiency(tp))
+    share = inputs.efficiency if inputs.efficiency is not None else BARE_EFFICIENCY
+    rate = inputs.hardware.peak_flops * share
+    seconds = samples * w.seq_len * hw_flops / (rate * tp)
     return ComputeTime(seconds, rate / hw_flops)
+
+
+def _step_seconds(
+    inputs: PlanInputs, w: Workload, samples: float, tp: int, dims: ParallelDims | None
+) -> float:
+    return _cached_step(
+        inputs.hardware, inputs.compile, inputs.gemm_table, w, samples, tp, dims
+    )
+
+
+@lru_cache(maxsize=4096)
+def _cached_step(
+    hw: Hardware,
+    compiled: bool,
+    table: GemmTable | None,
+    w: Workload,
+    samples: float,
+    tp: int,
+    dims: ParallelDims | None,
+) -> float:
+    """The step's seconds (cached: the planner's search prices the same setups often)."""
+    assert w.shape is not None
+    fsdp = dims is not None and dims.fsdp
+    autocast = not fsdp and w.precision != "fp32"  # FSDP's mixed precision casts once
+    micro = _micro_batch(
+        w.shape, w.seq_len, w.micro_batch, tp, hw, w.precision, autocast,
+        compiled, w.ac, table, w.loss,
+    )
+    micro_batches = samples / w.micro_batch
+    work = micro.times(micro_batches) + _per_step(hw, w, tp, dims, micro_batches)
+    host = work.host_ops * (COMPILED_OP_S if compiled else EAGER_OP_S)
+    if hw.device == "cpu":  # the same cores dispatch and compute
+        return work.device_s + host
+    return max(work.device_s, host)
+
+
+@lru_cache(maxsize=1024)
+def _micro_batch(
+    shape: GPTShape,
+    seq: int,
+    micro_batch: int,
+    tp: int,
+    hw: Hardware,
+    precision: str,
+    autocast: bool,
+    compiled: bool,
+    ac: str,
+    table: GemmTable | None,
+    loss: str = "standard",
+) -> Work:
+    """One micro-batch: every block forward and backward, the recomputed blocks' forward
+    again, the head and its loss."""
+    tokens = seq * micro_batch
+    forward = _block_forward(shape, tokens, seq, tp, hw, precision, autocast, compiled, table)
+    backward = _block_backward(shape, tokens, seq, tp, hw, precision, autocast, compiled, table)
+    recomputed = len(checkpointed_blocks(ac, shape.n_layer))
+    blocks = (forward + backward).times(shape.n_layer) + forward.times(recomputed)
+    return blocks + _head(shape, tokens, tp, hw, precision, table, loss)
+
+
+def _gemms(shape: GPTShape, tp: int) -> list[tuple[int, int]]:
+    """(out, in) of a block's projections on one of `tp` ranks: q, k, v and the gate/up
+    split their outputs, out_proj and down their inputs."""
+    h, f = shape.d_model, shape.d_ff
+    q, kv = shape.n_head * shape.head_dim, shape.n_kv_head * shape.head_dim
+    mlp_in = [(f // tp, h)] * (2 if shape.mlp == "swiglu" else 1)
+    return [(q // tp, h), (kv // tp, h), (kv // tp, h), (h, q // tp), *mlp_in, (h, f // tp)]
+
+
+def _gemm(m: int, n: int, k: int, hw: Hardware, precision: str, table: GemmTable | None) -> float:
+    gen = GENERATIONS[hw.generation]
+    return gemm_seconds(m, n, k, hw.peak_flops, hw.hbm_bps, BYTES[precision], gen, table)
+
+
+def _elementwise_bytes(shape: GPTShape, tp: int, precision: str, autocast: bool) -> float:
+    """Bytes per token a block's forward reads and writes outside its GEMMs and attention:
+    two norms (and autocast's casts of their outputs), two residual adds, rotary, GQA's
+    repeat, the attention output's copy, the MLP's activation."""
+    e = BYTES[precision]
+    r = MASTER_BYTES if autocast else e  # the residual stream under autocast stays fp32
+    h, f = shape.d_model, shape.d_ff // tp
+    q, kv = shape.n_head * shape.head_dim // tp, shape.n_kv_head * shape.head_dim // tp
+    norms = 2 * (r + e) * h * (2 if autocast else 1)
+    residual = 2 * 3 * r * h
+    rotary = ROTARY_PASSES * e * (q + kv) if shape.pos == "rope" else 0
+    repeat = 2 * 2 * e * q if shape.n_kv_head != shape.n_head else 0
+    copy = 2 * e * q
+    act = e * f * (5 if shape.mlp == "swiglu" else 2)
+    return norms + residual + rotary + repeat + copy + act
+
+
+def _forward_ops(shape: GPTShape, autocast: bool) -> int:
+    """Operations eager PyTorch dispatches in one block's forward (models.gpt.Block)."""
+    linears = len(_gemms(shape, 1))
+    ops = 2 + linears + 6 + 1 + 2 + 2 + 2 + (2 if shape.mlp == "swiglu" else 1)
+    # norms, projections, q/k/v view + transpose, SDPA, output transpose + reshape,
+    # dropouts, residual adds, activation
+    if shape.pos == "rope":
+        ops += 2 * 12  # per q and k: two table slices and casts, chunk, 4 mul, 2 add, cat
+    if shape.n_kv_head != shape.n_head:
+        ops += 2  # repeat_interleave of k and v
+    if autocast:
+        ops += linears * (2 if shape.bias else 1)  # weight (and bias) casts
+    return ops
+
+
+def _block_forward(
+    shape: GPTShape, tokens: int, seq: int, tp: int, hw: Hardware, precision: str,
+    autocast: bool, compiled: bool, table: GemmTable | None,
+) -> Work:
+    gemms = sum(_gemm(tokens, o, i, hw, precision, table) for o, i in _gemms(shape, tp))
+    q = shape.n_head * shape.head_dim // tp
+    attention = attention_seconds(
+        2.0 * tokens * seq * q, hw.peak_flops, GENERATIONS[hw.generation]
+    )
+    moved = tokens * _elementwise_bytes(shape, tp, precision, autocast)
+    if autocast:  # each weight cast to 16 bits for its matmul (read fp32, write 16-bit)
+        moved += sum(o * i for o, i in _gemms(shape, tp)) * (MASTER_BYTES + BYTES[precision])
+    if compiled:
+        moved *= COMPILED_MEMORY_SHARE
+    memory = moved / (hw.hbm_bps * MEMORY_SHARE)
+    ops = len(_gemms(shape, 1)) + 1 + FUSED_KERNELS_PER_BLOCK if compiled else _forward_ops(
+        shape, autocast
+    )
+    return Work(gemms + attention + memory, ops)
+
+
+def _block_backward(
+    shape: GPTShape, tokens: int, seq: int, tp: int, hw: Hardware, precision: str,
+    autocast: bool, compiled: bool, table: GemmTable | None,
+) -> Work:
+    """Input and weight gradients of every projection, attention's backward (2.5 times its
+    forward), the elementwise work twice (each op reads its saved input and the output
+    gradient and writes the input gradient)."""
+    gemms = sum(
+        _gemm(tokens, i, o, hw, precision, table) + _gemm(o, i, tokens, hw, precision, table)
+        for o, i in _gemms(shape, tp)
+    )
+    q = shape.n_head * shape.head_dim // tp
+    attention = attention_seconds(
+        5.0 * tokens * seq * q, hw.peak_flops, GENERATIONS[hw.generation]
+    )
+    moved = 2 * tokens * _elementwise_bytes(shape, tp, precision, autocast)
+    if compiled:
+        moved *= COMPILED_MEMORY_SHARE
+    memory = moved / (hw.hbm_bps * MEMORY_SHARE)
+    forward_ops = (
+        len(_gemms(shape, 1)) + 1 + FUSED_KERNELS_PER_BLOCK if compiled
+        else _forward_ops(shape, autocast)
+    )
+    return Work(gemms + attention + memory, BACKWARD_OPS_PER_FORWARD_OP * forward_ops)
+
+
+def _head(
+    shape: GPTShape, tokens: int, tp: int, hw: Hardware, precision: str,
+    table: GemmTable | None, loss: str = "standard",
+) -> Work:
+    """The head's GEMM forward and backward, and the loss over the vocabulary: the logits
+    written, upcast to fp32, log-softmax forward and backward, cast back (36 bytes per
+    vocabulary entry and token besides the 16-bit logits and their gradient); a fused
+    loss reads the logits once and writes their gradient in place."""
+    h, v = shape.d_model, shape.vocab_size // tp
+    gemms = (
+        _gemm(tokens, v, h, hw, precision, table)
+        + _gemm(tokens, h, v, hw, precision, table)
+        + _gemm(v, h, tokens, hw, precision, table)
+    )
+    per_entry = 3 * BYTES[precision] if loss == "fused" else 36 + 2 * BYTES[precision]
+    memory = tokens * v * per_entry / (hw.hbm_bps * MEMORY_SHARE)
+    return Work(gemms + memory, HEAD_FORWARD_OPS * (1 + BACKWARD_OPS_PER_FORWARD_OP))
+
+
+def _per_step(
+    hw: Hardware, w: Workload, tp: int, dims: ParallelDims | None, micro_batches: float
+) -> Work:
+    """The optimizer step on this rank's parameters (on the host with cpu offload: priced
+    by the caller), and FSDP's copies and per-parameter work for every micro-batch."""
+    block, root = block_params(w, tp)
+    assert w.shape is not None
+    rank_params = block * w.shape.n_layer + root
+    shard = dims.dp_shard if dims is not None and dims.fsdp else 1
+    work = Work(host_ops=STEP_OPS)
+    if not (dims is not None and dims.cpu_offload):
+        optimizer = rank_params / shard * OPTIMIZER_BYTES_PER_PARAM
+        work += Work(optimizer / (hw.hbm_bps * MEMORY_SHARE))
+    if dims is not None and dims.fsdp:
+        e = BYTES[w.precision]
+        gathers = 1 if dims.shard == "grad_op" else 2  # forward, and again for backward
+        # Each gather casts the fp32 shard to 16 bits and copies the gathered buffer out
+        # into the parameters; the reduction copies the gradients in (upcast to fp32).
+        moved = rank_params * (gathers * (MASTER_BYTES / shard + 2 * e) + e + MASTER_BYTES)
+        tensors = _param_tensors(w.shape) * w.shape.n_layer + 3
+        work += Work(
+            micro_batches * moved / (hw.hbm_bps * MEMORY_SHARE),
+            micro_batches * FSDP_OPS_PER_PARAM * tensors,
+        )
+    return work
+
+
+def _param_tensors(shape: GPTShape) -> int:
+    """Parameter tensors of one block: two norms (weight, and bias with layernorm + bias)
+    and every projection's weight (and bias)."""
+    norms = 2 * (2 if shape.norm == "layernorm" and shape.bias else 1)
+    return norms + len(_gemms(shape, 1)) * (2 if shape.bias else 1)

@@ -205,7 +205,7 @@ def price(
     host_fits = host_per_node <= hw.host_memory_bytes
 
     model_flops = model_flops_per_token(w.params, w.shape, w.seq_len)
-    timed = model.compute(inputs, w, per_rank, tp)
+    timed = model.compute(inputs, w, per_rank, tp, dims)
     compute = timed.seconds
 
     collectives, host_s, exposed = model.communication(inputs, setup, w, compute)

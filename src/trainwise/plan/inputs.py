@@ -14,6 +14,7 @@ from trainwise.config.schema import JobConfig
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, TFLOP, GPUSpec, default_catalog, find_gpu
 from trainwise.models.shapes import PRESETS, GPTShape, job_shape
+from trainwise.plan.gemm import GemmTable
 from trainwise.plan.memory import Workload
 
 if TYPE_CHECKING:
@@ -44,6 +45,9 @@ HOST_LINK = "pcie4"
 # Assumption: a model known only by its parameter count is sharded in 32 FSDP units (its
 # blocks; Llama-2-7B has 32 layers): it sizes the gathered units and the exposed gather.
 BARE_COUNT_UNITS = 32
+# A device the catalog does not know has no generation to model its operations with: the
+# flat compute (model FLOPs at one share of its peak), the same for every layout.
+UNKNOWN_DEVICE_EFFICIENCY = 0.4
 # Assumption: 256 GB of host memory per GPU (a DGX H100 has 2 TB for 8).
 HOST_MEMORY_PER_GPU = 256 * GB
 
@@ -72,6 +76,8 @@ class Hardware:
     nics_per_node: int | None = None  # None: one per GPU
     intra_step_s: float = 0.0  # latency of a collective's step within a node
     inter_step_s: float = 0.0  # and across nodes
+    hbm_bps: float = 2e12  # device memory bandwidth, bytes/s (catalog hbm_gbps)
+    generation: str = "hopper"  # architecture: picks GEMM and attention efficiencies
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,7 @@ class PlanInputs:
     gpus: int
     node_size: int  # GPUs a node holds
     hardware: Hardware
-    efficiency: float  # achieved share of peak FLOP/s
+    efficiency: float | None  # achieved share of peak FLOP/s; None: the per-op model
     data_samples_per_s: float | None  # per GPU; None: the loader never limits
     mtbf_hours: float  # per node
     restart_s: float
@@ -98,6 +104,8 @@ class PlanInputs:
     accumulate: str = "auto"  # parallel.accumulate: the named rows price it when set
     # The model that prices these inputs (plan.performance; None: the analytic one).
     performance: PerformanceModel | None = None
+    compile: bool = False  # train.compile: blocks run as fused graphs (plan.compute)
+    gemm_table: GemmTable | None = None  # measured GEMM rates (a calibration), else modelled
 
     @property
     def gpus_per_node(self) -> int:
@@ -163,6 +171,7 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
         if p.strategy
         else None,
         accumulate=cfg.parallel.accumulate,
+        compile=cfg.train.compile,
     )
 
 
@@ -211,6 +220,8 @@ def resolve_hardware(
             else spec.price_per_hour
         ),
         device="cpu" if spec.name == "cpu" else "cuda",
+        hbm_bps=spec.hbm_bytes_per_s,
+        generation=spec.generation,
     )
 
 
@@ -252,6 +263,7 @@ def job_inputs(
         headroom=cfg.parallel.headroom,
         objective="time",
         strategy=None,
+        compile=cfg.train.compile,
     )
 
 
@@ -272,10 +284,11 @@ def unknown_device_inputs(
     return PlanInputs(
         model="job", workload=workload, global_batch=None, grad_accum=grad_accum,
         tokens=float(tokens), gpus=gpus, node_size=gpus, hardware=hardware,
-        efficiency=cfg.plan.efficiency, data_samples_per_s=None,
+        efficiency=cfg.plan.efficiency or UNKNOWN_DEVICE_EFFICIENCY, data_samples_per_s=None,
         mtbf_hours=cfg.cluster.mtbf_hours, restart_s=cfg.cluster.restart_min * 60.0,
         checkpoint_bps=cfg.checkpoint.write_gbps * GB, headroom=cfg.parallel.headroom,
         objective="time", strategy=None, checkpoint_latency_s=cfg.checkpoint.save_latency_s,
+        compile=cfg.train.compile,
     )
 
 

@@ -64,6 +64,10 @@ class Workload:
     # FSDP units of a model without a shape (a bare parameter count): an assumption the
     # planner states; None means the whole model is one unit (unknown custom models).
     units: int | None = None
+    # The cross-entropy kernel: "standard" (F.cross_entropy, trainwise's: keeps the fp32
+    # log-softmax over the vocabulary) or "fused" (a fused kernel, e.g. flash-attn's
+    # cross_entropy, as llm-foundry uses: writes the gradient into the logits in place).
+    loss: str = "standard"
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,7 @@ class MemoryEstimate:
 
 
 def activation_bytes_per_token(
-    shape: GPTShape, precision: str, autocast: bool, device: str = "cuda"
+    shape: GPTShape, precision: str, autocast: bool, device: str = "cuda", loss: str = "standard"
 ) -> dict:
     """Bytes per token that autograd keeps for one transformer block (`layer`), for a
     checkpointed block (`block_input`), for the head and its loss at the start of backward
@@ -140,8 +144,9 @@ def activation_bytes_per_token(
     # Head: the final norm; the loss (fp32 under autocast, the parameter dtype under FSDP
     # mixed precision) keeps its log-softmax, and backward starts with two more v-sized
     # gradients; the logits themselves are freed after the loss.
-    loss = MASTER_BYTES if (autocast or not low) else e
-    head = norm + 3 * loss * v
+    loss_bytes = MASTER_BYTES if (autocast or not low) else e
+    # A fused loss keeps only the 16-bit logits, which become their own gradient.
+    head = norm + (e * v if loss == "fused" else 3 * loss_bytes * v)
     # The gradients of a block's intermediates while it runs backward.
     working = e * f * (3 if shape.mlp == "swiglu" else 2) + r * h
     # What tensor parallelism splits otherwise (plan.tensor_parallel): the norm regions and
@@ -150,7 +155,7 @@ def activation_bytes_per_token(
     return {
         "layer": attn + mlp, "block_input": r * h, "head": head, "working_set": working,
         "norms": 2 * norm, "head_norm": norm, "residual": r * h, "gathered": e * h,
-        "loss": loss * v,
+        "loss": loss_bytes * v,
     }
 
 
@@ -192,7 +197,7 @@ def activation_profile(
     search asks for the same workload many times.)"""
     if w.shape is None:
         return None
-    per = activation_bytes_per_token(w.shape, w.precision, autocast, device)
+    per = activation_bytes_per_token(w.shape, w.precision, autocast, device, w.loss)
     per = activation_split(per, tp, sequence_parallel)
     ckpt = checkpointed_blocks(w.ac, w.shape.n_layer)
     kept = [per["block_input"] if i in ckpt else per["layer"] for i in range(w.shape.n_layer)]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 from trainwise.plan.compute import ComputeTime, compute_time
 
 if TYPE_CHECKING:
+    from trainwise.config.parallel_dims import ParallelDims
     from trainwise.plan.calibrate import Calibration
     from trainwise.plan.comm import Collective
     from trainwise.plan.estimate import Setup
@@ -34,7 +35,8 @@ class PerformanceModel(Protocol):
     def adopt(self, inputs: PlanInputs) -> tuple[PlanInputs, list[str]]: ...
 
     def compute(
-        self, inputs: PlanInputs, w: Workload, samples: float, tp: int
+        self, inputs: PlanInputs, w: Workload, samples: float, tp: int,
+        dims: ParallelDims | None = None,
     ) -> ComputeTime: ...
 
     def communication(
@@ -56,8 +58,11 @@ class AnalyticModel:
         """`inputs` priced by this model, and one sentence per figure it replaced."""
         return replace(inputs, performance=self), []
 
-    def compute(self, inputs: PlanInputs, w: Workload, samples: float, tp: int) -> ComputeTime:
-        return compute_time(inputs, w, samples, tp)
+    def compute(
+        self, inputs: PlanInputs, w: Workload, samples: float, tp: int,
+        dims: ParallelDims | None = None,
+    ) -> ComputeTime:
+        return compute_time(inputs, w, samples, tp, dims)
 
     def communication(
         self, inputs: PlanInputs, setup: Setup, w: Workload, compute: float

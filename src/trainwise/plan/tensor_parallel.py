@@ -32,22 +32,16 @@ parallelism, runs asynchronously while the weight gradient is computed), and wai
 what exceeds them. A runtime without that overlap (plain DTensor) waits for all of it: then
 a step has the backward share more exposed.
 
-Compute. Each rank runs 1/t of every matmul; narrower GEMMs run less efficiently, which is
-an assumption (TP_EFFICIENCY_PER_DOUBLING below), not a measurement.
+Compute. Each rank runs 1/t of every matmul; plan.compute prices the narrower GEMMs by
+their shape (plan.gemm).
 """
 
 from __future__ import annotations
-
-import math
 
 from trainwise.models.shapes import GPTShape
 from trainwise.plan.comm import Collective, Layout
 from trainwise.plan.precision import BYTES
 
-# Assumption: each doubling of tp keeps this share of the compute efficiency (the GEMMs
-# are 1/t as wide; Megatron-LM reports 77 % weak-scaling efficiency at t = 8 for whole
-# steps, communication included, so 0.97 per doubling for the GEMMs alone is mild).
-TP_EFFICIENCY_PER_DOUBLING = 0.97
 # Measured (`trainwise plan --simulate`): DTensor's loss_parallel runs log-softmax and the
 # NLL as decomposed ops on the vocabulary shards, and at the head's backward holds this many
 # shard-sized tensors a token (the fused kernel on a whole vocabulary: 3).
@@ -103,11 +97,6 @@ def activation_split(per: dict, tp: int, sequence_parallel: bool) -> dict:
         "head": per["head_norm"] + (per["head"] - per["head_norm"]) / tp + loss,
         "working_set": per["residual"] + (per["working_set"] - per["residual"]) / tp,
     }
-
-
-def gemm_efficiency(tp: int) -> float:
-    """The share of the compute efficiency narrower GEMMs keep (an assumption, above)."""
-    return TP_EFFICIENCY_PER_DOUBLING ** math.log2(tp) if tp > 1 else 1.0
 
 
 def tp_collectives(

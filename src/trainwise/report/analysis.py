@@ -411,7 +411,7 @@ def _largest_miss(stages: StageSplit, plan: dict[str, Any]) -> str:
     """The assumption behind the stage whose seconds per step the plan missed by most."""
     m, p = stages.measured_per_step, stages.planned_per_step or {}
     misses = {
-        f"the achieved compute rate (plan.efficiency = {plan.get('efficiency', '?')})":
+        f"the achieved compute rate (plan.efficiency = {plan.get('efficiency') or 'modelled'})":
             m["compute"] + m["optimizer"] - (p.get("compute") or 0.0),
         "the link bandwidth (cluster.intra_node_gbps / inter_node_gbps; trainwise doctor "
         "measures it)": m["exposed sync"] - (p.get("exposed sync") or 0.0),

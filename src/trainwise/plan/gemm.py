@@ -1,0 +1,169 @@
+"""How fast one GPU runs a matrix multiplication of a given shape, and its attention: the
+per-generation efficiencies the compute model (plan.compute) prices operations with, and
+the measured table (`GemmTable`) a calibration replaces them with.
+
+A GEMM of shape (M, N, K) does 2·M·N·K FLOPs. Its time is the larger of
+- its FLOPs at the generation's large-GEMM rate (`gemm_share` of the dense peak), after
+  tile quantization (each dimension padded to the kernel's output tile) and wave
+  quantization (the tiles run in waves of one per SM: a last partial wave idles the rest;
+  a GEMM of fewer tiles than SMs splits K over them, cuBLAS's split-K),
+  NVIDIA, "Matrix Multiplication Background User's Guide" (Deep Learning Performance docs),
+  sections "Tile Quantization" and "Wave Quantization";
+- and its bytes (the two inputs read, the output written) at the memory bandwidth: a thin
+  GEMM is memory-bound (ibid., "Math And Memory Bounds").
+
+The large-GEMM shares are the maximum sustainable matmul FLOPS (MSMF: torch.matmul in
+bf16 on the best shape, the GPU saturated at its power limit, "the sustained rate that
+matches real training throughput"), else the maximum achievable (MAMF, a boost-clock
+burst): S. Bekman, ml-engineering, compute/accelerator/benchmarks/README.md ("What we
+measured: alone vs all-8 concurrent") and compute/accelerator/README.md ("Maximum
+Achievable Matmul FLOPS comparison table").
+Attention runs as SDPA's flash kernel: FlashAttention-2 reaches 50-73 % of the A100's peak
+forward and backward (Dao, 2023, "FlashAttention-2", abstract and section 4.1) and 35 % of
+the H100's (Shah et al., 2024, "FlashAttention-3", abstract); PyTorch's SDPA flash backend
+is FlashAttention-2.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Assumption: cuBLAS's large bf16 kernels write 128 x 128 output tiles (the guide's
+# examples; Hopper's also run 128 x 256).
+TILE = 128
+# Tensor cores compute in steps of 16 along each dimension (the guide's "multiples of 8 or
+# 16" rule for fp16/bf16 tensor-core use).
+MMA = 16
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What a GPU architecture achieves: `gemm_share` of the dense peak on large GEMMs,
+    `attention_share` in SDPA's flash kernel (forward and backward), `sms` streaming
+    multiprocessors (compute units) of its flagship part, for wave quantization."""
+
+    gemm_share: float
+    attention_share: float
+    sms: int
+    source: str
+    tile: int = TILE
+
+
+GENERATIONS: dict[str, Generation] = {
+    "ampere": Generation(
+        0.728, 0.6, 108,
+        "MAMF A100 SXM 267.9 of 312 TFLOPS (85.9 %) at H200's sustained/burst ratio "
+        "(698.6 / 823.9: an assumption, no A100 MSMF published); FlashAttention-2 50-73 % "
+        "of A100 peak (0.6: the middle); A100 whitepaper: 108 SMs",
+    ),
+    "hopper": Generation(
+        0.706, 0.35, 132,
+        "MSMF H200 698.6 of 989 TFLOPS, all 8 GPUs of a node busy (H100 SXM: the same chip "
+        "and 700 W); FlashAttention-2 35 % of H100 peak (FlashAttention-3 paper); "
+        "H100 SXM5: 132 SMs",
+    ),
+    "blackwell": Generation(
+        0.634, 0.35, 148,
+        "MSMF B200 1426.4 of 2250 TFLOPS, all 8 GPUs busy; attention: assumed as Hopper's "
+        "FlashAttention-2 share (no published SDPA figure); B200: 148 SMs",
+    ),
+    "cdna3": Generation(
+        0.601, 0.3, 304,
+        "MAMF MI300X 781.9 of 1300 TFLOPS (it runs at its power cap at once: no burst "
+        "above the sustained rate); attention: an assumption (ROCm's flash kernel, no "
+        "published share); MI300X: 304 CUs",
+    ),
+    # Older parts: an assumption, Ampere's shares (the tensor-core GEMM kernels are alike).
+    "volta": Generation(0.728, 0.6, 80, "assumed as Ampere; V100: 80 SMs"),
+    "turing": Generation(0.728, 0.6, 40, "assumed as Ampere; T4: 40 SMs"),
+    "ada": Generation(0.728, 0.6, 58, "assumed as Ampere; L4: 58 SMs"),
+    # A CPU runs a GEMM on its cores: the planner's former single efficiency (0.4 of an
+    # assumed peak), no tiles, no waves.
+    "cpu": Generation(0.4, 0.4, 1, "assumption: 0.4 of the catalog's assumed CPU peak", tile=1),
+}
+
+
+@dataclass(frozen=True)
+class GemmTable:
+    """Measured GEMMs of one device and dtype (doctor.gemm.measure_gemm_table): each shape
+    (m, n, k) with its achieved FLOP/s. Replaces the generation's large-GEMM share."""
+
+    device: str
+    dtype: str
+    shapes: tuple[tuple[int, int, int], ...]
+    flops_per_s: tuple[float, ...]
+    peak_flops: float | None = None  # the catalog's peak it was measured against, if known
+
+    def to_dict(self) -> dict:
+        return {
+            "device": self.device,
+            "dtype": self.dtype,
+            "peak_flops": self.peak_flops,
+            "gemms": [
+                {"m": m, "n": n, "k": k, "flops_per_s": r}
+                for (m, n, k), r in zip(self.shapes, self.flops_per_s, strict=True)
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> GemmTable:
+        gemms = data["gemms"]
+        return cls(
+            device=str(data["device"]),
+            dtype=str(data["dtype"]),
+            shapes=tuple((int(g["m"]), int(g["n"]), int(g["k"])) for g in gemms),
+            flops_per_s=tuple(float(g["flops_per_s"]) for g in gemms),
+            peak_flops=data.get("peak_flops"),
+        )
+
+    def rate(self, m: int, n: int, k: int) -> float:
+        """The achieved FLOP/s of the measured shape nearest (m, n, k) in log space."""
+
+        def distance(shape: tuple[int, int, int]) -> float:
+            return sum(abs(math.log(a / b)) for a, b in zip(shape, (m, n, k), strict=True))
+
+        nearest = min(range(len(self.shapes)), key=lambda i: distance(self.shapes[i]))
+        return self.flops_per_s[nearest]
+
+
+def quantized(x: int, tile: int) -> int:
+    return tile * math.ceil(x / tile)
+
+
+def _padded(x: int, tile: int) -> int:
+    """A dimension as the kernel computes it: whole tiles, or for one narrower than a tile
+    (a kernel with smaller tiles), whole tensor-core steps."""
+    return quantized(x, tile) if x >= tile else quantized(x, min(MMA, tile))
+
+
+def gemm_seconds(
+    m: int,
+    n: int,
+    k: int,
+    peak_flops: float,
+    hbm_bps: float,
+    element_bytes: int,
+    gen: Generation,
+    table: GemmTable | None = None,
+) -> float:
+    """Seconds of one (m, n, k) GEMM: the larger of its math and its memory time (module
+    docstring); a measured `table` gives the math rate instead of the generation."""
+    if min(m, n, k) <= 0:
+        return 0.0
+    memory = (m * k + k * n + m * n) * element_bytes / hbm_bps
+    if table is not None:
+        return max(2.0 * m * n * k / table.rate(m, n, k), memory)
+    mp, np_, kp = _padded(m, gen.tile), _padded(n, gen.tile), _padded(k, MMA)
+    tiles = math.ceil(m / gen.tile) * math.ceil(n / gen.tile)
+    # Fewer tiles than SMs: cuBLAS splits K over the idle ones (split-K), up to one wave.
+    split = max(1, min(gen.sms // tiles, math.ceil(k / gen.tile)))
+    units = tiles * split
+    wave_use = units / (math.ceil(units / gen.sms) * gen.sms)
+    math_s = 2.0 * mp * np_ * kp / (peak_flops * gen.gemm_share * wave_use)
+    return max(math_s, memory)
+
+
+def attention_seconds(flops: float, peak_flops: float, gen: Generation) -> float:
+    """Seconds of `flops` of SDPA's flash attention (forward and backward)."""
+    return flops / (peak_flops * gen.attention_share)

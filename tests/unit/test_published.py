@@ -1,0 +1,36 @@
+"""bench/published.py's table: every published run that ran fits its plan, with memory
+within 10 % where the run published it (issue 24, Checks). The tokens/s error is the
+bench's to print, not a figure to pin here."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "published.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("published", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["published"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_bench()
+
+
+@pytest.mark.parametrize("run", bench.RUNS, ids=[r.name for r in bench.RUNS])
+def test_every_published_run_fits_its_plan(run):
+    plan = bench.plan_run(run)
+    assert plan.fits, f"{run.name}: {plan.memory.total / 1e9:.1f} GB planned"
+    if run.memory_gib:
+        assert plan.memory.total / bench.GIB == pytest.approx(run.memory_gib, rel=0.10)
+
+
+def test_every_run_names_its_source():
+    assert all(r.source and r.tokens_per_s_per_gpu > 0 for r in bench.RUNS)
