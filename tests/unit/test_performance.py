@@ -25,6 +25,7 @@ from trainwise.plan.calibrate import (
     write_calibration,
 )
 from trainwise.plan.estimate import Setup, price
+from trainwise.plan.gemm import GemmTable
 from trainwise.plan.inputs import resolve_inputs
 from trainwise.plan.performance import ANALYTIC, CalibratedModel, model_of
 
@@ -57,11 +58,17 @@ def test_the_calibrated_model_prices_with_the_measured_figures():
     measured, notes = CalibratedModel(calibration=MEASURED).adopt(inputs)
     assert model_of(measured).calibration is MEASURED
     before, after = price(inputs, ddp_setup()), price(measured, ddp_setup())
-    # Compute is FLOPs over peak x efficiency: 0.4 assumed, 0.05 measured.
-    assert after.step.compute == pytest.approx(before.step.compute * 0.4 / 0.05)
-    # CPU collectives are all exposed, at wire bytes over the link: 2 GB/s -> 0.5 GB/s.
-    assert after.step.comm == pytest.approx(before.step.comm * inputs.hardware.intra_bps
-                                            / (0.5 * GB))
+    # The measured efficiency overrides the per-operation model: FLOPs over peak x 0.05.
+    flat = price(replace(inputs, efficiency=0.4), ddp_setup())
+    assert after.step.compute == pytest.approx(flat.step.compute * 0.4 / 0.05)
+    assert after.step.compute != pytest.approx(before.step.compute)
+    # CPU collectives are all exposed, at wire bytes over the link (2 GB/s -> 0.5 GB/s)
+    # plus their per-step latency, which the link's bandwidth does not change.
+    def wire(p):
+        return sum(c.seconds - c.latency_s for c in p.collectives)
+
+    assert wire(after) == pytest.approx(wire(before) * inputs.hardware.intra_bps / (0.5 * GB))
+    assert after.step.comm - wire(after) == pytest.approx(before.step.comm - wire(before))
     # A save: the measured latency plus the bytes at the measured write speed.
     size = after.checkpoint.size_bytes
     assert after.checkpoint.save_s == pytest.approx(0.2 + size / (0.25 * GB))
@@ -86,7 +93,8 @@ def test_the_headers_say_what_the_figures_rest_on():
 
 
 def test_a_calibration_file_round_trips(tmp_path: Path):
-    cal = replace(MEASURED, gemm={"4096x4096x4096": 0.7}, notes=["a note"])
+    gemm = GemmTable("cpu", "fp32", ((4096, 4096, 4096),), (7e10,), peak_flops=1e11)
+    cal = replace(MEASURED, gemm=gemm, notes=["a note"])
     path = tmp_path / "sub" / "calibration-cpu.json"
     write_calibration(cal, path)
     assert read_calibration(path) == cal
