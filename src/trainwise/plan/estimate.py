@@ -310,7 +310,11 @@ def _communication(
     hidden = 1.0 - exposed / total if total else 0.0  # the share that overlaps compute
     on_sms = sum(c.seconds for c in nccl + tp_comm) * max(0.0, hidden)
     sms = GENERATIONS[hw.generation].sms
-    slowed = contention_seconds(on_sms, hw.nccl_channels, sms)
+    # Only the per-operation model prices the SMs alone: an efficiency (the override, a
+    # doctor's calibration, a bare parameter count's published MFU) comes from whole steps
+    # whose compute already ran beside the collectives.
+    modelled = inputs.efficiency is None and w.shape is not None
+    slowed = contention_seconds(on_sms, hw.nccl_channels, sms) if modelled else 0.0
     return everything, host_s + slowed, exposed
 
 
