@@ -40,6 +40,9 @@ class Link:
     efficiency: float = 1.0
     step_s: float = 0.0  # latency of one NCCL algorithm step over the link
     nics_per_node: int | None = None  # inter: NICs a node has (None: one per GPU)
+    # NCCL channels a collective runs over the link: one thread block each, on an SM of
+    # its own (NVIDIA/nccl issue #689); 0: not known, no contention modelled
+    channels: int = 0
 
     @property
     def nccl_bytes_per_s(self) -> float:
@@ -109,6 +112,7 @@ def parse_catalog(data: dict[str, Any], origin: str = "catalog.toml") -> Catalog
             efficiency=efficiency,
             step_s=_number(table.get("step_us", 0.0), f"{where}.step_us", positive=False) * 1e-6,
             nics_per_node=None if nics is None else int(_number(nics, f"{where}.nics_per_node")),
+            channels=int(_number(table.get("channels", 0), f"{where}.channels", positive=False)),
         )
     gpus: dict[str, GPUSpec] = {}
     for name, table in data.get("gpu", {}).items():

@@ -207,3 +207,18 @@ def exposed_seconds(
         one_gather = t_gather / grad_accum / max(1, len(gathers)) if gathers else 0.0
         first = unit_fraction * (one_gather + t_reduce)
     return min(total, waits + first)
+
+
+def contention_seconds(hidden_s: float, channels: int, sms: int) -> float:
+    """Seconds the compute loses to the `hidden_s` seconds of NCCL collectives that run
+    beside it. NCCL runs each channel as one thread block that holds an SM for the whole
+    collective and shares it with no compute kernel (S. Jeaugey, NVIDIA/nccl issues #689
+    and #1656), so while a collective overlaps compute, the GEMMs and attention run on
+    sms - channels of the sms SMs: channels/sms of the overlapped window is lost and runs
+    after it. Lee et al., 2025 ("Characterizing Compute-Communication Overlap in
+    GPU-Accelerated Distributed Deep Learning", arXiv 2507.03114) measure overlapped
+    compute 18.9 % slower on average (up to 40 %) on A100 and H100; 32 of the H100's 132
+    SMs is 24 %. The HBM bandwidth the collective moves its bytes with is left out."""
+    if hidden_s <= 0 or channels <= 0 or sms <= 0:
+        return 0.0
+    return hidden_s * min(channels, sms) / sms

@@ -15,9 +15,16 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from trainwise.config.parallel_dims import ParallelDims
-from trainwise.plan.comm import Collective, Layout, exposed_seconds, layout_collectives
+from trainwise.plan.comm import (
+    Collective,
+    Layout,
+    contention_seconds,
+    exposed_seconds,
+    layout_collectives,
+)
 from trainwise.plan.cost import CheckpointPlan, Cost, checkpoint_plan, job_cost
 from trainwise.plan.flops import mfu, model_flops_per_token, recompute_factor
+from trainwise.plan.gemm import GENERATIONS
 from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.memory import (
     MemoryEstimate,
@@ -208,8 +215,8 @@ def price(
     timed = model.compute(inputs, w, per_rank, tp, dims)
     compute = timed.seconds
 
-    collectives, host_s, exposed = model.communication(inputs, setup, w, compute)
-    compute += host_s
+    collectives, added_s, exposed = model.communication(inputs, setup, w, compute)
+    compute += added_s
     comm = sum(c.seconds for c in collectives)
     busy = compute + exposed
     data = 0.0
@@ -261,8 +268,9 @@ def price(
 def _communication(
     inputs: PlanInputs, setup: Setup, w: Workload, compute: float
 ) -> tuple[list[Collective], float, float]:
-    """(the step's collectives and host copies, the host optimizer's seconds with cpu
-    offload, the seconds the step waits for them) of `setup`, whose compute is `compute`."""
+    """(the step's collectives and host copies, the seconds they add to the compute: the
+    host optimizer's with cpu offload and what NCCL's SMs take from the compute they
+    overlap, the seconds the step waits for them) of `setup`, whose compute is `compute`."""
     dims, hw, accum, tp = setup.dims, inputs.hardware, setup.grad_accum, setup.dims.tp
     layout = Layout(
         inputs.gpus, inputs.gpus_per_node, hw.intra_bps, hw.inter_bps,
@@ -273,6 +281,7 @@ def _communication(
     collectives = layout_collectives(
         dims, rank_params, layout, w.precision, w.reduce_dtype, accum, setup.accumulate, units
     )
+    nccl = list(collectives)  # the host copies below run on copy engines, not SMs
     host_s = 0.0
     if dims.cpu_offload:
         shard_params = rank_params / dims.dp_shard
@@ -296,7 +305,17 @@ def _communication(
     tp_comm = tp_collectives(w.shape, w.seq_len, w.micro_batch, w.precision, tp, recomputed,
                              accum, layout)
     exposed += tp_exposed_seconds(tp_comm, busy, recompute_factor(w.ac, n_layer))
-    return collectives + tp_comm, host_s, exposed
+    everything = collectives + tp_comm
+    total = sum(c.seconds for c in everything)
+    hidden = 1.0 - exposed / total if total else 0.0  # the share that overlaps compute
+    on_sms = sum(c.seconds for c in nccl + tp_comm) * max(0.0, hidden)
+    sms = GENERATIONS[hw.generation].sms
+    # Only the per-operation model prices the SMs alone: an efficiency (the override, a
+    # doctor's calibration, a bare parameter count's published MFU) comes from whole steps
+    # whose compute already ran beside the collectives.
+    modelled = inputs.efficiency is None and w.shape is not None
+    slowed = contention_seconds(on_sms, hw.nccl_channels, sms) if modelled else 0.0
+    return everything, host_s + slowed, exposed
 
 
 def setup_memory(

@@ -78,6 +78,7 @@ class Hardware:
     inter_step_s: float = 0.0  # and across nodes
     hbm_bps: float = 2e12  # device memory bandwidth, bytes/s (catalog hbm_gbps)
     generation: str = "hopper"  # architecture: picks GEMM and attention efficiencies
+    nccl_channels: int = 0  # SMs a collective within a node occupies (catalog link.channels)
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,7 @@ def resolve_hardware(
         device="cpu" if spec.name == "cpu" else "cuda",
         hbm_bps=spec.hbm_bytes_per_s,
         generation=spec.generation,
+        nccl_channels=intra_link.channels,
     )
 
 
