@@ -51,7 +51,13 @@ def read_records(run_dir: Path) -> list[dict]:
 
 
 def tiny_llama(
-    folder: Path, *, tie: bool = False, seed: int = 0, vocab: int = 97, **save: object
+    folder: Path,
+    *,
+    tie: bool = False,
+    seed: int = 0,
+    vocab: int = 97,
+    positions: int = 64,
+    **save: object,
 ) -> Path:
     """A 2-layer Hugging Face Llama (hidden 32, GQA 4/2 heads) with random weights, saved by
     transformers' save_pretrained (`save`: its options), with a fixed batch of inputs beside
@@ -62,7 +68,7 @@ def tiny_llama(
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=vocab, rms_norm_eps=1e-5, max_position_embeddings=64,
+        num_key_value_heads=2, vocab_size=vocab, rms_norm_eps=1e-5, max_position_embeddings=positions,
         tie_word_embeddings=tie, rope_theta=5000.0,
     )
     model = transformers.AutoModelForCausalLM.from_config(config).eval()

@@ -27,7 +27,7 @@ def test_packed_corpus_trains_under_fsdp_and_bad_settings_are_one_line(corpus: P
               "--set", "checkpoint.enabled=false", "--set", "train.eval_every=3")
     # A transformers Llama: the example ids reach its attention as a 4-D mask under FSDP
     # (the built-in GPT trains packed in the TP test below).
-    llama = tiny_llama(tmp_path / "llama", vocab=257)
+    llama = tiny_llama(tmp_path / "llama", vocab=257, positions=SFT_SEQ)
     proc = run_cli("train", *QUIET, "--nproc", "2", "--strategy", "fsdp", "--steps", "3",
                    "--run-dir", "run", *common, "--set", f"model.name=hf:{llama}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
