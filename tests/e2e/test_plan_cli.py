@@ -120,7 +120,7 @@ def test_plan_reads_the_train_job_file(capsys, tmp_path: Path):
         (["--price", "nan"], ["cost.price_per_gpu_hour", "finite"]),
         (["--tokens", "inf"], ["--tokens", "chinchilla"]),
         (["--set", "plan.calibration='no-such-run'"], ["plan.calibration = 'no-such-run'"]),
-        (["--calibrate", "no-such-run"], ["--calibrate no-such-run", "not a directory"]),
+        (["--calibrate", "no-such-run"], ["--calibrate no-such-run", "no such file or directory"]),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, args, words):
