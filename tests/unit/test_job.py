@@ -247,8 +247,11 @@ def test_auto_on_two_machines_with_a_slow_link_is_hsdp_across_them():
     assert job.dp_size == 16
     assert job.decision.reason.startswith("hsdp: ")
     assert "dp_replicate 2 x dp_shard 8 x tp 1" in job.decision.reason
-    assert job.decision.choice.plan.step.total == pytest.approx(0.0516, rel=0.01)
-    assert evaluate(job.plan_inputs, "fsdp-full").step.total == pytest.approx(0.138, rel=0.01)
+    # Whole-world FSDP sends every gather over the slow link; hsdp only the gradient
+    # shards' all-reduce (its step is priced by the same model the plan uses).
+    hsdp, fsdp = job.decision.choice.plan, evaluate(job.plan_inputs, "fsdp-full")
+    assert hsdp.step.exposed_comm < fsdp.step.exposed_comm
+    assert hsdp.step.total < fsdp.step.total
     assert job.summary_dict()["replicate"] == 2
     _same_as_the_plan(job)
 
