@@ -5,12 +5,11 @@ the run stops with a non-zero status instead of training on without checkpoints.
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from faulty import job_args
+from faulty import job_args, tmpfs
 
 from helpers import run_cli
 from trainwise.config import load_config
@@ -33,23 +32,8 @@ def checkpoint_bytes() -> int:
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A tmpfs with room for the run's small files and 1.5 checkpoints."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    size = int(checkpoint_bytes() * 1.5) + 512 * 1024
-    try:
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-    except (OSError, subprocess.CalledProcessError) as err:
-        reason = getattr(err, "stderr", "") or err
-        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {reason}")
-    try:
+    with tmpfs(tmp_path / "small", int(checkpoint_bytes() * 1.5) + 512 * 1024) as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "--lazy", str(mount)], check=False)
 
 
 def test_disk_full_stops_cleanly_and_keeps_the_last_checkpoint(workdir: Path, small_disk: Path):

@@ -9,12 +9,19 @@ import json
 import os
 import shutil
 import stat
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from faulty import References, assert_identical, final_weights, finish, job_args, start
+from faulty import (
+    References,
+    assert_identical,
+    final_weights,
+    finish,
+    job_args,
+    start,
+    tmpfs,
+)
 
 from helpers import run_cli
 
@@ -109,20 +116,8 @@ def test_weights_of_another_model_are_refused_before_any_worker(
 @pytest.fixture
 def full_disk(tmp_path: Path) -> Iterator[Path]:
     """A tmpfs of 64 KB: far smaller than the tiny model's 480 KB of weights."""
-    mount = tmp_path / "full"
-    mount.mkdir()
-    try:
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
-            check=True, capture_output=True, text=True,
-        )
-    except (OSError, subprocess.CalledProcessError) as err:
-        reason = getattr(err, "stderr", "") or err
-        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {reason}")
-    try:
+    with tmpfs(tmp_path / "full", 64 << 10) as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "--lazy", str(mount)], check=False)
 
 
 @pytest.fixture(scope="module")
