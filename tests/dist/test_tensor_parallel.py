@@ -76,7 +76,7 @@ def _train(root: Path, name: str) -> list[float]:
     else:
         assert job["layout"] == layout
     plan = json.loads((root / name / "plan.json").read_text())  # what the report compares
-    assert (plan["layout"], plan["accumulate"]) == (layout, job["accumulate"])
+    assert (plan["layout"], plan["accumulate"]) == (job["layout"], job["accumulate"])
     assert plan["name"].startswith("tp2 + ") == (nproc > 1)
     records = read_records(root / name)
     # The TP collectives are timed on probe steps and counted in the exposed sync (not
