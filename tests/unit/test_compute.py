@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 
 from trainwise.config import load_config
-from trainwise.plan.compute import compute_time
 from trainwise.plan.estimate import evaluate
-from trainwise.plan.gemm import GENERATIONS, GemmTable, gemm_seconds
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
+from trainwise.plan.model.compute import compute_time
+from trainwise.plan.model.gemm import GENERATIONS, GemmTable, gemm_seconds
 
 # docs/development.md, "First run, on one H200": each job's step / plan ratio against the
 # plan of commit 2d161ea (whose steps, recomputed with that commit's planner for the same

@@ -1,6 +1,7 @@
 """The floors of the code hold: a part imports only from floors below it (imports inside
-functions included), run and doctor do not import each other's way up, and the planner
-stays free of torch so that it answers instantly."""
+functions included), run and doctor do not import each other's way up, the planner stays
+free of torch so that it answers instantly, run/'s wings import only from the wings below
+them, and no folder grows past what a newcomer can scan."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from pathlib import Path
 import trainwise
 
 FLOORS = {
-    "cli": 5, "report": 4, "run": 3, "doctor": 3, "plan": 2,
+    "cli": 5, "report": 4, "run": 3, "doctor": 3, "export": 3, "plan": 2,
     "config": 1, "hardware": 1, "models": 1, "data": 1,
 }
+# run/'s wings, top to bottom; run/faults.py (the tests' seam) sits below them all.
+WINGS = {"launch": 5, "engine": 4, "checkpoint": 3, "observe": 2, "job": 1, "faults": 0}
+MAX_MODULES = 16
 PACKAGE = Path(trainwise.__file__).parent
 
 
@@ -39,8 +43,19 @@ def upward_imports(path: Path, part: str, label: str) -> list[str]:
         if names[0] != "trainwise" or len(names) < 2 or names[1] not in FLOORS:
             continue
         target = names[1]
-        if FLOORS[target] > FLOORS[part] or (part == "run" and target == "doctor"):
+        if FLOORS[target] > FLOORS[part] or (part == "run" and target in ("doctor", "export")):
             wrong.append(where)
+    return wrong
+
+
+def upward_wing_imports(path: Path, wing: str, label: str) -> list[str]:
+    """Imports of `path` (a module of run/'s `wing`) from a wing above it."""
+    wrong = []
+    for line, module in imported_modules(path):
+        names = module.split(".")
+        above = len(names) > 2 and names[2] in WINGS and WINGS[names[2]] > WINGS[wing]
+        if names[:2] == ["trainwise", "run"] and above:
+            wrong.append(f"{label}:{line}: run/{wing} imports {module}")
     return wrong
 
 
@@ -64,3 +79,33 @@ def test_the_check_catches_an_upward_import(tmp_path: Path):
         "plan/probe.py:1: plan imports torch (the planner stays torch-free)",
         "plan/probe.py:4: plan imports trainwise.cli.main",
     ]
+
+
+def test_run_wings_import_only_from_the_wings_below():
+    wrong = []
+    for path in sorted((PACKAGE / "run").rglob("*.py")):
+        parts = path.relative_to(PACKAGE / "run").parts
+        wing = parts[0].removesuffix(".py")
+        if wing in WINGS:
+            wrong += upward_wing_imports(path, wing, "run/" + "/".join(parts))
+    assert wrong == []
+    folders = {p.name for p in (PACKAGE / "run").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(WINGS) - {"faults"}, "a wing was added: give it its place in WINGS"
+
+
+def test_the_wing_check_catches_an_upward_import(tmp_path: Path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from trainwise.run.engine.training import Training\n")
+    assert upward_wing_imports(probe, "checkpoint", "run/checkpoint/probe.py") == [
+        "run/checkpoint/probe.py:2: run/checkpoint imports trainwise.run.engine.training"
+    ]
+    assert upward_wing_imports(probe, "launch", "run/launch/probe.py") == []
+
+
+def test_no_folder_holds_more_modules_than_a_newcomer_can_scan():
+    crowded = {}
+    for folder in [PACKAGE, *(p for p in PACKAGE.rglob("*") if p.is_dir())]:
+        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+        if len(modules) > MAX_MODULES:
+            crowded[str(folder.relative_to(PACKAGE.parent))] = len(modules)
+    assert crowded == {}

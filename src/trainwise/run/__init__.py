@@ -1,1 +1,4 @@
-"""The runtime: launch, strategy wrapping, the training loop and its telemetry."""
+"""The runtime, in wings, each importing only from the wings below it:
+launch/ (start-up checks, torchrun, scheduler files) > engine/ (the worker's model, step and
+loop) > checkpoint/ (state on disk) > observe/ (telemetry and diagnosis) > job/ (the job and
+its run directory, shared by launcher and workers). faults.py is the tests' seam."""

@@ -1,0 +1,2 @@
+"""The worker engine: process group, model build and parallelization, the training step and
+loop, states, optimizer and precision."""
