@@ -93,8 +93,8 @@ def test_missing_or_unusable_run_directories(tmp_path: Path):
     (short / "metrics.jsonl").write_text(json.dumps({"step": 1, "compute_s": 1, "optim_s": 1}))
     with pytest.raises(ConfigError, match="no step after the first 2"):
         read_calibration(short)
-    (short / "metrics.jsonl").write_text("{not json\n")
-    with pytest.raises(ConfigError, match="line 1 is not JSON"):
+    (short / "metrics.jsonl").write_text("{not json\n" + json.dumps({"step": 3}) + "\n")
+    with pytest.raises(ConfigError, match="line 1: not JSON"):
         read_calibration(short)
 
 

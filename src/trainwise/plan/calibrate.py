@@ -160,12 +160,8 @@ def _from_train(path: Path, where: str, cal: Calibration) -> Calibration:
             notes=cal.notes
             + ["the run's model FLOPs or its device's peak are unknown: efficiency not measured"],
         )
-    records = []
-    for n, line in enumerate((path / "metrics.jsonl").read_text().splitlines(), 1):
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            raise ConfigError(f"{where}: metrics.jsonl line {n} is not JSON") from None
+    # The project's one reader: a torn last line is skipped, a damaged middle one refused.
+    records = read_objects(path / "metrics.jsonl")
     steady = [r for r in records if r.get("step", 0) > WARMUP_STEPS]
     if not steady:
         raise ConfigError(
