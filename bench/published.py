@@ -44,11 +44,16 @@ def _llama31_8b() -> GPTShape:
                     False, False, rope_theta=500000.0)
 
 
-def _mpt(n_layer: int, d_model: int, n_head: int) -> GPTShape:
+def _mpt(n_layer: int, d_model: int, n_head: int, seq: int = 2048) -> GPTShape:
     # ALiBi keeps no rotated copies of q and k: planned with learned positions (no rotary;
-    # 2048 x d position parameters, 0.1 % of the model, that MPT does not have).
-    return GPTShape(n_layer, d_model, n_head, n_head, 4 * d_model, 50368, 2048, "layernorm",
+    # seq x d position parameters, 0.1 % of the model, that MPT does not have).
+    return GPTShape(n_layer, d_model, n_head, n_head, 4 * d_model, 50368, seq, "layernorm",
                     "gelu", "learned", True, False)
+
+
+# llm-foundry's scripts/train/yamls/pretrain/mpt-*.yaml: (n_layers, d_model, n_heads).
+MPT_1B, MPT_3B = _mpt(24, 2048, 16), _mpt(32, 2560, 20)
+MPT_7B, MPT_13B, MPT_30B = _mpt(32, 4096, 32), _mpt(40, 5120, 40), _mpt(48, 7168, 56)
 
 
 @dataclass(frozen=True)
@@ -71,11 +76,17 @@ class Run:
     compile: bool = False  # torch.compile
     memory_gib: float | None = None  # published peak memory per GPU, GiB
     gpus_per_node: int = 8
+    grad_accum: int = 1  # micro-batches per optimizer step
+    # FSDP with grad_accum > 1: reduce-scatter every micro-batch ("sharded": Composer's
+    # trainer syncs every micro-batch of a model that is not DDP) or once a step
+    accumulate: str = "sharded"
 
 
 GIB = 2**30
 TORCHTITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md"
+H100_TABLE, A100_80_TABLE = ", H100 80GB BF16", ", A100 80GB (1600 Gbps RoCE)"
+A100_40_TABLE = ", A100 40GB (1600 Gbps RoCE)"
 # The torchtitan cluster's H100s (see above).
 TITAN_GPU = {"device_memory_gb": 96, "peak_tflops": (989 + 835) / 2, "hbm_gbps": 2400}
 TITAN_8B = {"shape": _llama31_8b(), "gpu": "H100-SXM", "strategy": "fsdp-full",
@@ -90,10 +101,28 @@ RUNS = [
         tokens_per_s_per_gpu=5605, memory_gib=67.0, **TITAN_8B),
     Run("Llama 3.1 8B, 128 H100, FSDP, sel. AC, compile", TORCHTITAN + " Table 3", gpus=128,
         tokens_per_s_per_gpu=6514, memory_gib=62.0, compile=True, **TITAN_8B),
-    Run("MPT-7B, 8 H100, FSDP, no AC, mb 6", FOUNDRY, _mpt(32, 4096, 32), "H100-SXM", 8,
-        "fsdp-full", 6, 2048, "none", 10643),
-    Run("MPT-13B, 64 H100, FSDP, no AC, mb 2", FOUNDRY, _mpt(40, 5120, 40), "H100-SXM", 64,
-        "fsdp-full", 2, 2048, "none", 4800),
+    Run("MPT-7B, 8 H100, FSDP, no AC, mb 6", FOUNDRY + H100_TABLE, MPT_7B, "H100-SXM", 8,
+        "fsdp-full", 6, 2048, "none", 10643, reduce_dtype="fp32"),
+    Run("MPT-13B, 64 H100, FSDP, no AC, mb 2", FOUNDRY + H100_TABLE, MPT_13B, "H100-SXM", 64,
+        "fsdp-full", 2, 2048, "none", 4800, reduce_dtype="fp32"),
+    Run("MPT-1B, 8 H100, FSDP, no AC, mb 14", FOUNDRY + H100_TABLE, MPT_1B, "H100-SXM", 8,
+        "fsdp-full", 14, 2048, "none", 45455, reduce_dtype="fp32"),
+    Run("MPT-30B, 8 H100, FSDP, full AC, mb 3 x 21", FOUNDRY + H100_TABLE, MPT_30B,
+        "H100-SXM", 8, "fsdp-full", 3, 2048, "full", 2002, reduce_dtype="fp32",
+        grad_accum=21),
+    Run("MPT-1B, 8 A100 80GB, FSDP, no AC, mb 14 x 4", FOUNDRY + A100_80_TABLE, MPT_1B,
+        "A100-80GB", 8, "fsdp-full", 14, 2048, "none", 20513, reduce_dtype="fp32",
+        grad_accum=4),
+    Run("MPT-3B, 8 A100 80GB, FSDP, no AC, mb 10 x 2", FOUNDRY + A100_80_TABLE, MPT_3B,
+        "A100-80GB", 8, "fsdp-full", 10, 2048, "none", 10811, reduce_dtype="fp32",
+        grad_accum=2),
+    Run("MPT-7B, 8 A100 80GB, FSDP, no AC, mb 6 x 2", FOUNDRY + A100_80_TABLE, MPT_7B,
+        "A100-80GB", 8, "fsdp-full", 6, 2048, "none", 4641, reduce_dtype="fp32",
+        grad_accum=2),
+    Run("MPT-7B, 64 A100 40GB, FSDP, full AC, mb 18", FOUNDRY + A100_40_TABLE, MPT_7B,
+        "A100-40GB", 64, "fsdp-full", 18, 2048, "full", 3665),
+    Run("MPT-13B, 32 A100 40GB, FSDP, full AC, mb 14", FOUNDRY + A100_40_TABLE, MPT_13B,
+        "A100-40GB", 32, "fsdp-full", 14, 2048, "full", 1998),
 ]
 
 
@@ -106,13 +135,14 @@ def plan_run(run: Run) -> StrategyPlan:
         "plan.gpus": run.gpus,
         "data.seq_len": run.seq_len,
         "data.micro_batch": run.micro_batch,
-        "data.global_batch": run.micro_batch * run.gpus,
+        "data.global_batch": run.micro_batch * run.grad_accum * run.gpus,
         "parallel.ac": run.ac,
         "precision.dtype": "bf16",
         "plan.strategy": run.strategy,
         # The fit verdict against the GPU's memory itself: a run that ran kept no margin
         # for later growth (the planner's default headroom is a user's safety choice).
         "parallel.headroom": 0.0,
+        "parallel.accumulate": run.accumulate,
     }
     if run.device_memory_gb:
         keys["cluster.device_memory_gb"] = run.device_memory_gb
