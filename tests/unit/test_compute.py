@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from trainwise.config import load_config
-from trainwise.plan.compute import compute_time
+from trainwise.plan.compute import compute_time, norm_bytes
 from trainwise.plan.estimate import evaluate
 from trainwise.plan.gemm import GENERATIONS, GemmTable, gemm_seconds
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
@@ -131,3 +131,27 @@ def test_a_newer_generation_is_faster_on_the_same_job():
                          "data.seq_len": 2048})
     w = a100.workload
     assert compute_time(h100, w, 4, 1).seconds < compute_time(a100, w, 4, 1).seconds
+
+
+def test_a_composite_rmsnorm_moves_every_intermediate_in_fp32():
+    # bf16 input, no autocast: x.float() 2 + 4, pow 4 + 4, mean 4, x * rsqrt 4 + 4,
+    # type_as 4 + 2, the weight's product 2 + 2 = 36 bytes an element; one kernel: 2 + 2.
+    assert norm_bytes(2, 2, "composite") == 36
+    assert norm_bytes(2, 2, "fused") == 4
+    # An fp32 residual (autocast): .float() is the tensor itself, nothing moves.
+    assert norm_bytes(4, 2, "composite") == 30
+
+
+def test_a_composite_norm_slows_eager_steps_and_compile_fuses_it():
+    job = inputs_for(**{
+        "model.name": "llama-1b", "cluster.gpu": "H100-SXM", "plan.gpus": 8,
+        "data.seq_len": 2048, "data.micro_batch": 2, "precision.dtype": "bf16",
+    })
+    composite = replace(job, workload=replace(job.workload, norm_kernel="composite"))
+    eager, chain = evaluate(job, "fsdp-full"), evaluate(composite, "fsdp-full")
+    assert chain.step.compute > eager.step.compute
+    compiled = replace(job, compile=True)
+    compiled_chain = replace(composite, compile=True)
+    assert evaluate(compiled_chain, "fsdp-full").step.compute == pytest.approx(
+        evaluate(compiled, "fsdp-full").step.compute
+    )
