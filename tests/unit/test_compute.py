@@ -11,7 +11,7 @@ import pytest
 from trainwise.config import load_config
 from trainwise.plan.compute import compute_time, norm_bytes
 from trainwise.plan.estimate import evaluate
-from trainwise.plan.gemm import GENERATIONS, GemmTable, gemm_seconds
+from trainwise.plan.gemm import GENERATIONS, GemmTable, epilogue_seconds, gemm_seconds
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 
 # docs/development.md, "First run, on one H200": each job's step / plan ratio against the
@@ -155,3 +155,33 @@ def test_a_composite_norm_slows_eager_steps_and_compile_fuses_it():
     assert evaluate(compiled_chain, "fsdp-full").step.compute == pytest.approx(
         evaluate(compiled, "fsdp-full").step.compute
     )
+
+
+def test_each_wave_pays_its_epilogue_as_xla_measured_on_an_h100():
+    # OpenXLA's measured sm_90 table (xla/service/gpu/model/matmul_interpolator_data.h),
+    # bf16, 4096 x 4096 outputs: K 2048 at 738.7 TFLOP/s, K 4096 at 783.3. A straight line
+    # through the two times, t = a + b K, has a = 10.5 us: the fixed cost of the 8 waves
+    # of 128 x 128 tiles on 132 SMs, 1.3 us a wave.
+    t2 = 2 * 4096 * 4096 * 2048 / 738.7e12
+    t4 = 2 * 4096 * 4096 * 4096 / 783.3e12
+    measured_fixed = 2 * t2 - t4
+    gen = GENERATIONS["hopper"]
+    # Hand-worked: 132 SMs x 128 x 128 x 2 bytes / 3.35 TB/s = 1.29 us a wave, 8 waves.
+    assert epilogue_seconds(gen, 3.35e12, 2) == pytest.approx(1.291e-6, rel=1e-3)
+    m2 = gemm_seconds(4096, 4096, 2048, 989e12, 3.35e12, 2, gen)
+    m4 = gemm_seconds(4096, 4096, 4096, 989e12, 3.35e12, 2, gen)
+    assert 2 * m2 - m4 == pytest.approx(8 * 1.291e-6, rel=1e-3)
+    assert 2 * m2 - m4 == pytest.approx(measured_fixed, rel=0.15)
+
+
+def test_the_reference_shape_keeps_its_measured_share():
+    # A shape of the Hopper share's K (the MSMF shape's 20480) in whole waves runs at
+    # 0.706 of the peak, its epilogues included; a shorter K runs below it.
+    gen = GENERATIONS["hopper"]
+    m, n = 128 * 132, 128 * 10  # 10 whole waves
+
+    def share(k: int) -> float:
+        return 2 * m * n * k / gemm_seconds(m, n, k, 989e12, 4.8e12, 2, gen) / 989e12
+
+    assert share(gen.reference_k) == pytest.approx(0.706, rel=1e-9)
+    assert share(2048) < 0.95 * share(gen.reference_k)
