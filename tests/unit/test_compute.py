@@ -11,7 +11,13 @@ import pytest
 from trainwise.config import load_config
 from trainwise.plan.compute import compute_time, norm_bytes
 from trainwise.plan.estimate import evaluate
-from trainwise.plan.gemm import GENERATIONS, GemmTable, epilogue_seconds, gemm_seconds
+from trainwise.plan.gemm import (
+    GENERATIONS,
+    GemmTable,
+    epilogue_seconds,
+    gemm_seconds,
+    slowest_pace,
+)
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 
 # docs/development.md, "First run, on one H200": each job's step / plan ratio against the
@@ -185,3 +191,13 @@ def test_the_reference_shape_keeps_its_measured_share():
 
     assert share(gen.reference_k) == pytest.approx(0.706, rel=1e-9)
     assert share(2048) < 0.95 * share(gen.reference_k)
+
+
+def test_a_synchronous_step_runs_at_the_slowest_gpus_clock():
+    # H200s all busy spread 4.5 % around their mean sustained rate; evenly spread, the
+    # slowest of 8 sits 1/9 of the range above the bottom: 1 - 0.045 x (1/2 - 1/9).
+    hopper = GENERATIONS["hopper"]
+    assert slowest_pace(hopper, 8) == pytest.approx(1 - 0.045 * (0.5 - 1 / 9))
+    assert slowest_pace(hopper, 1) == 1.0
+    assert slowest_pace(hopper, 4096) < slowest_pace(hopper, 8) < 1.0
+    assert slowest_pace(GENERATIONS["ampere"], 8) == 1.0  # no spread published

@@ -33,7 +33,13 @@ from typing import TYPE_CHECKING
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import GPTShape
 from trainwise.plan.flops import model_flops_per_token, recompute_factor
-from trainwise.plan.gemm import GENERATIONS, GemmTable, attention_seconds, gemm_seconds
+from trainwise.plan.gemm import (
+    GENERATIONS,
+    GemmTable,
+    attention_seconds,
+    gemm_seconds,
+    slowest_pace,
+)
 from trainwise.plan.inputs import Hardware, PlanInputs
 from trainwise.plan.memory import Workload, block_params, checkpointed_blocks
 from trainwise.plan.precision import BYTES, MASTER_BYTES
@@ -185,7 +191,9 @@ def _cached_step(
     host = work.host_ops * (COMPILED_OP_S if compiled else EAGER_OP_S)
     if hw.device == "cpu":  # the same cores dispatch and compute
         return work.device_s + host
-    return max(work.device_s, host)
+    # The GPUs of a layout wait for each other: the step runs at the slowest one's clock.
+    pace = slowest_pace(GENERATIONS[hw.generation], dims.world if dims is not None else 1)
+    return max(work.device_s / pace, host)
 
 
 @lru_cache(maxsize=1024)

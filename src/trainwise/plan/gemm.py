@@ -57,6 +57,9 @@ class Generation:
     # K of the shape `gemm_share` was measured on: its epilogues are part of that share,
     # so the math rate is the share with them taken out (0: none taken out).
     reference_k: int = 0
+    # The spread (max - min over the mean) of the sustained rate across a node's GPUs, all
+    # busy at once (0: none published); gemm_share is their mean.
+    clock_spread: float = 0.0
 
 
 GENERATIONS: dict[str, Generation] = {
@@ -73,12 +76,14 @@ GENERATIONS: dict[str, Generation] = {
         "and 700 W); FlashAttention-2 35 % of H100 peak (FlashAttention-3 paper); "
         "H100 SXM5: 132 SMs",
         reference_k=20480,  # the MSMF shape 8192 x 8448 x 20480
+        clock_spread=0.045,  # H200, all 8 busy: MSMF range 4.5 % (1405-1527 MHz)
     ),
     "blackwell": Generation(
         0.634, 0.35, 148,
         "MSMF B200 1426.4 of 2250 TFLOPS, all 8 GPUs busy; attention: assumed as Hopper's "
         "FlashAttention-2 share (no published SDPA figure); B200: 148 SMs",
         reference_k=20480,  # the MSMF shape 9472 x 8192 x 20480
+        clock_spread=0.104,  # B200, all 8 busy: MSMF range 10.4 % (1228-1410 MHz)
     ),
     "cdna3": Generation(
         0.601, 0.3, 304,
@@ -197,6 +202,18 @@ def math_share(gen: Generation, peak_flops: float, hbm_bps: float, element_bytes
     )
     # mainloop = math + epilogue at the reference shape
     return gen.gemm_share / (1 - epilogue_seconds(gen, hbm_bps, element_bytes) / mainloop)
+
+
+def slowest_pace(gen: Generation, gpus: int) -> float:
+    """The slowest of `gpus` GPUs that wait for each other (every collective of a step),
+    as a share of the mean sustained rate: GPUs of one kind settle at different clocks at
+    their power limit (Bekman, ml-engineering compute/accelerator/benchmarks/README.md,
+    "What we measured: alone vs all-8 concurrent"), and a synchronous step runs at the
+    slowest one's. Assumption: rates spread evenly over the published range, so the
+    slowest of n sits range/(n+1) above its bottom."""
+    if gpus <= 1 or not gen.clock_spread:
+        return 1.0
+    return 1.0 - gen.clock_spread * (0.5 - 1.0 / (gpus + 1))
 
 
 def attention_seconds(flops: float, peak_flops: float, gen: Generation) -> float:
