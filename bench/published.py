@@ -16,12 +16,18 @@ Needs nothing but the repository (no GPU, no network). The runs, each with its s
   fp32 chain (torchtitan/models/norms.py at the benchmark's commit 9dec370; the config's
   norm_type "rmsnorm"): eager runs it op by op, torch.compile fuses it. The Float8 and context-parallel rows are
   left out: the planner models neither.
-- mosaicml/llm-foundry, scripts/train/benchmarking/README.md (H100 80GB, bf16, FSDP
-  FULL_SHARD, no AC, seq 2048): MPT-7B at micro-batch 6 on 8 GPUs, 10,643 tokens/s/GPU;
-  MPT-13B at micro-batch 2 on 64 GPUs, 4,800. MPT: ALiBi, LayerNorm without bias, GELU
-  MLP of 4d, tied embeddings, vocabulary 50,368 (llm-foundry's mpt yamls); the benchmark's
-  loss is flash-attn's fused cross-entropy, and its sweep (scripts/train/benchmarking/
-  sweep.py) runs FSDP with `mixed_precision PURE`: gradients reduced in bf16.
+- mosaicml/llm-foundry, scripts/train/benchmarking/README.md (Composer, FSDP FULL_SHARD,
+  seq 2048; each row's table named in its source): on H100 80GB (amp_bf16, FSDP mixed
+  precision DEFAULT: gradients reduced in fp32) MPT-7B at micro-batch 6 on 8 GPUs, 10,643
+  tokens/s/GPU; MPT-13B at 2 on 64 GPUs, 4,800; MPT-1B at 14 on 8, 45,455; MPT-30B at 3 x
+  21 accumulated, full AC, on 8, 2,002. On A100 80GB (amp_bf16, DEFAULT): MPT-1B 14 x 4,
+  20,513; MPT-3B 10 x 2, 10,811; MPT-7B 6 x 2, 4,641 (8 GPUs each). On A100 40GB (bf16,
+  PURE: reduced in bf16), full AC: MPT-7B at 18 on 64 GPUs, 3,665; MPT-13B at 14 on 32,
+  1,998. MPT (scripts/train/yamls/pretrain/mpt-*.yaml): ALiBi, LayerNorm without bias
+  (the benchmark's low_precision_layernorm: one kernel), GELU MLP of 4d, tied embeddings,
+  vocabulary 50,368; the loss is flash-attn's fused cross-entropy. Composer syncs every
+  micro-batch of a model that is not DDP (composer/trainer/trainer.py: nullcontext, no
+  no_sync), so FSDP reduce-scatters each micro-batch (`parallel.accumulate = sharded`).
 """
 
 from __future__ import annotations
