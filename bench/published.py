@@ -23,7 +23,7 @@ Needs nothing but the repository (no GPU, no network). The runs, each with its s
   21 accumulated, full AC, on 8, 2,002. On A100 80GB (amp_bf16, DEFAULT): MPT-1B 14 x 4,
   20,513; MPT-3B 10 x 2, 10,811; MPT-7B 6 x 2, 4,641 (8 GPUs each). On A100 40GB (bf16,
   PURE: reduced in bf16), full AC: MPT-7B at 18 on 64 GPUs, 3,665; MPT-13B at 14 on 32,
-  1,998. MPT (scripts/train/yamls/pretrain/mpt-*.yaml): ALiBi, LayerNorm without bias
+  1,998. MPT (scripts/train/yamls/pretrain/mpt-*.yaml): learned positions, LayerNorm without bias
   (the benchmark's low_precision_layernorm: one kernel), GELU MLP of 4d, tied embeddings,
   vocabulary 50,368; the loss is flash-attn's fused cross-entropy. Composer syncs every
   micro-batch of a model that is not DDP (composer/trainer/trainer.py: nullcontext, no
@@ -53,8 +53,9 @@ def _llama31_8b() -> GPTShape:
 
 
 def _mpt(n_layer: int, d_model: int, n_head: int, seq: int = 2048) -> GPTShape:
-    # ALiBi keeps no rotated copies of q and k: planned with learned positions (no rotary;
-    # seq x d position parameters, 0.1 % of the model, that MPT does not have).
+    # Learned positions, no ALiBi: the benchmark's yamls set neither, and llm-foundry's
+    # defaults are learned_pos_emb = True (models/mpt/configuration_mpt.py) and alibi =
+    # False (models/utils/config_defaults.py).
     return GPTShape(n_layer, d_model, n_head, n_head, 4 * d_model, 50368, seq, "layernorm",
                     "gelu", "learned", True, False)
 
