@@ -201,3 +201,17 @@ def test_a_synchronous_step_runs_at_the_slowest_gpus_clock():
     assert slowest_pace(hopper, 1) == 1.0
     assert slowest_pace(hopper, 4096) < slowest_pace(hopper, 8) < 1.0
     assert slowest_pace(GENERATIONS["ampere"], 8) == 1.0  # no spread published
+
+
+def test_the_foreach_adamw_step_streams_92_bytes_a_parameter():
+    # Eight fp32 passes of torch's foreach AdamW: 8 + 12 + 8 + 12 + 8 + 8 + 8 + 16 = 80
+    # bytes a parameter; clipping's norm and scale: 4 + 8. At 80 % of the H200's 4.8 TB/s.
+    from trainwise.plan.compute import _per_step
+    from trainwise.plan.memory import block_params
+
+    job = h200_job("llama-1b", 8, "none")
+    w = job.workload
+    block, root = block_params(w, 1)
+    params = block * w.shape.n_layer + root
+    step = _per_step(job.hardware, w, 1, None, 1.0)
+    assert step.device_s == pytest.approx(params * 92 / (4.8e12 * 0.8))

@@ -88,9 +88,14 @@ ROTARY_PASSES = 8
 # aten's rms_norm before torch 2.9 added a fused CUDA kernel (aten._fused_rms_norm; the
 # pytorch/pytorch #153666 benchmark: the fused kernel ~9x faster than the chain).
 COMPOSITE_NORM_OPS = 6
-# Foreach AdamW in fp32 reads parameter, gradient and both moments and writes three of
-# them (28 bytes) plus its sqrt temporary (8); clipping reads and scales the gradient (12).
-OPTIMIZER_BYTES_PER_PARAM = 48
+# torch.optim.AdamW's default on CUDA is its foreach step (torch/optim/adam.py,
+# _multi_tensor_adam, torch 2.13): eight passes over fp32 tensors, each reading and writing
+# whole lists: decoupled weight decay params *= (read and write: 8 bytes), lerp_ of the
+# first moment toward the gradient (12), the second moment *= beta2 (8), addcmul_ of the
+# gradient squared (12), sqrt into a temporary (8), its div_ (8) and add_ of eps (8),
+# addcdiv_ into the parameter (16): 80 bytes a parameter. Clipping (foreach norm, then
+# scale) reads the gradient once and scales it in place: 12.
+OPTIMIZER_BYTES_PER_PARAM = 92
 
 
 @dataclass(frozen=True)
