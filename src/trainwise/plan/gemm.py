@@ -25,9 +25,11 @@ burst): S. Bekman, ml-engineering, compute/accelerator/benchmarks/README.md ("Wh
 measured: alone vs all-8 concurrent") and compute/accelerator/README.md ("Maximum
 Achievable Matmul FLOPS comparison table").
 Attention runs as SDPA's flash kernel: FlashAttention-2 reaches 50-73 % of the A100's peak
-forward and backward (Dao, 2023, "FlashAttention-2", abstract and section 4.1) and 35 % of
-the H100's (Shah et al., 2024, "FlashAttention-3", abstract); PyTorch's SDPA flash backend
-is FlashAttention-2.
+forward and backward (Dao, 2023, "FlashAttention-2", abstract and section 4.1) and at most
+35 % of the H100's (Shah et al., 2024, "FlashAttention-3", abstract); causal with head dim
+128 at 8192 tokens, measured on an H100, forward 284.1 and backward 287.1 TFLOPS
+(Dao-AILab/flash-attention PR #1791's hopper/benchmark_attn.py run): 0.29 of the peak.
+PyTorch's SDPA flash backend is FlashAttention-2.
 """
 
 from __future__ import annotations
@@ -71,15 +73,17 @@ GENERATIONS: dict[str, Generation] = {
         reference_k=5120,  # the MAMF shape 1024 x 10240 x 5120
     ),
     "hopper": Generation(
-        0.706, 0.35, 132,
+        0.706, 0.29, 132,
         "MSMF H200 698.6 of 989 TFLOPS, all 8 GPUs of a node busy (H100 SXM: the same chip "
-        "and 700 W); FlashAttention-2 35 % of H100 peak (FlashAttention-3 paper); "
-        "H100 SXM5: 132 SMs",
+        "and 700 W); FlashAttention-2 on H100, head dim 128, causal, seq 8192: forward "
+        "284.1, backward 287.1 TFLOPS, 0.29 of 989 over a step's 1 + 2.5 "
+        "(Dao-AILab/flash-attention PR #1791, hopper/benchmark_attn.py on main; the "
+        "FlashAttention-3 paper's 35 % is FA2's best, non-causal); H100 SXM5: 132 SMs",
         reference_k=20480,  # the MSMF shape 8192 x 8448 x 20480
         clock_spread=0.045,  # H200, all 8 busy: MSMF range 4.5 % (1405-1527 MHz)
     ),
     "blackwell": Generation(
-        0.634, 0.35, 148,
+        0.634, 0.29, 148,
         "MSMF B200 1426.4 of 2250 TFLOPS, all 8 GPUs busy; attention: assumed as Hopper's "
         "FlashAttention-2 share (no published SDPA figure); B200: 148 SMs",
         reference_k=20480,  # the MSMF shape 9472 x 8192 x 20480
