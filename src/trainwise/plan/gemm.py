@@ -27,8 +27,9 @@ Achievable Matmul FLOPS comparison table").
 Attention runs as SDPA's flash kernel: FlashAttention-2 reaches 50-73 % of the A100's peak
 forward and backward (Dao, 2023, "FlashAttention-2", abstract and section 4.1) and at most
 35 % of the H100's (Shah et al., 2024, "FlashAttention-3", abstract); causal with head dim
-128 at 8192 tokens, measured on an H100, forward 284.1 and backward 287.1 TFLOPS
-(Dao-AILab/flash-attention PR #1791's hopper/benchmark_attn.py run): 0.29 of the peak.
+128 at 8192 tokens, forward 284.1 and backward 287.1 TFLOPS (Dao-AILab/flash-attention
+PR #1791: hopper/benchmark_attn.py, FlashAttention-3's benchmark, which runs on Hopper
+GPUs only; the GPU's model is not stated): 0.29 of the H100's peak.
 PyTorch's SDPA flash backend is FlashAttention-2.
 """
 
