@@ -47,9 +47,9 @@ from pathlib import Path
 import torch
 
 from trainwise.config.schema import CheckpointConfig
-from trainwise.run import checkpoint_store as store
-from trainwise.run.checkpoint import Checkpointer, Place, SaveSchedule
-from trainwise.run.states import training_states
+from trainwise.run.checkpoint import store as store
+from trainwise.run.checkpoint.dcp import Checkpointer, Place, SaveSchedule
+from trainwise.run.checkpoint.states import training_states
 
 MB = 1e6
 CHUNK = 8 << 20

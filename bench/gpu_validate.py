@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 WARMUP_STEPS = 2  # as trainwise.plan.calibrate: allocation and autotuning
-FRAGMENTATION = 0.05  # trainwise.plan.memory's allowance, for the reserved ratio
+FRAGMENTATION = 0.05  # trainwise.plan.model.memory's allowance, for the reserved ratio
 JOB_TIMEOUT_S = 240
 BUDGET_S = 450  # no new job starts after this: the whole script stays under ~8 minutes
 

@@ -38,8 +38,8 @@ def worker(model: str, tp: int, mode: str, out: str) -> None:
 
     from trainwise.config.parallel_dims import ParallelDims
     from trainwise.models import ModelSpec, build_model
-    from trainwise.run.materialize import materialize
-    from trainwise.run.parallelize import parallelize
+    from trainwise.run.engine.materialize import materialize
+    from trainwise.run.engine.parallelize import parallelize
 
     dist.init_process_group("gloo")
     dims = ParallelDims.from_strategy("fsdp", dist.get_world_size(), tp=tp)

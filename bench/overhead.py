@@ -133,7 +133,7 @@ def window(ends: list[float], warmup: int) -> tuple[float, int]:
 
 
 def is_probe_step(step: int, every: int) -> bool:
-    from trainwise.run.recorder import is_probe_step as schedule
+    from trainwise.run.engine.recorder import is_probe_step as schedule
 
     return schedule(step, every)
 

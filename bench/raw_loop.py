@@ -27,8 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 from trainwise.config.schema import ScheduleConfig
 from trainwise.data import build_datasets, build_loader
 from trainwise.models import ModelSpec, build_model
-from trainwise.run.materialize import materialize
-from trainwise.run.optim import build_scheduler
+from trainwise.run.engine.materialize import materialize
+from trainwise.run.engine.optim import build_scheduler
 
 # trainwise's defaults (config/schema.py), spelled out so that the loop stands alone.
 SEQ_LEN = 64
@@ -53,7 +53,7 @@ def parse_args() -> argparse.Namespace:
 def wrap(model: torch.nn.Module, blocks: list[torch.nn.Module], strategy: str, world: int):
     if strategy == "ddp":
         return DistributedDataParallel(model)
-    # As trainwise.run.parallelize.apply_fsdp with shard = "full", fp32.
+    # As trainwise.run.engine.parallelize.apply_fsdp with shard = "full", fp32.
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for block in blocks:
@@ -64,7 +64,7 @@ def wrap(model: torch.nn.Module, blocks: list[torch.nn.Module], strategy: str, w
 
 def build_wrapped(spec: ModelSpec, strategy: str, world: int):
     """The model with trainwise's initial weights: built on the meta device and filled
-    parameter by parameter from (seed, name) generators (trainwise.run.materialize), whole
+    parameter by parameter from (seed, name) generators (trainwise.run.engine.materialize), whole
     before DDP, shard by shard after FSDP, as trainwise's build_model_for does. Drawing
     from the global RNG instead gives other weights, and the two loops no longer train
     alike."""

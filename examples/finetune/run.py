@@ -114,7 +114,7 @@ def check_export(out: Path, model_dir: Path) -> dict:
     import transformers
 
     from trainwise.models import ModelSpec, build_model
-    from trainwise.run.export import load_model_state, resolve_checkpoint
+    from trainwise.export.weights import load_model_state, resolve_checkpoint
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(out / "fine-tuned").eval()
     spec = ModelSpec(name=f"hf:{model_dir}", seq_len=64, impl="trainwise", init="random")

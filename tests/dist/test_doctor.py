@@ -227,7 +227,7 @@ def test_two_nodes_time_the_links_within_and_between_nodes_separately(tmp_path: 
     import sys
 
     from helpers import cli_env
-    from trainwise.run.distributed import free_port
+    from trainwise.run.job.distributed import free_port
 
     endpoint = f"127.0.0.1:{free_port()}"
     agent = [

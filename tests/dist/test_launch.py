@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import QUIET, cli_env, read_records, run_cli, worker_failure
-from trainwise.run.distributed import free_port
+from trainwise.run.job.distributed import free_port
 
 pytestmark = pytest.mark.dist
 

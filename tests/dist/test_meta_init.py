@@ -16,7 +16,7 @@ import torch
 
 from helpers import cli_env, worker_failure
 from trainwise.models import ModelSpec, build_model
-from trainwise.run.materialize import materialize
+from trainwise.run.engine.materialize import materialize
 
 pytestmark = pytest.mark.dist
 

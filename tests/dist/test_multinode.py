@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from helpers import QUIET, cli_env, read_records, run_cli
-from trainwise.run.distributed import free_port
-from trainwise.run.events import read_events
+from trainwise.run.job.distributed import free_port
+from trainwise.run.observe.events import read_events
 
 pytestmark = pytest.mark.dist
 

@@ -16,7 +16,7 @@ from trainwise.config.parallel_dims import ParallelDims
 from trainwise.doctor.simulate import simulate_layout
 from trainwise.models.shapes import PRESETS
 from trainwise.plan.estimate import RUNTIME, Setup, setup_memory
-from trainwise.plan.memory import Workload, estimate_memory
+from trainwise.plan.model.memory import Workload, estimate_memory
 
 SEQ = {"tiny": 128, "small": 256}
 CASES = [

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from helpers import QUIET, cli_env, read_records, run_cli
-from trainwise.run.distributed import free_port
+from trainwise.run.job.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny_gpt_cpu.toml"  # 2 CPU workers, ddp

@@ -18,9 +18,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models import ModelSpec, build_model
-from trainwise.run.distributed import destroy_process_group
-from trainwise.run.materialize import materialize, plain_name
-from trainwise.run.parallelize import parallelize, set_gradient_sync
+from trainwise.run.job.distributed import destroy_process_group
+from trainwise.run.engine.materialize import materialize, plain_name
+from trainwise.run.engine.parallelize import parallelize, set_gradient_sync
 
 SPEC = ModelSpec("small", vocab_size=256, seq_len=32)
 CPU = torch.device("cpu")

@@ -13,7 +13,7 @@ import tomllib
 from helpers import QUIET, read_records, run_cli
 from trainwise.cli.main import main
 from trainwise.config import load_config
-from trainwise.run.telemetry import RECORD_FIELDS
+from trainwise.run.observe.telemetry import RECORD_FIELDS
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]

@@ -30,7 +30,7 @@ def test_llama_70b_on_1024_gpus_fits_and_its_job_file_is_accepted(capsys, tmp_pa
     assert code == 0
     rec = json.loads(out)["recommendation"]
     assert rec["fits"] and rec["plan"]["fits"]
-    # With NCCL's NICs in parallel (plan/network.py) FSDP across nodes no longer needs tp 8
+    # With NCCL's NICs in parallel (plan/model/network.py) FSDP across nodes no longer needs tp 8
     # to hide its traffic: tp is the planner's choice within a node. Its exposed
     # communication: tests/unit/test_search.py.
     tp = rec["config"].get("parallel.tp", 1)

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from trainwise.config.schema import CheckpointConfig
-from trainwise.run.checkpoint import Checkpointer, Place, SaveSchedule
-from trainwise.run.checkpoint_store import list_checkpoints
-from trainwise.run.states import training_states
+from trainwise.run.checkpoint.dcp import Checkpointer, Place, SaveSchedule
+from trainwise.run.checkpoint.store import list_checkpoints
+from trainwise.run.checkpoint.states import training_states
 
 
 def trained_state() -> tuple[
@@ -87,7 +87,7 @@ def test_missing_items_finds_what_a_failed_writer_thread_left_out(tmp_path: Path
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from trainwise.run.checkpoint import missing_items
+    from trainwise.run.checkpoint.dcp import missing_items
 
     state = {"a": torch.ones(64), "b": torch.zeros(8, 8), "note": {"text": "bytes item"}}
     metadata = dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path), thread_count=2))
@@ -106,7 +106,7 @@ def test_without_storage_records_returned_the_written_file_is_counted(tmp_path: 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from trainwise.run.checkpoint import missing_items, written_metadata
+    from trainwise.run.checkpoint.dcp import missing_items, written_metadata
 
     state = {"a": torch.ones(64), "b": torch.zeros(8, 8), "note": {"text": "bytes item"}}
     returned = dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path), thread_count=2))

@@ -14,7 +14,7 @@ from faulty import job_args, tmpfs
 from helpers import run_cli
 from trainwise.config import load_config
 from trainwise.hardware import detect_device
-from trainwise.run.job import prepare_job
+from trainwise.run.job.resolve import prepare_job
 
 pytestmark = pytest.mark.dist
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainwise.run.checkpoint import Checkpointer
-from trainwise.run.checkpoint_store import CheckpointError
+from trainwise.run.checkpoint.dcp import Checkpointer
+from trainwise.run.checkpoint.store import CheckpointError
 
 
 def test_a_shape_mismatch_in_dcp_load_is_one_line_exit_2(tmp_path: Path):
@@ -32,8 +32,8 @@ def test_a_shape_mismatch_in_dcp_load_is_one_line_exit_2(tmp_path: Path):
 def test_a_failed_save_says_whether_an_earlier_checkpoint_is_intact(tmp_path: Path):
     import errno
 
-    from trainwise.run.checkpoint import _save_error
-    from trainwise.run.checkpoint_store import commit, final_dir, tmp_dir
+    from trainwise.run.checkpoint.dcp import _save_error
+    from trainwise.run.checkpoint.store import commit, final_dir, tmp_dir
 
     root = tmp_path / "checkpoints"
     full = OSError(errno.ENOSPC, "No space left on device")

@@ -1,4 +1,4 @@
-"""Unit tests of trainwise.run.checkpoint_store on real files: names, commit (manifest last,
+"""Unit tests of trainwise.run.checkpoint.store on real files: names, commit (manifest last,
 no tmp left, durable), verification of corrupted, truncated and missing files, listing,
 finding the newest valid checkpoint, cleanup of interrupted saves and retention."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from trainwise.run import checkpoint_store as cs
-from trainwise.run.checkpoint_store import (
+from trainwise.run.checkpoint import store as cs
+from trainwise.run.checkpoint.store import (
     FORMAT,
     MANIFEST,
     CheckpointError,
@@ -411,7 +411,7 @@ def test_module_does_not_import_torch():
         [
             sys.executable,
             "-c",
-            "import trainwise.run.checkpoint_store, sys; print('torch' in sys.modules)",
+            "import trainwise.run.checkpoint.store, sys; print('torch' in sys.modules)",
         ],
         capture_output=True,
         text=True,

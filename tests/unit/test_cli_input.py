@@ -12,7 +12,7 @@ from trainwise.cli.main import main
 from trainwise.config import load_config
 from trainwise.errors import ConfigError
 from trainwise.hardware import DeviceInfo
-from trainwise.run.job import check_cores
+from trainwise.run.job.resolve import check_cores
 
 REPO = Path(__file__).resolve().parents[2]
 CPU = DeviceInfo(kind="cpu", name="cpu", count=1, memory_bytes=0.0, bf16=False, fp16=False,

@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 
 from trainwise.config import load_config
-from trainwise.plan.compute import compute_time, norm_bytes
+from trainwise.plan.model.compute import compute_time, norm_bytes
 from trainwise.plan.estimate import evaluate
-from trainwise.plan.gemm import (
+from trainwise.plan.model.gemm import (
     GENERATIONS,
     GemmTable,
     epilogue_seconds,
@@ -206,8 +206,8 @@ def test_a_synchronous_step_runs_at_the_slowest_gpus_clock():
 def test_the_foreach_adamw_step_streams_92_bytes_a_parameter():
     # Eight fp32 passes of torch's foreach AdamW: 8 + 12 + 8 + 12 + 8 + 8 + 8 + 16 = 80
     # bytes a parameter; clipping's norm and scale: 4 + 8. At 80 % of the H200's 4.8 TB/s.
-    from trainwise.plan.compute import _per_step
-    from trainwise.plan.memory import block_params
+    from trainwise.plan.model.compute import _per_step
+    from trainwise.plan.model.memory import block_params
 
     job = h200_job("llama-1b", 8, "none")
     w = job.workload

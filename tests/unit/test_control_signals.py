@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from trainwise.run.control import SLURM_REPEAT_S, is_repeat
+from trainwise.run.engine.control import SLURM_REPEAT_S, is_repeat
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def test_outside_slurm_every_signal_counts(monkeypatch: pytest.MonkeyPatch):
 # since a second signal ends the process that gets it.
 DOUBLE_DELIVERY = """
 import os, signal
-from trainwise.run.control import Control
+from trainwise.run.engine.control import Control
 control = Control(distributed=False, announce_second=False)
 control.install()
 os.kill(os.getpid(), signal.SIGUSR1)
@@ -60,7 +60,7 @@ def test_a_worker_survives_the_double_delivery_only_in_a_slurm_step(step, surviv
 
 
 def test_a_stop_exits_with_128_plus_its_signal_never_0():
-    from trainwise.run.control import stop_status
+    from trainwise.run.engine.control import stop_status
 
     assert [stop_status(name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGHUP")] == [
         130, 143, 138, 129

@@ -15,7 +15,7 @@ from trainwise.data.prepare import load_tokenizer, prepare
 from trainwise.data.shards import verify_shards
 from trainwise.data.tokenizer import parse_eos
 from trainwise.errors import ConfigError, DataError
-from trainwise.run.data_checks import check_data
+from trainwise.run.launch.data_checks import check_data
 
 TEXT = "The quick brown fox jumps over the lazy dog.\n" * 40
 

@@ -1,9 +1,9 @@
-"""Unit tests of trainwise.run.distributed.dist_env_from: the worker's place in the job from
+"""Unit tests of trainwise.run.job.distributed.dist_env_from: the worker's place in the job from
 torchrun's variables, Slurm's, or none."""
 
 from __future__ import annotations
 
-from trainwise.run.distributed import DistEnv, dist_env_from
+from trainwise.run.job.distributed import DistEnv, dist_env_from
 
 
 def test_torchrun_variables():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from trainwise.doctor.gemm import measure_gemm_table
-from trainwise.plan.gemm import GemmTable
+from trainwise.plan.model.gemm import GemmTable
 
 
 def test_a_cpu_gemm_sweep_round_trips():

@@ -16,7 +16,7 @@ from trainwise.doctor.result import CheckResult, DoctorRecord, schema
 from trainwise.doctor.scaling import worker_counts
 from trainwise.errors import ConfigError
 from trainwise.run.faults import Faults, SlowDataset, parse_faults
-from trainwise.run.versions import differences, mismatch_lines
+from trainwise.run.job.versions import differences, mismatch_lines
 
 DOCS_SCHEMA = Path(__file__).parents[2] / "docs" / "doctor.schema.json"
 
@@ -242,7 +242,7 @@ def test_the_cuda_memory_check_holds_allocated_bytes_against_the_plans_tensors()
     import torch
 
     from trainwise.doctor.checks import check_memory
-    from trainwise.plan.memory import MemoryEstimate
+    from trainwise.plan.model.memory import MemoryEstimate
 
     plan = MemoryEstimate(params=1e6, grads=1e6, optimizer=2e6, activations=6e6, buffers=0.0,
                           overhead=1e9)

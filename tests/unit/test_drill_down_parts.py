@@ -21,8 +21,8 @@ from trainwise.report.drilldown import hangs
 from trainwise.report.run_html import render_html
 from trainwise.report.run_view import render_markdown, render_text, to_json
 from trainwise.report.rundir import load_run
-from trainwise.run.profiling import STEP_SPAN, group_of, summarise
-from trainwise.run.trackers import IDS_FILE, Trackers, numeric
+from trainwise.run.observe.profiling import STEP_SPAN, group_of, summarise
+from trainwise.run.observe.trackers import IDS_FILE, Trackers, numeric
 
 
 class Recording:
@@ -244,7 +244,7 @@ def mlflow_env(monkeypatch):
 
 
 def test_an_mlflow_server_that_is_down_is_one_warning(tmp_path, caplog, mlflow_env):
-    from trainwise.run.trackers import MLflow
+    from trainwise.run.observe.trackers import MLflow
 
     trackers = Trackers(tmp_path, [MLflow(tmp_path, "http://127.0.0.1:9", {"a": "1"})])
     with caplog.at_level(logging.WARNING, logger="trainwise"):
@@ -261,7 +261,7 @@ def test_mlflow_continues_its_run_after_a_restart(tmp_path, mlflow_env, monkeypa
     backend), with the artifacts beside it, not in the current directory."""
     from mlflow.tracking import MlflowClient
 
-    from trainwise.run.trackers import MLflow, default_mlflow_uri
+    from trainwise.run.observe.trackers import MLflow, default_mlflow_uri
 
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")  # the default must not need it
     monkeypatch.chdir(tmp_path.parent)
@@ -285,7 +285,7 @@ def test_mlflow_continues_its_run_after_a_restart(tmp_path, mlflow_env, monkeypa
 
 
 def test_the_default_store_without_sqlalchemy_says_what_to_install(tmp_path, caplog, monkeypatch):
-    from trainwise.run.trackers import MLflow, default_mlflow_uri
+    from trainwise.run.observe.trackers import MLflow, default_mlflow_uri
 
     monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # `import sqlalchemy` fails
     trackers = Trackers(tmp_path, [MLflow(tmp_path, default_mlflow_uri(tmp_path), {})])

@@ -1,4 +1,4 @@
-"""Unit tests of trainwise.run.events: the events.jsonl log (append, read, concurrent appends)
+"""Unit tests of trainwise.run.observe.events: the events.jsonl log (append, read, concurrent appends)
 and retry_cost on synthetic event lists whose answers are worked out by hand in comments."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from trainwise.jsonl import JsonlError, cut_torn_files, cut_torn_tail
-from trainwise.run.events import (
+from trainwise.run.observe.events import (
     EVENTS_FILE,
     KINDS,
     RetryCost,
@@ -290,7 +290,7 @@ def test_cut_torn_files_names_each_file_it_cut(tmp_path):
 
 def test_a_new_lineage_after_a_stop_is_not_a_resume():
     """A rerun with checkpoint.resume = 'never' after Ctrl-C redoes nothing: it starts over."""
-    from trainwise.run.events import resumptions
+    from trainwise.run.observe.events import resumptions
 
     log = [
         {"kind": "preempted", "time": 10.0, "step": 112, "signal": "SIGINT"},

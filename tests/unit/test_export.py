@@ -33,21 +33,21 @@ from trainwise.config import dump_toml, load_config
 from trainwise.errors import ConfigError
 from trainwise.models.gpt import GPT
 from trainwise.models.registry import ModelSpec, build_model, resolve_shape
-from trainwise.run.checkpoint_store import (
+from trainwise.run.checkpoint.store import (
     CheckpointError,
     commit,
     config_hash,
     final_dir,
     tmp_dir,
 )
-from trainwise.run.export import (
+from trainwise.export.weights import (
     ExportIOError,
     checkpoint_root,
     export_weights,
     load_model_state,
     resolve_checkpoint,
 )
-from trainwise.run.export_hf import export_hf
+from trainwise.export.hf import export_hf
 
 SPEC = ModelSpec(name="tiny", vocab_size=64, seq_len=16)
 
@@ -417,7 +417,7 @@ def test_independent_tensors_satisfy_safetensors(tmp_path: Path):
     contiguous tensors owning their memory, with the same values."""
     from safetensors.torch import save_file
 
-    from trainwise.run.export import _independent
+    from trainwise.export.weights import _independent
 
     base = torch.arange(12.0).reshape(3, 4)
     tensors = {"a": base, "b": base, "c": base[1:], "d": base.t(), "e": torch.empty(0)}

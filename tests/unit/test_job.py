@@ -1,4 +1,4 @@
-"""Unit tests of trainwise.run.job: the machine-dependent checks (collected into one
+"""Unit tests of trainwise.run.job.resolve: the machine-dependent checks (collected into one
 ConfigError), the strategy decision and resolve_nproc, on fake devices (no CUDA needed)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from trainwise.plan import runtime_allowed
 from trainwise.plan.estimate import evaluate
 from trainwise.plan.inputs import resolve_inputs
 from trainwise.plan.planner import make_plan
-from trainwise.run.job import prepare_job, resolve_nproc, start_lines
+from trainwise.run.job.resolve import prepare_job, resolve_nproc, start_lines
 
 CPU = DeviceInfo("cpu", "cpu", 1, 64 * GB, bf16=True, fp16=False, gpu=None)
 # A GPU without bf16 (e.g. a V100-class card), one visible.
@@ -385,8 +385,8 @@ def test_start_lines_say_how_the_batch_follows_from_nproc_and_warn_past_the_core
 
 def test_the_launcher_prints_the_start_lines(tmp_path, monkeypatch, capsys):
     from trainwise.hardware import detect
-    from trainwise.run import launch
-    from trainwise.run.start import start_job
+    from trainwise.run.launch import torchrun as launch
+    from trainwise.run.launch.start import start_job
 
     monkeypatch.setattr(detect, "detect_device", lambda kind="auto": CPU)
     monkeypatch.setattr(detect, "usable_cores", lambda: 2)
@@ -395,7 +395,7 @@ def test_the_launcher_prints_the_start_lines(tmp_path, monkeypatch, capsys):
     # Asked for (cluster.oversubscribe): started, with the warning.
     config = cfg("cluster.nproc=8", "cluster.oversubscribe=true",
                  f"logging.run_dir='{tmp_path / 'run'}'")
-    start_job(config, lambda *_: None, "trainwise.run.worker")
+    start_job(config, lambda *_: None, "trainwise.run.engine.worker")
     err = capsys.readouterr().err.splitlines()
     assert started == [8]
     assert any("global batch 128 " in line for line in err)

@@ -1,4 +1,4 @@
-"""The network model (plan/network.py) against published nccl-tests bus bandwidths, and its
+"""The network model (plan/model/network.py) against published nccl-tests bus bandwidths, and its
 properties. Each figure names its source; the tolerance is stated where it is checked."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from trainwise.hardware.catalog import default_catalog
-from trainwise.plan.network import (
+from trainwise.plan.model.network import (
     Fabric,
     Group,
     bus_bandwidth,

@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 
 from trainwise.config import load_config
-from trainwise.plan.comm import contention_seconds
+from trainwise.plan.model.comm import contention_seconds
 from trainwise.plan.estimate import evaluate
-from trainwise.plan.gemm import GENERATIONS
+from trainwise.plan.model.gemm import GENERATIONS
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 
 

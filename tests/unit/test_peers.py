@@ -6,8 +6,8 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
-from trainwise.run.checkpoint import disk_full
-from trainwise.run.peers import (
+from trainwise.run.checkpoint.dcp import disk_full
+from trainwise.run.observe.peers import (
     PeerError,
     PeerFailure,
     absent_ranks,
@@ -92,7 +92,7 @@ def test_disk_full_needs_the_errno_or_a_short_write_on_a_full_disk(tmp_path: Pat
 def test_a_failed_dcp_writer_thread_is_collected_and_other_threads_are_not():
     import threading
 
-    from trainwise.run.checkpoint import WRITER_ERRORS, WRITER_THREAD
+    from trainwise.run.checkpoint.dcp import WRITER_ERRORS, WRITER_THREAD
 
     def fail(message: str) -> None:
         raise OSError(message)

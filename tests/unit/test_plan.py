@@ -1,5 +1,5 @@
 """Unit tests of trainwise.plan (memory, strategy advice, FLOPs, byte formatting) and of the
-learning-rate schedule (trainwise.run.optim.lr_factor). Expected values are worked out by
+learning-rate schedule (trainwise.run.engine.optim.lr_factor). Expected values are worked out by
 hand in the comments, from the formulas in the modules' docstrings."""
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from trainwise.plan import (
     runtime_allowed,
 )
 from trainwise.plan.inputs import unknown_device_inputs
-from trainwise.plan.memory import (
+from trainwise.plan.model.memory import (
     CUBLAS_WORKSPACE_BYTES,
     activation_bytes_per_token,
     activation_profile,
     block_params,
 )
-from trainwise.run.optim import lr_factor
+from trainwise.run.engine.optim import lr_factor
 
 # A model of 1000 parameters whose activations are not modelled.
 W = Workload(params=1000, shape=None, seq_len=4, micro_batch=2)

@@ -14,7 +14,7 @@ from helpers import QUIET, run_cli, tiny_llama
 from trainwise.errors import ModelError
 from trainwise.models import ModelSpec, build_model, count_parameters
 from trainwise.models.llama import gpt_to_hf
-from trainwise.run.materialize import allocate
+from trainwise.run.engine.materialize import allocate
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -1,4 +1,4 @@
-"""Unit tests of trainwise.plan.reliability: the checkpoint interval (Young 1974, Daly 2006)
+"""Unit tests of trainwise.plan.model.reliability: the checkpoint interval (Young 1974, Daly 2006)
 and the expected cost of failures. Expected values are worked out by hand in the comments."""
 
 from __future__ import annotations
@@ -150,6 +150,6 @@ def test_plan_stays_torch_free():
     import subprocess
     import sys
 
-    code = "import sys, trainwise.plan.reliability, trainwise.plan; print('torch' in sys.modules)"
+    code = "import sys, trainwise.plan.model.reliability, trainwise.plan; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -370,7 +370,7 @@ def test_the_terminal_and_the_report_give_one_wall_time(tmp_path: Path):
     """The launcher's `start` at t = 93 (7 s of start-up before the loop's `ready` at 100):
     the summary rank 0 writes (run.wall.wall_of) and the report both count it, 19 s."""
     from trainwise.report.summary import render_summary
-    from trainwise.run.wall import wall_of
+    from trainwise.run.observe.wall import wall_of
 
     run = make_run(tmp_path)  # ready at 100, finished at 112
     events = (run / "events.jsonl").read_text()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainwise.run.run_lock import LOCK_FILE, RunDirBusy, hold_run_dir
+from trainwise.run.job.run_lock import LOCK_FILE, RunDirBusy, hold_run_dir
 
 
 def take(run_dir: Path, job_id: str | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Unit tests of `trainwise launch slurm|k8s` (trainwise.run.schedulers): the generated
+"""Unit tests of `trainwise launch slurm|k8s` (trainwise.run.launch.schedulers): the generated
 files equal the golden copies byte for byte and are stable; the sbatch script is valid
 bash with the documented srun line; the manifest is a valid PyTorchJob; the launcher
 command in both parses with trainwise's own argparse into a valid multi-node job; bad
@@ -24,8 +24,8 @@ import yaml
 from trainwise.cli.main import build_parser, main
 from trainwise.cli.train import job_flags
 from trainwise.config import JobConfig, load_config, read_toml
-from trainwise.run.schedulers import ClusterJob, pytorchjob_manifest, srun_line
-from trainwise.run.start import check_multi_node
+from trainwise.run.launch.schedulers import ClusterJob, pytorchjob_manifest, srun_line
+from trainwise.run.launch.start import check_multi_node
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"
@@ -97,8 +97,8 @@ def test_sbatch_is_valid_bash_with_the_readme_srun_line(capsys):
 
 
 def test_signal_comes_before_the_launcher_gives_up_on_a_save():
-    from trainwise.run.launch import SHUTDOWN_GRACE_S
-    from trainwise.run.schedulers import SIGNAL_LEAD_S, TERMINATION_GRACE_S
+    from trainwise.run.launch.torchrun import SHUTDOWN_GRACE_S
+    from trainwise.run.launch.schedulers import SIGNAL_LEAD_S, TERMINATION_GRACE_S
 
     assert SIGNAL_LEAD_S > SHUTDOWN_GRACE_S and TERMINATION_GRACE_S > SHUTDOWN_GRACE_S
 
@@ -120,7 +120,7 @@ def assert_valid_multi_node_job(args, nnodes: str) -> JobConfig:
 
 @pytest.mark.parametrize("min_nodes", [None, 2])
 def test_srun_line_parses_as_trainwise_train(min_nodes, monkeypatch):
-    from trainwise.run.start import is_worker
+    from trainwise.run.launch.start import is_worker
 
     job = ClusterJob(
         name="job", config_text=CONFIG.read_text(), nodes=NODES, nproc=GPUS, gpus_per_node=GPUS,
@@ -413,9 +413,9 @@ def test_the_script_requeues_a_stop_and_nothing_else(srun_exit, requeued, status
 
 
 def test_the_script_requeues_every_status_a_stop_exits_with():
-    from trainwise.run.control import PREEMPT_SIGNALS, signal_name, stop_status
-    from trainwise.run.lifeline import LAUNCHER_GONE
-    from trainwise.run.schedulers import STOP_STATUSES
+    from trainwise.run.engine.control import PREEMPT_SIGNALS, signal_name, stop_status
+    from trainwise.run.job.lifeline import LAUNCHER_GONE
+    from trainwise.run.launch.schedulers import STOP_STATUSES
 
     launcher_stops = [s for s in PREEMPT_SIGNALS if s != LAUNCHER_GONE]  # the workers' own
     assert set(STOP_STATUSES) == {stop_status(signal_name(s)) for s in launcher_stops}

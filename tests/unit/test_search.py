@@ -15,11 +15,11 @@ from trainwise.config import load_config
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.errors import ConfigError
 from trainwise.models.shapes import GPTShape
-from trainwise.plan.comm import Layout, layout_collectives
+from trainwise.plan.model.comm import Layout, layout_collectives
 from trainwise.plan.emit import job_config, job_toml
 from trainwise.plan.estimate import Setup, evaluate, price
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
-from trainwise.plan.memory import (
+from trainwise.plan.model.memory import (
     Workload,
     activation_bytes_per_token,
     block_params,
@@ -46,7 +46,7 @@ from trainwise.plan.space import (
     replica_batch,
     tp_degrees,
 )
-from trainwise.plan.tensor_parallel import (
+from trainwise.plan.model.tensor_parallel import (
     TP_BACKWARD,
     TP_FORWARD,
     activation_split,
@@ -203,7 +203,7 @@ def test_llama_70b_on_1024_gpus_is_tp_in_a_node_and_fsdp_across(llama70b):
     assert 1 < dims.tp <= 8 and dims.fsdp  # TP inside a node, FSDP shards across nodes
     assert dims.dp_shard * dims.tp > inputs.gpus_per_node
     # fsdp-full with --ac full: its gathers cross each node's 8 NICs in parallel (the
-    # network model, plan/network.py), so it is compute-bound, at 40 % x 3/4 (recompute).
+    # network model, plan/model/network.py), so it is compute-bound, at 40 % x 3/4 (recompute).
     full = _fsdp_full_with_full_ac(inputs)
     assert full.mfu == pytest.approx(0.30, abs=0.01)
     assert full.step.exposed_comm < 0.01 * full.step.total

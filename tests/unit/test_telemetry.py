@@ -1,4 +1,4 @@
-"""Unit tests of trainwise.run.telemetry: the record schema, metrics.jsonl (and TensorBoard)
+"""Unit tests of trainwise.run.observe.telemetry: the record schema, metrics.jsonl (and TensorBoard)
 writing and reading, the stage clock on CPU and the plain-line progress output."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import types
 import pytest
 import torch
 
-from trainwise.run import telemetry
-from trainwise.run.telemetry import (
+from trainwise.run.observe import telemetry
+from trainwise.run.observe.telemetry import (
     RECORD_FIELDS,
     STAGES,
     MetricsWriter,
@@ -22,7 +22,7 @@ from trainwise.run.telemetry import (
     StepRecord,
     read_metrics,
 )
-from trainwise.run.trackers import build_trackers
+from trainwise.run.observe.trackers import build_trackers
 
 
 def record(step: int, **kw) -> StepRecord:

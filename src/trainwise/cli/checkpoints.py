@@ -42,8 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _root_of(target: Path) -> Path:
     """The checkpoint root: the run's (config.toml's checkpoint.dir or RUN/checkpoints),
     ``target`` itself when it already holds step directories, or the parent of a checkpoint."""
-    from trainwise.run.checkpoint_store import parse_step
-    from trainwise.run.export import checkpoint_root, is_checkpoint_dir
+    from trainwise.run.checkpoint.store import parse_step
+    from trainwise.export.weights import checkpoint_root, is_checkpoint_dir
 
     if is_checkpoint_dir(target):  # one checkpoint given: list it beside its siblings
         return target.parent
@@ -54,7 +54,7 @@ def _root_of(target: Path) -> Path:
 
 def _incomplete_step(name: str) -> int | None:
     """The step of an interrupted save's ``step-XXXXXXXX[.del].tmp`` directory, else None."""
-    from trainwise.run.checkpoint_store import parse_step
+    from trainwise.run.checkpoint.store import parse_step
 
     if not name.endswith(_TMP):
         return None
@@ -65,7 +65,7 @@ def _incomplete_step(name: str) -> int | None:
 
 def _row(step: int, path: Path, manifest: Any, valid: bool, problems: list[str]) -> dict:
     """One listing record; the manifest fields are None when there is no readable manifest."""
-    from trainwise.run.checkpoint_store import dir_bytes
+    from trainwise.run.checkpoint.store import dir_bytes
 
     m = manifest
     return {
@@ -90,7 +90,7 @@ def _row(step: int, path: Path, manifest: Any, valid: bool, problems: list[str])
 def _status(path: Path, manifest: Any) -> str:
     """complete (a readable manifest), damaged (a manifest that cannot be read: resume
     skips it as invalid) or incomplete (no manifest: an interrupted save, cleaned later)."""
-    from trainwise.run.checkpoint_store import MANIFEST
+    from trainwise.run.checkpoint.store import MANIFEST
 
     if manifest is not None:
         return "complete"
@@ -108,7 +108,7 @@ def exit_status(rows: list[dict[str, Any]]) -> int:
 
 def collect(root: Path, verify_mode: str) -> list[dict[str, Any]]:
     """One record per checkpoint directory under ``root`` (incomplete ones included), by step."""
-    from trainwise.run.checkpoint_store import list_checkpoints
+    from trainwise.run.checkpoint.store import list_checkpoints
 
     rows = [
         _row(info.step, info.path, info.manifest, info.valid, info.problems)
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     target = Path(args.target)
     if not target.is_dir():
         raise ConfigError(f"{target}: no such run directory; give runs/NAME")
-    from trainwise.run.checkpoint_store import CheckpointError
+    from trainwise.run.checkpoint.store import CheckpointError
 
     try:
         root = _root_of(target)

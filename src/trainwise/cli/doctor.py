@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
     from trainwise.doctor.calibration import LAUNCH_ENV
     from trainwise.doctor.runner import read_record, run_doctor
-    from trainwise.run.start import is_worker, start_job
+    from trainwise.run.launch.start import is_worker, start_job
 
     if is_worker(cfg):  # started by torchrun or srun: one of the workers
         record = run_doctor(cfg)

@@ -24,7 +24,7 @@ def _row(label: str, value: str) -> str:
 def environment_lines() -> list[str]:
     import torch
 
-    from trainwise.run.versions import local_versions
+    from trainwise.run.job.versions import local_versions
 
     v = local_versions()
     lines = [

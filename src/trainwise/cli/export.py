@@ -75,8 +75,8 @@ def output_format(out: Path | None, fmt: str | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so that `trainwise --help` does not import torch.
-    from trainwise.run.checkpoint_store import CheckpointError
-    from trainwise.run.export import checkpoint_step, choose_checkpoint, export_weights
+    from trainwise.run.checkpoint.store import CheckpointError
+    from trainwise.export.weights import checkpoint_step, choose_checkpoint, export_weights
 
     source = Path(args.target)
     out = Path(args.output) if args.output else None
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _export_hf(checkpoint: Path, out: Path, shard_size: str, force: bool) -> int:
-    from trainwise.run.export_hf import export_hf, parse_size
+    from trainwise.export.hf import export_hf, parse_size
 
     result = export_hf(checkpoint, out, parse_size(shard_size), force)
     print(

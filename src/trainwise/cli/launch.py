@@ -1,6 +1,6 @@
 """`trainwise launch slurm|k8s`: the same job as an sbatch script or a Kubernetes
 PyTorchJob manifest, for a cluster with several machines. Parsing and writing only;
-the files come from trainwise.run.schedulers."""
+the files come from trainwise.run.launch.schedulers."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import tomli_w
 
 from trainwise.config import load_config, read_toml
 from trainwise.errors import ConfigError
-from trainwise.run.schedulers import DEFAULT_MEMORY_PER_WORKER_GI, DEFAULT_STORAGE
+from trainwise.run.launch.schedulers import DEFAULT_MEMORY_PER_WORKER_GI, DEFAULT_STORAGE
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -125,7 +125,7 @@ def _usage(p: argparse.ArgumentParser) -> int:
 
 def build_job(args: argparse.Namespace, scheduler: str, **extra: object):
     """Read and check the job file and the generator's input; the ClusterJob to render."""
-    from trainwise.run.schedulers import (
+    from trainwise.run.launch.schedulers import (
         ClusterJob,
         check_cluster_job,
         default_job_name,
@@ -167,7 +167,7 @@ def build_job(args: argparse.Namespace, scheduler: str, **extra: object):
     }
     cfg = load_config(path, flags, list(args.set), flag_names=names)
     # An elastic range must keep its global batch on every machine count (as train checks).
-    from trainwise.run.job import elastic_accum
+    from trainwise.run.job.resolve import elastic_accum
 
     _, problem = elastic_accum(cfg, job.nodes * job.nproc, job.nproc)
     if problem:
@@ -176,7 +176,7 @@ def build_job(args: argparse.Namespace, scheduler: str, **extra: object):
 
 
 def run_slurm(args: argparse.Namespace) -> int:
-    from trainwise.run.schedulers import slurm_script
+    from trainwise.run.launch.schedulers import slurm_script
 
     job = build_job(
         args, "slurm", run_dir=args.run_dir, partition=args.partition, time=args.time,
@@ -186,7 +186,7 @@ def run_slurm(args: argparse.Namespace) -> int:
 
 
 def run_k8s(args: argparse.Namespace) -> int:
-    from trainwise.run.schedulers import pytorchjob_manifest
+    from trainwise.run.launch.schedulers import pytorchjob_manifest
 
     job = build_job(
         args, "k8s", image=args.image, max_restarts=args.max_restarts, pvc=args.pvc,

@@ -229,7 +229,7 @@ def calibrated_inputs(
     """The inputs priced by the calibrated model when `source` (a file or a run directory)
     or this machine kind's calibration file gives one; the analytic model otherwise."""
     from trainwise.plan.calibrate import machine_calibration
-    from trainwise.plan.performance import ANALYTIC, CalibratedModel
+    from trainwise.plan.model.performance import ANALYTIC, CalibratedModel
 
     where = f"--calibrate {source}" if key == "--calibrate" else f"plan.calibration = {source!r}"
     cal, warnings = machine_calibration(source, inputs.hardware.gpu, where)

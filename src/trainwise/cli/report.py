@@ -78,7 +78,7 @@ def render(reports: list, fmt: str) -> str:
 def write_page(reports: list, page: Path) -> None:
     """The HTML page, whole or not at all (a reader never sees half a page)."""
     from trainwise.report.run_html import render_html
-    from trainwise.run.run_files import write_whole
+    from trainwise.run.job.run_files import write_whole
 
     text = render_html(reports)
     page.parent.mkdir(parents=True, exist_ok=True)

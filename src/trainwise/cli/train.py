@@ -147,12 +147,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     # Imported here so that --print-config and config errors stay instant.
-    from trainwise.run.control import stop_status
-    from trainwise.run.launch import LaunchError, Preempted
-    from trainwise.run.start import is_worker, start_job, train_here
+    from trainwise.run.engine.control import stop_status
+    from trainwise.run.launch.torchrun import LaunchError, Preempted
+    from trainwise.run.launch.start import is_worker, start_job, train_here
 
     if is_worker(cfg):
-        from trainwise.run.worker import train
+        from trainwise.run.engine.worker import train
 
         summary = train(cfg)
         if summary:
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         run_dir = start_job(
-            cfg, train_here, "trainwise.run.worker", max_restarts=cfg.checkpoint.max_restarts
+            cfg, train_here, "trainwise.run.engine.worker", max_restarts=cfg.checkpoint.max_restarts
         )
     except Preempted as stop:
         # Saved but not finished: 128 + the signal, so that `train && export` stops here.
@@ -213,7 +213,7 @@ def finish_report(cfg: JobConfig, run_dir: Path, after_failure: bool = False) ->
                 file=sys.stderr,
             )
         return
-    from trainwise.run.trackers import add_report
+    from trainwise.run.observe.trackers import add_report
 
     add_report(run_dir, cfg.logging.trackers, cfg.logging.mlflow_uri)
     if after_failure:

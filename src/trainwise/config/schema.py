@@ -1,7 +1,7 @@
 """The schema of a job: every key a user can set, its type, default and meaning.
 
 Each field is documented once, here, where it is declared. Values are checked on their
-own here; checks that need the machine (device, world size) live in `trainwise.run.job`.
+own here; checks that need the machine (device, world size) live in `trainwise.run.job.resolve`.
 Unknown keys are rejected (``extra="forbid"``).
 """
 

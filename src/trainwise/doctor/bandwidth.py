@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from trainwise.plan.comm import allreduce_factor, gather_factor
+from trainwise.plan.model.comm import allreduce_factor, gather_factor
 
 KB = 1024
 FIRST_BYTES = KB

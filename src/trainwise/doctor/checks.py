@@ -24,11 +24,11 @@ from trainwise.hardware.catalog import GB
 from trainwise.plan import fmt_bytes
 from trainwise.plan.calibrate import Calibration, apply_calibration
 from trainwise.plan.estimate import evaluate
-from trainwise.plan.memory import MemoryEstimate
+from trainwise.plan.model.memory import MemoryEstimate
 from trainwise.plan.planner import COMM_BOUND_SHARE, sharded_name
-from trainwise.run import checkpoint_store as store
-from trainwise.run import versions
-from trainwise.run.checkpoint_store import root_for
+from trainwise.run.checkpoint import store as store
+from trainwise.run.job import versions
+from trainwise.run.checkpoint.store import root_for
 
 WHERE = {"intra_node": "within a node", "inter_node": "between nodes"}
 WRITE_PROBE_BYTES = {"cuda": 256 * 2**20, "cpu": 32 * 2**20}  # the write test, at most

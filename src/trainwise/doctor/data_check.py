@@ -17,7 +17,7 @@ from trainwise.doctor.result import CheckResult
 from trainwise.hardware.detect import usable_cores
 from trainwise.plan.advisor import loader_fixes
 from trainwise.plan.planner import DATA_BOUND_SHARE
-from trainwise.run.trainer import build_trainer
+from trainwise.run.engine.trainer import build_trainer
 
 MAX_WORKERS = 4  # worker counts tried: 0 .. min(this, the cores per rank)
 

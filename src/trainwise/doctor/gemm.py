@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from trainwise.plan.gemm import GemmTable
+from trainwise.plan.model.gemm import GemmTable
 
 # Shapes (M, N, K) a transformer's projections take: tokens x width x width, and the wide
 # MLP; from 1k to 16k tokens. Tests pass tiny ones.

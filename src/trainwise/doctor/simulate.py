@@ -79,11 +79,11 @@ def simulate_layout(
     from trainwise.models.gpt import GPT
     from trainwise.models.gpt_parallel import gpt_tp_plan
     from trainwise.models.registry import cross_entropy_loss
-    from trainwise.run.loop import clip_grads, total_grad_norm
-    from trainwise.run.optim import build_optimizer
-    from trainwise.run.parallelize import parallelize
-    from trainwise.run.precision import autocast_context
-    from trainwise.run.trainer import local_loss, loss_context
+    from trainwise.run.engine.loop import clip_grads, total_grad_norm
+    from trainwise.run.engine.optim import build_optimizer
+    from trainwise.run.engine.parallelize import parallelize
+    from trainwise.run.engine.precision import autocast_context
+    from trainwise.run.engine.trainer import local_loss, loss_context
 
     if not simulated(dims):
         raise ValueError(f"cannot simulate {layout_name(dims)}; simulated: {', '.join(SIMULATED)}")

@@ -19,8 +19,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from trainwise.doctor.context import Context
 from trainwise.doctor.result import CheckResult
 from trainwise.jsonl import read_objects
-from trainwise.run.loop import mean_over_ranks
-from trainwise.run.trainer import Trainer, build_checkpointer, build_trainer
+from trainwise.run.engine.loop import mean_over_ranks
+from trainwise.run.engine.trainer import Trainer, build_checkpointer, build_trainer
 
 MIN_FALL = 0.01  # the loss must fall by at least this share over the smoke steps
 PRECISION_GAP = 0.05  # a lower-precision loss further than this share from fp32's: warn

@@ -20,7 +20,7 @@ TFLOP = 1e12
 GB = 1e9
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 SCOPES = ("intra", "inter")
-# Architectures the planner has GEMM and attention efficiencies for (trainwise.plan.gemm).
+# Architectures the planner has GEMM and attention efficiencies for (trainwise.plan.model.gemm).
 GENERATIONS = ("volta", "turing", "ampere", "ada", "hopper", "blackwell", "cdna3", "cpu")
 
 

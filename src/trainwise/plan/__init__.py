@@ -9,10 +9,10 @@ from trainwise.plan.advisor import (
     fmt_bytes,
     runtime_allowed,
 )
-from trainwise.plan.flops import flops_per_token, matmul_params, mfu
-from trainwise.plan.memory import MemoryEstimate, Workload, activation_bytes, estimate_memory
-from trainwise.plan.precision import BYTES, OPTIMIZER_STATE_BYTES
-from trainwise.plan.reliability import (
+from trainwise.plan.model.flops import flops_per_token, matmul_params, mfu
+from trainwise.plan.model.memory import MemoryEstimate, Workload, activation_bytes, estimate_memory
+from trainwise.plan.model.precision import BYTES, OPTIMIZER_STATE_BYTES
+from trainwise.plan.model.reliability import (
     FailureCost,
     expected_waste_fraction,
     failure_cost,

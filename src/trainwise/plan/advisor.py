@@ -11,7 +11,7 @@ from trainwise.config.schema import JobConfig, ParallelConfig
 from trainwise.plan.constraints import user_allowed
 from trainwise.plan.estimate import SIMPLER_WITHIN, Setup, price
 from trainwise.plan.inputs import PlanInputs
-from trainwise.plan.memory import MemoryEstimate, estimate_memory
+from trainwise.plan.model.memory import MemoryEstimate, estimate_memory
 from trainwise.plan.search import Allowed, Choice, describe_setup, recommend
 from trainwise.plan.units import fmt_bytes
 

@@ -15,33 +15,33 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from trainwise.config.parallel_dims import ParallelDims
-from trainwise.plan.comm import (
+from trainwise.plan.model.comm import (
     Collective,
     Layout,
     contention_seconds,
     exposed_seconds,
     layout_collectives,
 )
-from trainwise.plan.cost import CheckpointPlan, Cost, checkpoint_plan, job_cost
-from trainwise.plan.flops import mfu, model_flops_per_token, recompute_factor
-from trainwise.plan.gemm import GENERATIONS
+from trainwise.plan.model.cost import CheckpointPlan, Cost, checkpoint_plan, job_cost
+from trainwise.plan.model.flops import mfu, model_flops_per_token, recompute_factor
+from trainwise.plan.model.gemm import GENERATIONS
 from trainwise.plan.inputs import PlanInputs
-from trainwise.plan.memory import (
+from trainwise.plan.model.memory import (
     MemoryEstimate,
     Workload,
     block_params,
     checkpointed_blocks,
     estimate_memory,
 )
-from trainwise.plan.precision import MASTER_BYTES, OPTIMIZER_STATE_BYTES
-from trainwise.plan.tensor_parallel import (
+from trainwise.plan.model.precision import MASTER_BYTES, OPTIMIZER_STATE_BYTES
+from trainwise.plan.model.tensor_parallel import (
     params_per_rank,
     tp_collectives,
     tp_exposed_seconds,
 )
 
 if TYPE_CHECKING:
-    from trainwise.plan.performance import PerformanceModel
+    from trainwise.plan.model.performance import PerformanceModel
 
 # Assumption: a GPU's share of the host cores applies AdamW to 0.5 G parameters/s (PyTorch's
 # foreach CPU AdamW is memory-bound: ~32 bytes read and written per parameter).
@@ -188,7 +188,7 @@ def price(
     """Memory, step, throughput, time and cost of `setup` on inputs.gpus GPUs (`memory`:
     its setup_memory, when the caller has it already), priced by `model` (default: the one
     the inputs adopted, plan.performance)."""
-    from trainwise.plan.performance import model_of  # it delegates back to this module
+    from trainwise.plan.model.performance import model_of  # it delegates back to this module
 
     model = model or model_of(inputs)
     dims, hw = setup.dims, inputs.hardware

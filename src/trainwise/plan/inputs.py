@@ -14,11 +14,11 @@ from trainwise.config.schema import JobConfig
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, TFLOP, GPUSpec, default_catalog, find_gpu
 from trainwise.models.shapes import PRESETS, GPTShape, job_shape
-from trainwise.plan.gemm import GemmTable
-from trainwise.plan.memory import Workload
+from trainwise.plan.model.gemm import GemmTable
+from trainwise.plan.model.memory import Workload
 
 if TYPE_CHECKING:
-    from trainwise.plan.performance import PerformanceModel
+    from trainwise.plan.model.performance import PerformanceModel
 
 # Defaults of `trainwise plan` without --config: a Llama-2-7B pretraining step on one
 # 8-GPU H100 node (Llama 2 paper: 4M-token batches = 1024 x 4096, bf16, AdamW).

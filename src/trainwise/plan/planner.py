@@ -12,8 +12,8 @@ from trainwise.plan.advisor import describe, loader_fixes
 from trainwise.plan.alternatives import distinct, smallest_changes, why_it_loses
 from trainwise.plan.estimate import Setup, StrategyPlan, candidate_names, evaluate, price
 from trainwise.plan.inputs import PlanInputs
-from trainwise.plan.precision import MASTER_BYTES, OPTIMIZER_STATE_BYTES
-from trainwise.plan.reliability import SECONDS_PER_HOUR, system_mtbf_s
+from trainwise.plan.model.precision import MASTER_BYTES, OPTIMIZER_STATE_BYTES
+from trainwise.plan.model.reliability import SECONDS_PER_HOUR, system_mtbf_s
 from trainwise.plan.search import EVERYTHING, Allowed, Choice, Goal, describe_setup, recommend
 from trainwise.plan.space import exact_batch
 from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_usd

@@ -16,14 +16,14 @@ from typing import Any
 
 from trainwise.plan.advisor import loader_fixes
 from trainwise.plan.calibrate import WARMUP_STEPS
-from trainwise.plan.cost import CostTerm, run_cost
+from trainwise.plan.model.cost import CostTerm, run_cost
 from trainwise.plan.estimate import SIMPLER_WITHIN, config_keys
 from trainwise.plan.planner import COMM_BOUND_SHARE
 from trainwise.plan.units import PLAN_TOLERANCE, fmt_gpu_hours, fmt_usd_exact
 from trainwise.report.drilldown import DrillDown, drill_down
 from trainwise.report.rundir import RunFiles
-from trainwise.run.events import RetryCost, resumptions, retry_cost
-from trainwise.run.wall import LAUNCH_ENDS, run_wall_s
+from trainwise.run.observe.events import RetryCost, resumptions, retry_cost
+from trainwise.run.observe.wall import LAUNCH_ENDS, run_wall_s
 
 # The measured stages of a step (metrics.jsonl) and their names on the page.
 STAGES = (

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from trainwise.hardware.catalog import GB
 from trainwise.plan.emit import keys_toml
 from trainwise.plan.estimate import StrategyPlan
-from trainwise.plan.performance import model_of
+from trainwise.plan.model.performance import model_of
 from trainwise.plan.planner import BEST, Plan
 from trainwise.plan.search import describe_setup
 from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_seconds, fmt_usd

@@ -18,7 +18,7 @@ from typing import Any
 from trainwise.config import read_toml
 from trainwise.errors import ConfigError
 from trainwise.jsonl import JsonlError, read_objects
-from trainwise.run.events import read_events
+from trainwise.run.observe.events import read_events
 
 
 class ReportError(ConfigError):

@@ -196,7 +196,7 @@ def _slow_ddp(model: Any, gbps: float) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
-    from trainwise.plan.comm import allreduce_factor
+    from trainwise.plan.model.comm import allreduce_factor
 
     if not isinstance(model, DistributedDataParallel):
         return

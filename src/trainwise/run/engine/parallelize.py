@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.errors import ConfigError
-from trainwise.run.precision import TORCH_DTYPES
+from trainwise.run.engine.precision import TORCH_DTYPES
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plans: list[dict[str, object]]) -> None:

@@ -34,8 +34,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from trainwise.models.shapes import GPTShape
-from trainwise.plan.precision import BYTES, MASTER_BYTES, OPTIMIZER_STATE_BYTES
-from trainwise.plan.tensor_parallel import activation_split, block_replicated, params_per_rank
+from trainwise.plan.model.precision import BYTES, MASTER_BYTES, OPTIMIZER_STATE_BYTES
+from trainwise.plan.model.tensor_parallel import activation_split, block_replicated, params_per_rank
 
 # Assumption, not a measurement: a CUDA context with PyTorch's kernels loaded holds about
 # 0.5-1 GB, and the caching allocator's fragmentation typically costs a few percent of the

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainwise.plan.reliability import SECONDS_PER_HOUR, failure_cost, system_mtbf_s
+from trainwise.plan.model.reliability import SECONDS_PER_HOUR, failure_cost, system_mtbf_s
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Starting this machine's workers through torchrun's elastic agent (c10d rendezvous).
 
-The agent runs `python -m trainwise.run.worker RUN_DIR` per worker with torchrun's
+The agent runs `python -m trainwise.run.engine.worker RUN_DIR` per worker with torchrun's
 variables set; the workers inherit this terminal, so their output and tracebacks reach
 the user directly. When a worker dies the agent restarts the whole group (up to
 `max_restarts` times) and the workers resume from the last checkpoint; each failure is
@@ -23,10 +23,10 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainwise.config.schema import ClusterConfig
 from trainwise.errors import TrainwiseError
-from trainwise.run.checkpoint_store import find_latest_valid
-from trainwise.run.control import stop_status
-from trainwise.run.events import append_event, read_events
-from trainwise.run.lifeline import Launch
+from trainwise.run.checkpoint.store import find_latest_valid
+from trainwise.run.engine.control import stop_status
+from trainwise.run.observe.events import append_event, read_events
+from trainwise.run.job.lifeline import Launch
 
 # The agent forwards these to the workers: SIGUSR1 is what `sbatch --signal` usually
 # sends, SIGINT is Ctrl-C, SIGHUP a closed terminal; each makes the workers save and stop.
@@ -98,7 +98,7 @@ def launch_workers(
     launch: Launch,
     master_port: int | None = None,
     max_restarts: int = 0,
-    module: str = "trainwise.run.worker",
+    module: str = "trainwise.run.engine.worker",
     cluster: ClusterConfig | None = None,
     checkpoints: Path | None = None,
 ) -> None:

@@ -19,24 +19,24 @@ import torch.distributed as dist
 from trainwise.config import JobConfig
 from trainwise.data import build_eval_loader, build_loader
 from trainwise.errors import TrainwiseError
-from trainwise.run import checkpoint_store as store
-from trainwise.run.checkpoint import Resumed
-from trainwise.run.checkpoint_store import CheckpointError
-from trainwise.run.control import Control
-from trainwise.run.distributed import DistEnv, network_line, side_group
-from trainwise.run.events import append_event, read_events, resumptions, retry_cost
+from trainwise.run.checkpoint import store as store
+from trainwise.run.checkpoint.dcp import Resumed
+from trainwise.run.checkpoint.store import CheckpointError
+from trainwise.run.engine.control import Control
+from trainwise.run.job.distributed import DistEnv, network_line, side_group
+from trainwise.run.observe.events import append_event, read_events, resumptions, retry_cost
 from trainwise.run.faults import Faults
-from trainwise.run.hang import StepWatchdog, write_hang_dump
-from trainwise.run.job import Job
-from trainwise.run.lifeline import this_launch
-from trainwise.run.loop import StepResult, evaluate
-from trainwise.run.peers import BARRIER_S, PeerFailure, absent_ranks, classify, last_line
-from trainwise.run.profiling import Profiler
-from trainwise.run.recorder import Recorder
-from trainwise.run.telemetry import mark_memory_baseline
-from trainwise.run.trackers import Trackers, build_trackers
-from trainwise.run.trainer import build_checkpointer, build_trainer
-from trainwise.run.wall import wall_of
+from trainwise.run.observe.hang import StepWatchdog, write_hang_dump
+from trainwise.run.job.resolve import Job
+from trainwise.run.job.lifeline import this_launch
+from trainwise.run.engine.loop import StepResult, evaluate
+from trainwise.run.observe.peers import BARRIER_S, PeerFailure, absent_ranks, classify, last_line
+from trainwise.run.observe.profiling import Profiler
+from trainwise.run.engine.recorder import Recorder
+from trainwise.run.observe.telemetry import mark_memory_baseline
+from trainwise.run.observe.trackers import Trackers, build_trackers
+from trainwise.run.engine.trainer import build_checkpointer, build_trainer
+from trainwise.run.observe.wall import wall_of
 
 MAX_ROLLBACKS = 3
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 # Slurm warns the batch shell this long before the time limit (--signal=B:USR1@...). It
 # must cover a synchronous save: the launcher gives its workers 120 s after the signal
-# (trainwise.run.launch.SHUTDOWN_GRACE_S) before it kills them.
+# (trainwise.run.launch.torchrun.SHUTDOWN_GRACE_S) before it kills them.
 SIGNAL_LEAD_S = 180
 # Kubernetes waits this long between SIGTERM and SIGKILL when it deletes a pod (the
 # default, 30 s, is too short for a save).
@@ -37,7 +37,7 @@ DEFAULT_GPUS_PER_NODE = 8
 DEFAULT_MEMORY_PER_WORKER_GI = 8
 DEFAULT_STORAGE = "100Gi"  # the run claim trainwise writes when --pvc names none
 # The exit statuses of a run that saved and stopped before its last step: 128 + each
-# stop signal a launcher gets (trainwise.run.control.stop_status; a test keeps the two
+# stop signal a launcher gets (trainwise.run.engine.control.stop_status; a test keeps the two
 # in step). The batch script requeues the job on them; a PyTorchJob's ExitCode policy
 # retries them too.
 STOP_STATUSES = tuple(
@@ -158,7 +158,7 @@ def node_resources(
     file raises ConfigError: a script the scheduler would refuse, or run wrong, is not
     written."""
     from trainwise.hardware import DeviceInfo
-    from trainwise.run.job import resolve_nproc
+    from trainwise.run.job.resolve import resolve_nproc
 
     for flag, value in (("--gpus-per-node", gpus_flag), ("--cpus-per-node", cpus_flag)):
         if value is not None and value < 1:

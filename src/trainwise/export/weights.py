@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from trainwise.config import read_toml
 from trainwise.errors import ConfigError, TrainwiseError
-from trainwise.run.checkpoint_store import (
+from trainwise.run.checkpoint.store import (
     MANIFEST,
     CheckpointError,
     find_latest_valid,
@@ -302,7 +302,7 @@ class ExportIOError(TrainwiseError):
 def unwritable(out: Path, err: BaseException) -> TrainwiseError:
     """One line for an output that cannot be written: a full disk is an I/O fault (exit
     1, as in training); anything else (permissions, a read-only path) is a bad -o (2)."""
-    from trainwise.run.checkpoint import disk_full
+    from trainwise.run.checkpoint.dcp import disk_full
 
     where = out.parent if str(out.parent) else Path(".")
     if disk_full(err, where):

@@ -1,6 +1,6 @@
 """A training worker, top to bottom: process group -> job -> model -> parallelize ->
 optimizer -> data -> loop -> summary. Started by the elastic agent (`python -m
-trainwise.run.worker RUN_DIR`), by torchrun / srun through the CLI, or in-process for
+trainwise.run.engine.worker RUN_DIR`), by torchrun / srun through the CLI, or in-process for
 one worker."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainwise.config import JobConfig, config_from_toml, job_hash, load_config
 from trainwise.errors import TrainwiseError
 from trainwise.hardware import detect_device
-from trainwise.run.control import catch_early_signals
-from trainwise.run.distributed import (
+from trainwise.run.engine.control import catch_early_signals
+from trainwise.run.job.distributed import (
     DistEnv,
     destroy_process_group,
     dist_env_from,
@@ -30,17 +30,17 @@ from trainwise.run.distributed import (
     init_process_group,
     side_group,
 )
-from trainwise.run.events import append_event
-from trainwise.run.job import Job, prepare_job
-from trainwise.run.lifeline import CONFIG_ENV, Launch, die_with_launcher, this_launch
-from trainwise.run.peers import (
+from trainwise.run.observe.events import append_event
+from trainwise.run.job.resolve import Job, prepare_job
+from trainwise.run.job.lifeline import CONFIG_ENV, Launch, die_with_launcher, this_launch
+from trainwise.run.observe.peers import (
     last_line,
     nested_errors,
 )
-from trainwise.run.run_files import default_run_dir, write_run_files
-from trainwise.run.run_lock import hold_as_worker
-from trainwise.run.training import Training
-from trainwise.run.versions import require_same_versions
+from trainwise.run.job.run_files import default_run_dir, write_run_files
+from trainwise.run.job.run_lock import hold_as_worker
+from trainwise.run.engine.training import Training
+from trainwise.run.job.versions import require_same_versions
 
 
 def join_job(cfg: JobConfig) -> tuple[DistEnv, logging.Logger, torch.device, Job]:
@@ -170,7 +170,7 @@ def record_fatal(launch: Launch, run_dir: Path, err: TrainwiseError) -> None:
 
 @record
 def main(argv: list[str] | None = None) -> int:
-    """Entry of a worker started by the elastic agent: `python -m trainwise.run.worker DIR`."""
+    """Entry of a worker started by the elastic agent: `python -m trainwise.run.engine.worker DIR`."""
     return run_worker(train, argv)
 
 

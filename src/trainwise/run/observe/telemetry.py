@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from trainwise.jsonl import cut_torn_tail, read_objects
-from trainwise.run.trackers import Trackers
+from trainwise.run.observe.trackers import Trackers
 
 STAGES = ("data_s", "compute_s", "sync_s", "optim_s", "ckpt_s")
 

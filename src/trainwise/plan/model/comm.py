@@ -4,7 +4,7 @@ bottleneck link, and the part that compute cannot hide.
 Each collective's bytes per rank are nccl-tests' bus bytes ("PERFORMANCE.md"): over n
 ranks an all-reduce of S bytes moves 2(n-1)/n x S, an all-gather or a reduce-scatter
 (n-1)/n x S. Their time on the cluster's links (NVLink within a node, the node's NICs
-across nodes, and a latency per algorithm step) is plan/network.py's. Volumes per
+across nodes, and a latency per algorithm step) is plan/model/network.py's. Volumes per
 strategy follow ZeRO (Rajbhandari et al., 2020, section 7): DDP
 all-reduces the gradients once per step (no_sync between micro-batches); FSDP all-gathers
 the parameters for forward (and again for backward when `full` reshards after forward) on
@@ -18,8 +18,8 @@ import math
 from dataclasses import dataclass
 
 from trainwise.config.parallel_dims import ParallelDims
-from trainwise.plan.network import Fabric, collective, group_of
-from trainwise.plan.precision import BYTES, MASTER_BYTES
+from trainwise.plan.model.network import Fabric, collective, group_of
+from trainwise.plan.model.precision import BYTES, MASTER_BYTES
 
 GRAD_BYTES = MASTER_BYTES  # DDP reduces the fp32 gradients (autocast leaves them fp32)
 DDP_BUCKET_BYTES = 25e6  # DDP's default bucket_cap_mb: the last bucket's all-reduce is exposed

@@ -12,8 +12,8 @@ from typing import Any
 
 from trainwise.config.lineage import lineage_differences
 from trainwise.config.schema import CheckpointConfig
-from trainwise.run import checkpoint_store as store
-from trainwise.run.checkpoint_store import CheckpointError
+from trainwise.run.checkpoint import store as store
+from trainwise.run.checkpoint.store import CheckpointError
 
 TRAINER_FILE = "trainer.json"  # the trainer's progress and the lineage's keys, per checkpoint
 

@@ -21,8 +21,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from trainwise.run.distributed import side_group
-from trainwise.run.lifeline import LAUNCHER_GONE
+from trainwise.run.job.distributed import side_group
+from trainwise.run.job.lifeline import LAUNCHER_GONE
 
 # Every way a run is asked to stop saves first: the scheduler's SIGTERM / SIGUSR1, Ctrl-C
 # (SIGINT), a closed terminal (SIGHUP), and the launcher's death (see lifeline). A second

@@ -26,8 +26,8 @@ def run_wall_s(records: list[dict[str, Any]], events: list[dict[str, Any]]) -> f
 
 def wall_of(run_dir: Path) -> float:
     """run_wall_s of the files in `run_dir` (metrics.jsonl, events.jsonl)."""
-    from trainwise.run.events import read_events
-    from trainwise.run.telemetry import read_metrics
+    from trainwise.run.observe.events import read_events
+    from trainwise.run.observe.telemetry import read_metrics
 
     return run_wall_s(read_metrics(run_dir), read_events(run_dir))
 

@@ -24,7 +24,7 @@ Communication (ibid., section 4.2.2): each block runs two all-reduces forward (a
 attention and after the MLP) and two backward, each of s·b·h activations; with sequence
 parallelism each becomes an all-gather plus a reduce-scatter of the same volume. A
 recomputed (checkpointed) block runs its forward's two again. They run on the link between
-the `tp` ranks, which sit inside one node, each call priced by plan/network.py (its bytes
+the `tp` ranks, which sit inside one node, each call priced by plan/model/network.py (its bytes
 and its steps' latency). Assumption: forward's wait (each feeds the next
 matmul); backward's overlap the weight-gradient GEMMs, as Megatron-LM's tensor-parallel
 linear layers do (the input gradient's all-reduce, or reduce-scatter with sequence
@@ -39,8 +39,8 @@ their shape (plan.gemm).
 from __future__ import annotations
 
 from trainwise.models.shapes import GPTShape
-from trainwise.plan.comm import Collective, Layout
-from trainwise.plan.precision import BYTES
+from trainwise.plan.model.comm import Collective, Layout
+from trainwise.plan.model.precision import BYTES
 
 # Measured (`trainwise plan --simulate`): DTensor's loss_parallel runs log-softmax and the
 # NLL as decomposed ops on the vocabulary shards, and at the head's backward holds this many

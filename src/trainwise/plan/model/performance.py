@@ -16,15 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
-from trainwise.plan.compute import ComputeTime, compute_time
+from trainwise.plan.model.compute import ComputeTime, compute_time
 
 if TYPE_CHECKING:
     from trainwise.config.parallel_dims import ParallelDims
     from trainwise.plan.calibrate import Calibration
-    from trainwise.plan.comm import Collective
+    from trainwise.plan.model.comm import Collective
     from trainwise.plan.estimate import Setup
     from trainwise.plan.inputs import PlanInputs
-    from trainwise.plan.memory import MemoryEstimate, Workload
+    from trainwise.plan.model.memory import MemoryEstimate, Workload
 
 
 class PerformanceModel(Protocol):

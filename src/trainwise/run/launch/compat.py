@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainwise.run.resume_rules import LineageError, other_lineage_checkpoint, recorded_lineage
+from trainwise.run.checkpoint.resume_rules import LineageError, other_lineage_checkpoint, recorded_lineage
 
 if TYPE_CHECKING:
-    from trainwise.run.job import Job
+    from trainwise.run.job.resolve import Job
 
 _MODEL = "model."  # the checkpoint's prefix of the model's entries
 

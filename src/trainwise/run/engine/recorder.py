@@ -14,9 +14,9 @@ import torch
 
 from trainwise.config.schema import LoggingConfig
 from trainwise.plan.advisor import loader_fixes
-from trainwise.plan.flops import mfu
-from trainwise.run.loop import StepResult, mean_over_ranks
-from trainwise.run.telemetry import (
+from trainwise.plan.model.flops import mfu
+from trainwise.run.engine.loop import StepResult, mean_over_ranks
+from trainwise.run.observe.telemetry import (
     STAGES,
     MetricsWriter,
     Progress,
@@ -25,7 +25,7 @@ from trainwise.run.telemetry import (
     peak_reserved,
     read_metrics,
 )
-from trainwise.run.trackers import Trackers
+from trainwise.run.observe.trackers import Trackers
 
 FIRST_PROBE_STEP = 3  # after the first steps' one-off costs (allocations, warm caches)
 FIRST_PROBES = 3  # probes in a row at the start, so the first estimate is a median

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import GPTShape
-from trainwise.plan.flops import model_flops_per_token, recompute_factor
-from trainwise.plan.gemm import (
+from trainwise.plan.model.flops import model_flops_per_token, recompute_factor
+from trainwise.plan.model.gemm import (
     GENERATIONS,
     GemmTable,
     attention_seconds,
@@ -41,8 +41,8 @@ from trainwise.plan.gemm import (
     slowest_pace,
 )
 from trainwise.plan.inputs import Hardware, PlanInputs
-from trainwise.plan.memory import Workload, block_params, checkpointed_blocks
-from trainwise.plan.precision import BYTES, MASTER_BYTES
+from trainwise.plan.model.memory import Workload, block_params, checkpointed_blocks
+from trainwise.plan.model.precision import BYTES, MASTER_BYTES
 
 if TYPE_CHECKING:
     from trainwise.plan.estimate import StrategyPlan

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from trainwise.config import JobConfig, dump_toml
 from trainwise.errors import ConfigError
-from trainwise.run.job import Job, job_plan
+from trainwise.run.job.resolve import Job, job_plan
 
 
 def default_run_dir(cfg: JobConfig, strategy: str) -> Path:

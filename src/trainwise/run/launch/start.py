@@ -15,14 +15,14 @@ from trainwise.config import JobConfig, dump_toml
 from trainwise.errors import ConfigError, TrainwiseError
 
 if TYPE_CHECKING:
-    from trainwise.run.job import Job
+    from trainwise.run.job.resolve import Job
 
 
 def is_worker(cfg: JobConfig) -> bool:
     """Whether this process is one of the workers, its rank set by torchrun or by srun (one
     task per worker). Under srun with a rendezvous endpoint the tasks are one launcher per
     machine instead (what `trainwise launch slurm` writes)."""
-    from trainwise.run.distributed import dist_env_from
+    from trainwise.run.job.distributed import dist_env_from
 
     env = dist_env_from()
     return env.launched and ("RANK" in os.environ or not cfg.cluster.rdzv_endpoint)
@@ -42,13 +42,13 @@ def start_job(
     from trainwise.hardware import detect_device
     from trainwise.hardware.detect import usable_cores
     from trainwise.jsonl import cut_torn_files
-    from trainwise.run.data_checks import check_data
-    from trainwise.run.events import append_event
-    from trainwise.run.job import check_cores, prepare_job, resolve_nproc, start_lines
-    from trainwise.run.launch import LaunchError, launch_workers
-    from trainwise.run.lifeline import end_launch, start_launch
-    from trainwise.run.run_files import default_run_dir, write_run_files
-    from trainwise.run.run_lock import hold_run_dir, job_identity, unusable_run_dir
+    from trainwise.run.launch.data_checks import check_data
+    from trainwise.run.observe.events import append_event
+    from trainwise.run.job.resolve import check_cores, prepare_job, resolve_nproc, start_lines
+    from trainwise.run.launch.torchrun import LaunchError, launch_workers
+    from trainwise.run.job.lifeline import end_launch, start_launch
+    from trainwise.run.job.run_files import default_run_dir, write_run_files
+    from trainwise.run.job.run_lock import hold_run_dir, job_identity, unusable_run_dir
 
     device = detect_device(cfg.cluster.device)
     nproc = resolve_nproc(cfg, device)
@@ -92,7 +92,7 @@ def start_job(
 
 
 def checkpoint_root(cfg: JobConfig, run_dir: Path) -> Path:
-    from trainwise.run.checkpoint_store import root_for
+    from trainwise.run.checkpoint.store import root_for
 
     return root_for(run_dir, cfg.checkpoint.dir)
 
@@ -101,9 +101,9 @@ def check_run_dir(cfg: JobConfig, job: Job, run_dir: Path) -> None:
     """Before any worker starts: the checkpoints it would resume from are of this run's
     lineage (else one line, exit 2), and a finished run is not run again."""
     from trainwise.config.lineage import lineage_keys
-    from trainwise.run.compat import check_other_fits
-    from trainwise.run.events import read_events
-    from trainwise.run.resume_rules import check_before_launch
+    from trainwise.run.launch.compat import check_other_fits
+    from trainwise.run.observe.events import read_events
+    from trainwise.run.checkpoint.resume_rules import check_before_launch
 
     root, keys = checkpoint_root(cfg, run_dir), lineage_keys(cfg, job.global_batch)
     check_before_launch(cfg.checkpoint, root, keys)
@@ -154,9 +154,9 @@ def train_here(cfg: JobConfig, run_dir: Path) -> object:
     Ctrl-C and the other stop signals save, as they do in worker processes."""
     import signal
 
-    from trainwise.run.control import PREEMPT_SIGNALS, catch_early_signals
-    from trainwise.run.launch import Preempted
-    from trainwise.run.worker import train
+    from trainwise.run.engine.control import PREEMPT_SIGNALS, catch_early_signals
+    from trainwise.run.launch.torchrun import Preempted
+    from trainwise.run.engine.worker import train
 
     previous = {sig: signal.getsignal(sig) for sig in PREEMPT_SIGNALS}
     catch_early_signals()
@@ -166,7 +166,7 @@ def train_here(cfg: JobConfig, run_dir: Path) -> object:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if summary and summary.get("preempted"):
-        from trainwise.run.events import read_events
+        from trainwise.run.observe.events import read_events
 
         raise Preempted([e for e in read_events(run_dir) if e["kind"] == "preempted"][-1])
     return summary
