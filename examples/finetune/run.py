@@ -113,8 +113,8 @@ def check_export(out: Path, model_dir: Path) -> dict:
     import torch
     import transformers
 
-    from trainwise.models import ModelSpec, build_model
     from trainwise.export.weights import load_model_state, resolve_checkpoint
+    from trainwise.models import ModelSpec, build_model
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(out / "fine-tuned").eval()
     spec = ModelSpec(name=f"hf:{model_dir}", seq_len=64, impl="trainwise", init="random")

@@ -15,8 +15,8 @@ from torch import nn
 
 from trainwise.config.schema import CheckpointConfig
 from trainwise.run.checkpoint.dcp import Checkpointer, Place, SaveSchedule
-from trainwise.run.checkpoint.store import list_checkpoints
 from trainwise.run.checkpoint.states import training_states
+from trainwise.run.checkpoint.store import list_checkpoints
 
 
 def trained_state() -> tuple[

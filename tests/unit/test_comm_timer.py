@@ -22,8 +22,8 @@ def _forward_collectives(layout: str) -> dict:
     from trainwise.models.gpt import GPT
     from trainwise.models.gpt_parallel import gpt_tp_plan
     from trainwise.models.shapes import PRESETS
-    from trainwise.run.observe.comm_timer import CollectiveTimer
     from trainwise.run.engine.parallelize import parallelize
+    from trainwise.run.observe.comm_timer import CollectiveTimer
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     shape = PRESETS["tiny"]

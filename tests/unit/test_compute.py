@@ -9,8 +9,9 @@ from dataclasses import replace
 import pytest
 
 from trainwise.config import load_config
-from trainwise.plan.model.compute import compute_time, norm_bytes
 from trainwise.plan.estimate import evaluate
+from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
+from trainwise.plan.model.compute import compute_time, norm_bytes
 from trainwise.plan.model.gemm import (
     GENERATIONS,
     GemmTable,
@@ -18,7 +19,6 @@ from trainwise.plan.model.gemm import (
     gemm_seconds,
     slowest_pace,
 )
-from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 
 # docs/development.md, "First run, on one H200": each job's step / plan ratio against the
 # plan of commit 2d161ea (whose steps, recomputed with that commit's planner for the same

@@ -31,6 +31,14 @@ from trainwise.cli.checkpoints import collect
 from trainwise.cli.main import main
 from trainwise.config import dump_toml, load_config
 from trainwise.errors import ConfigError
+from trainwise.export.hf import export_hf
+from trainwise.export.weights import (
+    ExportIOError,
+    checkpoint_root,
+    export_weights,
+    load_model_state,
+    resolve_checkpoint,
+)
 from trainwise.models.gpt import GPT
 from trainwise.models.registry import ModelSpec, build_model, resolve_shape
 from trainwise.run.checkpoint.store import (
@@ -40,14 +48,6 @@ from trainwise.run.checkpoint.store import (
     final_dir,
     tmp_dir,
 )
-from trainwise.export.weights import (
-    ExportIOError,
-    checkpoint_root,
-    export_weights,
-    load_model_state,
-    resolve_checkpoint,
-)
-from trainwise.export.hf import export_hf
 
 SPEC = ModelSpec(name="tiny", vocab_size=64, seq_len=16)
 

@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 
 from trainwise.config import load_config
-from trainwise.plan.model.comm import contention_seconds
 from trainwise.plan.estimate import evaluate
-from trainwise.plan.model.gemm import GENERATIONS
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
+from trainwise.plan.model.comm import contention_seconds
+from trainwise.plan.model.gemm import GENERATIONS
 
 
 def h100_job(gpus: int, channels: int | None = None):

@@ -25,8 +25,8 @@ from trainwise.plan.calibrate import (
     write_calibration,
 )
 from trainwise.plan.estimate import Setup, price
-from trainwise.plan.model.gemm import GemmTable
 from trainwise.plan.inputs import resolve_inputs
+from trainwise.plan.model.gemm import GemmTable
 from trainwise.plan.model.performance import ANALYTIC, CalibratedModel, model_of
 
 MEASURED = Calibration(

@@ -13,11 +13,11 @@ from trainwise.config import load_config
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import PRESETS
 from trainwise.plan import choose_accumulation, decide_auto, runtime_allowed
+from trainwise.plan.estimate import SIMPLER_WITHIN, evaluate
+from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 from trainwise.plan.model.comm import Layout, exposed_seconds, step_collectives
 from trainwise.plan.model.cost import checkpoint_plan, job_cost
-from trainwise.plan.estimate import SIMPLER_WITHIN, evaluate
 from trainwise.plan.model.flops import model_flops_per_token, recompute_factor
-from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 from trainwise.plan.model.memory import Workload, estimate_memory
 from trainwise.plan.planner import BEST, SweepRow, knee, make_plan, parse_sweep
 from trainwise.plan.record import plan_record

@@ -97,8 +97,8 @@ def test_sbatch_is_valid_bash_with_the_readme_srun_line(capsys):
 
 
 def test_signal_comes_before_the_launcher_gives_up_on_a_save():
-    from trainwise.run.launch.torchrun import SHUTDOWN_GRACE_S
     from trainwise.run.launch.schedulers import SIGNAL_LEAD_S, TERMINATION_GRACE_S
+    from trainwise.run.launch.torchrun import SHUTDOWN_GRACE_S
 
     assert SIGNAL_LEAD_S > SHUTDOWN_GRACE_S and TERMINATION_GRACE_S > SHUTDOWN_GRACE_S
 

@@ -15,15 +15,23 @@ from trainwise.config import load_config
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.errors import ConfigError
 from trainwise.models.shapes import GPTShape
-from trainwise.plan.model.comm import Layout, layout_collectives
 from trainwise.plan.emit import job_config, job_toml
 from trainwise.plan.estimate import Setup, evaluate, price
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
+from trainwise.plan.model.comm import Layout, layout_collectives
 from trainwise.plan.model.memory import (
     Workload,
     activation_bytes_per_token,
     block_params,
     estimate_memory,
+)
+from trainwise.plan.model.tensor_parallel import (
+    TP_BACKWARD,
+    TP_FORWARD,
+    activation_split,
+    params_per_rank,
+    tp_collectives,
+    tp_exposed_seconds,
 )
 from trainwise.plan.planner import make_plan
 from trainwise.plan.search import (
@@ -45,14 +53,6 @@ from trainwise.plan.space import (
     micro_batches,
     replica_batch,
     tp_degrees,
-)
-from trainwise.plan.model.tensor_parallel import (
-    TP_BACKWARD,
-    TP_FORWARD,
-    activation_split,
-    params_per_rank,
-    tp_collectives,
-    tp_exposed_seconds,
 )
 
 GB = 1e9

@@ -18,10 +18,10 @@ from trainwise.config.parallel_dims import ParallelDims
 from trainwise.errors import ConfigError
 from trainwise.hardware import GB, DeviceInfo
 from trainwise.models import ModelSpec, build_model
-from trainwise.run.job.resolve import prepare_job, start_lines
 from trainwise.run.engine.loop import Stepper
 from trainwise.run.engine.materialize import materialize, parameter_seed, plain_name
 from trainwise.run.engine.parallelize import apply_ac, build_mesh, dp_mesh
+from trainwise.run.job.resolve import prepare_job, start_lines
 
 CPU = DeviceInfo("cpu", "cpu", 1, 64 * GB, bf16=True, fp16=False, gpu=None)
 

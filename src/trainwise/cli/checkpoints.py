@@ -42,8 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _root_of(target: Path) -> Path:
     """The checkpoint root: the run's (config.toml's checkpoint.dir or RUN/checkpoints),
     ``target`` itself when it already holds step directories, or the parent of a checkpoint."""
-    from trainwise.run.checkpoint.store import parse_step
     from trainwise.export.weights import checkpoint_root, is_checkpoint_dir
+    from trainwise.run.checkpoint.store import parse_step
 
     if is_checkpoint_dir(target):  # one checkpoint given: list it beside its siblings
         return target.parent

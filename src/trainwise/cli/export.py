@@ -75,8 +75,8 @@ def output_format(out: Path | None, fmt: str | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so that `trainwise --help` does not import torch.
-    from trainwise.run.checkpoint.store import CheckpointError
     from trainwise.export.weights import checkpoint_step, choose_checkpoint, export_weights
+    from trainwise.run.checkpoint.store import CheckpointError
 
     source = Path(args.target)
     out = Path(args.output) if args.output else None

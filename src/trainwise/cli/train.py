@@ -148,8 +148,8 @@ def run(args: argparse.Namespace) -> int:
 
     # Imported here so that --print-config and config errors stay instant.
     from trainwise.run.engine.control import stop_status
-    from trainwise.run.launch.torchrun import LaunchError, Preempted
     from trainwise.run.launch.start import is_worker, start_job, train_here
+    from trainwise.run.launch.torchrun import LaunchError, Preempted
 
     if is_worker(cfg):
         from trainwise.run.engine.worker import train

@@ -25,8 +25,8 @@ from trainwise.plan.calibrate import (
     read_calibration,
     write_calibration,
 )
-from trainwise.plan.model.compute import achieved_share
 from trainwise.plan.estimate import Setup, StrategyPlan, price
+from trainwise.plan.model.compute import achieved_share
 from trainwise.plan.model.performance import ANALYTIC
 
 LAUNCH_ENV = "TRAINWISE_LAUNCH_TIME"  # the command's start (Unix time), for the workers

@@ -14,9 +14,9 @@ from trainwise.doctor.context import Context, plan_name, timed_steps
 from trainwise.doctor.gap import JobTerms, short_of, threshold
 from trainwise.doctor.result import CheckResult
 from trainwise.plan.planner import KNEE_SHARE
+from trainwise.run.engine.trainer import build_trainer
 from trainwise.run.job.resolve import Job, prepare_job
 from trainwise.run.observe.telemetry import resident_peak, restart_memory_peak
-from trainwise.run.engine.trainer import build_trainer
 
 
 def worker_counts(world: int) -> list[int]:

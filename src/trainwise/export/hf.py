@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from trainwise.errors import ConfigError
+from trainwise.export.weights import checkpoint_step, publish, refuse_existing, unwritable
 from trainwise.models import ModelSpec, model_kind, resolve_shape
 from trainwise.models.hf import model_dir, read_hf_config
 from trainwise.models.llama import gpt_to_hf, llama_config
 from trainwise.run.checkpoint.store import CheckpointError
-from trainwise.export.weights import checkpoint_step, publish, refuse_existing, unwritable
 
 _MODEL = "model."  # the checkpoint's prefix of the model's entries
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

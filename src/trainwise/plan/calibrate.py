@@ -30,8 +30,8 @@ from typing import Any
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, find_gpu
 from trainwise.jsonl import read_objects
-from trainwise.plan.model.gemm import GemmTable
 from trainwise.plan.inputs import PlanInputs
+from trainwise.plan.model.gemm import GemmTable
 from trainwise.plan.model.network import Fabric, nic_bps_from_rail_busbw
 from trainwise.records import JobRecord, RunPlanFigures
 

@@ -15,6 +15,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from trainwise.config.parallel_dims import ParallelDims
+from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.model.comm import (
     Collective,
     Layout,
@@ -25,7 +26,6 @@ from trainwise.plan.model.comm import (
 from trainwise.plan.model.cost import CheckpointPlan, Cost, checkpoint_plan, job_cost
 from trainwise.plan.model.flops import mfu, model_flops_per_token, recompute_factor
 from trainwise.plan.model.gemm import GENERATIONS
-from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.model.memory import (
     MemoryEstimate,
     Workload,

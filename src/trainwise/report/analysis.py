@@ -16,8 +16,8 @@ from typing import Any
 
 from trainwise.plan.advisor import loader_fixes
 from trainwise.plan.calibrate import WARMUP_STEPS
-from trainwise.plan.model.cost import CostTerm, run_cost
 from trainwise.plan.estimate import SIMPLER_WITHIN, config_keys
+from trainwise.plan.model.cost import CostTerm, run_cost
 from trainwise.plan.planner import COMM_BOUND_SHARE
 from trainwise.plan.units import PLAN_TOLERANCE, fmt_gpu_hours, fmt_usd_exact
 from trainwise.report.drilldown import DrillDown, drill_down

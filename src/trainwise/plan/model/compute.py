@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import GPTShape
+from trainwise.plan.inputs import Hardware, PlanInputs
 from trainwise.plan.model.flops import model_flops_per_token, recompute_factor
 from trainwise.plan.model.gemm import (
     GENERATIONS,
@@ -40,7 +41,6 @@ from trainwise.plan.model.gemm import (
     gemm_seconds,
     slowest_pace,
 )
-from trainwise.plan.inputs import Hardware, PlanInputs
 from trainwise.plan.model.memory import Workload, block_params, checkpointed_blocks
 from trainwise.plan.model.precision import BYTES, MASTER_BYTES
 

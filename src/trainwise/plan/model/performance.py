@@ -21,9 +21,9 @@ from trainwise.plan.model.compute import ComputeTime, compute_time
 if TYPE_CHECKING:
     from trainwise.config.parallel_dims import ParallelDims
     from trainwise.plan.calibrate import Calibration
-    from trainwise.plan.model.comm import Collective
     from trainwise.plan.estimate import Setup
     from trainwise.plan.inputs import PlanInputs
+    from trainwise.plan.model.comm import Collective
     from trainwise.plan.model.memory import MemoryEstimate, Workload
 
 

@@ -37,12 +37,12 @@ from trainwise.config.lineage import lineage_hash
 from trainwise.config.schema import CheckpointConfig
 from trainwise.plan.model.reliability import interval_steps
 from trainwise.run.checkpoint import store as store
+from trainwise.run.checkpoint.resume_rules import TRAINER_FILE, differences, refusal
+from trainwise.run.checkpoint.states import MODEL, OPTIMIZER, RNG
 from trainwise.run.checkpoint.store import CheckpointError, root_cause
 from trainwise.run.job.distributed import side_group
 from trainwise.run.observe.events import append_event
 from trainwise.run.observe.peers import PeerError, find_peer_error, nested_errors
-from trainwise.run.checkpoint.resume_rules import TRAINER_FILE, differences, refusal
-from trainwise.run.checkpoint.states import MODEL, OPTIMIZER, RNG
 
 AUTO_FIRST_SAVE = 10  # interval = "auto": the first save (to measure the stall) at this step
 # Files each rank writes in parallel threads (DCP's FileSystemWriter), later hashed in

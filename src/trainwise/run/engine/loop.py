@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from trainwise.run.observe.comm_timer import CollectiveTimer
 from trainwise.run.engine.parallelize import set_gradient_sync
+from trainwise.run.observe.comm_timer import CollectiveTimer
 from trainwise.run.observe.telemetry import Marks, StageClock, resolve_spans
 
 # A micro-batch: (inputs, targets, and what else the model takes: packed examples' ids).

@@ -20,16 +20,16 @@ from trainwise.config import JobConfig, job_hash
 from trainwise.config.lineage import lineage_keys
 from trainwise.models import ModelBundle, build_model
 from trainwise.run.checkpoint.dcp import Checkpointer, Place, SaveSchedule
+from trainwise.run.checkpoint.states import training_states
 from trainwise.run.checkpoint.store import root_for
-from trainwise.run.job.distributed import DistEnv
-from trainwise.run.faults import NO_FAULTS, Faults
-from trainwise.run.job.resolve import Job, sequence_parallel
 from trainwise.run.engine.loop import Stepper
 from trainwise.run.engine.materialize import allocate, materialize
 from trainwise.run.engine.optim import build_optimizer, build_scheduler
 from trainwise.run.engine.parallelize import parallelize
 from trainwise.run.engine.precision import autocast_context, build_grad_scaler
-from trainwise.run.checkpoint.states import training_states
+from trainwise.run.faults import NO_FAULTS, Faults
+from trainwise.run.job.distributed import DistEnv
+from trainwise.run.job.resolve import Job, sequence_parallel
 
 
 @dataclass

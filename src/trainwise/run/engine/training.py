@@ -23,19 +23,19 @@ from trainwise.run.checkpoint import store as store
 from trainwise.run.checkpoint.dcp import Resumed
 from trainwise.run.checkpoint.store import CheckpointError
 from trainwise.run.engine.control import Control
-from trainwise.run.job.distributed import DistEnv, network_line, side_group
-from trainwise.run.observe.events import append_event, read_events, resumptions, retry_cost
-from trainwise.run.faults import Faults
-from trainwise.run.observe.hang import StepWatchdog, write_hang_dump
-from trainwise.run.job.resolve import Job
-from trainwise.run.job.lifeline import this_launch
 from trainwise.run.engine.loop import StepResult, evaluate
+from trainwise.run.engine.recorder import Recorder
+from trainwise.run.engine.trainer import build_checkpointer, build_trainer
+from trainwise.run.faults import Faults
+from trainwise.run.job.distributed import DistEnv, network_line, side_group
+from trainwise.run.job.lifeline import this_launch
+from trainwise.run.job.resolve import Job
+from trainwise.run.observe.events import append_event, read_events, resumptions, retry_cost
+from trainwise.run.observe.hang import StepWatchdog, write_hang_dump
 from trainwise.run.observe.peers import BARRIER_S, PeerFailure, absent_ranks, classify, last_line
 from trainwise.run.observe.profiling import Profiler
-from trainwise.run.engine.recorder import Recorder
 from trainwise.run.observe.telemetry import mark_memory_baseline
 from trainwise.run.observe.trackers import Trackers, build_trackers
-from trainwise.run.engine.trainer import build_checkpointer, build_trainer
 from trainwise.run.observe.wall import wall_of
 
 MAX_ROLLBACKS = 3

@@ -22,6 +22,7 @@ from trainwise.config import JobConfig, config_from_toml, job_hash, load_config
 from trainwise.errors import TrainwiseError
 from trainwise.hardware import detect_device
 from trainwise.run.engine.control import catch_early_signals
+from trainwise.run.engine.training import Training
 from trainwise.run.job.distributed import (
     DistEnv,
     destroy_process_group,
@@ -30,17 +31,16 @@ from trainwise.run.job.distributed import (
     init_process_group,
     side_group,
 )
-from trainwise.run.observe.events import append_event
-from trainwise.run.job.resolve import Job, prepare_job
 from trainwise.run.job.lifeline import CONFIG_ENV, Launch, die_with_launcher, this_launch
+from trainwise.run.job.resolve import Job, prepare_job
+from trainwise.run.job.run_files import default_run_dir, write_run_files
+from trainwise.run.job.run_lock import hold_as_worker
+from trainwise.run.job.versions import require_same_versions
+from trainwise.run.observe.events import append_event
 from trainwise.run.observe.peers import (
     last_line,
     nested_errors,
 )
-from trainwise.run.job.run_files import default_run_dir, write_run_files
-from trainwise.run.job.run_lock import hold_as_worker
-from trainwise.run.engine.training import Training
-from trainwise.run.job.versions import require_same_versions
 
 
 def join_job(cfg: JobConfig) -> tuple[DistEnv, logging.Logger, torch.device, Job]:

@@ -40,8 +40,8 @@ from trainwise.plan.calibrate import (
 )
 from trainwise.plan.constraints import user_allowed
 from trainwise.plan.estimate import Setup, candidate_names, evaluate, price, setup_memory
-from trainwise.plan.model.flops import flops_per_token, recompute_factor
 from trainwise.plan.inputs import PlanInputs, job_inputs, unknown_device_inputs
+from trainwise.plan.model.flops import flops_per_token, recompute_factor
 from trainwise.plan.model.performance import CalibratedModel, model_of
 from trainwise.plan.record import strategy_record
 from trainwise.records import JobRecord

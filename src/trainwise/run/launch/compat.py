@@ -8,7 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainwise.run.checkpoint.resume_rules import LineageError, other_lineage_checkpoint, recorded_lineage
+from trainwise.run.checkpoint.resume_rules import (
+    LineageError,
+    other_lineage_checkpoint,
+    recorded_lineage,
+)
 
 if TYPE_CHECKING:
     from trainwise.run.job.resolve import Job

@@ -42,13 +42,13 @@ def start_job(
     from trainwise.hardware import detect_device
     from trainwise.hardware.detect import usable_cores
     from trainwise.jsonl import cut_torn_files
-    from trainwise.run.launch.data_checks import check_data
-    from trainwise.run.observe.events import append_event
-    from trainwise.run.job.resolve import check_cores, prepare_job, resolve_nproc, start_lines
-    from trainwise.run.launch.torchrun import LaunchError, launch_workers
     from trainwise.run.job.lifeline import end_launch, start_launch
+    from trainwise.run.job.resolve import check_cores, prepare_job, resolve_nproc, start_lines
     from trainwise.run.job.run_files import default_run_dir, write_run_files
     from trainwise.run.job.run_lock import hold_run_dir, job_identity, unusable_run_dir
+    from trainwise.run.launch.data_checks import check_data
+    from trainwise.run.launch.torchrun import LaunchError, launch_workers
+    from trainwise.run.observe.events import append_event
 
     device = detect_device(cfg.cluster.device)
     nproc = resolve_nproc(cfg, device)
@@ -101,9 +101,9 @@ def check_run_dir(cfg: JobConfig, job: Job, run_dir: Path) -> None:
     """Before any worker starts: the checkpoints it would resume from are of this run's
     lineage (else one line, exit 2), and a finished run is not run again."""
     from trainwise.config.lineage import lineage_keys
+    from trainwise.run.checkpoint.resume_rules import check_before_launch
     from trainwise.run.launch.compat import check_other_fits
     from trainwise.run.observe.events import read_events
-    from trainwise.run.checkpoint.resume_rules import check_before_launch
 
     root, keys = checkpoint_root(cfg, run_dir), lineage_keys(cfg, job.global_batch)
     check_before_launch(cfg.checkpoint, root, keys)
@@ -155,8 +155,8 @@ def train_here(cfg: JobConfig, run_dir: Path) -> object:
     import signal
 
     from trainwise.run.engine.control import PREEMPT_SIGNALS, catch_early_signals
-    from trainwise.run.launch.torchrun import Preempted
     from trainwise.run.engine.worker import train
+    from trainwise.run.launch.torchrun import Preempted
 
     previous = {sig: signal.getsignal(sig) for sig in PREEMPT_SIGNALS}
     catch_early_signals()

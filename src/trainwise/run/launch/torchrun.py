@@ -25,8 +25,8 @@ from trainwise.config.schema import ClusterConfig
 from trainwise.errors import TrainwiseError
 from trainwise.run.checkpoint.store import find_latest_valid
 from trainwise.run.engine.control import stop_status
-from trainwise.run.observe.events import append_event, read_events
 from trainwise.run.job.lifeline import Launch
+from trainwise.run.observe.events import append_event, read_events
 
 # The agent forwards these to the workers: SIGUSR1 is what `sbatch --signal` usually
 # sends, SIGINT is Ctrl-C, SIGHUP a closed terminal; each makes the workers save and stop.
