@@ -12,14 +12,22 @@ Needs nothing but the repository (no GPU, no network). The runs, each with its s
   (Table 1), 5,605 and 67.0 GiB on 128 (Table 3); with torch.compile 6,667 / 77.0 GiB and
   6,514 / 62.0 GiB. Their H100s: 96 GB HBM2e at 2.4 TB/s, 500 W power limit, "the actual
   peak TFLOPs number is between SXM and NVL" (989 and 835 dense bf16, the H100 datasheet):
-  planned at the middle, 912 (an assumption). The Float8 and context-parallel rows are
+  planned at the middle, 912 (an assumption). Its RMSNorm is torchtitan's own composite
+  fp32 chain (torchtitan/models/norms.py at the benchmark's commit 9dec370; the config's
+  norm_type "rmsnorm"): eager runs it op by op, torch.compile fuses it. The Float8 and context-parallel rows are
   left out: the planner models neither.
-- mosaicml/llm-foundry, scripts/train/benchmarking/README.md (H100 80GB, bf16, FSDP
-  FULL_SHARD, no AC, seq 2048): MPT-7B at micro-batch 6 on 8 GPUs, 10,643 tokens/s/GPU;
-  MPT-13B at micro-batch 2 on 64 GPUs, 4,800. MPT: ALiBi, LayerNorm without bias, GELU
-  MLP of 4d, tied embeddings, vocabulary 50,368 (llm-foundry's mpt yamls); the benchmark's
-  loss is flash-attn's fused cross-entropy, and its sweep (scripts/train/benchmarking/
-  sweep.py) runs FSDP with `mixed_precision PURE`: gradients reduced in bf16.
+- mosaicml/llm-foundry, scripts/train/benchmarking/README.md (Composer, FSDP FULL_SHARD,
+  seq 2048; each row's table named in its source): on H100 80GB (amp_bf16, FSDP mixed
+  precision DEFAULT: gradients reduced in fp32) MPT-7B at micro-batch 6 on 8 GPUs, 10,643
+  tokens/s/GPU; MPT-13B at 2 on 64 GPUs, 4,800; MPT-1B at 14 on 8, 45,455; MPT-30B at 3 x
+  21 accumulated, full AC, on 8, 2,002. On A100 80GB (amp_bf16, DEFAULT): MPT-1B 14 x 4,
+  20,513; MPT-3B 10 x 2, 10,811; MPT-7B 6 x 2, 4,641 (8 GPUs each). On A100 40GB (bf16,
+  PURE: reduced in bf16), full AC: MPT-7B at 18 on 64 GPUs, 3,665; MPT-13B at 14 on 32,
+  1,998. MPT (scripts/train/yamls/pretrain/mpt-*.yaml): learned positions, LayerNorm without bias
+  (the benchmark's low_precision_layernorm: one kernel), GELU MLP of 4d, tied embeddings,
+  vocabulary 50,368; the loss is flash-attn's fused cross-entropy. Composer syncs every
+  micro-batch of a model that is not DDP (composer/trainer/trainer.py: nullcontext, no
+  no_sync), so FSDP reduce-scatters each micro-batch (`parallel.accumulate = sharded`).
 """
 
 from __future__ import annotations
@@ -44,11 +52,17 @@ def _llama31_8b() -> GPTShape:
                     False, False, rope_theta=500000.0)
 
 
-def _mpt(n_layer: int, d_model: int, n_head: int) -> GPTShape:
-    # ALiBi keeps no rotated copies of q and k: planned with learned positions (no rotary;
-    # 2048 x d position parameters, 0.1 % of the model, that MPT does not have).
-    return GPTShape(n_layer, d_model, n_head, n_head, 4 * d_model, 50368, 2048, "layernorm",
+def _mpt(n_layer: int, d_model: int, n_head: int, seq: int = 2048) -> GPTShape:
+    # Learned positions, no ALiBi: the benchmark's yamls set neither, and llm-foundry's
+    # defaults are learned_pos_emb = True (models/mpt/configuration_mpt.py) and alibi =
+    # False (models/utils/config_defaults.py).
+    return GPTShape(n_layer, d_model, n_head, n_head, 4 * d_model, 50368, seq, "layernorm",
                     "gelu", "learned", True, False)
+
+
+# llm-foundry's scripts/train/yamls/pretrain/mpt-*.yaml: (n_layers, d_model, n_heads).
+MPT_1B, MPT_3B = _mpt(24, 2048, 16), _mpt(32, 2560, 20)
+MPT_7B, MPT_13B, MPT_30B = _mpt(32, 4096, 32), _mpt(40, 5120, 40), _mpt(48, 7168, 56)
 
 
 @dataclass(frozen=True)
@@ -65,22 +79,29 @@ class Run:
     tokens_per_s_per_gpu: float
     loss: str = "fused"  # the cross-entropy kernel the run used
     reduce_dtype: str = "bf16"  # FSDP's gradient reduction dtype
+    norm_kernel: str = "fused"  # the run's norm: one kernel, or the composite fp32 chain
     device_memory_gb: float | None = None  # the run's GPUs, where not the catalog's
     peak_tflops: float | None = None
     hbm_gbps: float | None = None
     compile: bool = False  # torch.compile
     memory_gib: float | None = None  # published peak memory per GPU, GiB
     gpus_per_node: int = 8
+    grad_accum: int = 1  # micro-batches per optimizer step
+    # FSDP with grad_accum > 1: reduce-scatter every micro-batch ("sharded": Composer's
+    # trainer syncs every micro-batch of a model that is not DDP) or once a step
+    accumulate: str = "sharded"
 
 
 GIB = 2**30
 TORCHTITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md"
+H100_TABLE, A100_80_TABLE = ", H100 80GB BF16", ", A100 80GB (1600 Gbps RoCE)"
+A100_40_TABLE = ", A100 40GB (1600 Gbps RoCE)"
 # The torchtitan cluster's H100s (see above).
 TITAN_GPU = {"device_memory_gb": 96, "peak_tflops": (989 + 835) / 2, "hbm_gbps": 2400}
 TITAN_8B = {"shape": _llama31_8b(), "gpu": "H100-SXM", "strategy": "fsdp-full",
             "micro_batch": 2, "seq_len": 8192, "ac": "selective", "loss": "standard",
-            "reduce_dtype": "fp32", **TITAN_GPU}
+            "reduce_dtype": "fp32", "norm_kernel": "composite", **TITAN_GPU}
 RUNS = [
     Run("Llama 3.1 8B, 8 H100, FSDP, selective AC", TORCHTITAN + " Table 1", gpus=8,
         tokens_per_s_per_gpu=5762, memory_gib=82.4, **TITAN_8B),
@@ -90,10 +111,28 @@ RUNS = [
         tokens_per_s_per_gpu=5605, memory_gib=67.0, **TITAN_8B),
     Run("Llama 3.1 8B, 128 H100, FSDP, sel. AC, compile", TORCHTITAN + " Table 3", gpus=128,
         tokens_per_s_per_gpu=6514, memory_gib=62.0, compile=True, **TITAN_8B),
-    Run("MPT-7B, 8 H100, FSDP, no AC, mb 6", FOUNDRY, _mpt(32, 4096, 32), "H100-SXM", 8,
-        "fsdp-full", 6, 2048, "none", 10643),
-    Run("MPT-13B, 64 H100, FSDP, no AC, mb 2", FOUNDRY, _mpt(40, 5120, 40), "H100-SXM", 64,
-        "fsdp-full", 2, 2048, "none", 4800),
+    Run("MPT-7B, 8 H100, FSDP, no AC, mb 6", FOUNDRY + H100_TABLE, MPT_7B, "H100-SXM", 8,
+        "fsdp-full", 6, 2048, "none", 10643, reduce_dtype="fp32"),
+    Run("MPT-13B, 64 H100, FSDP, no AC, mb 2", FOUNDRY + H100_TABLE, MPT_13B, "H100-SXM", 64,
+        "fsdp-full", 2, 2048, "none", 4800, reduce_dtype="fp32"),
+    Run("MPT-1B, 8 H100, FSDP, no AC, mb 14", FOUNDRY + H100_TABLE, MPT_1B, "H100-SXM", 8,
+        "fsdp-full", 14, 2048, "none", 45455, reduce_dtype="fp32"),
+    Run("MPT-30B, 8 H100, FSDP, full AC, mb 3 x 21", FOUNDRY + H100_TABLE, MPT_30B,
+        "H100-SXM", 8, "fsdp-full", 3, 2048, "full", 2002, reduce_dtype="fp32",
+        grad_accum=21),
+    Run("MPT-1B, 8 A100 80GB, FSDP, no AC, mb 14 x 4", FOUNDRY + A100_80_TABLE, MPT_1B,
+        "A100-80GB", 8, "fsdp-full", 14, 2048, "none", 20513, reduce_dtype="fp32",
+        grad_accum=4),
+    Run("MPT-3B, 8 A100 80GB, FSDP, no AC, mb 10 x 2", FOUNDRY + A100_80_TABLE, MPT_3B,
+        "A100-80GB", 8, "fsdp-full", 10, 2048, "none", 10811, reduce_dtype="fp32",
+        grad_accum=2),
+    Run("MPT-7B, 8 A100 80GB, FSDP, no AC, mb 6 x 2", FOUNDRY + A100_80_TABLE, MPT_7B,
+        "A100-80GB", 8, "fsdp-full", 6, 2048, "none", 4641, reduce_dtype="fp32",
+        grad_accum=2),
+    Run("MPT-7B, 64 A100 40GB, FSDP, full AC, mb 18", FOUNDRY + A100_40_TABLE, MPT_7B,
+        "A100-40GB", 64, "fsdp-full", 18, 2048, "full", 3665),
+    Run("MPT-13B, 32 A100 40GB, FSDP, full AC, mb 14", FOUNDRY + A100_40_TABLE, MPT_13B,
+        "A100-40GB", 32, "fsdp-full", 14, 2048, "full", 1998),
 ]
 
 
@@ -106,13 +145,14 @@ def plan_run(run: Run) -> StrategyPlan:
         "plan.gpus": run.gpus,
         "data.seq_len": run.seq_len,
         "data.micro_batch": run.micro_batch,
-        "data.global_batch": run.micro_batch * run.gpus,
+        "data.global_batch": run.micro_batch * run.grad_accum * run.gpus,
         "parallel.ac": run.ac,
         "precision.dtype": "bf16",
         "plan.strategy": run.strategy,
         # The fit verdict against the GPU's memory itself: a run that ran kept no margin
         # for later growth (the planner's default headroom is a user's safety choice).
         "parallel.headroom": 0.0,
+        "parallel.accumulate": run.accumulate,
     }
     if run.device_memory_gb:
         keys["cluster.device_memory_gb"] = run.device_memory_gb
@@ -124,7 +164,7 @@ def plan_run(run: Run) -> StrategyPlan:
         inputs = replace(inputs, hardware=replace(inputs.hardware, hbm_bps=run.hbm_gbps * 1e9))
     w = replace(
         inputs.workload, shape=run.shape, params=run.shape.num_params(), loss=run.loss,
-        reduce_dtype=run.reduce_dtype,
+        reduce_dtype=run.reduce_dtype, norm_kernel=run.norm_kernel,
     )
     inputs = replace(inputs, workload=w, model=run.name)
     return evaluate(inputs, run.strategy)

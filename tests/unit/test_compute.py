@@ -11,8 +11,14 @@ import pytest
 from trainwise.config import load_config
 from trainwise.plan.estimate import evaluate
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
-from trainwise.plan.model.compute import compute_time
-from trainwise.plan.model.gemm import GENERATIONS, GemmTable, gemm_seconds
+from trainwise.plan.model.compute import compute_time, norm_bytes
+from trainwise.plan.model.gemm import (
+    GENERATIONS,
+    GemmTable,
+    epilogue_seconds,
+    gemm_seconds,
+    slowest_pace,
+)
 
 # docs/development.md, "First run, on one H200": each job's step / plan ratio against the
 # plan of commit 2d161ea (whose steps, recomputed with that commit's planner for the same
@@ -131,3 +137,81 @@ def test_a_newer_generation_is_faster_on_the_same_job():
                          "data.seq_len": 2048})
     w = a100.workload
     assert compute_time(h100, w, 4, 1).seconds < compute_time(a100, w, 4, 1).seconds
+
+
+def test_a_composite_rmsnorm_moves_every_intermediate_in_fp32():
+    # bf16 input, no autocast: x.float() 2 + 4, pow 4 + 4, mean 4, x * rsqrt 4 + 4,
+    # type_as 4 + 2, the weight's product 2 + 2 = 36 bytes an element; one kernel: 2 + 2.
+    assert norm_bytes(2, 2, "composite") == 36
+    assert norm_bytes(2, 2, "fused") == 4
+    # An fp32 residual (autocast): .float() is the tensor itself, nothing moves.
+    assert norm_bytes(4, 2, "composite") == 30
+
+
+def test_a_composite_norm_slows_eager_steps_and_compile_fuses_it():
+    job = inputs_for(**{
+        "model.name": "llama-1b", "cluster.gpu": "H100-SXM", "plan.gpus": 8,
+        "data.seq_len": 2048, "data.micro_batch": 2, "precision.dtype": "bf16",
+    })
+    composite = replace(job, workload=replace(job.workload, norm_kernel="composite"))
+    eager, chain = evaluate(job, "fsdp-full"), evaluate(composite, "fsdp-full")
+    assert chain.step.compute > eager.step.compute
+    compiled = replace(job, compile=True)
+    compiled_chain = replace(composite, compile=True)
+    assert evaluate(compiled_chain, "fsdp-full").step.compute == pytest.approx(
+        evaluate(compiled, "fsdp-full").step.compute
+    )
+
+
+def test_each_wave_pays_its_epilogue_as_xla_measured_on_an_h100():
+    # OpenXLA's measured sm_90 table (xla/service/gpu/model/matmul_interpolator_data.h),
+    # bf16, 4096 x 4096 outputs: K 2048 at 738.7 TFLOP/s, K 4096 at 783.3. A straight line
+    # through the two times, t = a + b K, has a = 10.5 us: the fixed cost of the 8 waves
+    # of 128 x 128 tiles on 132 SMs, 1.3 us a wave.
+    t2 = 2 * 4096 * 4096 * 2048 / 738.7e12
+    t4 = 2 * 4096 * 4096 * 4096 / 783.3e12
+    measured_fixed = 2 * t2 - t4
+    gen = GENERATIONS["hopper"]
+    # Hand-worked: 132 SMs x 128 x 128 x 2 bytes / 3.35 TB/s = 1.29 us a wave, 8 waves.
+    assert epilogue_seconds(gen, 3.35e12, 2) == pytest.approx(1.291e-6, rel=1e-3)
+    m2 = gemm_seconds(4096, 4096, 2048, 989e12, 3.35e12, 2, gen)
+    m4 = gemm_seconds(4096, 4096, 4096, 989e12, 3.35e12, 2, gen)
+    assert 2 * m2 - m4 == pytest.approx(8 * 1.291e-6, rel=1e-3)
+    assert 2 * m2 - m4 == pytest.approx(measured_fixed, rel=0.15)
+
+
+def test_the_reference_shape_keeps_its_measured_share():
+    # A shape of the Hopper share's K (the MSMF shape's 20480) in whole waves runs at
+    # 0.706 of the peak, its epilogues included; a shorter K runs below it.
+    gen = GENERATIONS["hopper"]
+    m, n = 128 * 132, 128 * 10  # 10 whole waves
+
+    def share(k: int) -> float:
+        return 2 * m * n * k / gemm_seconds(m, n, k, 989e12, 4.8e12, 2, gen) / 989e12
+
+    assert share(gen.reference_k) == pytest.approx(0.706, rel=1e-9)
+    assert share(2048) < 0.95 * share(gen.reference_k)
+
+
+def test_a_synchronous_step_runs_at_the_slowest_gpus_clock():
+    # H200s all busy spread 4.5 % around their mean sustained rate; evenly spread, the
+    # slowest of 8 sits 1/9 of the range above the bottom: 1 - 0.045 x (1/2 - 1/9).
+    hopper = GENERATIONS["hopper"]
+    assert slowest_pace(hopper, 8) == pytest.approx(1 - 0.045 * (0.5 - 1 / 9))
+    assert slowest_pace(hopper, 1) == 1.0
+    assert slowest_pace(hopper, 4096) < slowest_pace(hopper, 8) < 1.0
+    assert slowest_pace(GENERATIONS["ampere"], 8) == 1.0  # no spread published
+
+
+def test_the_foreach_adamw_step_streams_92_bytes_a_parameter():
+    # Eight fp32 passes of torch's foreach AdamW: 8 + 12 + 8 + 12 + 8 + 8 + 8 + 16 = 80
+    # bytes a parameter; clipping's norm and scale: 4 + 8. At 80 % of the H200's 4.8 TB/s.
+    from trainwise.plan.model.compute import _per_step
+    from trainwise.plan.model.memory import block_params
+
+    job = h200_job("llama-1b", 8, "none")
+    w = job.workload
+    block, root = block_params(w, 1)
+    params = block * w.shape.n_layer + root
+    step = _per_step(job.hardware, w, 1, None, 1.0)
+    assert step.device_s == pytest.approx(params * 92 / (4.8e12 * 0.8))

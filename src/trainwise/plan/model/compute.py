@@ -34,7 +34,13 @@ from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import GPTShape
 from trainwise.plan.inputs import Hardware, PlanInputs
 from trainwise.plan.model.flops import model_flops_per_token, recompute_factor
-from trainwise.plan.model.gemm import GENERATIONS, GemmTable, attention_seconds, gemm_seconds
+from trainwise.plan.model.gemm import (
+    GENERATIONS,
+    GemmTable,
+    attention_seconds,
+    gemm_seconds,
+    slowest_pace,
+)
 from trainwise.plan.model.memory import Workload, block_params, checkpointed_blocks
 from trainwise.plan.model.precision import BYTES, MASTER_BYTES
 
@@ -74,9 +80,22 @@ FSDP_OPS_PER_PARAM = 20
 # (counted from models.gpt.Block): rotary on q and k (chunks, four products, two sums, a
 # concatenation), the MLP's activation (silu, product: 5 widths; gelu: 2).
 ROTARY_PASSES = 8
-# Foreach AdamW in fp32 reads parameter, gradient and both moments and writes three of
-# them (28 bytes) plus its sqrt temporary (8); clipping reads and scales the gradient (12).
-OPTIMIZER_BYTES_PER_PARAM = 48
+# A composite RMSNorm (Workload.norm_kernel) runs, per element, in eager PyTorch: the
+# upcast x.float() (read the input, write fp32), pow(2) (read and write fp32), mean (read
+# fp32), x * rsqrt (read and write fp32), type_as (read fp32, write the input's dtype) and
+# the weight's product (read and write that dtype): torchtitan's RMSNorm
+# (torchtitan/models/norms.py at 9dec370, the commit of its Dec 2024 benchmarks), and
+# aten's rms_norm before torch 2.9 added a fused CUDA kernel (aten._fused_rms_norm; the
+# pytorch/pytorch #153666 benchmark: the fused kernel ~9x faster than the chain).
+COMPOSITE_NORM_OPS = 6
+# torch.optim.AdamW's default on CUDA is its foreach step (torch/optim/adam.py,
+# _multi_tensor_adam, torch 2.13): eight passes over fp32 tensors, each reading and writing
+# whole lists: decoupled weight decay params *= (read and write: 8 bytes), lerp_ of the
+# first moment toward the gradient (12), the second moment *= beta2 (8), addcmul_ of the
+# gradient squared (12), sqrt into a temporary (8), its div_ (8) and add_ of eps (8),
+# addcdiv_ into the parameter (16): 80 bytes a parameter. Clipping (foreach norm, then
+# scale) reads the gradient once and scales it in place: 12.
+OPTIMIZER_BYTES_PER_PARAM = 92
 
 
 @dataclass(frozen=True)
@@ -170,14 +189,16 @@ def _cached_step(
     autocast = not fsdp and w.precision != "fp32"  # FSDP's mixed precision casts once
     micro = _micro_batch(
         w.shape, w.seq_len, w.micro_batch, tp, hw, w.precision, autocast,
-        compiled, w.ac, table, w.loss,
+        compiled, w.ac, table, w.loss, w.norm_kernel,
     )
     micro_batches = samples / w.micro_batch
     work = micro.times(micro_batches) + _per_step(hw, w, tp, dims, micro_batches)
     host = work.host_ops * (COMPILED_OP_S if compiled else EAGER_OP_S)
     if hw.device == "cpu":  # the same cores dispatch and compute
         return work.device_s + host
-    return max(work.device_s, host)
+    # The GPUs of a layout wait for each other: the step runs at the slowest one's clock.
+    pace = slowest_pace(GENERATIONS[hw.generation], dims.world if dims is not None else 1)
+    return max(work.device_s / pace, host)
 
 
 @lru_cache(maxsize=1024)
@@ -193,12 +214,19 @@ def _micro_batch(
     ac: str,
     table: GemmTable | None,
     loss: str = "standard",
+    norm_kernel: str = "fused",
 ) -> Work:
     """One micro-batch: every block forward and backward, the recomputed blocks' forward
     again, the head and its loss."""
     tokens = seq * micro_batch
-    forward = _block_forward(shape, tokens, seq, tp, hw, precision, autocast, compiled, table)
-    backward = _block_backward(shape, tokens, seq, tp, hw, precision, autocast, compiled, table)
+    # Inductor fuses a composite norm's chain into one kernel, as it does the rest.
+    norm = "fused" if compiled else norm_kernel
+    forward = _block_forward(
+        shape, tokens, seq, tp, hw, precision, autocast, compiled, table, norm
+    )
+    backward = _block_backward(
+        shape, tokens, seq, tp, hw, precision, autocast, compiled, table, norm
+    )
     recomputed = len(checkpointed_blocks(ac, shape.n_layer))
     blocks = (forward + backward).times(shape.n_layer) + forward.times(recomputed)
     return blocks + _head(shape, tokens, tp, hw, precision, table, loss)
@@ -218,7 +246,20 @@ def _gemm(m: int, n: int, k: int, hw: Hardware, precision: str, table: GemmTable
     return gemm_seconds(m, n, k, hw.peak_flops, hw.hbm_bps, BYTES[precision], gen, table)
 
 
-def _elementwise_bytes(shape: GPTShape, tp: int, precision: str, autocast: bool) -> float:
+def norm_bytes(residual: int, element: int, kernel: str) -> int:
+    """Bytes per element one norm's forward reads and writes: the fused kernel reads the
+    residual stream and writes its output; the composite chain (COMPOSITE_NORM_OPS) moves
+    every intermediate through memory in fp32."""
+    if kernel != "composite":
+        return residual + element
+    f = MASTER_BYTES
+    upcast = 0 if residual == f else residual + f  # .float() of an fp32 tensor is itself
+    return upcast + 2 * f + f + 2 * f + (f + element) + 2 * element
+
+
+def _elementwise_bytes(
+    shape: GPTShape, tp: int, precision: str, autocast: bool, norm_kernel: str = "fused"
+) -> float:
     """Bytes per token a block's forward reads and writes outside its GEMMs and attention:
     two norms (and autocast's casts of their outputs), two residual adds, rotary, GQA's
     repeat, the attention output's copy, the MLP's activation."""
@@ -226,7 +267,8 @@ def _elementwise_bytes(shape: GPTShape, tp: int, precision: str, autocast: bool)
     r = MASTER_BYTES if autocast else e  # the residual stream under autocast stays fp32
     h, f = shape.d_model, shape.d_ff // tp
     q, kv = shape.n_head * shape.head_dim // tp, shape.n_kv_head * shape.head_dim // tp
-    norms = 2 * (r + e) * h * (2 if autocast else 1)
+    casts = (r + e) * h if autocast else 0  # autocast's cast of each norm's output
+    norms = 2 * (norm_bytes(r, e, norm_kernel) * h + casts)
     residual = 2 * 3 * r * h
     rotary = ROTARY_PASSES * e * (q + kv) if shape.pos == "rope" else 0
     repeat = 2 * 2 * e * q if shape.n_kv_head != shape.n_head else 0
@@ -235,10 +277,12 @@ def _elementwise_bytes(shape: GPTShape, tp: int, precision: str, autocast: bool)
     return norms + residual + rotary + repeat + copy + act
 
 
-def _forward_ops(shape: GPTShape, autocast: bool) -> int:
+def _forward_ops(shape: GPTShape, autocast: bool, norm_kernel: str = "fused") -> int:
     """Operations eager PyTorch dispatches in one block's forward (models.gpt.Block)."""
     linears = len(_gemms(shape, 1))
     ops = 2 + linears + 6 + 1 + 2 + 2 + 2 + (2 if shape.mlp == "swiglu" else 1)
+    if norm_kernel == "composite":
+        ops += 2 * COMPOSITE_NORM_OPS  # each norm's chain instead of its one kernel
     # norms, projections, q/k/v view + transpose, SDPA, output transpose + reshape,
     # dropouts, residual adds, activation
     if shape.pos == "rope":
@@ -252,28 +296,28 @@ def _forward_ops(shape: GPTShape, autocast: bool) -> int:
 
 def _block_forward(
     shape: GPTShape, tokens: int, seq: int, tp: int, hw: Hardware, precision: str,
-    autocast: bool, compiled: bool, table: GemmTable | None,
+    autocast: bool, compiled: bool, table: GemmTable | None, norm_kernel: str = "fused",
 ) -> Work:
     gemms = sum(_gemm(tokens, o, i, hw, precision, table) for o, i in _gemms(shape, tp))
     q = shape.n_head * shape.head_dim // tp
     attention = attention_seconds(
         2.0 * tokens * seq * q, hw.peak_flops, GENERATIONS[hw.generation]
     )
-    moved = tokens * _elementwise_bytes(shape, tp, precision, autocast)
+    moved = tokens * _elementwise_bytes(shape, tp, precision, autocast, norm_kernel)
     if autocast:  # each weight cast to 16 bits for its matmul (read fp32, write 16-bit)
         moved += sum(o * i for o, i in _gemms(shape, tp)) * (MASTER_BYTES + BYTES[precision])
     if compiled:
         moved *= COMPILED_MEMORY_SHARE
     memory = moved / (hw.hbm_bps * MEMORY_SHARE)
     ops = len(_gemms(shape, 1)) + 1 + FUSED_KERNELS_PER_BLOCK if compiled else _forward_ops(
-        shape, autocast
+        shape, autocast, norm_kernel
     )
     return Work(gemms + attention + memory, ops)
 
 
 def _block_backward(
     shape: GPTShape, tokens: int, seq: int, tp: int, hw: Hardware, precision: str,
-    autocast: bool, compiled: bool, table: GemmTable | None,
+    autocast: bool, compiled: bool, table: GemmTable | None, norm_kernel: str = "fused",
 ) -> Work:
     """Input and weight gradients of every projection, attention's backward (2.5 times its
     forward), the elementwise work twice (each op reads its saved input and the output
@@ -286,13 +330,13 @@ def _block_backward(
     attention = attention_seconds(
         5.0 * tokens * seq * q, hw.peak_flops, GENERATIONS[hw.generation]
     )
-    moved = 2 * tokens * _elementwise_bytes(shape, tp, precision, autocast)
+    moved = 2 * tokens * _elementwise_bytes(shape, tp, precision, autocast, norm_kernel)
     if compiled:
         moved *= COMPILED_MEMORY_SHARE
     memory = moved / (hw.hbm_bps * MEMORY_SHARE)
     forward_ops = (
         len(_gemms(shape, 1)) + 1 + FUSED_KERNELS_PER_BLOCK if compiled
-        else _forward_ops(shape, autocast)
+        else _forward_ops(shape, autocast, norm_kernel)
     )
     return Work(gemms + attention + memory, BACKWARD_OPS_PER_FORWARD_OP * forward_ops)
 

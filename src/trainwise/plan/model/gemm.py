@@ -9,6 +9,12 @@ A GEMM of shape (M, N, K) does 2·M·N·K FLOPs. Its time is the larger of
   a GEMM of fewer tiles than SMs splits K over them, cuBLAS's split-K),
   NVIDIA, "Matrix Multiplication Background User's Guide" (Deep Learning Performance docs),
   sections "Tile Quantization" and "Wave Quantization";
+  plus, for every wave, its epilogue: each SM writes its output tile to memory at its share
+  of the memory bandwidth (TILE x TILE x 2 bytes at hbm/SMs: 1.29 us a wave on an H100
+  SXM) before the next wave's tiles start, a fixed cost that a short K amortizes badly.
+  OpenXLA's measured H100 table (xla/service/gpu/model/matmul_interpolator_data.h, sm_90,
+  bf16) shows it: 4096 x 4096 outputs (8 waves) take 10.5 us + 0.040 us x K (K = 256 to
+  4096), 1.3 us a wave;
 - and its bytes (the two inputs read, the output written) at the memory bandwidth: a thin
   GEMM is memory-bound (ibid., "Math And Memory Bounds").
 
@@ -19,9 +25,12 @@ burst): S. Bekman, ml-engineering, compute/accelerator/benchmarks/README.md ("Wh
 measured: alone vs all-8 concurrent") and compute/accelerator/README.md ("Maximum
 Achievable Matmul FLOPS comparison table").
 Attention runs as SDPA's flash kernel: FlashAttention-2 reaches 50-73 % of the A100's peak
-forward and backward (Dao, 2023, "FlashAttention-2", abstract and section 4.1) and 35 % of
-the H100's (Shah et al., 2024, "FlashAttention-3", abstract); PyTorch's SDPA flash backend
-is FlashAttention-2.
+forward and backward (Dao, 2023, "FlashAttention-2", abstract and section 4.1) and at most
+35 % of the H100's (Shah et al., 2024, "FlashAttention-3", abstract); causal with head dim
+128 at 8192 tokens, forward 284.1 and backward 287.1 TFLOPS (Dao-AILab/flash-attention
+PR #1791: hopper/benchmark_attn.py, FlashAttention-3's benchmark, which runs on Hopper
+GPUs only; the GPU's model is not stated): 0.29 of the H100's peak.
+PyTorch's SDPA flash backend is FlashAttention-2.
 """
 
 from __future__ import annotations
@@ -48,6 +57,12 @@ class Generation:
     sms: int
     source: str
     tile: int = TILE
+    # K of the shape `gemm_share` was measured on: its epilogues are part of that share,
+    # so the math rate is the share with them taken out (0: none taken out).
+    reference_k: int = 0
+    # The spread (max - min over the mean) of the sustained rate across a node's GPUs, all
+    # busy at once (0: none published); gemm_share is their mean.
+    clock_spread: float = 0.0
 
 
 GENERATIONS: dict[str, Generation] = {
@@ -56,17 +71,24 @@ GENERATIONS: dict[str, Generation] = {
         "MAMF A100 SXM 267.9 of 312 TFLOPS (85.9 %) at H200's sustained/burst ratio "
         "(698.6 / 823.9: an assumption, no A100 MSMF published); FlashAttention-2 50-73 % "
         "of A100 peak (0.6: the middle); A100 whitepaper: 108 SMs",
+        reference_k=5120,  # the MAMF shape 1024 x 10240 x 5120
     ),
     "hopper": Generation(
-        0.706, 0.35, 132,
+        0.706, 0.29, 132,
         "MSMF H200 698.6 of 989 TFLOPS, all 8 GPUs of a node busy (H100 SXM: the same chip "
-        "and 700 W); FlashAttention-2 35 % of H100 peak (FlashAttention-3 paper); "
-        "H100 SXM5: 132 SMs",
+        "and 700 W); FlashAttention-2 on H100, head dim 128, causal, seq 8192: forward "
+        "284.1, backward 287.1 TFLOPS, 0.29 of 989 over a step's 1 + 2.5 "
+        "(Dao-AILab/flash-attention PR #1791, hopper/benchmark_attn.py on main; the "
+        "FlashAttention-3 paper's 35 % is FA2's best, non-causal); H100 SXM5: 132 SMs",
+        reference_k=20480,  # the MSMF shape 8192 x 8448 x 20480
+        clock_spread=0.045,  # H200, all 8 busy: MSMF range 4.5 % (1405-1527 MHz)
     ),
     "blackwell": Generation(
-        0.634, 0.35, 148,
+        0.634, 0.29, 148,
         "MSMF B200 1426.4 of 2250 TFLOPS, all 8 GPUs busy; attention: assumed as Hopper's "
         "FlashAttention-2 share (no published SDPA figure); B200: 148 SMs",
+        reference_k=20480,  # the MSMF shape 9472 x 8192 x 20480
+        clock_spread=0.104,  # B200, all 8 busy: MSMF range 10.4 % (1228-1410 MHz)
     ),
     "cdna3": Generation(
         0.601, 0.3, 304,
@@ -75,9 +97,9 @@ GENERATIONS: dict[str, Generation] = {
         "published share); MI300X: 304 CUs",
     ),
     # Older parts: an assumption, Ampere's shares (the tensor-core GEMM kernels are alike).
-    "volta": Generation(0.728, 0.6, 80, "assumed as Ampere; V100: 80 SMs"),
-    "turing": Generation(0.728, 0.6, 40, "assumed as Ampere; T4: 40 SMs"),
-    "ada": Generation(0.728, 0.6, 58, "assumed as Ampere; L4: 58 SMs"),
+    "volta": Generation(0.728, 0.6, 80, "assumed as Ampere; V100: 80 SMs", reference_k=5120),
+    "turing": Generation(0.728, 0.6, 40, "assumed as Ampere; T4: 40 SMs", reference_k=5120),
+    "ada": Generation(0.728, 0.6, 58, "assumed as Ampere; L4: 58 SMs", reference_k=5120),
     # A CPU runs a GEMM on its cores: the planner's former single efficiency (0.4 of an
     # assumed peak), no tiles, no waves.
     "cpu": Generation(0.4, 0.4, 1, "assumption: 0.4 of the catalog's assumed CPU peak", tile=1),
@@ -159,9 +181,44 @@ def gemm_seconds(
     # Fewer tiles than SMs: cuBLAS splits K over the idle ones (split-K), up to one wave.
     split = max(1, min(gen.sms // tiles, math.ceil(k / gen.tile)))
     units = tiles * split
-    wave_use = units / (math.ceil(units / gen.sms) * gen.sms)
-    math_s = 2.0 * mp * np_ * kp / (peak_flops * gen.gemm_share * wave_use)
-    return max(math_s, memory)
+    waves = math.ceil(units / gen.sms)
+    wave_use = units / (waves * gen.sms)
+    rate = peak_flops * math_share(gen, peak_flops, hbm_bps, element_bytes)
+    math_s = 2.0 * mp * np_ * kp / (rate * wave_use)
+    # Each wave's tiles (of at most TILE x TILE outputs) written by up to one SM each.
+    tile_bytes = min(mp, gen.tile) * min(np_, gen.tile) * element_bytes
+    epilogue_s = waves * min(units, gen.sms) * tile_bytes / hbm_bps
+    return max(math_s + epilogue_s, memory)
+
+
+def epilogue_seconds(gen: Generation, hbm_bps: float, element_bytes: int) -> float:
+    """One full wave's epilogue: every SM writes a TILE x TILE output tile."""
+    return gen.sms * gen.tile * gen.tile * element_bytes / hbm_bps
+
+
+def math_share(gen: Generation, peak_flops: float, hbm_bps: float, element_bytes: int) -> float:
+    """The share of the peak a GEMM's math runs at between epilogues: the generation's
+    measured share with the epilogues of its reference shape (one wave of full tiles over
+    reference_k) taken out."""
+    if not gen.reference_k:
+        return gen.gemm_share
+    mainloop = 2.0 * gen.tile * gen.tile * gen.reference_k * gen.sms / (
+        peak_flops * gen.gemm_share
+    )
+    # mainloop = math + epilogue at the reference shape
+    return gen.gemm_share / (1 - epilogue_seconds(gen, hbm_bps, element_bytes) / mainloop)
+
+
+def slowest_pace(gen: Generation, gpus: int) -> float:
+    """The slowest of `gpus` GPUs that wait for each other (every collective of a step),
+    as a share of the mean sustained rate: GPUs of one kind settle at different clocks at
+    their power limit (Bekman, ml-engineering compute/accelerator/benchmarks/README.md,
+    "What we measured: alone vs all-8 concurrent"), and a synchronous step runs at the
+    slowest one's. Assumption: rates spread evenly over the published range, so the
+    slowest of n sits range/(n+1) above its bottom."""
+    if gpus <= 1 or not gen.clock_spread:
+        return 1.0
+    return 1.0 - gen.clock_spread * (0.5 - 1.0 / (gpus + 1))
 
 
 def attention_seconds(flops: float, peak_flops: float, gen: Generation) -> float:

@@ -68,6 +68,11 @@ class Workload:
     # log-softmax over the vocabulary) or "fused" (a fused kernel, e.g. flash-attn's
     # cross_entropy, as llm-foundry uses: writes the gradient into the logits in place).
     loss: str = "standard"
+    # The norm's kernels (plan.compute prices them): "fused", one kernel each way (torch's
+    # F.layer_norm; F.rms_norm since torch 2.9, which trainwise requires), or "composite",
+    # RMSNorm as a chain of fp32 elementwise ops (F.rms_norm before torch 2.9, and
+    # torchtitan's own RMSNorm of 2024). Memory is modelled alike for both.
+    norm_kernel: str = "fused"
 
 
 @dataclass(frozen=True)
