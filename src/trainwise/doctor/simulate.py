@@ -232,7 +232,8 @@ def simulate_plan(plan, progress=None, rows: list | None = None) -> list[dict]:
     that one fake rank can play, at its GPU count, precision, per-GPU micro-batch and
     checkpointing; beside each, the formula for the same kernels (this machine's) and the
     plan's own figure (the target GPU's kernels and overhead)."""
-    from trainwise.plan.estimate import knob_workload, setup_memory
+    from trainwise.plan.estimate import knob_workload
+    from trainwise.plan.model.memory import estimate_memory
 
     w = plan.inputs.workload
     if w.shape is None:
@@ -251,7 +252,7 @@ def simulate_plan(plan, progress=None, rows: list | None = None) -> list[dict]:
         )
         # The simulation runs one micro-batch a step: the formula without accumulation.
         one = replace(setup, grad_accum=1)
-        here = setup_memory(knob_workload(w, setup.micro_batch, setup.ac), one, "cpu")
+        here = estimate_memory(knob_workload(w, setup.micro_batch, setup.ac), one, "cpu")
         out.append(
             {
                 "strategy": s.name,
