@@ -38,7 +38,7 @@ from trainwise.plan.calibrate import (
     read_calibration,
 )
 from trainwise.plan.constraints import user_allowed
-from trainwise.plan.estimate import Setup, candidate_names, evaluate, price
+from trainwise.plan.estimate import Setup, StrategyPlan, candidate_names, evaluate, price
 from trainwise.plan.inputs import PlanInputs, job_inputs, unknown_device_inputs
 from trainwise.plan.model.flops import flops_per_token, recompute_factor
 from trainwise.plan.model.memory import replica_memory
@@ -539,9 +539,14 @@ def job_plan(job: Job) -> dict[str, Any] | None:
             {"name": alt.name, "fits": alt.fits, "step_total": alt.step.total,
              "tokens_per_s": alt.tokens_per_s}
             for alt in (evaluate(inputs, n) for n in candidate_names(inputs))
-            if alt.gpus == inputs.gpus and not (alt.name == "fsdp-offload" and hw.device == "cpu")
+            if alt.gpus == inputs.gpus and not (offloads(alt) and hw.device == "cpu")
         ] if job.dims.tp == 1 else [],
     }
+
+
+def offloads(plan: StrategyPlan) -> bool:
+    """Whether a planner's row offloads to the host (nothing to gain on CPU workers)."""
+    return plan.setup is not None and plan.setup.dims.cpu_offload
 
 
 def elastic_accum(c: JobConfig, world: int, local: int) -> tuple[int, str | None]:
