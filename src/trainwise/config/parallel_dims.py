@@ -3,8 +3,8 @@
 `ParallelDims` is pure data (no torch), so the planner prices layouts with it and the
 runtime builds its device mesh from it (`run.engine.parallelize.build_mesh`). Every other
 part asks it — how many data-parallel ranks, which rank reads which samples, whether FSDP
-shards, what the planner calls the layout — and compares no strategy strings
-(tests/unit/test_layout_words.py holds that). Modelled on torchtitan's
+shards, what the planner calls the layout — instead of comparing strategy words
+(tests/unit/test_layout_words.py fails on such a comparison outside config/). Modelled on torchtitan's
 `distributed/parallel_dims.py`: the product of the degrees is the world size.
 
 The ranks are laid out row-major over (dp_replicate, dp_shard, tp): a tensor-parallel
