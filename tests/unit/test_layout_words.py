@@ -13,7 +13,7 @@ from trainwise.config.parallel_dims import PLAN_NAMES, STRATEGY_WORDS
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "trainwise"
 # "auto" is also the word of many other settings (data.format, checkpoint.resume, ...): it
-# counts only beside something named strategy.
+# counts only beside something named strategy, or a name its function bound to one.
 WORDS = (set(STRATEGY_WORDS) | set(PLAN_NAMES)) - {"auto"}
 
 
@@ -40,23 +40,46 @@ def _constants(tree: ast.Module) -> dict[str, set[str]]:
     return out
 
 
-def _mentions_strategy(node: ast.AST) -> bool:
-    return "strategy" in ast.unparse(node).lower()
+def _mentions_strategy(node: ast.AST, names: set[str]) -> bool:
+    """Whether `node` names a strategy (cfg.parallel.strategy, strategy, ...) or uses one
+    of `names` (bound to one)."""
+    for n in ast.walk(node):
+        name = n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else ""
+        if "strategy" in name.lower() or name in names:
+            return True
+    return False
 
 
-def _hits(found: set[str], beside: list[ast.AST]) -> set[str]:
+def _strategy_names(scope: ast.AST) -> set[str]:
+    """The names a function (or the module) binds to a strategy: its arguments named so,
+    and what it assigns from an expression that says strategy."""
+    names: set[str] = set()
+    if isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef):
+        args = [*scope.args.posonlyargs, *scope.args.args, *scope.args.kwonlyargs]
+        names = {a.arg for a in args if "strategy" in a.arg}
+    for node in ast.walk(scope):
+        if isinstance(node, ast.Assign) and _mentions_strategy(node.value, names):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def _hits(found: set[str], beside: list[ast.AST], names: set[str]) -> set[str]:
     """The words that count: any but auto; auto beside something named strategy."""
     hits = found & WORDS
-    if "auto" in found and any(_mentions_strategy(n) for n in beside):
+    if "auto" in found and any(_mentions_strategy(n, names) for n in beside):
         hits.add("auto")
     return hits
 
 
-def _decision(node: ast.AST, constants: dict[str, set[str]]) -> tuple[str, set[str]]:
-    """What `node` does with strategy words, and which ones (none: nothing)."""
+def _decision(
+    node: ast.AST, constants: dict[str, set[str]], names: set[str]
+) -> tuple[str, set[str]]:
+    """What `node` does with strategy words, and which ones (none: nothing); `names`: those
+    its function binds to a strategy."""
     if isinstance(node, ast.Compare):
         sides = [node.left, *node.comparators]
-        return "compares with", _hits(set().union(*(_words(s, constants) for s in sides)), sides)
+        found = set().union(*(_words(side, constants) for side in sides))
+        return "compares with", _hits(found, sides, names)
     if isinstance(node, ast.Dict):  # a table: two keys or more (one is a record's field)
         found = set().union(set(), *(_words(k, constants) for k in node.keys if k is not None))
         return "keys a table by", found & WORDS if len(found & WORDS) > 1 else set()
@@ -72,10 +95,17 @@ def word_uses(path: Path, shown: str) -> list[str]:
     tree = ast.parse(path.read_text(), str(path))
     constants = _constants(tree)
     out = []
-    for node in ast.walk(tree):
-        what, words = _decision(node, constants)
+
+    def visit(node: ast.AST, names: set[str]) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            names = names | _strategy_names(node)  # the innermost function's bindings too
+        what, words = _decision(node, constants, names)
         if words:
             out.append((node.lineno, f"{shown}:{node.lineno}: {what} {', '.join(sorted(words))}"))
+        for child in ast.iter_child_nodes(node):
+            visit(child, names)
+
+    visit(tree, set())
     return [line for _, line in sorted(out)]
 
 
@@ -105,6 +135,11 @@ def test_the_scan_catches_a_comparison_a_table_and_a_constant(tmp_path: Path):
         "    if mode == 'auto' or cfg.backend != 'auto':\n"
         "        return evaluate(inputs, 'single')\n"
         "    return {'fsdp': job.fsdp, 'tp': job.tp}\n"
+        "def g(cfg, key):\n"
+        "    value = cfg.plan.strategy if key else cfg.parallel.strategy\n"
+        "    return value not in (None, 'auto')\n"
+        "def h(value):\n"
+        "    return value == 'auto'\n"
     )
     assert word_uses(probe, "plan/probe.py") == [
         "plan/probe.py:3: compares with ddp",
@@ -113,4 +148,5 @@ def test_the_scan_catches_a_comparison_a_table_and_a_constant(tmp_path: Path):
         "plan/probe.py:6: compares with fsdp, hsdp",
         "plan/probe.py:8: matches hsdp",
         "plan/probe.py:9: looks up fsdp-offload",
+        "plan/probe.py:15: compares with auto",
     ]

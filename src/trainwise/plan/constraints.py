@@ -80,8 +80,8 @@ KNOBS = ("ac", "micro_batch", "grad_accum")
 
 
 def _asked(cfg: JobConfig, key: str, given: Mapping[str, str]) -> bool:
-    value = cfg.plan.strategy if key == "plan.strategy" else cfg.parallel.strategy
-    return key in given and value not in (None, "auto")
+    strategy = cfg.plan.strategy if key == "plan.strategy" else cfg.parallel.strategy
+    return key in given and strategy is not None and not LayoutRequest(strategy).auto
 
 
 def check_allowed(inputs: PlanInputs, allowed: Allowed) -> None:
