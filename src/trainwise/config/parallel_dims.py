@@ -23,9 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING
 
 from trainwise.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainwise.config.schema import ParallelConfig
 
 # The planner's data-parallel layouts, simplest first (its rows, and the order its search
 # breaks ties in): row name -> (parallel.strategy, parallel.shard, parallel.cpu_offload).
@@ -310,9 +313,8 @@ class LayoutRequest:
     dp_shard: int | None = None
 
     @classmethod
-    def of(cls, parallel: Any) -> LayoutRequest:
-        """The request of a `ParallelConfig` (config.schema)."""
-        p = parallel
+    def of(cls, p: ParallelConfig) -> LayoutRequest:
+        """The request of the job's parallel.* section."""
         return cls(p.strategy, p.shard, p.cpu_offload, p.tp, p.replicate, p.dp_shard)
 
     @property
