@@ -588,7 +588,7 @@ def decide(
         return decide_auto(inputs, user_allowed(c))
     dims = request.layout(world, replicate)
     setup = job_setup(c, dims, accum, accumulation(c, dims, accum, cluster))
-    est = model_of(inputs).memory(inputs, setup, w)
+    est = price(inputs, setup).memory  # the function the planner's rows and search price with
     replica = replica_memory(w, world, device_kind, accum)
     strategy, offload = request.kind(replicate), request.cpu_offload
     if est.total > device_bytes:
