@@ -102,3 +102,28 @@ def sft_corpus(root: Path) -> Path:
     src.write_text("".join(json.dumps(e) + "\n" for e in SFT_EXAMPLES))
     prepare([src], root / "sft", load_tokenizer("bytes"), field="prompt", response_field="response")
     return root / "sft"
+
+
+def memory_of(
+    w, strategy: str, world: int, *, shard: str = "full", cpu_offload: bool = False,
+    shard_degree: int | None = None, device: str = "cpu", grad_accum: int = 1, tp: int = 1,
+):
+    """estimate_memory of workload `w` for a strategy word over `world` data-parallel
+    ranks, `tp`-way tensor parallel on each; fsdp and hsdp shard over groups of
+    `shard_degree` (default the world), replicated across. The tests' shorthand for the
+    layout value (estimate_memory takes a Setup)."""
+    from trainwise.config.parallel_dims import ParallelDims
+    from trainwise.plan.estimate import Setup
+    from trainwise.plan.model.memory import estimate_memory
+
+    if strategy in ("single", "ddp"):
+        dims = ParallelDims(dp_replicate=world, tp=tp)
+    elif strategy in ("fsdp", "hsdp"):
+        d = shard_degree or world
+        dims = ParallelDims(
+            world // d, d, tp, fsdp=True, reshard_after_forward=shard == "full",
+            cpu_offload=cpu_offload,
+        )
+    else:
+        dims = ParallelDims.from_strategy(strategy, world)  # raises: no such layout
+    return estimate_memory(w, Setup.of(dims, w, grad_accum), device)

@@ -15,7 +15,7 @@ from trainwise.cli.main import main
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.doctor.simulate import simulate_layout
 from trainwise.models.shapes import PRESETS
-from trainwise.plan.estimate import RUNTIME, Setup, setup_memory
+from trainwise.plan.estimate import Setup
 from trainwise.plan.model.memory import Workload, estimate_memory
 
 SEQ = {"tiny": 128, "small": 256}
@@ -48,14 +48,14 @@ def workload(preset: str, precision: str = "fp32", micro_batch: int = 4) -> Work
 
 
 def formula(preset: str, strategy: str, world: int, precision: str, micro_batch: int):
-    kind, shard, _ = RUNTIME[strategy]
     w = workload(preset, precision, micro_batch)
-    return estimate_memory(w, kind, world, shard=shard, device="cpu")
+    dims = ParallelDims.from_plan_name(strategy, world, world)  # the planner's row
+    return estimate_memory(w, Setup.of(dims, w), "cpu")
 
 
 def tp_formula(preset: str, layout: str):
-    """What `trainwise plan` prices for a tensor-parallel row (estimate.setup_memory)."""
-    return setup_memory(workload(preset), Setup(TP_LAYOUTS[layout], "none", 4, 1), "cpu")
+    """What `trainwise plan` prices for a tensor-parallel row (estimate_memory)."""
+    return estimate_memory(workload(preset), Setup(TP_LAYOUTS[layout], "none", 4, 1), "cpu")
 
 
 def _simulate(case: tuple) -> object:

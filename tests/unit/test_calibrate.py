@@ -158,3 +158,20 @@ def test_a_cpu_runs_link_rate_is_not_applied_to_a_gpu_plan(tmp_path: Path):
     cpu = resolve_inputs(load_config(None, base={**PLAN_DEFAULTS, "cluster.gpu": "cpu"}))
     on_cpu, _ = apply_calibration(cpu, cal)
     assert on_cpu.hardware.intra_bps == pytest.approx(0.4e9)
+
+
+def test_a_job_that_sets_its_layout_carries_the_measured_runtime_memory(tmp_path: Path):
+    """The job's decision (job.json, the doctor's memory check) prices its layout as
+    plan.json does: with the calibration's 20 MB of runtime per CPU worker."""
+    from trainwise.hardware import GB, DeviceInfo
+    from trainwise.run.job.resolve import job_plan, prepare_job
+
+    run = write_planned_run(tmp_path / "run")
+    cpu = DeviceInfo("cpu", "cpu", 1, 64 * GB, bf16=True, fp16=False, gpu=None)
+    overrides = ["data.synthetic_tokens=20000", "parallel.strategy=ddp"]
+    plain = prepare_job(load_config(overrides=overrides), 2, cpu)
+    calibrated = prepare_job(load_config(overrides=[*overrides, f"plan.calibration='{run}'"]), 2, cpu)
+    added = calibrated.decision.estimate.overhead - plain.decision.estimate.overhead
+    assert added == pytest.approx(20e6)
+    planned = job_plan(calibrated)["memory_per_gpu"]["total"]
+    assert calibrated.summary_dict()["memory_estimate"]["total"] == pytest.approx(planned, abs=1)

@@ -14,7 +14,7 @@ from trainwise.plan import runtime_allowed
 from trainwise.plan.estimate import evaluate
 from trainwise.plan.inputs import resolve_inputs
 from trainwise.plan.planner import make_plan
-from trainwise.run.job.resolve import prepare_job, resolve_nproc, start_lines
+from trainwise.run.job.resolve import job_plan, prepare_job, resolve_nproc, start_lines
 
 CPU = DeviceInfo("cpu", "cpu", 1, 64 * GB, bf16=True, fp16=False, gpu=None)
 # A GPU without bf16 (e.g. a V100-class card), one visible.
@@ -428,3 +428,45 @@ def test_a_shard_group_smaller_than_the_world_is_hybrid():
 def test_degrees_the_runtime_cannot_run_are_one_line_each(overrides: tuple, expected: str):
     problems = problems_of(cfg(*overrides), 4)
     assert any(expected in p for p in problems), problems
+
+
+# --- an explicit layout is priced as plan.json prices it -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("parallel.strategy=ddp", "parallel.tp=2"),
+        ("parallel.strategy=ddp", "parallel.tp=2", "parallel.sequence_parallel=false"),
+        # parallel.accumulate = auto: the mode the planner chooses, the one that runs
+        ("parallel.strategy=fsdp", "data.grad_accum=4"),
+        ("parallel.strategy=fsdp", "parallel.shard=grad_op", "parallel.tp=2", "data.grad_accum=2"),
+    ],
+)
+def test_an_explicit_layout_is_priced_as_plan_json_prices_it(overrides):
+    job = prepare_job(cfg(*overrides), 4, CPU)
+    planned = job_plan(job)["memory_per_gpu"]
+    # job.json's estimate (the doctor's memory check reads the same decision) is plan.json's
+    assert job.summary_dict()["memory_estimate"]["total"] == pytest.approx(planned["total"], abs=1)
+    assert job.decision.setup.dims == job.dims
+    assert job.decision.setup.accumulate == job.accumulate
+
+
+def test_ddp_with_tensor_parallelism_is_priced_with_it_not_as_a_replica():
+    job = prepare_job(cfg("parallel.strategy=ddp", "parallel.tp=2"), 4, CPU)
+    tp_share, replica = job.decision.estimate.total, job.decision.replica.total
+    assert tp_share < replica  # each rank holds half of the model
+    # A device between the two runs it; below its share is refused, naming the share.
+    between = (tp_share + replica) / 2 / GB
+    fits = prepare_job(cfg("parallel.strategy=ddp", "parallel.tp=2",
+                           f"cluster.device_memory_gb={between}"), 4, CPU)
+    assert fits.dims.tp == 2
+    too_small = cfg("parallel.strategy=ddp", "parallel.tp=2",
+                    f"cluster.device_memory_gb={tp_share * 0.9 / GB}")
+    (problem,) = problems_of(too_small, 4)
+    assert problem.startswith("parallel.strategy = 'ddp' needs ")
+    # Sequence parallelism splits the norms' activations: without it a rank holds more.
+    without_sp = prepare_job(
+        cfg("parallel.strategy=ddp", "parallel.tp=2", "parallel.sequence_parallel=false"), 4, CPU
+    )
+    assert without_sp.decision.estimate.activations > job.decision.estimate.activations

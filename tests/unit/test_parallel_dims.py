@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from trainwise.config.parallel_dims import PLAN_NAMES, ParallelDims
+from trainwise.config.parallel_dims import (
+    PLAN_NAMES,
+    PLAN_ROWS,
+    LayoutRequest,
+    ParallelDims,
+    row_layout,
+)
 from trainwise.errors import ConfigError
 
 
@@ -67,3 +73,51 @@ def test_config_keys_run_the_layout():
         "parallel.strategy": "fsdp", "parallel.shard": "grad_op", "parallel.cpu_offload": True,
     }
     assert ParallelDims.from_strategy("hsdp", 8, replicate=2).config_keys()["parallel.replicate"] == 2
+
+
+# --- LayoutRequest: parallel.* before the world size is known ------------------------------
+
+
+def test_a_request_answers_the_job_set_ups_questions():
+    from trainwise.config import load_config
+
+    def request(*overrides: str) -> LayoutRequest:
+        return LayoutRequest.of(load_config(overrides=list(overrides)).parallel)
+
+    assert request("parallel.strategy=single").single
+    assert request().auto and request().may_shard and not request().sharded
+    ddp = request("parallel.strategy=ddp")
+    assert not (ddp.single or ddp.auto or ddp.may_shard)
+    # A row name is fsdp with its options.
+    grad_op = request("parallel.strategy=fsdp-grad-op")
+    assert grad_op.sharded and grad_op.layout(8, 1).plan_name == "fsdp-grad-op"
+
+
+@pytest.mark.parametrize(
+    ("request_", "world", "nodes", "groups", "kind"),
+    [
+        (LayoutRequest("hsdp"), 16, 2, 2, "hsdp"),  # one replica group per machine
+        (LayoutRequest("fsdp"), 16, 2, 1, "fsdp"),  # one shard group over the world
+        (LayoutRequest("fsdp", dp_shard=4), 16, 2, 4, "hsdp"),  # smaller groups: hsdp
+        (LayoutRequest("fsdp", dp_shard=2, tp=2), 16, 2, 4, "hsdp"),
+        (LayoutRequest("hsdp", replicate=8), 16, 2, 8, "hsdp"),
+        (LayoutRequest("ddp", dp_shard=4), 16, 2, 1, "ddp"),  # refused by the job set-up
+    ],
+)
+def test_replica_groups_and_the_shortcut_that_runs(request_, world, nodes, groups, kind):
+    assert request_.replica_groups(world, nodes) == groups
+    assert request_.kind(groups) == kind
+
+
+def test_a_request_resolves_to_the_layout_and_auto_has_none_before_the_planner():
+    dims = LayoutRequest("fsdp", dp_shard=2, tp=2).layout(8, 2)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.hybrid) == (2, 2, 2, True)
+    # ddp with tp: FSDP2's replication on the same mesh (runnable)
+    assert LayoutRequest("ddp", tp=2).layout(4, 1) == ParallelDims(2, 1, 2, fsdp=True)
+    with pytest.raises(ConfigError, match="resolve auto first"):
+        LayoutRequest("auto").layout(4, 1)
+
+
+def test_the_rows_are_written_once_simplest_first():
+    assert tuple(PLAN_ROWS) == PLAN_NAMES
+    assert [row_layout(n).plan_name for n in PLAN_NAMES] == list(PLAN_NAMES)

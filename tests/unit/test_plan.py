@@ -9,8 +9,11 @@ from dataclasses import replace
 
 import pytest
 
+from helpers import memory_of
 from trainwise.config import load_config
+from trainwise.config.parallel_dims import ParallelDims
 from trainwise.config.schema import ScheduleConfig
+from trainwise.errors import ConfigError
 from trainwise.models.shapes import GPTShape
 from trainwise.plan import (
     BYTES,
@@ -19,7 +22,6 @@ from trainwise.plan import (
     Workload,
     activation_bytes,
     decide_auto,
-    estimate_memory,
     flops_per_token,
     fmt_bytes,
     matmul_params,
@@ -71,7 +73,7 @@ def test_precision_and_optimizer_bytes():
 def test_single():
     # fp32 params 1000x4, grads 1000x4, AdamW 1000x8, activations unknown, no buffers. The
     # peak is the optimizer step, where all three exist: 16000.
-    est = estimate_memory(W, "single", 1)
+    est = memory_of(W, "single", 1)
     assert parts(est) == (4000, 4000, 8000, None, 0)
     assert est.model_states == 16000
     assert (est.total, est.phase) == (16000, "optimizer step")
@@ -81,33 +83,33 @@ def test_ddp_adds_gradient_buckets():
     # As single, plus DDP's buckets: a second fp32 copy of the gradients, 1000x4 (DDP docs,
     # gradient_as_bucket_view: "the saved memory size will be equal to the total gradients
     # size"); they live through the whole step.
-    est = estimate_memory(W, "ddp", 2)
+    est = memory_of(W, "ddp", 2)
     assert parts(est) == (4000, 4000, 8000, None, 4000)
     assert est.total == 20000
     # A world of one all-reduces nothing.
-    assert estimate_memory(W, "ddp", 1).buffers == 0
+    assert memory_of(W, "ddp", 1).buffers == 0
 
 
 def test_fsdp_full_on_world_4():
     # States / 4: 1000, 1000, 2000. Unknown structure -> the whole model is one unit: its
     # gathered fp32 parameters 1000x4 and its unsharded fp32 gradients 1000x4 = 8000 of
     # buffers. Peak at the end of its backward: 1000 + 2000 + 1000 + 4000 + 4000 = 12000.
-    est = estimate_memory(W, "fsdp", 4, shard="full")
+    est = memory_of(W, "fsdp", 4, shard="full")
     assert parts(est) == (1000, 1000, 2000, None, 8000)
     assert (est.total, est.phase) == (12000, "end of a block's backward")
 
 
 def test_hsdp_divides_by_the_shard_degree_not_the_world():
     # 4 workers as 2 replicas x 2 shards: states / 2: 2000, 2000, 4000; buffers as fsdp.
-    est = estimate_memory(W, "hsdp", 4, shard_degree=2)
+    est = memory_of(W, "hsdp", 4, shard_degree=2)
     assert parts(est) == (2000, 2000, 4000, None, 8000)
     assert est.total == 16000
     # Without a shard degree hsdp shards over the world, like fsdp.
-    assert estimate_memory(W, "hsdp", 4) == estimate_memory(W, "fsdp", 4)
+    assert memory_of(W, "hsdp", 4) == memory_of(W, "fsdp", 4)
 
 
 def test_cpu_offload_moves_the_states_to_the_host():
-    est = estimate_memory(W, "fsdp", 4, cpu_offload=True)
+    est = memory_of(W, "fsdp", 4, cpu_offload=True)
     assert (est.params, est.grads, est.optimizer, est.buffers) == (0, 0, 0, 8000)
     assert est.total == 8000  # the unit's gathered parameters and its gradients
     assert est.host == 1000 + 1000 + 2000  # the sharded states, in host memory
@@ -116,37 +118,37 @@ def test_cpu_offload_moves_the_states_to_the_host():
 def test_precision_changes_compute_copies_not_master_states():
     bf16 = replace(W, precision="bf16")
     # Master params, grads and optimizer state stay fp32.
-    assert estimate_memory(bf16, "single", 1).states == estimate_memory(W, "single", 1).states
+    assert memory_of(bf16, "single", 1).states == memory_of(W, "single", 1).states
     # Autocast keeps a bf16 copy of every weight it cast (1920 x 2 = 3840) through backward:
     # SHAPE in bf16 peaks in the head's backward with params 7680 + AdamW 15360 +
     # activations 6912 (below) + the copies.
-    single = estimate_memory(_gpt_workload(precision="bf16"), "single", 1)
+    single = memory_of(_gpt_workload(precision="bf16"), "single", 1)
     assert (single.phase, single.buffers, single.grads) == ("head backward", 3840, 0)
     assert single.total == 7680 + 15360 + 6912 + 3840
     # FSDP: gathered bf16 params 1000x2 + unsharded bf16 grads 1000x2 + their fp32 copy for
     # the fp32 reduce-scatter 1000x4 = 8000; with a bf16 reduce, no copy: 4000.
-    assert estimate_memory(bf16, "fsdp", 4).buffers == 8000
-    assert estimate_memory(replace(bf16, reduce_dtype="bf16"), "fsdp", 4).buffers == 4000
+    assert memory_of(bf16, "fsdp", 4).buffers == 8000
+    assert memory_of(replace(bf16, reduce_dtype="bf16"), "fsdp", 4).buffers == 4000
 
 
 def test_adamw_vs_sgd_optimizer_bytes():
     sgd = replace(W, optimizer="sgd")
-    assert estimate_memory(W, "single", 1).optimizer == 8000  # 1000 x 8
-    assert estimate_memory(sgd, "single", 1).optimizer == 4000  # 1000 x 4
-    assert estimate_memory(sgd, "fsdp", 4).optimizer == 1000  # 1000 x 4 / 4
+    assert memory_of(W, "single", 1).optimizer == 8000  # 1000 x 8
+    assert memory_of(sgd, "single", 1).optimizer == 4000  # 1000 x 4
+    assert memory_of(sgd, "fsdp", 4).optimizer == 1000  # 1000 x 4 / 4
 
 
 def test_cuda_adds_the_context_fragmentation_foreach_temporaries_and_cublas_workspaces():
     # On CUDA AdamW runs foreach: one more fp32 value per parameter at the step, 4000, and
     # cuBLAS's two 32 MiB workspaces (forward and backward threads), so the peak is
     # 20000 + 64 MiB; then 1 GB of context + 5 % of the peak. CPU workers have none of it.
-    est = estimate_memory(W, "single", 1, device="cuda")
+    est = memory_of(W, "single", 1, device="cuda")
     workspaces = 64 * 2**20
     assert est.peak == 20000 + workspaces
     assert est.overhead == 1e9 + 0.05 * (20000 + workspaces)
     assert est.total == est.peak + est.overhead
-    assert estimate_memory(W, "single", 1).peak == 16000  # CPU
-    assert estimate_memory(W, "single", 1).overhead == 0
+    assert memory_of(W, "single", 1).peak == 16000  # CPU
+    assert memory_of(W, "single", 1).overhead == 0
 
 
 def test_accumulating_micro_batches_keep_the_gradients_through_backward():
@@ -155,16 +157,17 @@ def test_accumulating_micro_batches_keep_the_gradients_through_backward():
     # SHAPE, fp32: params 7680 + AdamW 15360 + activations 11136 = 34176 in the top block's
     # backward; with accumulation the gradients (7680) are there too.
     w = _gpt_workload()
-    one = estimate_memory(w, "single", 1)
-    two = estimate_memory(w, "single", 1, grad_accum=2)
+    one = memory_of(w, "single", 1)
+    two = memory_of(w, "single", 1, grad_accum=2)
     assert (one.total, one.grads) == (34176, 0)
     assert (two.total, two.grads) == (34176 + 7680, 7680)
     assert two.phase == one.phase == "block backward"
 
 
 def test_unknown_strategy_is_rejected():
-    with pytest.raises(ValueError, match="unknown strategy"):
-        estimate_memory(W, "zero9", 2)
+    # The layout value reads the words; the memory model takes only layouts.
+    with pytest.raises(ConfigError, match="'zero9' has no layout"):
+        ParallelDims.from_strategy("zero9", 2)
 
 
 # --- a GPT's blocks --------------------------------------------------------------------------
@@ -193,13 +196,13 @@ def test_fsdp_full_and_grad_op_by_hand():
     # 11696 + 6976 + 19968 = 38640; end of a block's backward 14656 + 7680 + 3488 + 13248
     # = 39072 (the peak); optimizer step 14656.
     w = _gpt_workload(SHAPE4)
-    full = estimate_memory(w, "fsdp", 4, shard="full")
+    full = memory_of(w, "fsdp", 4, shard="full")
     assert (full.params, full.grads, full.optimizer) == (3664, 3664, 7328)
     assert (full.buffers, full.activations) == (11168, 13248)  # as held at the peak
     assert (full.total, full.phase) == (39072, "end of a block's backward")
     # grad_op: every block stays gathered (3664 - 176) x 4 = 13952: buffers 13952 + 704 +
     # 3488 = 18144; end of a block's backward 14656 + 14656 + 3488 + 13248 = 46048.
-    grad_op = estimate_memory(w, "fsdp", 4, shard="grad_op")
+    grad_op = memory_of(w, "fsdp", 4, shard="grad_op")
     assert (grad_op.buffers, grad_op.total) == (18144, 46048)
 
 
@@ -287,14 +290,14 @@ def test_activation_bytes_with_checkpointing_by_hand():
 
 def test_no_shape_means_no_activations():
     assert activation_bytes(W) is None
-    assert estimate_memory(W, "single", 1).activations is None
+    assert memory_of(W, "single", 1).activations is None
 
 
 def test_activations_enter_the_estimate():
     # SHAPE on fsdp x2 peaks at the end of the top block's backward (states 15360, gathered
     # and in-flight 11168, the bottom block's activations 4416 = 30944) rather than in it
     # (states without gradients 11520 + root and two blocks 7680 + 11136 = 30336).
-    est = estimate_memory(_gpt_workload(), "fsdp", 2)
+    est = memory_of(_gpt_workload(), "fsdp", 2)
     assert (est.phase, est.activations, est.total) == ("end of a block's backward", 4416, 30944)
 
 
@@ -314,7 +317,7 @@ def test_world_1_that_fits_is_single():
     d = _auto(W, 1, 100_000, 0.2)
     assert (d.strategy, d.cpu_offload) == ("single", False)
     assert d.budget_bytes == 80_000
-    assert d.estimate == d.replica == estimate_memory(W, "single", 1)
+    assert d.estimate == d.replica == memory_of(W, "single", 1)
     assert fmt_bytes(16000) in d.reason  # "16.0 KB"
     assert fmt_bytes(80_000) in d.reason  # "80.0 KB"
 
@@ -356,7 +359,7 @@ def test_neither_fits_offloads_on_a_gpu():
     # GPU_FIXED + 8400: nothing fits, offload needs the least.
     d = _auto(W, 4, GPU_FIXED + 5_000, 0.0, device="cuda")
     assert (d.strategy, d.cpu_offload) == ("fsdp", True)
-    assert d.estimate == estimate_memory(W, "fsdp", 4, cpu_offload=True, device="cuda")
+    assert d.estimate == memory_of(W, "fsdp", 4, cpu_offload=True, device="cuda")
     assert "may still not fit" in d.reason
 
 
@@ -364,8 +367,8 @@ def test_offload_that_fits_says_so():
     # SHAPE on 4 GPUs: fsdp full needs GPU_FIXED + 1.05 x 24576; offloaded GPU_FIXED +
     # 1.05 x 18816 (the states leave the device): GPU_FIXED + 20000 holds only the latter.
     w = _gpt_workload()
-    full = estimate_memory(w, "fsdp", 4, device="cuda").total
-    offloaded = estimate_memory(w, "fsdp", 4, cpu_offload=True, device="cuda").total
+    full = memory_of(w, "fsdp", 4, device="cuda").total
+    offloaded = memory_of(w, "fsdp", 4, cpu_offload=True, device="cuda").total
     assert offloaded < GPU_FIXED + 20_000 < full
     d = _auto(w, 4, GPU_FIXED + 20_000, 0.0, device="cuda")
     assert (d.strategy, d.cpu_offload, d.choice.fits) == ("fsdp", True, True)

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from helpers import memory_of
 from trainwise.config import load_config
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import PRESETS
@@ -18,7 +19,7 @@ from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 from trainwise.plan.model.comm import Layout, exposed_seconds, step_collectives
 from trainwise.plan.model.cost import checkpoint_plan, job_cost
 from trainwise.plan.model.flops import model_flops_per_token, recompute_factor
-from trainwise.plan.model.memory import Workload, estimate_memory
+from trainwise.plan.model.memory import Workload
 from trainwise.plan.planner import BEST, SweepRow, knee, make_plan, parse_sweep
 from trainwise.plan.record import plan_record
 from trainwise.plan.search import recommend, search
@@ -40,6 +41,8 @@ def plan_inputs(**flags):
 # --- communication ---------------------------------------------------------------------------
 
 NODE = Layout(gpus=4, gpus_per_node=8, intra_bps=100.0, inter_bps=10.0)
+DDP4 = ParallelDims(dp_replicate=4)  # the layouts whose exposure is worked out by hand
+FSDP4 = ParallelDims(dp_shard=4, fsdp=True)
 
 
 def test_ddp_all_reduce_volume_by_hand():
@@ -98,13 +101,13 @@ def test_exposed_communication_by_hand():
     (c,) = step_collectives("ddp", 1000, NODE, "fp32", "fp32", 1)  # 60 s on the link
     # DDP hides its all-reduce behind the last micro-batch's backward (2/3 of 120 s = 80 s)
     # except the last bucket: 2 x 3/4 x 25 MB at 100 B/s, capped at the whole 60 s.
-    assert exposed_seconds([c], 120.0, "ddp", 0.1, grad_accum=1, gpus=4) == 60.0
+    assert exposed_seconds([c], 120.0, DDP4, 0.1, grad_accum=1) == 60.0
     fast = replace(c, bytes_per_s=1e9)  # 6e-6 s: hidden but for its last bucket (all of it)
-    assert exposed_seconds([fast], 120.0, "ddp", 0.1, 1, 4) == pytest.approx(6e-6)
+    assert exposed_seconds([fast], 120.0, DDP4, 0.1, 1) == pytest.approx(6e-6)
     # With 4 micro-batches only the last one's backward hides it: 2/3 x 30 = 20 s.
     slow = replace(c, bytes_per_s=0.2e3)  # 30 s
-    assert exposed_seconds([slow], 120.0, "ddp", 0.0, 4, 4) == pytest.approx(30.0)
-    assert exposed_seconds([replace(c, bytes_per_s=1e3)], 120.0, "ddp", 0.0, 4, 4) == (
+    assert exposed_seconds([slow], 120.0, DDP4, 0.0, 4) == pytest.approx(30.0)
+    assert exposed_seconds([replace(c, bytes_per_s=1e3)], 120.0, DDP4, 0.0, 4) == (
         pytest.approx(6.0)  # 6 s all-reduce in a 20 s window: only the bucket, all 6 s
     )
 
@@ -116,9 +119,9 @@ def test_exposed_fsdp_communication_by_hand():
     # Exposed: max(30, 10) = 30, plus one unit (10 %) of one micro-batch's gathers (30 s)
     # and of the reduce-scatter (30 s): 6 s -> 36 s.
     fsdp = step_collectives("fsdp-full", 1000, NODE, "bf16", "fp32", 2)
-    assert exposed_seconds(fsdp, 60.0, "fsdp", 0.1, grad_accum=2) == pytest.approx(36.0)
+    assert exposed_seconds(fsdp, 60.0, FSDP4, 0.1, grad_accum=2) == pytest.approx(36.0)
     # Never more than the communication itself.
-    assert exposed_seconds(fsdp, 0.0, "fsdp", 0.5, grad_accum=2) == pytest.approx(90.0)
+    assert exposed_seconds(fsdp, 0.0, FSDP4, 0.5, grad_accum=2) == pytest.approx(90.0)
 
 
 # --- compute ---------------------------------------------------------------------------------
@@ -203,8 +206,8 @@ def test_zero_paper_model_states():
     # per GPU under data parallelism (16 bytes per parameter) and 1.9 GB with ZeRO-3
     # (P_os+g+p) on 64 GPUs.
     w = Workload(params=7_500_000_000, shape=None, seq_len=1, micro_batch=1, precision="bf16")
-    assert estimate_memory(w, "ddp", 64).model_states == 120 * GB
-    assert estimate_memory(w, "fsdp", 64).model_states == pytest.approx(1.875 * GB)
+    assert memory_of(w, "ddp", 64).model_states == 120 * GB
+    assert memory_of(w, "fsdp", 64).model_states == pytest.approx(1.875 * GB)
 
 
 # --- the decision ----------------------------------------------------------------------------

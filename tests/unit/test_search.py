@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import memory_of
 from trainwise.config import load_config
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.errors import ConfigError
@@ -23,7 +24,6 @@ from trainwise.plan.model.memory import (
     Workload,
     activation_bytes_per_token,
     block_params,
-    estimate_memory,
 )
 from trainwise.plan.model.tensor_parallel import (
     TP_BACKWARD,
@@ -96,9 +96,9 @@ def test_tp_model_states_match_zero_at_the_same_degree():
     # A 7.5B bare count (no norms known): tp 4 x ZeRO-3 over 16 holds 1/64 of the 16
     # bytes a parameter, as ZeRO-3 over 64 does (ZeRO, Figure 1: 1.875 GB).
     w = Workload(params=7_500_000_000, shape=None, seq_len=1, micro_batch=1, precision="bf16")
-    est = estimate_memory(w, "fsdp", 16, shard_degree=16, tp=4)
+    est = memory_of(w, "fsdp", 16, shard_degree=16, tp=4)
     assert est.model_states == pytest.approx(1.875 * GB)
-    assert estimate_memory(w, "ddp", 1, tp=4).model_states == pytest.approx(30 * GB)
+    assert memory_of(w, "ddp", 1, tp=4).model_states == pytest.approx(30 * GB)
 
 
 def test_tp_activations_with_and_without_sequence_parallelism():

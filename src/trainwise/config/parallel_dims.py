@@ -1,36 +1,52 @@
 """The layout of a job: one checked value that holds every parallel degree.
 
 `ParallelDims` is pure data (no torch), so the planner prices layouts with it and the
-runtime builds its device mesh from it (`run.parallelize.build_mesh`). Every other part
-asks it — how many data-parallel ranks, which rank reads which samples, what the planner
-calls the layout — and never compares strategy strings. Modelled on torchtitan's
+runtime builds its device mesh from it (`run.engine.parallelize.build_mesh`). Every other
+part asks it — how many data-parallel ranks, which rank reads which samples, whether FSDP
+shards, what the planner calls the layout — instead of comparing strategy words
+(tests/unit/test_layout_words.py fails on such a comparison outside config/). Modelled on torchtitan's
 `distributed/parallel_dims.py`: the product of the degrees is the world size.
 
 The ranks are laid out row-major over (dp_replicate, dp_shard, tp): a tensor-parallel
 group is `tp` consecutive ranks (inside one machine), an FSDP shard group the next level
 out, replicas outermost (one machine or more each).
 
-The user's shortcuts (`parallel.strategy` single, ddp, fsdp with `parallel.shard`, hsdp)
-resolve to it with `from_strategy`; `auto` resolves through the planner's chooser first.
+The strategy words are read in this module only: the user's shortcuts
+(`parallel.strategy` single, ddp, fsdp with `parallel.shard`, hsdp, auto) become a
+`LayoutRequest` (what the job set-up asks before the world size is known) and then, on the
+workers, a `ParallelDims` (`from_strategy`; `auto` resolves through the planner's chooser
+first); the planner's row names (`PLAN_ROWS`, written once) become one with
+`from_plan_name`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING
 
 from trainwise.errors import ConfigError
 
-# The planner's names of the data-parallel layouts, simplest first.
-PLAN_NAMES = ("single", "ddp", "fsdp-grad-op", "fsdp-full", "hsdp", "fsdp-offload")
-# The user's shortcuts (parallel.strategy), and the planner's row names they also accept:
-# row name -> (shortcut, parallel.shard, parallel.cpu_offload).
-SHORTCUTS = ("auto", "single", "ddp", "fsdp", "hsdp")
-ALIASES = {
-    "fsdp-full": ("fsdp", "full", False),
+if TYPE_CHECKING:
+    from trainwise.config.schema import ParallelConfig
+
+# The planner's data-parallel layouts, simplest first (its rows, and the order its search
+# breaks ties in): row name -> (parallel.strategy, parallel.shard, parallel.cpu_offload).
+# The one list of them: the rows, the config's words and the search's order derive from it.
+PLAN_ROWS = {
+    "single": ("single", "full", False),
+    "ddp": ("ddp", "full", False),
     "fsdp-grad-op": ("fsdp", "grad_op", False),
+    "fsdp-full": ("fsdp", "full", False),
+    "hsdp": ("hsdp", "full", False),
     "fsdp-offload": ("fsdp", "full", True),
 }
-STRATEGY_WORDS = (*SHORTCUTS, *ALIASES)
+PLAN_NAMES = tuple(PLAN_ROWS)
+# The user's shortcuts (parallel.strategy); the planner's other row names are accepted too,
+# as fsdp with their options.
+SHORTCUTS = ("auto", "single", "ddp", "fsdp", "hsdp")
+ALIASES = {name: row for name, row in PLAN_ROWS.items() if name not in SHORTCUTS}
+STRATEGY_WORDS = (*SHORTCUTS, *sorted(ALIASES))
 
 
 def read_strategy(
@@ -265,15 +281,82 @@ class ParallelDims:
 
     @classmethod
     def from_plan_name(cls, name: str, world: int, gpus_per_node: int) -> ParallelDims:
-        """The layout of one of the planner's data-parallel rows (PLAN_NAMES); hsdp
-        replicates across nodes with one shard group per node."""
-        if name == "single":
+        """The layout of one of the planner's data-parallel rows (PLAN_ROWS) on `world`
+        GPUs: single on one whatever the world; hsdp replicates across nodes with one
+        shard group per node."""
+        kind, shard, offload = PLAN_ROWS[name]
+        if kind == "single":
             return cls()
-        if name == "hsdp":
-            return cls.from_strategy("hsdp", world, replicate=max(1, world // gpus_per_node))
-        if name == "ddp":
-            return cls.from_strategy("ddp", world)
-        return cls.from_strategy(
-            "fsdp", world, shard="grad_op" if name == "fsdp-grad-op" else "full",
-            cpu_offload=name == "fsdp-offload",
+        replicate = max(1, world // gpus_per_node) if kind == "hsdp" else None
+        return cls.from_strategy(kind, world, replicate=replicate, shard=shard, cpu_offload=offload)
+
+
+@cache
+def row_layout(name: str) -> ParallelDims:
+    """What kind of layout the planner's row `name` is, asked before it has a world size:
+    the row on a mesh of 2 nodes x 2 GPUs (single on one)."""
+    return ParallelDims.from_plan_name(name, 4, 2)
+
+
+@dataclass(frozen=True)
+class LayoutRequest:
+    """parallel.* as a job sets it, before the world size is known: the shortcut (a row
+    name already read into its options, config.schema), FSDP's options and the degrees
+    given. The job set-up and the planner's constraints ask it their questions; `layout`
+    resolves it on the workers."""
+
+    strategy: str = "auto"
+    shard: str = "full"
+    cpu_offload: bool = False
+    tp: int = 1
+    replicate: int | None = None
+    dp_shard: int | None = None
+
+    @classmethod
+    def of(cls, p: ParallelConfig) -> LayoutRequest:
+        """The request of the job's parallel.* section."""
+        return cls(p.strategy, p.shard, p.cpu_offload, p.tp, p.replicate, p.dp_shard)
+
+    @property
+    def auto(self) -> bool:
+        """The planner's chooser decides the layout."""
+        return self.strategy == "auto"
+
+    @property
+    def single(self) -> bool:
+        """One worker, no wrapper."""
+        return self.strategy == "single"
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP, as asked (fsdp or hsdp; auto may choose it too)."""
+        return self.strategy in ("fsdp", "hsdp")
+
+    @property
+    def may_shard(self) -> bool:
+        """Whether a shard group (parallel.dp_shard) applies: fsdp, hsdp or auto."""
+        return self.sharded or self.auto
+
+    def replica_groups(self, world: int, nodes: int) -> int:
+        """HSDP's replica groups on `world` workers over `nodes` machines:
+        parallel.replicate, else world / (parallel.dp_shard x tp) when the shard group is
+        given, else one per machine for hsdp (one group of the whole world would be fsdp);
+        1 for the other strategies."""
+        if self.replicate:
+            return self.replicate
+        if self.dp_shard and self.may_shard:
+            return max(1, world // (self.dp_shard * self.tp))
+        return nodes if self.strategy == "hsdp" else 1
+
+    def kind(self, replicate: int) -> str:
+        """The shortcut that runs with `replicate` replica groups: fsdp over shard groups
+        smaller than the world is hsdp."""
+        return "hsdp" if self.strategy == "fsdp" and replicate > 1 else self.strategy
+
+    def layout(self, world: int, replicate: int) -> ParallelDims:
+        """The layout an explicit strategy runs on `world` workers in `replicate` replica
+        groups (auto has none before the planner chooses: ConfigError)."""
+        return ParallelDims.from_strategy(
+            self.kind(replicate), world, replicate=replicate, shard=self.shard,
+            cpu_offload=self.cpu_offload, tp=self.tp,
         )

@@ -20,12 +20,12 @@ from pydantic import (
     model_validator,
 )
 
-from trainwise.config.parallel_dims import read_strategy
+from trainwise.config.parallel_dims import STRATEGY_WORDS, read_strategy
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import find_gpu, gpu_names
 
 # parallel.strategy: train's shortcuts and the planner's row names (config.parallel_dims).
-Strategy = Literal["auto", "single", "ddp", "fsdp", "hsdp", "fsdp-full", "fsdp-grad-op", "fsdp-offload"]
+Strategy = Literal[STRATEGY_WORDS]  # type: ignore[valid-type]
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 Precision = Literal["fp32", "bf16", "fp16"]
 

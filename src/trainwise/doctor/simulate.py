@@ -19,11 +19,10 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from trainwise.config.parallel_dims import ParallelDims
+from trainwise.config.parallel_dims import PLAN_NAMES, ParallelDims, row_layout
 from trainwise.models.shapes import GPTShape
 from trainwise.plan.estimate import layout_name
 
-SIMULATED = ("single", "ddp", "fsdp-grad-op", "fsdp-full")  # what one fake rank can play
 STEPS = 2
 
 # Tracker categories (the enums' values) -> the formula's parts.
@@ -232,7 +231,8 @@ def simulate_plan(plan, progress=None, rows: list | None = None) -> list[dict]:
     that one fake rank can play, at its GPU count, precision, per-GPU micro-batch and
     checkpointing; beside each, the formula for the same kernels (this machine's) and the
     plan's own figure (the target GPU's kernels and overhead)."""
-    from trainwise.plan.estimate import knob_workload, setup_memory
+    from trainwise.plan.estimate import knob_workload
+    from trainwise.plan.model.memory import estimate_memory
 
     w = plan.inputs.workload
     if w.shape is None:
@@ -251,7 +251,7 @@ def simulate_plan(plan, progress=None, rows: list | None = None) -> list[dict]:
         )
         # The simulation runs one micro-batch a step: the formula without accumulation.
         one = replace(setup, grad_accum=1)
-        here = setup_memory(knob_workload(w, setup.micro_batch, setup.ac), one, "cpu")
+        here = estimate_memory(knob_workload(w, setup.micro_batch, setup.ac), one, "cpu")
         out.append(
             {
                 "strategy": s.name,
@@ -267,10 +267,13 @@ def simulate_plan(plan, progress=None, rows: list | None = None) -> list[dict]:
 
 
 def simulated(dims: ParallelDims) -> bool:
-    """Whether one fake rank can play the layout: the data-parallel layouts of SIMULATED,
-    with tensor parallelism or without (not hsdp: FSDP2's replication fails on the fake
-    process group; not cpu offload: host memory is not tracked)."""
-    return dims.plan_name in SIMULATED
+    """Whether one fake rank can play the layout: single, ddp, FSDP, with tensor
+    parallelism or without (not hsdp: FSDP2's replication fails on the fake process group;
+    not cpu offload: host memory is not tracked)."""
+    return not dims.hybrid and not dims.cpu_offload
+
+
+SIMULATED = tuple(n for n in PLAN_NAMES if simulated(row_layout(n)))  # the planner's rows
 
 
 def _setup(s, ac: str):

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.config.schema import JobConfig, ParallelConfig
 from trainwise.plan.constraints import user_allowed
-from trainwise.plan.estimate import SIMPLER_WITHIN, Setup, price
+from trainwise.plan.estimate import SIMPLER_WITHIN, price
 from trainwise.plan.inputs import PlanInputs
-from trainwise.plan.model.memory import MemoryEstimate, estimate_memory
+from trainwise.plan.model.memory import MemoryEstimate, replica_memory
+from trainwise.plan.model.setup import Setup
 from trainwise.plan.search import Allowed, Choice, describe_setup, recommend
 from trainwise.plan.units import fmt_bytes
 
@@ -30,6 +31,7 @@ class Decision:
     reason: str
     replicate: int = 1  # hsdp's replica groups
     choice: Choice | None = None  # the planner's answer, for auto
+    setup: Setup | None = None  # the configuration priced (auto: the choice's)
 
 
 def describe(m: MemoryEstimate) -> str:
@@ -63,9 +65,7 @@ def decide_auto(inputs: PlanInputs, allowed: Allowed) -> Decision:
     choice = recommend(inputs, allowed)
     dims, w, world = choice.dims, inputs.workload, inputs.gpus
     device = inputs.hardware.device
-    replica = estimate_memory(
-        w, "ddp" if world > 1 else "single", world, device=device, grad_accum=inputs.grad_accum
-    )
+    replica = replica_memory(w, world, device, inputs.grad_accum)
     budget = choice.plan.budget_bytes
     est = choice.plan.memory
     name = dims.strategy + (" with cpu offload" if dims.cpu_offload else "")
@@ -85,19 +85,21 @@ def decide_auto(inputs: PlanInputs, allowed: Allowed) -> Decision:
         )
     replicate = dims.dp_replicate if dims.hybrid else 1
     return Decision(
-        dims.strategy, dims.cpu_offload, est, replica, budget, reason, replicate, choice
+        dims.strategy, dims.cpu_offload, est, replica, budget, reason, replicate, choice,
+        choice.setup,
     )
 
 
 def choose_accumulation(
-    inputs: PlanInputs, dims: ParallelDims, ac: str, micro_batch: int, grad_accum: int
+    inputs: PlanInputs, dims: ParallelDims, ac: str, micro_batch: int, grad_accum: int,
+    sequence_parallel: bool = True,
 ) -> str:
     """`parallel.accumulate = "auto"` for a layout the job set itself: the planner prices
     both modes (memory, and the reduce-scatters each exposes) and takes the faster that
     fits, unsharded when they are within SIMPLER_WITHIN (one reduction a step, the simpler);
     when neither fits, the one needing less memory."""
     plans = [
-        price(inputs, Setup(dims, ac, micro_batch, grad_accum, mode))
+        price(inputs, Setup(dims, ac, micro_batch, grad_accum, mode, sequence_parallel))
         for mode in ("unsharded", "sharded")
     ]
     fitting = [p for p in plans if p.fits]

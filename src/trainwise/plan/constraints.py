@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from trainwise.config import JobConfig
 from trainwise.config.load import toml_value
-from trainwise.config.parallel_dims import read_strategy
+from trainwise.config.parallel_dims import LayoutRequest, read_strategy
 from trainwise.errors import ConfigError
 from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.space import EVERYTHING, Allowed
@@ -48,7 +48,7 @@ def user_allowed(cfg: JobConfig, given: Mapping[str, str] | None = None) -> Allo
         word = str(cfg.plan.strategy if key == "plan.strategy" else p.strategy)
         kind, shard, offload = read_strategy(word, shard, offload)
         fix(key, word, strategy=kind)
-        if kind in ("fsdp", "hsdp"):
+        if LayoutRequest(kind).sharded:
             shard = shard or p.shard
             offload = p.cpu_offload if offload is None else offload
     source = given[key] if key else None
@@ -80,8 +80,8 @@ KNOBS = ("ac", "micro_batch", "grad_accum")
 
 
 def _asked(cfg: JobConfig, key: str, given: Mapping[str, str]) -> bool:
-    value = cfg.plan.strategy if key == "plan.strategy" else cfg.parallel.strategy
-    return key in given and value not in (None, "auto")
+    strategy = cfg.plan.strategy if key == "plan.strategy" else cfg.parallel.strategy
+    return key in given and strategy is not None and not LayoutRequest(strategy).auto
 
 
 def check_allowed(inputs: PlanInputs, allowed: Allowed) -> None:
@@ -100,7 +100,7 @@ def check_allowed(inputs: PlanInputs, allowed: Allowed) -> None:
                 f"{shape.n_head} heads and the {shape.n_kv_head} key/value heads: choose a "
                 "common divisor"
             )
-    if allowed.strategy == "single" and inputs.gpus > 1:
+    if allowed.strategy and LayoutRequest(allowed.strategy).single and inputs.gpus > 1:
         problems.append(
             f"strategy 'single' runs one GPU but the plan has {inputs.gpus}: give --gpus 1 "
             "or another strategy"

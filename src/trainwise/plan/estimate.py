@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from trainwise.config.parallel_dims import ParallelDims
+from trainwise.config.parallel_dims import PLAN_NAMES, PLAN_ROWS, ParallelDims, row_layout
 from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.model.comm import (
     Collective,
@@ -31,9 +31,9 @@ from trainwise.plan.model.memory import (
     Workload,
     block_params,
     checkpointed_blocks,
-    estimate_memory,
 )
 from trainwise.plan.model.precision import MASTER_BYTES, OPTIMIZER_STATE_BYTES
+from trainwise.plan.model.setup import Setup
 from trainwise.plan.model.tensor_parallel import (
     params_per_rank,
     tp_collectives,
@@ -48,40 +48,20 @@ if TYPE_CHECKING:
 CPU_OPTIMIZER_PARAMS_PER_S = 5e8
 
 # How the planner and the run-time `auto` rank strategies: within this share of the best,
-# the simpler wins (fewer moving parts to debug); simplest first.
+# the simpler wins (fewer moving parts to debug); simplest first (the planner's rows).
 SIMPLER_WITHIN = 0.01
-SIMPLICITY = ("single", "ddp", "fsdp-grad-op", "fsdp-full", "hsdp", "fsdp-offload")
-
-# strategy -> (runtime strategy, fsdp shard, cpu offload)
-RUNTIME = {
-    "single": ("single", "full", False),
-    "ddp": ("ddp", "full", False),
-    "fsdp-grad-op": ("fsdp", "grad_op", False),
-    "fsdp-full": ("fsdp", "full", False),
-    "hsdp": ("hsdp", "full", False),
-    "fsdp-offload": ("fsdp", "full", True),
-}
+SIMPLICITY = PLAN_NAMES
 
 
 def config_keys(name: str) -> str:
     """The config that runs the plan's strategy `name`, as a user writes it."""
-    kind, shard, offload = RUNTIME[name]
+    kind, shard, offload = PLAN_ROWS[name]
     keys = [f"parallel.strategy = '{kind}'"]
-    if kind == "fsdp" and shard != "full":
+    if shard != "full":
         keys.append(f"parallel.shard = '{shard}'")
     if offload:
         keys.append("parallel.cpu_offload = true")
     return ", ".join(keys)
-
-
-def planned_strategy(kind: str, shard: str = "full", cpu_offload: bool = False) -> str:
-    """RUNTIME backwards: the plan's name for a runtime strategy (fsdp + grad_op ->
-    fsdp-grad-op); the runtime name itself when the plan has no other."""
-    for name, (runtime, name_shard, offload) in RUNTIME.items():
-        same_shard = runtime != "fsdp" or offload or name_shard == shard
-        if runtime == kind and offload == cpu_offload and same_shard:
-            return name
-    return kind
 
 
 @dataclass(frozen=True)
@@ -121,33 +101,19 @@ class StrategyPlan:
 
 
 def candidate_names(inputs: PlanInputs) -> list[str]:
-    """The strategies worth a row: every one, hsdp only across nodes, ddp only on several
-    GPUs; or just the one asked for."""
+    """The strategies worth a row, simplest first: every one, hsdp only across whole
+    nodes, on one GPU only those that change its memory (none and cpu offload); or just
+    the one asked for."""
     if inputs.strategy:
         return [inputs.strategy]
-    names = ["single"]
-    if inputs.gpus > 1:
-        names += ["ddp", "fsdp-grad-op", "fsdp-full"]
-        if inputs.nodes > 1 and inputs.gpus % inputs.node_size == 0:
-            names.append("hsdp")  # a full mesh: whole nodes replicate each other
-        names.append("fsdp-offload")
-    else:
-        names.append("fsdp-offload")  # one GPU: offload is the way past its memory
-    return names
+    whole_nodes = inputs.nodes > 1 and inputs.gpus % inputs.node_size == 0
 
+    def worth_a_row(dims: ParallelDims) -> bool:
+        if inputs.gpus == 1:
+            return dims.single or dims.cpu_offload
+        return whole_nodes or not dims.hybrid  # a full mesh: whole nodes replicate each other
 
-@dataclass(frozen=True)
-class Setup:
-    """One configuration the planner prices: the layout and the knobs a job file sets.
-    `accumulate` (FSDP, grad_accum > 1): reduce-scatter once a step ("unsharded") or on
-    every micro-batch ("sharded")."""
-
-    dims: ParallelDims
-    ac: str
-    micro_batch: int
-    grad_accum: int
-    accumulate: str = "unsharded"
-    sequence_parallel: bool = True
+    return [name for name in PLAN_NAMES if worth_a_row(row_layout(name))]
 
 
 def layout_name(dims: ParallelDims) -> str:
@@ -158,10 +124,10 @@ def layout_name(dims: ParallelDims) -> str:
 def evaluate(inputs: PlanInputs, name: str) -> StrategyPlan:
     """The named data-parallel strategy `name` on inputs.gpus GPUs (`single` always on
     one), at the job's activation checkpointing and at most its micro-batch."""
-    if name == "single":
-        inputs = inputs.with_gpus(1)
+    dims = ParallelDims.from_plan_name(name, inputs.gpus, inputs.gpus_per_node)
+    if dims.world != inputs.gpus:  # single: one GPU whatever the cluster
+        inputs = inputs.with_gpus(dims.world)
     gpus, w = inputs.gpus, inputs.workload
-    dims = ParallelDims.from_plan_name(name, gpus, inputs.gpus_per_node)
     # The global batch over the GPUs: each runs per_gpu samples a step, in micro-batches.
     global_batch = inputs.global_batch or w.micro_batch * inputs.grad_accum * gpus
     per_gpu = max(1.0, global_batch / gpus)
@@ -186,7 +152,7 @@ def price(
     model: PerformanceModel | None = None,
 ) -> StrategyPlan:
     """Memory, step, throughput, time and cost of `setup` on inputs.gpus GPUs (`memory`:
-    its setup_memory, when the caller has it already), priced by `model` (default: the one
+    its estimate_memory, when the caller has it already), priced by `model` (default: the one
     the inputs adopted, plan.performance)."""
     from trainwise.plan.model.performance import model_of  # it delegates back to this module
 
@@ -295,9 +261,8 @@ def _communication(
         ]
         host_s = shard_params / CPU_OPTIMIZER_PARAMS_PER_S  # the optimizer runs on the host
     block, _ = block_params(w, tp)
-    kind = "fsdp" if dims.fsdp else "ddp"
     busy = compute + host_s
-    exposed = exposed_seconds(collectives, busy, kind, block / rank_params, accum, dims.dp_size)
+    exposed = exposed_seconds(collectives, busy, dims, block / rank_params, accum)
     if hw.device == "cpu":  # gloo runs the collectives on the cores that compute: no overlap
         exposed = sum(c.seconds for c in collectives)
     n_layer = w.shape.n_layer if w.shape else 1
@@ -316,29 +281,3 @@ def _communication(
     modelled = inputs.efficiency is None and w.shape is not None
     slowed = contention_seconds(on_sms, hw.nccl_channels, sms) if modelled else 0.0
     return everything, host_s + slowed, exposed
-
-
-def setup_memory(
-    w: Workload, setup: Setup, device: str, runtime_bytes: float = 0.0
-) -> MemoryEstimate:
-    """estimate_memory for the layout of `setup` (`w` at its micro-batch and ac), plus the
-    runtime's own `runtime_bytes` per worker (measured by a calibration) in its overhead."""
-    dims = setup.dims
-    if dims.fsdp:
-        kind, world = ("hsdp" if dims.hybrid else "fsdp"), dims.dp_size
-    else:
-        kind, world = ("ddp" if dims.dp_replicate > 1 else "single"), dims.dp_replicate
-    est = estimate_memory(
-        w,
-        kind,
-        world,
-        shard=dims.shard,
-        cpu_offload=dims.cpu_offload,
-        shard_degree=dims.dp_shard if dims.fsdp else None,
-        device=device,
-        grad_accum=setup.grad_accum,
-        tp=dims.tp,
-        sequence_parallel=setup.sequence_parallel,
-        accumulate=setup.accumulate,
-    )
-    return replace(est, overhead=est.overhead + runtime_bytes) if runtime_bytes else est

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from trainwise.config.parallel_dims import ParallelDims
+from trainwise.config.parallel_dims import row_layout
 from trainwise.hardware.catalog import GB
 from trainwise.plan.advisor import describe, loader_fixes
 from trainwise.plan.alternatives import distinct, smallest_changes, why_it_loses
@@ -95,7 +95,7 @@ def make_plan(
     if batch_note:  # the batch was changed here, before the search saw it
         choice = replace(choice, batch_note=batch_note)
     best = choice.plan
-    single = strategies[0] if strategies[0].name == "single" else evaluate(inputs, "single")
+    single = strategies[0] if _dims(strategies[0]).single else evaluate(inputs, "single")
     # The scenario is the job's, whichever strategy was asked for.
     everything = (
         [evaluate(inputs, n) for n in candidate_names(replace(inputs, strategy=None))]
@@ -151,7 +151,7 @@ def with_row(allowed: Allowed, name: str | None) -> Allowed:
     name a strategy already (the CLI's constraints carry --strategy themselves)."""
     if name is None or allowed.strategy is not None:
         return allowed
-    dims = ParallelDims.from_plan_name(name, 4, 2)  # any mesh: its kind and options
+    dims = row_layout(name)  # its kind and options
     fixed = {"strategy": dims.strategy, "cpu_offload": dims.cpu_offload}
     if dims.fsdp:
         fixed["reshard_after_forward"] = dims.reshard_after_forward
@@ -273,7 +273,7 @@ def _network_answer(inputs: PlanInputs, best: StrategyPlan, strategies: list) ->
     """For the recommended strategy when it shards, else the sharded one that fits best."""
     if inputs.gpus == 1:
         return "Not asked: one GPU shards nothing. Plan with --gpus N to see the network's part."
-    sharded = [s for s in strategies if s.name in ("fsdp-grad-op", "fsdp-full", "hsdp")]
+    sharded = [s for s in strategies if _dims(s).fsdp and not _dims(s).cpu_offload]
     subject: str | Setup
     if best.setup is not None and best.setup.dims.fsdp and not best.setup.dims.cpu_offload:
         subject = best.setup
@@ -312,7 +312,7 @@ def _network_answer(inputs: PlanInputs, best: StrategyPlan, strategies: list) ->
 
 def _crash_answer(inputs: PlanInputs, best: StrategyPlan) -> str:
     ck = best.checkpoint
-    nodes = inputs.nodes if best.name != "single" else 1
+    nodes = 1 if _dims(best).single else inputs.nodes
     mtbf_h = system_mtbf_s(inputs.mtbf_hours, nodes) / SECONDS_PER_HOUR
     share = best.cost.failure_retry_usd / best.cost.total_usd if best.cost.total_usd else 0.0
     return (
@@ -336,7 +336,7 @@ def _warnings(
 ) -> list[str]:
     out = list(best.notes)
     for s in strategies:
-        if s.name == "single" or s.gpus == 1:
+        if s.gpus == 1:  # the single row, or one GPU whatever the row
             continue
         if s.tokens_per_s < single.tokens_per_s:
             out.append(
@@ -409,7 +409,7 @@ def sweep(
     for n in sorted(set(counts)):
         sized = inputs.with_gpus(n)
         for name in candidate_names(sized):
-            if name == "single" and n > 1:
+            if row_layout(name).single and n > 1:  # its own row at n = 1
                 continue
             rows.append(_row(sized, name))
         if not inputs.strategy:

@@ -23,9 +23,9 @@ from trainwise.plan.estimate import (
     knob_workload,
     layout_name,
     price,
-    setup_memory,
 )
 from trainwise.plan.inputs import PlanInputs
+from trainwise.plan.model.memory import estimate_memory
 from trainwise.plan.space import (
     AC_MODES,
     EVERYTHING,
@@ -159,7 +159,7 @@ def best_of_layout(
                 if accumulate not in accumulations(dims, accum, allowed):
                     continue
                 setup = Setup(dims, ac, micro, accum, accumulate)
-                mem = setup_memory(
+                mem = estimate_memory(
                     knob_workload(w, micro, ac), setup, hw.device, inputs.memory_overhead_bytes
                 )
                 if smallest is None or mem.total < smallest[0]:

@@ -94,7 +94,7 @@ class Layout:
 
 
 def step_collectives(
-    strategy: str,
+    name: str,
     params: float,
     layout: Layout,
     precision: str,
@@ -102,19 +102,9 @@ def step_collectives(
     grad_accum: int,
     units: int = 1,
 ) -> list[Collective]:
-    """The collectives one optimizer step runs, per GPU, for one of the planner's named
-    data-parallel strategies (hsdp: one shard group per node)."""
-    n = layout.gpus
-    if strategy == "single" or n == 1:
-        return []
-    if strategy == "ddp":
-        dims = ParallelDims(dp_replicate=n)
-    elif strategy == "hsdp":
-        d = min(layout.gpus_per_node, n)
-        dims = ParallelDims(dp_replicate=n // d, dp_shard=d, fsdp=True)
-    else:
-        full = strategy != "fsdp-grad-op"
-        dims = ParallelDims(dp_shard=n, fsdp=True, reshard_after_forward=full)
+    """The collectives one optimizer step runs, per GPU, for the planner's row `name` on
+    the layout's GPUs (hsdp: one shard group per node)."""
+    dims = ParallelDims.from_plan_name(name, layout.gpus, layout.gpus_per_node)
     return layout_collectives(
         dims, params, layout, precision, reduce_dtype, grad_accum, units=units
     )
@@ -175,10 +165,9 @@ def layout_collectives(
 def exposed_seconds(
     collectives: list[Collective],
     compute_s: float,
-    strategy: str,
+    dims: ParallelDims,
     unit_fraction: float,
     grad_accum: int = 1,
-    gpus: int = 1,
 ) -> float:
     """Communication time the step waits for.
 
@@ -200,9 +189,9 @@ def exposed_seconds(
         return 0.0
     last_backward = compute_s / grad_accum * 2 / 3
     waits = max(total - compute_s, t_reduce - last_backward, 0.0)
-    if strategy == "ddp":
+    if not dims.fsdp:
         c = reductions[0]
-        first = min(c.seconds, allreduce_factor(gpus) * DDP_BUCKET_BYTES / c.bytes_per_s)
+        first = min(c.seconds, allreduce_factor(dims.dp_size) * DDP_BUCKET_BYTES / c.bytes_per_s)
     else:
         one_gather = t_gather / grad_accum / max(1, len(gathers)) if gathers else 0.0
         first = unit_fraction * (one_gather + t_reduce)

@@ -33,8 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import GPTShape
 from trainwise.plan.model.precision import BYTES, MASTER_BYTES, OPTIMIZER_STATE_BYTES
+from trainwise.plan.model.setup import Setup
 from trainwise.plan.model.tensor_parallel import activation_split, block_replicated, params_per_rank
 
 # Assumption, not a measurement: a CUDA context with PyTorch's kernels loaded holds about
@@ -242,22 +244,14 @@ def _one_block(shape: GPTShape) -> int:
 
 
 def estimate_memory(
-    w: Workload,
-    strategy: str,
-    world: int,
-    shard: str = "full",
-    cpu_offload: bool = False,
-    shard_degree: int | None = None,
-    device: str = "cpu",
-    grad_accum: int = 1,
-    tp: int = 1,
-    sequence_parallel: bool = True,
-    accumulate: str = "unsharded",
+    w: Workload, setup: Setup, device: str = "cpu", runtime_bytes: float = 0.0
 ) -> MemoryEstimate:
-    """Peak bytes on one device for `strategy` (single, ddp, fsdp, hsdp) over `world` workers;
-    hsdp shards over `shard_degree` (the GPUs of a node) and replicates across; fsdp over
-    `shard_degree` when given, else the world. With `tp` > 1 the device holds one
-    tensor-parallel rank's share (plan.tensor_parallel). `accumulate` (FSDP with
+    """Peak bytes on one device for `setup` (`w` at its micro-batch and checkpointing),
+    plus the runtime's own `runtime_bytes` per worker (measured by a calibration) in its
+    overhead. Without FSDP every rank holds a replica (DDP adds its buckets over
+    dp_replicate > 1 ranks); FSDP shards over the dp_shard ranks of a group (HSDP
+    replicates the groups, which costs no memory). With tp > 1 the device holds one
+    tensor-parallel rank's share (plan.tensor_parallel). `setup.accumulate` (FSDP with
     grad_accum > 1): "unsharded" keeps full gradients between micro-batches, "sharded"
     reduce-scatters every micro-batch and keeps only the shard.
 
@@ -272,46 +266,70 @@ def estimate_memory(
     - optimizer step: parameters, gradients, optimizer state, DDP's buckets, and foreach
       AdamW's temporaries (one fp32 value per parameter: `_foreach_sqrt`; the CUDA default).
     """
+    if (w.micro_batch, w.ac) != (setup.micro_batch, setup.ac):
+        w = replace(w, micro_batch=setup.micro_batch, ac=setup.ac)
+    est = (_sharded if setup.dims.fsdp else _replicated)(w, setup, device)
+    return replace(est, overhead=est.overhead + runtime_bytes) if runtime_bytes else est
+
+
+def replica_memory(
+    w: Workload, world: int, device: str = "cpu", grad_accum: int = 1
+) -> MemoryEstimate:
+    """One full replica on each of `world` workers (DDP; one process on one): what a
+    layout's memory is told against."""
+    return estimate_memory(w, Setup.of(ParallelDims(dp_replicate=world), w, grad_accum), device)
+
+
+def _replicated(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
+    """A replica on every data-parallel rank (one process, or DDP)."""
+    dims = setup.dims
+    n = params_per_rank(w.params, w.shape, dims.tp)
+    c = BYTES[w.precision]
+    prof = activation_profile(w, True, device, dims.tp, setup.sequence_parallel)
+    copies = n * c if w.precision != "fp32" else 0.0  # autocast's 16-bit weight copies
+    buckets = n * MASTER_BYTES if dims.dp_replicate > 1 else 0.0
+    p, g, o = n * MASTER_BYTES, n * MASTER_BYTES, n * OPTIMIZER_STATE_BYTES[w.optimizer]
+    g_bwd = g if setup.grad_accum > 1 else 0.0
+    phases = {
+        "head backward": (p, g_bwd, o, prof and prof.head, buckets + copies),
+        "block backward": (p, g_bwd, o, prof and prof.block, buckets + copies),
+        "optimizer step": (p, g, o, prof and 0.0, buckets + n * _step_temp(w, device)),
+    }
+    return _at_peak(phases, device, states=p + g + o)
+
+
+def _step_temp(w: Workload, device: str) -> float:
+    """Bytes per parameter foreach AdamW allocates in its step (CUDA's default)."""
+    return MASTER_BYTES if w.optimizer == "adamw" and device == "cuda" else 0.0
+
+
+def _sharded(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
+    """FSDP over the dp_shard ranks of a group."""
+    dims, tp, accumulating = setup.dims, setup.dims.tp, setup.grad_accum > 1
     n = params_per_rank(w.params, w.shape, tp)
     opt = OPTIMIZER_STATE_BYTES[w.optimizer]
     c = BYTES[w.precision]
-    low = w.precision != "fp32"
-    step_temp = MASTER_BYTES if w.optimizer == "adamw" and device == "cuda" else 0.0
-    accumulating = grad_accum > 1
-    if strategy in ("single", "ddp"):
-        prof = activation_profile(w, True, device, tp, sequence_parallel)
-        copies = n * c if low else 0.0  # autocast's 16-bit weight copies
-        buckets = n * MASTER_BYTES if strategy == "ddp" and world > 1 else 0.0
-        p, g, o = n * MASTER_BYTES, n * MASTER_BYTES, n * opt
-        g_bwd = g if accumulating else 0.0
-        phases = {
-            "head backward": (p, g_bwd, o, prof and prof.head, buckets + copies),
-            "block backward": (p, g_bwd, o, prof and prof.block, buckets + copies),
-            "optimizer step": (p, g, o, prof and 0.0, buckets + n * step_temp),
-        }
-        return _at_peak(phases, device, states=p + g + o)
-    if strategy not in ("fsdp", "hsdp"):
-        raise ValueError(f"unknown strategy {strategy!r}")
-    d = shard_degree or world
-    prof = activation_profile(w, False, device, tp, sequence_parallel)
+    step_temp = _step_temp(w, device)
+    d = dims.dp_shard
+    prof = activation_profile(w, False, device, tp, setup.sequence_parallel)
     block, root = block_params(w, tp)
     reduce_copy = MASTER_BYTES if w.reduce_dtype == "fp32" and c != MASTER_BYTES else 0
     grads_in_flight = block * (c + reduce_copy)
     units = w.shape.n_layer if w.shape is not None else (w.units or 1)
-    if shard == "grad_op":
+    if not dims.reshard_after_forward:
         params_in_flight = (n - root) * c  # every block stays gathered until its backward
     else:
         params_in_flight = min(2, units) * block * c  # the block in use and the prefetched one
-    at_head = (n - root) * c if shard == "grad_op" else 0.0  # blocks still gathered
+    at_head = (n - root) * c if not dims.reshard_after_forward else 0.0  # blocks still gathered
     p, g, o = n * MASTER_BYTES / d, n * MASTER_BYTES / d, n * opt / d
     states = p + g + o
     temp = n / d * step_temp
-    if cpu_offload:  # the states and the optimizer step live in host memory
+    if dims.cpu_offload:  # the states and the optimizer step live in host memory
         p = g = o = temp = 0.0
     # Between micro-batches FSDP2 skips the reduce-scatter (set_requires_gradient_sync
     # False, run.loop) and keeps every parameter's unsharded gradient, in the reduce dtype.
     g_bwd = n * BYTES[w.reduce_dtype] if accumulating else 0.0
-    if accumulating and accumulate == "sharded":
+    if accumulating and setup.accumulate == "sharded":
         g_bwd = g  # reduce-scattered every micro-batch: only the shard accumulates
     g_end = max(g, g_bwd)
     phases = {
@@ -323,7 +341,7 @@ def estimate_memory(
         "optimizer step": (p, g, o, prof and 0.0, temp),
     }
     est = _at_peak(phases, device, states=states)
-    if cpu_offload:
+    if dims.cpu_offload:
         return replace(est, host=states + n / d * step_temp, states=states)
     return est
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from trainwise.config import JobConfig
-from trainwise.config.parallel_dims import ParallelDims
+from trainwise.config.parallel_dims import LayoutRequest, ParallelDims
 from trainwise.data import DataInfo, build_datasets
 from trainwise.errors import ConfigError
 from trainwise.hardware import GB, DeviceInfo
@@ -29,7 +29,6 @@ from trainwise.plan import (
     choose_accumulation,
     decide_auto,
     describe,
-    estimate_memory,
     fmt_bytes,
 )
 from trainwise.plan.calibrate import (
@@ -39,9 +38,10 @@ from trainwise.plan.calibrate import (
     read_calibration,
 )
 from trainwise.plan.constraints import user_allowed
-from trainwise.plan.estimate import Setup, candidate_names, evaluate, price, setup_memory
+from trainwise.plan.estimate import Setup, StrategyPlan, candidate_names, evaluate, price
 from trainwise.plan.inputs import PlanInputs, job_inputs, unknown_device_inputs
 from trainwise.plan.model.flops import flops_per_token, recompute_factor
+from trainwise.plan.model.memory import replica_memory
 from trainwise.plan.model.performance import CalibratedModel, model_of
 from trainwise.plan.record import strategy_record
 from trainwise.records import JobRecord
@@ -147,7 +147,7 @@ class Job:
 def resolve_nproc(cfg: JobConfig, device: DeviceInfo) -> int:
     if cfg.cluster.nproc is not None:
         return cfg.cluster.nproc
-    if cfg.parallel.strategy == "single":
+    if LayoutRequest.of(cfg.parallel).single:
         return 1
     return max(device.count, 1) if device.kind == "cuda" else 2
 
@@ -204,10 +204,8 @@ def prepare_job(
     # Machines now: torchrun starts `local` workers on each; with an elastic range fewer
     # than cluster.nodes may have joined.
     nodes = world // local if world % local == 0 else 1
-    replicate = replica_groups(c, world, nodes)
-    strategy = c.parallel.strategy
-    if strategy == "fsdp" and replicate > 1:  # a shard group smaller than the world
-        strategy = "hsdp"
+    request = LayoutRequest.of(c.parallel)
+    replicate = request.replica_groups(world, nodes)
     dp = world // c.parallel.tp if world % c.parallel.tp == 0 else world
     if dp % replicate:
         problems.append(
@@ -217,7 +215,7 @@ def prepare_job(
         )
     data = data_and_model(c, problems)
     problems += tp_model_problems(data.spec, c.parallel.tp, c.data.seq_len, sequence_parallel(c))
-    accum, more = batch_problems(c, world, local, strategy, data.info)
+    accum, more = batch_problems(c, world, local, request, data.info)
     if problems + more:
         raise ConfigError(problems + more)
 
@@ -245,9 +243,11 @@ def prepare_job(
     plan_notes += notes
     cluster = view  # the planner's view: what auto decides with
     decision = decide(
-        workload, strategy, world, device_bytes, c, replicate, device.kind, accum, cluster
+        workload, request, world, device_bytes, c, replicate, device.kind, accum, cluster
     )
-    dims = layout_of(decision, strategy, world, replicate, c)
+    setup = decision.setup
+    assert setup is not None
+    dims = setup.dims.runnable()
     return Job(
         cfg=c,
         world=world,
@@ -264,7 +264,7 @@ def prepare_job(
         calibration=calibration,
         plan_notes=plan_notes,
         datasets=data.datasets,
-        sharded_accumulation=accumulation_of(c, dims, accum, decision, view),
+        sharded_accumulation=dims.accumulates_sharded(setup.accumulate, accum),
     )
 
 
@@ -364,12 +364,12 @@ def data_and_model(c: JobConfig, problems: list[str]) -> JobData:
 
 
 def batch_problems(
-    c: JobConfig, world: int, local: int, strategy: str, info: DataInfo
+    c: JobConfig, world: int, local: int, request: LayoutRequest, info: DataInfo
 ) -> tuple[int, list[str]]:
     """The accumulation steps, and whether the batch arithmetic holds for this data."""
     accum, problem = elastic_accum(c, world, local)
     problems = [problem] if problem else []
-    one_replica = strategy == "single" or (strategy == "auto" and world == 1)
+    one_replica = request.single or (request.auto and world == 1)
     dp = 1 if one_replica else world // c.parallel.tp
     g = c.data.micro_batch * accum * dp
     if c.data.global_batch is not None and c.data.global_batch != g:
@@ -401,47 +401,24 @@ def device_budget(c: JobConfig, device: DeviceInfo, local: int) -> float:
     return device.memory_bytes / (local if device.kind == "cpu" else 1)
 
 
-def layout_of(
-    decision: Decision, strategy: str, world: int, replicate: int, c: JobConfig
-) -> ParallelDims:
-    """The decided layout as degrees: the planner's for `auto`, else the shortcut's."""
-    if strategy == "auto" and decision.choice is not None:
-        return decision.choice.dims.runnable()
-    sharded_in_groups = decision.strategy == "fsdp" and replicate > 1  # auto with dp_shard
-    return ParallelDims.from_strategy(
-        "hsdp" if sharded_in_groups else decision.strategy,
-        world,
-        replicate=replicate,
-        shard=c.parallel.shard,
-        cpu_offload=decision.cpu_offload,
-        tp=c.parallel.tp,
-    )
-
-
-def accumulation_of(
-    c: JobConfig, dims: ParallelDims, accum: int, decision: Decision, view: PlanInputs | None
-) -> bool:
-    """Whether FSDP reduce-scatters every micro-batch: parallel.accumulate when it says;
-    for auto, the planner's choice (the search's for `auto` layouts, else both modes
-    priced for the job's layout); the layout's rule when the planner knows no figures."""
+def accumulation(
+    c: JobConfig, dims: ParallelDims, accum: int, view: PlanInputs | None
+) -> str:
+    """How a layout the job set accumulates (sharded or unsharded): parallel.accumulate
+    when it says; for auto, the planner's choice with both modes priced for the layout, or
+    the layout's rule when the planner knows no figures."""
     mode = c.parallel.accumulate
-    if mode == "auto" and dims.fsdp and accum > 1:
-        if decision.choice is not None:
-            mode = decision.choice.accumulate
-        elif view is not None:
-            mode = choose_accumulation(view, dims, c.parallel.ac, c.data.micro_batch, accum)
-    return dims.accumulates_sharded(mode, accum)
+    if mode == "auto" and dims.fsdp and accum > 1 and view is not None:
+        sp = sequence_parallel(c) or dims.tp == 1
+        mode = choose_accumulation(view, dims, c.parallel.ac, c.data.micro_batch, accum, sp)
+    return "sharded" if dims.accumulates_sharded(mode, accum) else "unsharded"
 
 
-def replica_groups(c: JobConfig, world: int, nodes: int) -> int:
-    """HSDP's replica groups: parallel.replicate, else world / parallel.dp_shard when the
-    shard group is given, else one per machine for hsdp (one group of the whole world
-    would be fsdp); 1 for the other strategies."""
-    if c.parallel.replicate:
-        return c.parallel.replicate
-    if c.parallel.dp_shard and c.parallel.strategy in ("fsdp", "hsdp", "auto"):
-        return max(1, world // (c.parallel.dp_shard * c.parallel.tp))
-    return nodes if c.parallel.strategy == "hsdp" else 1
+def job_setup(c: JobConfig, dims: ParallelDims, accum: int, accumulate: str) -> Setup:
+    """The configuration the job runs on `dims`, as the planner prices it: what its
+    decision (job.json, the doctor's memory check) and plan.json both price."""
+    sp = sequence_parallel(c) or dims.tp == 1  # without tp, nothing to split
+    return Setup(dims, c.parallel.ac, c.data.micro_batch, accum, accumulate, sp)
 
 
 def layout_problems(c: JobConfig, world: int, local: int, device: DeviceInfo) -> list[str]:
@@ -459,7 +436,8 @@ def layout_problems(c: JobConfig, world: int, local: int, device: DeviceInfo) ->
             "parallelism communicates in every layer and belongs inside a machine; lower "
             "parallel.tp or set parallel.allow_tp_across_nodes = true"
         )
-    if p.dp_shard and p.strategy in ("single", "ddp"):
+    request = LayoutRequest.of(p)
+    if p.dp_shard and not request.may_shard:
         problems.append(
             f"parallel.dp_shard = {p.dp_shard} shards with FSDP but parallel.strategy = "
             f"'{p.strategy}': use 'fsdp', 'hsdp' or 'auto'"
@@ -470,7 +448,7 @@ def layout_problems(c: JobConfig, world: int, local: int, device: DeviceInfo) ->
             f"parallel.tp {p.tp}: choose degrees whose product divides cluster.nproc x "
             "cluster.nodes"
         )
-    if p.strategy == "single" and world > 1:
+    if request.single and world > 1:
         problems.append(
             f"parallel.strategy = 'single' runs one worker but cluster.nproc = {world}: "
             "use --nproc 1, or ddp / fsdp"
@@ -536,7 +514,7 @@ def job_plan(job: Job) -> dict[str, Any] | None:
     hw = inputs.hardware
     c = job.cfg
     # The job's own layout and knobs (its shard groups need not be one per machine).
-    setup = Setup(job.dims, c.parallel.ac, c.data.micro_batch, job.grad_accum, job.accumulate)
+    setup = job_setup(c, job.dims, job.grad_accum, job.accumulate)
     return {
         **strategy_record(price(inputs, setup)),  # named as the planner's rows: tp2 + fsdp-full
         "layout": job.dims.describe(),
@@ -561,9 +539,14 @@ def job_plan(job: Job) -> dict[str, Any] | None:
             {"name": alt.name, "fits": alt.fits, "step_total": alt.step.total,
              "tokens_per_s": alt.tokens_per_s}
             for alt in (evaluate(inputs, n) for n in candidate_names(inputs))
-            if alt.gpus == inputs.gpus and not (alt.name == "fsdp-offload" and hw.device == "cpu")
+            if alt.gpus == inputs.gpus and not (offloads(alt) and hw.device == "cpu")
         ] if job.dims.tp == 1 else [],
     }
+
+
+def offloads(plan: StrategyPlan) -> bool:
+    """Whether a planner's row offloads to the host (nothing to gain on CPU workers)."""
+    return plan.setup is not None and plan.setup.dims.cpu_offload
 
 
 def elastic_accum(c: JobConfig, world: int, local: int) -> tuple[int, str | None]:
@@ -587,7 +570,7 @@ def elastic_accum(c: JobConfig, world: int, local: int) -> tuple[int, str | None
 
 def decide(
     w: Workload,
-    strategy: str,
+    request: LayoutRequest,
     world: int,
     device_bytes: float,
     c: JobConfig,
@@ -596,22 +579,18 @@ def decide(
     accum: int,
     cluster: PlanInputs | None = None,
 ) -> Decision:
-    if strategy == "auto":  # the planner's chooser; `cluster`: its view of these machines
-        inputs = cluster or unknown_device_inputs(c, w, world, accum, device_bytes, device_kind)
-        # The constraints `trainwise plan` reads from the same job (plan.constraints).
+    """The layout the job runs and its memory, priced by the planner's model on its view
+    of these machines (`cluster`; None: a device the catalog lacks, its memory only):
+    the planner's chooser for auto, else the layout asked for, with its tensor
+    parallelism, sequence parallelism and accumulation, as plan.json prices it."""
+    inputs = cluster or unknown_device_inputs(c, w, world, accum, device_bytes, device_kind)
+    if request.auto:  # the constraints `trainwise plan` reads from the same job
         return decide_auto(inputs, user_allowed(c))
-    offload = c.parallel.cpu_offload
-    # The layout as it runs (tensor parallelism and accumulation mode included), priced by
-    # the planner's memory model: the configuration `trainwise plan` priced for this job.
-    dims = ParallelDims.from_strategy(
-        strategy, world, replicate=replicate, shard=c.parallel.shard, cpu_offload=offload,
-        tp=c.parallel.tp,
-    )
-    mode = "sharded" if dims.accumulates_sharded(c.parallel.accumulate, accum) else "unsharded"
-    est = setup_memory(w, Setup(dims, w.ac, w.micro_batch, accum, mode), device_kind)
-    replica = estimate_memory(
-        w, "ddp" if world > 1 else "single", world, device=device_kind, grad_accum=accum
-    )
+    dims = request.layout(world, replicate)
+    setup = job_setup(c, dims, accum, accumulation(c, dims, accum, cluster))
+    est = price(inputs, setup).memory  # the function the planner's rows and search price with
+    replica = replica_memory(w, world, device_kind, accum)
+    strategy, offload = request.kind(replicate), request.cpu_offload
     if est.total > device_bytes:
         raise ConfigError(
             f"parallel.strategy = '{strategy}' needs {fmt_bytes(est.total)} per worker "
@@ -624,5 +603,6 @@ def decide(
         f"({describe(est)}); one replica would need {fmt_bytes(replica.total)}."
     )
     return Decision(
-        strategy, offload, est, replica, device_bytes * (1 - c.parallel.headroom), reason
+        strategy, offload, est, replica, device_bytes * (1 - c.parallel.headroom), reason,
+        setup=setup,
     )
