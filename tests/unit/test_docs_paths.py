@@ -1,6 +1,7 @@
 """The docs name only what exists: every file path (`src/...`, `tests/...`, a module
-under the package such as `run/job/resolve.py`), every `file.py:name` and every
-`trainwise.x.y` module or name that README.md and docs/*.md mention is there. A move or a
+under the package such as `run/job/resolve.py`), every `file.py:name`, every
+`trainwise.x.y` module or name and every `TRAINWISE_*` variable that README.md and
+docs/*.md mention is there. A move or a
 rename that leaves a doc behind fails here."""
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ REPO_PATH = re.compile(_START + rf"((?:{'|'.join(REPO_ROOTS)})/[\w./-]*\w)(?::(\
 PACKAGE_PATH = re.compile(_START + rf"((?:{'|'.join(PACKAGE_ROOTS)})/[\w/]*\.py)(?::(\w+))?")
 BARE_FILE = re.compile(r"`(\w+\.py)(?::(\w+))?`")  # `resolve.py` in a sentence about run/job/
 MODULE = re.compile(r"\btrainwise(?:\.\w+)+")
+VARIABLE = re.compile(r"\bTRAINWISE_[A-Z_]+\b")
 OTHER_REPOSITORY = re.compile(r"\b[\w-]+/[\w.-]+ `?$")  # "NVIDIA/nccl `src/...`": theirs
 
 
@@ -87,10 +89,21 @@ def module_problems(text: str) -> list[str]:
     return wrong
 
 
+@cache
+def source_text() -> str:
+    return "\n".join(p.read_text() for p in sorted(PACKAGE.rglob("*.py")))
+
+
+def variable_problems(text: str) -> list[str]:
+    """`TRAINWISE_X` variables that no source file reads."""
+    return [f"{v}: read nowhere in src/" for v in sorted(set(VARIABLE.findall(text)))
+            if v not in source_text()]
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_every_path_and_module_a_doc_names_exists(doc: Path):
     text = doc.read_text()
-    assert path_problems(text) + module_problems(text) == []
+    assert path_problems(text) + module_problems(text) + variable_problems(text) == []
 
 
 def test_the_check_catches_a_stale_name():
@@ -110,4 +123,7 @@ def test_the_check_catches_a_stale_name():
     assert module_problems(text) == [
         "trainwise.plan.no_such_name: no such module or name",
         "trainwise.run.faults: no such module or name",
+    ]
+    assert variable_problems("TRAINWISE_FAULTS, not TRAINWISE_TEST_VERSIONS") == [
+        "TRAINWISE_TEST_VERSIONS: read nowhere in src/"
     ]
