@@ -19,7 +19,7 @@ from trainwise.doctor.bandwidth import bus_factor
 pytestmark = pytest.mark.dist
 
 DOCS_SCHEMA = Path(__file__).parents[2] / "docs" / "doctor.schema.json"
-MISMATCH = {"TRAINWISE_TEST_VERSIONS": json.dumps({"1": {"torch": "9.9.9"}})}
+MISMATCH = {"TRAINWISE_FAULTS": "versions@rank=1,torch=9.9.9"}
 SLOW_SAMPLE_S = 0.01  # injected per sample: 16 samples a step -> 0.16 s of loading
 SMALL = [
     *("--set", "doctor.max_message_mb=4", "--set", "doctor.iterations=3"),

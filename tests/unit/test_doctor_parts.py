@@ -15,7 +15,7 @@ from trainwise.doctor.data_check import wait_share
 from trainwise.doctor.result import CheckResult, DoctorRecord, schema
 from trainwise.doctor.scaling import worker_counts
 from trainwise.errors import ConfigError
-from trainwise.run.faults import Faults, SlowDataset, parse_faults
+from trainwise.faults import Faults, SlowDataset, parse_faults
 from trainwise.run.job.versions import differences, mismatch_lines
 
 DOCS_SCHEMA = Path(__file__).parents[2] / "docs" / "doctor.schema.json"

@@ -19,9 +19,10 @@ from test_prepare import DOCS, _bpe_tokenizer, _documents, _jsonl
 
 from helpers import cli_env, run_cli
 from trainwise.data import build_datasets
-from trainwise.data.prepare import BATCH, COMMIT_BATCHES, PAUSE_ENV, load_tokenizer, prepare
+from trainwise.data.prepare import BATCH, COMMIT_BATCHES, load_tokenizer, prepare
 from trainwise.data.progress_line import ProgressLine
 from trainwise.errors import DataError
+from trainwise.faults import ENV
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -111,7 +112,7 @@ def _prepare_cmd(src: Path, out: Path, *extra: str) -> list[str]:
 
 
 def _killed_after_first_commit(src: Path, out: Path, *extra: str) -> None:
-    proc = subprocess.Popen(_prepare_cmd(src, out, *extra), env={**cli_env(), PAUSE_ENV: "1"},
+    proc = subprocess.Popen(_prepare_cmd(src, out, *extra), env={**cli_env(), ENV: "pause_in_prepare@commit=1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     marker = out.with_name(out.name + ".partial.pid")
     deadline = time.monotonic() + 120

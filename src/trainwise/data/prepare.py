@@ -23,7 +23,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,13 +44,13 @@ from trainwise.data.sources import (
 )
 from trainwise.data.tokenizer import BYTES, Tokenizer, chat_renderer, load_tokenizer
 from trainwise.errors import DataError
+from trainwise.faults import Faults
 
 __all__ = ["BYTES", "Options", "Tokenizer", "load_tokenizer", "prepare"]
 
 BATCH = 512  # documents tokenized together
 COMMIT_BATCHES = 8  # batches between commit points (each flushes and fsyncs the shards)
 PROGRESS = "progress.json"
-PAUSE_ENV = "TRAINWISE_PREPARE_PAUSE"  # tests: after this many commits, announce pid, wait
 
 
 @dataclass(frozen=True)
@@ -208,6 +207,7 @@ def _write(
 ) -> None:
     """Tokenize and write the items (those after the resume point), committing as it goes."""
     position, commits = skip, 0
+    faults = Faults.from_env()
     batches = _batches(meter.read(item) for item in items)
     for encoded in _encoded(batches, tokenizer, opts.examples, workers):
         for ids, mask in encoded:
@@ -219,7 +219,7 @@ def _write(
         if (position - skip) // BATCH % COMMIT_BATCHES == 0:
             commits += 1
             _commit(partial, key, position, outputs)
-            _maybe_pause(partial, commits)
+            faults.in_prepare(partial, commits)  # a test's kill lands here
 
 
 def _commit(partial: Path, key: str, items: int, outputs: tuple[Output, Output | None]) -> None:
@@ -229,18 +229,6 @@ def _commit(partial: Path, key: str, items: int, outputs: tuple[Output, Output |
     tmp = partial / (PROGRESS + ".tmp")
     tmp.write_text(json.dumps(state))
     os.replace(tmp, partial / PROGRESS)
-
-
-def _maybe_pause(partial: Path, commits: int) -> None:
-    """A test's seam (PAUSE_ENV = N): after the N-th commit of this run, write the pid
-    beside the output and wait to be killed, so the kill lands at a known point."""
-    if os.environ.get(PAUSE_ENV) != str(commits):
-        return
-    marker = partial.with_name(partial.name + ".pid")
-    marker.with_suffix(".tmp").write_text(str(os.getpid()))
-    os.replace(marker.with_suffix(".tmp"), marker)
-    while True:
-        time.sleep(0.05)
 
 
 def _held_out(position: int, fraction: float) -> bool:

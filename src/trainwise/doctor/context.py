@@ -17,12 +17,12 @@ import torch.distributed as dist
 from trainwise.config import JobConfig
 from trainwise.data import build_loader
 from trainwise.doctor.gap import JobTerms
+from trainwise.faults import NO_FAULTS, Faults
 from trainwise.hardware import find_gpu
 from trainwise.plan.calibrate import WARMUP_STEPS  # the run report's steady state, too
 from trainwise.plan.estimate import StrategyPlan, evaluate
 from trainwise.plan.inputs import PlanInputs, resolve_inputs
 from trainwise.run.engine.trainer import Trainer
-from trainwise.run.faults import NO_FAULTS, Faults
 from trainwise.run.job.distributed import DistEnv
 from trainwise.run.job.resolve import Job
 

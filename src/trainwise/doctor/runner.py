@@ -22,8 +22,8 @@ from trainwise.doctor.calibration import (
 from trainwise.doctor.checklist import run_checks
 from trainwise.doctor.context import Context
 from trainwise.doctor.result import Bandwidth, DoctorRecord
+from trainwise.faults import Faults
 from trainwise.run.engine.worker import agree_run_dir, join_job, run_worker
-from trainwise.run.faults import Faults
 from trainwise.run.job.distributed import (
     destroy_process_group,
     side_group,

@@ -18,7 +18,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from trainwise.config import JobConfig, job_hash
 from trainwise.config.lineage import lineage_keys
+from trainwise.faults import NO_FAULTS, Faults
 from trainwise.models import ModelBundle, build_model
+from trainwise.plan.model.comm import allreduce_factor
 from trainwise.run.checkpoint.dcp import Checkpointer, Place, SaveSchedule
 from trainwise.run.checkpoint.states import training_states
 from trainwise.run.checkpoint.store import root_for
@@ -27,7 +29,6 @@ from trainwise.run.engine.materialize import allocate, materialize
 from trainwise.run.engine.optim import build_optimizer, build_scheduler
 from trainwise.run.engine.parallelize import parallelize
 from trainwise.run.engine.precision import autocast_context, build_grad_scaler
-from trainwise.run.faults import NO_FAULTS, Faults
 from trainwise.run.job.distributed import DistEnv
 from trainwise.run.job.resolve import Job, sequence_parallel
 
@@ -68,7 +69,7 @@ def build_trainer(
     else:
         rank = dist.get_rank()
     bundle, model = build_model_for(cfg, job, device, dtype, group)
-    faults.network(model)  # slowed only under a test's fault
+    faults.network(model, allreduce_factor)  # slowed only under a test's fault
     # Dropout differs between data-parallel ranks; the ranks of one tensor-parallel group
     # draw the same masks (they hold the same replicated activations).
     torch.manual_seed(c.train.seed + 1 + dims.dp_rank(rank))

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from trainwise.config import JobConfig
 from trainwise.data import build_eval_loader, build_loader
 from trainwise.errors import TrainwiseError
+from trainwise.faults import Faults
 from trainwise.run.checkpoint import store as store
 from trainwise.run.checkpoint.dcp import Resumed
 from trainwise.run.checkpoint.store import CheckpointError
@@ -26,7 +27,6 @@ from trainwise.run.engine.control import Control
 from trainwise.run.engine.loop import StepResult, evaluate
 from trainwise.run.engine.recorder import Recorder
 from trainwise.run.engine.trainer import build_checkpointer, build_trainer
-from trainwise.run.faults import Faults
 from trainwise.run.job.distributed import DistEnv, network_line, side_group
 from trainwise.run.job.lifeline import this_launch
 from trainwise.run.job.resolve import Job

@@ -1,7 +1,8 @@
-"""A training worker, top to bottom: process group -> job -> model -> parallelize ->
-optimizer -> data -> loop -> summary. Started by the elastic agent (`python -m
-trainwise.run.engine.worker RUN_DIR`), by torchrun / srun through the CLI, or in-process for
-one worker."""
+"""A training worker, top to bottom: job -> process group -> versions -> model ->
+parallelize -> optimizer -> data -> loop -> summary. The job comes first: its layout
+chooses the backend and whether a process group is needed at all. Started by the elastic
+agent (`python -m trainwise.run.engine.worker RUN_DIR`), by torchrun / srun through the
+CLI, or in-process for one worker."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """Resolving a job against the machine: the checks that need the device and the world
 size, and the strategy decision. Runs in the launching process (so bad input stops before
-any worker starts) and again in each worker (the same pure decision, no files needed)."""
+any worker starts) and again in each worker, which reaches the same decision from the same
+inputs. Not pure: it builds the datasets (reading the data files), reads the machine's
+calibration file, and looks for the manifest of a checkpoint given to resume from."""
 
 from __future__ import annotations
 

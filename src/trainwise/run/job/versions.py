@@ -5,8 +5,6 @@ crash far from the cause. Cheap enough that `trainwise train` checks it at start
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import platform
 import socket
 from functools import cache
@@ -17,10 +15,7 @@ import torch.distributed as dist
 
 import trainwise
 from trainwise.errors import TrainwiseError
-
-# A test makes one rank report something else through this variable: a JSON object
-# {"RANK": {"FIELD": "VALUE"}}. It changes what the rank reports, nothing else.
-OVERRIDE_ENV = "TRAINWISE_TEST_VERSIONS"
+from trainwise.faults import Faults
 
 # The fields compared between ranks, in the order the table shows them.
 FIELDS = (
@@ -92,13 +87,6 @@ def local_versions(config_hash: str = "-", device_index: int = 0) -> dict[str, s
     }
 
 
-def _overridden(rank: int, versions: dict[str, str]) -> dict[str, str]:
-    text = os.environ.get(OVERRIDE_ENV)
-    if not text:
-        return versions
-    return {**versions, **json.loads(text).get(str(rank), {})}
-
-
 def gather_versions(
     config_hash: str, device_index: int = 0, group: dist.ProcessGroup | None = None
 ) -> list[dict[str, str]]:
@@ -106,7 +94,8 @@ def gather_versions(
     be a gloo group: NCCL itself may be what differs."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     mine = {
-        **_overridden(rank, local_versions(config_hash, device_index)),
+        # a test's `versions` fault changes what this rank reports, nothing else
+        **Faults.from_env(rank).versions(local_versions(config_hash, device_index)),
         "host": socket.gethostname(),
     }
     if not dist.is_initialized() or dist.get_world_size() == 1:

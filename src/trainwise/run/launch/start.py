@@ -49,6 +49,7 @@ def start_job(
     from trainwise.run.launch.data_checks import check_data
     from trainwise.run.launch.torchrun import LaunchError, launch_workers
     from trainwise.run.observe.events import append_event
+    from trainwise.run.observe.hang import enable_flight_recorder
 
     device = detect_device(cfg.cluster.device)
     nproc = resolve_nproc(cfg, device)
@@ -75,6 +76,8 @@ def start_job(
         for line in start_lines(job, nproc, usable_cores()):
             print(line, file=sys.stderr)  # beside the workers' start-up lines
         if nproc == 1 and nodes == 1:
+            if device.kind == "cuda":  # as launch_workers does for the workers it starts
+                enable_flight_recorder(run_dir)
             target(cfg, run_dir)
             return run_dir
         launch = start_launch(dump_toml(cfg))
@@ -82,6 +85,7 @@ def start_job(
             launch_workers(
                 run_dir, nproc, launch, cfg.cluster.master_port, max_restarts, module=module,
                 cluster=cfg.cluster, checkpoints=checkpoint_root(cfg, run_dir),
+                device_kind=device.kind,
             )
         except LaunchError as err:
             err.run_dir = run_dir  # for a report of what the run recorded

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -27,6 +28,7 @@ from trainwise.run.checkpoint.store import find_latest_valid
 from trainwise.run.engine.control import stop_status
 from trainwise.run.job.lifeline import Launch
 from trainwise.run.observe.events import append_event, read_events
+from trainwise.run.observe.hang import enable_flight_recorder, flight_recorder_env
 
 # The agent forwards these to the workers: SIGUSR1 is what `sbatch --signal` usually
 # sends, SIGINT is Ctrl-C, SIGHUP a closed terminal; each makes the workers save and stop.
@@ -101,20 +103,18 @@ def launch_workers(
     module: str = "trainwise.run.engine.worker",
     cluster: ClusterConfig | None = None,
     checkpoints: Path | None = None,
+    device_kind: str = "cpu",
 ) -> None:
     """`python -m MODULE RUN_DIR` on `nproc` workers of this machine under the elastic
     agent; with `cluster.nodes` > 1, one machine of several meeting at its c10d
     rendezvous (cluster.rdzv_endpoint, cluster.rdzv_id). `launch` (lifeline) carries the
     config to the workers and their fatal errors back; a failure names the newest valid
-    checkpoint under `checkpoints`."""
+    checkpoint under `checkpoints`. The workers inherit this process's environment, with
+    `worker_environment` added for a job on `device_kind`."""
     c = cluster or ClusterConfig()
-    # Each worker gets its share of the cores, not all of them (oversubscription on CPU).
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    if c.socket_ifname:
-        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = c.socket_ifname
-    # A restarted group sharing the rendezvous store with the failed one can read its stale
-    # addresses and fail to connect (pytorch/pytorch#135712): one fresh store per attempt.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ.update(worker_environment(run_dir, nproc, c, device_kind, os.environ))
+    if device_kind == "cuda":
+        enable_flight_recorder(run_dir)  # the folder NCCL's dumps go into
     config = LaunchConfig(
         min_nodes=c.min_nodes or c.nodes,
         max_nodes=c.nodes,
@@ -163,6 +163,29 @@ def launch_workers(
         for name in AGENT_LOGGERS:
             logging.getLogger(name).removeFilter(QUIET_STOPS)
     _raise_outcome(run_dir, launch)
+
+
+def worker_environment(
+    run_dir: Path, nproc: int, cluster: ClusterConfig, device_kind: str,
+    environ: Mapping[str, str],
+) -> dict[str, str]:
+    """The variables the launcher adds to `environ` for its `nproc` workers: their share of
+    the cores, the network interface, a fresh rendezvous store per attempt and, on CUDA,
+    NCCL's flight recorder writing into RUN/hang/. A variable the user set keeps its value
+    (the interface excepted: cluster.socket_ifname is the user's too)."""
+    added = {
+        # Each worker its share of the cores, not all of them (oversubscription on CPU).
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)),
+        # A restarted group sharing the rendezvous store with the failed one can read its
+        # stale addresses and fail to connect (pytorch/pytorch#135712).
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
+    added = {k: v for k, v in added.items() if k not in environ}
+    if cluster.socket_ifname:
+        added["GLOO_SOCKET_IFNAME"] = added["NCCL_SOCKET_IFNAME"] = cluster.socket_ifname
+    if device_kind == "cuda":
+        added |= flight_recorder_env(run_dir, environ)
+    return added
 
 
 def _raise_outcome(run_dir: Path, launch: Launch) -> None:

@@ -2,8 +2,9 @@
 writes RUN/hang/rank-N.txt: what it saw (the step, the stage, the ranks that did not reach
 the monitored barrier), the failed collective's traceback, and the Python stacks of all
 its threads (faulthandler). With NCCL, the flight recorder's record of the last
-collectives goes beside it (nccl-trace-rank-N): enabled before the process group starts,
-dumped by NCCL's watchdog on a timeout and by this rank when it gets the error."""
+collectives goes beside it (nccl-trace-rank-N): enabled by the launcher for a CUDA job
+(before the process group starts), dumped by NCCL's watchdog on a timeout and by this rank
+when it gets the error."""
 
 from __future__ import annotations
 
@@ -11,24 +12,42 @@ import faulthandler
 import logging
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 HANG_DIR = "hang"
 NCCL_TRACE_ENTRIES = "2000"  # collectives the flight recorder keeps per rank
+NCCL_TRACE_PREFIX = "nccl-trace-rank-"  # NCCL appends the rank
+# PyTorch's flight recorder settings (docs: torch_nccl_environment_variables), each under
+# its documented name first, then the other spelling PyTorch reads for it: a user who set
+# either keeps theirs.
+_FLIGHT_RECORDER = (
+    (("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_BUFFER_SIZE"), NCCL_TRACE_ENTRIES),
+    (("TORCH_NCCL_DUMP_ON_TIMEOUT",), "1"),  # needs the buffer above
+    (("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"), None),  # the prefix
+)
+
+
+def flight_recorder_env(run_dir: Path, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables that turn NCCL's flight recorder on for the workers: it keeps the last
+    collectives and dumps them into RUN/hang/ on a timeout. Only those the environment
+    `environ` does not set already (a user's own settings win). Read by NCCL only."""
+    prefix = str(Path(run_dir) / HANG_DIR / NCCL_TRACE_PREFIX)
+    return {
+        names[0]: value or prefix
+        for names, value in _FLIGHT_RECORDER
+        if not any(name in environ for name in names)
+    }
 
 
 def enable_flight_recorder(run_dir: Path) -> None:
-    """Before the process group starts: NCCL keeps its last collectives and dumps them into
-    RUN/hang/ on a timeout. Read by NCCL only (nothing changes on gloo); a user's own
-    settings win."""
-    folder = Path(run_dir) / HANG_DIR
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", NCCL_TRACE_ENTRIES)
-    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(folder / "nccl-trace-rank-"))
-    if torch.cuda.is_available():
-        folder.mkdir(parents=True, exist_ok=True)  # NCCL writes there, it does not create it
+    """Before the process group starts, in this process and so in the workers it starts:
+    the flight recorder's variables, and the folder NCCL writes into (it does not make
+    it). For a CUDA job."""
+    os.environ.update(flight_recorder_env(run_dir, os.environ))
+    (Path(run_dir) / HANG_DIR).mkdir(parents=True, exist_ok=True)
 
 
 class StepWatchdog:
@@ -86,6 +105,6 @@ def _dump_nccl_trace(folder: Path, rank: int) -> None:
         if c10d.get_backend() != "nccl":
             return
         record = torch._C._distributed_c10d._dump_nccl_trace()
-        (folder / f"nccl-trace-rank-{rank}.pickle").write_bytes(record)
+        (folder / f"{NCCL_TRACE_PREFIX}{rank}.pickle").write_bytes(record)
     except Exception as err:  # a dump is a help, never a second failure
         logging.getLogger("trainwise").warning("trainwise: no NCCL flight record: %s", err)
