@@ -12,6 +12,7 @@ resolve.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from trainwise.errors import ConfigError
@@ -20,12 +21,15 @@ from trainwise.plan.estimate import (
     SIMPLICITY,
     Setup,
     StrategyPlan,
+    cost_floor,
     knob_workload,
     layout_name,
     price,
     setup_memory,
 )
 from trainwise.plan.inputs import PlanInputs
+from trainwise.plan.model.cost import Cost
+from trainwise.plan.model.memory import MemoryEstimate
 from trainwise.plan.space import (
     AC_MODES,
     EVERYTHING,
@@ -40,7 +44,7 @@ from trainwise.plan.space import (
 )
 from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_usd
 
-__all__ = ["EVERYTHING", "Allowed", "Choice", "Goal", "recommend"]
+__all__ = ["EVERYTHING", "Allowed", "Choice", "Goal", "best_only", "recommend"]
 
 
 @dataclass(frozen=True)
@@ -123,8 +127,11 @@ def describe_setup(setup: Setup) -> str:
 
 def simplicity(s: StrategyPlan) -> tuple:
     """Sort key: simplest first (see the module's docstring)."""
-    setup = s.setup
-    assert setup is not None
+    assert s.setup is not None
+    return setup_simplicity(s.setup)
+
+
+def setup_simplicity(setup: Setup) -> tuple:
     dims = setup.dims
     return (
         dims.tp,
@@ -137,18 +144,24 @@ def simplicity(s: StrategyPlan) -> tuple:
     )
 
 
-def best_of_layout(
+# A candidate the device's memory admits, with that memory; the least-memory setting of a
+# layout as (its bytes, the setup).
+Candidate = tuple[Setup, MemoryEstimate]
+Least = tuple[float, Setup]
+
+
+def layout_candidates(
     inputs: PlanInputs, dims, allowed: Allowed
-) -> tuple[list, StrategyPlan | None]:
+) -> tuple[list[Candidate], Least | None]:
     """The candidates worth pricing for one layout: for each checkpointing and accumulation
-    mode, the largest micro-batch that fits (larger is never slower, plan.space); and the
-    least-memory setting, for when nothing fits anywhere. Returns (fitting plans, smallest;
-    None when no micro-batch the user allows splits the batch)."""
+    mode, the largest micro-batch whose memory fits the device (larger is never slower,
+    plan.space); and the least-memory setting, for when nothing fits anywhere. Returns
+    (candidates, least; None when no micro-batch the user allows splits the batch)."""
     batch = replica_batch(inputs, dims)
     w, hw = inputs.workload, inputs.hardware
     budget = hw.memory_bytes * (1.0 - inputs.headroom)
-    fitting: list[StrategyPlan] = []
-    smallest: tuple[float, Setup] | None = None
+    fitting: list[Candidate] = []
+    smallest: Least | None = None
     micros = micro_batches(inputs, batch, allowed)
     if not micros:
         return [], None
@@ -165,34 +178,46 @@ def best_of_layout(
                 if smallest is None or mem.total < smallest[0]:
                     smallest = (mem.total, setup)
                 if mem.total <= budget:
-                    plan = price(inputs, setup, memory=mem)
-                    if plan.fits:  # the host's memory too
-                        fitting.append(plan)
+                    fitting.append((setup, mem))
                     break
-    if smallest is None:  # no accumulation mode allowed for this layout
-        return fitting, None
-    return fitting, price(inputs, smallest[1])
-
-
-def search(inputs: PlanInputs, allowed: Allowed = EVERYTHING) -> tuple[list, list]:
-    """(every fitting candidate, the least-memory candidate of each layout), over the
-    layouts that run the global batch exactly."""
-    fitting: list[StrategyPlan] = []
-    smallest: list[StrategyPlan] = []
-    for dims in layouts(inputs, allowed):
-        if not exact(inputs, dims, allowed):
-            continue
-        fits, small = best_of_layout(inputs, dims, allowed)
-        fitting += fits
-        if small is not None:
-            smallest.append(small)
     return fitting, smallest
 
 
+def candidates(inputs: PlanInputs, allowed: Allowed) -> tuple[list[Candidate], list[Least]]:
+    """layout_candidates over every layout that runs the global batch exactly."""
+    fitting: list[Candidate] = []
+    smallest: list[Least] = []
+    for dims in layouts(inputs, allowed):
+        if not exact(inputs, dims, allowed):
+            continue
+        fits, least = layout_candidates(inputs, dims, allowed)
+        fitting += fits
+        if least is not None:
+            smallest.append(least)
+    return fitting, smallest
+
+
+def search(inputs: PlanInputs, allowed: Allowed = EVERYTHING) -> tuple[list, list[Least]]:
+    """(every fitting candidate priced, the least-memory setting of each layout), over the
+    layouts that run the global batch exactly."""
+    device_fits, smallest = candidates(inputs, allowed)
+    priced = (price(inputs, setup, memory=mem) for setup, mem in device_fits)
+    return [plan for plan in priced if plan.fits], smallest  # fits: the host's memory too
+
+
+def least_memory(inputs: PlanInputs, smallest: list[Least]) -> StrategyPlan:
+    """The setting that needs the least device memory (the simplest of equals), priced."""
+    return price(inputs, min(smallest, key=lambda s: (s[0], setup_simplicity(s[1])))[1])
+
+
 def score(s: StrategyPlan, goal: Goal) -> float:
+    return cost_score(s.cost, goal)
+
+
+def cost_score(cost: Cost, goal: Goal) -> float:
     if goal.budget_usd is not None or goal.objective == "time":
-        return s.cost.wall_hours
-    return s.cost.total_usd
+        return cost.wall_hours
+    return cost.total_usd
 
 
 def rank(fitting: list[StrategyPlan], goal: Goal) -> list[StrategyPlan]:
@@ -253,10 +278,51 @@ def recommend(
             fitting += search(inputs.with_gpus(n), allowed)[0]
     ordered = rank(fitting, goal)
     if not ordered:
-        least = min(smallest, key=lambda s: (s.memory.total, simplicity(s)))
+        least = least_memory(inputs, smallest)
         return Choice(least, False, _reason_unfit(least), batch_note=note)
     best = ordered[0]
     return Choice(best, True, _reason(best, ordered, goal), ordered[1:], note)
+
+
+def best_only(inputs: PlanInputs, allowed: Allowed = EVERYTHING, goal: Goal | None = None) -> Choice:
+    """recommend's configuration, without its alternatives (the sweep's curve asks only
+    for the best): the same answer, for a fraction of the pricing (contenders). Its `why`
+    says only what it is; with a deadline or a budget, recommend itself."""
+    goal = goal or Goal(inputs.objective)
+    if goal.deadline_hours is not None or goal.budget_usd is not None:
+        return recommend(inputs, allowed, goal)
+    inputs, note = exact_batch(inputs, allowed)
+    device_fits, smallest = candidates(inputs, allowed)
+    if not smallest:
+        raise ConfigError(_unmeetable(inputs, allowed))
+    ordered = rank(contenders(inputs, device_fits, goal), goal)
+    if not ordered:
+        least = least_memory(inputs, smallest)
+        return Choice(least, False, _reason_unfit(least), batch_note=note)
+    return Choice(ordered[0], True, "the best by the goal", batch_note=note)
+
+
+# Rounding between a floor and the price it bounds (the same formulas, summed differently).
+FLOOR_SLACK = 1e-9
+
+
+def contenders(inputs: PlanInputs, device_fits: list[Candidate], goal: Goal) -> list:
+    """The fitting plans among `device_fits` that rank() could put first, in their order:
+    candidates are priced cheapest floor first (estimate.cost_floor: the compute alone),
+    until a floor exceeds the best score found by more than SIMPLER_WITHIN; what is left
+    scores higher still, so it can neither be the best nor the simpler one within reach."""
+    floors = [cost_score(cost_floor(inputs, setup), goal) for setup, _ in device_fits]
+    found: dict[int, StrategyPlan] = {}
+    bar = math.inf
+    for i in sorted(range(len(device_fits)), key=floors.__getitem__):
+        if floors[i] > bar * (1 + SIMPLER_WITHIN) * (1 + FLOOR_SLACK):
+            break
+        setup, mem = device_fits[i]
+        plan = price(inputs, setup, memory=mem)
+        if plan.fits:  # the host's memory too
+            found[i] = plan
+            bar = min(bar, score(plan, goal))
+    return [found[i] for i in sorted(found)]
 
 
 def _unmeetable(inputs: PlanInputs, allowed: Allowed) -> str:
