@@ -281,17 +281,19 @@ def job_figures(
     return ckpt, cost
 
 
-def cost_floor(inputs: PlanInputs, setup: Setup, model: PerformanceModel | None = None) -> Cost:
-    """The cost of `setup` were its step its compute alone: a floor under price()'s (the
-    collectives, the host's work and the loader only add to a step), so the search can
-    skip pricing what cannot win."""
+def step_floor(
+    inputs: PlanInputs, setup: Setup, model: PerformanceModel | None = None
+) -> tuple[float, float]:
+    """(the tokens a step of `setup` trains, its compute seconds): a floor under price()'s
+    step, as the collectives, the host's work and the loader only add to the compute; the
+    search skips pricing what cannot win by it (job_figures turns it into a floor cost)."""
     from trainwise.plan.model.performance import model_of
 
     model = model or model_of(inputs)
     w = knob_workload(inputs.workload, setup.micro_batch, setup.ac)
     global_batch, per_rank = rank_batch(inputs, setup)
     compute = model.compute(inputs, w, per_rank, setup.dims.tp, setup.dims).seconds
-    return job_figures(inputs, global_batch * w.seq_len, compute, 0.0)[1]
+    return global_batch * w.seq_len, compute
 
 
 def _communication(

@@ -15,17 +15,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from trainwise.config.parallel_dims import ParallelDims
 from trainwise.errors import ConfigError
 from trainwise.plan.estimate import (
     SIMPLER_WITHIN,
     SIMPLICITY,
     Setup,
     StrategyPlan,
-    cost_floor,
+    job_figures,
     knob_workload,
     layout_name,
     price,
     setup_memory,
+    step_floor,
 )
 from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.model.cost import Cost
@@ -144,70 +146,109 @@ def setup_simplicity(setup: Setup) -> tuple:
     )
 
 
-# A candidate the device's memory admits, with that memory; the least-memory setting of a
-# layout as (its bytes, the setup).
+# A candidate the device's memory admits, with that memory.
 Candidate = tuple[Setup, MemoryEstimate]
-Least = tuple[float, Setup]
+
+
+def settings(
+    inputs: PlanInputs, dims: ParallelDims, allowed: Allowed
+) -> list[tuple[str, str, list[int]]]:
+    """The knobs of one layout, as (checkpointing, accumulation mode, the micro-batches
+    that mode runs, ascending); empty when no micro-batch the user allows splits the batch."""
+    batch = replica_batch(inputs, dims)
+    micros = micro_batches(inputs, batch, allowed)
+    out = []
+    for ac in ac_modes(inputs, allowed):
+        for accumulate in ("unsharded", "sharded"):
+            runs = [m for m in micros if accumulate in accumulations(dims, -(-batch // m), allowed)]
+            if runs:
+                out.append((ac, accumulate, runs))
+    return out
 
 
 def layout_candidates(
-    inputs: PlanInputs, dims, allowed: Allowed
-) -> tuple[list[Candidate], Least | None]:
-    """The candidates worth pricing for one layout: for each checkpointing and accumulation
-    mode, the largest micro-batch whose memory fits the device (larger is never slower,
-    plan.space); and the least-memory setting, for when nothing fits anywhere. Returns
-    (candidates, least; None when no micro-batch the user allows splits the batch)."""
+    inputs: PlanInputs, dims: ParallelDims, knobs: list[tuple[str, str, list[int]]]
+) -> list[Candidate]:
+    """The candidates worth pricing for one layout, of its `knobs` (settings): for each
+    checkpointing and accumulation mode, the largest micro-batch whose memory fits the
+    device (larger is never slower, plan.space)."""
+    found = (largest_fitting(inputs, dims, ac, mode, micros) for ac, mode, micros in knobs)
+    return [candidate for candidate in found if candidate is not None]
+
+
+def largest_fitting(
+    inputs: PlanInputs, dims: ParallelDims, ac: str, accumulate: str, micros: list[int]
+) -> Candidate | None:
+    """The largest of `micros` (ascending) whose memory fits the device, or None. A smaller
+    micro-batch never needs more memory while micro-batches accumulate (only the
+    activations shrink), so it is found by bisection, after the whole batch in one
+    micro-batch (which keeps no gradients between micro-batches)."""
     batch = replica_batch(inputs, dims)
-    w, hw = inputs.workload, inputs.hardware
-    budget = hw.memory_bytes * (1.0 - inputs.headroom)
-    fitting: list[Candidate] = []
-    smallest: Least | None = None
-    micros = micro_batches(inputs, batch, allowed)
-    if not micros:
-        return [], None
-    for ac in ac_modes(inputs, allowed):
-        for accumulate in ("unsharded", "sharded"):
-            for micro in reversed(micros):  # largest first: the first that fits wins
-                accum = -(-batch // micro)
-                if accumulate not in accumulations(dims, accum, allowed):
-                    continue
-                setup = Setup(dims, ac, micro, accum, accumulate)
-                mem = setup_memory(
-                    knob_workload(w, micro, ac), setup, hw.device, inputs.memory_overhead_bytes
-                )
-                if smallest is None or mem.total < smallest[0]:
-                    smallest = (mem.total, setup)
-                if mem.total <= budget:
-                    fitting.append((setup, mem))
-                    break
-    return fitting, smallest
+    budget = inputs.hardware.memory_bytes * (1.0 - inputs.headroom)
+
+    def priced(micro: int) -> Candidate:
+        setup = Setup(dims, ac, micro, -(-batch // micro), accumulate)
+        return setup, knob_memory(inputs, setup)
+
+    whole = micros[-1] >= batch
+    if whole and (candidate := priced(micros[-1]))[1].total <= budget:
+        return candidate
+    found = None
+    lo, hi = 0, len(micros) - int(whole)  # micros[:lo] fit, micros[hi:] do not
+    while lo < hi:
+        mid = (lo + hi) // 2
+        candidate = priced(micros[mid])
+        if candidate[1].total <= budget:
+            found, lo = candidate, mid + 1
+        else:
+            hi = mid
+    return found
 
 
-def candidates(inputs: PlanInputs, allowed: Allowed) -> tuple[list[Candidate], list[Least]]:
-    """layout_candidates over every layout that runs the global batch exactly."""
+def knob_memory(inputs: PlanInputs, setup: Setup) -> MemoryEstimate:
+    """setup_memory of `setup` on the inputs' device, with the runtime's measured bytes."""
+    w = knob_workload(inputs.workload, setup.micro_batch, setup.ac)
+    return setup_memory(w, setup, inputs.hardware.device, inputs.memory_overhead_bytes)
+
+
+def candidates(
+    inputs: PlanInputs, allowed: Allowed
+) -> tuple[list[Candidate], list[ParallelDims]]:
+    """layout_candidates over every layout that runs the global batch exactly, and those
+    layouts (none: no layout runs it with the user's settings)."""
     fitting: list[Candidate] = []
-    smallest: list[Least] = []
+    searched: list[ParallelDims] = []
     for dims in layouts(inputs, allowed):
-        if not exact(inputs, dims, allowed):
-            continue
-        fits, least = layout_candidates(inputs, dims, allowed)
-        fitting += fits
-        if least is not None:
-            smallest.append(least)
-    return fitting, smallest
+        knobs = settings(inputs, dims, allowed) if exact(inputs, dims, allowed) else []
+        if knobs:
+            fitting += layout_candidates(inputs, dims, knobs)
+            searched.append(dims)
+    return fitting, searched
 
 
-def search(inputs: PlanInputs, allowed: Allowed = EVERYTHING) -> tuple[list, list[Least]]:
-    """(every fitting candidate priced, the least-memory setting of each layout), over the
-    layouts that run the global batch exactly."""
-    device_fits, smallest = candidates(inputs, allowed)
+def search(
+    inputs: PlanInputs, allowed: Allowed = EVERYTHING
+) -> tuple[list[StrategyPlan], list[ParallelDims]]:
+    """(every fitting candidate priced, the layouts searched: those that run the global
+    batch exactly)."""
+    device_fits, searched = candidates(inputs, allowed)
     priced = (price(inputs, setup, memory=mem) for setup, mem in device_fits)
-    return [plan for plan in priced if plan.fits], smallest  # fits: the host's memory too
+    return [plan for plan in priced if plan.fits], searched  # fits: the host's memory too
 
 
-def least_memory(inputs: PlanInputs, smallest: list[Least]) -> StrategyPlan:
-    """The setting that needs the least device memory (the simplest of equals), priced."""
-    return price(inputs, min(smallest, key=lambda s: (s[0], setup_simplicity(s[1])))[1])
+def least_memory(
+    inputs: PlanInputs, searched: list[ParallelDims], allowed: Allowed
+) -> StrategyPlan:
+    """The setting of the `searched` layouts that needs the least device memory (the
+    simplest of equals), priced: what a plan shows when nothing fits."""
+    every = (
+        Setup(dims, ac, micro, -(-replica_batch(inputs, dims) // micro), accumulate)
+        for dims in searched
+        for ac, accumulate, micros in settings(inputs, dims, allowed)
+        for micro in micros
+    )
+    least = min(every, key=lambda s: (knob_memory(inputs, s).total, setup_simplicity(s)))
+    return price(inputs, least)
 
 
 def score(s: StrategyPlan, goal: Goal) -> float:
@@ -270,15 +311,15 @@ def recommend(
     With a deadline or a budget, on inputs.gpus or fewer (limit_counts)."""
     goal = goal or Goal(inputs.objective)
     inputs, note = exact_batch(inputs, allowed)
-    fitting, smallest = search(inputs, allowed)
-    if not smallest:
+    fitting, searched = search(inputs, allowed)
+    if not searched:
         raise ConfigError(_unmeetable(inputs, allowed))
     if goal.deadline_hours is not None or goal.budget_usd is not None:
         for n in limit_counts(inputs.gpus)[1:]:
             fitting += search(inputs.with_gpus(n), allowed)[0]
     ordered = rank(fitting, goal)
     if not ordered:
-        least = least_memory(inputs, smallest)
+        least = least_memory(inputs, searched, allowed)
         return Choice(least, False, _reason_unfit(least), batch_note=note)
     best = ordered[0]
     return Choice(best, True, _reason(best, ordered, goal), ordered[1:], note)
@@ -292,12 +333,12 @@ def best_only(inputs: PlanInputs, allowed: Allowed = EVERYTHING, goal: Goal | No
     if goal.deadline_hours is not None or goal.budget_usd is not None:
         return recommend(inputs, allowed, goal)
     inputs, note = exact_batch(inputs, allowed)
-    device_fits, smallest = candidates(inputs, allowed)
-    if not smallest:
+    device_fits, searched = candidates(inputs, allowed)
+    if not searched:
         raise ConfigError(_unmeetable(inputs, allowed))
     ordered = rank(contenders(inputs, device_fits, goal), goal)
     if not ordered:
-        least = least_memory(inputs, smallest)
+        least = least_memory(inputs, searched, allowed)
         return Choice(least, False, _reason_unfit(least), batch_note=note)
     return Choice(ordered[0], True, "the best by the goal", batch_note=note)
 
@@ -307,15 +348,18 @@ FLOOR_SLACK = 1e-9
 
 
 def contenders(inputs: PlanInputs, device_fits: list[Candidate], goal: Goal) -> list:
-    """The fitting plans among `device_fits` that rank() could put first, in their order:
-    candidates are priced cheapest floor first (estimate.cost_floor: the compute alone),
-    until a floor exceeds the best score found by more than SIMPLER_WITHIN; what is left
-    scores higher still, so it can neither be the best nor the simpler one within reach."""
-    floors = [cost_score(cost_floor(inputs, setup), goal) for setup, _ in device_fits]
+    """The fitting plans among `device_fits` that rank() could put first, in their order.
+    Candidates are priced in the order of their floor (estimate.step_floor: the compute
+    alone, per token; the score grows with a step's seconds), until a floor's score
+    exceeds the best score found by more than SIMPLER_WITHIN: what is left scores higher
+    still, so it can be neither the best nor the simpler one within reach."""
+    floors = [step_floor(inputs, setup) for setup, _ in device_fits]
     found: dict[int, StrategyPlan] = {}
     bar = math.inf
-    for i in sorted(range(len(device_fits)), key=floors.__getitem__):
-        if floors[i] > bar * (1 + SIMPLER_WITHIN) * (1 + FLOOR_SLACK):
+    for i in sorted(range(len(device_fits)), key=lambda i: floors[i][1] / floors[i][0]):
+        tokens, seconds = floors[i]
+        floor = cost_score(job_figures(inputs, tokens, seconds, 0.0)[1], goal)
+        if floor > bar * (1 + SIMPLER_WITHIN) * (1 + FLOOR_SLACK):
             break
         setup, mem = device_fits[i]
         plan = price(inputs, setup, memory=mem)
