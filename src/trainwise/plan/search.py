@@ -150,7 +150,7 @@ def setup_simplicity(setup: Setup) -> tuple:
 Candidate = tuple[Setup, MemoryEstimate]
 
 
-def settings(
+def layout_knobs(
     inputs: PlanInputs, dims: ParallelDims, allowed: Allowed
 ) -> list[tuple[str, str, list[int]]]:
     """The knobs of one layout, as (checkpointing, accumulation mode, the micro-batches
@@ -169,7 +169,7 @@ def settings(
 def layout_candidates(
     inputs: PlanInputs, dims: ParallelDims, knobs: list[tuple[str, str, list[int]]]
 ) -> list[Candidate]:
-    """The candidates worth pricing for one layout, of its `knobs` (settings): for each
+    """The candidates worth pricing for one layout, of its `knobs` (layout_knobs): for each
     checkpointing and accumulation mode, the largest micro-batch whose memory fits the
     device (larger is never slower, plan.space)."""
     found = (largest_fitting(inputs, dims, ac, mode, micros) for ac, mode, micros in knobs)
@@ -219,7 +219,7 @@ def candidates(
     fitting: list[Candidate] = []
     searched: list[ParallelDims] = []
     for dims in layouts(inputs, allowed):
-        knobs = settings(inputs, dims, allowed) if exact(inputs, dims, allowed) else []
+        knobs = layout_knobs(inputs, dims, allowed) if exact(inputs, dims, allowed) else []
         if knobs:
             fitting += layout_candidates(inputs, dims, knobs)
             searched.append(dims)
@@ -244,7 +244,7 @@ def least_memory(
     every = (
         Setup(dims, ac, micro, -(-replica_batch(inputs, dims) // micro), accumulate)
         for dims in searched
-        for ac, accumulate, micros in settings(inputs, dims, allowed)
+        for ac, accumulate, micros in layout_knobs(inputs, dims, allowed)
         for micro in micros
     )
     least = min(every, key=lambda s: (knob_memory(inputs, s).total, setup_simplicity(s)))
