@@ -372,7 +372,7 @@ large = st.fixed_dictionaries(
     {
         "model.name": st.sampled_from(["gpt2-350m", "llama-1b", "llama-7b", "llama-70b"]),
         "data.seq_len": st.sampled_from([1024, 4096]),
-        "data.global_batch": st.sampled_from([64, 1024]),
+        "data.global_batch": st.sampled_from([None, 64, 1024]),
         "plan.gpus": st.sampled_from([1, 8, 64, 512]),
         "cluster.gpu": st.sampled_from(["H100-SXM", "A100-80GB", "A10G"]),
         "plan.objective": st.sampled_from(["cost", "time"]),
