@@ -10,7 +10,9 @@ Each round runs, in fresh processes:
 - the same for llama-70b on 1024 GPUs, 8 a node (the planner-search issue's job);
 - python -c "import torch": what the plan avoids.
 
-It prints the median wall time per row and its ratio to the sweep plan.
+It prints the median wall time per row, its ratio to the sweep plan, and the median CPU
+time (user + system) of the process: on a shared machine the wall time grows with the
+others' load, the CPU time much less, so it tells a slow moment from a slower planner.
 
     .venv/bin/python bench/plan.py              # 5 rounds
     .venv/bin/python bench/plan.py --rounds 3
@@ -19,6 +21,7 @@ It prints the median wall time per row and its ratio to the sweep plan.
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import subprocess
 import sys
@@ -58,28 +61,38 @@ ROWS = {
 TARGETS = ("plan --sweep 1..4096", "plan 70b x 1024 --sweep 1..4096")
 
 
-def wall(cmd: list[str]) -> float:
+def timed(cmd: list[str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds: user + system) of one run of `cmd`."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return wall, cpu
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    times: dict[str, list[float]] = {name: [] for name in ROWS}
+    walls: dict[str, list[float]] = {name: [] for name in ROWS}
+    cpus: dict[str, list[float]] = {name: [] for name in ROWS}
     for _ in range(args.rounds):
         for name, cmd in ROWS.items():  # interleaved, so a slow moment hits every row
-            times[name].append(wall(cmd))
-    ref = statistics.median(times["plan --sweep 1..4096"])
-    print(f"{'process':28s} {'median s':>9s} {'x sweep plan':>13s}")
-    for name, values in times.items():
-        med = statistics.median(values)
-        print(f"{name:28s} {med:9.3f} {med / ref:13.2f}")
+            wall, cpu = timed(cmd)
+            walls[name].append(wall)
+            cpus[name].append(cpu)
+    ref = statistics.median(walls["plan --sweep 1..4096"])
+    print(f"{'process':32s} {'median s':>9s} {'x sweep plan':>13s} {'CPU s':>6s}")
+    for name in ROWS:
+        med = statistics.median(walls[name])
+        cpu = statistics.median(cpus[name])
+        print(f"{name:32s} {med:9.3f} {med / ref:13.2f} {cpu:6.3f}")
     for name in TARGETS:
-        med = statistics.median(times[name])
-        print(f"target: {name} under 1 s: {'met' if med < 1 else 'NOT met'} ({med:.2f} s)")
+        med, cpu = statistics.median(walls[name]), statistics.median(cpus[name])
+        verdict = "met" if med < 1 else "NOT met"
+        print(f"target: {name} under 1 s: {verdict} ({med:.2f} s; CPU {cpu:.2f} s)")
 
 
 if __name__ == "__main__":

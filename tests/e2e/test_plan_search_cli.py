@@ -119,3 +119,38 @@ def test_bad_goal_or_emit_is_one_line_and_exit_2(capsys, args, words):
     for word in words:
         assert word in lines[0]
     assert out == ""
+
+
+@pytest.mark.parametrize(
+    "word, kind",
+    [("fsdp", "fsdp"), ("hsdp", "hsdp"), ("ddp", "ddp"), ("auto", None), ("fsdp-full", "fsdp")],
+)
+def test_plan_takes_trains_strategy_words(capsys, word, kind):
+    # `plan --strategy fsdp` was refused: train's words and the planner's row names alike.
+    code, out, err = plan(
+        capsys, "--model", "gpt2-124m", "--gpus", "16", "--gpus-per-node", "8",
+        "--strategy", word, "--json",
+    )
+    assert code == 0, err
+    rec = json.loads(out)["recommendation"]
+    assert rec["fits"]
+    if kind is not None:
+        assert rec["config"]["parallel.strategy"] == kind
+
+
+def test_another_machine_kinds_calibration_at_the_default_place_is_a_warning(
+    capsys, calibration_dir: Path
+):
+    """A calibration file of another machine kind where this kind's is looked for: the plan
+    proceeds on the defaults and says so in one warning line (given by hand, it is refused:
+    tests/unit/test_performance.py)."""
+    from trainwise.plan.calibrate import Calibration, calibration_path, write_calibration
+
+    h100 = Calibration(source="a doctor run", device="NVIDIA H100 80GB HBM3", kind="H100-SXM",
+                       efficiency=0.5)
+    write_calibration(h100, calibration_path("cpu"))
+    code, out, err = plan(capsys, "--model", "tiny", "--gpu", "cpu", "--gpus", "2")
+    assert code == 0
+    warnings = [line for line in err.splitlines() if line.startswith("trainwise: warning:")]
+    assert len(warnings) == 1 and "H100-SXM" in warnings[0] and "not used" in warnings[0]
+    assert "figures: uncalibrated defaults" in out

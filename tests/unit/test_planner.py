@@ -14,7 +14,7 @@ from trainwise.config import load_config
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import PRESETS
 from trainwise.plan import choose_accumulation, decide_auto, runtime_allowed
-from trainwise.plan.estimate import SIMPLER_WITHIN, evaluate
+from trainwise.plan.estimate import SIMPLER_WITHIN, Setup, evaluate
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 from trainwise.plan.model.comm import Layout, exposed_seconds, step_collectives
 from trainwise.plan.model.cost import checkpoint_plan, job_cost
@@ -22,7 +22,8 @@ from trainwise.plan.model.flops import model_flops_per_token, recompute_factor
 from trainwise.plan.model.memory import Workload
 from trainwise.plan.planner import BEST, SweepRow, knee, make_plan, parse_sweep
 from trainwise.plan.record import plan_record
-from trainwise.plan.search import recommend, search
+from trainwise.plan.search import EVERYTHING, knob_memory, layout_knobs, recommend, search
+from trainwise.plan.space import replica_batch
 
 GB = 1e9
 
@@ -267,8 +268,14 @@ def test_nothing_fits_is_offline_batch_with_the_smallest_footprint_and_a_fix():
     rec = plan.recommendation
     assert rec.scenario == "offline-batch"
     assert not plan.best.fits
-    _, smallest = search(inputs)
-    assert plan.best.memory.total == min(s.memory.total for s in smallest)
+    _, searched = search(inputs)
+    every = [  # every setting of every layout searched
+        knob_memory(inputs, Setup(dims, ac, m, -(-replica_batch(inputs, dims) // m), mode))
+        for dims in searched
+        for ac, mode, micros in layout_knobs(inputs, dims, EVERYTHING)
+        for m in micros
+    ]
+    assert plan.best.memory.total == min(m.total for m in every)
     assert any(r.startswith("Nothing fits") for r in rec.reasons)
     fix = next(r for r in rec.reasons if r.startswith("With "))
     gpus = int(fix.split()[1])

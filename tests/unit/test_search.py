@@ -17,7 +17,7 @@ from trainwise.config.parallel_dims import ParallelDims
 from trainwise.errors import ConfigError
 from trainwise.models.shapes import GPTShape
 from trainwise.plan.emit import job_config, job_toml
-from trainwise.plan.estimate import Setup, evaluate, price
+from trainwise.plan.estimate import SIMPLER_WITHIN, Setup, evaluate, price
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 from trainwise.plan.model.comm import Layout, layout_collectives
 from trainwise.plan.model.memory import (
@@ -37,6 +37,11 @@ from trainwise.plan.planner import make_plan
 from trainwise.plan.search import (
     EVERYTHING,
     Goal,
+    best_only,
+    candidates,
+    contenders,
+    largest_fitting,
+    layout_knobs,
     limit_counts,
     rank,
     recommend,
@@ -359,3 +364,55 @@ def test_more_bandwidth_never_slows_the_best_plan(job, factor):
     fast = best_score(search(faster)[0], goal)
     if slow is not None:
         assert fast <= slow * (1 + 1e-12)
+
+
+# --- the pruned search the sweep runs (plan.search.best_only) ------------------------------
+
+large = st.fixed_dictionaries(
+    {
+        "model.name": st.sampled_from(["gpt2-350m", "llama-1b", "llama-7b", "llama-70b"]),
+        "data.seq_len": st.sampled_from([1024, 4096]),
+        "data.global_batch": st.sampled_from([None, 64, 1024]),
+        "plan.gpus": st.sampled_from([1, 8, 64, 512]),
+        "cluster.gpu": st.sampled_from(["H100-SXM", "A100-80GB", "A10G"]),
+        "plan.objective": st.sampled_from(["cost", "time"]),
+    }
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.one_of(small, large), st.booleans())
+def test_the_sweeps_pruned_search_answers_as_recommend(job, per_op):
+    """best_only prices only the candidates whose compute alone can still win, and bisects
+    the micro-batch: the answer is recommend's, figure for figure, under the flat compute
+    and the per-operation model alike."""
+    flags = job if per_op else {**FLAT, **job}
+    inputs = resolve_inputs(load_config(None, flags, base=PLAN_DEFAULTS))
+    full, pruned = recommend(inputs), best_only(inputs)
+    assert (pruned.fits, pruned.setup) == (full.fits, full.setup)
+    assert pruned.plan == full.plan
+    # Every plan within reach of the best (the simpler one may lead) was priced.
+    inputs, _ = exact_batch(inputs, EVERYTHING)
+    goal = Goal(inputs.objective)
+    fitting, _ = search(inputs)
+    priced = {s.setup for s in contenders(inputs, candidates(inputs, EVERYTHING)[0], goal)}
+    reach = (best_score(fitting, goal) or 0.0) * (1 + SIMPLER_WITHIN)
+    assert {s.setup for s in fitting if score(s, goal) <= reach} <= priced
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.one_of(small, large))
+def test_the_bisection_finds_the_largest_micro_batch_that_fits(job):
+    inputs, _ = exact_batch(plan_inputs(**job), EVERYTHING)
+    budget = inputs.hardware.memory_bytes * (1.0 - inputs.headroom)
+    for dims in layouts(inputs, EVERYTHING)[:12]:
+        if not exact(inputs, dims, EVERYTHING):
+            continue
+        batch = replica_batch(inputs, dims)
+        for ac, mode, micros in layout_knobs(inputs, dims, EVERYTHING):
+            fits = [
+                m for m in micros
+                if price(inputs, Setup(dims, ac, m, -(-batch // m), mode)).memory.total <= budget
+            ]
+            found = largest_fitting(inputs, dims, ac, mode, micros)
+            assert (found[0].micro_batch if found else None) == (fits[-1] if fits else None)

@@ -162,15 +162,13 @@ def price(
     gpus, tp, accum = inputs.gpus, dims.tp, setup.grad_accum
     notes: list[str] = []
     dp = dims.dp_size
-    global_batch = inputs.global_batch or setup.micro_batch * accum * dp
-    per_rank = global_batch / dp  # samples each data-parallel rank runs a step
-    if per_rank < 1:
+    global_batch, per_rank = rank_batch(inputs, setup)
+    if global_batch < dp:
         ranks = f"{dp} GPUs" if tp == 1 else f"{dp} data-parallel groups"
         notes.append(
             f"the global batch of {global_batch} sequences is smaller than {ranks}: "
             "some GPUs idle every step"
         )
-        per_rank = 1.0
 
     memory = memory or model.memory(inputs, setup, w)
     budget = hw.memory_bytes * (1.0 - inputs.headroom)
@@ -196,18 +194,7 @@ def price(
     utilisation = mfu(tokens_per_s, model_flops, gpus * hw.peak_flops)
     scaling = tokens_per_s / (gpus * timed.one_gpu_tokens_per_s)
 
-    train_s = inputs.tokens / tokens_per_step * total
-    size = w.params * (MASTER_BYTES + OPTIMIZER_STATE_BYTES[w.optimizer])
-    ckpt = checkpoint_plan(
-        size,
-        inputs.checkpoint_bps,
-        inputs.nodes,
-        train_s,
-        inputs.mtbf_hours,
-        inputs.restart_s,
-        inputs.checkpoint_latency_s,
-    )
-    cost = job_cost(gpus, hw.price_per_gpu_hour, train_s, exposed / total, ckpt)
+    ckpt, cost = job_figures(inputs, tokens_per_step, total, exposed)
     return StrategyPlan(
         name=name or layout_name(dims),
         gpus=gpus,
@@ -229,6 +216,50 @@ def price(
         notes=notes,
         setup=setup,
     )
+
+
+def rank_batch(inputs: PlanInputs, setup: Setup) -> tuple[int, float]:
+    """(the global batch `setup` runs a step, the samples each data-parallel rank runs: at
+    least one, as a rank whose share is short still runs a whole micro-batch)."""
+    dp = setup.dims.dp_size
+    global_batch = inputs.global_batch or setup.micro_batch * setup.grad_accum * dp
+    return global_batch, max(1.0, global_batch / dp)
+
+
+def job_figures(
+    inputs: PlanInputs, tokens_per_step: float, step_s: float, exposed_s: float
+) -> tuple[CheckpointPlan, Cost]:
+    """The checkpoint plan and the job's cost when a step of `tokens_per_step` tokens takes
+    `step_s` seconds, `exposed_s` of them waiting for communication."""
+    w, hw = inputs.workload, inputs.hardware
+    train_s = inputs.tokens / tokens_per_step * step_s
+    size = w.params * (MASTER_BYTES + OPTIMIZER_STATE_BYTES[w.optimizer])
+    ckpt = checkpoint_plan(
+        size,
+        inputs.checkpoint_bps,
+        inputs.nodes,
+        train_s,
+        inputs.mtbf_hours,
+        inputs.restart_s,
+        inputs.checkpoint_latency_s,
+    )
+    cost = job_cost(inputs.gpus, hw.price_per_gpu_hour, train_s, exposed_s / step_s, ckpt)
+    return ckpt, cost
+
+
+def step_floor(
+    inputs: PlanInputs, setup: Setup, model: PerformanceModel | None = None
+) -> tuple[float, float]:
+    """(the tokens a step of `setup` trains, its compute seconds): a floor under price()'s
+    step, as the collectives, the host's work and the loader only add to the compute; the
+    search skips pricing what cannot win by it (job_figures turns it into a floor cost)."""
+    from trainwise.plan.model.performance import model_of
+
+    model = model or model_of(inputs)
+    w = knob_workload(inputs.workload, setup.micro_batch, setup.ac)
+    global_batch, per_rank = rank_batch(inputs, setup)
+    compute = model.compute(inputs, w, per_rank, setup.dims.tp, setup.dims).seconds
+    return global_batch * w.seq_len, compute
 
 
 def _communication(

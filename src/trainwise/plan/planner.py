@@ -14,7 +14,15 @@ from trainwise.plan.estimate import Setup, StrategyPlan, candidate_names, evalua
 from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.model.precision import MASTER_BYTES, OPTIMIZER_STATE_BYTES
 from trainwise.plan.model.reliability import SECONDS_PER_HOUR, system_mtbf_s
-from trainwise.plan.search import EVERYTHING, Allowed, Choice, Goal, describe_setup, recommend
+from trainwise.plan.search import (
+    EVERYTHING,
+    Allowed,
+    Choice,
+    Goal,
+    best_only,
+    describe_setup,
+    recommend,
+)
 from trainwise.plan.space import exact_batch
 from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_usd
 
@@ -413,7 +421,7 @@ def sweep(
                 continue
             rows.append(_row(sized, name))
         if not inputs.strategy:
-            rows.append(_best_row(recommend(sized, allowed, goal)))
+            rows.append(_best_row(best_only(sized, allowed, goal)))
     return rows
 
 

@@ -12,20 +12,25 @@ resolve.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from trainwise.config.parallel_dims import ParallelDims
 from trainwise.errors import ConfigError
 from trainwise.plan.estimate import (
     SIMPLER_WITHIN,
     SIMPLICITY,
     Setup,
     StrategyPlan,
+    job_figures,
     knob_workload,
     layout_name,
     price,
+    step_floor,
 )
 from trainwise.plan.inputs import PlanInputs
-from trainwise.plan.model.memory import estimate_memory
+from trainwise.plan.model.cost import Cost
+from trainwise.plan.model.memory import MemoryEstimate, estimate_memory
 from trainwise.plan.space import (
     AC_MODES,
     EVERYTHING,
@@ -40,7 +45,7 @@ from trainwise.plan.space import (
 )
 from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_usd
 
-__all__ = ["EVERYTHING", "Allowed", "Choice", "Goal", "recommend"]
+__all__ = ["EVERYTHING", "Allowed", "Choice", "Goal", "best_only", "recommend"]
 
 
 @dataclass(frozen=True)
@@ -123,8 +128,11 @@ def describe_setup(setup: Setup) -> str:
 
 def simplicity(s: StrategyPlan) -> tuple:
     """Sort key: simplest first (see the module's docstring)."""
-    setup = s.setup
-    assert setup is not None
+    assert s.setup is not None
+    return setup_simplicity(s.setup)
+
+
+def setup_simplicity(setup: Setup) -> tuple:
     dims = setup.dims
     return (
         dims.tp,
@@ -137,62 +145,119 @@ def simplicity(s: StrategyPlan) -> tuple:
     )
 
 
-def best_of_layout(
-    inputs: PlanInputs, dims, allowed: Allowed
-) -> tuple[list, StrategyPlan | None]:
-    """The candidates worth pricing for one layout: for each checkpointing and accumulation
-    mode, the largest micro-batch that fits (larger is never slower, plan.space); and the
-    least-memory setting, for when nothing fits anywhere. Returns (fitting plans, smallest;
-    None when no micro-batch the user allows splits the batch)."""
+# A candidate the device's memory admits, with that memory.
+Candidate = tuple[Setup, MemoryEstimate]
+
+
+def layout_knobs(
+    inputs: PlanInputs, dims: ParallelDims, allowed: Allowed
+) -> list[tuple[str, str, list[int]]]:
+    """The knobs of one layout, as (checkpointing, accumulation mode, the micro-batches
+    that mode runs, ascending); empty when no micro-batch the user allows splits the batch."""
     batch = replica_batch(inputs, dims)
-    w, hw = inputs.workload, inputs.hardware
-    budget = hw.memory_bytes * (1.0 - inputs.headroom)
-    fitting: list[StrategyPlan] = []
-    smallest: tuple[float, Setup] | None = None
     micros = micro_batches(inputs, batch, allowed)
-    if not micros:
-        return [], None
+    out = []
     for ac in ac_modes(inputs, allowed):
         for accumulate in ("unsharded", "sharded"):
-            for micro in reversed(micros):  # largest first: the first that fits wins
-                accum = -(-batch // micro)
-                if accumulate not in accumulations(dims, accum, allowed):
-                    continue
-                setup = Setup(dims, ac, micro, accum, accumulate)
-                mem = estimate_memory(
-                    knob_workload(w, micro, ac), setup, hw.device, inputs.memory_overhead_bytes
-                )
-                if smallest is None or mem.total < smallest[0]:
-                    smallest = (mem.total, setup)
-                if mem.total <= budget:
-                    plan = price(inputs, setup, memory=mem)
-                    if plan.fits:  # the host's memory too
-                        fitting.append(plan)
-                    break
-    if smallest is None:  # no accumulation mode allowed for this layout
-        return fitting, None
-    return fitting, price(inputs, smallest[1])
+            runs = [m for m in micros if accumulate in accumulations(dims, -(-batch // m), allowed)]
+            if runs:
+                out.append((ac, accumulate, runs))
+    return out
 
 
-def search(inputs: PlanInputs, allowed: Allowed = EVERYTHING) -> tuple[list, list]:
-    """(every fitting candidate, the least-memory candidate of each layout), over the
-    layouts that run the global batch exactly."""
-    fitting: list[StrategyPlan] = []
-    smallest: list[StrategyPlan] = []
+def layout_candidates(
+    inputs: PlanInputs, dims: ParallelDims, knobs: list[tuple[str, str, list[int]]]
+) -> list[Candidate]:
+    """The candidates worth pricing for one layout, of its `knobs` (layout_knobs): for each
+    checkpointing and accumulation mode, the largest micro-batch whose memory fits the
+    device (larger is never slower, plan.space)."""
+    found = (largest_fitting(inputs, dims, ac, mode, micros) for ac, mode, micros in knobs)
+    return [candidate for candidate in found if candidate is not None]
+
+
+def largest_fitting(
+    inputs: PlanInputs, dims: ParallelDims, ac: str, accumulate: str, micros: list[int]
+) -> Candidate | None:
+    """The largest of `micros` (ascending) whose memory fits the device, or None. A smaller
+    micro-batch never needs more memory while micro-batches accumulate (only the
+    activations shrink), so it is found by bisection, after the whole batch in one
+    micro-batch (which keeps no gradients between micro-batches)."""
+    batch = replica_batch(inputs, dims)
+    budget = inputs.hardware.memory_bytes * (1.0 - inputs.headroom)
+
+    def priced(micro: int) -> Candidate:
+        setup = Setup(dims, ac, micro, -(-batch // micro), accumulate)
+        return setup, knob_memory(inputs, setup)
+
+    whole = micros[-1] >= batch
+    if whole and (candidate := priced(micros[-1]))[1].total <= budget:
+        return candidate
+    found = None
+    lo, hi = 0, len(micros) - int(whole)  # micros[:lo] fit, micros[hi:] do not
+    while lo < hi:
+        mid = (lo + hi) // 2
+        candidate = priced(micros[mid])
+        if candidate[1].total <= budget:
+            found, lo = candidate, mid + 1
+        else:
+            hi = mid
+    return found
+
+
+def knob_memory(inputs: PlanInputs, setup: Setup) -> MemoryEstimate:
+    """estimate_memory of `setup` on the inputs' device, with the runtime's measured bytes."""
+    w = knob_workload(inputs.workload, setup.micro_batch, setup.ac)
+    return estimate_memory(w, setup, inputs.hardware.device, inputs.memory_overhead_bytes)
+
+
+def candidates(
+    inputs: PlanInputs, allowed: Allowed
+) -> tuple[list[Candidate], list[ParallelDims]]:
+    """layout_candidates over every layout that runs the global batch exactly, and those
+    layouts (none: no layout runs it with the user's settings)."""
+    fitting: list[Candidate] = []
+    searched: list[ParallelDims] = []
     for dims in layouts(inputs, allowed):
-        if not exact(inputs, dims, allowed):
-            continue
-        fits, small = best_of_layout(inputs, dims, allowed)
-        fitting += fits
-        if small is not None:
-            smallest.append(small)
-    return fitting, smallest
+        knobs = layout_knobs(inputs, dims, allowed) if exact(inputs, dims, allowed) else []
+        if knobs:
+            fitting += layout_candidates(inputs, dims, knobs)
+            searched.append(dims)
+    return fitting, searched
+
+
+def search(
+    inputs: PlanInputs, allowed: Allowed = EVERYTHING
+) -> tuple[list[StrategyPlan], list[ParallelDims]]:
+    """(every fitting candidate priced, the layouts searched: those that run the global
+    batch exactly)."""
+    device_fits, searched = candidates(inputs, allowed)
+    priced = (price(inputs, setup, memory=mem) for setup, mem in device_fits)
+    return [plan for plan in priced if plan.fits], searched  # fits: the host's memory too
+
+
+def least_memory(
+    inputs: PlanInputs, searched: list[ParallelDims], allowed: Allowed
+) -> StrategyPlan:
+    """The setting of the `searched` layouts that needs the least device memory (the
+    simplest of equals), priced: what a plan shows when nothing fits."""
+    every = (
+        Setup(dims, ac, micro, -(-replica_batch(inputs, dims) // micro), accumulate)
+        for dims in searched
+        for ac, accumulate, micros in layout_knobs(inputs, dims, allowed)
+        for micro in micros
+    )
+    least = min(every, key=lambda s: (knob_memory(inputs, s).total, setup_simplicity(s)))
+    return price(inputs, least)
 
 
 def score(s: StrategyPlan, goal: Goal) -> float:
+    return cost_score(s.cost, goal)
+
+
+def cost_score(cost: Cost, goal: Goal) -> float:
     if goal.budget_usd is not None or goal.objective == "time":
-        return s.cost.wall_hours
-    return s.cost.total_usd
+        return cost.wall_hours
+    return cost.total_usd
 
 
 def rank(fitting: list[StrategyPlan], goal: Goal) -> list[StrategyPlan]:
@@ -245,18 +310,62 @@ def recommend(
     With a deadline or a budget, on inputs.gpus or fewer (limit_counts)."""
     goal = goal or Goal(inputs.objective)
     inputs, note = exact_batch(inputs, allowed)
-    fitting, smallest = search(inputs, allowed)
-    if not smallest:
+    fitting, searched = search(inputs, allowed)
+    if not searched:
         raise ConfigError(_unmeetable(inputs, allowed))
     if goal.deadline_hours is not None or goal.budget_usd is not None:
         for n in limit_counts(inputs.gpus)[1:]:
             fitting += search(inputs.with_gpus(n), allowed)[0]
     ordered = rank(fitting, goal)
     if not ordered:
-        least = min(smallest, key=lambda s: (s.memory.total, simplicity(s)))
+        least = least_memory(inputs, searched, allowed)
         return Choice(least, False, _reason_unfit(least), batch_note=note)
     best = ordered[0]
     return Choice(best, True, _reason(best, ordered, goal), ordered[1:], note)
+
+
+def best_only(inputs: PlanInputs, allowed: Allowed = EVERYTHING, goal: Goal | None = None) -> Choice:
+    """recommend's configuration, without its alternatives (the sweep's curve asks only
+    for the best): the same answer, for a fraction of the pricing (contenders). Its `why`
+    says only what it is; with a deadline or a budget, recommend itself."""
+    goal = goal or Goal(inputs.objective)
+    if goal.deadline_hours is not None or goal.budget_usd is not None:
+        return recommend(inputs, allowed, goal)
+    inputs, note = exact_batch(inputs, allowed)
+    device_fits, searched = candidates(inputs, allowed)
+    if not searched:
+        raise ConfigError(_unmeetable(inputs, allowed))
+    ordered = rank(contenders(inputs, device_fits, goal), goal)
+    if not ordered:
+        least = least_memory(inputs, searched, allowed)
+        return Choice(least, False, _reason_unfit(least), batch_note=note)
+    return Choice(ordered[0], True, "the best by the goal", batch_note=note)
+
+
+# Rounding between a floor and the price it bounds (the same formulas, summed differently).
+FLOOR_SLACK = 1e-9
+
+
+def contenders(inputs: PlanInputs, device_fits: list[Candidate], goal: Goal) -> list:
+    """The fitting plans among `device_fits` that rank() could put first, in their order.
+    Candidates are priced in the order of their floor (estimate.step_floor: the compute
+    alone, per token; the score grows with a step's seconds), until a floor's score
+    exceeds the best score found by more than SIMPLER_WITHIN: what is left scores higher
+    still, so it can be neither the best nor the simpler one within reach."""
+    floors = [step_floor(inputs, setup) for setup, _ in device_fits]
+    found: dict[int, StrategyPlan] = {}
+    bar = math.inf
+    for i in sorted(range(len(device_fits)), key=lambda i: floors[i][1] / floors[i][0]):
+        tokens, seconds = floors[i]
+        floor = cost_score(job_figures(inputs, tokens, seconds, 0.0)[1], goal)
+        if floor > bar * (1 + SIMPLER_WITHIN) * (1 + FLOOR_SLACK):
+            break
+        setup, mem = device_fits[i]
+        plan = price(inputs, setup, memory=mem)
+        if plan.fits:  # the host's memory too
+            found[i] = plan
+            bar = min(bar, score(plan, goal))
+    return [found[i] for i in sorted(found)]
 
 
 def _unmeetable(inputs: PlanInputs, allowed: Allowed) -> str:
