@@ -28,7 +28,7 @@ from trainwise.plan.model.memory import MemoryEstimate
 from trainwise.plan.planner import COMM_BOUND_SHARE, sharded_name
 from trainwise.run.checkpoint import store as store
 from trainwise.run.checkpoint.store import root_for
-from trainwise.run.launch import versions
+from trainwise.run.job import versions
 
 WHERE = {"intra_node": "within a node", "inter_node": "between nodes"}
 WRITE_PROBE_BYTES = {"cuda": 256 * 2**20, "cpu": 32 * 2**20}  # the write test, at most
