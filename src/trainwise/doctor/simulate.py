@@ -80,6 +80,7 @@ def simulate_layout(
     from trainwise.models.gpt import GPT
     from trainwise.models.gpt_parallel import gpt_tp_plan
     from trainwise.models.registry import cross_entropy_loss
+    from trainwise.run.engine.mesh import job_mesh
     from trainwise.run.engine.optim import build_optimizer
     from trainwise.run.engine.parallelize import parallelize
     from trainwise.run.engine.trainer import build_step, local_loss
@@ -102,11 +103,12 @@ def simulate_layout(
         with torch.device("meta"):
             model = GPT(shape)
         blocks = list(model.blocks)
+        mesh = job_mesh(dims, device.type)  # once, outside the fake mode (it reads values)
         if dtensors:
             tp_plan = gpt_tp_plan(model, sequence_parallel) if dims.tp > 1 else None
             model = parallelize(
                 model, blocks, dims, device=device, precision=precision,
-                reduce_dtype=reduce_dtype, ac=ac, tp_plan=tp_plan,
+                reduce_dtype=reduce_dtype, ac=ac, tp_plan=tp_plan, mesh=mesh,
             )
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=device)
@@ -128,7 +130,8 @@ def simulate_layout(
                     # DDP inside the tracker so that its buckets are seen (as "Other").
                     before = {id(w) for w, _ in tracker._WINFO.values()}
                     model = parallelize(
-                        model, blocks, dims, device=device, precision=precision, ac=ac
+                        model, blocks, dims, device=device, precision=precision, ac=ac,
+                        mesh=mesh,
                     )
                     _relabel_new(tracker, before, _MemRefType.OTH, _UpdateType)
                     if not dims.single:
