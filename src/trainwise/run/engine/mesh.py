@@ -55,30 +55,28 @@ class JobMesh:
     dims: ParallelDims
     device_mesh: DeviceMesh | None
 
-    def _dp_dims(self) -> list[str]:
+    def _dp_axes(self) -> list[int]:
+        """Indices of the mesh's data-parallel dims, outermost first."""
         m = self.device_mesh
-        return [] if m is None else [n for n in m.mesh_dim_names if n in DP_DIMS]
+        return [] if m is None else [i for i, n in enumerate(m.mesh_dim_names) if n in DP_DIMS]
 
     @property
     def dp_size(self) -> int:
         """Ranks that read different samples (a tensor-parallel group reads the same)."""
-        return math.prod(self.device_mesh.size(self.device_mesh.mesh_dim_names.index(n))
-                         for n in self._dp_dims())
+        return math.prod(self.device_mesh.size(i) for i in self._dp_axes())
 
     @property
     def dp_rank(self) -> int:
         """Which share of the data this rank reads: its coordinate over the data-parallel
         dims of the mesh, replicas outermost."""
-        m = self.device_mesh
-        if m is None:
+        if self.device_mesh is None:
             return 0
-        coordinate = m.get_coordinate()
+        coordinate = self.device_mesh.get_coordinate()
         if coordinate is None:
             raise ValueError("this rank is not part of the job's mesh")
         rank = 0
-        for name in self._dp_dims():
-            i = m.mesh_dim_names.index(name)
-            rank = rank * m.size(i) + coordinate[i]
+        for i in self._dp_axes():
+            rank = rank * self.device_mesh.size(i) + coordinate[i]
         return rank
 
     def tp_mesh(self) -> DeviceMesh:
