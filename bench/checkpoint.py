@@ -124,7 +124,7 @@ def checkpointer(work: Path, model, opt, async_save: bool) -> Checkpointer:
     return Checkpointer(
         CheckpointConfig(**{"async": async_save, "keep_last": 100}),
         Place(work / "ckpt", work, rank=0, world=1, device=cpu),
-        training_states(model, opt, 0, cpu),
+        training_states([model], opt, 0, cpu),
         {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), "scaler": None},
         META,
         SaveSchedule(total_steps=10**6),

@@ -51,7 +51,7 @@ class Run:
     ms_per_step: float  # steady-state wall time per step
     final_loss: float
     wall_s: float  # the whole subprocess, start-up included
-    # trainwise only: what its own step clock saw (Stepper.step) vs the wall per step; the
+    # trainwise only: what its own step clock saw (DataParallelStep.step) vs the wall per step; the
     # difference is spent outside the step (logging, loss all-reduce, probe pass, ...).
     step_clock_ms: float | None = None
     probe_ms: float | None = None  # the probes' extra passes, spread over the window's steps

@@ -2,6 +2,9 @@
 device gives, gathered parameter by parameter, exactly the model one process builds; each
 rank holds a quarter of it; and sharded accumulation keeps a quarter of the gradients
 where unsharded keeps none sharded (FSDP holds the full ones aside until the sync).
+The same launch trains the 2 x 2 job through the engine with a toy model converter (every
+Linear swapped for one that counts its calls) and without: the losses are equal, and the
+job's mesh gives each tensor-parallel pair one data-parallel rank.
 One torchrun launch of 4 gloo workers (tp_worker.py)."""
 
 from __future__ import annotations
@@ -64,3 +67,17 @@ def test_sharded_accumulation_keeps_only_sharded_gradients(launched):
     for figures in ranks:
         assert figures["grad_bytes_sharded"] == figures["param_bytes"]
         assert figures["grad_bytes_unsharded"] == 0  # held unsharded inside FSDP instead
+
+
+def test_a_toy_converter_trains_the_same_losses_under_fsdp_and_tp(launched):
+    _, ranks = launched
+    for figures in ranks:
+        assert figures["linear_calls"] > 0  # the converter ran: its Linears were called
+        assert len(figures["plain_losses"]) == 3
+        assert figures["converted_losses"] == figures["plain_losses"]
+    assert len({tuple(f["plain_losses"]) for f in ranks}) == 1  # averaged over ranks
+
+
+def test_the_mesh_gives_each_tensor_parallel_pair_one_data_rank(launched):
+    _, ranks = launched
+    assert [f["dp_rank"] for f in ranks] == [0, 0, 1, 1]

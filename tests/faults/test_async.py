@@ -39,7 +39,7 @@ def checkpointer(run_dir: Path, async_save: bool, parts: tuple) -> Checkpointer:
     return Checkpointer(
         CheckpointConfig(interval=1, async_save=async_save),
         Place(run_dir / "checkpoints", run_dir, 0, 1, cpu),
-        training_states(model, optimizer, 0, cpu),
+        training_states([model], optimizer, 0, cpu),
         {"scheduler": scheduler, "scaler": None},
         meta={"strategy": "single", "dp_size": 1, "config_hash": "test", "lineage": {}},
         schedule=SaveSchedule(total_steps=10),

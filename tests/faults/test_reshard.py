@@ -20,8 +20,8 @@ from trainwise.config import load_config
 from trainwise.data import build_eval_loader
 from trainwise.hardware import detect_device
 from trainwise.models import build_model
-from trainwise.run.engine.loop import evaluate
 from trainwise.run.engine.precision import autocast_context
+from trainwise.run.engine.step import evaluate
 from trainwise.run.job.resolve import prepare_job
 
 pytestmark = pytest.mark.dist

@@ -51,3 +51,27 @@ def test_a_failed_save_says_whether_an_earlier_checkpoint_is_intact(tmp_path: Pa
     commit(tmp, final_dir(root, 4), fields)
     later = str(_save_error(8, tmp_dir(root, 8), full))
     assert "the previous checkpoint is intact (step-00000004)" in later
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(3, 3)
+        self.second = torch.nn.Linear(3, 2)
+
+
+def test_the_model_state_of_parts_keeps_the_whole_models_names():
+    """As pipeline stages split a model: each part keeps the whole model's names, and the
+    checkpoint's keys are those of the whole model however it is split."""
+    from trainwise.run.checkpoint.states import ModelState
+
+    torch.manual_seed(0)
+    whole = TwoLayers()
+    one = ModelState([whole]).state_dict()
+    assert sorted(one) == sorted(whole.state_dict())
+    front, back = TwoLayers(), TwoLayers()
+    front.second, back.first = None, None  # each stage drops the other's layers
+    ModelState([front, back]).load_state_dict(one)
+    split = ModelState([front, back]).state_dict()
+    assert sorted(split) == sorted(one)
+    assert all(torch.equal(split[k], one[k]) for k in one)

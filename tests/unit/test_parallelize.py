@@ -9,7 +9,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models import ModelSpec, build_model
-from trainwise.run.engine.parallelize import apply_ac, build_mesh
+from trainwise.run.engine.mesh import build_mesh
+from trainwise.run.engine.parallelize import apply_ac
 
 
 def grads_after_one_step(ac: str, dropout: float) -> list[torch.Tensor]:

@@ -12,8 +12,8 @@ import torch
 
 from trainwise.config.schema import LoggingConfig
 from trainwise.report.summary import MISSING, render_summary
-from trainwise.run.engine.loop import StepResult
 from trainwise.run.engine.recorder import Recorder
+from trainwise.run.engine.step import StepResult
 
 STEPS = 6
 LOSSES = {1: 5.0, 2: 4.0, 3: 3.0, 4: 2.5, 5: 2.0, 6: 1.5}

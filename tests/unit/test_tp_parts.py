@@ -18,9 +18,10 @@ from trainwise.config.parallel_dims import ParallelDims
 from trainwise.errors import ConfigError
 from trainwise.hardware import GB, DeviceInfo
 from trainwise.models import ModelSpec, build_model
-from trainwise.run.engine.loop import Stepper
 from trainwise.run.engine.materialize import materialize, parameter_seed, plain_name
-from trainwise.run.engine.parallelize import apply_ac, build_mesh, dp_mesh
+from trainwise.run.engine.mesh import build_mesh, dp_mesh
+from trainwise.run.engine.parallelize import apply_ac
+from trainwise.run.engine.step import DataParallelStep
 from trainwise.run.job.resolve import prepare_job, start_lines
 
 CPU = DeviceInfo("cpu", "cpu", 1, 64 * GB, bf16=True, fp16=False, gpu=None)
@@ -187,10 +188,10 @@ def test_the_stepper_syncs_every_micro_batch_only_when_sharded(sharded, probe, e
     model = RecordingModel()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-    stepper = Stepper(
-        model, torch.nn.functional.cross_entropy, opt, sched, None, nullcontext, 3, 1.0,
+    stepper = DataParallelStep(
+        torch.nn.functional.cross_entropy, opt, sched, None, nullcontext, 3, 1.0,
         torch.device("cpu"), sharded_accumulation=sharded,
     )
     batches = iter([(torch.randn(2, 4), torch.tensor([0, 1]))] * 3)
-    stepper.step(batches, probe=probe)
+    stepper.step([model], batches, probe=probe)
     assert model.syncs == expected

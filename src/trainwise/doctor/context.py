@@ -118,7 +118,7 @@ def timed_steps(
     all) call it."""
     source = itertools.cycle(batches)
     for _ in range(warmup):
-        trainer.stepper.step(source, probe=False)
+        trainer.train_step(source, probe=False)
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
     if host or ctx.host:
@@ -126,7 +126,7 @@ def timed_steps(
     seconds = []
     for _ in range(steps):
         start = time.perf_counter()
-        trainer.stepper.step(source, probe=False)
+        trainer.train_step(source, probe=False)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         seconds.append(time.perf_counter() - start)

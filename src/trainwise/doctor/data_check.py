@@ -63,13 +63,12 @@ def check_data(ctx: Context) -> CheckResult:
     c = ctx.cfg
     trainer = build_trainer(c, ctx.job, ctx.device, faults=ctx.faults)
     compute_s = timed_steps(trainer, ctx.batches(trainer), c.doctor.timed_steps, ctx)
+    dp = (trainer.dp_rank, trainer.dp_size)  # asked of the job's mesh
     del trainer
     # The same counts on every rank (each count is a collective): the fewest cores any
     # rank has.
     cores = int(ctx.reduce(max(1, usable_cores() // ctx.env.local_world), dist.ReduceOp.MIN))
     counts = sorted({0, *range(1, min(MAX_WORKERS, cores) + 1), c.data.num_workers})
-    dims = ctx.job.dims
-    dp = (dims.dp_rank(ctx.env.rank), dims.dp_size)
     rows = []
     for workers in counts:
         data_s = loader_seconds_per_step(ctx, workers, *dp)

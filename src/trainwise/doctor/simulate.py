@@ -1,7 +1,7 @@
 """Measure the per-rank peak memory of one training step without the memory: trainwise's
-real model and real strategy code (run.parallelize, run.optim, run.precision) on fake
-tensors, over PyTorch's fake process group of the target world size (one process plays
-rank 0; collectives do nothing but have the right buffers), under PyTorch's memory
+real model and real engine code (run/engine: parallelize, optim, and the training step
+the trainer builds, trainer.build_step) on fake tensors, over PyTorch's fake process
+group of the target world size (one process plays rank 0; collectives do nothing but have the right buffers), under PyTorch's memory
 trackers (torch.distributed._tools: MemTracker for single/DDP, FSDPMemTracker for FSDP2).
 
 It is a measurement, like the doctor's, so it lives here and `trainwise plan --simulate`
@@ -72,17 +72,17 @@ def simulate_layout(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
+    from torch.optim.lr_scheduler import LambdaLR
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from trainwise.config.schema import OptimConfig
     from trainwise.models.gpt import GPT
     from trainwise.models.gpt_parallel import gpt_tp_plan
     from trainwise.models.registry import cross_entropy_loss
-    from trainwise.run.engine.loop import clip_grads, total_grad_norm
+    from trainwise.run.engine.mesh import job_mesh
     from trainwise.run.engine.optim import build_optimizer
     from trainwise.run.engine.parallelize import parallelize
-    from trainwise.run.engine.precision import autocast_context
-    from trainwise.run.engine.trainer import local_loss, loss_context
+    from trainwise.run.engine.trainer import build_step, local_loss
 
     if not simulated(dims):
         raise ValueError(f"cannot simulate {layout_name(dims)}; simulated: {', '.join(SIMULATED)}")
@@ -102,11 +102,12 @@ def simulate_layout(
         with torch.device("meta"):
             model = GPT(shape)
         blocks = list(model.blocks)
+        mesh = job_mesh(dims, device.type)  # once, outside the fake mode (it reads values)
         if dtensors:
             tp_plan = gpt_tp_plan(model, sequence_parallel) if dims.tp > 1 else None
             model = parallelize(
                 model, blocks, dims, device=device, precision=precision,
-                reduce_dtype=reduce_dtype, ac=ac, tp_plan=tp_plan,
+                reduce_dtype=reduce_dtype, ac=ac, tp_plan=tp_plan, mesh=mesh,
             )
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=device)
@@ -114,7 +115,7 @@ def simulate_layout(
             x = torch.randint(0, shape.vocab_size, (micro_batch, seq))
             y = torch.randint(0, shape.vocab_size, (micro_batch, seq))
             if dtensors:
-                opt = build_optimizer(model, optim_cfg)
+                opt = build_optimizer([model], optim_cfg)
                 tracker = FSDPMemTracker(model, opt) if dims.fsdp else MemTracker()
                 if dims.fsdp:
                     tracker.track_inputs((x, y))
@@ -128,23 +129,22 @@ def simulate_layout(
                     # DDP inside the tracker so that its buckets are seen (as "Other").
                     before = {id(w) for w, _ in tracker._WINFO.values()}
                     model = parallelize(
-                        model, blocks, dims, device=device, precision=precision, ac=ac
+                        model, blocks, dims, device=device, precision=precision, ac=ac,
+                        mesh=mesh,
                     )
                     _relabel_new(tracker, before, _MemRefType.OTH, _UpdateType)
                     if not dims.single:
                         _fake_comm_hook(torch, dist, model, world)
-                    opt = build_optimizer(model, optim_cfg)
+                    opt = build_optimizer([model], optim_cfg)
+                # The training step itself (run/engine/step.py), on one micro-batch,
+                # without the non-finite check (fake tensors hold no values).
+                step = build_step(
+                    dims, precision, device, loss_fn, opt, LambdaLR(opt, lambda _: 1.0), None,
+                    1, 1.0, guard=False,
+                )
                 for _ in range(STEPS):
                     _reset_peak(tracker)
-                    # The loop's step (run.loop.Stepper) without its data-dependent branches.
-                    with loss_context(dims.tp, autocast_context(dims.fsdp, precision, device)):
-                        loss = loss_fn(model(x), y)
-                        loss.backward()
-                    params = [p for p in model.parameters() if p.grad is not None]
-                    clip_grads(params, 1.0, total_grad_norm(params))
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    del loss
+                    step.step([model], iter([(x, y)]), probe=False)
                     snapshot = tracker.get_tracker_snapshot("peak").get(device, {})
                     tracker.reset_mod_stats()
     parts = dict.fromkeys(("params", "grads", "optimizer", "activations", "buffers"), 0)

@@ -19,7 +19,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from trainwise.doctor.context import Context
 from trainwise.doctor.result import CheckResult
 from trainwise.jsonl import read_objects
-from trainwise.run.engine.loop import mean_over_ranks
+from trainwise.run.engine.step import mean_over_ranks
 from trainwise.run.engine.trainer import Trainer, build_checkpointer, build_trainer
 
 MIN_FALL = 0.01  # the loss must fall by at least this share over the smoke steps
@@ -37,12 +37,12 @@ def overfit(ctx: Context, precision: str | None = None) -> tuple[Trainer, list, 
     trainer = build_trainer(
         ctx.cfg, ctx.job, ctx.device, precision=precision, faults=ctx.faults
     )
-    trainer.stepper.scheduler = LambdaLR(trainer.optimizer, lambda _: 1.0)
+    trainer.step.scheduler = LambdaLR(trainer.optimizer, lambda _: 1.0)
     batch = ctx.batches(trainer)
     source = itertools.cycle(batch)
     losses = []
     for _ in range(ctx.cfg.doctor.smoke_steps):
-        res = trainer.stepper.step(source, probe=False)
+        res = trainer.train_step(source, probe=False)
         losses.append(mean_over_ranks(res.loss)[0])
     return trainer, batch, losses
 
@@ -53,7 +53,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def snapshot(trainer: Trainer) -> dict[str, torch.Tensor]:
     """This rank's model and optimizer tensors by name (shards as held)."""
-    out = {f"model.{k}": _local(v) for k, v in trainer.model.state_dict().items()}
+    out = {f"model.{k}": _local(v) for part in trainer.parts for k, v in part.state_dict().items()}
     for pid, state in trainer.optimizer.state_dict()["state"].items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
@@ -86,9 +86,9 @@ def roundtrip(ctx: Context, trainer: Trainer, batch: list) -> tuple[list[str], f
                     if e.get("kind") == "checkpoint" and e.get("save_s") is not None]
         save_s = statistics.median(recorded[1:] or recorded or seconds[1:] or seconds)
         with torch.no_grad():
-            for p in trainer.model.parameters():
+            for p in (p for part in trainer.parts for p in part.parameters()):
                 p.add_(1.0)
-        trainer.stepper.step(itertools.cycle(batch), probe=False)  # moves the optimizer state
+        trainer.train_step(itertools.cycle(batch), probe=False)  # moves the optimizer state
         path, _ = ckpt.find()
         assert path is not None, "the smoke checkpoint was not committed"
         ckpt.load(path)

@@ -4,7 +4,10 @@ A checkpoint holds the DCP (torch.distributed.checkpoint) shards of
 ``{"model": ..., "optim": ...}``, written by every rank. Export reads only the "model" part,
 in this one process, with DCP's own planner and reader: no process group, no model built,
 so a checkpoint of any strategy or world size becomes a flat ``{fqn: full tensor}`` that
-``model.load_state_dict(..., strict=True)`` accepts on the unwrapped model.
+``model.load_state_dict(..., strict=True)`` accepts on the unwrapped model. The "model"
+part holds the weights of every model part under the whole model's names
+(run/checkpoint/states.py:ModelState), so a model split into parts (pipeline stages)
+exports the same way.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -26,23 +27,32 @@ MODEL, OPTIMIZER, RNG = "model", "optim", "rng"
 
 
 class ModelState(Stateful):
-    """The model's weights, as DCP's state-dict API names them whatever the wrapper."""
+    """The weights of the model's parts in one mapping, as DCP's state-dict API names them
+    whatever the wrapper (each part keeps the whole model's names, as torchtitan's
+    ModelWrapper: the keys do not depend on how the model is split)."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    def __init__(self, parts: list[torch.nn.Module]):
+        self.parts = parts
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict)
+        # One part must find all its keys; several each take theirs from the whole.
+        options = StateDictOptions(strict=len(self.parts) == 1)
+        for part in self.parts:
+            set_model_state_dict(part, state_dict, options=options)
 
 
 class OptimizerState(Stateful):
-    """The optimizer's state, keyed by parameter names (so it reshards with the model)."""
+    """The optimizer's state, keyed by parameter names (so it reshards with the model).
+    One optimizer over one part's parameters today; pipeline stages will bring one per
+    part (torchtitan's OptimizersContainer)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        self.model = model
+    def __init__(self, parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer):
+        if len(parts) != 1:
+            raise ValueError(f"one optimizer state per model part: {len(parts)} parts")
+        self.model = parts[0]
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
@@ -98,11 +108,14 @@ class RngState(Stateful):
 
 
 def training_states(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, device: torch.device
+    parts: list[torch.nn.Module],
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    device: torch.device,
 ) -> dict[str, Stateful]:
-    """The DCP part of a training checkpoint."""
+    """The DCP part of a training checkpoint, over the model's parts."""
     return {
-        MODEL: ModelState(model),
-        OPTIMIZER: OptimizerState(model, optimizer),
+        MODEL: ModelState(parts),
+        OPTIMIZER: OptimizerState(parts, optimizer),
         RNG: RngState(rank, device),
     }

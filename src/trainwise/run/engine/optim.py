@@ -9,8 +9,10 @@ import torch
 from trainwise.config.schema import OptimConfig, ScheduleConfig
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
+def build_optimizer(parts: list[torch.nn.Module], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """One optimizer over the trainable parameters of every model part (a converter may
+    freeze some: LoRA trains only its adapters)."""
+    params = [p for part in parts for p in part.parameters() if p.requires_grad]
     if cfg.name == "sgd":
         return torch.optim.SGD(
             params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay

@@ -1,5 +1,5 @@
 """Layout wrapping: a few `apply_*` functions, and `parallelize()` that picks among them
-from the job's ParallelDims.
+from the job's ParallelDims, over the job's mesh (run/engine/mesh.py).
 
 Everything here composes PyTorch's own pieces: DTensor's tensor parallelism
 (`parallelize_module` with the model's own plan), activation checkpointing's wrapper,
@@ -15,13 +15,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.errors import ConfigError
+from trainwise.run.engine.mesh import JobMesh, job_mesh
 from trainwise.run.engine.precision import TORCH_DTYPES
 
 
@@ -88,37 +89,6 @@ def apply_fsdp(
     return model
 
 
-def build_mesh(
-    dims: ParallelDims, device_type: str, group: dist.ProcessGroup | None = None
-) -> DeviceMesh | None:
-    """The layout's device mesh (ParallelDims.mesh_dims: named dims over all ranks), or a
-    1-D shard mesh over `group`'s ranks (the doctor times smaller worlds inside one
-    launch). None when nothing is sharded."""
-    if not dims.fsdp and dims.tp == 1:
-        return None
-    if group is not None:
-        if dims.tp > 1:
-            raise ValueError("a mesh over a process group is data-parallel only (tp = 1)")
-        return DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_shard",))
-    # Rows of arange(world) reshaped (dp_replicate, dp_shard, tp): a tp group is a run of
-    # consecutive ranks (inside a machine), a shard group the next level out. torchrun
-    # numbers ranks machine by machine, so with one replica per machine each shard group
-    # is one machine and only dp_replicate crosses machines.
-    names, sizes = dims.mesh_dims()
-    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
-    if "dp_shard" in names and "tp" in names:
-        # A gradient norm is partial over both: with the flattened dim registered DTensor
-        # completes it in one all-reduce instead of one per dim.
-        mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
-    return mesh
-
-
-def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The data-parallel dims of the N-D mesh, which FSDP shards (and replicates) over."""
-    names = tuple(n for n in mesh.mesh_dim_names if n != "tp")
-    return mesh if len(names) == mesh.ndim else mesh[names]
-
-
 def parallelize(
     model: nn.Module,
     blocks: list[nn.Module],
@@ -131,16 +101,18 @@ def parallelize(
     compile: bool = False,
     group: dist.ProcessGroup | None = None,
     tp_plan: list[dict[str, object]] | None = None,
+    mesh: JobMesh | None = None,
 ) -> nn.Module:
-    """The one place a layout is applied, in torchtitan's order: tensor parallelism (the
-    model's `tp_plan`), AC, compile, then the data-parallel wrapper (FSDP must see the
-    final modules). `group`: data parallelism over that group's ranks instead of all (not
-    for hsdp or tp)."""
-    mesh = build_mesh(dims, device.type, group)
+    """The one place a layout is applied to a model (or one part of it), in torchtitan's
+    order: tensor parallelism (the model's `tp_plan`), AC, compile, then the data-parallel
+    wrapper (FSDP must see the final modules), over `mesh`: the job's, built once
+    (mesh.job_mesh); built here from `dims` and `group` when not given. `group`: data
+    parallelism over that group's ranks instead of all (not for hsdp or tp)."""
+    mesh = mesh or job_mesh(dims, device.type, group)
     if dims.tp > 1:
         if tp_plan is None:
             raise ConfigError(f"parallel.tp = {dims.tp} needs a model with a tensor-parallel plan")
-        apply_tp(model, mesh["tp"], tp_plan)
+        apply_tp(model, mesh.tp_mesh(), tp_plan)
     blocks = apply_ac(model, blocks, ac)
     if compile:
         apply_compile(blocks)
@@ -149,11 +121,11 @@ def parallelize(
     if not dims.fsdp:
         if dims.tp > 1:
             raise ConfigError("DDP cannot replicate tensor-parallel shards: use FSDP or HSDP")
-        return apply_ddp(model, device, group)
+        return apply_ddp(model, device, mesh.dp_group())
     return apply_fsdp(
         model,
         blocks,
-        dp_mesh(mesh),
+        mesh.dp_mesh(),
         reshard_after_forward=dims.reshard_after_forward,
         param_dtype=precision,
         reduce_dtype=reduce_dtype,

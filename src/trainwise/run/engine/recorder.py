@@ -15,7 +15,7 @@ import torch
 from trainwise.config.schema import LoggingConfig
 from trainwise.plan.advisor import loader_fixes
 from trainwise.plan.model.flops import mfu
-from trainwise.run.engine.loop import StepResult, mean_over_ranks
+from trainwise.run.engine.step import StepResult, mean_over_ranks
 from trainwise.run.observe.telemetry import (
     STAGES,
     MetricsWriter,

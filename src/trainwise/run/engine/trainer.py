@@ -1,15 +1,17 @@
-"""The training components of a job, built in one place: the model (seeded, on the device,
-wrapped by its strategy), optimizer, schedule, gradient scaler and the Stepper. The worker
-trains with them; the doctor times, overfits and checkpoints them."""
+"""The training components of a job, built in one place: the mesh (once), the model's parts
+(run/engine/parts.py: converted, parallelized, seeded), optimizer, schedule, gradient
+scaler and the step strategy. The worker trains with them; the doctor times, overfits and
+checkpoints them."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,32 +20,47 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from trainwise.config import JobConfig, job_hash
 from trainwise.config.lineage import lineage_keys
+from trainwise.config.parallel_dims import ParallelDims
 from trainwise.faults import NO_FAULTS, Faults
-from trainwise.models import ModelBundle, build_model
+from trainwise.models.converters import build_converters, post_optimizer_hooks
 from trainwise.plan.model.comm import allreduce_factor
 from trainwise.run.checkpoint.dcp import Checkpointer, Place, SaveSchedule
 from trainwise.run.checkpoint.states import training_states
 from trainwise.run.checkpoint.store import root_for
-from trainwise.run.engine.loop import Stepper
-from trainwise.run.engine.materialize import allocate, materialize
+from trainwise.run.engine.mesh import JobMesh, job_mesh
 from trainwise.run.engine.optim import build_optimizer, build_scheduler
-from trainwise.run.engine.parallelize import parallelize
+from trainwise.run.engine.parts import build_parts
 from trainwise.run.engine.precision import autocast_context, build_grad_scaler
+from trainwise.run.engine.step import Batch, DataParallelStep, StepResult, TrainStep
 from trainwise.run.job.distributed import DistEnv
-from trainwise.run.job.resolve import Job, sequence_parallel
+from trainwise.run.job.resolve import Job
 
 
 @dataclass
 class Trainer:
-    model: torch.nn.Module
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """A job's training components on this rank: the model's parts, on the mesh built once
+    for the job, and the step strategy that trains them."""
+
+    parts: list[torch.nn.Module]  # one today; pipeline stages later
+    mesh: JobMesh
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler | None
-    autocast: Callable[[], AbstractContextManager]
-    stepper: Stepper
-    dp_rank: int
-    dp_size: int
+    step: TrainStep
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp_size
+
+    def train_step(self, batches: Iterator[Batch], probe: bool = False) -> StepResult:
+        return self.step.step(self.parts, batches, probe)
+
+    def evaluate(self, batches: Iterable[Batch]) -> float:
+        return self.step.evaluate(self.parts, batches)
 
 
 def build_trainer(
@@ -62,91 +79,52 @@ def build_trainer(
     c = cfg
     dtype = precision or c.precision.dtype
     dims = job.dims
-    if dims.single:  # one rank's data, whatever the world
-        rank = 0
-    elif group is not None:
-        rank = dist.get_rank(group)
-    else:
-        rank = dist.get_rank()
-    bundle, model = build_model_for(cfg, job, device, dtype, group)
-    faults.network(model, allreduce_factor)  # slowed only under a test's fault
+    mesh = job_mesh(dims, device.type, group)
+    converters = build_converters(cfg)
+    bundle, parts = build_parts(cfg, job, mesh, device, dtype, converters)
+    for part in parts:
+        faults.network(part, allreduce_factor)  # slowed only under a test's fault
     # Dropout differs between data-parallel ranks; the ranks of one tensor-parallel group
     # draw the same masks (they hold the same replicated activations).
-    torch.manual_seed(c.train.seed + 1 + dims.dp_rank(rank))
-    optimizer = build_optimizer(model, c.optim)
+    torch.manual_seed(c.train.seed + 1 + mesh.dp_rank)
+    optimizer = build_optimizer(parts, c.optim)
     scheduler = build_scheduler(optimizer, c.train.steps, c.schedule)
     scaler = build_grad_scaler(dims.fsdp, dtype, device, c.precision.init_scale)
+    loss_fn = local_loss(bundle.loss_fn) if dims.tp > 1 else bundle.loss_fn
+    step = build_step(
+        dims, dtype, device, loss_fn, optimizer, scheduler, scaler, job.grad_accum,
+        c.train.grad_clip,
+        sharded_accumulation=job.sharded_accumulation,
+        # Compiled blocks run their collectives inside the graph: no dispatch to time.
+        time_tp=dims.tp > 1 and not c.train.compile,
+        after_optimizer=post_optimizer_hooks(converters),
+    )
+    return Trainer(parts, mesh, optimizer, scheduler, scaler, step)
+
+
+def build_step(
+    dims: ParallelDims,
+    dtype: str,
+    device: torch.device,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler | None,
+    grad_accum: int,
+    grad_clip: float,
+    **options: Any,
+) -> TrainStep:
+    """The layout's step strategy: today the data-parallel step, its forward under the
+    layout's precision and loss contexts (the trainer and the doctor's simulation build it
+    here). `options`: DataParallelStep's keywords."""
 
     def autocast() -> AbstractContextManager:
         return loss_context(dims.tp, autocast_context(dims.fsdp, dtype, device))
 
-    loss_fn = local_loss(bundle.loss_fn) if dims.tp > 1 else bundle.loss_fn
-    stepper = Stepper(
-        model, loss_fn, optimizer, scheduler, scaler, autocast,
-        job.grad_accum, c.train.grad_clip, device,
-        sharded_accumulation=job.sharded_accumulation,
-        backward_context=lambda: loss_context(dims.tp),
-        # Compiled blocks run their collectives inside the graph: no dispatch to time.
-        time_tp=dims.tp > 1 and not c.train.compile,
+    return DataParallelStep(
+        loss_fn, optimizer, scheduler, scaler, autocast, grad_accum, grad_clip, device,
+        backward_context=lambda: loss_context(dims.tp), **options,
     )
-    return Trainer(
-        model, loss_fn, optimizer, scheduler, scaler, autocast, stepper,
-        dims.dp_rank(rank), dims.dp_size,
-    )
-
-
-def build_model_for(
-    cfg: JobConfig,
-    job: Job,
-    device: torch.device,
-    dtype: str,
-    group: dist.ProcessGroup | None,
-) -> tuple[ModelBundle, torch.nn.Module]:
-    """The job's model, parallelized. A model with per-parameter init (the GPT) is built
-    on the meta device, parallelized, then materialised shard by shard (materialize);
-    others are built whole on the device from the seeded RNG, then parallelized."""
-    c, dims = cfg, job.dims
-    with torch.device("meta"):
-        bundle = build_model(job.model_spec)
-    if bundle.init_parameter is None:
-        # Same seed on every rank: identical initial weights whatever the layout.
-        torch.manual_seed(c.train.seed)
-        bundle = build_model(job.model_spec)
-        bundle.module.to(device)
-    # DDP keeps a whole replica per rank and checks it at wrapping: materialise first.
-    whole = not dims.fsdp and dims.tp == 1
-    init = bundle.init_parameter
-    if init is not None and whole:
-        _fill(bundle, bundle.module, c.train.seed, device)
-    sp = sequence_parallel(c)
-    model = parallelize(
-        bundle.module,
-        bundle.blocks,
-        dims,
-        device=device,
-        precision=dtype,
-        reduce_dtype=c.precision.reduce_dtype,
-        ac=c.parallel.ac,
-        compile=c.train.compile,
-        group=group,
-        tp_plan=bundle.tp_plan(sp) if dims.tp > 1 and bundle.tp_plan else None,
-    )
-    if init is not None and not whole:
-        # FSDP's CPU offload keeps the sharded parameters in host memory.
-        home = torch.device("cpu") if dims.cpu_offload else device
-        _fill(bundle, model, c.train.seed, home)
-    if bundle.load_weights is not None:  # pretrained: each rank reads its own shards
-        bundle.load_weights(model)
-    return bundle, model
-
-
-def _fill(bundle: ModelBundle, model: torch.nn.Module, seed: int, device: torch.device) -> None:
-    """Storage for a meta-built model's shards: random values, or none yet when the
-    pretrained weights load next (they fill every parameter: load_weights checks)."""
-    if bundle.load_weights is not None:
-        allocate(model, device)
-    else:
-        materialize(model, bundle.init_parameter, seed, device)
 
 
 def loss_context(tp: int, inner: AbstractContextManager | None = None) -> AbstractContextManager:
@@ -188,7 +166,7 @@ def build_checkpointer(
     return Checkpointer(
         c.checkpoint,
         place,
-        training_states(trainer.model, trainer.optimizer, env.rank, device),
+        training_states(trainer.parts, trainer.optimizer, env.rank, device),
         {"scheduler": trainer.scheduler, "scaler": trainer.scaler},
         meta={
             "strategy": job.strategy, "dp_size": trainer.dp_size, "model": c.model.name,

@@ -24,8 +24,8 @@ from trainwise.run.checkpoint import store as store
 from trainwise.run.checkpoint.dcp import Resumed
 from trainwise.run.checkpoint.store import CheckpointError
 from trainwise.run.engine.control import Control
-from trainwise.run.engine.loop import StepResult, evaluate
 from trainwise.run.engine.recorder import Recorder
+from trainwise.run.engine.step import StepResult
 from trainwise.run.engine.trainer import build_checkpointer, build_trainer
 from trainwise.run.job.distributed import DistEnv, network_line, side_group
 from trainwise.run.job.lifeline import this_launch
@@ -179,9 +179,8 @@ class Training:
             self.watchdog.arm()  # re-armed each step: it fires on a step that outlasts timeout_s
         self.faults.before_step(self.step, until=self.stopping)
         self.profiler.before_step(self.step)
-        stepper = self.trainer.stepper
-        stepper.poison = self.faults.poisons(self.step)
-        result = stepper.step(self.batches, probe=self.recorder.probe_now(self.step))
+        self.trainer.step.poison = self.faults.poisons(self.step)
+        result = self.trainer.train_step(self.batches, probe=self.recorder.probe_now(self.step))
         self.profiler.end_step()
         if result.finite:
             self.skips_in_a_row = 0
@@ -217,8 +216,7 @@ class Training:
         if every <= 0 or (step % every and step != self.cfg.train.steps):
             return None
         self.stage = "evaluation"
-        t = self.trainer
-        return evaluate(t.model, t.loss_fn, self.eval_batches(), t.autocast, self.device)
+        return self.trainer.evaluate(self.eval_batches())
 
     def maybe_save(self) -> tuple[bool, float]:
         """Agree on stop / save-now with every rank, then save when due; returns (stop,
@@ -243,7 +241,7 @@ class Training:
         if launch is not None and launch.fatal():
             raise SystemExit(0) from None  # a peer stopped the run for good: it reports why
         kind = classify(err)
-        where = self.trainer.stepper.stage if self.stage == "the training step" else self.stage
+        where = self.trainer.step.stage if self.stage == "the training step" else self.stage
         timeout = self.cfg.parallel.timeout_s
         # A hang needs the diagnosis; a lost peer exited, and the agent reports which (no
         # need to hold up the restart by a barrier).

@@ -1,4 +1,8 @@
-"""One optimizer step (gradient accumulation, probe, clipping, update) and evaluation."""
+"""The training step as a strategy object: `TrainStep.step(parts, batches, probe)` runs one
+optimizer step over the model's parts and `evaluate(parts, batches)` the held-out loss.
+`DataParallelStep` is today's (gradient accumulation, probe, clipping, update, on one part);
+a pipeline step, which runs a schedule over several parts, will be another implementation.
+The doctor's memory simulation runs the same object on its fake process group."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,16 +56,42 @@ class StepResult:
         return spans, probe_sync
 
 
-class Stepper:
-    """Runs training steps on a parallelized model. The probe (on chosen steps) runs every
-    micro-batch without gradient sync, then the last micro-batch again with its loss
-    multiplied by zero and the sync on: the gradients are bit-for-bit those of a normal
-    step, and the difference in time between the two last passes is the exposed sync.
-    (A model with BatchNorm would see its running statistics updated twice.)"""
+class TrainStep(Protocol):
+    """How one optimizer step runs over the model's parts."""
+
+    stage: str  # where a failed collective was: named in its message
+    poison: bool  # a test's fault: the next step's loss is NaN
+
+    def step(self, parts: list[torch.nn.Module], batches: Iterator[Batch], probe: bool) -> StepResult:
+        """Forward, backward, clip and update on the step's micro-batches from `batches`;
+        `probe`: also measure the exposed gradient sync."""
+        ...
+
+    def evaluate(self, parts: list[torch.nn.Module], batches: Iterable[Batch]) -> float:
+        """Mean held-out loss over this rank's batches, averaged over ranks."""
+        ...
+
+
+def grad_params(parts: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """The parameters of every part that got a gradient: what is clipped and checked."""
+    return [p for part in parts for p in part.parameters() if p.grad is not None]
+
+
+def one_part(parts: list[torch.nn.Module]) -> torch.nn.Module:
+    if len(parts) != 1:
+        raise ValueError(f"the data-parallel step runs one model part, not {len(parts)}")
+    return parts[0]
+
+
+class DataParallelStep:
+    """Runs training steps on a parallelized model (one part). The probe (on chosen steps)
+    runs every micro-batch without gradient sync, then the last micro-batch again with its
+    loss multiplied by zero and the sync on: the gradients are bit-for-bit those of a
+    normal step, and the difference in time between the two last passes is the exposed
+    sync. (A model with BatchNorm would see its running statistics updated twice.)"""
 
     def __init__(
         self,
-        model: torch.nn.Module,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -73,8 +104,9 @@ class Stepper:
         sharded_accumulation: bool = False,
         backward_context: Callable[[], AbstractContextManager] = contextlib.nullcontext,
         time_tp: bool = False,
+        after_optimizer: list[Callable[[list[torch.nn.Module]], None]] | None = None,
+        guard: bool = True,
     ):
-        self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -88,26 +120,32 @@ class Stepper:
         self.sharded_accumulation = sharded_accumulation
         self.backward_context = backward_context  # loss_parallel under tensor parallelism
         self.time_tp = time_tp  # time DTensor's collectives on probe steps (tp > 1)
+        self.after_optimizer = after_optimizer or []  # converters' post-optimizer hooks
+        # False: no non-finite check (the doctor's simulation: fake tensors hold no values).
+        self.guard = guard
         self.clock = StageClock(device)
         self.poison = False
         self.stage = "the training step"  # where a failed collective was: named in its message
 
-    def _forward_backward(self, batch: Batch, sync: bool, scale: float) -> torch.Tensor:
+    def _forward_backward(
+        self, model: torch.nn.Module, batch: Batch, sync: bool, scale: float
+    ) -> torch.Tensor:
         x, y, *rest = batch  # rest: what else the model takes (packed examples' ids)
-        with set_gradient_sync(self.model, sync), self.autocast():
-            loss = self.loss_fn(self.model(x, *rest), y) * scale
+        with set_gradient_sync(model, sync), self.autocast():
+            loss = self.loss_fn(model(x, *rest), y) * scale
             if self.poison:
                 loss = loss * float("nan")  # a fault injected by a test
         with self.backward_context():
             (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss.detach()
 
-    def step(self, batches: Iterator[Batch], probe: bool) -> StepResult:
+    def step(self, parts: list[torch.nn.Module], batches: Iterator[Batch], probe: bool) -> StepResult:
+        model = one_part(parts)
         clock = self.clock
         clock.mark("start")
         timer = CollectiveTimer(self.device) if probe and self.time_tp else None
         with timer or contextlib.nullcontext():
-            total, last = self._micro_batches(batches, probe)
+            total, last = self._micro_batches(model, batches, probe)
             if probe:
                 self.stage = "the probe pass (gradient sync)"
                 if timer:  # intercepted as the pass it repeats was, so the two compare
@@ -115,18 +153,25 @@ class Stepper:
                 # Restore the RNG afterwards: the probe must not shift later dropout masks.
                 devices = [self.device] if self.device.type == "cuda" else []
                 with torch.random.fork_rng(devices=devices, device_type=self.device.type):
-                    self._forward_backward(last, True, 0.0)
+                    self._forward_backward(model, last, True, 0.0)
                 clock.mark("probe")
+        norm, finite = self.update(parts)
+        clock.mark("optim")
+        return StepResult(total, norm, clock.take(), probe, time.perf_counter(), finite, timer)
+
+    def update(self, parts: list[torch.nn.Module]) -> tuple[torch.Tensor, bool]:
+        """Clip and apply the gradients of every part (or skip a non-finite update), move
+        the schedule, run the converters' hooks: (the global gradient norm, finite)."""
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         # torchtitan's way: one all-reduce for the norm of sharded gradients, then clip with
         # the plain tensor (clip_grad_norm_ on DTensors would reduce it twice).
         self.stage = "the gradient-norm all-reduce"
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = grad_params(parts)
         norm = total_grad_norm(params)
         # The guard: the norm is global (identical on every rank), so every rank skips the
         # same update. Reading it costs one host sync per step; fp16's scaler does its own.
-        finite = self.scaler is not None or bool(torch.isfinite(norm))
+        finite = self.scaler is not None or not self.guard or bool(torch.isfinite(norm))
         self.stage = "the optimizer step"
         if self.scaler:
             clip_grads(params, self.grad_clip, norm)
@@ -135,12 +180,18 @@ class Stepper:
         elif finite:
             clip_grads(params, self.grad_clip, norm)
             self.optimizer.step()
+        for hook in self.after_optimizer:
+            hook(parts)
         self.scheduler.step()  # a skipped step still moves the schedule: lr stays a function of step
         self.optimizer.zero_grad(set_to_none=True)
-        clock.mark("optim")
-        return StepResult(total, norm, clock.take(), probe, time.perf_counter(), finite, timer)
+        return norm, finite
 
-    def _micro_batches(self, batches: Iterator[Batch], probe: bool) -> tuple[torch.Tensor, Batch]:
+    def evaluate(self, parts: list[torch.nn.Module], batches: Iterable[Batch]) -> float:
+        return evaluate(one_part(parts), self.loss_fn, batches, self.autocast, self.device)
+
+    def _micro_batches(
+        self, model: torch.nn.Module, batches: Iterator[Batch], probe: bool
+    ) -> tuple[torch.Tensor, Batch]:
         """Forward and backward of the step's micro-batches: (the summed loss, the last
         micro-batch, which the probe repeats)."""
         total = torch.zeros((), device=self.device)
@@ -154,7 +205,7 @@ class Stepper:
             self.stage = f"forward/backward of micro-batch {a + 1}/{self.grad_accum}" + (
                 " (gradient sync)" if sync else ""
             )
-            total += self._forward_backward(batch, sync, 1.0 / self.grad_accum)
+            total += self._forward_backward(model, batch, sync, 1.0 / self.grad_accum)
             self.clock.mark("last" if last else "compute")
         return total, batch
 

@@ -1,0 +1,103 @@
+"""The model as a list of parts, built by one pipeline in torchtitan's order:
+
+    meta device -> converters -> split into parts -> parallelize each part on the mesh
+    (TP, AC, compile, FSDP) -> materialize or load weights
+
+One part today; pipeline stages will be several (torchtitan's `pipeline_llm` splits the
+model there, each stage keeping the whole model's parameter names). Everything after the
+build (the step, the states, the optimizer, evaluation, clipping, the export) takes the
+list.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainwise.config import JobConfig
+from trainwise.models import ModelBundle, build_model
+from trainwise.models.converters import ModelConverter, convert
+from trainwise.run.engine.materialize import allocate, materialize
+from trainwise.run.engine.mesh import JobMesh
+from trainwise.run.engine.parallelize import parallelize
+from trainwise.run.job.resolve import Job, sequence_parallel
+
+
+def build_parts(
+    cfg: JobConfig,
+    job: Job,
+    mesh: JobMesh,
+    device: torch.device,
+    dtype: str,
+    converters: list[ModelConverter],
+) -> tuple[ModelBundle, list[nn.Module]]:
+    """The job's model as parallelized parts on `mesh`. A model with per-parameter init
+    (the GPT) is built on the meta device and materialised shard by shard after
+    parallelizing; others are built whole on the device from the seeded RNG (the same
+    weights on every rank), and converted there."""
+    bundle = build_unparallelized(job, cfg.train.seed, device)
+    convert(bundle.module, converters)
+    parts = split(bundle)
+    dims = job.dims
+    # DDP keeps a whole replica per rank and checks it at wrapping: materialise first.
+    whole = not dims.fsdp and dims.tp == 1
+    if bundle.init_parameter is not None and whole:
+        for part in parts:
+            _fill(bundle, part, cfg.train.seed, device)
+    sp = sequence_parallel(cfg)
+    parts = [
+        parallelize(
+            part,
+            blocks_in(part, bundle.blocks),
+            dims,
+            device=device,
+            precision=dtype,
+            reduce_dtype=cfg.precision.reduce_dtype,
+            ac=cfg.parallel.ac,
+            compile=cfg.train.compile,
+            tp_plan=bundle.tp_plan(sp) if dims.tp > 1 and bundle.tp_plan else None,
+            mesh=mesh,
+        )
+        for part in parts
+    ]
+    if bundle.init_parameter is not None and not whole:
+        # FSDP's CPU offload keeps the sharded parameters in host memory.
+        home = torch.device("cpu") if dims.cpu_offload else device
+        for part in parts:
+            _fill(bundle, part, cfg.train.seed, home)
+    if bundle.load_weights is not None:  # pretrained: each rank reads its own shards
+        for part in parts:
+            bundle.load_weights(part)
+    return bundle, parts
+
+
+def build_unparallelized(job: Job, seed: int, device: torch.device) -> ModelBundle:
+    """On the meta device when the model initialises parameter by parameter; otherwise
+    whole on `device`, seeded."""
+    with torch.device("meta"):
+        bundle = build_model(job.model_spec)
+    if bundle.init_parameter is None:
+        torch.manual_seed(seed)  # the same initial weights whatever the layout
+        bundle = build_model(job.model_spec)
+        bundle.module.to(device)
+    return bundle
+
+
+def split(bundle: ModelBundle) -> list[nn.Module]:
+    """The model's parts: the whole model (pipeline stages will split it here)."""
+    return [bundle.module]
+
+
+def blocks_in(part: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The model's blocks (FSDP and AC units) that lie in `part`, in order."""
+    inside = {id(m) for m in part.modules()}
+    return [b for b in blocks if id(b) in inside]
+
+
+def _fill(bundle: ModelBundle, part: nn.Module, seed: int, device: torch.device) -> None:
+    """Storage for a meta-built part's shards: random values, or none yet when the
+    pretrained weights load next (they fill every parameter: load_weights checks)."""
+    if bundle.load_weights is not None:
+        allocate(part, device)
+    else:
+        materialize(part, bundle.init_parameter, seed, device)
