@@ -1,7 +1,6 @@
 """`python -m trainwise` is the `trainwise` command."""
 
-import sys
-
 from trainwise.cli.main import main
+from trainwise.process_exit import exit_process
 
-sys.exit(main())
+exit_process(main())

@@ -5,7 +5,6 @@ RUN_DIR`, or in-process for one worker)."""
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -93,4 +92,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainwise.process_exit import exit_process
+
+    exit_process(main())
