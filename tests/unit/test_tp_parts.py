@@ -22,7 +22,7 @@ from trainwise.run.engine.materialize import materialize, parameter_seed, plain_
 from trainwise.run.engine.mesh import build_mesh, dp_mesh
 from trainwise.run.engine.parallelize import apply_ac
 from trainwise.run.engine.step import DataParallelStep
-from trainwise.run.job.resolve import prepare_job, start_lines
+from trainwise.run.job.resolve import job_plan, prepare_job, start_lines
 
 CPU = DeviceInfo("cpu", "cpu", 1, 64 * GB, bf16=True, fp16=False, gpu=None)
 
@@ -195,3 +195,19 @@ def test_the_stepper_syncs_every_micro_batch_only_when_sharded(sharded, probe, e
     batches = iter([(torch.randn(2, 4), torch.tensor([0, 1]))] * 3)
     stepper.step([model], batches, probe=probe)
     assert model.syncs == expected
+
+
+def test_auto_over_four_workers_keeps_the_jobs_tp_and_lays_out_the_other_two():
+    """What a 4-worker `auto` launch with parallel.tp = 2 runs (decided in the launcher,
+    before any worker): tp 2, the other two workers as replicas or shards, whichever the
+    performance model prices best, and the plan the report compares with is that layout.
+    Its losses need no launch of their own: tests/dist/test_tensor_parallel.py trains both
+    layouts it may pick, and `auto` itself on 2 workers."""
+    job = prepare_job(cfg("parallel.strategy=auto", "parallel.tp=2", "data.micro_batch=4",
+                          "data.grad_accum=2", "data.global_batch=16"), 4, CPU, 4)
+    replicas_or_shards = ("dp_replicate 2 x dp_shard 1 x tp 2", "dp_replicate 1 x dp_shard 2 x tp 2")
+    assert job.dims.tp == 2 and job.dims.describe() in replicas_or_shards
+    assert (job.global_batch, job.grad_accum) == (16, 2)
+    plan = job_plan(job)
+    assert (plan["layout"], plan["accumulate"]) == (job.dims.describe(), job.accumulate)
+    assert plan["name"].startswith("tp2 + ")
