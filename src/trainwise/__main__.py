@@ -1,6 +1,5 @@
 """`python -m trainwise` is the `trainwise` command."""
 
-from trainwise.cli.main import main
-from trainwise.process_exit import exit_process
+from trainwise.cli.main import command
 
-exit_process(main())
+command()

@@ -10,6 +10,7 @@ from typing import NoReturn
 from trainwise import __version__
 from trainwise.cli import checkpoints, data, doctor, env, export, launch, plan, report, train
 from trainwise.errors import ConfigError, TrainwiseError
+from trainwise.process_exit import exit_process
 
 COMMANDS = (plan, train, doctor, report, env, checkpoints, export, launch, data)
 
@@ -59,5 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def command() -> NoReturn:
+    """The `trainwise` command: main's status, as the process's exit status."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()
