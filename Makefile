@@ -25,9 +25,14 @@ demo: $(STAMP)
 finetune: $(STAMP)
 	$(BIN)/python examples/finetune/run.py --out runs/finetune-example
 
+# Most test time is waiting on launched processes (start-up, rendezvous, kills, restarts):
+# TEST_JOBS test files run at once (each file on one pytest worker, so a module's shared
+# launch runs once); the tests that compare timings (marked serial) run alone afterwards.
+TEST_JOBS ?= 3
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
-	$(BIN)/python -m pytest -q --durations=15 tests
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not serial" --durations=15 tests
+	$(BIN)/python -m pytest -q -m serial tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples

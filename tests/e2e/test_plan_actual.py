@@ -14,7 +14,8 @@ from trainwise.hardware import GB
 from trainwise.report.analysis import PLAN_ERROR_FLAG, analyse
 from trainwise.report.rundir import load_run
 
-pytestmark = pytest.mark.e2e
+# Timings of two runs compared: under other tests' load they would compare the load.
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 # The demo's job, shorter: saves and evaluations at the same rhythm in both runs.
 DEMO = ["train", *QUIET, "--steps", "60", "--set", "checkpoint.interval=20",
