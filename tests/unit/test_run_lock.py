@@ -49,3 +49,22 @@ def test_a_lock_left_by_a_dead_launcher_is_taken_over_with_a_line(tmp_path: Path
         pass
     said = capsys.readouterr().err
     assert "taking over the lock" in said and "pid 4242 on host gone" in said
+
+
+def test_a_launcher_arriving_as_the_last_holder_leaves_takes_the_lock(tmp_path: Path, monkeypatch):
+    """The race a loaded machine showed: this launcher's exclusive try fails while the last
+    holder empties the file on its way out; by its shared try the holder is gone and the
+    file names nobody. It holds the directory as the job's first launcher, not "busy"."""
+    from trainwise.run.job import run_lock
+
+    real, tries = run_lock._try_lock, []
+
+    def leaving_holder(fd: int, kind: int) -> bool:
+        tries.append(kind)
+        return False if len(tries) == 1 else real(fd, kind)  # the first try meets the holder
+
+    monkeypatch.setattr(run_lock, "_try_lock", leaving_holder)
+    (tmp_path / LOCK_FILE).write_text("")
+    with hold_run_dir(tmp_path, "job@host:29400"):
+        held = json.loads((tmp_path / LOCK_FILE).read_text())
+        assert held["job"] == "job@host:29400"

@@ -102,7 +102,13 @@ def _join(fd: int, path: Path, run_dir: Path, job_id: str) -> None:
             if held and held.get("job") == job_id:
                 return
             fcntl.flock(fd, fcntl.LOCK_UN)
-            raise _busy(run_dir, path)
+            if held:
+                raise _busy(run_dir, path)
+            # Nobody named: the last holder has just left (it empties the file on its way
+            # out). Hold it as the first of this job's launchers.
+            if _try_lock(fd, fcntl.LOCK_EX):
+                _first_holder(fd, path, run_dir, job_id)
+                return
         if time.monotonic() > deadline:
             raise _busy(run_dir, path)
         time.sleep(POLL_S)
