@@ -63,7 +63,13 @@ def _skip_reason() -> str | None:
 
 
 SKIP = _skip_reason()
-pytestmark = [pytest.mark.dist, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
+# serial: a private Slurm cluster's daemons and jobs wait on fixed timeouts (15-120 s);
+# run alone, after the parallel pass, they do not race other tests' load.
+pytestmark = [
+    pytest.mark.dist,
+    pytest.mark.serial,
+    pytest.mark.skipif(SKIP is not None, reason=SKIP or ""),
+]
 
 
 class Cluster:
