@@ -51,7 +51,6 @@ def test_tp_composes_with_each_data_parallel_shortcut():
     assert (ddp.dp_replicate, ddp.dp_shard, ddp.fsdp) == (2, 1, True)
     alone = ParallelDims.from_strategy("ddp", 2, tp=2)
     assert (alone.dp_size, alone.fsdp, alone.mesh_dims()) == (1, False, (("tp",), (2,)))
-    assert [fsdp.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert fsdp.config_keys()["parallel.tp"] == 2
 
 

@@ -134,19 +134,6 @@ class ParallelDims:
         """Ranks that read different samples (each tensor-parallel group reads the same)."""
         return self.dp_replicate * self.dp_shard
 
-    def dp_rank(self, rank: int) -> int:
-        """Which share of the data `rank` reads."""
-        return rank // (self.tp * self.cp)
-
-    def check_world(self, world: int) -> None:
-        """The product of the degrees is the number of workers, shown with its arithmetic."""
-        if self.world != world:
-            raise ConfigError(
-                f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * "
-                f"tp({self.tp}) = {self.world} but the job has {world} workers: make the "
-                "product equal the workers (cluster.nproc x cluster.nodes)"
-            )
-
     # -- what it is -------------------------------------------------------------------
 
     @property
