@@ -143,16 +143,8 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
         tokens = cfg.train.steps * (global_batch or micro * cfg.data.grad_accum * gpus) * seq
     return PlanInputs(
         model=model,
-        workload=Workload(
-            params=params,
-            shape=shape,
-            seq_len=seq,
-            micro_batch=micro,
-            precision=cfg.precision.dtype,
-            optimizer=cfg.optim.name,
-            ac=cfg.parallel.ac,
-            reduce_dtype=cfg.precision.reduce_dtype,
-            units=BARE_COUNT_UNITS if shape is None else None,
+        workload=config_workload(
+            cfg, params, shape, units=BARE_COUNT_UNITS if shape is None else None
         ),
         global_batch=global_batch,
         grad_accum=cfg.data.grad_accum,
@@ -173,6 +165,25 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
         else None,
         accumulate=cfg.parallel.accumulate,
         compile=cfg.train.compile,
+    )
+
+
+def config_workload(
+    cfg: JobConfig, params: float, shape: GPTShape | None, units: int | None = None
+) -> Workload:
+    """The workload a job's config describes: the model's size and shape with the config's
+    sequence, micro-batch, precision, optimizer, checkpointing and gradient reduction. One
+    definition for `trainwise plan` and the runtime's decision (run/job/resolve.py)."""
+    return Workload(
+        params=params,
+        shape=shape,
+        seq_len=cfg.data.seq_len,
+        micro_batch=cfg.data.micro_batch,
+        precision=cfg.precision.dtype,
+        optimizer=cfg.optim.name,
+        ac=cfg.parallel.ac,
+        reduce_dtype=cfg.precision.reduce_dtype,
+        units=units,
     )
 
 

@@ -41,7 +41,12 @@ from trainwise.plan.calibrate import (
 )
 from trainwise.plan.constraints import user_allowed
 from trainwise.plan.estimate import Setup, StrategyPlan, candidate_names, evaluate, price
-from trainwise.plan.inputs import PlanInputs, job_inputs, unknown_device_inputs
+from trainwise.plan.inputs import (
+    PlanInputs,
+    config_workload,
+    job_inputs,
+    unknown_device_inputs,
+)
 from trainwise.plan.model.flops import flops_per_token, recompute_factor
 from trainwise.plan.model.memory import replica_memory
 from trainwise.plan.model.performance import CalibratedModel, model_of
@@ -221,16 +226,7 @@ def prepare_job(
     if problems + more:
         raise ConfigError(problems + more)
 
-    workload = Workload(
-        params=data.params,
-        shape=data.shape,
-        seq_len=c.data.seq_len,
-        micro_batch=c.data.micro_batch,
-        precision=c.precision.dtype,
-        optimizer=c.optim.name,
-        ac=c.parallel.ac,
-        reduce_dtype=c.precision.reduce_dtype,
-    )
+    workload = config_workload(c, data.params, data.shape)
     device_bytes = device_budget(c, device, local)
     view = planner_view(c, workload, world, local, device, device_bytes, accum)
     calibration, plan_notes = None, []
