@@ -70,8 +70,7 @@ def simulate_layout(
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _UpdateType
+    from torch.distributed._tools.mem_tracker import _MemRefType, _UpdateType
     from torch.optim.lr_scheduler import LambdaLR
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -114,16 +113,7 @@ def simulate_layout(
             # A tensor-parallel group reads the same micro-batch on every rank.
             x = torch.randint(0, shape.vocab_size, (micro_batch, seq))
             y = torch.randint(0, shape.vocab_size, (micro_batch, seq))
-            if dtensors:
-                opt = build_optimizer([model], optim_cfg)
-                tracker = FSDPMemTracker(model, opt) if dims.fsdp else MemTracker()
-                if dims.fsdp:
-                    tracker.track_inputs((x, y))
-                else:
-                    tracker.track_external(model, opt, x, y)
-            else:
-                tracker = MemTracker()
-                tracker.track_external(model, x, y)
+            tracker, opt = _tracker_for(model, dims, dtensors, optim_cfg, x, y)
             with tracker:
                 if not dtensors:
                     # DDP inside the tracker so that its buckets are seen (as "Other").
@@ -147,13 +137,40 @@ def simulate_layout(
                     step.step([model], iter([(x, y)]), probe=False)
                     snapshot = tracker.get_tracker_snapshot("peak").get(device, {})
                     tracker.reset_mod_stats()
+    peak, parts = _peak_by_part(snapshot)
+    return Simulation(layout_name(dims), world, peak, parts)
+
+
+def _tracker_for(model, dims: ParallelDims, dtensors: bool, optim_cfg, x, y):
+    """The step's memory tracker, and the optimizer where it is built before the step (a
+    DTensor model's: FSDPMemTracker needs it); None for DDP's, built inside the tracker so
+    that its buckets are seen."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from trainwise.run.engine.optim import build_optimizer
+
+    if not dtensors:
+        tracker = MemTracker()
+        tracker.track_external(model, x, y)
+        return tracker, None
+    opt = build_optimizer([model], optim_cfg)
+    tracker = FSDPMemTracker(model, opt) if dims.fsdp else MemTracker()
+    if dims.fsdp:
+        tracker.track_inputs((x, y))
+    else:
+        tracker.track_external(model, opt, x, y)
+    return tracker, opt
+
+
+def _peak_by_part(snapshot: dict) -> tuple[int, dict[str, int]]:
+    """The tracker's peak snapshot as (total bytes, bytes by the formula's parts)."""
     parts = dict.fromkeys(("params", "grads", "optimizer", "activations", "buffers"), 0)
     for key, value in snapshot.items():
         part = getattr(key, "value", key)
         if part != "Total":
             parts[PART[part]] += int(value)
-    peak = int(snapshot.get("Total", sum(parts.values())))
-    return Simulation(layout_name(dims), world, peak, parts)
+    return int(snapshot.get("Total", sum(parts.values()))), parts
 
 
 @contextlib.contextmanager
