@@ -43,10 +43,23 @@ def test_data_parallel_rank_and_mesh_with_tensor_parallelism():
     assert dims.describe() == "dp_replicate 2 x dp_shard 2 x tp 2"
 
 
+def test_pipeline_stages_are_the_outermost_dim():
+    dims = ParallelDims.from_strategy("fsdp", 16, tp=2, pp=4)
+    assert (dims.pp, dims.dp_shard, dims.tp, dims.world, dims.dp_size) == (4, 2, 2, 16, 2)
+    assert dims.mesh_dims() == (("pp", "dp_shard", "tp"), (4, 2, 2))
+    assert dims.describe() == "pp 4 x dp_replicate 1 x dp_shard 2 x tp 2"
+    assert dims.config_keys()["parallel.pp"] == 4
+    assert ParallelDims.from_strategy("ddp", 4, pp=2).mesh_dims() == (
+        ("pp", "dp_replicate"), (2, 2)
+    )
+    with pytest.raises(ConfigError, match="tp x parallel.pp = 2 x 3 does not divide the 8"):
+        ParallelDims.from_strategy("fsdp", 8, tp=2, pp=3)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"pp": 2}, "parallel.pp = 2: not supported yet"),
+        ({"pp": 0}, "parallel.pp = 0: a degree is a whole number"),
         ({"cp": 2}, "parallel.cp = 2: not supported yet"),
         ({"tp": 0}, "parallel.tp = 0: a degree is a whole number"),
         ({"cpu_offload": True}, "cpu_offload = true needs FSDP"),

@@ -7,9 +7,10 @@ shards, what the planner calls the layout — instead of comparing strategy word
 (tests/unit/test_layout_words.py fails on such a comparison outside config/). Modelled on torchtitan's
 `distributed/parallel_dims.py`: the product of the degrees is the world size.
 
-The ranks are laid out row-major over (dp_replicate, dp_shard, tp): a tensor-parallel
+The ranks are laid out row-major over (pp, dp_replicate, dp_shard, tp): a tensor-parallel
 group is `tp` consecutive ranks (inside one machine), an FSDP shard group the next level
-out, replicas outermost (one machine or more each).
+out, replicas next (one machine or more each), pipeline stages outermost (the slowest
+links carry only activations between neighbouring stages).
 
 The strategy words are read in this module only: the user's shortcuts
 (`parallel.strategy` single, ddp, fsdp with `parallel.shard`, hsdp, auto) become a
@@ -87,8 +88,9 @@ def plan_name(word: str, shard: str = "full", cpu_offload: bool = False) -> str 
 class ParallelDims:
     """Degrees of one job. `fsdp` says whether the data-parallel dims are sharded by FSDP2
     (fully_shard) or replicated by DDP; `reshard_after_forward` (FSDP's ZeRO-3 versus
-    ZeRO-2) and `cpu_offload` are FSDP's options. `pp` and `cp` are reserved: pipeline and
-    context parallelism are not supported yet and must be 1."""
+    ZeRO-2) and `cpu_offload` are FSDP's options. `pp` is the number of pipeline stages
+    (outermost in the mesh); `cp` is reserved: context parallelism is not supported yet
+    and must be 1."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -107,7 +109,7 @@ class ParallelDims:
         ]
         problems += [
             f"parallel.{name} = {getattr(self, name)}: not supported yet; use 1"
-            for name in ("pp", "cp")
+            for name in ("cp",)
             if getattr(self, name) != 1
         ]
         if self.cpu_offload and not self.fsdp:
@@ -170,10 +172,14 @@ class ParallelDims:
         return "fsdp-full" if self.reshard_after_forward else "fsdp-grad-op"
 
     def mesh_dims(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
-        """Names and sizes of the device mesh: the data-parallel dims FSDP shards over (a
-        2-D (dp_replicate, dp_shard) mesh for HSDP), then tp when used."""
+        """Names and sizes of the device mesh: pp when used (outermost: a stage's ranks are
+        one block of consecutive ranks, so stages may be whole machines), the data-parallel
+        dims FSDP shards over (a 2-D (dp_replicate, dp_shard) mesh for HSDP), then tp."""
         names: list[str] = []
         sizes: list[int] = []
+        if self.pp > 1:
+            names.append("pp")
+            sizes.append(self.pp)
         if self.hybrid:
             names.append("dp_replicate")
             sizes.append(self.dp_replicate)
@@ -206,12 +212,16 @@ class ParallelDims:
         tensor-parallel model are FSDP2's replication (dp_shard 1) on the same mesh, with
         the same memory and an all-reduce of the same bytes."""
         if self.tp > 1 and self.dp_replicate > 1 and not self.fsdp:
-            return ParallelDims(self.dp_replicate, 1, self.tp, fsdp=True)
+            return ParallelDims(self.dp_replicate, 1, self.tp, self.pp, fsdp=True)
         return self
 
     def describe(self) -> str:
-        """`dp_replicate 2 x dp_shard 4 x tp 1`, as the summary and plan.json name it."""
-        return f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp}"
+        """`dp_replicate 2 x dp_shard 4 x tp 1` (`pp 4 x ...` with pipeline stages), as the
+        summary and plan.json name it."""
+        stages = f"pp {self.pp} x " if self.pp > 1 else ""
+        return (
+            f"{stages}dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp}"
+        )
 
     def config_keys(self) -> dict[str, object]:
         """The config keys that run this layout, as a user writes them."""
@@ -224,6 +234,8 @@ class ParallelDims:
             keys["parallel.replicate"] = self.dp_replicate
         if self.tp > 1:
             keys["parallel.tp"] = self.tp
+        if self.pp > 1:
+            keys["parallel.pp"] = self.pp
         return keys
 
     # -- from the user's words -------------------------------------------------------
@@ -238,31 +250,34 @@ class ParallelDims:
         shard: str = "full",
         cpu_offload: bool = False,
         tp: int = 1,
+        pp: int = 1,
     ) -> ParallelDims:
         """The layout of a resolved shortcut on `world` workers (`replicate`: hsdp's
-        replica groups), with `tp`-way tensor parallelism inside each data-parallel rank.
-        With tp > 1 the data-parallel part is always FSDP2 (DDP cannot hold DTensor
-        shards): ddp becomes FSDP's replication (dp_shard = 1) on the same mesh."""
-        if world % tp:
+        replica groups), with `tp`-way tensor parallelism inside each data-parallel rank
+        and `pp` pipeline stages around them. With tp > 1 the data-parallel part is always
+        FSDP2 (DDP cannot hold DTensor shards): ddp becomes FSDP's replication (dp_shard =
+        1) on the same mesh."""
+        if world % (tp * pp):
             raise ConfigError(
-                f"parallel.tp = {tp} does not divide the {world} workers: choose a divisor of "
-                "cluster.nproc x cluster.nodes"
+                f"parallel.tp x parallel.pp = {tp} x {pp} does not divide the {world} workers: "
+                "choose degrees whose product divides cluster.nproc x cluster.nodes"
             )
-        dp = world // tp
+        dp = world // (tp * pp)
         if strategy == "single":
-            return cls(tp=tp)
+            return cls(tp=tp, pp=pp)
         if strategy == "ddp":
-            return cls(dp_replicate=dp, tp=tp).runnable()
+            return cls(dp_replicate=dp, tp=tp, pp=pp).runnable()
         if strategy not in ("fsdp", "hsdp"):
             raise ConfigError(f"parallel.strategy = '{strategy}' has no layout; resolve auto first")
         groups = (replicate or 1) if strategy == "hsdp" else 1
         if dp % groups:
             raise ConfigError(
                 f"parallel.replicate = {groups} does not divide the {dp} data-parallel ranks "
-                "(workers / tp): choose a divisor of cluster.nproc x cluster.nodes / tp"
+                "(workers / (tp x pp)): choose a divisor of cluster.nproc x cluster.nodes / "
+                "(tp x pp)"
             )
         return cls(
-            dp_replicate=groups, dp_shard=dp // groups, tp=tp, fsdp=True,
+            dp_replicate=groups, dp_shard=dp // groups, tp=tp, pp=pp, fsdp=True,
             reshard_after_forward=shard == "full", cpu_offload=cpu_offload,
         )
 
@@ -298,11 +313,12 @@ class LayoutRequest:
     tp: int = 1
     replicate: int | None = None
     dp_shard: int | None = None
+    pp: int = 1
 
     @classmethod
     def of(cls, p: ParallelConfig) -> LayoutRequest:
         """The request of the job's parallel.* section."""
-        return cls(p.strategy, p.shard, p.cpu_offload, p.tp, p.replicate, p.dp_shard)
+        return cls(p.strategy, p.shard, p.cpu_offload, p.tp, p.replicate, p.dp_shard, p.pp)
 
     @property
     def auto(self) -> bool:
@@ -332,7 +348,7 @@ class LayoutRequest:
         if self.replicate:
             return self.replicate
         if self.dp_shard and self.may_shard:
-            return max(1, world // (self.dp_shard * self.tp))
+            return max(1, world // (self.dp_shard * self.tp * self.pp))
         return nodes if self.strategy == "hsdp" else 1
 
     def kind(self, replicate: int) -> str:
@@ -345,5 +361,5 @@ class LayoutRequest:
         groups (auto has none before the planner chooses: ConfigError)."""
         return ParallelDims.from_strategy(
             self.kind(replicate), world, replicate=replicate, shard=self.shard,
-            cpu_offload=self.cpu_offload, tp=self.tp,
+            cpu_offload=self.cpu_offload, tp=self.tp, pp=self.pp,
         )

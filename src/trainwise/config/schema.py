@@ -28,6 +28,9 @@ from trainwise.hardware.catalog import find_gpu, gpu_names
 Strategy = Literal[STRATEGY_WORDS]  # type: ignore[valid-type]
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 Precision = Literal["fp32", "bf16", "fp16"]
+# parallel.pp_schedule: the schedules of torch.distributed.pipelining we run (its names).
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+PipelineSchedule = Literal[PIPELINE_SCHEDULES]  # type: ignore[valid-type]
 
 
 # The most a whole-number key holds: the largest integer JSON readers (and floats) keep
@@ -225,6 +228,32 @@ class ParallelConfig(Section):
         gt=0,
         description="Tensor-parallel degree, inside one machine; tp > 1 needs a model with a "
         "tensor-parallel plan.",
+    )
+    pp: int = Field(
+        1,
+        gt=0,
+        description="Pipeline-parallel degree: the model's blocks split into this many stages "
+        "(embeddings on the first, the final norm and head on the last), outermost in the "
+        "mesh, so stages may sit on different machines and exchange only activations.",
+    )
+    pp_schedule: PipelineSchedule = Field(
+        "1F1B",
+        description="pp > 1: torch.distributed.pipelining's schedule. GPipe (all forwards, then "
+        "all backwards), 1F1B, Interleaved1F1B and InterleavedZeroBubble (pp_virtual stages "
+        "per rank), ZBVZeroBubble (two stages per rank in a V).",
+    )
+    pp_virtual: int = Field(
+        1,
+        gt=0,
+        description="pp > 1: stages per rank (the interleaved schedules need 2 or more; "
+        "ZBVZeroBubble exactly 2).",
+    )
+    pp_microbatches: int | None = Field(
+        None,
+        gt=0,
+        description="pp > 1: micro-batches each rank's step is cut into for the pipeline; "
+        "default: data.micro_batch x data.grad_accum split into micro-batches of one sample "
+        "each, at least pp.",
     )
     sequence_parallel: bool | None = Field(
         None, description="With tp > 1, norms run sequence-parallel; default: on when tp > 1."
@@ -697,6 +726,33 @@ class LoggingConfig(Section):
         return self
 
 
+class LoraConfig(Section):
+    rank: int = Field(
+        0,
+        ge=0,
+        description="LoRA's rank r: the targeted Linears are frozen and learn a low-rank "
+        "update B @ A (A: r x in, B: out x r); 0 = off (every parameter trains).",
+    )
+    alpha: float = Field(
+        16.0, gt=0.0, description="LoRA's alpha: the update is scaled by alpha / rank."
+    )
+    dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input (PEFT's lora_dropout)."
+    )
+    targets: list[str] | None = Field(
+        None,
+        description="Module-name patterns (fnmatch, on the full name or its last part) of "
+        "the Linears that get adapters; default: the attention projections and the MLP of "
+        "the built-in GPT and the Llama family.",
+    )
+    train_embeddings: bool = Field(
+        False, description="With LoRA: the token embeddings train fully too (else frozen)."
+    )
+    train_head: bool = Field(
+        False, description="With LoRA: the output head trains fully too (else frozen)."
+    )
+
+
 class JobConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -704,6 +760,7 @@ class JobConfig(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)

@@ -44,7 +44,7 @@ def build_mesh(
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The data-parallel dims of the N-D mesh, which FSDP shards (and replicates) over."""
-    names = tuple(n for n in mesh.mesh_dim_names if n != "tp")
+    names = tuple(n for n in mesh.mesh_dim_names if n in DP_DIMS)
     return mesh if len(names) == mesh.ndim else mesh[names]
 
 

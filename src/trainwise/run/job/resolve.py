@@ -446,6 +446,11 @@ def layout_problems(c: JobConfig, world: int, local: int, device: DeviceInfo) ->
             f"parallel.tp {p.tp}: choose degrees whose product divides cluster.nproc x "
             "cluster.nodes"
         )
+    # Until the engine runs them (issues 27 and 28): refused before any worker starts.
+    if p.pp > 1:
+        problems.append(f"parallel.pp = {p.pp}: the engine does not run pipeline stages yet; use 1")
+    if c.lora.rank > 0:
+        problems.append(f"lora.rank = {c.lora.rank}: the engine does not train LoRA yet; use 0")
     if request.single and world > 1:
         problems.append(
             f"parallel.strategy = 'single' runs one worker but cluster.nproc = {world}: "
