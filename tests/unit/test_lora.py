@@ -22,6 +22,7 @@ from trainwise.models import ModelSpec, build_model
 from trainwise.models.lora import (
     LoRAConverter,
     lora_layers,
+    lora_line,
     merge_lora,
     parameter_counts,
     target_names,
@@ -76,6 +77,7 @@ def test_the_converter_freezes_the_base_and_counts_the_adapters():
     adapters = sum(rank * (m.in_features + m.out_features) for m in layers.values())
     trainable, total = parameter_counts(gpt)
     assert trainable == adapters and total > 10 * trainable
+    assert f"{trainable:,} trainable of {total:,} parameters" in lora_line([gpt])
     assert all(isinstance(m, torch.nn.Linear) for m in layers.values())  # a subclass
     frozen = [p for p in gpt.parameters() if not p.requires_grad]
     assert {p.dtype for p in frozen} == {torch.bfloat16}  # the compute dtype

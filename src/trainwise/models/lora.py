@@ -154,6 +154,17 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
+def lora_line(parts: list[nn.Module]) -> str:
+    """What a LoRA run trains, for its log: adapters, trainable and total parameters."""
+    layers = sum(len(lora_layers(part)) for part in parts)
+    counts = [parameter_counts(part) for part in parts]
+    trainable, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    return (
+        f"LoRA on {layers} Linear(s): {trainable:,} trainable of {total:,} parameters "
+        f"({100 * trainable / max(total, 1):.2f} %)"
+    )
+
+
 def merge_lora(state: dict[str, torch.Tensor], lora: LoraConfig) -> dict[str, torch.Tensor]:
     """A full state dict with the adapters folded into their bases, W + B @ A * alpha / r
     (in float32, back to W's dtype), and the adapter entries dropped."""
