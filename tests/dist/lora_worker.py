@@ -37,7 +37,7 @@ def overrides(folder: Path, world: int, tp: int) -> list[str]:
         f"data.micro_batch={GLOBAL_BATCH // dp}", f"parallel.tp={tp}",
         f"parallel.strategy='{'single' if world == 1 else 'fsdp'}'",
         "lora.rank=4", "lora.alpha=8", "optim.name='sgd'", "optim.lr=0.1", "schedule.warmup_steps=0",
-        "parallel.timeout_s=60",
+        "parallel.timeout_s=60", "cluster.device='cpu'",  # gloo, as the batches
     ]
 
 
