@@ -1,9 +1,9 @@
 """LoRA runs through `trainwise train` on a pretrained Hugging Face Llama (trainwise's GPT
 built on the meta device, FSDP2 over frozen and trainable parameters): 2-way FSDP gives
 one process's losses; a worker killed mid-run resumes from the adapters' checkpoint and
-finishes bit-exact with the uninterrupted run; the checkpoints hold the adapters and
-their optimizer state, not the frozen base; a resume onto changed base weights is
-refused in one line, exit 2, before any worker."""
+finishes bit-exact with the uninterrupted run; an FSDP checkpoint resumes on one process;
+the checkpoints hold the adapters and their optimizer state, not the frozen base; a resume
+onto changed base weights is refused in one line, exit 2, before any worker."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def lora_args(run_dir: Path, folder: Path, nproc: int, strategy: str) -> list[st
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One process, 2-way FSDP uninterrupted, and 2-way FSDP killed after step 6."""
+    """One process, 2-way FSDP uninterrupted, and 2-way FSDP killed after step 6 (all on
+    `llama`; the one-process run on its own copy)."""
     root = tmp_path_factory.mktemp("lora_resume")
     folder = tiny_llama(root / "llama", vocab=98)
     own = tiny_llama(root / "llama_single", vocab=98)  # the refusal test rewrites it
@@ -91,3 +92,13 @@ def test_resume_onto_changed_base_weights_is_refused(runs, workdir: Path):
     assert done.returncode == 2, done.stderr
     lines = [ln for ln in done.stderr.splitlines() if "lora.base_weights" in ln]
     assert len(lines) == 1 and "other training settings" in lines[0], done.stderr
+
+
+def test_an_fsdp_checkpoint_resumes_on_one_process(runs, workdir: Path):
+    """DCP reshards the adapters and their optimizer state as it does any run's."""
+    written = runs["fsdp"] / "checkpoints" / f"step-{4:08d}"
+    args = lora_args(workdir / "resharded", runs["fsdp"].parent / "llama", 1, "single")
+    done = run_cli(*args, "--set", f"checkpoint.resume={written}", cwd=workdir)
+    assert done.returncode == 0, done.stderr
+    assert "resuming from step 4" in done.stderr
+    assert losses(workdir / "resharded") == pytest.approx(losses(runs["fsdp"])[4:], rel=1e-5)
