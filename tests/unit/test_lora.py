@@ -97,6 +97,9 @@ def test_embeddings_and_head_train_when_asked():
     LoRAConverter(LoraConfig(rank=2, targets=["*.mlp.up"]), "fp32", seed=0).convert(gpt)
     assert list(lora_layers(gpt)) == [f"blocks.{i}.mlp.up" for i in range(len(gpt.blocks))]
     assert not gpt.tok_emb.weight.requires_grad
+    mlp = build_model(ModelSpec(name="mlp", in_features=8, num_classes=3, hidden=(16,))).module
+    LoRAConverter(LoraConfig(rank=2, targets=["blocks.*"], train_head=True), "fp32", 0).convert(mlp)
+    assert list(lora_layers(mlp)) == ["blocks.0.0"] and mlp.head.weight.requires_grad
 
 
 def test_merge_folds_the_update_into_the_base():

@@ -235,10 +235,11 @@ class _LoRARowwise(RowwiseParallel):
 
 
 def _kept_trainable(model: nn.Module, embeddings: bool, head: bool) -> list[nn.Module]:
-    """The token embedding (the first nn.Embedding) and the output head (`lm_head`; the
-    embedding when the head is tied to it and has no module of its own), as asked."""
+    """The token embedding (the first nn.Embedding) and the output head (`lm_head`, or
+    `head` as the mlp classifier names it; the embedding when the head is tied to it and
+    has no module of its own), as asked."""
     embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    heads = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == "lm_head"]
+    heads = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in ("lm_head", "head")]
     kept = [embedding] if embeddings and embedding is not None else []
     if head:
         kept += heads or ([embedding] if embedding is not None else [])
