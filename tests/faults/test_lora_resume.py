@@ -84,7 +84,7 @@ def test_the_checkpoint_holds_adapters_and_their_optimizer_state(runs, tmp_path:
     assert set(state["optim"]["state"]) == set(model)  # moments of the adapters only
 
 
-def test_resume_onto_changed_base_weights_is_refused(runs, workdir: Path):
+def test_resume_onto_changed_base_weights_is_refused_unless_asked(runs, workdir: Path):
     tiny_llama(runs["own_model"], vocab=98, seed=1)  # same names and shapes, other values
     args = lora_args(runs["single"], runs["own_model"], 1, "single")
     args[args.index("--steps") + 1] = str(STEPS + 4)
@@ -92,6 +92,10 @@ def test_resume_onto_changed_base_weights_is_refused(runs, workdir: Path):
     assert done.returncode == 2, done.stderr
     lines = [ln for ln in done.stderr.splitlines() if "lora.base_weights" in ln]
     assert len(lines) == 1 and "other training settings" in lines[0], done.stderr
+    # What the line offers: the adapters alone, onto the new base.
+    taken = run_cli(*args, "--set", "checkpoint.resume_from_other='weights'", cwd=workdir)
+    assert taken.returncode == 0, taken.stderr
+    assert "resuming from step 8" in taken.stderr
 
 
 def test_an_fsdp_checkpoint_resumes_on_one_process(runs, workdir: Path):

@@ -40,18 +40,29 @@ def saved_model_shapes(path: Path) -> dict[str, tuple[int, ...]] | None:
 
 
 def job_model_shapes(job: Job) -> dict[str, tuple[int, ...]] | None:
-    """{state-dict entry: shape} of the job's model, built on the meta device (no memory,
-    no weights read); None when it cannot be built so (the worker's load judges then)."""
+    """{state-dict entry: shape} of the job's model as its checkpoints hold it, built on
+    the meta device (no memory, no weights read) and converted (LoRA: its adapters and
+    what else trains, not the frozen base); None when it cannot be built so (the worker's
+    load judges then)."""
     import torch
 
     from trainwise.models import build_model
+    from trainwise.models.converters import build_converters, convert
 
     try:
         with torch.device("meta"):
             module = build_model(job.model_spec).module
+            convert(module, build_converters(job.cfg))
     except Exception:  # noqa: BLE001 - a pre-check only: the worker's load stays the judge
         return None
-    return {k: tuple(v.shape) for k, v in module.state_dict().items() if hasattr(v, "shape")}
+    unsaved = set() if not job.cfg.lora.rank else {
+        n for n, p in module.named_parameters() if not p.requires_grad
+    }
+    return {
+        k: tuple(v.shape)
+        for k, v in module.state_dict().items()
+        if hasattr(v, "shape") and k not in unsaved
+    }
 
 
 def misfits(saved: dict[str, tuple[int, ...]], ours: dict[str, tuple[int, ...]]) -> list[str]:
