@@ -217,9 +217,10 @@ class _LoRAColwise(ColwiseParallel):
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
         if isinstance(module, LoRALinear):
-            _distribute(module, device_mesh, {"weight": Shard(0), "bias": Shard(0)})
-            _distribute(module.lora_A, device_mesh, {"weight": Replicate()})
-            _distribute(module.lora_B, device_mesh, {"weight": Shard(0)})
+            src = self.src_data_rank
+            _distribute(module, device_mesh, {"weight": Shard(0), "bias": Shard(0)}, src)
+            _distribute(module.lora_A, device_mesh, {"weight": Replicate()}, src)
+            _distribute(module.lora_B, device_mesh, {"weight": Shard(0)}, src)
 
 
 class _LoRARowwise(RowwiseParallel):
@@ -229,9 +230,10 @@ class _LoRARowwise(RowwiseParallel):
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
         if isinstance(module, LoRALinear):
-            _distribute(module, device_mesh, {"weight": Shard(1), "bias": Replicate()})
-            _distribute(module.lora_A, device_mesh, {"weight": Shard(1)})
-            _distribute(module.lora_B, device_mesh, {"weight": Replicate()})
+            src = self.src_data_rank
+            _distribute(module, device_mesh, {"weight": Shard(1), "bias": Replicate()}, src)
+            _distribute(module.lora_A, device_mesh, {"weight": Shard(1)}, src)
+            _distribute(module.lora_B, device_mesh, {"weight": Replicate()}, src)
 
 
 def _kept_trainable(model: nn.Module, embeddings: bool, head: bool) -> list[nn.Module]:
@@ -249,12 +251,16 @@ def _kept_trainable(model: nn.Module, embeddings: bool, head: bool) -> list[nn.M
 _LORA_STYLES: dict[type, type] = {ColwiseParallel: _LoRAColwise, RowwiseParallel: _LoRARowwise}
 
 
-def _distribute(module: nn.Module, mesh: Any, placements: dict[str, Any]) -> None:
+def _distribute(
+    module: nn.Module, mesh: Any, placements: dict[str, Any], src_data_rank: int | None
+) -> None:
+    """`module`'s parameters as DTensors placed as given (as the styles' own do: the
+    source rank's values, or each rank's own with None), frozen or not as they were."""
     for pname, placement in placements.items():
         param = getattr(module, pname, None)
         if param is None:
             continue
-        tensor = distribute_tensor(param, mesh, [placement], src_data_rank=None)
+        tensor = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
         module.register_parameter(pname, nn.Parameter(tensor, requires_grad=param.requires_grad))
 
 
