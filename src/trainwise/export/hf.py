@@ -137,7 +137,7 @@ def export_hf(
         )
         (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         _copy_tokenizer(spec, partial)
-        _replace_dir(partial, out)
+        replace_dir(partial, out)
     except BaseException as err:
         shutil.rmtree(partial, ignore_errors=True)  # never leave half a model behind
         if isinstance(err, (OSError, SafetensorError)):  # the checkpoint was read by DCP
@@ -146,7 +146,7 @@ def export_hf(
     return {"tensors": len(weight_map), "files": len(groups), "step": checkpoint_step(checkpoint)}
 
 
-def _replace_dir(partial: Path, out: Path) -> None:
+def replace_dir(partial: Path, out: Path) -> None:
     """Put the finished ``partial`` at ``out``; an existing ``out`` (--force) is renamed
     away first and deleted only after, so a crash between leaves one of them whole."""
     if not out.exists():

@@ -1,0 +1,122 @@
+"""A LoRA run's adapters in PEFT's format: ``adapter_config.json`` (written by PEFT's own
+``LoraConfig``) and ``adapter_model.safetensors``, which
+``peft.PeftModel.from_pretrained(base, DIR)`` loads onto the Hugging Face base model.
+
+Our adapter ``<path>.lora_A.weight`` (r x in) and ``<path>.lora_B.weight`` (out x r) are
+PEFT's tensors as they are; only the names change: the model's own name of the base
+Linear becomes Hugging Face's (export.hf's renaming), under PEFT's prefix
+``base_model.model.`` (PEFT leaves the adapter's name out of the file). Embeddings or a
+head that trained fully (lora.train_embeddings / train_head) go in as PEFT's
+``modules_to_save``, stored under their plain names as PEFT stores them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainwise.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainwise.config import JobConfig
+
+PREFIX = "base_model.model."  # PEFT's name of the base model inside a PeftModel
+ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+_FULL_MODULES = {"train_embeddings": "embed_tokens", "train_head": "lm_head"}
+
+
+def adapter_base(name: str) -> str | None:
+    """`<path>` of an adapter entry `<path>.lora_A.weight` / `.lora_B.weight`, else None."""
+    for suffix in ADAPTER_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return None
+
+
+def peft_names(state: dict[str, Any], rename, lora) -> tuple[dict[str, Any], list[str], list[str]]:
+    """(PEFT's tensors, the targeted modules' Hugging Face paths, modules_to_save) from a
+    checkpoint's model entries. `rename` maps a model name to Hugging Face's."""
+    tensors: dict[str, Any] = {}
+    targets: set[str] = set()
+    for name, value in state.items():
+        base = adapter_base(name)
+        if base is None:
+            continue
+        hf_path = rename(base + ".weight").removesuffix(".weight")
+        targets.add(hf_path)
+        tensors[PREFIX + hf_path + name[len(base) :]] = value
+    full = [leaf for key, leaf in _FULL_MODULES.items() if getattr(lora, key)]
+    for name, value in state.items():
+        hf = rename(name)
+        if adapter_base(name) is None and any(hf.endswith(f"{leaf}.weight") for leaf in full):
+            tensors[PREFIX + hf] = value
+    return tensors, sorted(targets), full
+
+
+def lora_run(run_dir: Path) -> JobConfig:
+    """The run's config; ConfigError when it did not train with LoRA."""
+    from trainwise.export.trained import run_config
+
+    cfg = run_config(run_dir)
+    if cfg.lora.rank == 0:
+        raise ConfigError(
+            f"--format peft: {run_dir} trained every parameter (lora.rank = 0), so it has no "
+            "adapters to export; use --format hf (or safetensors) for its weights"
+        )
+    return cfg
+
+
+def export_peft(run_dir: Path, out: Path, step: int | None = None, force: bool = False) -> dict:
+    """Write the LoRA run's adapters (its newest valid checkpoint, or `step`'s) as a PEFT
+    adapter directory `out`, via `out.partial` renamed when complete."""
+    import peft
+    from safetensors.torch import save_file
+
+    from trainwise.export.hf import hf_target, replace_dir
+    from trainwise.export.trained import checkpoint_model_spec, chosen_checkpoint
+    from trainwise.export.weights import checkpoint_step, load_model_state, refuse_existing
+
+    run_dir, out = Path(run_dir), Path(out)
+    refuse_existing(out, force)
+    cfg = lora_run(run_dir)
+    checkpoint = chosen_checkpoint(run_dir, step)
+    spec = checkpoint_model_spec(checkpoint)
+    state = load_model_state(checkpoint)
+    _, rename = hf_target(spec, {k: tuple(v.shape) for k, v in state.items()})
+    tensors, targets, full = peft_names(state, rename, cfg.lora)
+    if not targets:
+        raise ConfigError(f"{checkpoint} holds no LoRA adapters (no *.lora_A.weight): give "
+                          "the checkpoint of a LoRA run")
+    config = peft.LoraConfig(
+        r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+        target_modules=targets, modules_to_save=full or None, bias="none",
+        task_type="CAUSAL_LM", base_model_name_or_path=_base_dir(spec.name),
+    )
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        partial.mkdir(parents=True)
+        config.save_pretrained(str(partial))
+        contiguous = {k: v.detach().contiguous() for k, v in tensors.items()}
+        save_file(contiguous, str(partial / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        replace_dir(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # never half an adapter
+        raise
+    return {"tensors": len(tensors), "targets": len(targets), "step": checkpoint_step(checkpoint)}
+
+
+def _base_dir(model_name: str) -> str | None:
+    """The base model's directory (model.name = 'hf:DIR'), recorded in adapter_config.json."""
+    if not model_name.startswith("hf:"):
+        return None
+    from trainwise.models.hf import model_dir
+
+    return str(model_dir(model_name[len("hf:") :]))
+
+
+def adapter_config(folder: Path) -> dict[str, Any]:
+    return json.loads((Path(folder) / "adapter_config.json").read_text())
