@@ -12,7 +12,6 @@ head that trained fully (lora.train_embeddings / train_head) go in as PEFT's
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,33 +54,65 @@ def peft_names(state: dict[str, Any], rename, lora) -> tuple[dict[str, Any], lis
     return tensors, sorted(targets), full
 
 
+def lora_run_dir(source: Path, checkpoint: Path) -> Path | None:
+    """The run directory of a LoRA run's checkpoint (`source` is what the user gave: the
+    run, or the checkpoint itself), or None when the run trained every parameter.
+    ConfigError when the checkpoint holds adapters but no run config can be found."""
+    from trainwise.export.hf import adapter_entries
+
+    for folder in (source, checkpoint.parent.parent):
+        if (folder / "config.toml").is_file():
+            from trainwise.export.trained import run_config
+
+            return folder if run_config(folder).lora.rank > 0 else None
+    if adapter_entries(checkpoint):
+        raise ConfigError(
+            f"{checkpoint} holds LoRA adapters but no run config.toml is beside it: give the "
+            "run directory (runs/NAME), whose [lora] section says how to apply them"
+        )
+    return None
+
+
+def merged_state(run_dir: Path, checkpoint: Path) -> dict[str, Any]:
+    """The LoRA run's trained model (the checkpoint over its starting weights) with the
+    adapters folded into their base weights: a plain model's state dict."""
+    from trainwise.export.trained import build_trained, run_config
+    from trainwise.models.lora import merge_lora
+
+    cfg = run_config(run_dir)
+    module = build_trained(cfg, checkpoint)
+    return merge_lora({k: v.detach() for k, v in module.state_dict().items()}, cfg.lora)
+
+
 def lora_run(run_dir: Path) -> JobConfig:
     """The run's config; ConfigError when it did not train with LoRA."""
     from trainwise.export.trained import run_config
 
     cfg = run_config(run_dir)
     if cfg.lora.rank == 0:
-        raise ConfigError(
-            f"--format peft: {run_dir} trained every parameter (lora.rank = 0), so it has no "
-            "adapters to export; use --format hf (or safetensors) for its weights"
-        )
+        raise ConfigError(not_lora(run_dir))
     return cfg
 
 
-def export_peft(run_dir: Path, out: Path, step: int | None = None, force: bool = False) -> dict:
-    """Write the LoRA run's adapters (its newest valid checkpoint, or `step`'s) as a PEFT
-    adapter directory `out`, via `out.partial` renamed when complete."""
-    import peft
+def not_lora(where: Path) -> str:
+    """The one line for --format peft on a run that trained every parameter."""
+    return (
+        f"--format peft: {where} trained every parameter (lora.rank = 0), so it has no "
+        "adapters to export; use --format hf (or safetensors) for its weights"
+    )
+
+
+def export_peft(run_dir: Path, checkpoint: Path, out: Path, force: bool = False) -> dict:
+    """Write the adapters of a LoRA run's `checkpoint` as a PEFT adapter directory `out`,
+    via `out.partial` renamed when complete."""
     from safetensors.torch import save_file
 
-    from trainwise.export.hf import hf_target, replace_dir
-    from trainwise.export.trained import checkpoint_model_spec, chosen_checkpoint
+    from trainwise.export.hf import checkpoint_model_spec, hf_target, replace_dir
     from trainwise.export.weights import checkpoint_step, load_model_state, refuse_existing
 
-    run_dir, out = Path(run_dir), Path(out)
+    run_dir, checkpoint, out = Path(run_dir), Path(checkpoint), Path(out)
     refuse_existing(out, force)
     cfg = lora_run(run_dir)
-    checkpoint = chosen_checkpoint(run_dir, step)
     spec = checkpoint_model_spec(checkpoint)
     state = load_model_state(checkpoint)
     _, rename = hf_target(spec, {k: tuple(v.shape) for k, v in state.items()})
@@ -89,6 +120,10 @@ def export_peft(run_dir: Path, out: Path, step: int | None = None, force: bool =
     if not targets:
         raise ConfigError(f"{checkpoint} holds no LoRA adapters (no *.lora_A.weight): give "
                           "the checkpoint of a LoRA run")
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("--format peft needs PEFT: pip install 'trainwise[hf]'") from None
     config = peft.LoraConfig(
         r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
         target_modules=targets, modules_to_save=full or None, bias="none",
@@ -116,7 +151,3 @@ def _base_dir(model_name: str) -> str | None:
     from trainwise.models.hf import model_dir
 
     return str(model_dir(model_name[len("hf:") :]))
-
-
-def adapter_config(folder: Path) -> dict[str, Any]:
-    return json.loads((Path(folder) / "adapter_config.json").read_text())

@@ -10,7 +10,6 @@ the whole model; one that lacks a trainable parameter is refused.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,21 +34,6 @@ class Trained:
     tokenizer: Tokenizer
     max_len: int | None
     source: str  # for the user: which checkpoint or directory
-
-
-def checkpoint_model_spec(checkpoint: Path) -> ModelSpec:
-    """The model spec the run recorded in the checkpoint's trainer.json."""
-    from trainwise.models import ModelSpec
-
-    try:
-        spec = json.loads((Path(checkpoint) / "trainer.json").read_text())["model_spec"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise ConfigError(
-            f"{checkpoint}: trainer.json does not say which model was trained; give a "
-            "checkpoint written by this trainwise version"
-        ) from None
-    known = set(ModelSpec.__dataclass_fields__)
-    return ModelSpec(**{k: v for k, v in spec.items() if k in known})
 
 
 def run_config(run_dir: Path) -> JobConfig:
@@ -78,6 +62,7 @@ def chosen_checkpoint(run_dir: Path, step: int | None = None) -> Path:
 
 def build_trained(cfg: JobConfig, checkpoint: Path) -> nn.Module:
     """The run's model in eval mode on the CPU, with the checkpoint's weights."""
+    from trainwise.export.hf import checkpoint_model_spec
     from trainwise.export.weights import load_model_state
 
     module = starting_model(cfg, checkpoint_model_spec(checkpoint))
@@ -91,7 +76,7 @@ def starting_model(cfg: JobConfig, spec: ModelSpec) -> nn.Module:
     import torch
 
     from trainwise.models import build_model
-    from trainwise.models.converters import build_converters, convert
+    from trainwise.models.converters import build_converters, convert, with_converters
     from trainwise.run.engine.materialize import allocate, materialize
 
     cpu = torch.device("cpu")
@@ -106,7 +91,8 @@ def starting_model(cfg: JobConfig, spec: ModelSpec) -> nn.Module:
         if bundle.load_weights is not None:
             allocate(bundle.module, cpu)
         else:
-            materialize(bundle.module, bundle.init_parameter, cfg.train.seed, cpu)
+            init = with_converters(bundle.init_parameter, converters)
+            materialize(bundle.module, init, cfg.train.seed, cpu)
     if bundle.load_weights is not None:
         bundle.load_weights(bundle.module)
     return bundle.module
