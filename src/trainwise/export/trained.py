@@ -71,30 +71,34 @@ def build_trained(cfg: JobConfig, checkpoint: Path) -> nn.Module:
 
 
 def starting_model(cfg: JobConfig, spec: ModelSpec) -> nn.Module:
-    """The model as the run started it: built on the meta device, converted, then given
-    the pretrained weights or the seeded init (run/engine/parts.py's order, one process)."""
+    """The model as the run started it, in run/engine/parts.py's order on one process:
+    built on the meta device (or whole, seeded), converted, then given the pretrained
+    weights or the seeded init, and the converters' parameters their own init."""
     import torch
 
     from trainwise.models import build_model
-    from trainwise.models.converters import build_converters, convert, with_converters
-    from trainwise.run.engine.materialize import allocate, materialize
+    from trainwise.models.converters import build_converters, convert, owned, with_converters
+    from trainwise.run.engine.materialize import allocate, fill, materialize
 
-    cpu = torch.device("cpu")
+    seed, cpu = cfg.train.seed, torch.device("cpu")
     with torch.device("meta"):
         bundle = build_model(spec)
     if bundle.init_parameter is None:  # built whole, seeded (as the run did)
-        torch.manual_seed(cfg.train.seed)
+        torch.manual_seed(seed)
         bundle = build_model(spec)
     converters = build_converters(cfg)
     convert(bundle.module, converters)
-    if bundle.init_parameter is not None:  # meta-built: storage, then values
-        if bundle.load_weights is not None:
-            allocate(bundle.module, cpu)
-        else:
-            init = with_converters(bundle.init_parameter, converters)
-            materialize(bundle.module, init, cfg.train.seed, cpu)
+    init, added = with_converters(bundle.init_parameter, converters), owned(converters)
+    if bundle.init_parameter is None:
+        fill(bundle.module, init, seed, only=added)
+    elif bundle.load_weights is not None:
+        allocate(bundle.module, cpu)
+    else:
+        materialize(bundle.module, init, seed, cpu)
     if bundle.load_weights is not None:
         bundle.load_weights(bundle.module)
+        if bundle.init_parameter is not None:
+            fill(bundle.module, init, seed, only=added)
     return bundle.module
 
 
