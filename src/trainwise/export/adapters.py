@@ -48,9 +48,10 @@ def peft_names(state: dict[str, Any], rename, lora) -> tuple[dict[str, Any], lis
         tensors[PREFIX + hf_path + name[len(base) :]] = value
     full = [leaf for key, leaf in _FULL_MODULES.items() if getattr(lora, key)]
     for name, value in state.items():
-        hf = rename(name)
-        if adapter_base(name) is None and any(hf.endswith(f"{leaf}.weight") for leaf in full):
-            tensors[PREFIX + hf] = value
+        if full and adapter_base(name) is None:
+            hf = rename(name)
+            if any(hf.endswith(f"{leaf}.weight") for leaf in full):
+                tensors[PREFIX + hf] = value
     return tensors, sorted(targets), full
 
 
