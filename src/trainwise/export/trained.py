@@ -192,6 +192,7 @@ def from_export(folder: Path) -> Trained:
         raise ConfigError(
             f"{folder}: a Hugging Face directory needs transformers: pip install 'trainwise[hf]'"
         ) from None
+    transformers.utils.logging.disable_progress_bar()  # one line of ours says what loads
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
 
     def logits(ids: torch.Tensor) -> torch.Tensor:
