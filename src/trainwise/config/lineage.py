@@ -29,8 +29,13 @@ LINEAGE_KEYS = (
 )
 
 
-def lineage_keys(cfg: JobConfig, global_batch: int) -> dict[str, Any]:
-    """The job's lineage as flat `section.key` -> value (JSON types)."""
+def lineage_keys(
+    cfg: JobConfig, global_batch: int, base_weights: str | None = None
+) -> dict[str, Any]:
+    """The job's lineage as flat `section.key` -> value (JSON types). With LoRA, the
+    [lora] keys and what the frozen base's weights come from (`base_weights`: it is
+    rebuilt from there on resume, not saved); without, no lora keys at all, so that
+    checkpoints of runs before LoRA keep their lineage."""
     dumped = cfg.model_dump(mode="json")
     keys: dict[str, Any] = {}
     for section in LINEAGE_SECTIONS:
@@ -41,6 +46,9 @@ def lineage_keys(cfg: JobConfig, global_batch: int) -> dict[str, Any]:
         section, key = dotted.split(".")
         keys[dotted] = dumped[section][key]
     keys["data.global_batch"] = global_batch
+    if cfg.lora.rank > 0:
+        keys.update({f"lora.{k}": v for k, v in dumped["lora"].items()})
+        keys["lora.base_weights"] = base_weights
     return keys
 
 

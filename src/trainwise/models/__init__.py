@@ -17,6 +17,7 @@ _LAZY = {
     "Block": "gpt",
     "MLPClassifier": "mlp",
     "HFCausalLM": "hf",
+    "base_weights_id": "registry",
     "build_custom": "custom",
     "load_factory": "custom",
     "ModelBundle": "registry",

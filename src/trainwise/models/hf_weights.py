@@ -11,6 +11,7 @@ dtype on the copy. The names and shapes are checked against the files' headers f
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import warnings
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+from trainwise.checksum import digest_file, new_hasher
 from trainwise.errors import ModelError
 from trainwise.models.lora import is_adapter
 
@@ -49,6 +51,21 @@ def weight_files(folder: str | Path) -> list[Path]:
             raise ModelError(f"{index} names {missing[0]}, which is not in {folder}; copy it there")
         return [folder / n for n in names]
     return [folder / SINGLE] if (folder / SINGLE).is_file() else []
+
+
+def weights_digest(folder: str | Path) -> str:
+    """One checksum of a model directory's weights (each file's content, in name order):
+    what identifies the frozen base a LoRA run was trained on."""
+    digest = new_hasher()
+    for f in weight_files(folder):
+        digest.update(f"{f.name}:{_file_digest(f, f.stat().st_size, f.stat().st_mtime_ns)};".encode())
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=64)
+def _file_digest(path: Path, size: int, mtime_ns: int) -> str:
+    """Once per process and file version (the launcher's check and the run both ask)."""
+    return digest_file(path)
 
 
 def stored_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:

@@ -192,3 +192,17 @@ def lora_model_problems(spec: ModelSpec, lora: Any) -> list[str]:
     with torch.device("meta"):
         module = build_model(spec).module
     return target_problems(module, lora)
+
+
+def base_weights_id(spec: ModelSpec, seed: int) -> str:
+    """What the model's weights come from before training: the checksum of a pretrained
+    directory's safetensors, else the seed that draws them (a LoRA run's frozen base is
+    rebuilt from it on resume, not saved)."""
+    from trainwise.models.hf import model_dir, wants_pretrained
+    from trainwise.models.hf_weights import weights_digest
+
+    if model_kind(spec.name) == "hf":
+        path = spec.name[len("hf:") :]
+        if wants_pretrained(path, spec.init):
+            return f"xxh3:{weights_digest(model_dir(path))}"
+    return f"random, train.seed = {seed}"

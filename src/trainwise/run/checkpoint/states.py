@@ -29,17 +29,26 @@ MODEL, OPTIMIZER, RNG = "model", "optim", "rng"
 class ModelState(Stateful):
     """The weights of the model's parts in one mapping, as DCP's state-dict API names them
     whatever the wrapper (each part keeps the whole model's names, as torchtitan's
-    ModelWrapper: the keys do not depend on how the model is split)."""
+    ModelWrapper: the keys do not depend on how the model is split). Without
+    `frozen_saved` (LoRA) only the trainable parameters: the frozen base is rebuilt from
+    its source (pretrained files or seed, checked by the lineage) at every start."""
 
-    def __init__(self, parts: list[torch.nn.Module]):
+    def __init__(self, parts: list[torch.nn.Module], frozen_saved: bool = True):
         self.parts = parts
+        self.options = StateDictOptions(ignore_frozen_params=not frozen_saved)
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
+        return {
+            k: v
+            for part in self.parts
+            for k, v in get_model_state_dict(part, options=self.options).items()
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # One part must find all its keys; several each take theirs from the whole.
-        options = StateDictOptions(strict=len(self.parts) == 1)
+        # One part must find all its keys; several each take theirs from the whole. Without
+        # the frozen base, DCP's load has checked that every saved key was found.
+        whole = len(self.parts) == 1 and not self.options.ignore_frozen_params
+        options = StateDictOptions(strict=whole, ignore_frozen_params=self.options.ignore_frozen_params)
         for part in self.parts:
             set_model_state_dict(part, state_dict, options=options)
 
@@ -112,10 +121,12 @@ def training_states(
     optimizer: torch.optim.Optimizer,
     rank: int,
     device: torch.device,
+    frozen_saved: bool = True,
 ) -> dict[str, Stateful]:
-    """The DCP part of a training checkpoint, over the model's parts."""
+    """The DCP part of a training checkpoint, over the model's parts (LoRA: without the
+    frozen base, `frozen_saved` False)."""
     return {
-        MODEL: ModelState(parts),
+        MODEL: ModelState(parts, frozen_saved),
         OPTIMIZER: OptimizerState(parts, optimizer),
         RNG: RngState(rank, device),
     }

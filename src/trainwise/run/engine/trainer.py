@@ -166,12 +166,14 @@ def build_checkpointer(
     return Checkpointer(
         c.checkpoint,
         place,
-        training_states(trainer.parts, trainer.optimizer, env.rank, device),
+        training_states(
+            trainer.parts, trainer.optimizer, env.rank, device, frozen_saved=not c.lora.rank
+        ),
         {"scheduler": trainer.scheduler, "scaler": trainer.scaler},
         meta={
             "strategy": job.strategy, "dp_size": trainer.dp_size, "model": c.model.name,
             "model_spec": asdict(job.model_spec), "config_hash": job_hash(c),
-            "lineage": lineage_keys(c, job.global_batch),
+            "lineage": lineage_keys(c, job.global_batch, job.base_weights),
         },
         schedule=SaveSchedule(c.train.steps, c.cluster.mtbf_hours, c.cluster.nodes),
         log=log,

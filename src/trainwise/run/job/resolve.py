@@ -20,6 +20,7 @@ from trainwise.hardware.catalog import find_gpu
 from trainwise.models import (
     GPTShape,
     ModelSpec,
+    base_weights_id,
     count_parameters,
     lora_model_problems,
     resolve_shape,
@@ -75,6 +76,9 @@ class Job:
     datasets: tuple[Any, Any] = field(repr=False, default=(None, None))
     # FSDP with accumulation: reduce-scatter every micro-batch (parallel.accumulate resolved).
     sharded_accumulation: bool = False
+    # LoRA: what the frozen base's weights come from (registry.base_weights_id); in the
+    # lineage, so a resume onto other base weights is refused.
+    base_weights: str | None = None
 
     @property
     def dp_size(self) -> int:
@@ -265,6 +269,7 @@ def prepare_job(
         plan_notes=plan_notes,
         datasets=data.datasets,
         sharded_accumulation=dims.accumulates_sharded(setup.accumulate, accum),
+        base_weights=base_weights_id(data.spec, c.train.seed) if c.lora.rank else None,
     )
 
 

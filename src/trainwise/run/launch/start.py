@@ -109,7 +109,7 @@ def check_run_dir(cfg: JobConfig, job: Job, run_dir: Path) -> None:
     from trainwise.run.launch.compat import check_other_fits
     from trainwise.run.observe.events import read_events
 
-    root, keys = checkpoint_root(cfg, run_dir), lineage_keys(cfg, job.global_batch)
+    root, keys = checkpoint_root(cfg, run_dir), lineage_keys(cfg, job.global_batch, job.base_weights)
     check_before_launch(cfg.checkpoint, root, keys)
     check_other_fits(cfg, job, root, keys)
     if cfg.checkpoint.resume == "never" or not (run_dir / "events.jsonl").is_file():
