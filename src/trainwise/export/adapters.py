@@ -116,7 +116,10 @@ def export_peft(run_dir: Path, checkpoint: Path, out: Path, force: bool = False)
     cfg = lora_run(run_dir)
     spec = checkpoint_model_spec(checkpoint)
     state = load_model_state(checkpoint)
-    _, rename = hf_target(spec, {k: tuple(v.shape) for k, v in state.items()})
+    try:
+        _, rename = hf_target(spec, {k: tuple(v.shape) for k, v in state.items()})
+    except ConfigError as err:  # PEFT's names are Hugging Face's: the same models export
+        raise ConfigError(err.problems[0].replace("--format hf", "--format peft")) from None
     tensors, targets, full = peft_names(state, rename, cfg.lora)
     if not targets:
         raise ConfigError(f"{checkpoint} holds no LoRA adapters (no *.lora_A.weight): give "
