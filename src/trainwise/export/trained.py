@@ -34,6 +34,7 @@ class Trained:
     tokenizer: Tokenizer
     max_len: int | None
     source: str  # for the user: which checkpoint or directory
+    module: nn.Module  # the model itself (LoRA's frozen base: requires_grad False)
 
 
 def run_config(run_dir: Path) -> JobConfig:
@@ -170,7 +171,7 @@ def from_run(run_dir: Path, step: int | None = None) -> Trained:
     def logits(ids: torch.Tensor) -> torch.Tensor:
         return module(ids)
 
-    return Trained(logits, tokenizer, max_len, str(checkpoint))
+    return Trained(logits, tokenizer, max_len, str(checkpoint), module)
 
 
 def from_export(folder: Path) -> Trained:
@@ -199,7 +200,7 @@ def from_export(folder: Path) -> Trained:
         return model(input_ids=ids, use_cache=False).logits
 
     max_len = getattr(model.config, "max_position_embeddings", None)
-    return Trained(logits, tokenizer, max_len, str(folder))
+    return Trained(logits, tokenizer, max_len, str(folder), model)
 
 
 def load_trained(target: Path, step: int | None = None) -> Trained:
