@@ -25,8 +25,8 @@ IDS = torch.tensor([list(PROMPT.encode())])  # the bytes tokenizer's ids
 
 @pytest.fixture(scope="module")
 def lora(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """A 3-step LoRA fine-tune of a pretrained tiny Llama on a byte-tokenized SFT corpus,
-    exported both ways."""
+    """A 3-step LoRA fine-tune (the head trained fully too) of a pretrained tiny Llama on a
+    byte-tokenized SFT corpus, exported both ways."""
     root = tmp_path_factory.mktemp("lora-out")
     base = tiny_llama(root / "base", vocab=257, positions=SFT_SEQ)
     corpus = sft_corpus(root)
@@ -35,7 +35,8 @@ def lora(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "--set", f"model.name=hf:{base}", "--set", "data.dataset=tokens",
         "--set", f"data.path={corpus}", "--set", "data.format=prompt_response",
         "--set", "data.seq_len=64", "--set", "data.micro_batch=2", "--set", "optim.lr=0.05",
-        "--set", "lora.rank=4", "--set", "lora.alpha=8", "--set", "checkpoint.interval=3",
+        "--set", "lora.rank=4", "--set", "lora.alpha=8", "--set", "lora.train_head=true",
+        "--set", "checkpoint.interval=3",
         cwd=root,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -59,7 +60,10 @@ def test_peft_loads_the_adapters_and_gives_the_trained_logits(lora: dict):
 
     config = json.loads((lora["peft"] / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
+    assert config["modules_to_save"] == ["lm_head"]
     tensors = load_file(lora["peft"] / "adapter_model.safetensors")
+    head = tensors.pop("base_model.model.lm_head.weight")  # trained fully: PEFT's plain name
+    assert head.shape == (257, 32)
     assert len(tensors) == 2 * 2 * 7  # 2 layers x 7 Linears (q, k, v, o, gate, up, down) x A, B
     assert all(k.startswith("base_model.model.model.layers.") for k in tensors)
     assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in tensors.items())
@@ -108,6 +112,29 @@ def test_generate_greedy_is_transformers_greedy(lora: dict, capsys: pytest.Captu
     wide = [continue_ids(model, IDS[0].tolist(), 12, Sampling(greedy=False, seed=s))
             for s in (1, 1, 2)]
     assert wide[0] == wide[1] and len(wide[2]) >= 1
+
+
+def test_tied_embeddings_go_to_peft_under_both_names():
+    """A tied head that trained: PEFT's ensure_weight_tying loads the embedding and the
+    head from two equal tensors (safetensors holds no shared ones)."""
+    from trainwise.config.schema import LoraConfig
+    from trainwise.export.adapters import lora_config, peft_names, trained_whole
+    from trainwise.models.llama import gpt_to_hf
+
+    emb = torch.randn(11, 4)
+    state = {"tok_emb.weight": emb, "blocks.0.attn.q_proj.lora_A.weight": torch.ones(2, 4),
+             "blocks.0.attn.q_proj.lora_B.weight": torch.zeros(4, 2)}
+    tensors, targets = peft_names(state, gpt_to_hf)
+    assert targets == ["model.layers.0.self_attn.q_proj"]
+    assert sorted(tensors) == ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+                               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+    lora = LoraConfig(rank=2, train_head=True)
+    whole, full = trained_whole(state, gpt_to_hf, lora, tied=True)
+    assert full == ["embed_tokens"]
+    e, h = whole["base_model.model.model.embed_tokens.weight"], whole["base_model.model.lm_head.weight"]
+    assert torch.equal(e, emb) and torch.equal(h, emb) and h.data_ptr() != e.data_ptr()
+    assert lora_config(lora, targets, full, True, None).ensure_weight_tying
+    assert trained_whole(state, gpt_to_hf, LoraConfig(rank=2), tied=True) == ({}, [])
 
 
 def one_line_exit_2(args: list[str], capsys: pytest.CaptureFixture, words: str) -> None:

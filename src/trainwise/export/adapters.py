@@ -13,6 +13,7 @@ head that trained fully (lora.train_embeddings / train_head) go in as PEFT's
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 PREFIX = "base_model.model."  # PEFT's name of the base model inside a PeftModel
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 _FULL_MODULES = {"train_embeddings": "embed_tokens", "train_head": "lm_head"}
+_EMBED_HEAD = ("embed_tokens", "lm_head")
 
 
 def adapter_base(name: str) -> str | None:
@@ -34,8 +36,8 @@ def adapter_base(name: str) -> str | None:
     return None
 
 
-def peft_names(state: dict[str, Any], rename, lora) -> tuple[dict[str, Any], list[str], list[str]]:
-    """(PEFT's tensors, the targeted modules' Hugging Face paths, modules_to_save) from a
+def peft_names(state: dict[str, Any], rename: Callable[[str], str]) -> tuple[dict, list[str]]:
+    """(the adapters under PEFT's names, the targeted modules' Hugging Face paths) from a
     checkpoint's model entries. `rename` maps a model name to Hugging Face's."""
     tensors: dict[str, Any] = {}
     targets: set[str] = set()
@@ -46,13 +48,31 @@ def peft_names(state: dict[str, Any], rename, lora) -> tuple[dict[str, Any], lis
         hf_path = rename(base + ".weight").removesuffix(".weight")
         targets.add(hf_path)
         tensors[PREFIX + hf_path + name[len(base) :]] = value
-    full = [leaf for key, leaf in _FULL_MODULES.items() if getattr(lora, key)]
+    return tensors, sorted(targets)
+
+
+def trained_whole(
+    state: dict[str, Any], rename: Callable[[str], str], lora: Any, tied: bool
+) -> tuple[dict[str, Any], list[str]]:
+    """(the embeddings / head that trained fully, under PEFT's names; modules_to_save).
+    Tied, one tensor trains for both: PEFT's ensure_weight_tying keeps its copies of the
+    two tied, and loads both names."""
+    leaves = [leaf for key, leaf in _FULL_MODULES.items() if getattr(lora, key)]
+    if not leaves:
+        return {}, []
+    found: dict[str, tuple[str, Any]] = {}
     for name, value in state.items():
-        if full and adapter_base(name) is None:
+        if adapter_base(name) is None:
             hf = rename(name)
-            if any(hf.endswith(f"{leaf}.weight") for leaf in full):
-                tensors[PREFIX + hf] = value
-    return tensors, sorted(targets), full
+            found.update({leaf: (hf, value) for leaf in _EMBED_HEAD if hf.endswith(f"{leaf}.weight")})
+    if not tied:
+        return {PREFIX + found[leaf][0]: found[leaf][1] for leaf in leaves if leaf in found}, leaves
+    embed, head = _EMBED_HEAD
+    value = (found.get(embed) or found[head])[1]
+    names = [found[leaf][0] if leaf in found else f"{leaf}.weight" for leaf in _EMBED_HEAD]
+    if embed not in found:
+        names[0] = "model.embed_tokens.weight"  # the Llama family's, where the head is
+    return {PREFIX + names[0]: value, PREFIX + names[1]: value.clone()}, [embed]
 
 
 def lora_run_dir(source: Path, checkpoint: Path) -> Path | None:
@@ -117,22 +137,17 @@ def export_peft(run_dir: Path, checkpoint: Path, out: Path, force: bool = False)
     spec = checkpoint_model_spec(checkpoint)
     state = load_model_state(checkpoint)
     try:
-        _, rename = hf_target(spec, {k: tuple(v.shape) for k, v in state.items()})
+        hf_config, rename = hf_target(spec, {k: tuple(v.shape) for k, v in state.items()})
     except ConfigError as err:  # PEFT's names are Hugging Face's: the same models export
         raise ConfigError(err.problems[0].replace("--format hf", "--format peft")) from None
-    tensors, targets, full = peft_names(state, rename, cfg.lora)
+    tensors, targets = peft_names(state, rename)
     if not targets:
         raise ConfigError(f"{checkpoint} holds no LoRA adapters (no *.lora_A.weight): give "
                           "the checkpoint of a LoRA run")
-    try:
-        import peft
-    except ImportError:
-        raise ConfigError("--format peft needs PEFT: pip install 'trainwise[hf]'") from None
-    config = peft.LoraConfig(
-        r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-        target_modules=targets, modules_to_save=full or None, bias="none",
-        task_type="CAUSAL_LM", base_model_name_or_path=_base_dir(spec.name),
-    )
+    tied = bool(hf_config.get("tie_word_embeddings"))
+    whole, full = trained_whole(state, rename, cfg.lora, tied)
+    tensors.update(whole)
+    config = lora_config(cfg.lora, targets, full, tied and bool(full), _base_dir(spec.name))
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     try:
@@ -146,6 +161,19 @@ def export_peft(run_dir: Path, checkpoint: Path, out: Path, force: bool = False)
         shutil.rmtree(partial, ignore_errors=True)  # never half an adapter
         raise
     return {"tensors": len(tensors), "targets": len(targets), "step": checkpoint_step(checkpoint)}
+
+
+def lora_config(lora: Any, targets: list[str], full: list[str], tie: bool, base: str | None):
+    """PEFT's own LoraConfig for the run's [lora] (it writes adapter_config.json)."""
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("--format peft needs PEFT: pip install 'trainwise[hf]'") from None
+    return peft.LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+        modules_to_save=full or None, ensure_weight_tying=tie, bias="none",
+        task_type="CAUSAL_LM", base_model_name_or_path=base,
+    )
 
 
 def _base_dir(model_name: str) -> str | None:
