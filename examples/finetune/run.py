@@ -75,6 +75,8 @@ def main() -> int:
 
 PROMPT = "Question: Where is water carried from?\nAnswer:"
 # LoRA's adapters start at zero (B = 0): a higher learning rate than the full fine-tune's.
+# The base here has random weights: LoRA adapts what a pretrained model knows, so on this
+# base it learns far less than the full fine-tune in the same steps (docs say so).
 LORA = ("--set", "lora.rank=8", "--set", "lora.alpha=16", "--set", "optim.lr=3e-2")
 
 
@@ -103,7 +105,7 @@ def generate(run: Path) -> str:
     code in this process (a second Python start-up would cost more than the answer)."""
     from trainwise.cli.main import main as trainwise_main
 
-    args = ["generate", str(run), "--prompt", PROMPT, "--max-new-tokens", "16"]
+    args = ["generate", str(run), "--prompt", PROMPT, "--max-new-tokens", "24"]
     print("$ trainwise " + " ".join(map(shlex.quote, args)), flush=True)
     answer = io.StringIO()
     with contextlib.redirect_stdout(answer):
