@@ -96,22 +96,30 @@ def fresh_folder(out: Path) -> str | None:
 
 
 def trainwise(*args: str) -> None:
-    print("$ trainwise " + " ".join(args), flush=True)
-    subprocess.run([sys.executable, "-m", "trainwise", *args], check=True)
+    """`trainwise ARGS` as typed; all but `train` (which launches workers) run the
+    command's own code in this process: a Python start-up costs more than they do."""
+    print("$ trainwise " + " ".join(map(shlex.quote, args)), flush=True)
+    if args[0] == "train":
+        subprocess.run([sys.executable, "-m", "trainwise", *args], check=True)
+    else:
+        in_process(list(args))
+
+
+def in_process(args: list[str]) -> None:
+    from trainwise.cli.main import main as trainwise_main
+
+    status = trainwise_main(args)
+    if status != 0:
+        raise SystemExit(f"run.py: trainwise {args[0]} failed (exit status {status})")
 
 
 def generate(run: Path) -> str:
-    """`trainwise generate RUN` (greedy): the run's answer to PROMPT. The command's own
-    code in this process (a second Python start-up would cost more than the answer)."""
-    from trainwise.cli.main import main as trainwise_main
-
+    """`trainwise generate RUN` (greedy): the run's answer to PROMPT (its stdout)."""
     args = ["generate", str(run), "--prompt", PROMPT, "--max-new-tokens", "24"]
     print("$ trainwise " + " ".join(map(shlex.quote, args)), flush=True)
     answer = io.StringIO()
     with contextlib.redirect_stdout(answer):
-        status = trainwise_main(args)
-    if status != 0:
-        raise SystemExit(f"run.py: trainwise generate {run} failed ({status})")
+        in_process(args)
     return answer.getvalue().removesuffix("\n")
 
 
