@@ -166,3 +166,8 @@ def test_refusals_are_one_line(lora: dict, tmp_path: Path, capsys: pytest.Captur
     config.write_text(config.read_text().replace('dataset = "tokens"', 'dataset = "synthetic"'))
     one_line_exit_2(["generate", str(synthetic), "--prompt", "x"], capsys,
                     "data.dataset = 'synthetic', which has no tokenizer")
+    moved = tmp_path / "moved"  # data.path relative to another folder than this one
+    shutil.copytree(lora["run"], moved)
+    config = moved / "config.toml"
+    config.write_text(config.read_text().replace(str(lora["root"] / "sft"), "sft"))
+    one_line_exit_2(["generate", str(moved), "--prompt", "x"], capsys, "is not found from here")

@@ -128,6 +128,11 @@ def job_tokenizer(cfg: JobConfig, where: str) -> Tokenizer:
     from trainwise.data.tokenizer import BYTES, load_tokenizer
 
     data = cfg.data
+    if data.dataset == "tokens" and data.path and not Path(data.path).exists():
+        raise ConfigError(
+            f"data.path = {data.path!r} of {where} is not found from here, and its index.json "
+            "names the tokenizer: run generate from the folder the run was trained from"
+        )
     if data.dataset != "tokens" or not data.path or not is_prepared_dir(data.path):
         what = f"data.dataset = {data.dataset!r}" if data.dataset != "tokens" else (
             f"data.path = {data.path!r}, a token file without index.json"
