@@ -22,6 +22,7 @@ from trainwise.models import ModelSpec, build_model
 from trainwise.models.lora import (
     LoRAConverter,
     lora_layers,
+    lora_line,
     merge_lora,
     parameter_counts,
     target_names,
@@ -76,6 +77,7 @@ def test_the_converter_freezes_the_base_and_counts_the_adapters():
     adapters = sum(rank * (m.in_features + m.out_features) for m in layers.values())
     trainable, total = parameter_counts(gpt)
     assert trainable == adapters and total > 10 * trainable
+    assert f"{trainable:,} trainable of {total:,} parameters" in lora_line([gpt])
     assert all(isinstance(m, torch.nn.Linear) for m in layers.values())  # a subclass
     frozen = [p for p in gpt.parameters() if not p.requires_grad]
     assert {p.dtype for p in frozen} == {torch.bfloat16}  # the compute dtype
@@ -208,3 +210,37 @@ def test_trainwise_lora_trains_as_peft_lora(tmp_path: Path):
         opt.step()
         opt.zero_grad()
         assert math.isclose(got, loss.item(), rel_tol=1e-5, abs_tol=1e-6), (step, got, loss)
+
+
+def test_adapters_follow_their_base_split_under_tp():
+    """On PyTorch's fake backend (no processes): colwise bases split lora_B by rows and keep
+    lora_A whole, rowwise ones split lora_A by columns and keep lora_B whole; every frozen
+    parameter stays frozen through the plan (SequenceParallel re-creates the norms)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainwise.models.converters import adapt_tp_plan
+    from trainwise.run.engine.parallelize import apply_tp
+
+    with torch.device("meta"):
+        bundle = build_model(ModelSpec("small", vocab_size=256, seq_len=32))
+    converter = LoRAConverter(LoraConfig(rank=4), "fp32", seed=0)
+    converter.convert(bundle.module)
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        apply_tp(bundle.module, mesh, adapt_tp_plan(bundle.module, bundle.tp_plan(True), [converter]))
+    finally:
+        torch.distributed.destroy_process_group()
+    block = bundle.module.blocks[0]
+    for layer, a, b, base in (
+        (block.attn.q_proj, Replicate(), Shard(0), Shard(0)),
+        (block.mlp.gate, Replicate(), Shard(0), Shard(0)),
+        (block.attn.out_proj, Shard(1), Replicate(), Shard(1)),
+        (block.mlp.down, Shard(1), Replicate(), Shard(1)),
+    ):
+        assert layer.lora_A.weight.placements == (a,) and layer.lora_B.weight.placements == (b,)
+        assert layer.weight.placements == (base,) and not layer.weight.requires_grad
+    trainable = {n for n, p in bundle.module.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert not block.norm1.weight.requires_grad

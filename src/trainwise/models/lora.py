@@ -56,20 +56,19 @@ class LoRALinear(nn.Linear):
     def from_linear(
         cls, linear: nn.Linear, rank: int, alpha: float, dropout: float
     ) -> LoRALinear:
-        """Turn `linear` into a LoRALinear in place (same object, same parameters); the
-        adapters are created on the base's device (meta too), values still undefined."""
+        """Turn `linear` into a LoRALinear in place (same object, same parameters). The
+        adapters are float32 (they train: FSDP's mixed precision or autocast casts them);
+        on a meta-device model their values come later (the engine's `init_parameter`),
+        on a built one now, from the global RNG."""
         linear.__class__ = cls
         layer: LoRALinear = linear  # type: ignore[assignment]
-        kw = {"bias": False, "device": linear.weight.device, "dtype": torch.float32}
-        # Build on meta and give storage after: no wasted default init of the adapters.
-        with torch.device("meta"):
-            layer.lora_A = nn.Linear(linear.in_features, rank, **{**kw, "device": "meta"})
-            layer.lora_B = nn.Linear(rank, linear.out_features, **{**kw, "device": "meta"})
-        if not linear.weight.is_meta:  # a model built whole: values now (global RNG)
-            for adapter in (layer.lora_A, layer.lora_B):
-                adapter.to_empty(device=linear.weight.device)
-            init_adapter("lora_A.weight", layer.lora_A.weight, None)
-            init_adapter("lora_B.weight", layer.lora_B.weight, None)
+        with torch.device("meta"):  # no default init wasted
+            layer.lora_A = nn.Linear(linear.in_features, rank, bias=False, dtype=torch.float32)
+            layer.lora_B = nn.Linear(rank, linear.out_features, bias=False, dtype=torch.float32)
+        if not linear.weight.is_meta:
+            for adapter in ADAPTERS:
+                getattr(layer, adapter).to_empty(device=linear.weight.device)
+                init_adapter(f"{adapter}.weight", getattr(layer, adapter).weight, None)
         layer.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         layer.scaling = alpha / rank
         return layer
@@ -152,6 +151,17 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) parameters, each counted once (global sizes under DTensor)."""
     params = list(model.parameters())  # dedups tied weights
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def lora_line(parts: list[nn.Module]) -> str:
+    """What a LoRA run trains, for its log: adapters, trainable and total parameters."""
+    layers = sum(len(lora_layers(part)) for part in parts)
+    counts = [parameter_counts(part) for part in parts]
+    trainable, total = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    return (
+        f"LoRA on {layers} Linear(s): {trainable:,} trainable of {total:,} parameters "
+        f"({100 * trainable / max(total, 1):.2f} %)"
+    )
 
 
 def merge_lora(state: dict[str, torch.Tensor], lora: LoraConfig) -> dict[str, torch.Tensor]:

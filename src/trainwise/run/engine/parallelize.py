@@ -29,9 +29,15 @@ from trainwise.run.engine.precision import TORCH_DTYPES
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plans: list[dict[str, object]]) -> None:
     """Tensor parallelism: each of the model's plans (module name -> ParallelStyle) in
     turn, on the 1-D tp mesh; the parameters become DTensors sharded (or replicated) over
-    it. Must come before AC, compile and FSDP, which wrap the modules it splits."""
+    it. Must come before AC, compile and FSDP, which wrap the modules it splits. Frozen
+    parameters stay frozen (LoRA's base): some styles make new trainable Parameters
+    (SequenceParallel's replicated norm weights)."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     for plan in plans:
         parallelize_module(model, tp_mesh, plan)
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
 
 
 def apply_ac(model: nn.Module, blocks: list[nn.Module], mode: str) -> list[nn.Module]:

@@ -20,6 +20,7 @@ from trainwise.config import JobConfig
 from trainwise.data import build_eval_loader, build_loader
 from trainwise.errors import TrainwiseError
 from trainwise.faults import Faults
+from trainwise.models.lora import lora_line
 from trainwise.run.checkpoint import store as store
 from trainwise.run.checkpoint.dcp import Resumed
 from trainwise.run.checkpoint.store import CheckpointError
@@ -138,6 +139,8 @@ class Training:
             "trainwise: %s on %d x %s (%s), %s", c.model.name, env.world,
             self.job.device.name, self.job.dims.describe(), self.job.decision.reason,
         )
+        if c.lora.rank:
+            self.log.info("trainwise: %s", lora_line(self.trainer.parts))
         if env.world > 1:
             self.log.info(
                 "trainwise: %d machine(s) x %d workers, %s",
