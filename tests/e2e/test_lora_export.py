@@ -137,6 +137,27 @@ def test_tied_embeddings_go_to_peft_under_both_names():
     assert trained_whole(state, gpt_to_hf, LoraConfig(rank=2), tied=True) == ({}, [])
 
 
+def test_a_changed_base_is_refused(lora: dict, tmp_path: Path):
+    """The checkpoint holds no base: one rebuilt from other weights is refused (the
+    lineage's lora.base_weights), as a resume refuses it."""
+    from safetensors.torch import load_file, save_file
+
+    from trainwise.errors import ConfigError
+    from trainwise.export.hf import checkpoint_model_spec
+    from trainwise.export.trained import check_base, chosen_checkpoint
+
+    checkpoint = chosen_checkpoint(lora["run"])
+    spec = checkpoint_model_spec(checkpoint)
+    check_base(checkpoint, spec, 0)  # the same base: nothing to say
+    other = shutil.copytree(lora["base"], tmp_path / "other")
+    weights = load_file(other / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] + 1
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    spec.name = f"hf:{other}"
+    with pytest.raises(ConfigError, match="were trained on base weights xxh3:"):
+        check_base(checkpoint, spec, 0)
+
+
 def one_line_exit_2(args: list[str], capsys: pytest.CaptureFixture, words: str) -> None:
     capsys.readouterr()
     assert main(args) == 2

@@ -10,6 +10,7 @@ the whole model; one that lacks a trainable parameter is refused.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,9 +67,28 @@ def build_trained(cfg: JobConfig, checkpoint: Path) -> nn.Module:
     from trainwise.export.hf import checkpoint_model_spec
     from trainwise.export.weights import load_model_state
 
-    module = starting_model(cfg, checkpoint_model_spec(checkpoint))
+    spec = checkpoint_model_spec(checkpoint)
+    check_base(checkpoint, spec, cfg.train.seed)
+    module = starting_model(cfg, spec)
     load_over(module, load_model_state(checkpoint), checkpoint)
     return module.eval()
+
+
+def check_base(checkpoint: Path, spec: ModelSpec, seed: int) -> None:
+    """A LoRA checkpoint holds no frozen base: the base rebuilt now must be the one it
+    trained on (the lineage's lora.base_weights, as a resume checks it)."""
+    from trainwise.models import base_weights_id
+
+    try:
+        lineage = json.loads((Path(checkpoint) / "trainer.json").read_text())["lineage"]
+        recorded = lineage.get("lora.base_weights")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # no lineage: a checkpoint that holds its whole model
+    if recorded is not None and recorded != (now := base_weights_id(spec, seed)):
+        raise ConfigError(
+            f"{checkpoint}: its LoRA adapters were trained on base weights {recorded}, but "
+            f"{spec.name} now holds {now}; restore the base model the run trained on"
+        )
 
 
 def starting_model(cfg: JobConfig, spec: ModelSpec) -> nn.Module:
