@@ -1,13 +1,17 @@
-"""Fine-tune a Hugging Face model end to end, on this machine, with nothing downloaded:
+"""Fine-tune a Hugging Face model end to end, on this machine, with nothing downloaded,
+every parameter and with LoRA side by side:
 
 1. a tiny Llama-style model directory (random weights, saved by transformers) and a BPE
    tokenizer trained on the text beside this script (`tokenizers`);
 2. `trainwise data prepare` of the question/answer pairs in qa.jsonl (prompt / response:
    only the answers are learned);
-3. `trainwise train` from `hf:DIR` on 2 workers with FSDP (finetune.toml);
-4. `trainwise export RUN --format hf`;
-5. transformers' `from_pretrained` on the export: its logits against the trained
-   checkpoint's, and a few generated tokens.
+3. `trainwise train` from `hf:DIR` on 2 workers with FSDP (finetune.toml): once every
+   parameter (run-full), once LoRA (run-lora: lora.rank = 8, the base frozen);
+4. `trainwise export run-full --format hf` and `trainwise export run-lora --format peft`;
+5. transformers' `from_pretrained` on the full export and PEFT's on the adapter: their
+   logits against the trained checkpoints';
+6. `trainwise generate` on both runs: their answers to one question, and both runs'
+   peak memory (metrics.jsonl's mem_bytes).
 
     python examples/finetune/run.py [--out runs/finetune-example] [--steps 40]
 
@@ -17,7 +21,10 @@ Everything is written under --out; the last line is JSON (what the test reads).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -43,16 +50,34 @@ def main() -> int:
     trainwise("data", "prepare", str(HERE / "qa.jsonl"), "--out", str(out / "qa"),
               "--tokenizer", f"hf:{model_dir}", "--field", "prompt",
               "--response-field", "response", "--quiet")
-    trainwise("train", "--config", str(HERE / "finetune.toml"), "--nproc", str(args.nproc),
-              "--steps", str(args.steps), "--run-dir", str(out / "run"),
-              "--set", f"model.name='hf:{model_dir}'", "--set", f"data.path='{out / 'qa'}'")
-    trainwise("export", str(out / "run"), "--format", "hf", "-o", str(out / "fine-tuned"))
-    result = check_export(out, model_dir)
-    print(f"transformers loads {out / 'fine-tuned'}: logits equal the trained checkpoint's "
-          f"to {result['max_abs_diff']:.1e}; answer to {result['prompt']!r}: "
-          f"{result['generated']!r}")
+    for run, extra in (("run-full", ()), ("run-lora", LORA)):
+        trainwise("train", "--config", str(HERE / "finetune.toml"), "--nproc", str(args.nproc),
+                  "--steps", str(args.steps), "--run-dir", str(out / run),
+                  "--set", f"model.name='hf:{model_dir}'", "--set", f"data.path='{out / 'qa'}'",
+                  *extra)
+    trainwise("export", str(out / "run-full"), "--format", "hf", "-o", str(out / "fine-tuned"))
+    trainwise("export", str(out / "run-lora"), "--format", "peft", "-o", str(out / "adapter"))
+    result = check_exports(out, model_dir)
+    print(f"transformers loads {out / 'fine-tuned'} and PEFT {out / 'adapter'}: logits equal "
+          f"the trained checkpoints' to {result['max_abs_diff']:.1e} and "
+          f"{result['peft_max_abs_diff']:.1e}")
+    print(f"question: {PROMPT!r}")
+    for run in ("full", "lora"):
+        answer = generate(out / f"run-{run}")
+        peak, kind = peak_memory(out / f"run-{run}")
+        result[run].update(answer=answer, peak_mem_bytes=peak, mem_kind=kind)
+        trainable, total = result[run]["trainable"], result[run]["parameters"]
+        print(f"  {run:4} fine-tune ({trainable:,} of {total:,} parameters trained): answers "
+              f"{answer!r}; peak memory {peak / 1e6:.1f} MB ({kind})")
     print(json.dumps(result))
     return 0
+
+
+PROMPT = "Question: Where is water carried from?\nAnswer:"
+# LoRA's adapters start at zero (B = 0): a higher learning rate than the full fine-tune's.
+# The base here has random weights: LoRA adapts what a pretrained model knows, so on this
+# base it learns far less than the full fine-tune in the same steps (docs say so).
+LORA = ("--set", "lora.rank=8", "--set", "lora.alpha=16", "--set", "optim.lr=3e-2")
 
 
 MARK = ".finetune-example"  # what this script leaves in --out: a rerun may replace it
@@ -71,8 +96,38 @@ def fresh_folder(out: Path) -> str | None:
 
 
 def trainwise(*args: str) -> None:
-    print("$ trainwise " + " ".join(args), flush=True)
-    subprocess.run([sys.executable, "-m", "trainwise", *args], check=True)
+    """`trainwise ARGS` as typed; all but `train` (which launches workers) run the
+    command's own code in this process: a Python start-up costs more than they do."""
+    print("$ trainwise " + " ".join(map(shlex.quote, args)), flush=True)
+    if args[0] == "train":
+        subprocess.run([sys.executable, "-m", "trainwise", *args], check=True)
+    else:
+        in_process(list(args))
+
+
+def in_process(args: list[str]) -> None:
+    from trainwise.cli.main import main as trainwise_main
+
+    status = trainwise_main(args)
+    if status != 0:
+        raise SystemExit(f"run.py: trainwise {args[0]} failed (exit status {status})")
+
+
+def generate(run: Path) -> str:
+    """`trainwise generate RUN` (greedy): the run's answer to PROMPT (its stdout)."""
+    args = ["generate", str(run), "--prompt", PROMPT, "--max-new-tokens", "24"]
+    print("$ trainwise " + " ".join(map(shlex.quote, args)), flush=True)
+    answer = io.StringIO()
+    with contextlib.redirect_stdout(answer):
+        in_process(args)
+    return answer.getvalue().removesuffix("\n")
+
+
+def peak_memory(run: Path) -> tuple[int, str]:
+    """The largest memory a step of the run measured (bytes) and what was measured."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    peak = max(records, key=lambda r: r.get("mem_bytes") or 0)
+    return int(peak.get("mem_bytes") or 0), str(peak.get("mem_kind"))
 
 
 def build_model_dir(folder: Path) -> Path:
@@ -107,29 +162,32 @@ def build_model_dir(folder: Path) -> Path:
     return folder
 
 
-def check_export(out: Path, model_dir: Path) -> dict:
-    """The export's logits (transformers) against the checkpoint's (trainwise's model), and
-    a greedy answer to one question."""
+def check_exports(out: Path, model_dir: Path) -> dict:
+    """The full export's logits (transformers) and the adapter's (PEFT on the base model)
+    against their trained checkpoints' (trainwise's own model, as `generate` builds it)."""
+    import peft
     import torch
     import transformers
 
-    from trainwise.export.weights import load_model_state, resolve_checkpoint
-    from trainwise.models import ModelSpec, build_model
+    from trainwise.export.trained import load_trained
+    from trainwise.models.lora import parameter_counts
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out / "fine-tuned").eval()
-    spec = ModelSpec(name=f"hf:{model_dir}", seq_len=64, impl="trainwise", init="random")
-    trained = build_model(spec).module.eval()
-    trained.load_state_dict(load_model_state(resolve_checkpoint(out / "run")), strict=True)
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
-    prompt = "Question: Where is water carried from?\nAnswer:"
-    ids = torch.tensor([tokenizer.encode(prompt)])
+    ids = torch.tensor([tokenizer.encode(PROMPT)])
+    transformers.utils.logging.disable_progress_bar()
+    full, lora = load_trained(out / "run-full"), load_trained(out / "run-lora")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out / "fine-tuned").eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     with torch.no_grad():
-        diff = (hf(input_ids=ids).logits - trained(ids)).abs().max().item()
-        generated = hf.generate(ids, max_new_tokens=16, do_sample=False)
-    answer = tokenizer.decode(generated[0, ids.shape[1]:].tolist())
-    return {"max_abs_diff": diff, "prompt": prompt, "generated": answer,
-            "export": str(out / "fine-tuned")}
-
+        adapted = peft.PeftModel.from_pretrained(base, out / "adapter").eval()
+        diff = (hf(input_ids=ids).logits - full.logits(ids)).abs().max().item()
+        peft_diff = (adapted(input_ids=ids).logits - lora.logits(ids)).abs().max().item()
+    counts = {}
+    for name, trained in (("full", full), ("lora", lora)):
+        trainable, total = parameter_counts(trained.module)
+        counts[name] = {"trainable": trainable, "parameters": total}
+    return {"max_abs_diff": diff, "peft_max_abs_diff": peft_diff, "prompt": PROMPT,
+            "export": str(out / "fine-tuned"), "adapter": str(out / "adapter"), **counts}
 
 if __name__ == "__main__":
     sys.exit(main())

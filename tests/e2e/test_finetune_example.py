@@ -1,6 +1,7 @@
 """examples/finetune/run.py as a user runs it (fewer steps): a tiny Llama directory and
-tokenizer built here, prepare -> train (2 workers, FSDP) -> export --format hf ->
-transformers' from_pretrained, whose logits equal the trained checkpoint's."""
+tokenizer built here, prepare -> train (2 workers, FSDP) every parameter and with LoRA ->
+export --format hf / --format peft -> transformers' and PEFT's from_pretrained, whose
+logits equal the trained checkpoints', and both runs' answers (trainwise generate)."""
 
 from __future__ import annotations
 
@@ -27,11 +28,20 @@ def test_the_finetune_example_runs_end_to_end(tmp_path: Path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["max_abs_diff"] < 1e-4
+    assert result["max_abs_diff"] < 1e-4 and result["peft_max_abs_diff"] < 1e-4
     exported = Path(result["export"])
     assert (exported / "config.json").is_file() and list(exported.glob("*.safetensors"))
-    records = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(records) == 20 and records[-1]["loss"] < records[0]["loss"]
+    assert (Path(result["adapter"]) / "adapter_config.json").is_file()
+    for run in ("full", "lora"):
+        records = [json.loads(line)
+                   for line in (out / f"run-{run}" / "metrics.jsonl").read_text().splitlines()]
+        assert len(records) == 20 and records[-1]["loss"] < records[0]["loss"]
+        assert isinstance(result[run]["answer"], str) and result[run]["peak_mem_bytes"] > 0
+        assert f"{run} fine-tune (" in proc.stdout
+    # The full fine-tune trains every parameter; LoRA only the adapters it added.
+    full, lora = result["full"], result["lora"]
+    assert full["trainable"] == full["parameters"]
+    assert 0 < lora["trainable"] == lora["parameters"] - full["parameters"] < full["parameters"] / 5
     index = json.loads((out / "qa" / "index.json").read_text())
     assert index["kind"] == "prompt_response"  # only the answers were learned
 

@@ -1,5 +1,6 @@
 """`trainwise export`: write a checkpoint's model weights to one safetensors or torch file,
-or (--format hf) a Hugging Face model directory."""
+or (--format hf) a Hugging Face model directory (a LoRA run's adapters merged in), or
+(--format peft) a LoRA run's adapters as PEFT loads them."""
 
 from __future__ import annotations
 
@@ -26,16 +27,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "size) in this one process and write them as one file that the plain model loads "
         "with load_state_dict(strict=True), or with --format hf as a Hugging Face model "
         "directory (config.json, safetensors shards and their index) that transformers' "
-        "from_pretrained loads.",
+        "from_pretrained loads; a LoRA run's adapters are merged into their base weights. "
+        "--format peft writes a LoRA run's adapters (adapter_config.json and "
+        "adapter_model.safetensors) for peft.PeftModel.from_pretrained(base, OUT).",
     )
     # dest is not "run": the dispatcher calls args.run.
     p.add_argument("target", metavar="RUN", help="run directory or checkpoint directory")
     p.add_argument("--step", type=int, help="checkpoint step (default: the newest valid one)")
     p.add_argument(
         "--format",
-        choices=("safetensors", "torch", "hf"),
+        choices=("safetensors", "torch", "hf", "peft"),
         help="file format (default: from the -o suffix; .safetensors, or .pt/.pth/.bin); hf: "
-        "a Hugging Face model directory (-o names it)",
+        "a Hugging Face model directory (-o names it); peft: a LoRA run's adapter directory",
     )
     p.add_argument(
         "--shard-size",
@@ -81,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
     source = Path(args.target)
     out = Path(args.output) if args.output else None
     fmt = output_format(out, args.format)
-    if fmt == "hf" and out is None:
-        raise ConfigError("--format hf writes a directory: name it with -o, e.g. -o out/model")
+    if fmt in ("hf", "peft") and out is None:
+        raise ConfigError(f"--format {fmt} writes a directory: name it with -o, e.g. -o out/model")
     if not source.is_dir():
         raise ConfigError(
             f"{source}: no such run directory; give runs/NAME (or a checkpoint directory)"
@@ -96,8 +99,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"trainwise: checkpoint {note}", file=sys.stderr)
     if skipped:
         print(f"trainwise: exporting {checkpoint.name}, the newest valid one", file=sys.stderr)
-    if fmt == "hf":
-        return _export_hf(checkpoint, out, args.shard_size, args.force)
+    if fmt in ("hf", "peft"):
+        from trainwise.export.adapters import lora_run_dir, not_lora
+
+        lora = lora_run_dir(source, checkpoint)
+        if fmt == "peft":
+            if lora is None:
+                raise ConfigError(not_lora(source))
+            return _export_peft(lora, checkpoint, out, args.force)
+        return _export_hf(checkpoint, out, args.shard_size, args.force, lora)
     if out is None:
         step = checkpoint_step(checkpoint)
         name = f"model-step-{step:08d}" if step is not None else f"model-{checkpoint.name}"
@@ -114,12 +124,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export_hf(checkpoint: Path, out: Path, shard_size: str, force: bool) -> int:
+def _export_hf(
+    checkpoint: Path, out: Path, shard_size: str, force: bool, lora_run: Path | None
+) -> int:
+    from trainwise.export.adapters import merged_state
     from trainwise.export.hf import export_hf, parse_size
+    from trainwise.export.weights import refuse_existing
 
-    result = export_hf(checkpoint, out, parse_size(shard_size), force)
+    size = parse_size(shard_size)
+    refuse_existing(out, force)  # before building a LoRA run's model
+    state = merged_state(lora_run, checkpoint) if lora_run is not None else None
+    result = export_hf(checkpoint, out, size, force, state)
+    merged = ", LoRA adapters merged" if lora_run is not None else ""
     print(
         f"trainwise: wrote {out} ({result['tensors']} tensors in {result['files']} safetensors "
-        f"file(s), Hugging Face format) from step {result['step']} ({checkpoint})"
+        f"file(s), Hugging Face format{merged}) from step {result['step']} ({checkpoint})"
+    )
+    return 0
+
+
+def _export_peft(run_dir: Path, checkpoint: Path, out: Path, force: bool) -> int:
+    from trainwise.export.adapters import export_peft
+
+    result = export_peft(run_dir, checkpoint, out, force)
+    print(
+        f"trainwise: wrote {out} (PEFT adapter: {result['targets']} LoRA modules, "
+        f"{result['tensors']} tensors) from step {result['step']} ({checkpoint})"
     )
     return 0

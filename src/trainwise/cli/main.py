@@ -8,11 +8,22 @@ import sys
 from typing import NoReturn
 
 from trainwise import __version__
-from trainwise.cli import checkpoints, data, doctor, env, export, launch, plan, report, train
+from trainwise.cli import (
+    checkpoints,
+    data,
+    doctor,
+    env,
+    export,
+    generate,
+    launch,
+    plan,
+    report,
+    train,
+)
 from trainwise.errors import ConfigError, TrainwiseError
 from trainwise.process_exit import exit_process
 
-COMMANDS = (plan, train, doctor, report, env, checkpoints, export, launch, data)
+COMMANDS = (plan, train, doctor, report, env, checkpoints, export, generate, launch, data)
 
 
 class OneLineParser(argparse.ArgumentParser):

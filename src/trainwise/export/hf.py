@@ -29,7 +29,8 @@ _MODEL = "model."  # the checkpoint's prefix of the model's entries
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def _model_spec(checkpoint: Path) -> ModelSpec:
+def checkpoint_model_spec(checkpoint: Path) -> ModelSpec:
+    """The model spec the run recorded in the checkpoint's trainer.json."""
     try:
         spec = json.loads((checkpoint / "trainer.json").read_text())["model_spec"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -75,6 +76,13 @@ def _tensor_sizes(checkpoint: Path) -> dict[str, tuple[tuple[int, ...], Any]]:
     }
 
 
+def adapter_entries(checkpoint: Path) -> list[str]:
+    """The checkpoint's LoRA adapter entries (metadata only: no tensor read)."""
+    from trainwise.models.lora import is_adapter
+
+    return [k for k in _tensor_sizes(checkpoint) if is_adapter(k)]
+
+
 def plan_shards(sizes: dict[str, tuple[tuple[int, ...], Any]], shard_bytes: int) -> list[list[str]]:
     """Entries in order, cut into groups of at most shard_bytes (a larger tensor alone)."""
     import math
@@ -108,11 +116,16 @@ def _read(checkpoint: Path, names: list[str], sizes: dict) -> dict[str, Any]:
 
 
 def export_hf(
-    checkpoint: Path, out: Path, shard_bytes: int = 5 * 10**9, force: bool = False
+    checkpoint: Path,
+    out: Path,
+    shard_bytes: int = 5 * 10**9,
+    force: bool = False,
+    state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write ``checkpoint``'s model as a Hugging Face directory ``out`` via ``out.partial``
     renamed at the end. An existing ``out`` is refused unless `force`; then it is replaced
-    only once the new directory is complete. Returns what was written."""
+    only once the new directory is complete. `state`: the model's entries to write instead
+    of the checkpoint's (a LoRA run's merged weights). Returns what was written."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -120,8 +133,16 @@ def export_hf(
     refuse_existing(out, force)
     if shard_bytes < 1:
         raise ConfigError(f"--shard-size {shard_bytes}: must be a positive number of bytes")
-    spec = _model_spec(checkpoint)
-    sizes = _tensor_sizes(checkpoint)
+    spec = checkpoint_model_spec(checkpoint)
+    if state is None:
+        sizes = _tensor_sizes(checkpoint)
+    else:
+        sizes = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+
+    def read(names: list[str]) -> dict[str, Any]:
+        """Those model entries: from `state`, or read from the checkpoint by DCP."""
+        return _read(checkpoint, names, sizes) if state is None else {n: state[n] for n in names}
+
     config, rename = hf_target(spec, {k: s for k, (s, _) in sizes.items()})
     if config.get("tie_word_embeddings"):
         sizes = {k: v for k, v in sizes.items() if rename(k) != "lm_head.weight"}
@@ -130,14 +151,14 @@ def export_hf(
     try:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        weight_map = _write_shards(checkpoint, partial, groups, sizes, rename, save_file)
+        weight_map = _write_shards(read, partial, groups, rename, save_file)
         dtypes = {str(d).removeprefix("torch.") for _, d in sizes.values()}
         config["torch_dtype"] = config["dtype"] = (
             next(iter(dtypes)) if len(dtypes) == 1 else "float32"
         )
         (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         _copy_tokenizer(spec, partial)
-        _replace_dir(partial, out)
+        replace_dir(partial, out)
     except BaseException as err:
         shutil.rmtree(partial, ignore_errors=True)  # never leave half a model behind
         if isinstance(err, (OSError, SafetensorError)):  # the checkpoint was read by DCP
@@ -146,7 +167,7 @@ def export_hf(
     return {"tensors": len(weight_map), "files": len(groups), "step": checkpoint_step(checkpoint)}
 
 
-def _replace_dir(partial: Path, out: Path) -> None:
+def replace_dir(partial: Path, out: Path) -> None:
     """Put the finished ``partial`` at ``out``; an existing ``out`` (--force) is renamed
     away first and deleted only after, so a crash between leaves one of them whole."""
     if not out.exists():
@@ -159,7 +180,7 @@ def _replace_dir(partial: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_shards(checkpoint, folder, groups, sizes, rename, save_file) -> dict[str, str]:
+def _write_shards(read, folder, groups, rename, save_file) -> dict[str, str]:
     """Each group read and written in turn; the index when there is more than one file."""
     import math
 
@@ -171,7 +192,7 @@ def _write_shards(checkpoint, folder, groups, sizes, rename, save_file) -> dict[
             if len(groups) == 1
             else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         )
-        state = _read(checkpoint, names, sizes)
+        state = read(names)
         tensors = {rename(n): t.contiguous() for n, t in state.items()}
         part = folder / (file + ".part")
         save_file(tensors, str(part), metadata={"format": "pt"})
