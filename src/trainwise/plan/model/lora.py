@@ -1,0 +1,146 @@
+"""LoRA (Hu et al., 2021) in the planner: which parameters train, and the FLOPs a step
+does. The one place for these formulas; memory, compute and communication read them.
+
+A targeted Linear W (out x in) keeps its weight frozen and learns B @ A (A: r x in, B:
+out x r), r (in + out) parameters. Every other parameter is frozen too, except the token
+(and learned position) embeddings and the head when [lora] train_embeddings / train_head
+say so. The frozen base is kept in the compute dtype only (no fp32 master copy, gradient
+or optimizer state); the trainable parameters cost what every parameter costs in a full
+fine-tune.
+
+FLOPs per token (forward 2 per matmul parameter; backward 2 for the input gradient and 2
+for the weight gradient): a frozen layer still passes the input gradient down (its
+parameters are left out of the weight gradients only), so it costs 4 instead of 6 per
+parameter; the adapters cost 6 per parameter like any trained layer. Attention's score
+and value matmuls have no weights: unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from functools import lru_cache
+
+from trainwise.models.shapes import GPTShape
+from trainwise.plan.model.tensor_parallel import params_per_rank
+
+# The built-in GPT's (and the loaded Llama family's) Linears get adapters by default: the
+# attention projections and the MLP, matched on the last part of their names.
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "gate", "up", "down")
+HEAD = "lm_head"  # the untied head's module name (models.gpt)
+
+
+@dataclass(frozen=True)
+class LoraPlan:
+    """The [lora] keys the planner reads (rank > 0: LoRA is on)."""
+
+    rank: int
+    targets: tuple[str, ...] | None = None  # module-name patterns; None: DEFAULT_TARGETS
+    dropout: float = 0.0
+    train_embeddings: bool = False
+    train_head: bool = False
+
+
+def block_linears(shape: GPTShape, tp: int = 1) -> dict[str, tuple[int, int]]:
+    """(out, in) of each Linear of one block, by its name in the block (models.gpt), on
+    one of `tp` ranks: q, k, v, gate and up split their outputs, out_proj and down their
+    inputs (the GPT's TP plan)."""
+    h, f = shape.d_model, shape.d_ff
+    q, kv = shape.n_head * shape.head_dim, shape.n_kv_head * shape.head_dim
+    out = {
+        "attn.q_proj": (q // tp, h), "attn.k_proj": (kv // tp, h),
+        "attn.v_proj": (kv // tp, h), "attn.out_proj": (h, q // tp),
+    }
+    if shape.mlp == "swiglu":
+        out["mlp.gate"] = (f // tp, h)
+    return {**out, "mlp.up": (f // tp, h), "mlp.down": (h, f // tp)}
+
+
+def matches(name: str, patterns: tuple[str, ...]) -> bool:
+    """fnmatch on the full name or its last part (the [lora] targets rule)."""
+    last = name.rsplit(".", 1)[-1]
+    return any(fnmatchcase(name, p) or fnmatchcase(last, p) for p in patterns)
+
+
+@lru_cache(maxsize=256)
+def targeted(shape: GPTShape, lora: LoraPlan, tp: int = 1) -> tuple[tuple[int, int], ...]:
+    """(out, in) on one of `tp` ranks of every Linear that gets an adapter, over the whole
+    model: the blocks' (blocks.<i>.attn.q_proj, ...) and the untied head's."""
+    patterns = lora.targets or DEFAULT_TARGETS
+    found = [
+        dims
+        for i in range(shape.n_layer)
+        for name, dims in block_linears(shape, tp).items()
+        if matches(f"blocks.{i}.{name}", patterns)
+    ]
+    if not shape.tie_embeddings and matches(HEAD, patterns):
+        found.append((shape.vocab_size // tp, shape.d_model))
+    return tuple(found)
+
+
+def adapter_params(shape: GPTShape, lora: LoraPlan, tp: int = 1) -> int:
+    """Parameters of the adapters, r (in + out) per targeted Linear, on one of `tp` ranks
+    (an adapter is split where its base layer is: A with a row-parallel base, B with a
+    column-parallel one)."""
+    return lora.rank * sum(out + inp for out, inp in targeted(shape, lora, tp))
+
+
+def fully_trained(shape: GPTShape, lora: LoraPlan) -> int:
+    """Base parameters that train whole: the embeddings (token, and learned positions)
+    with train_embeddings, the head with train_head (one matrix when tied)."""
+    emb = shape.vocab_size * shape.d_model
+    positions = shape.max_seq_len * shape.d_model if shape.pos == "learned" else 0
+    n = emb + positions if lora.train_embeddings else 0
+    if lora.train_head and not (shape.tie_embeddings and lora.train_embeddings):
+        n += emb
+    return n
+
+
+def trainable_params(shape: GPTShape, lora: LoraPlan, tp: int = 1) -> float:
+    """Parameters with a gradient and optimizer state, on one of `tp` ranks (the fully
+    trained embeddings and head are split over the vocabulary)."""
+    return adapter_params(shape, lora, tp) + fully_trained(shape, lora) / tp
+
+
+def total_params(shape: GPTShape, lora: LoraPlan | None) -> int:
+    """The model's parameters with its adapters."""
+    return shape.num_params() + (adapter_params(shape, lora) if lora else 0)
+
+
+def rank_split(
+    params: float, shape: GPTShape | None, lora: LoraPlan | None, tp: int = 1
+) -> tuple[float, float]:
+    """(frozen, trainable) parameters on one of `tp` ranks of a model of `params` base
+    parameters: everything trains without LoRA (or without a shape to place it on)."""
+    base = params_per_rank(params, shape, tp)
+    if lora is None or shape is None:
+        return 0.0, base
+    return base - fully_trained(shape, lora) / tp, trainable_params(shape, lora, tp)
+
+
+def trained_matmul_params(shape: GPTShape, lora: LoraPlan) -> int:
+    """Base parameters that train whole and multiply activations (plan.flops counts the
+    head's matmul, not the input embedding's lookup): the head when it trains (tied: when
+    either the embeddings or the head train)."""
+    trains = lora.train_head or (shape.tie_embeddings and lora.train_embeddings)
+    return shape.vocab_size * shape.d_model if trains else 0
+
+
+def lora_of(rank: int, targets: list[str] | None, dropout: float, train_embeddings: bool,
+            train_head: bool) -> LoraPlan | None:
+    """The planner's view of a [lora] section (None when rank is 0: LoRA is off)."""
+    if rank <= 0:
+        return None
+    return LoraPlan(rank, tuple(targets) if targets else None, dropout, train_embeddings,
+                    train_head)
+
+
+def adapter_activation_bytes(shape: GPTShape, lora: LoraPlan, element: int, tp: int = 1) -> float:
+    """Bytes per token and block that the adapters add to what autograd keeps: lora_B
+    saves lora_A's r-wide output; with dropout, each adapter's dropout mask (a byte) and
+    the dropped input lora_A saves (`element` bytes) per input feature. Without dropout
+    lora_A saves the very input the base layer saved in a full fine-tune (a frozen
+    Linear keeps no input: it computes no weight gradient), so nothing else changes."""
+    found = targeted(shape, lora, tp)
+    per_input = (element + 1) if lora.dropout > 0 else 0
+    return sum(element * lora.rank + per_input * inp for _, inp in found) / shape.n_layer
