@@ -15,7 +15,7 @@ from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, TFLOP, GPUSpec, default_catalog, find_gpu
 from trainwise.models.shapes import PRESETS, GPTShape, job_shape
 from trainwise.plan.model.gemm import GemmTable
-from trainwise.plan.model.lora import LoraPlan, lora_of
+from trainwise.plan.model.lora import LoraPlan, lora_of, lora_problems
 from trainwise.plan.model.memory import Workload
 
 if TYPE_CHECKING:
@@ -128,6 +128,9 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
     raise ConfigError (one line each)."""
     p = cfg.plan
     params, shape, model = _model(cfg)
+    lora = lora_plan(cfg)
+    if lora is not None and (problems := lora_problems(shape, lora)):
+        raise ConfigError(problems)
     gpu_name = cfg.cluster.gpu or ("cpu" if cfg.cluster.device == "cpu" else DEFAULT_GPU)
     spec = find_gpu(gpu_name)
     assert spec is not None  # the schema checked the name

@@ -144,3 +144,39 @@ def adapter_activation_bytes(shape: GPTShape, lora: LoraPlan, element: int, tp: 
     found = targeted(shape, lora, tp)
     per_input = (element + 1) if lora.dropout > 0 else 0
     return sum(element * lora.rank + per_input * inp for _, inp in found) / shape.n_layer
+
+
+def lora_problems(shape: GPTShape | None, lora: LoraPlan) -> list[str]:
+    """What the planner cannot plan of `lora` on `shape`, one line each: no shape to place
+    adapters on, patterns that match no Linear, a rank above a targeted layer's width."""
+    if shape is None:
+        return [
+            "lora.rank > 0 with a bare parameter count (plan.params): the planner places "
+            "adapters on a model's Linears; give a preset (--model) or a shape (--layers ...)"
+        ]
+    problems = []
+    names = [f"blocks.0.{n}" for n in block_linears(shape)] + [HEAD]
+    for pattern in lora.targets or ():
+        if not any(matches(name, (pattern,)) for name in names):
+            problems.append(
+                f"lora.targets pattern {pattern!r} matches no Linear of the model (its "
+                f"names: {', '.join(n.rsplit('.', 1)[-1] for n in names)}); fix the pattern"
+            )
+    found = targeted(shape, lora)
+    if not found and not problems:
+        problems.append("lora.targets match no Linear of the model; name the layers to adapt")
+    narrowest = min((min(out, inp) for out, inp in found), default=lora.rank)
+    if lora.rank > narrowest:
+        problems.append(
+            f"lora.rank = {lora.rank} is larger than a targeted layer's width ({narrowest}); "
+            f"use at most {narrowest}"
+        )
+    return problems
+
+
+def param_counts(params: int, shape: GPTShape | None, lora: LoraPlan | None) -> tuple[int, int]:
+    """(trainable, total) parameters of the model with its adapters: (params, params)
+    without LoRA."""
+    if lora is None or shape is None:
+        return params, params
+    return int(trainable_params(shape, lora)), total_params(shape, lora)
