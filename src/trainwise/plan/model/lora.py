@@ -24,9 +24,13 @@ from functools import lru_cache
 from trainwise.models.shapes import GPTShape
 from trainwise.plan.model.tensor_parallel import params_per_rank
 
-# The built-in GPT's (and the loaded Llama family's) Linears get adapters by default: the
-# attention projections and the MLP, matched on the last part of their names.
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "gate", "up", "down")
+# The Linears that get adapters by default: the attention projections and the MLP of the
+# built-in GPT and the Llama family. The same patterns as models.lora.DEFAULT_TARGETS (the
+# runtime's; it imports torch, which the planner does not: a unit test keeps them equal).
+DEFAULT_TARGETS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "out_proj",
+    "gate_proj", "up_proj", "down_proj", "*.mlp.up", "*.mlp.gate", "*.mlp.down",
+)
 HEAD = "lm_head"  # the untied head's module name (models.gpt)
 
 
@@ -86,11 +90,10 @@ def adapter_params(shape: GPTShape, lora: LoraPlan, tp: int = 1) -> int:
 
 
 def fully_trained(shape: GPTShape, lora: LoraPlan) -> int:
-    """Base parameters that train whole: the embeddings (token, and learned positions)
-    with train_embeddings, the head with train_head (one matrix when tied)."""
+    """Base parameters that train whole: the token embedding with train_embeddings, the
+    head with train_head (one matrix when tied; learned positions stay frozen)."""
     emb = shape.vocab_size * shape.d_model
-    positions = shape.max_seq_len * shape.d_model if shape.pos == "learned" else 0
-    n = emb + positions if lora.train_embeddings else 0
+    n = emb if lora.train_embeddings else 0
     if lora.train_head and not (shape.tie_embeddings and lora.train_embeddings):
         n += emb
     return n
