@@ -24,6 +24,7 @@ _LAZY = {
     "build_model": "registry",
     "count_parameters": "registry",
     "cross_entropy_loss": "registry",
+    "lora_model_problems": "registry",
     "model_kind": "registry",
     "preset_names": "registry",
     "resolve_shape": "registry",

@@ -16,9 +16,10 @@ that checkpoint keys and the model's TP plan still apply.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from trainwise.config import JobConfig
@@ -39,8 +40,34 @@ class PostOptimizerHook(Protocol):
     def post_optimizer_hook(self, parts: list[nn.Module]) -> None: ...
 
 
+@runtime_checkable
+class ParameterOwner(Protocol):
+    """What a converter that adds parameters also has: which names are its own and how to
+    fill one at full size (run.materialize draws each from its own seeded generator, so
+    every layout starts from the same values; LoRA's adapters)."""
+
+    def owns(self, name: str) -> bool: ...
+
+    def init_parameter(self, name: str, tensor: Tensor, generator: torch.Generator) -> None: ...
+
+
+@runtime_checkable
+class TPPlanAdapter(Protocol):
+    """What a converter whose modules need their own tensor-parallel styles also has."""
+
+    def adapt_tp_plan(self, model: nn.Module, plans: list[dict[str, Any]]) -> list[dict[str, Any]]: ...
+
+
 ConverterFactory = Callable[["JobConfig"], ModelConverter | None]  # None: not asked for
-CONVERTERS: list[ConverterFactory] = []  # each feature appends its factory
+
+
+def _lora(config: JobConfig) -> ModelConverter | None:
+    from trainwise.models.lora import lora_converter  # imports torch's TP styles: lazily
+
+    return lora_converter(config)
+
+
+CONVERTERS: list[ConverterFactory] = [_lora]  # each feature adds its factory
 
 
 def build_converters(config: JobConfig) -> list[ModelConverter]:
@@ -57,3 +84,41 @@ def convert(model: nn.Module, converters: list[ModelConverter]) -> None:
 def post_optimizer_hooks(converters: list[ModelConverter]) -> list[Callable[[list[nn.Module]], None]]:
     """The hooks the step calls after each optimizer step, in the converters' order."""
     return [c.post_optimizer_hook for c in converters if isinstance(c, PostOptimizerHook)]
+
+
+InitParameter = Callable[[str, Tensor, torch.Generator], None]
+
+
+def owners(converters: list[ModelConverter]) -> list[ParameterOwner]:
+    return [c for c in converters if isinstance(c, ParameterOwner)]
+
+
+def owned(converters: list[ModelConverter]) -> Callable[[str], bool]:
+    """Whether a parameter name belongs to a converter (not to the model's own init)."""
+    mine = owners(converters)
+    return lambda name: any(o.owns(name) for o in mine)
+
+
+def with_converters(init: InitParameter | None, converters: list[ModelConverter]) -> InitParameter:
+    """The model's per-parameter init, with the converters' parameters filled as each
+    converter says."""
+
+    def fill(name: str, tensor: Tensor, generator: torch.Generator) -> None:
+        for o in owners(converters):
+            if o.owns(name):
+                return o.init_parameter(name, tensor, generator)
+        if init is None:
+            raise ValueError(f"no init for parameter {name!r}")
+        init(name, tensor, generator)
+
+    return fill
+
+
+def adapt_tp_plan(
+    model: nn.Module, plans: list[dict[str, Any]], converters: list[ModelConverter]
+) -> list[dict[str, Any]]:
+    """The model's tensor-parallel plans as the converters lay out their modules."""
+    for c in converters:
+        if isinstance(c, TPPlanAdapter):
+            plans = c.adapt_tp_plan(model, plans)
+    return plans

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from trainwise.errors import ModelError
+from trainwise.models.lora import is_adapter
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -73,12 +74,13 @@ def _named_for_checkpoint(
     state: dict[str, Any], rename: Callable[[str], str], stored: dict[str, Any]
 ) -> dict[str, torch.Tensor]:
     """The model's tensors under the checkpoint's names. A tied weight (the same tensor as
-    one already named) that the checkpoint does not store is left out: it loads once."""
+    one already named) that the checkpoint does not store is left out: it loads once; so
+    are LoRA's adapters (they are not the pretrained model's: the converter fills them)."""
     out: dict[str, torch.Tensor] = {}
     seen_ids: set[int] = set()
     seen_ptrs: set[tuple[int, tuple[int, ...]]] = set()
     for name, tensor in state.items():
-        if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, torch.Tensor) or is_adapter(name):
             continue
         key = rename(name)
         # Parameters (keep_vars) are the same object; detached tensors share memory. Meta

@@ -180,3 +180,15 @@ def tp_model_problems(spec: ModelSpec, tp: int, seq_len: int, sequence_parallel:
         ]
     shape = bundle.shape
     return tp_problems(shape, tp, seq_len, sequence_parallel) if shape is not None else []
+
+
+def lora_model_problems(spec: ModelSpec, lora: Any) -> list[str]:
+    """Why [lora] (a LoraConfig) cannot apply to the model, one line each (built on meta:
+    nothing is allocated)."""
+    if lora.rank == 0:
+        return []
+    from trainwise.models.lora import target_problems
+
+    with torch.device("meta"):
+        module = build_model(spec).module
+    return target_problems(module, lora)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.nn.parallel import DistributedDataParallel
 
 # Wrappers' name parts (activation checkpointing, torch.compile): the seed of a parameter
 # is that of its name in the plain model, whatever wraps it.
@@ -60,9 +61,27 @@ def materialize(
     parameter's local shard with its share of the full initial values; rebuild computed
     buffers (modules with `reset_buffers`, e.g. rope tables)."""
     allocate(model, device)
+    fill(model, init_parameter, seed)
+
+
+@torch.no_grad()
+def fill(
+    model: nn.Module,
+    init_parameter: Callable[[str, torch.Tensor, torch.Generator], None],
+    seed: int,
+    only: Callable[[str], bool] | None = None,
+) -> None:
+    """Fill each parameter (those whose name `only` accepts) of an allocated model with
+    its share of the full initial values, drawn in float32 whatever the parameter's dtype
+    (a frozen bf16 weight gets the same values, rounded)."""
+    if isinstance(model, DistributedDataParallel):  # its "module." prefix is no name part
+        model = model.module
     for name, param in model.named_parameters():
         name = plain_name(name)
-        full = torch.empty(param.shape, dtype=param.dtype)  # the global shape of a DTensor
+        if only is not None and not only(name):
+            continue
+        dtype = torch.float32 if param.is_floating_point() else param.dtype
+        full = torch.empty(param.shape, dtype=dtype)  # the global shape of a DTensor
         init_parameter(name, full, torch.Generator().manual_seed(parameter_seed(seed, name)))
         if isinstance(param, DTensor):
             param.to_local().copy_(local_block(full, param))

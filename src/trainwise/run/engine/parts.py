@@ -16,8 +16,15 @@ from torch import nn
 
 from trainwise.config import JobConfig
 from trainwise.models import ModelBundle, build_model
-from trainwise.models.converters import ModelConverter, convert
-from trainwise.run.engine.materialize import allocate, materialize
+from trainwise.models.converters import (
+    InitParameter,
+    ModelConverter,
+    adapt_tp_plan,
+    convert,
+    owned,
+    with_converters,
+)
+from trainwise.run.engine.materialize import allocate, fill, materialize
 from trainwise.run.engine.mesh import JobMesh
 from trainwise.run.engine.parallelize import parallelize
 from trainwise.run.job.resolve import Job, sequence_parallel
@@ -34,17 +41,23 @@ def build_parts(
     """The job's model as parallelized parts on `mesh`. A model with per-parameter init
     (the GPT) is built on the meta device and materialised shard by shard after
     parallelizing; others are built whole on the device from the seeded RNG (the same
-    weights on every rank), and converted there."""
-    bundle = build_unparallelized(job, cfg.train.seed, device)
+    weights on every rank), and converted there. A converter's own parameters (LoRA's
+    adapters) are filled as the converter says, after any pretrained weights load."""
+    seed = cfg.train.seed
+    bundle = build_unparallelized(job, seed, device)
     convert(bundle.module, converters)
+    init, added = with_converters(bundle.init_parameter, converters), owned(converters)
+    if bundle.init_parameter is None:  # built whole: the adapters have storage already
+        fill(bundle.module, init, seed, only=added)
     parts = split(bundle)
     dims = job.dims
     # DDP keeps a whole replica per rank and checks it at wrapping: materialise first.
     whole = not dims.fsdp and dims.tp == 1
     if bundle.init_parameter is not None and whole:
         for part in parts:
-            _fill(bundle, part, cfg.train.seed, device)
+            _fill(bundle, part, init, seed, device)
     sp = sequence_parallel(cfg)
+    plans = bundle.tp_plan(sp) if dims.tp > 1 and bundle.tp_plan else None
     parts = [
         parallelize(
             part,
@@ -55,7 +68,7 @@ def build_parts(
             reduce_dtype=cfg.precision.reduce_dtype,
             ac=cfg.parallel.ac,
             compile=cfg.train.compile,
-            tp_plan=bundle.tp_plan(sp) if dims.tp > 1 and bundle.tp_plan else None,
+            tp_plan=adapt_tp_plan(part, plans, converters) if plans else None,
             mesh=mesh,
         )
         for part in parts
@@ -64,10 +77,12 @@ def build_parts(
         # FSDP's CPU offload keeps the sharded parameters in host memory.
         home = torch.device("cpu") if dims.cpu_offload else device
         for part in parts:
-            _fill(bundle, part, cfg.train.seed, home)
+            _fill(bundle, part, init, seed, home)
     if bundle.load_weights is not None:  # pretrained: each rank reads its own shards
         for part in parts:
-            bundle.load_weights(part)
+            bundle.load_weights(part)  # the model's own weights: not the converters'
+            if bundle.init_parameter is not None:  # meta-built: the adapters still empty
+                fill(part, init, seed, only=added)
     return bundle, parts
 
 
@@ -94,10 +109,13 @@ def blocks_in(part: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
     return [b for b in blocks if id(b) in inside]
 
 
-def _fill(bundle: ModelBundle, part: nn.Module, seed: int, device: torch.device) -> None:
+def _fill(
+    bundle: ModelBundle, part: nn.Module, init: InitParameter, seed: int, device: torch.device
+) -> None:
     """Storage for a meta-built part's shards: random values, or none yet when the
-    pretrained weights load next (they fill every parameter: load_weights checks)."""
+    pretrained weights load next (they fill every parameter of the model's own:
+    load_weights checks)."""
     if bundle.load_weights is not None:
         allocate(part, device)
     else:
-        materialize(part, bundle.init_parameter, seed, device)
+        materialize(part, init, seed, device)

@@ -21,6 +21,7 @@ from trainwise.models import (
     GPTShape,
     ModelSpec,
     count_parameters,
+    lora_model_problems,
     resolve_shape,
     takes_example_ids,
     tp_model_problems,
@@ -237,6 +238,7 @@ def prepare_job(
         )
     data = data_and_model(c, problems)
     problems += tp_model_problems(data.spec, c.parallel.tp, c.data.seq_len, sequence_parallel(c))
+    problems += lora_model_problems(data.spec, c.lora)
     accum, more = batch_problems(c, world, local, request, data.info)
     if problems + more:
         raise ConfigError(problems + more)
@@ -461,11 +463,9 @@ def layout_problems(c: JobConfig, world: int, local: int, device: DeviceInfo) ->
             f"parallel.tp {p.tp}: choose degrees whose product divides cluster.nproc x "
             "cluster.nodes"
         )
-    # Until the engine runs them (issues 27 and 28): refused before any worker starts.
+    # Until the engine runs them (issue 27): refused before any worker starts.
     if p.pp > 1:
         problems.append(f"parallel.pp = {p.pp}: the engine does not run pipeline stages yet; use 1")
-    if c.lora.rank > 0:
-        problems.append(f"lora.rank = {c.lora.rank}: the engine does not train LoRA yet; use 0")
     if request.single and world > 1:
         problems.append(
             f"parallel.strategy = 'single' runs one worker but cluster.nproc = {world}: "
