@@ -22,6 +22,7 @@ from fnmatch import fnmatchcase
 from functools import lru_cache
 
 from trainwise.models.shapes import GPTShape
+from trainwise.plan.model.precision import MASTER_BYTES
 from trainwise.plan.model.tensor_parallel import params_per_rank
 
 # The Linears that get adapters by default: the attention projections and the MLP of the
@@ -183,3 +184,12 @@ def param_counts(params: int, shape: GPTShape | None, lora: LoraPlan | None) -> 
     if lora is None or shape is None:
         return params, params
     return int(trainable_params(shape, lora)), total_params(shape, lora)
+
+
+def frozen_norm_bytes(shape: GPTShape, device: str) -> int:
+    """Bytes per token and block that a full fine-tune's norms keep for their weight
+    gradients and LoRA's frozen norms do not: CPU's composite RMSNorm saves an fp32
+    normalised copy of its input for the product with the weight, whatever the residual
+    stream's dtype; the fused kernels (CUDA's, and LayerNorm's) save only what the input
+    gradient needs. Measured with `trainwise plan --simulate` (fp32, and bf16 under FSDP)."""
+    return 2 * MASTER_BYTES * shape.d_model if device == "cpu" and shape.norm == "rmsnorm" else 0

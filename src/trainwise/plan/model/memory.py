@@ -39,6 +39,7 @@ from trainwise.plan.model.lora import (
     LoraPlan,
     adapter_activation_bytes,
     adapter_params,
+    frozen_norm_bytes,
     rank_split,
 )
 from trainwise.plan.model.precision import BYTES, MASTER_BYTES, OPTIMIZER_STATE_BYTES
@@ -216,7 +217,9 @@ def activation_profile(
     per = activation_bytes_per_token(w.shape, w.precision, autocast, device, w.loss)
     per = activation_split(per, tp, sequence_parallel)
     if w.lora is not None:
+        split = tp if sequence_parallel else 1  # the norms' region, split over the sequence
         extra = adapter_activation_bytes(w.shape, w.lora, BYTES[w.precision], tp)
+        extra -= frozen_norm_bytes(w.shape, device) / split
         per = {**per, "layer": per["layer"] + extra}
     ckpt = checkpointed_blocks(w.ac, w.shape.n_layer)
     kept = [per["block_input"] if i in ckpt else per["layer"] for i in range(w.shape.n_layer)]
