@@ -20,6 +20,12 @@ Transient buffers, per strategy:
 - cpu offload (FSDP2 CPUOffloadPolicy): sharded parameters, gradients and optimizer state
   live in host memory; the device keeps only the unsharded blocks in flight.
 
+LoRA (plan.model.lora, `Workload.lora`): the frozen base is held in the compute dtype only;
+gradients, optimizer state, autocast's copies, DDP's buckets and the optimizer's
+temporaries are the trainable parameters' (the adapters, and the embeddings or head when
+they train); FSDP gathers a block with its adapters and has only their gradients in
+flight; the activations change by what plan.model.lora.adapter_activation_bytes counts.
+
 Activations: what autograd saves per token and layer, counted tensor by tensor for
 trainwise's GPT block (activation_bytes_per_token below), in the manner of Korthikanti et
 al., 2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4.1),
