@@ -16,7 +16,7 @@ from trainwise.models.shapes import PRESETS, GPTShape
 from trainwise.plan.emit import job_config
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 from trainwise.plan.model.comm import Layout, layout_collectives
-from trainwise.plan.model.flops import flops_per_token
+from trainwise.plan.model.flops import flops_per_token, recompute_factor
 from trainwise.plan.model.lora import (
     DEFAULT_TARGETS,
     LoraPlan,
@@ -90,6 +90,14 @@ def test_llama_70b_lora_step_does_31_percent_fewer_flops():
     full, lora = flops_per_token(shape, 4096), flops_per_token(shape, 4096, LoraPlan(16))
     assert (full, lora) == (444_499_279_872, 308_312_834_048)
     assert 1 - lora / full == pytest.approx(0.306, abs=5e-4)
+
+
+def test_recomputation_costs_half_a_lora_step():
+    # Full checkpointing runs the forward (2 a parameter) again: 8/6 of a full fine-tune's
+    # step, 6/4 of LoRA's; selective on 2 layers recomputes 1: 1 + 1/2 x 2/4.
+    assert recompute_factor("full", 2) == pytest.approx(4 / 3)
+    assert recompute_factor("full", 2, lora=True) == 1.5
+    assert recompute_factor("selective", 2, lora=True) == 1.25
 
 
 def toy_memory(dims: ParallelDims, precision: str = "bf16", lora: LoraPlan | None = R2):

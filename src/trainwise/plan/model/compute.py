@@ -151,7 +151,7 @@ def achieved_share(inputs: PlanInputs, plan: StrategyPlan, compute_s: float) -> 
     w = inputs.workload
     n_layer = w.shape.n_layer if w.shape else 1
     hw_flops = model_flops_per_token(w.params, w.shape, w.seq_len, w.lora) * recompute_factor(
-        setup.ac, n_layer
+        setup.ac, n_layer, w.lora is not None
     )
     tokens = setup.micro_batch * setup.grad_accum * w.seq_len
     return tokens * hw_flops / (inputs.hardware.peak_flops * setup.dims.tp * compute_s)
@@ -161,7 +161,7 @@ def _flat(inputs: PlanInputs, w: Workload, samples: float, tp: int) -> ComputeTi
     """Model FLOPs x recomputation at one share of the peak (the override, or a bare count)."""
     n_layer = w.shape.n_layer if w.shape else 1
     hw_flops = model_flops_per_token(w.params, w.shape, w.seq_len, w.lora) * recompute_factor(
-        w.ac, n_layer
+        w.ac, n_layer, w.lora is not None
     )
     share = inputs.efficiency if inputs.efficiency is not None else BARE_EFFICIENCY
     rate = inputs.hardware.peak_flops * share

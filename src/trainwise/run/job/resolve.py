@@ -151,7 +151,8 @@ class Job:
             tokens_per_step=self.tokens_per_step,
             flops_per_token=self.flops_per_token,
             recompute_factor=recompute_factor(
-                self.cfg.parallel.ac, self.shape.n_layer if self.shape else 1
+                self.cfg.parallel.ac, self.shape.n_layer if self.shape else 1,
+                self.cfg.lora.rank > 0,
             ),
             peak_flops_per_device=self.device.peak_flops(self.cfg.precision.dtype),
             precision=self.cfg.precision.dtype,
