@@ -36,6 +36,10 @@ class JobRecord:
     accumulate: str | None = None
     reason: str = ""
     params: int | None = None
+    # LoRA: the parameters that train (adapters, and embeddings / head when they train)
+    # and the model's with its adapters; None when every parameter trains.
+    trainable_params: int | None = None
+    total_params: int | None = None
     global_batch: int | None = None
     tokens_per_step: int | None = None
     flops_per_token: float | None = None

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from trainwise.config.parallel_dims import PLAN_NAMES, ParallelDims, row_layout
 from trainwise.models.shapes import GPTShape
 from trainwise.plan.estimate import layout_name
+from trainwise.plan.model.lora import LoraPlan
 
 STEPS = 2
 
@@ -63,10 +64,12 @@ def simulate_layout(
     reduce_dtype: str = "fp32",
     optimizer: str = "adamw",
     sequence_parallel: bool = True,
+    lora: LoraPlan | None = None,
 ) -> Simulation:
     """The peak of one steady-state training step of a GPT of `shape` on rank 0 of a
     layout that `simulated` accepts: its mesh over the fake process group of dims.world
-    ranks, tensor parallelism with the GPT's own plan (sequence parallel unless told)."""
+    ranks, tensor parallelism with the GPT's own plan (sequence parallel unless told);
+    with `lora`, the model as the LoRA converter (models.lora) turns it."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -75,6 +78,7 @@ def simulate_layout(
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from trainwise.config.schema import OptimConfig
+    from trainwise.models.converters import adapt_tp_plan, convert
     from trainwise.models.gpt import GPT
     from trainwise.models.gpt_parallel import gpt_tp_plan
     from trainwise.models.registry import cross_entropy_loss
@@ -100,10 +104,14 @@ def simulate_layout(
         # it), sharded there too (fully_shard builds the mesh), then materialised as fakes.
         with torch.device("meta"):
             model = GPT(shape)
+        converters = _converters(lora, precision)
+        convert(model, converters)
         blocks = list(model.blocks)
         mesh = job_mesh(dims, device.type)  # once, outside the fake mode (it reads values)
         if dtensors:
             tp_plan = gpt_tp_plan(model, sequence_parallel) if dims.tp > 1 else None
+            if tp_plan is not None:
+                tp_plan = adapt_tp_plan(model, tp_plan, converters)
             model = parallelize(
                 model, blocks, dims, device=device, precision=precision,
                 reduce_dtype=reduce_dtype, ac=ac, tp_plan=tp_plan, mesh=mesh,
@@ -141,6 +149,23 @@ def simulate_layout(
     return Simulation(layout_name(dims), world, peak, parts)
 
 
+def _converters(lora: LoraPlan | None, precision: str) -> list:
+    """The job's converters for a planner's `lora` (none without): models.lora's, built
+    from the [lora] keys the plan read."""
+    from trainwise.config import JobConfig
+    from trainwise.models.converters import build_converters
+
+    if lora is None:
+        return []
+    keys = {
+        "rank": lora.rank, "dropout": lora.dropout, "train_embeddings": lora.train_embeddings,
+        "train_head": lora.train_head,
+    }
+    if lora.targets is not None:
+        keys["targets"] = list(lora.targets)
+    return build_converters(JobConfig(lora=keys, precision={"dtype": precision}))
+
+
 def _tracker_for(model, dims: ParallelDims, dtensors: bool, optim_cfg, x, y):
     """The step's memory tracker, and the optimizer where it is built before the step (a
     DTensor model's: FSDPMemTracker needs it); None for DDP's, built inside the tracker so
@@ -153,6 +178,7 @@ def _tracker_for(model, dims: ParallelDims, dtensors: bool, optim_cfg, x, y):
     if not dtensors:
         tracker = MemTracker()
         tracker.track_external(model, x, y)
+        _skip_frozen(tracker, model)
         return tracker, None
     opt = build_optimizer([model], optim_cfg)
     tracker = FSDPMemTracker(model, opt) if dims.fsdp else MemTracker()
@@ -160,7 +186,21 @@ def _tracker_for(model, dims: ParallelDims, dtensors: bool, optim_cfg, x, y):
         tracker.track_inputs((x, y))
     else:
         tracker.track_external(model, opt, x, y)
+        _skip_frozen(tracker, model)
     return tracker, opt
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _skip_frozen(tracker, model) -> None:
+    """MemTracker hooks every parameter's gradient, which a frozen one (LoRA's base) cannot
+    take: mark those as hooked already (they have no gradient to count)."""
+    for param in model.parameters():
+        if not param.requires_grad:
+            tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
 
 
 def _peak_by_part(snapshot: dict) -> tuple[int, dict[str, int]]:
@@ -264,7 +304,7 @@ def simulate_plan(plan, progress=None, rows: list | None = None) -> list[dict]:
             progress(f"simulating {s.name} on {dims.world} fake ranks ...")
         sim = simulate_layout(
             w.shape, dims, w.precision, setup.micro_batch, w.seq_len, setup.ac,
-            w.reduce_dtype, w.optimizer, setup.sequence_parallel,
+            w.reduce_dtype, w.optimizer, setup.sequence_parallel, w.lora,
         )
         # The simulation runs one micro-batch a step: the formula without accumulation.
         one = replace(setup, grad_accum=1)

@@ -68,6 +68,8 @@ def job_keys(
         "cluster.nproc": sized.gpus_per_node,
         "cluster.nodes": sized.gpus // sized.gpus_per_node,
     })
+    if w.lora is not None:  # the planned fine-tune: its [lora] section, whole
+        keys.update({f"lora.{k}": v for k, v in cfg.lora.model_dump(exclude_none=True).items()})
     if not choice.dims.hybrid:
         keys.pop("parallel.replicate", None)
     if sized.hardware.device == "cpu":  # planned for CPU workers: run on them

@@ -26,6 +26,7 @@ from trainwise.plan.model.comm import (
 from trainwise.plan.model.cost import CheckpointPlan, Cost, checkpoint_plan, job_cost
 from trainwise.plan.model.flops import mfu, model_flops_per_token, recompute_factor
 from trainwise.plan.model.gemm import GENERATIONS
+from trainwise.plan.model.lora import rank_split
 from trainwise.plan.model.memory import (
     MemoryEstimate,
     Workload,
@@ -35,7 +36,6 @@ from trainwise.plan.model.memory import (
 from trainwise.plan.model.precision import MASTER_BYTES, OPTIMIZER_STATE_BYTES
 from trainwise.plan.model.setup import Setup
 from trainwise.plan.model.tensor_parallel import (
-    params_per_rank,
     tp_collectives,
     tp_exposed_seconds,
 )
@@ -175,7 +175,7 @@ def price(
     host_per_node = memory.host * inputs.gpus_per_node
     host_fits = host_per_node <= hw.host_memory_bytes
 
-    model_flops = model_flops_per_token(w.params, w.shape, w.seq_len)
+    model_flops = model_flops_per_token(w.params, w.shape, w.seq_len, w.lora)
     timed = model.compute(inputs, w, per_rank, tp, dims)
     compute = timed.seconds
 
@@ -233,7 +233,11 @@ def job_figures(
     `step_s` seconds, `exposed_s` of them waiting for communication."""
     w, hw = inputs.workload, inputs.hardware
     train_s = inputs.tokens / tokens_per_step * step_s
-    size = w.params * (MASTER_BYTES + OPTIMIZER_STATE_BYTES[w.optimizer])
+    # A checkpoint holds the trained parameters and their optimizer state (LoRA: the
+    # adapters; the frozen base is the weights it was loaded from).
+    size = rank_split(w.params, w.shape, w.lora)[1] * (
+        MASTER_BYTES + OPTIMIZER_STATE_BYTES[w.optimizer]
+    )
     ckpt = checkpoint_plan(
         size,
         inputs.checkpoint_bps,
@@ -273,24 +277,29 @@ def _communication(
         inputs.gpus, inputs.gpus_per_node, hw.intra_bps, hw.inter_bps,
         hw.nics_per_node, hw.intra_step_s, hw.inter_step_s,
     )
-    rank_params = params_per_rank(w.params, w.shape, tp)
+    frozen, trained = rank_split(w.params, w.shape, w.lora, tp)
+    rank_params = frozen + trained
     units = w.shape.n_layer + 1 if w.shape else (w.units or 1)  # blocks and the root
     collectives = layout_collectives(
-        dims, rank_params, layout, w.precision, w.reduce_dtype, accum, setup.accumulate, units
+        dims, rank_params, layout, w.precision, w.reduce_dtype, accum, setup.accumulate, units,
+        trained,
     )
     nccl = list(collectives)  # the host copies below run on copy engines, not SMs
     host_s = 0.0
     if dims.cpu_offload:
         shard_params = rank_params / dims.dp_shard
+        trained_shard = trained / dims.dp_shard  # LoRA: only the adapters have gradients
         passes = 2 * accum  # the shard goes to the device for each forward and backward gather
         shard_bytes = shard_params * MASTER_BYTES
         collectives += [
             Collective("host->device copies (offload)", passes * shard_bytes, hw.host_bps, True),
             # The reduced gradient shard goes to the host once a step, after the
             # reduce-scatter, like a reduction.
-            Collective("device->host gradients (offload)", shard_bytes, hw.host_bps),
+            Collective(
+                "device->host gradients (offload)", trained_shard * MASTER_BYTES, hw.host_bps
+            ),
         ]
-        host_s = shard_params / CPU_OPTIMIZER_PARAMS_PER_S  # the optimizer runs on the host
+        host_s = trained_shard / CPU_OPTIMIZER_PARAMS_PER_S  # the optimizer runs on the host
     block, _ = block_params(w, tp)
     busy = compute + host_s
     exposed = exposed_seconds(collectives, busy, dims, block / rank_params, accum)

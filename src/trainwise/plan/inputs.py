@@ -15,6 +15,7 @@ from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, TFLOP, GPUSpec, default_catalog, find_gpu
 from trainwise.models.shapes import PRESETS, GPTShape, job_shape
 from trainwise.plan.model.gemm import GemmTable
+from trainwise.plan.model.lora import LoraPlan, lora_of, lora_problems
 from trainwise.plan.model.memory import Workload
 
 if TYPE_CHECKING:
@@ -127,6 +128,9 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
     raise ConfigError (one line each)."""
     p = cfg.plan
     params, shape, model = _model(cfg)
+    lora = lora_plan(cfg)
+    if lora is not None and (problems := lora_problems(shape, lora)):
+        raise ConfigError(problems)
     gpu_name = cfg.cluster.gpu or ("cpu" if cfg.cluster.device == "cpu" else DEFAULT_GPU)
     spec = find_gpu(gpu_name)
     assert spec is not None  # the schema checked the name
@@ -172,7 +176,8 @@ def config_workload(
     cfg: JobConfig, params: float, shape: GPTShape | None, units: int | None = None
 ) -> Workload:
     """The workload a job's config describes: the model's size and shape with the config's
-    sequence, micro-batch, precision, optimizer, checkpointing and gradient reduction. One
+    sequence, micro-batch, precision, optimizer, checkpointing, gradient reduction and
+    LoRA. One
     definition for `trainwise plan` and the runtime's decision (run/job/resolve.py)."""
     return Workload(
         params=params,
@@ -184,7 +189,14 @@ def config_workload(
         ac=cfg.parallel.ac,
         reduce_dtype=cfg.precision.reduce_dtype,
         units=units,
+        lora=lora_plan(cfg),
     )
+
+
+def lora_plan(cfg: JobConfig) -> LoraPlan | None:
+    """The planner's view of the job's [lora] section (None: LoRA is off)."""
+    lo = cfg.lora
+    return lora_of(lo.rank, lo.targets, lo.dropout, lo.train_embeddings, lo.train_head)
 
 
 def resolve_hardware(

@@ -12,7 +12,8 @@ from trainwise.plan.advisor import describe, loader_fixes
 from trainwise.plan.alternatives import distinct, smallest_changes, why_it_loses
 from trainwise.plan.estimate import Setup, StrategyPlan, candidate_names, evaluate, price
 from trainwise.plan.inputs import PlanInputs
-from trainwise.plan.model.precision import MASTER_BYTES, OPTIMIZER_STATE_BYTES
+from trainwise.plan.model.lora import param_counts
+from trainwise.plan.model.precision import BYTES, MASTER_BYTES, OPTIMIZER_STATE_BYTES
 from trainwise.plan.model.reliability import SECONDS_PER_HOUR, system_mtbf_s
 from trainwise.plan.search import (
     EVERYTHING,
@@ -24,7 +25,7 @@ from trainwise.plan.search import (
     recommend,
 )
 from trainwise.plan.space import exact_batch
-from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_usd
+from trainwise.plan.units import fmt_bytes, fmt_count, fmt_hours, fmt_usd
 
 SMALL_MODEL_PARAMS = 1e9  # the product's guide: under 1B parameters is an `mvp`
 DATA_BOUND_SHARE = 0.10  # the GPUs wait for data more than this share of a step
@@ -220,12 +221,16 @@ def _reasons(
 
 
 def _fit_answer(inputs: PlanInputs, single: StrategyPlan) -> str:
-    m, hw = single.memory, inputs.hardware
-    per_param = 2 * MASTER_BYTES + OPTIMIZER_STATE_BYTES[inputs.workload.optimizer]
-    states = (
-        f"model states {fmt_bytes(m.states)} ({per_param} bytes per parameter: fp32 weights, "
-        f"gradients and {inputs.workload.optimizer} state)"
-    )
+    m, hw, w = single.memory, inputs.hardware, inputs.workload
+    per_param = 2 * MASTER_BYTES + OPTIMIZER_STATE_BYTES[w.optimizer]
+    trained = f"{per_param} bytes per parameter: fp32 weights, gradients and {w.optimizer} state"
+    if w.lora is not None:  # the frozen base in the compute dtype, only the rest trains
+        trainable, total = param_counts(w.params, w.shape, w.lora)
+        trained = (
+            f"LoRA: the frozen {fmt_count(total - trainable)} at {BYTES[w.precision]} bytes "
+            f"({w.precision}), the {fmt_count(trainable)} trainable at {trained}"
+        )
+    states = f"model states {fmt_bytes(m.states)} ({trained})"
     detail = f"{states}; at its peak, in the {m.phase}: {describe(m)}"
     if single.fits:
         return (

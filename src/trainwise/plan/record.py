@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from trainwise.plan.estimate import StrategyPlan
 from trainwise.plan.inputs import SHAPE_FIELDS
+from trainwise.plan.model.lora import param_counts
 from trainwise.plan.planner import Plan
 from trainwise.plan.search import describe_setup, setup_keys
 
@@ -66,12 +67,17 @@ def strategy_record(s: StrategyPlan) -> dict:
 def inputs_record(plan: Plan) -> dict:
     i = plan.inputs
     w, hw = i.workload, i.hardware
+    trainable, total = param_counts(w.params, w.shape, w.lora)
     shape = None
     if w.shape is not None:
         shape = {key: getattr(w.shape, field) for key, field in SHAPE_FIELDS.items()}
     return {
         "model": i.model,
         "params": w.params,
+        # LoRA: the adapters and what else trains, and the model with its adapters.
+        "trainable_params": trainable,
+        "total_params": total,
+        "lora_rank": w.lora.rank if w.lora else 0,
         "shape": shape,
         "seq_len": w.seq_len,
         "micro_batch": w.micro_batch,

@@ -13,6 +13,23 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def fmt_count(n: float) -> str:
+    """A parameter count: 68.98B, 210.8M, or whole below a million."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,.0f}"
+
+
+def fmt_params(trainable: float, total: float) -> str:
+    """Trainable of total parameters (LoRA), or the total when every parameter trains."""
+    if trainable >= total:
+        return f"{fmt_count(total)} parameters"
+    return (
+        f"{fmt_count(trainable)} trainable of {fmt_count(total)} parameters "
+        f"({100 * trainable / total:.2f} %)"
+    )
+
+
 def fmt_usd(x: float) -> str:
     return f"${x:,.0f}" if x >= 100 else f"${x:,.2f}"
 

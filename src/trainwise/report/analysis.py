@@ -68,6 +68,8 @@ class Headline:
     samples_per_s: float | None
     preempted: bool  # the run's last end was a planned stop (it can be resumed)
     stops: list[str] = field(default_factory=list)  # each planned stop and what followed
+    trainable_params: int | None = None  # LoRA (job.json); None: every parameter trains
+    total_params: int | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,8 @@ def headline(run: RunFiles) -> Headline:
         path=run.typed,
         model=str(_section(run, "model").get("name", s.get("model", "?"))),
         params=job.get("params"),
+        trainable_params=job.get("trainable_params"),
+        total_params=job.get("total_params"),
         strategy=str(job.get("strategy", "?")),
         reason=str(job.get("reason", "")),
         world=world,

@@ -9,10 +9,11 @@ from collections.abc import Sequence
 from trainwise.hardware.catalog import GB
 from trainwise.plan.emit import keys_toml
 from trainwise.plan.estimate import StrategyPlan
+from trainwise.plan.model.lora import param_counts
 from trainwise.plan.model.performance import model_of
 from trainwise.plan.planner import BEST, Plan
 from trainwise.plan.search import describe_setup
-from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_seconds, fmt_usd
+from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_params, fmt_seconds, fmt_usd
 
 MEMORY_COLUMNS = (
     "strategy",
@@ -151,6 +152,8 @@ def simulation_rows(rows: list[dict]) -> list[list[str]]:
 def headline(plan: Plan) -> str:
     i, w = plan.inputs, plan.inputs.workload
     shape = f"{w.params / 1e9:.2f}B parameters" if w.params >= 1e8 else f"{w.params:,} parameters"
+    if w.lora is not None:
+        shape = f"{fmt_params(*param_counts(w.params, w.shape, w.lora))}, LoRA rank {w.lora.rank}"
     batch = f"global batch {i.global_batch}" if i.global_batch else "global batch = micro x GPUs"
     return (
         f"{i.model} ({shape}), seq {w.seq_len}, micro-batch {w.micro_batch}, {batch}, "

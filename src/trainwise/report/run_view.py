@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from trainwise.plan.units import fmt_bytes, fmt_gpu_hours, fmt_seconds, fmt_usd_exact
+from trainwise.plan.units import fmt_bytes, fmt_gpu_hours, fmt_params, fmt_seconds, fmt_usd_exact
 from trainwise.report.analysis import PLAN_ERROR_FLAG, PlanCheck, RunReport
 from trainwise.report.drilldown import GROUPS
 from trainwise.report.plan_view import md_table
@@ -33,6 +33,8 @@ def _ms(x: float | None) -> str:
 def summary_rows(r: RunReport) -> Rows:
     h = r.headline
     params = f", {h.params:,} parameters" if h.params else ""
+    if h.trainable_params is not None and h.total_params:  # LoRA
+        params = f", {fmt_params(h.trainable_params, h.total_params)}"
     machines = f" ({h.nodes} machines)" if h.nodes > 1 else ""
     steps = f"{h.steps_done}" + (f" of {h.steps_planned}" if h.steps_planned else "")
     if h.preempted:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainwise.plan.units import fmt_seconds
+from trainwise.plan.units import fmt_params, fmt_seconds
 
 MISSING = "n/a"  # a figure the summary lacks (a rerun that trained nothing, an older file)
 
@@ -47,11 +47,13 @@ def render_summary(s: dict[str, Any]) -> str:
     head = "trainwise: training finished"
     if s.get("preempted"):
         head = f"trainwise: preempted by {s['preempted']} after step {s.get('last_step')}; saved"
+    params = f"{fig(s.get('params'), ',')} parameters"
+    if s.get("trainable_params") is not None and s.get("total_params"):  # LoRA
+        params = fmt_params(s["trainable_params"], s["total_params"])
     lines = [
         head,
         f"  strategy   {s.get('reason', MISSING)}",
-        f"  model      {s.get('model', MISSING)}, {fig(s.get('params'), ',')} parameters, "
-        f"{s.get('precision', MISSING)}",
+        f"  model      {s.get('model', MISSING)}, {params}, {s.get('precision', MISSING)}",
         f"  steps      {s.get('steps', MISSING)} x global batch {s.get('global_batch', MISSING)}"
         f" on {s.get('world', MISSING)} x {s.get('device', MISSING)}",
         f"  loss       {loss}",

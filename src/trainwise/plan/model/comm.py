@@ -119,22 +119,26 @@ def layout_collectives(
     grad_accum: int,
     accumulate: str = "unsharded",
     units: int = 1,
+    trained: float | None = None,
 ) -> list[Collective]:
     """The data-parallel collectives of one optimizer step, per GPU, for the layout `dims`
     (`params`: what one tensor-parallel rank holds, in `units` FSDP units, each its own
     call). Ranks are row-major over (dp_replicate, dp_shard, tp), so a shard group is
     dp_shard ranks tp apart and a replica group dp_replicate ranks dp_shard x tp apart.
     `accumulate` = "sharded" reduce-scatters (and, hybrid, all-reduces) on every
-    micro-batch instead of once per step."""
+    micro-batch instead of once per step. `trained`: the parameters of those that have
+    gradients (LoRA: the adapters; None: all): only theirs are reduced, while FSDP gathers
+    every parameter, frozen or not, forward and backward."""
     if dims.dp_size == 1:
         return []
+    trained = params if trained is None else trained
     if not dims.fsdp:
-        grads = params * GRAD_BYTES
+        grads = trained * GRAD_BYTES
         buckets = max(1, math.ceil(grads / DDP_BUCKET_BYTES))
         group = (dims.dp_replicate, dims.tp)
         return [layout.collective("all-reduce grads", "all_reduce", grads, group, buckets)]
     gather = params * BYTES[precision]  # FSDP all-gathers param_dtype copies
-    reduce = params * BYTES[reduce_dtype]
+    reduce = trained * BYTES[reduce_dtype]
     d = dims.dp_shard
     every = grad_accum if accumulate == "sharded" else 1
     passes = 2 if dims.reshard_after_forward else 1  # full gathers again for backward

@@ -41,7 +41,8 @@ from trainwise.plan.model.gemm import (
     gemm_seconds,
     slowest_pace,
 )
-from trainwise.plan.model.memory import Workload, block_params, checkpointed_blocks
+from trainwise.plan.model.lora import LoraPlan, rank_split, targeted, trained_matmul_params
+from trainwise.plan.model.memory import Workload, checkpointed_blocks
 from trainwise.plan.model.precision import BYTES, MASTER_BYTES
 
 if TYPE_CHECKING:
@@ -96,6 +97,9 @@ COMPOSITE_NORM_OPS = 6
 # addcdiv_ into the parameter (16): 80 bytes a parameter. Clipping (foreach norm, then
 # scale) reads the gradient once and scales it in place: 12.
 OPTIMIZER_BYTES_PER_PARAM = 92
+# Operations one LoRA adapter dispatches forward (models.lora's LoRALinear: dropout, lora_A,
+# lora_B, the scaling and the sum): an assumption, as for the block's operations.
+ADAPTER_OPS = 5
 
 
 @dataclass(frozen=True)
@@ -146,8 +150,8 @@ def achieved_share(inputs: PlanInputs, plan: StrategyPlan, compute_s: float) -> 
     assert setup is not None
     w = inputs.workload
     n_layer = w.shape.n_layer if w.shape else 1
-    hw_flops = model_flops_per_token(w.params, w.shape, w.seq_len) * recompute_factor(
-        setup.ac, n_layer
+    hw_flops = model_flops_per_token(w.params, w.shape, w.seq_len, w.lora) * recompute_factor(
+        setup.ac, n_layer, w.lora is not None
     )
     tokens = setup.micro_batch * setup.grad_accum * w.seq_len
     return tokens * hw_flops / (inputs.hardware.peak_flops * setup.dims.tp * compute_s)
@@ -156,8 +160,8 @@ def achieved_share(inputs: PlanInputs, plan: StrategyPlan, compute_s: float) -> 
 def _flat(inputs: PlanInputs, w: Workload, samples: float, tp: int) -> ComputeTime:
     """Model FLOPs x recomputation at one share of the peak (the override, or a bare count)."""
     n_layer = w.shape.n_layer if w.shape else 1
-    hw_flops = model_flops_per_token(w.params, w.shape, w.seq_len) * recompute_factor(
-        w.ac, n_layer
+    hw_flops = model_flops_per_token(w.params, w.shape, w.seq_len, w.lora) * recompute_factor(
+        w.ac, n_layer, w.lora is not None
     )
     share = inputs.efficiency if inputs.efficiency is not None else BARE_EFFICIENCY
     rate = inputs.hardware.peak_flops * share
@@ -189,7 +193,7 @@ def _cached_step(
     autocast = not fsdp and w.precision != "fp32"  # FSDP's mixed precision casts once
     micro = _micro_batch(
         w.shape, w.seq_len, w.micro_batch, tp, hw, w.precision, autocast,
-        compiled, w.ac, table, w.loss, w.norm_kernel,
+        compiled, w.ac, table, w.loss, w.norm_kernel, w.lora,
     )
     micro_batches = samples / w.micro_batch
     work = micro.times(micro_batches) + _per_step(hw, w, tp, dims, micro_batches)
@@ -215,9 +219,11 @@ def _micro_batch(
     table: GemmTable | None,
     loss: str = "standard",
     norm_kernel: str = "fused",
+    lora: LoraPlan | None = None,
 ) -> Work:
     """One micro-batch: every block forward and backward, the recomputed blocks' forward
-    again, the head and its loss."""
+    again, the head and its loss; with LoRA the frozen layers skip their weight gradients
+    and the adapters' GEMMs run beside them."""
     tokens = seq * micro_batch
     # Inductor fuses a composite norm's chain into one kernel, as it does the rest.
     norm = "fused" if compiled else norm_kernel
@@ -225,11 +231,18 @@ def _micro_batch(
         shape, tokens, seq, tp, hw, precision, autocast, compiled, table, norm
     )
     backward = _block_backward(
-        shape, tokens, seq, tp, hw, precision, autocast, compiled, table, norm
+        shape, tokens, seq, tp, hw, precision, autocast, compiled, table, norm,
+        weight_grads=lora is None,
     )
     recomputed = len(checkpointed_blocks(ac, shape.n_layer))
     blocks = (forward + backward).times(shape.n_layer) + forward.times(recomputed)
-    return blocks + _head(shape, tokens, tp, hw, precision, table, loss)
+    head_trains = lora is None or trained_matmul_params(shape, lora) > 0
+    head = _head(shape, tokens, tp, hw, precision, table, loss, head_trains)
+    if lora is None:
+        return blocks + head
+    adapters = _adapters(shape, lora, tokens, tp, hw, precision, table)
+    per_block = 1.0 / shape.n_layer  # the recomputed blocks run their adapters again
+    return blocks + head + adapters + adapters.times(recomputed * per_block / 3)
 
 
 def _gemms(shape: GPTShape, tp: int) -> list[tuple[int, int]]:
@@ -318,12 +331,14 @@ def _block_forward(
 def _block_backward(
     shape: GPTShape, tokens: int, seq: int, tp: int, hw: Hardware, precision: str,
     autocast: bool, compiled: bool, table: GemmTable | None, norm_kernel: str = "fused",
+    weight_grads: bool = True,
 ) -> Work:
-    """Input and weight gradients of every projection, attention's backward (2.5 times its
-    forward), the elementwise work twice (each op reads its saved input and the output
-    gradient and writes the input gradient)."""
+    """Input and weight gradients of every projection (LoRA's frozen ones: input gradients
+    only), attention's backward (2.5 times its forward), the elementwise work twice (each
+    op reads its saved input and the output gradient and writes the input gradient)."""
     gemms = sum(
-        _gemm(tokens, i, o, hw, precision, table) + _gemm(o, i, tokens, hw, precision, table)
+        _gemm(tokens, i, o, hw, precision, table)
+        + (_gemm(o, i, tokens, hw, precision, table) if weight_grads else 0.0)
         for o, i in _gemms(shape, tp)
     )
     q = shape.n_head * shape.head_dim // tp
@@ -343,21 +358,44 @@ def _block_backward(
 
 def _head(
     shape: GPTShape, tokens: int, tp: int, hw: Hardware, precision: str,
-    table: GemmTable | None, loss: str = "standard",
+    table: GemmTable | None, loss: str = "standard", weight_grad: bool = True,
 ) -> Work:
-    """The head's GEMM forward and backward, and the loss over the vocabulary: the logits
-    written, upcast to fp32, log-softmax forward and backward, cast back (36 bytes per
-    vocabulary entry and token besides the 16-bit logits and their gradient); a fused
-    loss reads the logits once and writes their gradient in place."""
+    """The head's GEMM forward and backward (a frozen head: no weight gradient), and the
+    loss over the vocabulary: the logits written, upcast to fp32, log-softmax forward and
+    backward, cast back (36 bytes per vocabulary entry and token besides the 16-bit logits
+    and their gradient); a fused loss reads the logits once and writes their gradient in
+    place."""
     h, v = shape.d_model, shape.vocab_size // tp
     gemms = (
         _gemm(tokens, v, h, hw, precision, table)
         + _gemm(tokens, h, v, hw, precision, table)
-        + _gemm(v, h, tokens, hw, precision, table)
+        + (_gemm(v, h, tokens, hw, precision, table) if weight_grad else 0.0)
     )
     per_entry = 3 * BYTES[precision] if loss == "fused" else 36 + 2 * BYTES[precision]
     memory = tokens * v * per_entry / (hw.hbm_bps * MEMORY_SHARE)
     return Work(gemms + memory, HEAD_FORWARD_OPS * (1 + BACKWARD_OPS_PER_FORWARD_OP))
+
+
+def _adapters(
+    shape: GPTShape, lora: LoraPlan, tokens: int, tp: int, hw: Hardware, precision: str,
+    table: GemmTable | None,
+) -> Work:
+    """Every adapter of the model, forward (x A^T, then B) and backward (the input and
+    weight gradients of both: twice the forward), in the eager runtime's operations (the
+    dropout, two linears, the scaling and the sum forward)."""
+    r, gemms = lora.rank, 0.0
+    for out, inp in targeted(shape, lora, tp):
+        forward = _gemm(tokens, r, inp, hw, precision, table) + _gemm(
+            tokens, out, r, hw, precision, table
+        )
+        backward = (
+            _gemm(tokens, inp, r, hw, precision, table) + _gemm(r, inp, tokens, hw, precision, table)
+            + _gemm(tokens, r, out, hw, precision, table)
+            + _gemm(out, r, tokens, hw, precision, table)
+        )
+        gemms += forward + backward
+    ops = len(targeted(shape, lora, tp)) * ADAPTER_OPS * (1 + BACKWARD_OPS_PER_FORWARD_OP)
+    return Work(gemms, ops)
 
 
 def _per_step(
@@ -365,13 +403,13 @@ def _per_step(
 ) -> Work:
     """The optimizer step on this rank's parameters (on the host with cpu offload: priced
     by the caller), and FSDP's copies and per-parameter work for every micro-batch."""
-    block, root = block_params(w, tp)
     assert w.shape is not None
-    rank_params = block * w.shape.n_layer + root
+    frozen, trained = rank_split(w.params, w.shape, w.lora, tp)
+    rank_params = frozen + trained
     shard = dims.dp_shard if dims is not None and dims.fsdp else 1
     work = Work(host_ops=STEP_OPS)
     if not (dims is not None and dims.cpu_offload):
-        optimizer = rank_params / shard * OPTIMIZER_BYTES_PER_PARAM
+        optimizer = trained / shard * OPTIMIZER_BYTES_PER_PARAM
         work += Work(optimizer / (hw.hbm_bps * MEMORY_SHARE))
     if dims is not None and dims.fsdp:
         e = BYTES[w.precision]

@@ -4,11 +4,16 @@
 matmul parameter per token for forward + backward, plus the attention score and value
 matmuls. N counts parameters that multiply activations: the token embedding lookup is
 free, the LM head is not (tied or not).
+
+With LoRA (plan.model.lora) a frozen parameter skips its weight gradient, 2 of its 6:
+forward (2) and the input gradient the layers below need (2) remain, so a step does
+2 x (frozen matmul parameters) fewer FLOPs a token, and its adapters add 6 each.
 """
 
 from __future__ import annotations
 
 from trainwise.models.shapes import GPTShape
+from trainwise.plan.model.lora import LoraPlan, adapter_params, trained_matmul_params
 
 
 def matmul_params(shape: GPTShape) -> int:
@@ -20,8 +25,18 @@ def matmul_params(shape: GPTShape) -> int:
     return n
 
 
-def flops_per_token(shape: GPTShape, seq_len: int) -> float:
-    return 6.0 * matmul_params(shape) + 12.0 * shape.n_layer * shape.d_model * seq_len
+def flops_per_token(shape: GPTShape, seq_len: int, lora: LoraPlan | None = None) -> float:
+    n = matmul_params(shape)
+    full = 6.0 * n + 12.0 * shape.n_layer * shape.d_model * seq_len
+    if lora is None:
+        return full
+    return full - 2.0 * frozen_matmul_params(shape, lora, n) + 6.0 * adapter_params(shape, lora)
+
+
+def frozen_matmul_params(shape: GPTShape, lora: LoraPlan, matmul: int | None = None) -> int:
+    """The matmul parameters (`matmul`, default matmul_params) that LoRA freezes."""
+    n = matmul_params(shape) if matmul is None else matmul
+    return n - trained_matmul_params(shape, lora)
 
 
 def mfu(tokens_per_s: float, flops_token: float, peak_flops_total: float) -> float:
@@ -29,18 +44,23 @@ def mfu(tokens_per_s: float, flops_token: float, peak_flops_total: float) -> flo
     return tokens_per_s * flops_token / peak_flops_total
 
 
-def model_flops_per_token(params: int, shape: GPTShape | None, seq_len: int) -> float:
-    """Model FLOPs per token (what MFU counts): the GPT formula above, or 6N for a bare
-    parameter count (Kaplan et al., 2020, eq. 2.1: C = 6N per token)."""
-    return flops_per_token(shape, seq_len) if shape is not None else 6.0 * params
+def model_flops_per_token(
+    params: int, shape: GPTShape | None, seq_len: int, lora: LoraPlan | None = None
+) -> float:
+    """Model FLOPs per token (what MFU counts): the GPT formula above (with LoRA's, when
+    `lora`), or 6N for a bare parameter count (Kaplan et al., 2020, eq. 2.1: C = 6N)."""
+    return flops_per_token(shape, seq_len, lora) if shape is not None else 6.0 * params
 
 
-def recompute_factor(ac: str, n_layer: int) -> float:
+def recompute_factor(ac: str, n_layer: int, lora: bool = False) -> float:
     """Hardware FLOPs over model FLOPs: activation checkpointing runs the forward of a
     checkpointed block again in backward, 2N of the 6N (Korthikanti et al., 2022, section
-    5: full recomputation costs 33 % more); `selective` checkpoints every other block."""
+    5: full recomputation costs 33 % more); `selective` checkpoints every other block.
+    With LoRA the step is about 4N (frozen weights: no weight gradient), so the forward
+    again costs 50 % more."""
+    again = 2.0 / (4.0 if lora else 6.0)  # the forward's share of a step
     if ac == "full":
-        return 4.0 / 3.0
+        return 1.0 + again
     if ac == "selective":
-        return 1.0 + ((n_layer + 1) // 2) / n_layer / 3.0
+        return 1.0 + ((n_layer + 1) // 2) / n_layer * again
     return 1.0

@@ -20,6 +20,12 @@ Transient buffers, per strategy:
 - cpu offload (FSDP2 CPUOffloadPolicy): sharded parameters, gradients and optimizer state
   live in host memory; the device keeps only the unsharded blocks in flight.
 
+LoRA (plan.model.lora, `Workload.lora`): the frozen base is held in the compute dtype only;
+gradients, optimizer state, autocast's copies, DDP's buckets and the optimizer's
+temporaries are the trainable parameters' (the adapters, and the embeddings or head when
+they train); FSDP gathers a block with its adapters and has only their gradients in
+flight; the activations change by what plan.model.lora.adapter_activation_bytes counts.
+
 Activations: what autograd saves per token and layer, counted tensor by tensor for
 trainwise's GPT block (activation_bytes_per_token below), in the manner of Korthikanti et
 al., 2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4.1),
@@ -35,6 +41,13 @@ from functools import lru_cache
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import GPTShape
+from trainwise.plan.model.lora import (
+    LoraPlan,
+    adapter_activation_bytes,
+    adapter_params,
+    frozen_norm_bytes,
+    rank_split,
+)
 from trainwise.plan.model.precision import BYTES, MASTER_BYTES, OPTIMIZER_STATE_BYTES
 from trainwise.plan.model.setup import Setup
 from trainwise.plan.model.tensor_parallel import activation_split, block_replicated, params_per_rank
@@ -75,6 +88,9 @@ class Workload:
     # RMSNorm as a chain of fp32 elementwise ops (F.rms_norm before torch 2.9, and
     # torchtitan's own RMSNorm of 2024). Memory is modelled alike for both.
     norm_kernel: str = "fused"
+    # LoRA (plan.model.lora): the base frozen in the compute dtype, adapters train; None:
+    # every parameter trains. `params` counts the base model, without the adapters.
+    lora: LoraPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -206,6 +222,11 @@ def activation_profile(
         return None
     per = activation_bytes_per_token(w.shape, w.precision, autocast, device, w.loss)
     per = activation_split(per, tp, sequence_parallel)
+    if w.lora is not None:
+        split = tp if sequence_parallel else 1  # the norms' region, split over the sequence
+        extra = adapter_activation_bytes(w.shape, w.lora, BYTES[w.precision], tp)
+        extra -= frozen_norm_bytes(w.shape, device) / split
+        per = {**per, "layer": per["layer"] + extra}
     ckpt = checkpointed_blocks(w.ac, w.shape.n_layer)
     kept = [per["block_input"] if i in ckpt else per["layer"] for i in range(w.shape.n_layer)]
     block = sum(kept) + per["working_set"]
@@ -283,12 +304,14 @@ def replica_memory(
 def _replicated(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
     """A replica on every data-parallel rank (one process, or DDP)."""
     dims = setup.dims
-    n = params_per_rank(w.params, w.shape, dims.tp)
+    frozen, n = rank_split(w.params, w.shape, w.lora, dims.tp)  # n: the trained ones
     c = BYTES[w.precision]
     prof = activation_profile(w, True, device, dims.tp, setup.sequence_parallel)
-    copies = n * c if w.precision != "fp32" else 0.0  # autocast's 16-bit weight copies
+    # autocast's 16-bit copies of the fp32 weights (a frozen base is in 16 bits already)
+    copies = n * c if w.precision != "fp32" else 0.0
     buckets = n * MASTER_BYTES if dims.dp_replicate > 1 else 0.0
-    p, g, o = n * MASTER_BYTES, n * MASTER_BYTES, n * OPTIMIZER_STATE_BYTES[w.optimizer]
+    p, g = frozen * c + n * MASTER_BYTES, n * MASTER_BYTES
+    o = n * OPTIMIZER_STATE_BYTES[w.optimizer]
     g_bwd = g if setup.grad_accum > 1 else 0.0
     phases = {
         "head backward": (p, g_bwd, o, prof and prof.head, buckets + copies),
@@ -306,7 +329,8 @@ def _step_temp(w: Workload, device: str) -> float:
 def _sharded(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
     """FSDP over the dp_shard ranks of a group."""
     dims, tp, accumulating = setup.dims, setup.dims.tp, setup.grad_accum > 1
-    n = params_per_rank(w.params, w.shape, tp)
+    frozen, t = rank_split(w.params, w.shape, w.lora, tp)  # t: the trained parameters
+    n = frozen + t
     opt = OPTIMIZER_STATE_BYTES[w.optimizer]
     c = BYTES[w.precision]
     step_temp = _step_temp(w, device)
@@ -314,21 +338,25 @@ def _sharded(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
     prof = activation_profile(w, False, device, tp, setup.sequence_parallel)
     block, root = block_params(w, tp)
     reduce_copy = MASTER_BYTES if w.reduce_dtype == "fp32" and c != MASTER_BYTES else 0
-    grads_in_flight = block * (c + reduce_copy)
+    trained_block = block  # a block's gradients: all of it, or (LoRA) its adapters
+    if w.lora is not None and w.shape is not None:
+        trained_block = adapter_params(w.shape, w.lora, tp) / w.shape.n_layer
+        block += trained_block
+    grads_in_flight = trained_block * (c + reduce_copy)
     units = w.shape.n_layer if w.shape is not None else (w.units or 1)
     if not dims.reshard_after_forward:
         params_in_flight = (n - root) * c  # every block stays gathered until its backward
     else:
         params_in_flight = min(2, units) * block * c  # the block in use and the prefetched one
     at_head = (n - root) * c if not dims.reshard_after_forward else 0.0  # blocks still gathered
-    p, g, o = n * MASTER_BYTES / d, n * MASTER_BYTES / d, n * opt / d
+    p, g, o = (frozen * c + t * MASTER_BYTES) / d, t * MASTER_BYTES / d, t * opt / d
     states = p + g + o
-    temp = n / d * step_temp
+    temp = t / d * step_temp
     if dims.cpu_offload:  # the states and the optimizer step live in host memory
         p = g = o = temp = 0.0
     # Between micro-batches FSDP2 skips the reduce-scatter (set_requires_gradient_sync
     # False, run.loop) and keeps every parameter's unsharded gradient, in the reduce dtype.
-    g_bwd = n * BYTES[w.reduce_dtype] if accumulating else 0.0
+    g_bwd = t * BYTES[w.reduce_dtype] if accumulating else 0.0
     if accumulating and setup.accumulate == "sharded":
         g_bwd = g  # reduce-scattered every micro-batch: only the shard accumulates
     g_end = max(g, g_bwd)
@@ -342,7 +370,7 @@ def _sharded(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
     }
     est = _at_peak(phases, device, states=states)
     if dims.cpu_offload:
-        return replace(est, host=states + n / d * step_temp, states=states)
+        return replace(est, host=states + t / d * step_temp, states=states)
     return est
 
 

@@ -371,6 +371,8 @@ class Training:
             "run_dir": str(self.run_dir),
             "model": c.model.name,
             "params": job.params,
+            "trainable_params": job.lora_counts[0],
+            "total_params": job.lora_counts[1],
             "strategy": job.strategy,
             "layout": job.dims.describe(),
             "tp": job.dims.tp,

@@ -47,9 +47,11 @@ from trainwise.plan.inputs import (
     PlanInputs,
     config_workload,
     job_inputs,
+    lora_plan,
     unknown_device_inputs,
 )
 from trainwise.plan.model.flops import flops_per_token, recompute_factor
+from trainwise.plan.model.lora import param_counts
 from trainwise.plan.model.memory import replica_memory
 from trainwise.plan.model.performance import CalibratedModel, model_of
 from trainwise.plan.record import strategy_record
@@ -113,7 +115,18 @@ class Job:
 
     @property
     def flops_per_token(self) -> float | None:
-        return flops_per_token(self.shape, self.cfg.data.seq_len) if self.shape else None
+        if self.shape is None:
+            return None
+        return flops_per_token(self.shape, self.cfg.data.seq_len, lora_plan(self.cfg))
+
+    @property
+    def lora_counts(self) -> tuple[int | None, int | None]:
+        """(trainable, total) parameters under LoRA, counted from the model's shape;
+        (None, None) without LoRA or without a shape."""
+        lora = lora_plan(self.cfg)
+        if lora is None or self.shape is None:
+            return None, None
+        return param_counts(self.params, self.shape, lora)
 
     def summary_dict(self) -> dict[str, Any]:
         """What job.json records about the decision (the report reads it)."""
@@ -136,11 +149,14 @@ class Job:
             accumulate=self.accumulate,
             reason=self.decision.reason,
             params=self.params,
+            trainable_params=self.lora_counts[0],
+            total_params=self.lora_counts[1],
             global_batch=self.global_batch,
             tokens_per_step=self.tokens_per_step,
             flops_per_token=self.flops_per_token,
             recompute_factor=recompute_factor(
-                self.cfg.parallel.ac, self.shape.n_layer if self.shape else 1
+                self.cfg.parallel.ac, self.shape.n_layer if self.shape else 1,
+                self.cfg.lora.rank > 0,
             ),
             peak_flops_per_device=self.device.peak_flops(self.cfg.precision.dtype),
             precision=self.cfg.precision.dtype,
