@@ -409,10 +409,10 @@ def test_the_bisection_finds_the_largest_micro_batch_that_fits(job):
         if not exact(inputs, dims, EVERYTHING):
             continue
         batch = replica_batch(inputs, dims)
-        for ac, mode, micros in layout_knobs(inputs, dims, EVERYTHING):
+        for knob in layout_knobs(inputs, dims, EVERYTHING):
             fits = [
-                m for m in micros
-                if price(inputs, Setup(dims, ac, m, -(-batch // m), mode)).memory.total <= budget
+                m for m in knob.micros
+                if price(inputs, knob.setup(dims, m, batch)).memory.total <= budget
             ]
-            found = largest_fitting(inputs, dims, ac, mode, micros)
+            found = largest_fitting(inputs, dims, knob)
             assert (found[0].micro_batch if found else None) == (fits[-1] if fits else None)

@@ -189,7 +189,7 @@ def _cached_step(
     autocast = not fsdp and w.precision != "fp32"  # FSDP's mixed precision casts once
     micro = _micro_batch(
         w.shape, w.seq_len, w.micro_batch, tp, hw, w.precision, autocast,
-        compiled, w.ac, table, w.loss, w.norm_kernel,
+        compiled, w.ac, table, w.loss, w.norm_kernel, w.head,
     )
     micro_batches = samples / w.micro_batch
     work = micro.times(micro_batches) + _per_step(hw, w, tp, dims, micro_batches)
@@ -215,9 +215,10 @@ def _micro_batch(
     table: GemmTable | None,
     loss: str = "standard",
     norm_kernel: str = "fused",
+    head: bool = True,
 ) -> Work:
     """One micro-batch: every block forward and backward, the recomputed blocks' forward
-    again, the head and its loss."""
+    again, the head and its loss (`head`: on this worker; a pipeline stage may not)."""
     tokens = seq * micro_batch
     # Inductor fuses a composite norm's chain into one kernel, as it does the rest.
     norm = "fused" if compiled else norm_kernel
@@ -229,6 +230,8 @@ def _micro_batch(
     )
     recomputed = len(checkpointed_blocks(ac, shape.n_layer))
     blocks = (forward + backward).times(shape.n_layer) + forward.times(recomputed)
+    if not head:
+        return blocks
     return blocks + _head(shape, tokens, tp, hw, precision, table, loss)
 
 

@@ -75,6 +75,10 @@ class Workload:
     # RMSNorm as a chain of fp32 elementwise ops (F.rms_norm before torch 2.9, and
     # torchtitan's own RMSNorm of 2024). Memory is modelled alike for both.
     norm_kernel: str = "fused"
+    # A pipeline stage (plan.model.pipeline): whether this worker runs the head and its
+    # loss, and the micro-batches whose activations it holds at once.
+    head: bool = True
+    in_flight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -212,8 +216,12 @@ def activation_profile(
     for i in ckpt:
         block = max(block, sum(kept[:i]) + per["layer"] + per["working_set"])
     tokens = w.seq_len * w.micro_batch
+    head = per["head"] if w.head else 0.0
+    # A pipeline stage's other micro-batches in flight hold what they saved meanwhile.
+    others = (w.in_flight - 1.0) * sum(kept)
     return ActivationProfile(
-        tokens * (sum(kept) + per["head"]), tokens * block, tokens * sum(kept[:-1])
+        tokens * (sum(kept) + head + others), tokens * (block + others),
+        tokens * (sum(kept[:-1]) + others),
     )
 
 
