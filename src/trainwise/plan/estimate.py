@@ -48,7 +48,6 @@ from trainwise.plan.model.tensor_parallel import (
     tp_collectives,
     tp_exposed_seconds,
 )
-from trainwise.plan.units import fmt_bytes
 
 if TYPE_CHECKING:
     from trainwise.plan.model.performance import PerformanceModel
@@ -201,12 +200,6 @@ def price(
         data = max(0.0, per_rank / inputs.data_samples_per_s - busy)
     total = busy + data
     step = Step(compute, comm, exposed, data, total, bubble)
-    if dims.pp > 1:
-        notes.append(
-            f"{memory.phase.split(',')[0]} holds the most ({fmt_bytes(memory.total)}): "
-            f"the pipeline's bubble is {bubble / (compute + bubble):.0%} of the step's "
-            f"compute ({setup.schedule}, {setup.grad_accum} micro-batches)"
-        )
 
     tokens_per_step = global_batch * w.seq_len
     tokens_per_s = tokens_per_step / total

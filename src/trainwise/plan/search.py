@@ -40,6 +40,7 @@ from trainwise.plan.space import (
     Allowed,
     ac_modes,
     accumulations,
+    divisors,
     exact,
     exact_batch,
     layouts,
@@ -188,6 +189,8 @@ def layout_knobs(inputs: PlanInputs, dims: ParallelDims, allowed: Allowed) -> li
     (plan.space.pipeline_layouts)."""
     batch = replica_batch(inputs, dims)
     micros = micro_batches(inputs, batch, allowed)
+    if dims.pp > 1 and not allowed.knobs:  # the runtime's: its parallel.pp_microbatches
+        micros = divisors(batch)
     out = []
     for ac in ac_modes(inputs, allowed):
         if dims.pp > 1:
@@ -436,7 +439,25 @@ def _reason(best: StrategyPlan, ordered: list[StrategyPlan], goal: Goal) -> str:
         f"{what} of {len(ordered)} that fit{simpler} "
         f"({fmt_bytes(best.memory.total)} per GPU, {best.step.exposed_comm / best.step.total:.0%} "
         f"of a step waiting on communication, {fmt_hours(best.hours_to_train)}, "
-        f"{fmt_usd(best.cost.total_usd)})"
+        f"{fmt_usd(best.cost.total_usd)})" + _pipeline_gain(best, ordered)
+    )
+
+
+def _pipeline_gain(best: StrategyPlan, ordered: list[StrategyPlan]) -> str:
+    """With pipeline stages: the stage that holds the most, the bubble's share of the step,
+    and how much faster than the best plan without stages, if any fits."""
+    if best.setup is None or best.setup.dims.pp == 1:
+        return ""
+    stage = best.memory.phase.split(",")[0]
+    said = f"; {stage} holds the most, the bubble is {best.step.bubble / best.step.total:.0%} of a step"
+    flat = [s for s in ordered if s.setup is not None and s.setup.dims.pp == 1]
+    if not flat:
+        return said + "; nothing without pipeline stages fits"
+    other = min(flat, key=lambda s: s.hours_to_train)
+    assert other.setup is not None
+    return said + (
+        f"; {other.hours_to_train / best.hours_to_train:.2f}x as fast as the fastest without "
+        f"pipeline stages ({layout_name(other.setup.dims)}, {fmt_hours(other.hours_to_train)})"
     )
 
 
