@@ -236,12 +236,14 @@ def test_the_job_file_holds_the_recommendation(llama70b):
     cfg = load_config(None, {"model.name": "llama-70b", "plan.gpus": 1024}, base=PLAN_DEFAULTS)
     emitted = job_config(cfg, choice, inputs)
     c = emitted.parallel
-    assert (c.tp, c.ac, c.accumulate) == (choice.dims.tp, choice.ac, choice.accumulate)
+    assert (c.tp, c.pp, c.ac, c.accumulate) == (
+        choice.dims.tp, choice.dims.pp, choice.ac, choice.accumulate,
+    )
     assert (emitted.data.micro_batch, emitted.data.grad_accum) == (
         choice.micro_batch, choice.grad_accum,
     )
     assert emitted.cluster.nproc * emitted.cluster.nodes == 1024
-    dp = 1024 // c.tp
+    dp = 1024 // (c.tp * c.pp)
     assert emitted.data.micro_batch * emitted.data.grad_accum * dp == emitted.data.global_batch
     text = job_toml(cfg, choice, inputs)
     for key, value in choice.config_keys().items():

@@ -76,7 +76,10 @@ def user_allowed(cfg: JobConfig, given: Mapping[str, str] | None = None) -> Allo
         free = value is None or value == "auto" or (runtime and field in KNOBS)
         if not free and (name in given or field in ALWAYS):
             fix(name, value, given.get(name, "the job"), **{field: value})
-    return replace(EVERYTHING, knobs=not runtime, given=tuple(words), **fixed)  # type: ignore[arg-type]
+    return replace(
+        EVERYTHING, knobs=not runtime, given=tuple(words), max_pp=cfg.plan.max_pp,
+        **fixed,  # type: ignore[arg-type]
+    )
 
 
 # Fixed whenever set (they have no default but "searched"); the knobs the runtime's inputs

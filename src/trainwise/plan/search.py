@@ -120,7 +120,7 @@ def setup_keys(setup: Setup) -> dict[str, object]:
         keys["parallel.pp_virtual"] = setup.virtual
         keys["parallel.pp_microbatches"] = setup.grad_accum
     keys["parallel.ac"] = setup.ac
-    if dims.fsdp and setup.grad_accum > 1 and dims.pp == 1:  # the pipeline accumulates
+    if dims.fsdp and setup.grad_accum > 1:
         keys["parallel.accumulate"] = setup.accumulate
     keys["data.micro_batch"] = setup.micro_batch
     keys["data.grad_accum"] = setup.grad_accum

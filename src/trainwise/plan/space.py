@@ -41,8 +41,8 @@ class Allowed:
     # read different samples and so the samples per step.
     tp_degree: int | None = None
     # Pipeline stages (parallel.pp and its schedule, virtual stages and micro-batches): the
-    # job keeps those it sets; `pp` False searches no stages (the runtime's auto).
-    pp: bool = True
+    # job keeps those it sets; `max_pp` bounds the degrees searched (plan.max_pp; 1: none).
+    max_pp: int = 1
     pp_degree: int | None = None
     pp_schedule: str | None = None
     pp_virtual: int | None = None
@@ -78,17 +78,18 @@ def tp_degrees(inputs: PlanInputs, allowed: Allowed) -> list[int]:
 
 
 def pp_degrees(inputs: PlanInputs, allowed: Allowed, tp: int) -> list[int]:
-    """Pipeline degrees: the job's; else 1 and every divisor of the GPUs over tp whose
-    stages split the model's blocks for some schedule (pipeline.stage_blocks); 1 alone for
-    a model without a shape."""
+    """Pipeline degrees: the job's; else 1 and every divisor of the GPUs over tp up to
+    allowed.max_pp whose stages split the model's blocks for some schedule
+    (pipeline.stage_blocks); 1 alone for a model without a shape."""
     if allowed.pp_degree is not None:
         return [allowed.pp_degree]
     shape = inputs.workload.shape
-    if not allowed.pp or shape is None:
+    if allowed.max_pp == 1 or shape is None:
         return [1]
     return [1] + [
         p for p in divisors(inputs.gpus // tp)[1:]
-        if any(pipeline_runs(shape.n_layer, p, v) for v in virtual_degrees(shape.n_layer, p))
+        if p <= allowed.max_pp
+        and any(pipeline_runs(shape.n_layer, p, v) for v in virtual_degrees(shape.n_layer, p))
     ]
 
 
