@@ -452,7 +452,7 @@ def test_json_record_has_the_documented_schema():
     assert mem["model_states"] == mem["params"] + mem["grads"] + mem["optimizer"]
     parts = ("model_states", "activations", "buffers", "overhead")
     assert sum(mem[k] or 0 for k in parts) == pytest.approx(mem["total"], abs=4)
-    assert set(s["step"]) == {"compute", "comm", "exposed_comm", "data", "total"}
+    assert set(s["step"]) == {"compute", "bubble", "comm", "exposed_comm", "data", "total"}
     assert set(s["cost"]) == {
         "gpu_hours",
         "compute_usd",

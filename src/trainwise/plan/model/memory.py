@@ -217,8 +217,11 @@ def activation_profile(
         block = max(block, sum(kept[:i]) + per["layer"] + per["working_set"])
     tokens = w.seq_len * w.micro_batch
     head = per["head"] if w.head else 0.0
-    # A pipeline stage's other micro-batches in flight hold what they saved meanwhile.
-    others = (w.in_flight - 1.0) * sum(kept)
+    # A pipeline stage's other micro-batches in flight hold what they saved meanwhile: the
+    # blocks', and on the head's rank the final norm's and the loss's (not the two
+    # vocabulary-sized gradients its backward adds).
+    saved_head = head - (2 * per["loss"] if w.loss != "fused" and w.head else 0.0)
+    others = (w.in_flight - 1.0) * (sum(kept) + saved_head)
     return ActivationProfile(
         tokens * (sum(kept) + head + others), tokens * (block + others),
         tokens * (sum(kept[:-1]) + others),

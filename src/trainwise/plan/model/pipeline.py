@@ -203,12 +203,33 @@ def setup_memory(w: Workload, setup: Setup, device: str, runtime_bytes: float = 
     the last), whose name leads the phase."""
     if setup.dims.pp == 1:
         return estimate_memory(w, setup, device, runtime_bytes)
+    stage, est = worst_stage(w, setup, device, runtime_bytes)
+    return replace(est, phase=f"{stage.name}, {est.phase}")
+
+
+def worst_stage(
+    w: Workload, setup: Setup, device: str, runtime_bytes: float = 0.0
+) -> tuple[Stage, MemoryEstimate]:
+    """The pipeline rank of `setup` that needs the most memory (of the first and the last),
+    and its estimate_memory."""
     if (w.micro_batch, w.ac) != (setup.micro_batch, setup.ac):
         w = replace(w, micro_batch=setup.micro_batch, ac=setup.ac)
-    worst = None
-    for stage in pipeline_stages(w, setup.dims, setup.schedule, setup.virtual, setup.grad_accum):
-        est = estimate_memory(stage_workload(w, stage), setup, device, runtime_bytes)
-        if worst is None or est.total > worst.total:
-            worst = replace(est, phase=f"{stage.name}, {est.phase}")
-    assert worst is not None
-    return worst
+    stages = pipeline_stages(w, setup.dims, setup.schedule, setup.virtual, setup.grad_accum)
+    priced = [(s, stage_memory(w, s, setup, device, runtime_bytes)) for s in stages]
+    return max(priced, key=lambda pair: pair[1].total)
+
+
+def stage_memory(
+    w: Workload, stage: Stage, setup: Setup, device: str, runtime_bytes: float = 0.0
+) -> MemoryEstimate:
+    """estimate_memory of one pipeline rank. GPipe runs every forward before the first
+    backward: its m micro-batches' activations peak before any gradient exists, and from the
+    second backward on, which has the gradients, m - 1 at most are left."""
+    est = estimate_memory(stage_workload(w, stage), setup, device, runtime_bytes)
+    if setup.schedule != "GPipe" or setup.grad_accum == 1:
+        return est
+    first = estimate_memory(stage_workload(w, stage), replace(setup, grad_accum=1), device,
+                            runtime_bytes)
+    second = replace(stage, in_flight=stage.in_flight - 1)
+    later = estimate_memory(stage_workload(w, second), setup, device, runtime_bytes)
+    return max(first, later, key=lambda e: e.total)
