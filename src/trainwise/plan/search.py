@@ -439,13 +439,14 @@ def _reason(best: StrategyPlan, ordered: list[StrategyPlan], goal: Goal) -> str:
         f"{what} of {len(ordered)} that fit{simpler} "
         f"({fmt_bytes(best.memory.total)} per GPU, {best.step.exposed_comm / best.step.total:.0%} "
         f"of a step waiting on communication, {fmt_hours(best.hours_to_train)}, "
-        f"{fmt_usd(best.cost.total_usd)})" + _pipeline_gain(best, ordered)
+        f"{fmt_usd(best.cost.total_usd)})" + _pipeline_gain(best, ordered, goal)
     )
 
 
-def _pipeline_gain(best: StrategyPlan, ordered: list[StrategyPlan]) -> str:
+def _pipeline_gain(best: StrategyPlan, ordered: list[StrategyPlan], goal: Goal) -> str:
     """With pipeline stages: the stage that holds the most, the bubble's share of the step,
-    and how much faster than the best plan without stages, if any fits."""
+    and how much faster it is than the best plan without stages (by the same goal), if any
+    fits."""
     if best.setup is None or best.setup.dims.pp == 1:
         return ""
     stage = best.memory.phase.split(",")[0]
@@ -453,10 +454,10 @@ def _pipeline_gain(best: StrategyPlan, ordered: list[StrategyPlan]) -> str:
     flat = [s for s in ordered if s.setup is not None and s.setup.dims.pp == 1]
     if not flat:
         return said + "; nothing without pipeline stages fits"
-    other = min(flat, key=lambda s: s.hours_to_train)
+    other = rank(flat, goal)[0]  # what a plan without stages recommends
     assert other.setup is not None
     return said + (
-        f"; {other.hours_to_train / best.hours_to_train:.2f}x as fast as the fastest without "
+        f"; {other.hours_to_train / best.hours_to_train:.2f}x as fast as the best without "
         f"pipeline stages ({layout_name(other.setup.dims)}, {fmt_hours(other.hours_to_train)})"
     )
 
