@@ -224,10 +224,12 @@ def simulate_stage(
                     # without its gradient (one such tensor, sent back): the tracker's hooks
                     # on a module's inputs would keep every micro-batch's alive.
                     x = torch.randn(b, seq, shape.d_model)
-                out = MicroBatch()(x)
-                return cross_entropy_loss(out, y) / m if stage.head else out
+                top = MicroBatch()
+                out = top(x)
+                return top, cross_entropy_loss(out, y) / m if stage.head else out
 
-            def backward(out):
+            def backward(pair):
+                _, out = pair  # the top module lives until its backward (the tracker's hooks)
                 out.backward() if stage.head else out.backward(torch.ones_like(out))
 
             # One autocast region a step (its cache keeps one 16-bit copy of each weight

@@ -222,11 +222,12 @@ def worst_stage(
 def stage_memory(
     w: Workload, stage: Stage, setup: Setup, device: str, runtime_bytes: float = 0.0
 ) -> MemoryEstimate:
-    """estimate_memory of one pipeline rank. GPipe runs every forward before the first
-    backward: its m micro-batches' activations peak before any gradient exists, and from the
-    second backward on, which has the gradients, m - 1 at most are left."""
+    """estimate_memory of one pipeline rank. A rank that runs every forward before its
+    first backward (GPipe; 1F1B with no more micro-batches than the stages after it) holds
+    all m micro-batches' activations before any gradient exists, and from the second
+    backward on, which has the gradients, m - 1 at most."""
     est = estimate_memory(stage_workload(w, stage), setup, device, runtime_bytes)
-    if setup.schedule != "GPipe" or setup.grad_accum == 1:
+    if stage.in_flight < setup.grad_accum or setup.grad_accum == 1:
         return est
     first = estimate_memory(stage_workload(w, stage), replace(setup, grad_accum=1), device,
                             runtime_bytes)
