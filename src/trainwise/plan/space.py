@@ -251,7 +251,7 @@ def exact_batch(inputs: PlanInputs, allowed: Allowed) -> tuple[PlanInputs, str]:
     asked = inputs.global_batch
     if asked is None or any(exact(inputs, d, allowed) for d in layouts(inputs, allowed)):
         return inputs, ""
-    ranks = inputs.gpus // (allowed.tp_degree or 1)
+    ranks = inputs.gpus // ((allowed.tp_degree or 1) * (allowed.pp_degree or 1))
     unit = ranks * (allowed.micro_batch or 1) * (allowed.grad_accum or 1)
     size = unit if allowed.grad_accum else max(unit, round(asked / unit) * unit)
     note = (

@@ -156,9 +156,10 @@ def achieved_share(inputs: PlanInputs, plan: StrategyPlan, compute_s: float) -> 
 def _flat(inputs: PlanInputs, w: Workload, samples: float, tp: int) -> ComputeTime:
     """Model FLOPs x recomputation at one share of the peak (the override, or a bare count)."""
     n_layer = w.shape.n_layer if w.shape else 1
-    hw_flops = model_flops_per_token(w.params, w.shape, w.seq_len) * recompute_factor(
-        w.ac, n_layer
-    )
+    flops = model_flops_per_token(w.params, w.shape, w.seq_len)
+    if w.shape is not None and not w.head:  # a pipeline stage without the head's matmul
+        flops -= 6.0 * w.shape.vocab_size * w.shape.d_model
+    hw_flops = flops * recompute_factor(w.ac, n_layer)
     share = inputs.efficiency if inputs.efficiency is not None else BARE_EFFICIENCY
     rate = inputs.hardware.peak_flops * share
     seconds = samples * w.seq_len * hw_flops / (rate * tp)
