@@ -38,6 +38,7 @@ are world/pp ranks apart: across the network once a stage fills a machine.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import GPTShape
@@ -141,9 +142,11 @@ def rank_stage(w: Workload, dims: ParallelDims, schedule: str, v: int, m: int, r
     )
 
 
+@lru_cache(maxsize=4096)
 def stage_workload(w: Workload, stage: Stage) -> Workload:
     """`w` as one pipeline rank trains it: its blocks, the embeddings and head it holds
-    (their parameters), the loss only on the head's rank, its micro-batches in flight."""
+    (their parameters), the loss only on the head's rank, its micro-batches in flight.
+    (Cached: the search asks for the same stages often.)"""
     assert w.shape is not None
     shape = w.shape
     block, root = block_params(w)
@@ -159,11 +162,13 @@ def stage_workload(w: Workload, stage: Stage) -> Workload:
     )
 
 
-def pipeline_stages(w: Workload, dims: ParallelDims, schedule: str, v: int, m: int) -> list[Stage]:
+@lru_cache(maxsize=4096)
+def pipeline_stages(
+    w: Workload, dims: ParallelDims, schedule: str, v: int, m: int
+) -> tuple[Stage, Stage]:
     """The ranks that can be the worst: the first and the last (they hold the
     embeddings, the head, the most micro-batches in flight)."""
-    first = rank_stage(w, dims, schedule, v, m, 0)
-    return [first, rank_stage(w, dims, schedule, v, m, dims.pp - 1)]
+    return rank_stage(w, dims, schedule, v, m, 0), rank_stage(w, dims, schedule, v, m, dims.pp - 1)
 
 
 def activation_message_bytes(w: Workload, tp: int, sequence_parallel: bool) -> float:
