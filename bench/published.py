@@ -28,6 +28,13 @@ Needs nothing but the repository (no GPU, no network). The runs, each with its s
   vocabulary 50,368; the loss is flash-attn's fused cross-entropy. Composer syncs every
   micro-batch of a model that is not DDP (composer/trainer/trainer.py: nullcontext, no
   no_sync), so FSDP reduce-scatters each micro-batch (`parallel.accumulate = sharded`).
+- Llama 3 405B (Dubey et al., 2024, arXiv 2407.21783, Table 4): 16,384 H100 at TP 8 x PP 16
+  x DP 128, seq 8192, 16 sequences per data-parallel rank, 400 TFLOPs per GPU (41 % MFU):
+  400e12 over the planner's model FLOPs a token is the published tokens/s per GPU. Priced
+  on its layout (a pipeline, so beside the named-row runs, not in their mean): 126 blocks
+  over 16 stages, the first and last one fewer (section 3.3.2); FSDP without resharding
+  after forward inside a stage. Not published: the virtual stages and the checkpointing,
+  taken as Interleaved1F1B over 4 stages a rank and selective AC.
 """
 
 from __future__ import annotations
@@ -40,9 +47,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from trainwise.config import load_config  # noqa: E402
+from trainwise.config.parallel_dims import ParallelDims  # noqa: E402
 from trainwise.models.shapes import GPTShape  # noqa: E402
-from trainwise.plan.estimate import StrategyPlan, evaluate  # noqa: E402
+from trainwise.plan.estimate import Setup, StrategyPlan, evaluate, price  # noqa: E402
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs  # noqa: E402
+from trainwise.plan.model.flops import model_flops_per_token  # noqa: E402
 
 
 def _llama31_8b() -> GPTShape:
@@ -170,6 +179,27 @@ def plan_run(run: Run) -> StrategyPlan:
     return evaluate(inputs, run.strategy)
 
 
+LLAMA3_405B = {
+    "plan.layers": 126, "plan.hidden": 16384, "plan.heads": 128, "plan.kv_heads": 8,
+    "plan.ffn": 53248, "plan.vocab": 128256, "data.seq_len": 8192, "data.global_batch": 2048,
+    "plan.gpus": 16384, "cluster.gpu": "H100-SXM", "precision.dtype": "bf16",
+    "parallel.headroom": 0.0,
+}
+LLAMA3_405B_TFLOPS_PER_GPU = 400.0  # arXiv 2407.21783, Table 4, 16,384 GPUs
+
+
+def plan_llama3_405b() -> tuple[StrategyPlan, float]:
+    """(the 405B run priced on its published layout, its published tokens/s per GPU)."""
+    inputs = resolve_inputs(load_config(None, {**PLAN_DEFAULTS, **LLAMA3_405B}))
+    w = inputs.workload
+    dims = ParallelDims(1, 128, 8, 16, fsdp=True, reshard_after_forward=False)
+    setup = Setup(dims, "selective", 1, 16, schedule="Interleaved1F1B", virtual=4)
+    published = LLAMA3_405B_TFLOPS_PER_GPU * 1e12 / model_flops_per_token(
+        w.params, w.shape, w.seq_len
+    )
+    return price(replace(inputs, model="Llama 3 405B"), setup), published
+
+
 def main() -> int:
     errors, memory_errors = [], []
     print(f"{'run':48} {'published':>9} {'planned':>9} {'error':>7}  fits  memory GiB")
@@ -189,6 +219,14 @@ def main() -> int:
     print(f"mean absolute error of tokens/s: {statistics.mean(errors):.1%} over {len(RUNS)} runs")
     if memory_errors:
         print(f"largest memory error where published: {max(memory_errors):.1%}")
+    plan, published = plan_llama3_405b()
+    planned = plan.tokens_per_s / plan.gpus
+    print(
+        f"{'Llama 3 405B, 16384 H100, TP8 x PP16 x DP128':48} {published:>9,.0f} "
+        f"{planned:>9,.0f} {planned / published - 1:>+7.1%}  {'yes' if plan.fits else 'NO ':4}  "
+        f"{plan.memory.total / GIB:.1f} of {plan.budget_bytes / GIB:.1f} (MFU {plan.mfu:.0%}, "
+        "published 41 %)"
+    )
     return 0
 
 

@@ -2,7 +2,7 @@
 fake tensors over PyTorch's fake process group of 2 and 8 ranks (and tensor-parallel
 layouts: tp 2, dp_shard 2 x tp 2), under PyTorch's memory trackers
 (trainwise.doctor.simulate). The issue's bar: within 10 % of the per-rank peak; LoRA's
-(issue 28): within 5 %."""
+(issue 28) and a pipeline stage's (issue 27): within 5 %."""
 
 from __future__ import annotations
 
@@ -10,16 +10,22 @@ import json
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
 from trainwise.cli.main import main
+from trainwise.config import load_config
 from trainwise.config.parallel_dims import ParallelDims
-from trainwise.doctor.simulate import simulate_layout
+from trainwise.doctor.simulate import simulate_layout, simulate_plan, simulate_stage
 from trainwise.models.shapes import PRESETS
+from trainwise.plan.constraints import user_allowed
 from trainwise.plan.estimate import Setup
 from trainwise.plan.model.lora import LoraPlan
+from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 from trainwise.plan.model.memory import Workload, estimate_memory
+from trainwise.plan.model.pipeline import worst_stage
+from trainwise.plan.search import recommend
 
 SEQ = {"tiny": 128, "small": 256}
 CASES = [
@@ -181,3 +187,25 @@ def test_plan_simulate_measures_a_chosen_tensor_parallel_row(capsys):
     assert rows[chosen]["simulated_peak_bytes"] < rows["single"]["simulated_peak_bytes"] / 2
     for r in rows.values():
         assert abs(r["gap"]) <= 0.10
+
+
+def test_a_pipeline_stage_within_5_percent_of_the_formula():
+    # The worst stage of pp 2 (1F1B, 4 micro-batches of 2) of the Llama-style preset, split
+    # from the meta model and run as 1F1B orders its rank: within 5 % of the formula.
+    shape = PRESETS["small"]
+    w = Workload(shape.num_params(), shape, SEQ["small"], 2)
+    setup = Setup(ParallelDims(pp=2), "none", 2, 4)
+    stage, est = worst_stage(w, setup, "cpu")
+    assert stage.name == "the first stage"  # 2 micro-batches in flight, a 256-word head
+    sim = simulate_stage(shape, setup, stage, "fp32", SEQ["small"])
+    assert est.total == pytest.approx(sim.peak_bytes, rel=0.05)
+    assert est.params == pytest.approx(sim.parts["params"], rel=0.02)
+    # `trainwise plan --simulate` measures a chosen pipeline row the same way (its rows
+    # through simulate_plan; the named ones are the tests above).
+    flags = {"model.name": "tiny", "data.seq_len": 128, "plan.gpus": 2, "cluster.nproc": 2,
+             "precision.dtype": "fp32", "data.global_batch": 8, "parallel.pp": 2}
+    inputs = resolve_inputs(load_config(None, flags, base=PLAN_DEFAULTS))
+    choice = recommend(inputs, user_allowed(load_config(None, flags), {"parallel.pp": "--set"}))
+    (row,) = simulate_plan(SimpleNamespace(inputs=inputs), rows=[choice.plan])
+    assert row["strategy"].startswith("pp2 + ")
+    assert abs(row["gap"]) <= 0.10

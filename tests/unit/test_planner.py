@@ -14,7 +14,7 @@ from trainwise.config import load_config
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import PRESETS
 from trainwise.plan import choose_accumulation, decide_auto, runtime_allowed
-from trainwise.plan.estimate import SIMPLER_WITHIN, Setup, evaluate
+from trainwise.plan.estimate import SIMPLER_WITHIN, evaluate
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 from trainwise.plan.model.comm import Layout, exposed_seconds, step_collectives
 from trainwise.plan.model.cost import checkpoint_plan, job_cost
@@ -270,10 +270,10 @@ def test_nothing_fits_is_offline_batch_with_the_smallest_footprint_and_a_fix():
     assert not plan.best.fits
     _, searched = search(inputs)
     every = [  # every setting of every layout searched
-        knob_memory(inputs, Setup(dims, ac, m, -(-replica_batch(inputs, dims) // m), mode))
+        knob_memory(inputs, knob.setup(dims, m, replica_batch(inputs, dims)))
         for dims in searched
-        for ac, mode, micros in layout_knobs(inputs, dims, EVERYTHING)
-        for m in micros
+        for knob in layout_knobs(inputs, dims, EVERYTHING)
+        for m in knob.micros
     ]
     assert plan.best.memory.total == min(m.total for m in every)
     assert any(r.startswith("Nothing fits") for r in rec.reasons)
@@ -452,7 +452,7 @@ def test_json_record_has_the_documented_schema():
     assert mem["model_states"] == mem["params"] + mem["grads"] + mem["optimizer"]
     parts = ("model_states", "activations", "buffers", "overhead")
     assert sum(mem[k] or 0 for k in parts) == pytest.approx(mem["total"], abs=4)
-    assert set(s["step"]) == {"compute", "comm", "exposed_comm", "data", "total"}
+    assert set(s["step"]) == {"compute", "bubble", "comm", "exposed_comm", "data", "total"}
     assert set(s["cost"]) == {
         "gpu_hours",
         "compute_usd",

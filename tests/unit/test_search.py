@@ -236,12 +236,14 @@ def test_the_job_file_holds_the_recommendation(llama70b):
     cfg = load_config(None, {"model.name": "llama-70b", "plan.gpus": 1024}, base=PLAN_DEFAULTS)
     emitted = job_config(cfg, choice, inputs)
     c = emitted.parallel
-    assert (c.tp, c.ac, c.accumulate) == (choice.dims.tp, choice.ac, choice.accumulate)
+    assert (c.tp, c.pp, c.ac, c.accumulate) == (
+        choice.dims.tp, choice.dims.pp, choice.ac, choice.accumulate,
+    )
     assert (emitted.data.micro_batch, emitted.data.grad_accum) == (
         choice.micro_batch, choice.grad_accum,
     )
     assert emitted.cluster.nproc * emitted.cluster.nodes == 1024
-    dp = 1024 // c.tp
+    dp = 1024 // (c.tp * c.pp)
     assert emitted.data.micro_batch * emitted.data.grad_accum * dp == emitted.data.global_batch
     text = job_toml(cfg, choice, inputs)
     for key, value in choice.config_keys().items():
@@ -409,10 +411,10 @@ def test_the_bisection_finds_the_largest_micro_batch_that_fits(job):
         if not exact(inputs, dims, EVERYTHING):
             continue
         batch = replica_batch(inputs, dims)
-        for ac, mode, micros in layout_knobs(inputs, dims, EVERYTHING):
+        for knob in layout_knobs(inputs, dims, EVERYTHING):
             fits = [
-                m for m in micros
-                if price(inputs, Setup(dims, ac, m, -(-batch // m), mode)).memory.total <= budget
+                m for m in knob.micros
+                if price(inputs, knob.setup(dims, m, batch)).memory.total <= budget
             ]
-            found = largest_fitting(inputs, dims, ac, mode, micros)
+            found = largest_fitting(inputs, dims, knob)
             assert (found[0].micro_batch if found else None) == (fits[-1] if fits else None)

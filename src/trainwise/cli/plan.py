@@ -51,6 +51,7 @@ FLAGS: list[tuple[str, str, type, str]] = [
     ("--strategy", "plan.strategy", str, "search only this strategy's layouts: single, ddp, "
      "fsdp, hsdp, auto (or fsdp-full, fsdp-grad-op, fsdp-offload)"),
     ("--objective", "plan.objective", str, "cost or time"),
+    ("--max-pp", "plan.max_pp", int, "the most pipeline stages to weigh (default 1: none)"),
 ]
 # A figure for the duration units of --deadline: hours per unit.
 HOURS_PER = {"h": 1.0, "d": 24.0, "w": 168.0}

@@ -584,6 +584,12 @@ class PlanConfig(Section):
     objective: Literal["cost", "time"] = Field(
         "cost", description="Recommend the cheapest or the fastest strategy that fits."
     )
+    max_pp: int = Field(
+        1,
+        gt=0,
+        description="The most pipeline stages the search weighs when parallel.pp is not set "
+        "(with their schedules, virtual stages and micro-batch counts); 1: none.",
+    )
     strategy: Strategy | None = Field(
         None,
         description="Plan only this strategy (train's words: single, ddp, fsdp with "

@@ -21,8 +21,9 @@ from dataclasses import dataclass, replace
 
 from trainwise.config.parallel_dims import PLAN_NAMES, ParallelDims, row_layout
 from trainwise.models.shapes import GPTShape
-from trainwise.plan.estimate import layout_name
+from trainwise.plan.estimate import Setup, layout_name
 from trainwise.plan.model.lora import LoraPlan
+from trainwise.plan.model.pipeline import Stage, worst_stage
 
 STEPS = 2
 
@@ -166,6 +167,116 @@ def _converters(lora: LoraPlan | None, precision: str) -> list:
     return build_converters(JobConfig(lora=keys, precision={"dtype": precision}))
 
 
+def simulate_stage(
+    shape: GPTShape, setup: Setup, stage: Stage, precision: str = "fp32",
+    seq_len: int | None = None, optimizer: str = "adamw",
+) -> Simulation:
+    """The peak of pipeline rank `stage` of `setup` (a stage of one rank: dp 1, tp 1) over
+    a step as its schedule orders it on that rank: stage.in_flight forwards ahead, then a
+    backward and a forward in turn, the last backwards, the optimizer. The stage is the
+    model's own modules, split from the meta model as the planner counts them (its blocks;
+    the embeddings on the first stage; the final norm, the head and the loss on the last);
+    a stage that is not the last gets its output's gradient as the next stage would send it."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainwise.config.schema import OptimConfig
+    from trainwise.models.gpt import GPT
+    from trainwise.models.registry import cross_entropy_loss
+    from trainwise.run.engine.optim import build_optimizer
+    from trainwise.run.engine.parallelize import parallelize
+    from trainwise.run.engine.precision import autocast_context
+
+    seq = seq_len or shape.max_seq_len
+    device, b, m = torch.device("cpu"), setup.micro_batch, setup.grad_accum
+    with torch.device("meta"):
+        gpt = GPT(replace(shape, n_layer=stage.blocks, max_seq_len=max(seq, shape.max_seq_len)))
+    tied = shape.tie_embeddings and stage.head
+
+    class StageModule(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = gpt.blocks
+            self.tok_emb = gpt.tok_emb if stage.embeddings or tied else None
+            self.pos_emb = gpt.pos_emb if stage.embeddings else None
+            self.norm = gpt.norm if stage.head else None
+            self.lm_head = gpt.lm_head if stage.head else None
+
+        def forward(self, x):
+            if stage.embeddings:
+                h = self.tok_emb(x)
+                h = h if self.pos_emb is None else h + self.pos_emb(torch.arange(seq))
+            else:
+                h = x
+            for block in self.blocks:
+                h = block(h)
+            if not stage.head:
+                return h
+            h = self.norm(h)
+            return h @ self.tok_emb.weight.t() if tied else self.lm_head(h)
+
+    model = StageModule()
+    with _fake_world(dist, FakeStore, 1):
+        model = parallelize(model, list(model.blocks), ParallelDims(), device=device,
+                            precision=precision, ac=setup.ac)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device=device)
+            y = torch.randint(0, shape.vocab_size, (b, seq))
+            opt = build_optimizer([model], OptimConfig(name=optimizer))
+            tracker = MemTracker()
+            tracker.track_external(model, opt, y)
+
+            class MicroBatch(nn.Module):
+                """A fresh top module per micro-batch: the tracker refuses one top module
+                called again before its backward."""
+
+                def __init__(self) -> None:
+                    super().__init__()
+                    self.stage = model
+
+                def forward(self, x):
+                    return self.stage(x)
+
+            def forward():
+                if stage.embeddings:
+                    x = torch.randint(0, shape.vocab_size, (b, seq))
+                else:
+                    # The activation the previous stage sends (the fp32 residual stream),
+                    # without its gradient (one such tensor, sent back): the tracker's hooks
+                    # on a module's inputs would keep every micro-batch's alive.
+                    x = torch.randn(b, seq, shape.d_model)
+                top = MicroBatch()
+                out = top(x)
+                return top, cross_entropy_loss(out, y) / m if stage.head else out
+
+            def backward(pair):
+                _, out = pair  # the top module lives until its backward (the tracker's hooks)
+                out.backward() if stage.head else out.backward(torch.ones_like(out))
+
+            # One autocast region a step (its cache keeps one 16-bit copy of each weight
+            # for all the micro-batches in flight).
+            with tracker, autocast_context(False, precision, device):
+                for _ in range(STEPS):
+                    _reset_peak(tracker)
+                    pending = []
+                    for _ in range(m):
+                        pending.append(forward())
+                        if len(pending) >= stage.in_flight:
+                            backward(pending.pop(0))
+                    while pending:
+                        backward(pending.pop(0))
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    snapshot = tracker.get_tracker_snapshot("peak").get(device, {})
+                    tracker.reset_mod_stats()
+    peak, parts = _peak_by_part(snapshot)
+    return Simulation(layout_name(setup.dims), setup.dims.world, peak, parts)
+
+
 def _tracker_for(model, dims: ParallelDims, dtensors: bool, optim_cfg, x, y):
     """The step's memory tracker, and the optimizer where it is built before the step (a
     DTensor model's: FSDPMemTracker needs it); None for DDP's, built inside the tracker so
@@ -297,18 +408,22 @@ def simulate_plan(plan, progress=None, rows: list | None = None) -> list[dict]:
     out = []
     for s in plan.strategies if rows is None else rows:
         setup = _setup(s, w.ac)
-        if not simulated(setup.dims):
+        if not simulated(setup.dims, setup.virtual):
             continue
         dims = setup.dims
         if progress:
             progress(f"simulating {s.name} on {dims.world} fake ranks ...")
-        sim = simulate_layout(
-            w.shape, dims, w.precision, setup.micro_batch, w.seq_len, setup.ac,
-            w.reduce_dtype, w.optimizer, setup.sequence_parallel, w.lora,
-        )
-        # The simulation runs one micro-batch a step: the formula without accumulation.
-        one = replace(setup, grad_accum=1)
-        here = estimate_memory(knob_workload(w, setup.micro_batch, setup.ac), one, "cpu")
+        knobbed = knob_workload(w, setup.micro_batch, setup.ac)
+        if dims.pp > 1:  # its worst stage, over the schedule's micro-batches
+            stage, here = worst_stage(knobbed, setup, "cpu")
+            sim = simulate_stage(w.shape, setup, stage, w.precision, w.seq_len, w.optimizer)
+        else:
+            sim = simulate_layout(
+                w.shape, dims, w.precision, setup.micro_batch, w.seq_len, setup.ac,
+                w.reduce_dtype, w.optimizer, setup.sequence_parallel, w.lora,
+            )
+            # The simulation runs one micro-batch a step: the formula without accumulation.
+            here = estimate_memory(knobbed, replace(setup, grad_accum=1), "cpu")
         out.append(
             {
                 "strategy": s.name,
@@ -323,10 +438,13 @@ def simulate_plan(plan, progress=None, rows: list | None = None) -> list[dict]:
     return out
 
 
-def simulated(dims: ParallelDims) -> bool:
+def simulated(dims: ParallelDims, virtual: int = 1) -> bool:
     """Whether one fake rank can play the layout: single, ddp, FSDP, with tensor
     parallelism or without (not hsdp: FSDP2's replication fails on the fake process group;
-    not cpu offload: host memory is not tracked)."""
+    not cpu offload: host memory is not tracked); pipeline stages of one rank each (no
+    data or tensor parallelism inside a stage), one stage per rank."""
+    if dims.pp > 1:
+        return dims.dp_size == 1 and dims.tp == 1 and virtual == 1
     return not dims.hybrid and not dims.cpu_offload
 
 

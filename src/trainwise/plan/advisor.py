@@ -48,14 +48,14 @@ def describe(m: MemoryEstimate) -> str:
 
 
 def runtime_allowed(
-    shard: str, dp_shard: int | None, tp: int = 1, accumulate: str = "auto"
+    shard: str, dp_shard: int | None, tp: int = 1, accumulate: str = "auto", pp: int = 1,
 ) -> Allowed:
     """What `auto` may choose: everything the planner prices (the runtime runs all of it),
     with the job's own micro-batch, accumulation steps, checkpointing, parallel.shard,
     parallel.tp and, when given, parallel.dp_shard and parallel.accumulate: facts of the job
     the search takes as given. The tensor-parallel degree is the job's because it sets the
     data-parallel size and so the samples per step; `trainwise plan` recommends one."""
-    parallel = ParallelConfig(shard=shard, dp_shard=dp_shard, tp=tp, accumulate=accumulate)
+    parallel = ParallelConfig(shard=shard, dp_shard=dp_shard, tp=tp, accumulate=accumulate, pp=pp)
     return user_allowed(JobConfig(parallel=parallel))
 
 

@@ -17,11 +17,12 @@ from trainwise.config.load import toml_value
 from trainwise.config.parallel_dims import LayoutRequest, read_strategy
 from trainwise.errors import ConfigError
 from trainwise.plan.inputs import PlanInputs
+from trainwise.plan.model.pipeline import SCHEDULE_VIRTUAL, stage_blocks
 from trainwise.plan.space import EVERYTHING, Allowed
 
 # What the runtime's auto cannot vary: it runs the job's values of these, given or not.
 RUNTIME_FIXED = ("parallel.shard", "parallel.tp", "parallel.ac", "data.micro_batch",
-                 "data.grad_accum")
+                 "data.grad_accum", "parallel.pp", "parallel.pp_schedule", "parallel.pp_virtual")
 
 
 def user_allowed(cfg: JobConfig, given: Mapping[str, str] | None = None) -> Allowed:
@@ -60,6 +61,11 @@ def user_allowed(cfg: JobConfig, given: Mapping[str, str] | None = None) -> Allo
             cpu_offload=offload)
     for name, value, field in (
         ("parallel.tp", p.tp, "tp_degree"),
+        ("parallel.pp", p.pp, "pp_degree"),
+        ("parallel.pp_schedule", p.pp_schedule, "pp_schedule"),
+        ("parallel.pp_virtual", p.pp_virtual, "pp_virtual"),
+        ("parallel.pp_microbatches", runtime_microbatches(cfg) if runtime else p.pp_microbatches,
+         "pp_microbatches"),
         ("parallel.dp_shard", p.dp_shard, "shard_group"),
         ("parallel.replicate", p.replicate, "replicas"),
         ("parallel.accumulate", p.accumulate, "accumulate"),
@@ -70,12 +76,25 @@ def user_allowed(cfg: JobConfig, given: Mapping[str, str] | None = None) -> Allo
         free = value is None or value == "auto" or (runtime and field in KNOBS)
         if not free and (name in given or field in ALWAYS):
             fix(name, value, given.get(name, "the job"), **{field: value})
-    return replace(EVERYTHING, knobs=not runtime, given=tuple(words), **fixed)  # type: ignore[arg-type]
+    return replace(
+        EVERYTHING, knobs=not runtime, given=tuple(words), max_pp=cfg.plan.max_pp,
+        **fixed,  # type: ignore[arg-type]
+    )
 
 
 # Fixed whenever set (they have no default but "searched"); the knobs the runtime's inputs
 # carry themselves (see user_allowed).
-ALWAYS = ("shard_group", "replicas", "accumulate")
+ALWAYS = ("shard_group", "replicas", "accumulate", "pp_microbatches")
+
+
+def runtime_microbatches(cfg: JobConfig) -> int | None:
+    """The pipeline's micro-batches a job runs (parallel.pp_microbatches; by default a
+    rank's micro_batch x grad_accum samples one at a time, at least pp); None without
+    stages."""
+    p, d = cfg.parallel, cfg.data
+    if p.pp == 1:
+        return None
+    return p.pp_microbatches or max(p.pp, d.micro_batch * d.grad_accum)
 KNOBS = ("ac", "micro_batch", "grad_accum")
 
 
@@ -105,6 +124,7 @@ def check_allowed(inputs: PlanInputs, allowed: Allowed) -> None:
             f"strategy 'single' runs one GPU but the plan has {inputs.gpus}: give --gpus 1 "
             "or another strategy"
         )
+    problems += pipeline_problems(inputs, allowed)
     if allowed.replicas is not None and (inputs.gpus // (tp or 1)) % allowed.replicas:
         problems.append(
             f"parallel.replicate = {allowed.replicas} does not divide the data-parallel "
@@ -112,6 +132,37 @@ def check_allowed(inputs: PlanInputs, allowed: Allowed) -> None:
         )
     if problems:
         raise ConfigError(problems)
+
+
+def pipeline_problems(inputs: PlanInputs, allowed: Allowed) -> list[str]:
+    """What no pipeline layout can meet: stages that do not divide the GPUs or split the
+    blocks, a schedule at virtual stages it does not run, fewer micro-batches than stages."""
+    pp, v, name = allowed.pp_degree or 1, allowed.pp_virtual, allowed.pp_schedule
+    shape, tp = inputs.workload.shape, allowed.tp_degree or 1
+    if pp == 1:
+        return []
+    if shape is None:
+        return [f"parallel.pp = {pp}: pipeline stages need a model shape; give a preset "
+                "(--model) or a shape (--layers --hidden --heads ...) instead of --params"]
+    if inputs.gpus % (pp * tp):
+        return [f"parallel.pp x parallel.tp = {pp} x {tp} does not divide the {inputs.gpus} "
+                "GPUs: choose degrees whose product divides them"]
+    wanted = SCHEDULE_VIRTUAL.get(name or "")
+    if name and v is not None and (v != wanted if wanted else v < 2):
+        need = f"pp_virtual = {wanted}" if wanted else "pp_virtual >= 2"
+        return [f"parallel.pp_schedule = '{name}' runs {need}, not {v}: change one of them"]
+    first = 2 if name else 1  # a named schedule without a fixed degree is interleaved
+    virtuals = [v] if v is not None else [wanted] if wanted else range(first, shape.n_layer + 1)
+    if not any(stage_blocks(shape.n_layer, pp * k) for k in virtuals):
+        stages = f"{pp} x {v} stages" if v is not None else f"{pp} stages"
+        return [f"parallel.pp = {pp}: {stages} do not split the {shape.n_layer} blocks (the "
+                "blocks, or the blocks + 2 with the embeddings and head as one each, must "
+                "divide into them): choose another pp or pp_virtual"]
+    m = allowed.pp_microbatches
+    if m is not None and m < pp and name != "GPipe":
+        return [f"parallel.pp_microbatches = {m} is fewer than the {pp} stages, which "
+                f"{name or 'every schedule but GPipe'} needs: give at least {pp}"]
+    return []
 
 
 def relaxed(allowed: Allowed, fields: tuple[str, ...]) -> Allowed:

@@ -23,6 +23,7 @@ from trainwise.plan.model.comm import (
     exposed_seconds,
     layout_collectives,
 )
+from trainwise.plan.model.compute import ComputeTime
 from trainwise.plan.model.cost import CheckpointPlan, Cost, checkpoint_plan, job_cost
 from trainwise.plan.model.flops import mfu, model_flops_per_token, recompute_factor
 from trainwise.plan.model.gemm import GENERATIONS
@@ -32,6 +33,14 @@ from trainwise.plan.model.memory import (
     Workload,
     block_params,
     checkpointed_blocks,
+)
+from trainwise.plan.model.pipeline import (
+    bubble_fraction,
+    p2p_collective,
+    p2p_exposed_seconds,
+    pipeline_stages,
+    stage_workload,
+    zb_passes,
 )
 from trainwise.plan.model.precision import MASTER_BYTES, OPTIMIZER_STATE_BYTES
 from trainwise.plan.model.setup import Setup
@@ -71,6 +80,7 @@ class Step:
     exposed_comm: float  # of which the step waits for
     data: float  # seconds the GPUs wait for the loader
     total: float
+    bubble: float = 0.0  # seconds the pipeline's ranks idle while it fills and drains
 
 
 @dataclass(frozen=True)
@@ -117,8 +127,10 @@ def candidate_names(inputs: PlanInputs) -> list[str]:
 
 
 def layout_name(dims: ParallelDims) -> str:
-    """The planner's row name of a layout: its data-parallel name, `tpN + ` before it."""
-    return (f"tp{dims.tp} + " if dims.tp > 1 else "") + dims.plan_name
+    """The planner's row name of a layout: its data-parallel name, `tpN + ` before it and
+    `ppN + ` before that."""
+    stages = f"pp{dims.pp} + " if dims.pp > 1 else ""
+    return stages + (f"tp{dims.tp} + " if dims.tp > 1 else "") + dims.plan_name
 
 
 def evaluate(inputs: PlanInputs, name: str) -> StrategyPlan:
@@ -176,18 +188,18 @@ def price(
     host_fits = host_per_node <= hw.host_memory_bytes
 
     model_flops = model_flops_per_token(w.params, w.shape, w.seq_len, w.lora)
-    timed = model.compute(inputs, w, per_rank, tp, dims)
+    timed, bubble, paced = rank_compute(model, inputs, setup, w, per_rank)
     compute = timed.seconds
 
-    collectives, added_s, exposed = model.communication(inputs, setup, w, compute)
+    collectives, added_s, exposed = model.communication(inputs, setup, paced, compute)
     compute += added_s
     comm = sum(c.seconds for c in collectives)
-    busy = compute + exposed
+    busy = compute + bubble + exposed
     data = 0.0
     if inputs.data_samples_per_s:
         data = max(0.0, per_rank / inputs.data_samples_per_s - busy)
     total = busy + data
-    step = Step(compute, comm, exposed, data, total)
+    step = Step(compute, comm, exposed, data, total, bubble)
 
     tokens_per_step = global_batch * w.seq_len
     tokens_per_s = tokens_per_step / total
@@ -216,6 +228,28 @@ def price(
         notes=notes,
         setup=setup,
     )
+
+
+def rank_compute(
+    model: PerformanceModel, inputs: PlanInputs, setup: Setup, w: Workload, per_rank: float
+) -> tuple[ComputeTime, float, Workload]:
+    """(one rank's compute for its samples of a step, the seconds it idles in the
+    pipeline's bubble, the workload that paces the step). With pipeline stages the
+    slowest of the first and last stage sets the pace (plan.model.pipeline); the bubble is
+    its schedule's share of that."""
+    dims = setup.dims
+    if dims.pp == 1:
+        return model.compute(inputs, w, per_rank, dims.tp, dims), 0.0, w
+    stages = pipeline_stages(w, dims, setup.schedule, setup.virtual, setup.grad_accum)
+    timed = [(model.compute(inputs, sw, per_rank, dims.tp, dims), sw)
+             for sw in (stage_workload(w, stage) for stage in stages)]
+    slowest, paced = max(timed, key=lambda t: t[0].seconds)
+    whole = model.compute(inputs, w, per_rank, 1, None)  # the scaling's reference
+    share = bubble_fraction(
+        setup.schedule, dims.pp, setup.virtual, setup.grad_accum, zb_passes(w.shape, w.seq_len)
+    )
+    one = ComputeTime(slowest.seconds, whole.one_gpu_tokens_per_s)
+    return one, share * slowest.seconds, paced
 
 
 def rank_batch(inputs: PlanInputs, setup: Setup) -> tuple[int, float]:
@@ -262,8 +296,8 @@ def step_floor(
     model = model or model_of(inputs)
     w = knob_workload(inputs.workload, setup.micro_batch, setup.ac)
     global_batch, per_rank = rank_batch(inputs, setup)
-    compute = model.compute(inputs, w, per_rank, setup.dims.tp, setup.dims).seconds
-    return global_batch * w.seq_len, compute
+    timed, bubble, _ = rank_compute(model, inputs, setup, w, per_rank)
+    return global_batch * w.seq_len, timed.seconds + bubble
 
 
 def _communication(
@@ -277,12 +311,17 @@ def _communication(
         inputs.gpus, inputs.gpus_per_node, hw.intra_bps, hw.inter_bps,
         hw.nics_per_node, hw.intra_step_s, hw.inter_step_s,
     )
+    # A pipeline stage's data-parallel group lies within its world/pp ranks; its FSDP
+    # parameters stay gathered and its gradients unreduced until the step's last backward
+    # (torch.distributed.pipelining's stage runs FSDP so): one gather and one reduction.
+    stage_layout = replace(layout, gpus=inputs.gpus // dims.pp)
+    dp_accum = 1 if dims.pp > 1 else accum
     frozen, trained = rank_split(w.params, w.shape, w.lora, tp)
     rank_params = frozen + trained
     units = w.shape.n_layer + 1 if w.shape else (w.units or 1)  # blocks and the root
     collectives = layout_collectives(
-        dims, rank_params, layout, w.precision, w.reduce_dtype, accum, setup.accumulate, units,
-        trained,
+        dims, rank_params, stage_layout, w.precision, w.reduce_dtype, dp_accum,
+        setup.accumulate, units, trained,
     )
     nccl = list(collectives)  # the host copies below run on copy engines, not SMs
     host_s = 0.0
@@ -302,7 +341,11 @@ def _communication(
         host_s = trained_shard / CPU_OPTIMIZER_PARAMS_PER_S  # the optimizer runs on the host
     block, _ = block_params(w, tp)
     busy = compute + host_s
-    exposed = exposed_seconds(collectives, busy, dims, block / rank_params, accum)
+    exposed = exposed_seconds(collectives, busy, dims, block / rank_params, dp_accum)
+    if dims.pp > 1:
+        p2p = p2p_collective(w, dims, layout, setup.virtual, accum, setup.sequence_parallel)
+        collectives.append(p2p)
+        exposed += p2p_exposed_seconds(p2p, dims.pp, setup.virtual, accum, busy)
     if hw.device == "cpu":  # gloo runs the collectives on the cores that compute: no overlap
         exposed = sum(c.seconds for c in collectives)
     n_layer = w.shape.n_layer if w.shape else 1

@@ -377,7 +377,7 @@ def _warnings(
     # layout at the job's knobs (a proxy: a search per count would double the plan's time).
     name, knee_at = BEST, knees.get(BEST)
     family = _dims(best).plan_name
-    if BEST not in knees and best.gpus > 1 and _dims(best).tp == 1:
+    if BEST not in knees and best.gpus > 1 and _dims(best).tp == _dims(best).pp == 1:
         counts = [2**k for k in range(int(math.log2(best.gpus)) + 2)]
         name = family
         knee_at = knee([_row(inputs.with_gpus(n), family) for n in counts])

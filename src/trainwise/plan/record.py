@@ -39,6 +39,7 @@ def strategy_record(s: StrategyPlan) -> dict:
         "comm_bytes_per_step_per_gpu": _int(s.comm_bytes_per_step_per_gpu),
         "step": {
             "compute": s.step.compute,
+            "bubble": s.step.bubble,
             "comm": s.step.comm,
             "exposed_comm": s.step.exposed_comm,
             "data": s.step.data,

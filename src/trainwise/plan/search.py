@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.errors import ConfigError
@@ -30,18 +31,23 @@ from trainwise.plan.estimate import (
 )
 from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.model.cost import Cost
-from trainwise.plan.model.memory import MemoryEstimate, estimate_memory
+from trainwise.plan.model.memory import MemoryEstimate
+from trainwise.plan.model.pipeline import setup_memory
 from trainwise.plan.space import (
     AC_MODES,
     EVERYTHING,
+    SCHEDULE_ORDER,
     Allowed,
     ac_modes,
     accumulations,
+    divisors,
     exact,
     exact_batch,
     layouts,
     micro_batches,
+    pipeline_micro_batches,
     replica_batch,
+    schedules,
 )
 from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_usd
 
@@ -109,6 +115,10 @@ def setup_keys(setup: Setup) -> dict[str, object]:
     keys = dict(dims.config_keys())
     if dims.tp > 1:
         keys["parallel.tp"] = dims.tp
+    if dims.pp > 1:
+        keys["parallel.pp_schedule"] = setup.schedule
+        keys["parallel.pp_virtual"] = setup.virtual
+        keys["parallel.pp_microbatches"] = setup.grad_accum
     keys["parallel.ac"] = setup.ac
     if dims.fsdp and setup.grad_accum > 1:
         keys["parallel.accumulate"] = setup.accumulate
@@ -121,7 +131,10 @@ def describe_setup(setup: Setup) -> str:
     """`dp_replicate 8 x dp_shard 16 x tp 8 (fsdp-full), ac full, micro-batch 1 x 8`."""
     dims = setup.dims
     extras = [f"ac {setup.ac}", f"micro-batch {setup.micro_batch} x {setup.grad_accum}"]
-    if dims.fsdp and setup.grad_accum > 1:
+    if dims.pp > 1:
+        virtual = f" x {setup.virtual} virtual" if setup.virtual > 1 else ""
+        extras.insert(0, f"{setup.schedule}{virtual}")
+    if dims.fsdp and setup.grad_accum > 1 and dims.pp == 1:
         extras.append(f"{setup.accumulate} accumulation")
     return f"{dims.describe()} ({layout_name(dims)}), " + ", ".join(extras)
 
@@ -135,6 +148,9 @@ def simplicity(s: StrategyPlan) -> tuple:
 def setup_simplicity(setup: Setup) -> tuple:
     dims = setup.dims
     return (
+        dims.pp,
+        SCHEDULE_ORDER.index(setup.schedule),
+        setup.virtual,
         dims.tp,
         dims.cpu_offload,
         SIMPLICITY.index(dims.plan_name),
@@ -149,44 +165,77 @@ def setup_simplicity(setup: Setup) -> tuple:
 Candidate = tuple[Setup, MemoryEstimate]
 
 
-def layout_knobs(
-    inputs: PlanInputs, dims: ParallelDims, allowed: Allowed
-) -> list[tuple[str, str, list[int]]]:
-    """The knobs of one layout, as (checkpointing, accumulation mode, the micro-batches
-    that mode runs, ascending); empty when no micro-batch the user allows splits the batch."""
+class Knob(NamedTuple):
+    """One setting of a layout's knobs: checkpointing, accumulation mode, the micro-batch
+    sizes it runs (ascending), and with pipeline stages the schedule and virtual stages."""
+
+    ac: str
+    accumulate: str
+    micros: list[int]
+    schedule: str = "1F1B"
+    virtual: int = 1
+
+    def setup(self, dims: ParallelDims, micro: int, batch: int) -> Setup:
+        """The Setup of micro-batch size `micro` for a rank's `batch` samples."""
+        return Setup(
+            dims, self.ac, micro, -(-batch // micro), self.accumulate,
+            schedule=self.schedule, virtual=self.virtual,
+        )
+
+
+def layout_knobs(inputs: PlanInputs, dims: ParallelDims, allowed: Allowed) -> list[Knob]:
+    """The knobs of one layout, as Knobs; empty when no micro-batch the user allows splits
+    the batch. With pipeline stages, one per schedule and virtual degree, unsharded
+    (plan.space.pipeline_layouts)."""
     batch = replica_batch(inputs, dims)
     micros = micro_batches(inputs, batch, allowed)
+    if dims.pp > 1 and not allowed.knobs:  # the runtime's: its parallel.pp_microbatches
+        micros = divisors(batch)
     out = []
     for ac in ac_modes(inputs, allowed):
+        if dims.pp > 1:
+            for name, v in schedules(inputs, dims, allowed):
+                runs = pipeline_micro_batches(dims, batch, name, micros, allowed)
+                if runs:
+                    out.append(Knob(ac, "unsharded", runs, name, v))
+            continue
         for accumulate in ("unsharded", "sharded"):
             runs = [m for m in micros if accumulate in accumulations(dims, -(-batch // m), allowed)]
             if runs:
-                out.append((ac, accumulate, runs))
+                out.append(Knob(ac, accumulate, runs))
     return out
 
 
 def layout_candidates(
-    inputs: PlanInputs, dims: ParallelDims, knobs: list[tuple[str, str, list[int]]]
+    inputs: PlanInputs, dims: ParallelDims, knobs: list[Knob]
 ) -> list[Candidate]:
     """The candidates worth pricing for one layout, of its `knobs` (layout_knobs): for each
     checkpointing and accumulation mode, the largest micro-batch whose memory fits the
-    device (larger is never slower, plan.space)."""
-    found = (largest_fitting(inputs, dims, ac, mode, micros) for ac, mode, micros in knobs)
-    return [candidate for candidate in found if candidate is not None]
+    device (larger is never slower, plan.space); with pipeline stages every one that fits
+    (a larger micro-batch runs fewer of them: a larger bubble)."""
+    out: list[Candidate] = []
+    for knob in knobs:
+        found = largest_fitting(inputs, dims, knob)
+        if found is not None and dims.pp > 1:
+            batch = replica_batch(inputs, dims)
+            smaller = knob.micros[: knob.micros.index(found[0].micro_batch)]
+            out += [(s, knob_memory(inputs, s)) for s in (knob.setup(dims, m, batch) for m in smaller)]
+        if found is not None:
+            out.append(found)
+    return out
 
 
-def largest_fitting(
-    inputs: PlanInputs, dims: ParallelDims, ac: str, accumulate: str, micros: list[int]
-) -> Candidate | None:
-    """The largest of `micros` (ascending) whose memory fits the device, or None. A smaller
-    micro-batch never needs more memory while micro-batches accumulate (only the
+def largest_fitting(inputs: PlanInputs, dims: ParallelDims, knob: Knob) -> Candidate | None:
+    """The largest of the knob's micro-batches whose memory fits the device, or None. A
+    smaller micro-batch never needs more memory while micro-batches accumulate (only the
     activations shrink), so it is found by bisection, after the whole batch in one
     micro-batch (which keeps no gradients between micro-batches)."""
     batch = replica_batch(inputs, dims)
     budget = inputs.hardware.memory_bytes * (1.0 - inputs.headroom)
+    micros = knob.micros
 
     def priced(micro: int) -> Candidate:
-        setup = Setup(dims, ac, micro, -(-batch // micro), accumulate)
+        setup = knob.setup(dims, micro, batch)
         return setup, knob_memory(inputs, setup)
 
     whole = micros[-1] >= batch
@@ -207,7 +256,7 @@ def largest_fitting(
 def knob_memory(inputs: PlanInputs, setup: Setup) -> MemoryEstimate:
     """estimate_memory of `setup` on the inputs' device, with the runtime's measured bytes."""
     w = knob_workload(inputs.workload, setup.micro_batch, setup.ac)
-    return estimate_memory(w, setup, inputs.hardware.device, inputs.memory_overhead_bytes)
+    return setup_memory(w, setup, inputs.hardware.device, inputs.memory_overhead_bytes)
 
 
 def candidates(
@@ -241,10 +290,10 @@ def least_memory(
     """The setting of the `searched` layouts that needs the least device memory (the
     simplest of equals), priced: what a plan shows when nothing fits."""
     every = (
-        Setup(dims, ac, micro, -(-replica_batch(inputs, dims) // micro), accumulate)
+        knob.setup(dims, micro, replica_batch(inputs, dims))
         for dims in searched
-        for ac, accumulate, micros in layout_knobs(inputs, dims, allowed)
-        for micro in micros
+        for knob in layout_knobs(inputs, dims, allowed)
+        for micro in knob.micros
     )
     least = min(every, key=lambda s: (knob_memory(inputs, s).total, setup_simplicity(s)))
     return price(inputs, least)
@@ -390,7 +439,26 @@ def _reason(best: StrategyPlan, ordered: list[StrategyPlan], goal: Goal) -> str:
         f"{what} of {len(ordered)} that fit{simpler} "
         f"({fmt_bytes(best.memory.total)} per GPU, {best.step.exposed_comm / best.step.total:.0%} "
         f"of a step waiting on communication, {fmt_hours(best.hours_to_train)}, "
-        f"{fmt_usd(best.cost.total_usd)})"
+        f"{fmt_usd(best.cost.total_usd)})" + _pipeline_gain(best, ordered, goal)
+    )
+
+
+def _pipeline_gain(best: StrategyPlan, ordered: list[StrategyPlan], goal: Goal) -> str:
+    """With pipeline stages: the stage that holds the most, the bubble's share of the step,
+    and how much faster it is than the best plan without stages (by the same goal), if any
+    fits."""
+    if best.setup is None or best.setup.dims.pp == 1:
+        return ""
+    stage = best.memory.phase.split(",")[0]
+    said = f"; {stage} holds the most, the bubble is {best.step.bubble / best.step.total:.0%} of a step"
+    flat = [s for s in ordered if s.setup is not None and s.setup.dims.pp == 1]
+    if not flat:
+        return said + "; nothing without pipeline stages fits"
+    other = rank(flat, goal)[0]  # what a plan without stages recommends
+    assert other.setup is not None
+    return said + (
+        f"; {other.hours_to_train / best.hours_to_train:.2f}x as fast as the best without "
+        f"pipeline stages ({layout_name(other.setup.dims)}, {fmt_hours(other.hours_to_train)})"
     )
 
 

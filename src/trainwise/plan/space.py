@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.plan.inputs import PlanInputs
+from trainwise.plan.model.pipeline import SCHEDULE_VIRTUAL, stage_blocks
 
 AC_MODES = ("none", "selective", "full")  # fastest first, least memory last
 
@@ -39,6 +40,13 @@ class Allowed:
     # The tensor-parallel degree (parallel.tp): the job keeps it, as it sets how many ranks
     # read different samples and so the samples per step.
     tp_degree: int | None = None
+    # Pipeline stages (parallel.pp and its schedule, virtual stages and micro-batches): the
+    # job keeps those it sets; `max_pp` bounds the degrees searched (plan.max_pp; 1: none).
+    max_pp: int = 1
+    pp_degree: int | None = None
+    pp_schedule: str | None = None
+    pp_virtual: int | None = None
+    pp_microbatches: int | None = None
     accumulate: str | None = None  # parallel.accumulate when sharded / unsharded
     # What the user set (None: searched; plan.constraints.user_allowed fills them): the
     # data-parallel shortcut (ParallelDims.strategy: single, ddp, fsdp, hsdp), cpu offload,
@@ -67,6 +75,71 @@ def tp_degrees(inputs: PlanInputs, allowed: Allowed) -> list[int]:
         return [1]
     limit = math.gcd(shape.n_head, shape.n_kv_head, inputs.gpus_per_node, inputs.gpus)
     return divisors(limit)
+
+
+def pp_degrees(inputs: PlanInputs, allowed: Allowed, tp: int) -> list[int]:
+    """Pipeline degrees: the job's; else 1 and every divisor of the GPUs over tp up to
+    allowed.max_pp whose stages split the model's blocks for some schedule
+    (pipeline.stage_blocks); 1 alone for a model without a shape."""
+    if allowed.pp_degree is not None:
+        return [allowed.pp_degree]
+    shape = inputs.workload.shape
+    if allowed.max_pp == 1 or shape is None:
+        return [1]
+    return [1] + [
+        p for p in divisors(inputs.gpus // tp)[1:]
+        if p <= allowed.max_pp
+        and any(pipeline_runs(shape.n_layer, p, v) for v in virtual_degrees(shape.n_layer, p))
+    ]
+
+
+def virtual_degrees(n_layer: int, p: int) -> list[int]:
+    """Virtual stages per rank that split `n_layer` blocks over p ranks (1 included)."""
+    return [v for v in range(1, n_layer // p + 2) if stage_blocks(n_layer, p * v) is not None]
+
+
+def pipeline_runs(n_layer: int, p: int, v: int) -> bool:
+    return stage_blocks(n_layer, p * v) is not None
+
+
+# The schedules the search weighs, simplest first: GPipe is left to the user (1F1B's
+# bubble with all m micro-batches in flight), as is Interleaved1F1B, whose bubble
+# InterleavedZeroBubble shrinks at the same memory (plan.model.pipeline).
+SEARCHED_SCHEDULES = ("1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+SCHEDULE_ORDER = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "GPipe")
+
+
+def schedules(inputs: PlanInputs, dims: ParallelDims, allowed: Allowed) -> list[tuple[str, int]]:
+    """(schedule, virtual stages per rank) for a layout with pipeline stages: the job's,
+    else SEARCHED_SCHEDULES at every virtual degree that splits the blocks."""
+    shape = inputs.workload.shape
+    assert shape is not None
+    names = (allowed.pp_schedule,) if allowed.pp_schedule else SEARCHED_SCHEDULES
+    out = []
+    for name in names:
+        fixed = SCHEDULE_VIRTUAL[name]
+        for v in [fixed] if fixed else virtual_degrees(shape.n_layer, dims.pp)[1:]:
+            if allowed.pp_virtual in (None, v) and pipeline_runs(shape.n_layer, dims.pp, v):
+                out.append((name, v))
+    return out
+
+
+def pipeline_micro_batches(
+    dims: ParallelDims, batch: int, schedule: str, micros: list[int], allowed: Allowed
+) -> list[int]:
+    """Of `micros`, the micro-batch sizes whose count m = batch / size the schedule runs
+    (torch.distributed.pipelining: m >= the stages for all but GPipe; the interleaved ones
+    a multiple of their rounds, m // p) and the job's parallel.pp_microbatches allows."""
+    out = []
+    for size in micros:
+        m = batch // size
+        if schedule != "GPipe" and m < dims.pp:
+            continue
+        if schedule != "GPipe" and m % max(1, m // dims.pp):
+            continue
+        if allowed.pp_microbatches in (None, m):
+            out.append(size)
+    return out
 
 
 def divisors(n: int) -> list[int]:
@@ -102,6 +175,12 @@ def layouts(inputs: PlanInputs, allowed: Allowed) -> list[ParallelDims]:
         resharding = (allowed.reshard_after_forward,)
     out: list[ParallelDims] = []
     for tp in tp_degrees(inputs, allowed):
+        stages = pp_degrees(inputs, allowed, tp)
+        for pp in stages:
+            if pp > 1 and inputs.gpus % (tp * pp) == 0:
+                out += pipeline_layouts(inputs.gpus // (tp * pp), tp, pp, allowed)
+        if 1 not in stages:
+            continue
         dp = inputs.gpus // tp
         if allowed.shard_group is None:
             # dp 1: no wrapper at all; replicas of a TP model are FSDP2's (as they run)
@@ -118,6 +197,17 @@ def layouts(inputs: PlanInputs, allowed: Allowed) -> list[ParallelDims]:
             if offload and True in resharding:
                 out.append(ParallelDims(replicas, shard, tp, fsdp=True, cpu_offload=True))
     return [dims for dims in out if permitted(dims, allowed)]
+
+
+def pipeline_layouts(dp: int, tp: int, pp: int, allowed: Allowed) -> list[ParallelDims]:
+    """The data-parallel layouts of `pp` stages of `tp` ranks: DDP, or FSDP over the whole
+    data-parallel group without resharding after forward (torchtitan's choice with
+    pipeline stages: each micro-batch would gather again), the shard group the job set."""
+    shard = allowed.shard_group or dp
+    out = [ParallelDims(dp_replicate=dp, tp=tp, pp=pp).runnable()]
+    if shard > 1 and dp % shard == 0:
+        out.append(ParallelDims(dp // shard, shard, tp, pp, fsdp=True, reshard_after_forward=False))
+    return [d for d in out if allowed.reshard_after_forward is not True or not d.fsdp]
 
 
 def replica_batch(inputs: PlanInputs, dims: ParallelDims) -> int:
@@ -161,7 +251,7 @@ def exact_batch(inputs: PlanInputs, allowed: Allowed) -> tuple[PlanInputs, str]:
     asked = inputs.global_batch
     if asked is None or any(exact(inputs, d, allowed) for d in layouts(inputs, allowed)):
         return inputs, ""
-    ranks = inputs.gpus // (allowed.tp_degree or 1)
+    ranks = inputs.gpus // ((allowed.tp_degree or 1) * (allowed.pp_degree or 1))
     unit = ranks * (allowed.micro_batch or 1) * (allowed.grad_accum or 1)
     size = unit if allowed.grad_accum else max(unit, round(asked / unit) * unit)
     note = (

@@ -30,6 +30,7 @@ MEMORY_COLUMNS = (
 TIME_COLUMNS = (
     "strategy",
     "compute",
+    "bubble",
     "comm",
     "data",
     "step",
@@ -42,7 +43,10 @@ MEMORY_TITLE = (
     "Memory per GPU at the step's peak, GB (n: GPUs; activ: activations; overhd: CUDA "
     "context + fragmentation)"
 )
-TIME_TITLE = "Step in seconds (comm: exposed communication), throughput, time and cost"
+TIME_TITLE = (
+    "Step in seconds (bubble: pipeline stages idle; comm: exposed communication), "
+    "throughput, time and cost"
+)
 SIMULATION_TITLE = (
     "Simulated peak per GPU (fake tensors, this machine's kernels) against the formula for "
     "the same kernels, and the plan's figure for the GPU"
@@ -107,6 +111,7 @@ def time_rows(plan: Plan) -> list[list[str]]:
         [
             _name(plan, label, s),
             fmt_seconds(s.step.compute),
+            fmt_seconds(s.step.bubble),
             fmt_seconds(s.step.exposed_comm),
             fmt_seconds(s.step.data),
             fmt_seconds(s.step.total),

@@ -160,9 +160,10 @@ def achieved_share(inputs: PlanInputs, plan: StrategyPlan, compute_s: float) -> 
 def _flat(inputs: PlanInputs, w: Workload, samples: float, tp: int) -> ComputeTime:
     """Model FLOPs x recomputation at one share of the peak (the override, or a bare count)."""
     n_layer = w.shape.n_layer if w.shape else 1
-    hw_flops = model_flops_per_token(w.params, w.shape, w.seq_len, w.lora) * recompute_factor(
-        w.ac, n_layer, w.lora is not None
-    )
+    flops = model_flops_per_token(w.params, w.shape, w.seq_len, w.lora)
+    if w.shape is not None and not w.head:  # a pipeline stage without the head's matmul
+        flops -= 6.0 * w.shape.vocab_size * w.shape.d_model
+    hw_flops = flops * recompute_factor(w.ac, n_layer, w.lora is not None)
     share = inputs.efficiency if inputs.efficiency is not None else BARE_EFFICIENCY
     rate = inputs.hardware.peak_flops * share
     seconds = samples * w.seq_len * hw_flops / (rate * tp)
@@ -193,7 +194,7 @@ def _cached_step(
     autocast = not fsdp and w.precision != "fp32"  # FSDP's mixed precision casts once
     micro = _micro_batch(
         w.shape, w.seq_len, w.micro_batch, tp, hw, w.precision, autocast,
-        compiled, w.ac, table, w.loss, w.norm_kernel, w.lora,
+        compiled, w.ac, table, w.loss, w.norm_kernel, w.lora, w.head,
     )
     micro_batches = samples / w.micro_batch
     work = micro.times(micro_batches) + _per_step(hw, w, tp, dims, micro_batches)
@@ -220,10 +221,12 @@ def _micro_batch(
     loss: str = "standard",
     norm_kernel: str = "fused",
     lora: LoraPlan | None = None,
+    head: bool = True,
 ) -> Work:
     """One micro-batch: every block forward and backward, the recomputed blocks' forward
-    again, the head and its loss; with LoRA the frozen layers skip their weight gradients
-    and the adapters' GEMMs run beside them."""
+    again, the head and its loss (`head`: on this worker; a pipeline stage may not);
+    with LoRA the frozen layers skip their weight gradients and the adapters' GEMMs
+    run beside them."""
     tokens = seq * micro_batch
     # Inductor fuses a composite norm's chain into one kernel, as it does the rest.
     norm = "fused" if compiled else norm_kernel
@@ -237,12 +240,14 @@ def _micro_batch(
     recomputed = len(checkpointed_blocks(ac, shape.n_layer))
     blocks = (forward + backward).times(shape.n_layer) + forward.times(recomputed)
     head_trains = lora is None or trained_matmul_params(shape, lora) > 0
-    head = _head(shape, tokens, tp, hw, precision, table, loss, head_trains)
+    work = blocks
+    if head:
+        work = work + _head(shape, tokens, tp, hw, precision, table, loss, head_trains)
     if lora is None:
-        return blocks + head
+        return work
     adapters = _adapters(shape, lora, tokens, tp, hw, precision, table)
     per_block = 1.0 / shape.n_layer  # the recomputed blocks run their adapters again
-    return blocks + head + adapters + adapters.times(recomputed * per_block / 3)
+    return work + adapters + adapters.times(recomputed * per_block / 3)
 
 
 def _gemms(shape: GPTShape, tp: int) -> list[tuple[int, int]]:

@@ -91,6 +91,10 @@ class Workload:
     # LoRA (plan.model.lora): the base frozen in the compute dtype, adapters train; None:
     # every parameter trains. `params` counts the base model, without the adapters.
     lora: LoraPlan | None = None
+    # A pipeline stage (plan.model.pipeline): whether this worker runs the head and its
+    # loss, and the micro-batches whose activations it holds at once.
+    head: bool = True
+    in_flight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -233,8 +237,15 @@ def activation_profile(
     for i in ckpt:
         block = max(block, sum(kept[:i]) + per["layer"] + per["working_set"])
     tokens = w.seq_len * w.micro_batch
+    head = per["head"] if w.head else 0.0
+    # A pipeline stage's other micro-batches in flight hold what they saved meanwhile: the
+    # blocks', and on the head's rank the final norm's and the loss's (not the two
+    # vocabulary-sized gradients its backward adds).
+    saved_head = head - (2 * per["loss"] if w.loss != "fused" and w.head else 0.0)
+    others = (w.in_flight - 1.0) * (sum(kept) + saved_head)
     return ActivationProfile(
-        tokens * (sum(kept) + per["head"]), tokens * block, tokens * sum(kept[:-1])
+        tokens * (sum(kept) + head + others), tokens * (block + others),
+        tokens * (sum(kept[:-1]) + others),
     )
 
 

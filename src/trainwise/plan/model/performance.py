@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from trainwise.plan.model.compute import ComputeTime, compute_time
-from trainwise.plan.model.memory import estimate_memory
+from trainwise.plan.model.pipeline import setup_memory
 
 if TYPE_CHECKING:
     from trainwise.config.parallel_dims import ParallelDims
@@ -73,7 +73,7 @@ class AnalyticModel:
         return _communication(inputs, setup, w, compute)
 
     def memory(self, inputs: PlanInputs, setup: Setup, w: Workload) -> MemoryEstimate:
-        return estimate_memory(w, setup, inputs.hardware.device, inputs.memory_overhead_bytes)
+        return setup_memory(w, setup, inputs.hardware.device, inputs.memory_overhead_bytes)
 
     def header(self) -> str:
         """What the plan's figures rest on, for a plan's or a report's header."""

@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Setup:
     """The layout and the knobs. `accumulate` (FSDP, grad_accum > 1): reduce-scatter once a
-    step ("unsharded") or on every micro-batch ("sharded")."""
+    step ("unsharded") or on every micro-batch ("sharded"). With pipeline stages
+    (dims.pp > 1) `grad_accum` is the micro-batches the schedule `schedule` runs a step
+    (parallel.pp_microbatches) over `virtual` stages per rank."""
 
     dims: ParallelDims
     ac: str
@@ -24,6 +26,8 @@ class Setup:
     grad_accum: int
     accumulate: str = "unsharded"
     sequence_parallel: bool = True
+    schedule: str = "1F1B"  # parallel.pp_schedule
+    virtual: int = 1  # parallel.pp_virtual
 
     @classmethod
     def of(cls, dims: ParallelDims, w: Workload, grad_accum: int = 1, **knobs: object) -> Setup:

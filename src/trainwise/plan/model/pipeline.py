@@ -1,0 +1,241 @@
+"""Pipeline parallelism: what `pp` stages of a model cost. The one place for its formulas.
+
+Stages. The blocks are split over the p x v stages (v virtual stages per rank, the
+interleaved schedules' chunks) as torchtitan splits them
+(torchtitan/distributed/pipeline_parallel.py, generate_llm_fqn_per_model_part with
+input_weight = output_weight = 1): the embeddings and the head each weigh one block, so
+when the blocks + 2 divide into the stages the first and the last stage take one block
+fewer (Llama 3 405B: 126 blocks on 16 stages, 7 + 14 x 8 + 7; Dubey et al., 2024, section
+3.3.2 does the same); else the blocks divide evenly. Rank r runs stages r, r + p, ...
+(interleaved), or r and 2p - 1 - r (ZBV's V shape: rank 0 holds both the embeddings and
+the head).
+
+Bubble: the share of the ideal step (m micro-batches with no idle time) a rank waits while
+the pipeline fills and drains:
+- GPipe (Huang et al., 2019) and 1F1B (Narayanan et al., SC'21, "Efficient Large-Scale
+  Language Model Training on GPU Clusters Using Megatron-LM", section 2.2.1): (p-1)/m;
+- Interleaved1F1B (same paper, section 2.2.2): (p-1)/(v m);
+- the zero-bubble schedules (Qi et al., ICLR 2024, "Zero Bubble Pipeline Parallelism")
+  split the backward into the input gradient B and the weight gradient W and fill the
+  bubble with W: ZB-H1 leaves (p-1)(T_F + T_B - T_W) of 1F1B's (p-1)(T_F + T_B + T_W)
+  (section 2.1; InterleavedZeroBubble runs it on interleaved stages), ZB-V (section 6,
+  ZBVZeroBubble: two stages per rank in a V) leaves ZB-H2's (p-1)(T_F + T_B - 2 T_W),
+  zero when the three are equal. T_F, T_B, T_W from the FLOPs (zb_passes).
+
+Memory: the activations of the micro-batches a rank keeps in flight: GPipe all m; 1F1B
+p - r on rank r (the first stage p, the last one); interleaved (Megatron-LM's warm-up,
+Korthikanti et al., 2022, section 4.2.3) 2(p - r - 1) + (v - 1)p + 1 stage micro-batches,
+of 1/v of the rank's blocks each (the first rank: p + (p - 1)/v of its blocks'); ZB-V the
+same as 1F1B's first stage on every rank (section 6). ZB-H1 keeps 1F1B's peak (section 2.1).
+
+Traffic: each stage sends its output activations (micro-batch x sequence x hidden in the
+compute dtype; 1/tp of it with sequence parallelism, which leaves the residual stream
+split) to the next stage for every micro-batch, and their gradients back: 2 m v messages a
+rank a step. Ranks are row-major with pp outermost (config.parallel_dims), so neighbours
+are world/pp ranks apart: across the network once a stage fills a machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from trainwise.config.parallel_dims import ParallelDims
+from trainwise.models.shapes import GPTShape
+from trainwise.plan.model.comm import Collective, Layout
+from trainwise.plan.model.memory import MemoryEstimate, Workload, block_params, estimate_memory
+from trainwise.plan.model.precision import BYTES
+from trainwise.plan.model.setup import Setup
+
+# torch.distributed.pipelining's schedules (config.schema.PIPELINE_SCHEDULES) by the
+# virtual stages they run per rank: None for any v >= 2, else exactly that.
+SCHEDULE_VIRTUAL = {
+    "GPipe": 1, "1F1B": 1, "Interleaved1F1B": None, "InterleavedZeroBubble": None,
+    "ZBVZeroBubble": 2,
+}
+
+
+def stage_blocks(n_layer: int, stages: int) -> list[int] | None:
+    """Blocks per stage (torchtitan's split, see the module's docstring), or None when
+    neither the blocks + 2 nor the blocks divide into `stages` stages of at least one."""
+    if stages == 1:
+        return [n_layer]
+    k, rest = divmod(n_layer + 2, stages)
+    if rest == 0 and k >= 2:
+        return [k - 1] + [k] * (stages - 2) + [k - 1]
+    if n_layer % stages == 0:
+        return [n_layer // stages] * stages
+    return None
+
+
+def rank_stages(p: int, v: int, schedule: str, rank: int) -> list[int]:
+    """The stages rank `rank` of `p` runs: its v interleaved ones, or ZBV's V."""
+    if schedule == "ZBVZeroBubble":
+        return [rank, 2 * p - 1 - rank]
+    return [rank + i * p for i in range(v)]
+
+
+def zb_passes(shape: GPTShape | None, seq_len: int) -> tuple[float, float, float]:
+    """(T_F, T_B, T_W) of a block in FLOPs per token: 2N forward, the input gradient 2N
+    and the weight gradient 2N (Qi et al., Table 1), attention's score and value matmuls
+    4 s h forward and 2.5 times that backward (FlashAttention-2, section 3) in T_B."""
+    if shape is None:
+        return 1.0, 1.0, 1.0
+    n, _ = block_params(Workload(shape.num_params(), shape, seq_len, 1))
+    attention = 4.0 * seq_len * shape.n_head * shape.head_dim
+    return 2 * n + attention, 2 * n + 2.5 * attention, 2 * n
+
+
+def bubble_fraction(
+    schedule: str, p: int, v: int, m: int, passes: tuple[float, float, float] = (1, 1, 1)
+) -> float:
+    """The bubble over the ideal step (see the module's docstring); `passes`: (T_F, T_B,
+    T_W) in any unit."""
+    if p == 1:
+        return 0.0
+    f, b, w = passes
+    if schedule in ("GPipe", "1F1B"):
+        return (p - 1) / m
+    if schedule == "Interleaved1F1B":
+        return (p - 1) / (v * m)
+    if schedule == "InterleavedZeroBubble":
+        return (p - 1) / (v * m) * (f + b - w) / (f + b + w)
+    if schedule == "ZBVZeroBubble":
+        return (p - 1) / (v * m) * max(0.0, f + b - 2 * w) / (f + b + w)
+    raise ValueError(f"unknown pipeline schedule {schedule!r}")
+
+
+def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
+    """Micro-batches of the rank's blocks whose activations it holds at its peak."""
+    if schedule == "GPipe":
+        held = float(m)
+    elif schedule in ("1F1B", "ZBVZeroBubble"):
+        held = float(p - rank if schedule == "1F1B" else p)
+    else:  # interleaved: Megatron-LM's warm-up, in stage micro-batches of 1/v the blocks
+        held = (2 * (p - rank - 1) + (v - 1) * p + 1) / v
+    return min(held, float(m))
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What one pipeline rank holds: its blocks, the embeddings, the head and loss, and
+    the micro-batches in flight; `name` says which rank for the plan."""
+
+    name: str
+    blocks: int
+    embeddings: bool
+    head: bool
+    in_flight: float
+
+
+def rank_stage(w: Workload, dims: ParallelDims, schedule: str, v: int, m: int, rank: int) -> Stage:
+    """Rank `rank`'s Stage (`w`'s shape split by stage_blocks; valid degrees assumed)."""
+    assert w.shape is not None
+    p = dims.pp
+    split = stage_blocks(w.shape.n_layer, p * v)
+    assert split is not None, "pipeline degrees checked by the caller"
+    mine = rank_stages(p, v, schedule, rank)
+    name = "the first stage" if rank == 0 else "the last stage" if rank == p - 1 else f"stage {rank}"
+    return Stage(
+        name, sum(split[s] for s in mine), 0 in mine, p * v - 1 in mine,
+        in_flight(schedule, p, v, m, rank),
+    )
+
+
+@lru_cache(maxsize=4096)
+def stage_workload(w: Workload, stage: Stage) -> Workload:
+    """`w` as one pipeline rank trains it: its blocks, the embeddings and head it holds
+    (their parameters), the loss only on the head's rank, its micro-batches in flight.
+    (Cached: the search asks for the same stages often.)"""
+    assert w.shape is not None
+    shape = w.shape
+    block, root = block_params(w)
+    head = shape.vocab_size * shape.d_model if not shape.tie_embeddings else 0
+    head += shape.d_model * (2 if shape.norm == "layernorm" and shape.bias else 1)
+    embeddings = root - head  # tied: the one matrix, which the head's rank holds too
+    tied = shape.vocab_size * shape.d_model if shape.tie_embeddings else 0
+    params = stage.blocks * block
+    params += (embeddings if stage.embeddings else 0) + ((head + tied) if stage.head else 0)
+    return replace(
+        w, params=int(params), shape=replace(shape, n_layer=max(1, stage.blocks)),
+        head=stage.head, in_flight=stage.in_flight,
+    )
+
+
+@lru_cache(maxsize=4096)
+def pipeline_stages(
+    w: Workload, dims: ParallelDims, schedule: str, v: int, m: int
+) -> tuple[Stage, Stage]:
+    """The ranks that can be the worst: the first and the last (they hold the
+    embeddings, the head, the most micro-batches in flight)."""
+    return rank_stage(w, dims, schedule, v, m, 0), rank_stage(w, dims, schedule, v, m, dims.pp - 1)
+
+
+def activation_message_bytes(w: Workload, tp: int, sequence_parallel: bool) -> float:
+    """Bytes of one stage's output for one micro-batch, as one rank sends it."""
+    assert w.shape is not None
+    size = w.micro_batch * w.seq_len * w.shape.d_model * BYTES[w.precision]
+    return size / tp if sequence_parallel and tp > 1 else size
+
+
+def p2p_collective(
+    w: Workload, dims: ParallelDims, layout: Layout, v: int, m: int, sequence_parallel: bool
+) -> Collective:
+    """The step's point-to-point traffic of one rank: m v activations forward and as many
+    gradients back, to ranks world/pp away (across nodes once a stage fills one)."""
+    one = activation_message_bytes(w, dims.tp, sequence_parallel)
+    stride = layout.gpus // dims.pp
+    messages = 2 * m * v
+    return layout.collective(
+        "pipeline send/recv activations", "send_recv", messages * one, (2, stride), messages,
+        per_micro_batch=True,
+    )
+
+
+def p2p_exposed_seconds(p2p: Collective, p: int, v: int, m: int, compute_s: float) -> float:
+    """The seconds the step waits for the point-to-point traffic: the sends along the
+    fill and the drain (2(p v - 1) messages in a row, nothing to overlap them with), and
+    what the steady state's sends take beyond its compute (torch.distributed.pipelining
+    posts them asynchronously, beside the next micro-batch's compute)."""
+    messages = 2 * m * v
+    one = p2p.seconds / messages if messages else 0.0
+    critical = 2 * (p * v - 1) * one
+    return min(p2p.seconds, critical + max(0.0, p2p.seconds - critical - compute_s))
+
+
+def setup_memory(w: Workload, setup: Setup, device: str, runtime_bytes: float = 0.0) -> MemoryEstimate:
+    """estimate_memory of `setup`; with pipeline stages, of its worst stage (the first or
+    the last), whose name leads the phase."""
+    if setup.dims.pp == 1:
+        return estimate_memory(w, setup, device, runtime_bytes)
+    stage, est = worst_stage(w, setup, device, runtime_bytes)
+    return replace(est, phase=f"{stage.name}, {est.phase}")
+
+
+def worst_stage(
+    w: Workload, setup: Setup, device: str, runtime_bytes: float = 0.0
+) -> tuple[Stage, MemoryEstimate]:
+    """The pipeline rank of `setup` that needs the most memory (of the first and the last),
+    and its estimate_memory."""
+    if (w.micro_batch, w.ac) != (setup.micro_batch, setup.ac):
+        w = replace(w, micro_batch=setup.micro_batch, ac=setup.ac)
+    stages = pipeline_stages(w, setup.dims, setup.schedule, setup.virtual, setup.grad_accum)
+    priced = [(s, stage_memory(w, s, setup, device, runtime_bytes)) for s in stages]
+    return max(priced, key=lambda pair: pair[1].total)
+
+
+def stage_memory(
+    w: Workload, stage: Stage, setup: Setup, device: str, runtime_bytes: float = 0.0
+) -> MemoryEstimate:
+    """estimate_memory of one pipeline rank. A rank that runs every forward before its
+    first backward (GPipe; 1F1B with no more micro-batches than the stages after it) holds
+    all m micro-batches' activations before any gradient exists, and from the second
+    backward on, which has the gradients, m - 1 at most."""
+    est = estimate_memory(stage_workload(w, stage), setup, device, runtime_bytes)
+    if stage.in_flight < setup.grad_accum or setup.grad_accum == 1:
+        return est
+    first = estimate_memory(stage_workload(w, stage), replace(setup, grad_accum=1), device,
+                            runtime_bytes)
+    second = replace(stage, in_flight=stage.in_flight - 1)
+    later = estimate_memory(stage_workload(w, second), setup, device, runtime_bytes)
+    return max(first, later, key=lambda e: e.total)

@@ -1,0 +1,260 @@
+"""Pipeline parallelism in the planner: the bubble per schedule, the stage split, the
+micro-batches in flight, the activation traffic and the memory per stage worked by hand;
+the search, its keys and its bad input; the Llama 3 405B checks (arXiv 2407.21783)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from helpers import run_cli
+from trainwise.config import load_config
+from trainwise.config.parallel_dims import ParallelDims
+from trainwise.models.shapes import GPTShape
+from trainwise.plan.constraints import check_allowed, user_allowed
+from trainwise.plan.emit import job_config
+from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
+from trainwise.plan.model.comm import Layout
+from trainwise.plan.model.memory import Workload, activation_profile
+from trainwise.plan.model.pipeline import (
+    activation_message_bytes,
+    bubble_fraction,
+    in_flight,
+    p2p_collective,
+    p2p_exposed_seconds,
+    rank_stage,
+    setup_memory,
+    stage_blocks,
+    stage_workload,
+    zb_passes,
+)
+from trainwise.plan.model.setup import Setup
+from trainwise.plan.search import recommend
+from trainwise.plan.space import layouts
+
+# A GPT small enough to count by hand: LayerNorm without bias, GELU, learned positions,
+# full multi-head attention, untied head.
+SHAPE = GPTShape(4, 64, 4, 4, 256, 1000, 32, "layernorm", "gelu", "learned", False, False)
+LLAMA_405B = {
+    "plan.layers": 126, "plan.hidden": 16384, "plan.heads": 128, "plan.kv_heads": 8,
+    "plan.ffn": 53248, "plan.vocab": 128256, "data.seq_len": 8192,
+    "data.global_batch": 2048, "plan.gpus": 16384, "cluster.gpu": "H100-SXM",
+}
+
+
+def plan_inputs(**flags):
+    return resolve_inputs(load_config(None, flags, base=PLAN_DEFAULTS))
+
+
+# --- the bubble, by hand ----------------------------------------------------------------
+
+
+def test_bubble_per_schedule_by_hand():
+    # p = 4 stages, m = 8 micro-batches: GPipe and 1F1B idle (p-1)/m = 3/8 of the ideal
+    # step; interleaved over v = 2 stages a rank (p-1)/(v m) = 3/16.
+    assert bubble_fraction("GPipe", 4, 1, 8) == pytest.approx(3 / 8)
+    assert bubble_fraction("1F1B", 4, 1, 8) == pytest.approx(3 / 8)
+    assert bubble_fraction("Interleaved1F1B", 4, 2, 8) == pytest.approx(3 / 16)
+    # Zero bubble, F = B = W: ZB-H1 leaves (F + B - W)/(F + B + W) = 1/3 of it, ZB-V none.
+    assert bubble_fraction("InterleavedZeroBubble", 4, 2, 8) == pytest.approx(1 / 16)
+    assert bubble_fraction("ZBVZeroBubble", 4, 2, 8) == 0.0
+    # F = 2, B = 3, W = 1: ZB-V leaves (2 + 3 - 2)/(2 + 3 + 1) = 1/2 of 3/16.
+    assert bubble_fraction("ZBVZeroBubble", 4, 2, 8, (2, 3, 1)) == pytest.approx(3 / 32)
+    assert bubble_fraction("1F1B", 1, 1, 8) == 0.0  # no stages, no bubble
+
+
+def test_the_zero_bubble_passes_by_hand():
+    # A block of SHAPE: q, k, v, out 4 x 64 x 64 = 16,384, MLP 2 x 64 x 256 = 32,768, two
+    # norms 128: N = 49,280. Attention at seq 32: 4 x 32 x 4 heads x 16 = 8,192 FLOPs a token.
+    f, b, w = zb_passes(SHAPE, 32)
+    assert (f, b, w) == (2 * 49280 + 8192, 2 * 49280 + 2.5 * 8192, 2 * 49280)
+
+
+# --- the stages ---------------------------------------------------------------------------
+
+
+def test_stage_split_counts_the_embeddings_and_the_head_as_a_block_each():
+    # Llama 3 405B on 16 stages: 126 + 2 = 128 = 16 x 8, the first and last one block fewer.
+    assert stage_blocks(126, 16) == [7] + [8] * 14 + [7]
+    assert stage_blocks(30, 4) == [7, 8, 8, 7]
+    assert stage_blocks(32, 4) == [8, 8, 8, 8]  # 34 does not divide: even
+    assert stage_blocks(5, 4) is None  # neither 7 nor 5 divides into 4
+    assert stage_blocks(2, 4) is None  # 4/4 would leave the first stage no block
+
+
+def test_micro_batches_in_flight_by_hand():
+    # 1F1B: rank r of p holds p - r; GPipe all m; interleaved (Megatron-LM's warm-up) on
+    # rank 0 of p = 4, v = 2: (2 x 3 + 1 x 4 + 1)/2 = 5.5 = p (1 + (p-1)/(p v)), the last
+    # rank (0 + 4 + 1)/2 = 2.5; ZB-V p on every rank; never more than m.
+    assert [in_flight("1F1B", 4, 1, 8, r) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight("GPipe", 4, 1, 8, 0) == 8
+    assert in_flight("Interleaved1F1B", 4, 2, 8, 0) == 5.5
+    assert in_flight("Interleaved1F1B", 4, 2, 8, 3) == 2.5
+    assert in_flight("ZBVZeroBubble", 4, 2, 8, 3) == 4
+    assert in_flight("1F1B", 4, 1, 2, 0) == 2
+
+
+def test_stage_parameters_by_hand():
+    w = Workload(SHAPE.num_params(), SHAPE, 32, 1)
+    dims = ParallelDims(pp=2)
+    first, last = (rank_stage(w, dims, "1F1B", 1, 4, r) for r in (0, 1))
+    # 4 blocks on 2 stages: (4 + 2)/2 = 3, one fewer on each end: 2 and 2.
+    assert (first.blocks, first.embeddings, first.head) == (2, True, False)
+    assert (last.blocks, last.embeddings, last.head) == (2, False, True)
+    block = 49280
+    assert stage_workload(w, first).params == 2 * block + 1000 * 64 + 32 * 64
+    assert stage_workload(w, last).params == 2 * block + 1000 * 64 + 64  # head, final norm
+    # ZB-V's V: rank 0 runs stages 0 and 3, the embeddings and the head.
+    v = rank_stage(w, dims, "ZBVZeroBubble", 2, 4, 0)
+    assert (v.embeddings, v.head) == (True, True)
+
+
+def test_stage_activations_by_hand():
+    # fp32, per token and block (memory.activation_bytes_per_token): attention 8h (norm) +
+    # 12h (q, k, v) + 4h (SDPA's output) + 4a (log-sum-exp) + 4h (out projection's input),
+    # MLP 8h (norm) + 8f: 36 x 64 + 4 x 4 + 8 x 256 = 4,368 bytes. Working set of a block's
+    # backward: 2 x 4f + 4h = 2,304. Head: 8h + 3 x 4 x vocab = 12,512.
+    w = Workload(SHAPE.num_params(), SHAPE, 32, 1)
+    dims, tokens = ParallelDims(pp=2), 32
+    first = stage_workload(w, rank_stage(w, dims, "1F1B", 1, 4, 0))
+    last = stage_workload(w, rank_stage(w, dims, "1F1B", 1, 4, 1))
+    # The first stage: 2 micro-batches of its 2 blocks, no head.
+    prof = activation_profile(first, True, "cpu")
+    assert prof.head == tokens * 2 * 2 * 4368
+    assert prof.block == tokens * (2 * 2 * 4368 + 2304)
+    # The last stage: one micro-batch, with the head and its loss.
+    prof = activation_profile(last, True, "cpu")
+    assert prof.head == tokens * (2 * 4368 + 12512)
+    # GPipe's last stage keeps all 4 micro-batches: three more of the blocks and of the
+    # head's saved norm input and output and log-softmax (8h + 4 x vocab).
+    gpipe = stage_workload(w, rank_stage(w, dims, "GPipe", 1, 4, 1))
+    extra = 3 * (2 * 4368 + 8 * 64 + 4 * 1000)
+    assert activation_profile(gpipe, True, "cpu").head == tokens * (2 * 4368 + 12512 + extra)
+
+
+def test_the_plan_reports_the_worst_stage_and_says_which():
+    w = Workload(SHAPE.num_params(), SHAPE, 32, 1)
+    setup = Setup(ParallelDims(pp=2), "none", 1, 4)
+    # Vocabulary 1,000: the head's 12,512 bytes a token outweigh a second micro-batch of
+    # the first stage's blocks (8,736): the last stage.
+    est = setup_memory(w, setup, "cpu")
+    assert est.phase.startswith("the last stage")
+    # Vocabulary 100: 8h + 1,200 = 1,712 < 8,736: the first stage.
+    small = replace(SHAPE, vocab_size=100)
+    w = Workload(small.num_params(), small, 32, 1)
+    est = setup_memory(w, setup, "cpu")
+    assert est.phase.startswith("the first stage")
+    # Its states: the first stage's parameters, fp32, and AdamW's two moments.
+    params = 2 * 49280 + 100 * 64 + 32 * 64
+    assert (est.params, est.optimizer) == (4 * params, 8 * params)
+
+
+# --- the traffic --------------------------------------------------------------------------
+
+
+def test_activation_traffic_by_hand():
+    w = Workload(SHAPE.num_params(), SHAPE, 32, 2, "bf16")
+    # micro-batch 2 x seq 32 x hidden 64 x 2 bytes; sequence parallel splits it over tp.
+    assert activation_message_bytes(w, 1, True) == 8192
+    assert activation_message_bytes(w, 2, True) == 4096
+    assert activation_message_bytes(w, 2, False) == 8192
+    # 2 stages of 8 GPUs on 2 nodes: neighbours 8 ranks apart, across the network (10 B/s
+    # a NIC); 4 micro-batches, forward and backward: 8 messages of 8,192 bytes.
+    across = Layout(16, 8, 100.0, 10.0)
+    c = p2p_collective(w, ParallelDims(dp_replicate=8, pp=2), across, 1, 4, True)
+    assert c.wire_bytes == 8 * 8192
+    assert c.seconds == pytest.approx(8 * 8192 / 10.0)
+    # The fill and the drain: 2 (p - 1) = 2 messages nothing hides.
+    assert p2p_exposed_seconds(c, 2, 1, 4, 1e9) == pytest.approx(2 * 8192 / 10.0)
+    # With interleaving (v = 2) a step sends twice as many: 16.
+    c2 = p2p_collective(w, ParallelDims(dp_replicate=8, pp=2), across, 2, 4, True)
+    assert c2.wire_bytes == 16 * 8192
+    # 2 stages of 4 GPUs on one node: neighbours 4 apart, over NVLink (100 B/s).
+    inside = Layout(8, 8, 100.0, 10.0)
+    c = p2p_collective(w, ParallelDims(dp_replicate=4, pp=2), inside, 1, 4, True)
+    assert c.seconds == pytest.approx(8 * 8192 / 100.0)
+
+
+# --- the search, its keys and its checks ----------------------------------------------------
+
+
+def test_auto_keeps_the_jobs_pipeline_degree():
+    inputs = plan_inputs(**{"model.name": "llama-7b", "plan.gpus": 16, "plan.max_pp": 8})
+    cfg = load_config(None, {"model.name": "llama-7b"})
+    assert {d.pp for d in layouts(inputs, user_allowed(cfg))} == {1}  # the runtime's auto
+    cfg = load_config(None, {"model.name": "llama-7b", "parallel.pp": 2})
+    assert {d.pp for d in layouts(inputs, user_allowed(cfg))} == {2}
+    # `trainwise plan` searches the degrees up to plan.max_pp.
+    cfg = load_config(None, {"model.name": "llama-7b", "plan.max_pp": 8}, base=PLAN_DEFAULTS)
+    assert {d.pp for d in layouts(inputs, user_allowed(cfg, {}))} == {1, 2, 4, 8}
+
+
+def test_the_emitted_job_runs_the_planned_pipeline():
+    flags = {**LLAMA_405B, "plan.max_pp": 16}
+    inputs = plan_inputs(**flags)
+    choice = recommend(inputs, user_allowed(load_config(None, flags, base=PLAN_DEFAULTS), {}))
+    setup = choice.setup
+    assert setup.dims.pp > 1
+    job = job_config(load_config(None, flags, base=PLAN_DEFAULTS), choice, inputs)
+    p, d = job.parallel, job.data
+    assert (p.pp, p.pp_schedule, p.pp_virtual, p.pp_microbatches) == (
+        setup.dims.pp, setup.schedule, setup.virtual, setup.grad_accum,
+    )
+    dp = 16384 // (p.pp * p.tp)
+    assert d.micro_batch * d.grad_accum * dp == d.global_batch == 2048
+
+
+def test_llama3_405b_with_pipeline_stages_reaches_metas_mfu():
+    # Meta: 38-41 % MFU on 16,384 H100 at TP 8 x PP 16 x DP 128 (arXiv 2407.21783, Table
+    # 4): the plan with pipeline stages allowed, within 15 % of that range.
+    choice = recommend(plan_inputs(**LLAMA_405B, **{"plan.max_pp": 16}), _allowed(16))
+    assert choice.fits and choice.dims.pp > 1
+    assert 0.38 * 0.85 <= choice.plan.mfu <= 0.41 * 1.15
+    # Without stages the planner's best was 26 % (issue 27's measurement): stages win.
+    flat = recommend(plan_inputs(**LLAMA_405B), _allowed(1))
+    assert flat.plan.mfu < choice.plan.mfu
+
+
+def test_on_a_slow_network_the_plan_uses_stages_and_says_how_much_faster():
+    slow = {**LLAMA_405B, "cluster.inter_node_gbps": 3.0}
+    choice = recommend(plan_inputs(**slow), _allowed(16))
+    assert choice.dims.pp > 1
+    flat = recommend(plan_inputs(**slow), _allowed(1))
+    gain = flat.plan.hours_to_train / choice.plan.hours_to_train
+    assert gain > 2
+    assert f"{gain:.2f}x as fast as the best without pipeline stages" in choice.why
+
+
+def _allowed(max_pp: int):
+    return user_allowed(load_config(None, {"plan.max_pp": max_pp}, base=PLAN_DEFAULTS), {})
+
+
+@pytest.mark.parametrize(
+    "sets, words",
+    [
+        (["parallel.pp=64"], "do not split the 32 blocks"),
+        (["parallel.pp=3"], "does not divide the 16 GPUs"),
+        (["parallel.pp_schedule='Bubbly'"], "parallel.pp_schedule = 'Bubbly'"),
+        (["parallel.pp=4", "parallel.pp_microbatches=2"], "fewer than the 4 stages"),
+        (["parallel.pp=4", "parallel.pp_schedule='ZBVZeroBubble'", "parallel.pp_virtual=4"],
+         "runs pp_virtual = 2, not 4"),
+    ],
+)
+def test_bad_pipeline_input_is_one_line_and_exit_2(tmp_path, sets, words):
+    args = ["plan", "--model", "llama-7b", "--gpus", "16", "--gpus-per-node", "8"]
+    for s in sets:
+        args += ["--set", s]
+    if "parallel.pp=64" in sets:
+        args[4] = "64"  # 64 GPUs, so that 64 stages divide them
+    res = run_cli(*args, cwd=tmp_path, timeout=60)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], res.stderr
+
+
+def test_check_allowed_refuses_stages_without_a_shape():
+    inputs = plan_inputs(**{"plan.params": 10**9, "plan.gpus": 8})
+    cfg = load_config(None, {"plan.params": 10**9, "parallel.pp": 2}, base=PLAN_DEFAULTS)
+    with pytest.raises(Exception, match="pipeline stages need a model shape"):
+        check_allowed(inputs, user_allowed(cfg, {"parallel.pp": "--set"}))
