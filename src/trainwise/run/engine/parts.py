@@ -3,10 +3,10 @@
     meta device -> converters -> split into parts -> parallelize each part on the mesh
     (TP, AC, compile, FSDP) -> materialize or load weights
 
-One part today; pipeline stages will be several (torchtitan's `pipeline_llm` splits the
-model there, each stage keeping the whole model's parameter names). Everything after the
-build (the step, the states, the optimizer, evaluation, clipping, the export) takes the
-list.
+One part, or this rank's pipeline stages (parallel.pp > 1: models.pipeline cuts them, as
+torchtitan's `pipeline_llm`, each keeping the whole model's parameter names), each
+parallelized on the mesh's other dims. Everything after the build (the step, the states,
+the optimizer, evaluation, clipping, the export) takes the list.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 from trainwise.config import JobConfig
+from trainwise.config.schema import ParallelConfig
 from trainwise.models import ModelBundle, build_model
 from trainwise.models.converters import ModelConverter, convert
+from trainwise.models.pipeline import rank_stages, split_gpt
 from trainwise.run.engine.materialize import allocate, materialize
 from trainwise.run.engine.mesh import JobMesh
 from trainwise.run.engine.parallelize import parallelize
@@ -37,7 +39,7 @@ def build_parts(
     weights on every rank), and converted there."""
     bundle = build_unparallelized(job, cfg.train.seed, device)
     convert(bundle.module, converters)
-    parts = split(bundle)
+    parts = split(bundle, cfg.parallel, mesh)
     dims = job.dims
     # DDP keeps a whole replica per rank and checks it at wrapping: materialise first.
     whole = not dims.fsdp and dims.tp == 1
@@ -83,9 +85,16 @@ def build_unparallelized(job: Job, seed: int, device: torch.device) -> ModelBund
     return bundle
 
 
-def split(bundle: ModelBundle) -> list[nn.Module]:
-    """The model's parts: the whole model (pipeline stages will split it here)."""
-    return [bundle.module]
+def split(bundle: ModelBundle, parallel: ParallelConfig, mesh: JobMesh) -> list[nn.Module]:
+    """The model's parts on this rank: the whole model, or its pipeline stages (the job's
+    checks refused a model that does not split)."""
+    pp = mesh.dims.pp
+    if pp == 1:
+        return [bundle.module]
+    schedule, virtual = parallel.pp_schedule, parallel.pp_virtual
+    stages = pp * virtual
+    ids = rank_stages(mesh.pp_rank, pp, virtual, schedule)
+    return [split_gpt(bundle.module, i, stages) for i in ids]
 
 
 def blocks_in(part: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
