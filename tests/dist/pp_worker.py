@@ -26,7 +26,7 @@ STEPS = 3
 # The Llama config the test writes (4 layers: 2 stages x 2 per rank divide them).
 LLAMA = {
     "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 97,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
     "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
     "rope_theta": 5000.0, "hidden_act": "silu",
 }
@@ -61,8 +61,6 @@ def overrides(case: tuple, root: Path, pipeline: bool) -> list[str]:
         "data.synthetic_tokens=20000", f"data.micro_batch={mb}", f"data.grad_accum={accum}",
         "checkpoint.enabled=false", "parallel.strategy='ddp'", "optim.lr=0.003",
     ]
-    if model == "llama":
-        keys.append("model.vocab_size=97")
     if pipeline:
         keys += [f"parallel.pp=2", f"parallel.pp_schedule='{schedule}'", f"parallel.pp_virtual={virtual}", *extra]
     else:

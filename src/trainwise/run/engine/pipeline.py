@@ -27,6 +27,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FULL_BACKWARD,
+    RECV_B,
+    REDUCE_GRAD,
+    SEND_B,
     PipelineScheduleSingle,
     ScheduleGPipe,
     ScheduleLoopedBFS,
@@ -47,6 +53,7 @@ from trainwise.run.engine.step import (
 )
 
 TIED = "tok_emb.weight"  # the embedding a tied head reuses (models.pipeline copies it)
+BACKWARD_ACTIONS = (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, SEND_B, RECV_B, REDUCE_GRAD)
 TIMED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
@@ -153,9 +160,7 @@ class PipelineStep(DataParallelStep):
         """Held-out loss through a forward-only run of the pipeline: one micro-batch per
         loader batch, on stages of their own (the training schedule's keep their shapes)."""
         if self._eval_schedule is None:
-            self._eval_schedule = build_schedule(
-                eval_schedule_class(self.name), self._stages(parts), 1, self.loss_fn
-            )
+            self._eval_schedule = eval_schedule(self.name, self._stages(parts), self.loss_fn)
         for part in parts:
             part.eval()
         total, n = torch.zeros((), device=self.device), 0
@@ -197,12 +202,20 @@ def build_schedule(cls: type, stages: list[PipelineStage], microbatches: int, lo
     return cls(stages, microbatches, loss_fn=loss_fn)
 
 
-def eval_schedule_class(schedule: str) -> type:
-    """A forward-only pass of one micro-batch needs no backward order: GPipe's for one
-    stage per rank, the looped breadth-first one for several, ZBV's for the V."""
+def eval_schedule(schedule: str, stages: list[PipelineStage], loss_fn: Callable) -> Any:
+    """A forward-only pass of one micro-batch: GPipe's for one stage per rank, the looped
+    breadth-first one for several; in the V, ZBV's order with its forwards alone (its
+    runtime would run the backward actions of its order even in `eval`)."""
     if schedule in SINGLE_STAGE:
-        return ScheduleGPipe
-    return ScheduleZBVZeroBubble if schedule in V_SHAPED else ScheduleLoopedBFS
+        return build_schedule(ScheduleGPipe, stages, 1, loss_fn)
+    if schedule not in V_SHAPED:
+        return build_schedule(ScheduleLoopedBFS, stages, 1, loss_fn)
+    v = build_schedule(ScheduleZBVZeroBubble, stages, 1, loss_fn)
+    v.pipeline_order_with_comms = {  # torch's lowered order (compute and p2p), less backward
+        rank: [a for a in actions if a.computation_type not in BACKWARD_ACTIONS]
+        for rank, actions in v.pipeline_order_with_comms.items()
+    }
+    return v
 
 
 def _head_copy(part: torch.nn.Module, name: str) -> bool:
