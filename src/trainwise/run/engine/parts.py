@@ -18,6 +18,7 @@ from trainwise.config import JobConfig
 from trainwise.config.schema import ParallelConfig
 from trainwise.models import ModelBundle, build_model
 from trainwise.models.converters import ModelConverter, convert
+from trainwise.models.gpt_parallel import gpt_tp_plan
 from trainwise.models.pipeline import rank_stages, split_gpt
 from trainwise.run.engine.materialize import allocate, materialize
 from trainwise.run.engine.mesh import JobMesh
@@ -57,7 +58,7 @@ def build_parts(
             reduce_dtype=cfg.precision.reduce_dtype,
             ac=cfg.parallel.ac,
             compile=cfg.train.compile,
-            tp_plan=bundle.tp_plan(sp) if dims.tp > 1 and bundle.tp_plan else None,
+            tp_plan=tp_plan(bundle, part, sp, dims.pp) if dims.tp > 1 and bundle.tp_plan else None,
             mesh=mesh,
         )
         for part in parts
@@ -95,6 +96,12 @@ def split(bundle: ModelBundle, parallel: ParallelConfig, mesh: JobMesh) -> list[
     stages = pp * virtual
     ids = rank_stages(mesh.pp_rank, pp, virtual, schedule)
     return [split_gpt(bundle.module, i, stages) for i in ids]
+
+
+def tp_plan(bundle: ModelBundle, part: nn.Module, sp: bool, pp: int) -> list[dict[str, object]]:
+    """The tensor-parallel plan of `part`: the model's, or a pipeline stage's own (the
+    plan of the modules it holds; a stage is a GPT: models.pipeline)."""
+    return gpt_tp_plan(part, sp) if pp > 1 else bundle.tp_plan(sp)
 
 
 def blocks_in(part: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
