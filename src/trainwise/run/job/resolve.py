@@ -446,8 +446,8 @@ def layout_problems(c: JobConfig, world: int, local: int, device: DeviceInfo) ->
     elif p.dp_shard and world % (p.dp_shard * p.tp * p.pp):
         problems.append(
             f"parallel.dp_shard = {p.dp_shard} does not divide the {world} workers / "
-            f"(parallel.tp {p.tp} x parallel.pp {p.pp}): choose degrees whose product divides "
-            "cluster.nproc x cluster.nodes"
+            f"parallel.tp {p.tp}" + (f" / parallel.pp {p.pp}" if p.pp > 1 else "")
+            + ": choose degrees whose product divides cluster.nproc x cluster.nodes"
         )
     if p.pp > 1 and world % (p.pp * p.tp):
         problems.append(
