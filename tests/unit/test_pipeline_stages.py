@@ -150,3 +150,11 @@ def test_a_pipeline_job_resolves_its_layout():
     assert job.dims.describe() == "pp 2 x dp_replicate 1 x dp_shard 2 x tp 2"
     assert job.dp_size == 2  # stages of one pipeline read the same samples
     assert job.global_batch == config.data.micro_batch * config.data.grad_accum * 2
+
+
+def test_compile_with_a_zero_bubble_schedule_is_refused():
+    problems = problems_of(2, "model.name='small'", "parallel.pp=2", "parallel.strategy='ddp'",
+                           "parallel.pp_schedule='ZBVZeroBubble'", "parallel.pp_virtual=3",
+                           "train.compile=true")
+    assert len(problems) == 2  # and the V's two stages a rank
+    assert "train.compile = true with parallel.pp_schedule = 'ZBVZeroBubble'" in problems[1]

@@ -25,7 +25,7 @@ from trainwise.models import (
     takes_example_ids,
     tp_model_problems,
 )
-from trainwise.models.pipeline import default_microbatches, schedule_problems
+from trainwise.models.pipeline import ZERO_BUBBLE, default_microbatches, schedule_problems
 from trainwise.plan import (
     Decision,
     Workload,
@@ -490,7 +490,14 @@ def pipeline_problems(c: JobConfig, shape: GPTShape | None, accum: int) -> list[
         ]
     batch = c.data.micro_batch * accum
     microbatches = p.pp_microbatches or default_microbatches(c.data.micro_batch, accum)
-    return schedule_problems(p.pp_schedule, p.pp, p.pp_virtual, shape.n_layer, microbatches, batch)
+    problems = schedule_problems(p.pp_schedule, p.pp, p.pp_virtual, shape.n_layer, microbatches, batch)
+    if c.train.compile and p.pp_schedule in ZERO_BUBBLE:
+        problems.append(
+            f"train.compile = true with parallel.pp_schedule = '{p.pp_schedule}': torch's "
+            "zero-bubble schedules split the backward, which compiled blocks do not support; "
+            "use 1F1B or Interleaved1F1B, or train.compile = false"
+        )
+    return problems
 
 
 def sequence_parallel(c: JobConfig) -> bool:
