@@ -62,7 +62,10 @@ def overrides(case: tuple, root: Path, pipeline: bool) -> list[str]:
         "checkpoint.enabled=false", "parallel.strategy='ddp'", "optim.lr=0.003",
     ]
     if pipeline:
-        keys += [f"parallel.pp=2", f"parallel.pp_schedule='{schedule}'", f"parallel.pp_virtual={virtual}", *extra]
+        keys += [
+            "parallel.pp=2", f"parallel.pp_schedule='{schedule}'",
+            f"parallel.pp_virtual={virtual}", *extra,
+        ]
     else:
         keys[keys.index("parallel.strategy='ddp'")] = "parallel.strategy='single'"
     return keys
