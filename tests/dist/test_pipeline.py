@@ -1,7 +1,7 @@
 """Pipeline parallelism trains the same model as one process: two torchrun launches of
 pp_worker.py (2 gloo workers: every schedule offered, for the built-in GPT preset `small`
 and an HF Llama config read into trainwise's GPT, with gradient accumulation in two cases;
-4 workers: pp 2 x dp_shard 2 and pp 2 x tp 2), each case's losses, gradient norms and
+4 workers: pp 2 x dp_shard 2, pp 2 x 2 replicas and pp 2 x tp 2), each case's losses, gradient norms and
 held-out loss compared with one process (trained here, without a process group).
 
 fp32, 1e-5: measured on a 2-core CPU, the largest relative difference over every case was
@@ -65,7 +65,7 @@ def reference(root: Path, case: tuple) -> dict:
     """One process's run of `case`: the same samples a step (the pipeline's data-parallel
     ranks' micro-batches in one)."""
     model, world, _, _, mb, accum, extra = case
-    dp = 2 if "parallel.strategy='fsdp'" in extra else 1
+    dp = world // 2 // (2 if "parallel.tp=2" in extra else 1)  # pp 2
     key = (model, mb * dp, accum)
     if key not in _references:
         single = (model, 1, None, 1, mb * dp, accum, [])
@@ -106,6 +106,14 @@ def test_pipeline_times_fsdp_trains_one_processs_losses(four, root):
     ranks = [r[name] for r in four]
     assert ranks[0]["layout"] == "pp 2 x dp_replicate 1 x dp_shard 2 x tp 1"
     # Ranks of different stages read the same samples: the data-parallel rank skips pp.
+    assert [r["dp_rank"] for r in ranks] == [0, 1, 0, 1]
+    assert_matches(ranks[0], reference(root, pp_worker.CASES_4[name]), held_out=False)
+
+
+def test_pipeline_times_replicas_trains_one_processs_losses(four, root):
+    name = "small-gpipe-ddp2"
+    ranks = [r[name] for r in four]
+    assert ranks[0]["layout"] == "pp 2 x dp_replicate 2 x dp_shard 1 x tp 1"
     assert [r["dp_rank"] for r in ranks] == [0, 1, 0, 1]
     assert_matches(ranks[0], reference(root, pp_worker.CASES_4[name]), held_out=False)
 
