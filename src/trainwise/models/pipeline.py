@@ -124,8 +124,3 @@ def split_gpt(model: GPT, stage: int, stages: int) -> GPT:
         part.lm_head = None
     return part
 
-
-def splits(module: nn.Module) -> bool:
-    """Whether the model can be cut into pipeline stages (the built-in GPT, which the Llama
-    family builds with model.impl = 'trainwise')."""
-    return isinstance(module, GPT)

@@ -60,8 +60,8 @@ TIMED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 class PipelineStep(DataParallelStep):
     """Runs training steps through a pipeline schedule over this rank's stages (`parts`,
     stage indices `stage_ids` of `num_stages`; `tied`: the model's head reuses its
-    embedding). Clipping, the update and the guard are the
-    data-parallel step's, with the norm completed over the pipeline."""
+    embedding). Clipping, the update and the guard are the data-parallel step's, with
+    the norm completed over the pipeline."""
 
     def __init__(
         self,
@@ -139,7 +139,7 @@ class PipelineStep(DataParallelStep):
     def _batch(self, batches: Iterator[Batch]) -> list[torch.Tensor]:
         """The step's grad_accum loader batches as one: the schedule cuts it."""
         micro = [next(batches) for _ in range(self.grad_accum)]
-        return [torch.cat(parts).to(self.device) for parts in zip(*micro, strict=True)]
+        return [torch.cat(tensors).to(self.device) for tensors in zip(*micro, strict=True)]
 
     def _last_stage_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean of the last stage's losses, on every rank of the pipeline (a SUM over

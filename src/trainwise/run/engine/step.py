@@ -1,7 +1,7 @@
 """The training step as a strategy object: `TrainStep.step(parts, batches, probe)` runs one
 optimizer step over the model's parts and `evaluate(parts, batches)` the held-out loss.
-`DataParallelStep` is today's (gradient accumulation, probe, clipping, update, on one part);
-a pipeline step, which runs a schedule over several parts, will be another implementation.
+`DataParallelStep` runs one part (gradient accumulation, probe, clipping, update);
+run/engine/pipeline.py's `PipelineStep` runs a pipeline schedule over a rank's stages.
 The doctor's memory simulation runs the same object on its fake process group."""
 
 from __future__ import annotations

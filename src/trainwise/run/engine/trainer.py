@@ -155,9 +155,9 @@ def build_step(
     grad_clip: float,
     **options: Any,
 ) -> TrainStep:
-    """The layout's step strategy: today the data-parallel step, its forward under the
-    layout's precision and loss contexts (the trainer and the doctor's simulation build it
-    here). `options`: DataParallelStep's keywords."""
+    """The data-parallel step, its forward under the layout's precision and loss
+    contexts (the trainer and the doctor's simulation build it here; pipeline stages get
+    build_pipeline_step's). `options`: DataParallelStep's keywords."""
 
     def autocast() -> AbstractContextManager:
         return loss_context(dims.tp, autocast_context(dims.fsdp, dtype, device))
