@@ -1,6 +1,7 @@
 """A torchrun worker for test_pipeline: trains each case of CASES (a pipeline layout, a
 schedule, a model) a few steps through the engine (build_trainer: stages, mesh, the
-pipeline step) inside one process group, evaluates once, and writes the losses, the held-out
+pipeline step) inside one process group, runs one step with a NaN loss (the guard skips
+its update), evaluates once, and writes the losses, the held-out
 loss and the step's telemetry split per case. `case_losses` is also how the test trains
 the one-process reference of a case (without a process group). Not a test."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -82,9 +84,13 @@ def case_losses(case: tuple, root: Path, pipeline: bool) -> dict:
     trainer = build_trainer(cfg, job, torch.device("cpu"))
     batches = iter(build_loader(
         job.datasets[0], micro_batch=cfg.data.micro_batch, grad_accum=job.grad_accum,
-        dp_rank=trainer.dp_rank, dp_size=trainer.dp_size, seed=cfg.train.seed, num_steps=STEPS,
+        dp_rank=trainer.dp_rank, dp_size=trainer.dp_size, seed=cfg.train.seed,
+        num_steps=STEPS + 1,
     ))
     results = [trainer.train_step(batches) for _ in range(STEPS)]
+    trainer.step.poison = True  # a NaN loss: every rank must skip the same update
+    poisoned = trainer.train_step(batches)
+    trainer.step.poison = False
     evaluation = build_eval_loader(
         job.datasets[1], micro_batch=cfg.data.micro_batch, max_batches=2,
         dp_rank=trainer.dp_rank, dp_size=trainer.dp_size, seed=cfg.train.seed,
@@ -96,6 +102,7 @@ def case_losses(case: tuple, root: Path, pipeline: bool) -> dict:
         "eval": trainer.evaluate(evaluation),
         "spans": spans, "sync": sync, "layout": job.dims.describe(),
         "dp_rank": trainer.dp_rank, "parts": len(trainer.parts),
+        "guard": [poisoned.finite, math.isnan(float(poisoned.loss))],
     }
 
 

@@ -2,7 +2,8 @@
 pp_worker.py (2 gloo workers: every schedule offered, for the built-in GPT preset `small`
 and an HF Llama config read into trainwise's GPT, with gradient accumulation in two cases;
 4 workers: pp 2 x dp_shard 2, pp 2 x 2 replicas and pp 2 x tp 2), each case's losses, gradient norms and
-held-out loss compared with one process (trained here, without a process group).
+held-out loss compared with one process (trained here, without a process group), and a
+step with a NaN loss skipped on every stage.
 
 fp32, 1e-5: measured on a 2-core CPU, the largest relative difference over every case was
 of the order of 1e-7 (the sums run in another order across stages and shards)."""
@@ -91,6 +92,9 @@ def test_two_stages_train_one_processs_losses(two, root, name):
     assert ranks[0]["layout"] == "pp 2 x dp_replicate 1 x dp_shard 1 x tp 1"
     virtual = pp_worker.CASES[name][3]
     assert [r["parts"] for r in ranks] == [virtual, virtual]
+    # A NaN loss on the last stage: every stage saw the non-finite norm and skipped the
+    # update (the held-out loss above is still one process's, which skipped it too).
+    assert [r["guard"] for r in ranks] == [[False, True]] * 2
 
 
 def test_the_step_is_split_into_compute_bubble_and_communication(two):
