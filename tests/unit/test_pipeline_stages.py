@@ -100,6 +100,7 @@ def test_microbatches_default_to_one_sample_each():
     (("1F1B", 4, 1, 8, 2, 2), "parallel.pp_microbatches = 2 is fewer than the 4 stages"),
     (("GPipe", 2, 1, 4, 3, 4), "parallel.pp_microbatches = 3 does not cut the 4 samples"),
     (("Interleaved1F1B", 2, 2, 8, 7, 14), "7 is not a multiple of its 3 rounds"),
+    (("GPipe", 2, 1, 4, 2, 8, 4), "= 2 is not a multiple of data.grad_accum = 4"),
 ])
 def test_each_bad_schedule_input_is_one_line(args, line):
     problems = schedule_problems(*args)

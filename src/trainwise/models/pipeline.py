@@ -52,11 +52,13 @@ def default_microbatches(micro_batch: int, grad_accum: int) -> int:
 
 
 def schedule_problems(
-    schedule: str, pp: int, virtual: int, n_layer: int, microbatches: int, batch: int
+    schedule: str, pp: int, virtual: int, n_layer: int, microbatches: int, batch: int,
+    accum: int = 1,
 ) -> list[str]:
     """Why the layout cannot run `schedule`, one line each: the stages must divide the
     layers, the schedule fixes the stages per rank, the micro-batches must cut the rank's
-    `batch` evenly and meet the schedule's own rule (torch's: Schedule1F1B needs at least
+    `batch` (`accum` loader micro-batches) evenly, each inside one loader micro-batch, and
+    meet the schedule's own rule (torch's: Schedule1F1B needs at least
     one per stage; the interleaved ones a multiple of max(1, microbatches // pp))."""
     problems = []
     stages = pp * virtual
@@ -82,7 +84,13 @@ def schedule_problems(
             f"parallel.pp_virtual = {virtual}: set pp_virtual = 2 or more, or use 1F1B"
         )
     where = f"parallel.pp_microbatches = {microbatches}"
-    if batch % microbatches:
+    if microbatches % accum:
+        problems.append(
+            f"{where} is not a multiple of data.grad_accum = {accum}: each pipeline "
+            "micro-batch must lie inside one of the loader's micro-batches (their losses are "
+            "averaged as without stages); use a multiple of it"
+        )
+    elif batch % microbatches:
         problems.append(
             f"{where} does not cut the {batch} samples of a rank's step (data.micro_batch x "
             "data.grad_accum) evenly: choose a divisor of it"

@@ -3,10 +3,12 @@ this rank's stages (models.pipeline) wrapped in `PipelineStage`s over the mesh's
 and one of torch's schedules over them.
 
 A step takes the rank's micro_batch x grad_accum samples as one batch, which the schedule
-cuts into parallel.pp_microbatches; the loss is computed on the last stage, per
-micro-batch (a mean), and the schedule divides the gradients by their number, so the
-gradients are those of one process's mean loss. Afterwards the last stage's loss goes to
-every rank of the pipeline, a tied head's gradient is summed with the embedding's, and
+cuts into parallel.pp_microbatches (each inside one of the loader's micro-batches); the
+loss is computed on the last stage, each pipeline micro-batch's mean weighted by its share
+of the counted targets of its loader micro-batch (targets may be ignored: SFT prompts) and
+by 1 / grad_accum, so that the losses and gradients are the data-parallel step's: the mean
+over the loader's micro-batches of each one's mean loss. Afterwards the last stage's loss
+goes to every rank of the pipeline, a tied head's gradient is summed with the embedding's, and
 the gradient norm (clipping, the non-finite check) is completed over the pipeline.
 
 Telemetry (host clocks): `compute` is the time inside the stages' forward and backward
@@ -41,6 +43,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor
 
+from trainwise.data.shards import IGNORE
 from trainwise.models.pipeline import SINGLE_STAGE, V_SHAPED
 from trainwise.run.engine.materialize import plain_name
 from trainwise.run.engine.mesh import JobMesh
@@ -89,6 +92,7 @@ class PipelineStep(DataParallelStep):
             get_schedule_class(schedule), self.stages, microbatches, self._loss
         )
         self._eval_schedule: Any = None
+        self._denominators = torch.ones(self.grad_accum, dtype=torch.long)  # set per step
         # A tied head on another rank than the embedding (not in the V: both on rank 0).
         self.tie_group = tie_group(mesh) if tied and schedule not in V_SHAPED else None
 
@@ -109,8 +113,25 @@ class PipelineStep(DataParallelStep):
         return timed
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = self.loss_fn(output, target)
+        """A pipeline micro-batch's part of the step's loss; `target` carries each
+        sample's loader micro-batch beside its targets (_targets)."""
+        y, loader_batch = target[..., 0], target.reshape(-1, 2)[0, 1]
+        counted = (y != IGNORE).sum()
+        # A micro-batch of ignored targets only adds 0, with a graph: one target counted.
+        first = torch.zeros_like(y, dtype=torch.bool)
+        first.view(-1)[0] = True
+        y = torch.where(first & (counted == 0), 0, y)
+        loss = self.loss_fn(output, y) * counted / self._denominators[loader_batch]
         return loss * float("nan") if self.poison else loss  # a fault injected by a test
+
+    def _targets(self, y: torch.Tensor) -> torch.Tensor:
+        """The targets with each sample's loader micro-batch beside them ([B, T, 2]), and
+        the denominators of _loss: each loader micro-batch's counted targets x grad_accum."""
+        accum = self.grad_accum
+        counted = (y != IGNORE).reshape(accum, -1).sum(1)
+        self._denominators = counted * accum
+        loader_batch = torch.arange(accum, device=y.device).repeat_interleave(len(y) // accum)
+        return torch.stack([y, loader_batch[:, None].expand_as(y)], dim=-1)
 
     def step(
         self, parts: list[torch.nn.Module], batches: Iterator[Batch], probe: bool
@@ -123,11 +144,11 @@ class PipelineStep(DataParallelStep):
         self.stage = f"the pipeline schedule ({self.name}, {self.microbatches} micro-batches)"
         self.compute_s, started = 0.0, time.perf_counter()
         losses: list[torch.Tensor] = []
-        run(self.schedule, self.first, x, y, rest, losses, self.autocast)
+        run(self.schedule, self.first, x, self._targets(y), rest, losses, self.autocast)
         bubble = max(0.0, time.perf_counter() - started - self.compute_s)
         clock.mark("last")
         self.stage = "the pipeline's loss and tied gradients"
-        loss = self._last_stage_mean(losses)
+        loss = self._last_stage_sum(losses)
         sync_tied_grads(parts, self.tie_group)
         clock.mark("sync")
         norm, finite = self.update(parts)
@@ -141,11 +162,11 @@ class PipelineStep(DataParallelStep):
         micro = [next(batches) for _ in range(self.grad_accum)]
         return [torch.cat(tensors).to(self.device) for tensors in zip(*micro, strict=True)]
 
-    def _last_stage_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The mean of the last stage's losses, on every rank of the pipeline (a SUM over
+    def _last_stage_sum(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The sum of the last stage's losses, on every rank of the pipeline (a SUM over
         the pp group, where only the last stage's rank adds a value)."""
-        mean = torch.stack(losses).mean().detach().float() if self.last else None
-        total = mean if mean is not None else torch.zeros((), device=self.device)
+        mine = torch.stack(losses).sum().detach().float() if self.last else None
+        total = mine if mine is not None else torch.zeros((), device=self.device)
         dist.all_reduce(total, group=self.pp_group)
         return total
 
@@ -173,7 +194,7 @@ class PipelineStep(DataParallelStep):
                 x, y, *rest = (t.to(self.device) for t in batch)
                 losses: list[torch.Tensor] = []
                 run(self._eval_schedule, self.first, x, y, rest, losses, self.autocast, eval=True)
-                total += self._last_stage_mean(losses)
+                total += self._last_stage_sum(losses)  # one micro-batch: its mean
                 n += 1
         for part in parts:
             part.train()
@@ -203,9 +224,10 @@ def build_schedule(
     cls: type, stages: list[PipelineStage], microbatches: int, loss_fn: Callable
 ) -> Any:
     """torch's schedule `cls` over this rank's stages (a single-stage class takes one)."""
+    # The loss weighs each micro-batch itself (PipelineStep._loss): no division by their count.
     if issubclass(cls, PipelineScheduleSingle):
-        return cls(stages[0], microbatches, loss_fn=loss_fn)
-    return cls(stages, microbatches, loss_fn=loss_fn)
+        return cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
 def eval_schedule(schedule: str, stages: list[PipelineStage], loss_fn: Callable) -> Any:

@@ -491,7 +491,7 @@ def pipeline_problems(c: JobConfig, shape: GPTShape | None, accum: int) -> list[
     batch = c.data.micro_batch * accum
     microbatches = p.pp_microbatches or default_microbatches(c.data.micro_batch, accum)
     problems = schedule_problems(
-        p.pp_schedule, p.pp, p.pp_virtual, shape.n_layer, microbatches, batch
+        p.pp_schedule, p.pp, p.pp_virtual, shape.n_layer, microbatches, batch, accum
     )
     if c.train.compile and p.pp_schedule in ZERO_BUBBLE:
         problems.append(
