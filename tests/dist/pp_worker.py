@@ -32,7 +32,10 @@ LLAMA = {
     "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
     "rope_theta": 5000.0, "hidden_act": "silu",
 }
-# name -> (model, world, schedule, pp_virtual, micro_batch, grad_accum, extra overrides)
+SFT = ["data.dataset='tokens'", "data.path='{root}/sft'", "data.seq_len=128",
+       "data.val_fraction=0.2"]
+# name -> (model, world, schedule, pp_virtual, micro_batch, grad_accum, extra overrides:
+# data.* ones apply to the one-process reference too)
 # `small` is the built-in GPT preset (6 layers, tied head: the embedding's gradient crosses
 # the pipeline); `llama` an HF Llama config read into the same GPT (untied).
 CASES = {
@@ -45,6 +48,9 @@ CASES = {
     "llama-interleaved1f1b-accum": ("llama", 2, "Interleaved1F1B", 2, 2, 2, []),
     "llama-interleavedzb": ("llama", 2, "InterleavedZeroBubble", 2, 4, 1, []),
     "llama-zbv": ("llama", 2, "ZBVZeroBubble", 2, 4, 1, []),
+    # Packed SFT data (the test prepares it): ignored prompt targets, examples' ids to every
+    # stage; the losses are the loader micro-batches' means, averaged, as without stages.
+    "small-sft-packed-accum": ("small", 2, "1F1B", 1, 2, 2, SFT),
 }
 # Four processes: pipeline x FSDP shards, x replicas (FSDP2's replication: DDP's reducer
 # does not follow the schedule), x tensor parallelism.
@@ -65,10 +71,11 @@ def overrides(case: tuple, root: Path, pipeline: bool) -> list[str]:
         "data.synthetic_tokens=20000", f"data.micro_batch={mb}", f"data.grad_accum={accum}",
         "checkpoint.enabled=false", "parallel.strategy='ddp'", "optim.lr=0.003",
     ]
+    keys += [e.format(root=root) for e in extra if e.startswith("data.")]
     if pipeline:
         keys += [
             "parallel.pp=2", f"parallel.pp_schedule='{schedule}'",
-            f"parallel.pp_virtual={virtual}", *extra,
+            f"parallel.pp_virtual={virtual}", *(e for e in extra if not e.startswith("data.")),
         ]
     else:
         keys[keys.index("parallel.strategy='ddp'")] = "parallel.strategy='single'"

@@ -1,6 +1,7 @@
 """Pipeline parallelism trains the same model as one process: two torchrun launches of
 pp_worker.py (2 gloo workers: every schedule offered, for the built-in GPT preset `small`
-and an HF Llama config read into trainwise's GPT, with gradient accumulation in two cases;
+and an HF Llama config read into trainwise's GPT, with gradient accumulation in three
+cases, one on packed SFT data with ignored prompt targets;
 4 workers: pp 2 x dp_shard 2, pp 2 x 2 replicas and pp 2 x tp 2), each case's losses, gradient norms and
 held-out loss compared with one process (trained here, without a process group), and a
 step with a NaN loss skipped on every stage.
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import cli_env, max_rel_diff, worker_failure
+from helpers import cli_env, max_rel_diff, sft_corpus, worker_failure
 
 pytestmark = pytest.mark.dist
 
@@ -46,6 +47,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("pipeline")
     config = {k: v for k, v in pp_worker.LLAMA.items() if k != "model_type"}
     transformers.LlamaConfig(**config).save_pretrained(folder / "llama")  # config.json only
+    sft_corpus(folder)  # folder / "sft": packed prompt / response examples
     return folder
 
 
@@ -67,9 +69,10 @@ def reference(root: Path, case: tuple) -> dict:
     ranks' micro-batches in one)."""
     model, world, _, _, mb, accum, extra = case
     dp = world // 2 // (2 if "parallel.tp=2" in extra else 1)  # pp 2
-    key = (model, mb * dp, accum)
+    data = [e for e in extra if e.startswith("data.")]
+    key = (model, mb * dp, accum, *data)
     if key not in _references:
-        single = (model, 1, None, 1, mb * dp, accum, [])
+        single = (model, 1, None, 1, mb * dp, accum, data)
         _references[key] = pp_worker.case_losses(single, root, pipeline=False)
     return _references[key]
 
