@@ -575,13 +575,14 @@ def job_plan(job: Job) -> dict[str, Any] | None:
         "calibration_step_s": job.calibration.step_s if job.calibration else None,
         "calibration_save_s": job.calibration.save_s if job.calibration else None,
         # The other strategies on the same workers, for the report's advice. Only beside a
-        # data-parallel layout: they run more samples a step than a tensor-parallel one.
+        # data-parallel layout: they run more samples a step than a tensor-parallel or
+        # pipelined one.
         "alternatives": [
             {"name": alt.name, "fits": alt.fits, "step_total": alt.step.total,
              "tokens_per_s": alt.tokens_per_s}
             for alt in (evaluate(inputs, n) for n in candidate_names(inputs))
             if alt.gpus == inputs.gpus and not (offloads(alt) and hw.device == "cpu")
-        ] if job.dims.tp == 1 else [],
+        ] if job.dims.tp == 1 and job.dims.pp == 1 else [],
     }
 
 
