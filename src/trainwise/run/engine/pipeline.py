@@ -11,8 +11,9 @@ over the loader's micro-batches of each one's mean loss. Afterwards the last sta
 goes to every rank of the pipeline, a tied head's gradient is summed with the embedding's, and
 the gradient norm (clipping, the non-finite check) is completed over the pipeline.
 
-Telemetry (host clocks): `compute` is the time inside the stages' forward and backward
-(PipelineStage's *_one_chunk calls, timed on this rank); `bubble` the rest of the
+Telemetry (CUDA events on GPU, host clocks on CPU): `compute` is the time inside the
+stages' forward and backward (PipelineStage's *_one_chunk calls, timed on this rank);
+`bubble` the rest of the
 schedule's wall time: waiting on the neighbouring stages (the fill and drain of the
 schedule, and transfers not hidden, which one rank's clock cannot tell apart); `sync`
 the exposed communication after the schedule (the loss and the tied gradient).
@@ -83,7 +84,7 @@ class PipelineStep(DataParallelStep):
         self.stage_ids, self.num_stages = stage_ids, num_stages
         self.pp_group = mesh.pp_group()
         self.first, self.last = 0 in stage_ids, num_stages - 1 in stage_ids
-        self.compute_s = 0.0  # this step's time inside the stages' forward and backward
+        self.compute = Spans(self.device)  # this step's stage forwards and backwards
         self.stages = self._stages(parts)
         for stage in self.stages:
             for method in TIMED:
@@ -104,11 +105,11 @@ class PipelineStep(DataParallelStep):
 
     def _timed(self, method: Callable) -> Callable:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            start = self.compute.mark()
             try:
                 return method(*args, **kwargs)
             finally:
-                self.compute_s += time.perf_counter() - start
+                self.compute.add(start, self.compute.mark())
 
         return timed
 
@@ -142,10 +143,11 @@ class PipelineStep(DataParallelStep):
         x, y, *rest = self._batch(batches)
         clock.mark("data")
         self.stage = f"the pipeline schedule ({self.name}, {self.microbatches} micro-batches)"
-        self.compute_s, started = 0.0, time.perf_counter()
+        wall = Spans(self.device)
+        started = wall.mark()
         losses: list[torch.Tensor] = []
         run(self.schedule, self.first, x, self._targets(y), rest, losses, self.autocast)
-        bubble = max(0.0, time.perf_counter() - started - self.compute_s)
+        wall.add(started, wall.mark())
         clock.mark("last")
         self.stage = "the pipeline's loss and tied gradients"
         loss = self._last_stage_sum(losses)
@@ -153,6 +155,8 @@ class PipelineStep(DataParallelStep):
         clock.mark("sync")
         norm, finite = self.update(parts)
         clock.mark("optim")
+        # Resolved after the update, whose guard waited for the device anyway.
+        bubble = max(0.0, wall.seconds() - self.compute.seconds())
         return StepResult(
             loss, norm, clock.take(), False, time.perf_counter(), finite, bubble=bubble
         )
@@ -199,6 +203,34 @@ class PipelineStep(DataParallelStep):
         for part in parts:
             part.train()
         return mean_over_ranks(total / max(n, 1))[0]
+
+
+class Spans:
+    """Time spans on this rank: CUDA events on GPU (read once the device has passed
+    them), host clocks on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: list[tuple[Any, Any]] = []
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, start: Any, end: Any) -> None:
+        self.spans.append((start, end))
+
+    def seconds(self) -> float:
+        """The spans' total, in seconds; the list starts again empty."""
+        spans, self.spans = self.spans, []
+        if not self.cuda:
+            return sum(end - start for start, end in spans)
+        if spans:
+            spans[-1][1].synchronize()
+        return sum(start.elapsed_time(end) for start, end in spans) / 1000.0
 
 
 def run(
