@@ -22,7 +22,9 @@ import pytest
 
 from helpers import cli_env, max_rel_diff, sft_corpus, worker_failure
 
-pytestmark = pytest.mark.dist
+# A launch trains 10 (or 3) cases, each built and evaluated: on 2 busy cores it can near
+# the project's 300 s a test, which would count it against the first test that uses it.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 WORKER = Path(__file__).with_name("pp_worker.py")
 _spec = importlib.util.spec_from_file_location("pp_worker", WORKER)
