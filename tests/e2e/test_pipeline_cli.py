@@ -1,5 +1,6 @@
 """Pipeline parallelism through the CLI: `trainwise train` with parallel.pp = 2 on 2 gloo
-workers (with activation checkpointing per stage and an evaluation through the schedule)
+workers (with activation checkpointing and torch.compile per stage, an evaluation through
+the schedule)
 records the step's bubble, the summary and `trainwise report` show it; bad pipeline
 input stops before any worker with one line and exit status 2."""
 
@@ -21,6 +22,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     res = run_cli(
         "train", "--nproc", "2", "--strategy", "ddp", "--steps", "6", "--run-dir", "run",
         *QUIET, "--set", "parallel.pp=2", "--set", "parallel.ac='full'",
+        "--set", "train.compile=true",
         "--set", "data.seq_len=32", "--set", "train.eval_every=3",
         "--set", "checkpoint.enabled=false", cwd=root, timeout=600,
     )
