@@ -71,6 +71,9 @@ def check_scaling(ctx: Context) -> CheckResult:
     if ctx.job.dims.tp > 1:
         why = "tensor parallelism needs its tp workers: fewer workers would be another layout"
         return CheckResult.skipped("scaling", title, why)
+    if ctx.job.dims.pp > 1:
+        why = "pipeline stages need their pp workers: fewer workers would be another layout"
+        return CheckResult.skipped("scaling", title, why)
     c = ctx.cfg
     tokens = c.data.micro_batch * ctx.job.grad_accum * ctx.job.data.tokens_per_sample
     rows: list[dict] = []
