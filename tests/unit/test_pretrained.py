@@ -164,3 +164,38 @@ def test_cli_bad_model_one_line_exit_2(models, broken, tmp_path, which, sets, me
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+
+
+def _stage(folder: Path, blocks: list[int], first: bool, last: bool) -> torch.nn.Module:
+    """One pipeline stage of the trainwise GPT as the splitter makes it: built on meta,
+    keeping its blocks under their whole-model names, storage allocated, not yet loaded."""
+    with torch.device("meta"):
+        gpt = build_model(ModelSpec(name=f"hf:{folder}", seq_len=16, impl="trainwise")).module
+    gpt.blocks = torch.nn.ModuleDict({str(i): gpt.blocks[i] for i in blocks})
+    if not first:
+        gpt.tok_emb = None
+    if not last:
+        gpt.norm = gpt.lm_head = None
+    allocate(gpt, torch.device("cpu"))
+    return gpt
+
+
+def test_each_pipeline_stage_reads_only_its_own_tensors(models):
+    """Two stages of a sharded checkpoint: each opens exactly the tensors it holds (its
+    blocks; the embedding on the first, the norm and head on the last), and together they
+    read every tensor of the files once, with the files' values."""
+    folder = models["sharded"]
+    stored = {}
+    for f in folder.glob("*.safetensors"):
+        stored.update(safetensors_torch.load_file(f))
+    bundle = build_model(ModelSpec(name=f"hf:{folder}", seq_len=16, impl="trainwise"))
+    reads = []
+    for stage in (_stage(folder, [0], True, False), _stage(folder, [1], False, True)):
+        read = bundle.load_weights(stage)
+        mine = {gpt_to_hf(k): v for k, v in stage.state_dict().items() if "rotary" not in k}
+        assert read["tensors_read"] == len(mine), (read, sorted(mine))
+        assert read["bytes_read"] == sum(stored[k].nbytes for k in mine)
+        assert all(torch.equal(v, stored[k]) for k, v in mine.items())
+        reads.append(read)
+    assert sum(r["tensors_read"] for r in reads) == len(stored)
+    assert sum(r["bytes_read"] for r in reads) == sum(t.nbytes for t in stored.values())
