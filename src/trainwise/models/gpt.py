@@ -178,7 +178,12 @@ class GPT(nn.Module):
             else None
         )
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(shape, dropout) for _ in range(shape.n_layer))
+        # A pipeline stage (models.pipeline) holds some of them, in a ModuleDict keyed by
+        # their index, so that every parameter keeps the whole model's name.
+        self.blocks: nn.ModuleList | nn.ModuleDict = nn.ModuleList(
+            Block(shape, dropout) for _ in range(shape.n_layer)
+        )
+        self.embeds = True  # False on pipeline stages after the first: they take activations
         self.norm = _norm(shape)
         # Tied: the head reuses tok_emb.weight in forward, so there is one Parameter that
         # survives to_empty/FSDP without re-tying.
@@ -218,9 +223,16 @@ class GPT(nn.Module):
         else:
             nn.init.normal_(tensor, mean=0.0, std=INIT_STD, generator=generator)
 
+    def layers(self) -> list[nn.Module]:
+        """The blocks this model (or pipeline stage) holds, in order."""
+        blocks = self.blocks
+        return list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
+
     def forward(self, idx: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of idx[B, T]; with `doc` [B, T] (the example each token belongs to, from
-        packed SFT data) attention stays inside each example and positions restart."""
+        packed SFT data) attention stays inside each example and positions restart. A
+        pipeline stage takes the previous stage's activations [B, T, d] instead of idx
+        (unless it embeds) and returns them before the norm (unless it holds the norm)."""
         t = idx.shape[1]
         if t > self.shape.max_seq_len:
             raise ModelError(
@@ -229,14 +241,19 @@ class GPT(nn.Module):
                 "model.seq_len"
             )
         positions, mask = packed_layout(doc) if doc is not None else (None, None)
-        x = self.tok_emb(idx)
-        if self.pos_emb is not None:
-            at = positions if positions is not None else torch.arange(t, device=idx.device)
-            x = x + self.pos_emb(at)
-        x = self.drop(x)
-        for block in self.blocks:
+        x = self._embed(idx, positions) if self.embeds else idx
+        for block in self.layers():
             x = block(x, positions=positions, attn_mask=mask)
+        if self.norm is None:  # a pipeline stage before the last
+            return x
         x = self.norm(x)
         if self.lm_head is None:
             return F.linear(x, self.tok_emb.weight)
         return self.lm_head(x)
+
+    def _embed(self, idx: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            at = positions if positions is not None else torch.arange(idx.shape[1], device=idx.device)
+            x = x + self.pos_emb(at)
+        return self.drop(x)

@@ -19,6 +19,7 @@ both to the runtime with the GPT (`ModelBundle`).
 
 from __future__ import annotations
 
+from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -51,25 +52,29 @@ def tp_problems(s: GPTShape, tp: int, seq_len: int, sequence_parallel: bool) -> 
 
 
 def gpt_tp_plan(model: GPT, sequence_parallel: bool) -> list[dict[str, ParallelStyle]]:
-    """The GPT's tensor-parallel plan over a 1-D tp mesh (module names as in the model)."""
+    """The GPT's tensor-parallel plan over a 1-D tp mesh (module names as in the model), or
+    a pipeline stage's: the plan of the modules it holds."""
     sp = sequence_parallel
     # Between blocks the residual stream is a slice of the sequence (sp) or a replica.
     stream = Shard(1) if sp else Replicate()
     learned_pos = model.pos_emb is not None
-    plan: dict[str, ParallelStyle] = {
+    names = list(model.blocks.keys()) if isinstance(model.blocks, nn.ModuleDict) else [
+        str(i) for i in range(len(model.blocks))
+    ]
+    plan: dict[str, ParallelStyle] = {}
+    if model.tok_emb is not None:  # the embedding, or a last stage's copy of a tied head
         # Position embeddings are added to the whole sequence, so with them the token
         # embedding ends replicated and block 0 takes its slice of the sequence.
-        "tok_emb": RowwiseParallel(
+        plan["tok_emb"] = RowwiseParallel(
             input_layouts=Replicate(), output_layouts=Replicate() if learned_pos else stream
-        ),
-    }
-    if sp and learned_pos:
+        )
+    if sp and learned_pos and model.embeds and "0" in names:
         plan["blocks.0"] = PrepareModuleInput(
             input_layouts=(Replicate(),),
             desired_input_layouts=(Shard(1),),
             use_local_output=True,
         )
-    for i in range(len(model.blocks)):
+    for block, i in zip(model.layers(), names, strict=True):
         b = f"blocks.{i}"
         for part, outputs in (("attn", ("out_proj",)), ("mlp", ("down",))):
             plan[f"{b}.{part}"] = PrepareModuleInput(
@@ -80,11 +85,13 @@ def gpt_tp_plan(model: GPT, sequence_parallel: bool) -> list[dict[str, ParallelS
             plan[f"{b}.{part}.{outputs[0]}"] = RowwiseParallel(output_layouts=stream)
         for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.up"):
             plan[f"{b}.{name}"] = ColwiseParallel()
-        if model.blocks[i].mlp.gate is not None:
+        if block.mlp.gate is not None:
             plan[f"{b}.mlp.gate"] = ColwiseParallel()
         if sp:
             plan[f"{b}.norm1"] = SequenceParallel()
             plan[f"{b}.norm2"] = SequenceParallel()
+    if model.norm is None:  # a pipeline stage before the last: no head
+        return [plan]
     if sp:
         plan["norm"] = SequenceParallel()
     # Logits sharded by vocabulary (a DTensor) for loss_parallel.
