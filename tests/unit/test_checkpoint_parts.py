@@ -122,3 +122,46 @@ def test_a_checkpoint_resumes_split_and_whole_again_bit_exact(tmp_path: Path):
     for key, value in theirs.items():
         same = torch.equal(mine[key], value) if torch.is_tensor(value) else mine[key] == value
         assert same, key
+
+
+def _gpt(seed: int):
+    from dataclasses import replace
+
+    from trainwise.models.gpt import GPT
+    from trainwise.models.shapes import PRESETS
+
+    torch.manual_seed(seed)
+    return GPT(replace(PRESETS["tiny"], tie_embeddings=False, d_model=32, d_ff=64))
+
+
+def _gpt_steps(model, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        idx = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(step))
+        logits = model(idx)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_the_splitters_gpt_stages_save_what_the_whole_model_resumes(tmp_path: Path):
+    """Two stages cut by models/pipeline.split_gpt (sharing the whole model's parameters,
+    one optimizer over them) write a checkpoint that a whole GPT loads and continues
+    exactly; a rank holding the last stage writes only its blocks, norm and head."""
+    from trainwise.models.pipeline import split_gpt
+
+    model = _gpt(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _gpt_steps(model, optimizer, range(2))
+    stages = [split_gpt(model, s, 2) for s in (0, 1)]
+    last = {k.split(".")[1] for k in OptimizerState(stages[1:], optimizer).state_dict()}
+    assert last == {"blocks", "norm", "lm_head"}
+    assert set(ModelState(stages).state_dict()) == set(model.state_dict())
+    _save(stages, optimizer, tmp_path / "stages")
+
+    resumed = _gpt(7)
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=0.01)
+    _load([resumed], resumed_opt, tmp_path / "stages")
+    _gpt_steps(model, optimizer, range(2, 4))
+    _gpt_steps(resumed, resumed_opt, range(2, 4))
+    theirs = resumed.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in model.state_dict().items())

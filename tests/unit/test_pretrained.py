@@ -14,6 +14,7 @@ from helpers import QUIET, run_cli, tiny_llama
 from trainwise.errors import ModelError
 from trainwise.models import ModelSpec, build_model, count_parameters
 from trainwise.models.llama import gpt_to_hf
+from trainwise.models.pipeline import split_gpt
 from trainwise.run.engine.materialize import allocate
 
 transformers = pytest.importorskip("transformers")
@@ -166,18 +167,14 @@ def test_cli_bad_model_one_line_exit_2(models, broken, tmp_path, which, sets, me
     assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
 
 
-def _stage(folder: Path, blocks: list[int], first: bool, last: bool) -> torch.nn.Module:
-    """One pipeline stage of the trainwise GPT as the splitter makes it: built on meta,
-    keeping its blocks under their whole-model names, storage allocated, not yet loaded."""
+def _stage(folder: Path, stage: int) -> torch.nn.Module:
+    """Stage `stage` of 2 of the trainwise GPT as the trainer builds it: cut from the meta
+    model by the splitter, storage allocated, not yet loaded."""
     with torch.device("meta"):
         gpt = build_model(ModelSpec(name=f"hf:{folder}", seq_len=16, impl="trainwise")).module
-    gpt.blocks = torch.nn.ModuleDict({str(i): gpt.blocks[i] for i in blocks})
-    if not first:
-        gpt.tok_emb = None
-    if not last:
-        gpt.norm = gpt.lm_head = None
-    allocate(gpt, torch.device("cpu"))
-    return gpt
+    part = split_gpt(gpt, stage, 2)
+    allocate(part, torch.device("cpu"))
+    return part
 
 
 def test_each_pipeline_stage_reads_only_its_own_tensors(models):
@@ -190,7 +187,7 @@ def test_each_pipeline_stage_reads_only_its_own_tensors(models):
         stored.update(safetensors_torch.load_file(f))
     bundle = build_model(ModelSpec(name=f"hf:{folder}", seq_len=16, impl="trainwise"))
     reads = []
-    for stage in (_stage(folder, [0], True, False), _stage(folder, [1], False, True)):
+    for stage in (_stage(folder, 0), _stage(folder, 1)):
         read = bundle.load_weights(stage)
         mine = {gpt_to_hf(k): v for k, v in stage.state_dict().items() if "rotary" not in k}
         assert read["tensors_read"] == len(mine), (read, sorted(mine))
