@@ -39,9 +39,12 @@ def _split(whole: Three) -> list[Three]:
 def _optimizer(parts: list[torch.nn.Module]) -> torch.optim.Optimizer:
     params = [p for part in parts for p in part.parameters()]
     # Two groups, one of which lies in one part only: a view drops the empty group.
-    return torch.optim.AdamW(
+    optimizer = torch.optim.AdamW(
         [{"params": params[:-2]}, {"params": params[-2:], "weight_decay": 0.0}], lr=0.01
     )
+    # As the trainer's: the scheduler wraps the optimizer's step (a view must not call it).
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    return optimizer
 
 
 def _train(parts: list[Three], optimizer: torch.optim.Optimizer, steps: range) -> None:

@@ -102,7 +102,9 @@ class _PartView:
                 self.groups.append(group)
                 view_groups.append({**group, "params": params})
         view = object.__new__(type(optimizer))
-        view.__dict__.update(optimizer.__dict__)
+        # Its settings and hooks, not the methods bound to the real optimizer (the LR
+        # scheduler wraps `step`): the view's step is its own, on its own groups.
+        view.__dict__.update({k: v for k, v in vars(optimizer).items() if not callable(v)})
         view.param_groups = view_groups
         held = [p for g in view_groups for p in g["params"]]
         view.state = defaultdict(dict, {p: optimizer.state[p] for p in held if p in optimizer.state})
