@@ -29,6 +29,7 @@ from trainwise.run.observe.wall import LAUNCH_ENDS, run_wall_s
 STAGES = (
     ("data_s", "data wait"),
     ("compute_s", "compute"),
+    ("bubble_s", "pipeline bubble"),  # pipeline parallelism only
     ("sync_s", "exposed sync"),
     ("optim_s", "optimizer"),
     ("ckpt_s", "checkpoint stall"),
@@ -236,7 +237,10 @@ def calm(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def stage_split(run: RunFiles, failures: RetryCost, notes: list[str]) -> StageSplit:
     recs = run.records
-    total = {name: sum(float(r.get(key) or 0.0) for r in recs) for key, name in STAGES}
+    # The bubble only for a pipeline's run (the records of others have none).
+    piped = any(r.get("bubble_s") is not None for r in recs)
+    stages = [s for s in STAGES if s[0] != "bubble_s" or piped]
+    total = {name: sum(float(r.get(key) or 0.0) for r in recs) for key, name in stages}
     total["restart downtime"] = failures.downtime_s
     if any(r.get("sync_s") is None for r in recs) and int(run.job.get("world", 1)) > 1:
         notes.append("exposed sync is measured by probes; steps before the first probe count 0")
@@ -253,13 +257,13 @@ def stage_split(run: RunFiles, failures: RetryCost, notes: list[str]) -> StageSp
             last_step=chunk[-1]["step"],
             seconds_per_step={
                 name: sum(float(r.get(key) or 0.0) for r in chunk) / len(chunk)
-                for key, name in STAGES
+                for key, name in stages
             },
         )
         for chunk in (recs[i : i + size] for i in range(0, len(recs), size))
     ]
     quiet = calm(recs)
-    measured = {name: _median([r.get(key) or 0.0 for r in quiet]) or 0.0 for key, name in STAGES}
+    measured = {name: _median([r.get(key) or 0.0 for r in quiet]) or 0.0 for key, name in stages}
     measured["checkpoint stall"] = 0.0
     planned: dict[str, float | None] | None = None
     if run.plan:
@@ -272,6 +276,8 @@ def stage_split(run: RunFiles, failures: RetryCost, notes: list[str]) -> StageSp
             "optimizer": None,
             "checkpoint stall": 0.0,
         }
+        if piped:  # the planner's bubble, when it prices the pipeline
+            planned["pipeline bubble"] = step.get("bubble")
     return StageSplit(total, windows, planned, measured)
 
 

@@ -53,6 +53,7 @@ from trainwise.report.run_view import (
 STAGE_COLOURS = {
     "data wait": "#E69F00",
     "compute": "#0072B2",
+    "pipeline bubble": "#009E73",
     "exposed sync": "#D55E00",
     "optimizer": "#56B4E9",
     "checkpoint stall": "#CC79A7",
@@ -62,6 +63,7 @@ STAGE_COLOURS = {
 }
 GROUP_COLOURS = {
     "compute": "#0072B2",
+    "pipeline bubble": "#009E73",
     "communication": "#D55E00",
     "copies": "#009E73",
     "data": "#E69F00",
@@ -192,7 +194,7 @@ def _comparison(reports: list[RunReport]) -> list[str]:
 
 
 def _stage_figure(r: RunReport):
-    names = [name for _, name in STAGES]
+    names = [name for _, name in STAGES if name in r.stages.measured_per_step]
     windows = r.stages.windows
     labels = [f"{w.first_step}-{w.last_step}" if w.last_step > w.first_step else str(w.first_step)
               for w in windows]

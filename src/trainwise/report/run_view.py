@@ -83,6 +83,8 @@ def stage_rows(r: RunReport) -> Rows:
 def _planned(name: str, planned: float | None, plan: dict) -> str:
     if not plan or name == "restart downtime":
         return "-"
+    if planned is None and name == "pipeline bubble":
+        return "-"  # a plan that does not price the pipeline
     if planned is None:
         return "in compute"  # the planner times the optimizer with forward and backward
     return fmt_seconds(planned) + " s"

@@ -26,11 +26,12 @@ def render_summary(s: dict[str, Any]) -> str:
             for name, key in (
                 ("data wait", "data"),
                 ("compute", "compute"),
+                ("pipeline bubble", "bubble"),
                 ("exposed sync", "sync"),
                 ("optimizer", "optim"),
                 ("checkpoint", "ckpt"),
             )
-            if key in shares
+            if key in shares and (key != "bubble" or shares[key])  # pipelines only
         )
         or MISSING
     )

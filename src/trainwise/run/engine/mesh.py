@@ -79,6 +79,18 @@ class JobMesh:
             rank = rank * self.device_mesh.size(i) + coordinate[i]
         return rank
 
+    @property
+    def pp_rank(self) -> int:
+        """This rank's place in the pipeline (0: the stage that embeds)."""
+        if self.dims.pp == 1:
+            return 0
+        return self.device_mesh.get_local_rank("pp")
+
+    def pp_group(self) -> dist.ProcessGroup:
+        """The ranks of this rank's pipeline (one per stage position, the same data- and
+        tensor-parallel coordinates): where activations go point to point."""
+        return self.device_mesh.get_group("pp")
+
     def tp_mesh(self) -> DeviceMesh:
         return self.device_mesh["tp"]
 
@@ -86,8 +98,8 @@ class JobMesh:
         return dp_mesh(self.device_mesh)
 
     def dp_group(self) -> dist.ProcessGroup | None:
-        """DDP's group: the 1-D replicate mesh's (None: the default group)."""
-        return None if self.device_mesh is None else self.device_mesh.get_group()
+        """DDP's group: the replicate dim's (None: the default group)."""
+        return None if self.device_mesh is None else self.dp_mesh().get_group()
 
 
 def job_mesh(

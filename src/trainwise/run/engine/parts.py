@@ -3,10 +3,10 @@
     meta device -> converters -> split into parts -> parallelize each part on the mesh
     (TP, AC, compile, FSDP) -> materialize or load weights
 
-One part today; pipeline stages will be several (torchtitan's `pipeline_llm` splits the
-model there, each stage keeping the whole model's parameter names). Everything after the
-build (the step, the states, the optimizer, evaluation, clipping, the export) takes the
-list.
+One part, or this rank's pipeline stages (parallel.pp > 1: models.pipeline cuts them, as
+torchtitan's `pipeline_llm`, each keeping the whole model's parameter names), each
+parallelized on the mesh's other dims. Everything after the build (the step, the states,
+the optimizer, evaluation, clipping, the export) takes the list.
 """
 
 from __future__ import annotations
@@ -15,8 +15,11 @@ import torch
 from torch import nn
 
 from trainwise.config import JobConfig
+from trainwise.config.schema import ParallelConfig
 from trainwise.models import ModelBundle, build_model
 from trainwise.models.converters import ModelConverter, convert
+from trainwise.models.gpt_parallel import gpt_tp_plan
+from trainwise.models.pipeline import rank_stages, split_gpt
 from trainwise.run.engine.materialize import allocate, materialize
 from trainwise.run.engine.mesh import JobMesh
 from trainwise.run.engine.parallelize import parallelize
@@ -37,7 +40,7 @@ def build_parts(
     weights on every rank), and converted there."""
     bundle = build_unparallelized(job, cfg.train.seed, device)
     convert(bundle.module, converters)
-    parts = split(bundle)
+    parts = split(bundle, cfg.parallel, mesh)
     dims = job.dims
     # DDP keeps a whole replica per rank and checks it at wrapping: materialise first.
     whole = not dims.fsdp and dims.tp == 1
@@ -55,7 +58,7 @@ def build_parts(
             reduce_dtype=cfg.precision.reduce_dtype,
             ac=cfg.parallel.ac,
             compile=cfg.train.compile,
-            tp_plan=bundle.tp_plan(sp) if dims.tp > 1 and bundle.tp_plan else None,
+            tp_plan=tp_plan(bundle, part, sp, dims.pp) if dims.tp > 1 and bundle.tp_plan else None,
             mesh=mesh,
         )
         for part in parts
@@ -83,9 +86,22 @@ def build_unparallelized(job: Job, seed: int, device: torch.device) -> ModelBund
     return bundle
 
 
-def split(bundle: ModelBundle) -> list[nn.Module]:
-    """The model's parts: the whole model (pipeline stages will split it here)."""
-    return [bundle.module]
+def split(bundle: ModelBundle, parallel: ParallelConfig, mesh: JobMesh) -> list[nn.Module]:
+    """The model's parts on this rank: the whole model, or its pipeline stages (the job's
+    checks refused a model that does not split)."""
+    pp = mesh.dims.pp
+    if pp == 1:
+        return [bundle.module]
+    schedule, virtual = parallel.pp_schedule, parallel.pp_virtual
+    stages = pp * virtual
+    ids = rank_stages(mesh.pp_rank, pp, virtual, schedule)
+    return [split_gpt(bundle.module, i, stages) for i in ids]
+
+
+def tp_plan(bundle: ModelBundle, part: nn.Module, sp: bool, pp: int) -> list[dict[str, object]]:
+    """The tensor-parallel plan of `part`: the model's, or a pipeline stage's own (the
+    plan of the modules it holds; a stage is a GPT: models.pipeline)."""
+    return gpt_tp_plan(part, sp) if pp > 1 else bundle.tp_plan(sp)
 
 
 def blocks_in(part: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:

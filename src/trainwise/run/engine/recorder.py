@@ -166,7 +166,8 @@ class Recorder:
             compute -= sync or 0.0
         # The TP part of `sync`, from the latest probes as the sync itself on other steps.
         tp_part = min(statistics.median(self._tp_probes), sync or 0.0) if self._tp_probes else None
-        step_s = data_s + compute + (sync or 0.0) + optim_s + ckpt_s
+        bubble = spans.get("bubble")  # a pipeline step's wait on the other stages
+        step_s = data_s + compute + (bubble or 0.0) + (sync or 0.0) + optim_s + ckpt_s
 
         self.first_loss = loss if self.first_loss is None else self.first_loss
         self.last_loss = loss
@@ -176,7 +177,7 @@ class Recorder:
         warm = step >= self.start_step + FIRST_PROBE_STEP or self.steps < FIRST_PROBE_STEP
         if warm and not profiled:  # the profiler's own cost is no figure of the job
             self.steady_steps += 1
-            values = (step_s, data_s, compute, sync or 0.0, optim_s, ckpt_s)
+            values = (step_s, data_s, compute, bubble or 0.0, sync or 0.0, optim_s, ckpt_s)
             for key, value in zip(("step_s", *STAGES), values, strict=True):
                 self.totals[key] += value
             self.tp_total += tp_part or 0.0
@@ -187,7 +188,7 @@ class Recorder:
         return StepRecord(
             step=step, loss=loss, eval_loss=eval_loss, lr=lr, grad_norm=float(res.grad_norm),
             step_s=step_s, data_s=data_s, compute_s=compute, sync_s=sync, optim_s=optim_s,
-            ckpt_s=ckpt_s, tp_s=tp_part,
+            ckpt_s=ckpt_s, tp_s=tp_part, bubble_s=bubble,
             tokens=step * self.tokens_per_step, tokens_per_s=tps,
             samples_per_s=tps / self.tokens_per_sample,
             mfu=mfu(tps, self.flops_per_token, self.peak) if use_mfu else None,

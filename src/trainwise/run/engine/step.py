@@ -37,16 +37,23 @@ class StepResult:
     end: float  # perf_counter when the step returned (host time)
     finite: bool = True  # False: non-finite gradient norm, the update was skipped
     tp_comm: CollectiveTimer | None = None  # a probe step's tensor-parallel collectives
+    # A pipeline step's wait on the other stages inside its compute span ("bubble"); its
+    # communication after the schedule is marked "sync", measured on every step.
+    bubble: float | None = None
 
     def spans(self) -> tuple[dict[str, float], float | None]:
         """Stage seconds (data, compute, optim) and, on a probe step, the exposed sync."""
         spans = resolve_spans(self.marks)
-        probe_sync = None
+        probe_sync = spans.pop("sync", None)
         if self.probe:
             # The probe pass repeats the last micro-batch's compute; what it took beyond
             # the first pass is communication the step could not hide.
             probe_sync = max(0.0, spans.pop("probe") - spans["last"])
         spans["compute"] = spans.get("compute", 0.0) + spans.pop("last")
+        if self.bubble is not None:
+            bubble = min(self.bubble, spans["compute"])
+            spans["compute"] -= bubble
+            spans["bubble"] = bubble
         if self.tp_comm is not None:
             # Communication too, though inside forward and backward: the planner counts it
             # with the exposed sync.
@@ -168,7 +175,7 @@ class DataParallelStep:
         # the plain tensor (clip_grad_norm_ on DTensors would reduce it twice).
         self.stage = "the gradient-norm all-reduce"
         params = grad_params(parts)
-        norm = total_grad_norm(params)
+        norm = self.grad_norm(parts)
         # The guard: the norm is global (identical on every rank), so every rank skips the
         # same update. Reading it costs one host sync per step; fp16's scaler does its own.
         finite = self.scaler is not None or not self.guard or bool(torch.isfinite(norm))
@@ -185,6 +192,10 @@ class DataParallelStep:
         self.scheduler.step()  # a skipped step still moves the schedule: lr stays a function of step
         self.optimizer.zero_grad(set_to_none=True)
         return norm, finite
+
+    def grad_norm(self, parts: list[torch.nn.Module]) -> torch.Tensor:
+        """The global 2-norm of the gradients of every part (identical on every rank)."""
+        return total_grad_norm(grad_params(parts))
 
     def evaluate(self, parts: list[torch.nn.Module], batches: Iterable[Batch]) -> float:
         return evaluate(one_part(parts), self.loss_fn, batches, self.autocast, self.device)

@@ -23,6 +23,7 @@ from trainwise.config.lineage import lineage_keys
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.faults import NO_FAULTS, Faults
 from trainwise.models.converters import build_converters, post_optimizer_hooks
+from trainwise.models.pipeline import default_microbatches, rank_stages
 from trainwise.plan.model.comm import allreduce_factor
 from trainwise.run.checkpoint.dcp import Checkpointer, Place, SaveSchedule
 from trainwise.run.checkpoint.states import training_states
@@ -30,6 +31,7 @@ from trainwise.run.checkpoint.store import root_for
 from trainwise.run.engine.mesh import JobMesh, job_mesh
 from trainwise.run.engine.optim import build_optimizer, build_scheduler
 from trainwise.run.engine.parts import build_parts
+from trainwise.run.engine.pipeline import PipelineStep
 from trainwise.run.engine.precision import autocast_context, build_grad_scaler
 from trainwise.run.engine.step import Batch, DataParallelStep, StepResult, TrainStep
 from trainwise.run.job.distributed import DistEnv
@@ -41,7 +43,7 @@ class Trainer:
     """A job's training components on this rank: the model's parts, on the mesh built once
     for the job, and the step strategy that trains them."""
 
-    parts: list[torch.nn.Module]  # one today; pipeline stages later
+    parts: list[torch.nn.Module]  # the model, or this rank's pipeline stages
     mesh: JobMesh
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -91,15 +93,54 @@ def build_trainer(
     scheduler = build_scheduler(optimizer, c.train.steps, c.schedule)
     scaler = build_grad_scaler(dims.fsdp, dtype, device, c.precision.init_scale)
     loss_fn = local_loss(bundle.loss_fn) if dims.tp > 1 else bundle.loss_fn
+    hooks = post_optimizer_hooks(converters)
+    if dims.pp > 1:
+        tied = bundle.shape is not None and bundle.shape.tie_embeddings
+        step = build_pipeline_step(
+            cfg, job, mesh, parts, tied, dtype, device, loss_fn, optimizer, scheduler, scaler,
+            hooks,
+        )
+        return Trainer(parts, mesh, optimizer, scheduler, scaler, step)
     step = build_step(
         dims, dtype, device, loss_fn, optimizer, scheduler, scaler, job.grad_accum,
         c.train.grad_clip,
         sharded_accumulation=job.sharded_accumulation,
         # Compiled blocks run their collectives inside the graph: no dispatch to time.
         time_tp=dims.tp > 1 and not c.train.compile,
-        after_optimizer=post_optimizer_hooks(converters),
+        after_optimizer=hooks,
     )
     return Trainer(parts, mesh, optimizer, scheduler, scaler, step)
+
+
+def build_pipeline_step(
+    cfg: JobConfig,
+    job: Job,
+    mesh: JobMesh,
+    parts: list[torch.nn.Module],
+    tied: bool,
+    dtype: str,
+    device: torch.device,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler | None,
+    hooks: list[Callable[[list[torch.nn.Module]], None]],
+) -> PipelineStep:
+    """The pipeline step over this rank's stages (`parts`, from parts.split), with the
+    schedule and micro-batches of parallel.pp_*; the forward (and the loss) under the
+    layout's precision and loss contexts."""
+    p, dims = cfg.parallel, job.dims
+
+    def autocast() -> AbstractContextManager:
+        return loss_context(dims.tp, autocast_context(dims.fsdp, dtype, device))
+
+    microbatches = p.pp_microbatches or default_microbatches(cfg.data.micro_batch, job.grad_accum)
+    ids = rank_stages(mesh.pp_rank, dims.pp, p.pp_virtual, p.pp_schedule)
+    return PipelineStep(
+        parts, ids, dims.pp * p.pp_virtual, p.pp_schedule, microbatches, mesh, tied,
+        loss_fn, optimizer, scheduler, scaler, autocast, job.grad_accum, cfg.train.grad_clip,
+        device, after_optimizer=hooks,
+    )
 
 
 def build_step(

@@ -25,6 +25,7 @@ from trainwise.models import (
     takes_example_ids,
     tp_model_problems,
 )
+from trainwise.models.pipeline import default_microbatches, schedule_problems
 from trainwise.plan import (
     Decision,
     Workload,
@@ -213,16 +214,18 @@ def prepare_job(
     nodes = world // local if world % local == 0 else 1
     request = LayoutRequest.of(c.parallel)
     replicate = request.replica_groups(world, nodes)
-    dp = world // c.parallel.tp if world % c.parallel.tp == 0 else world
+    others = c.parallel.tp * c.parallel.pp
+    dp = world // others if world % others == 0 else world
     if dp % replicate:
         problems.append(
             f"parallel.replicate = {replicate} does not divide the world size {world} / "
-            f"parallel.tp {c.parallel.tp} = {dp} data-parallel ranks: hsdp needs "
-            "replicate x shard x tp = world"
+            f"(parallel.tp x parallel.pp) {others} = {dp} data-parallel ranks: hsdp needs "
+            "replicate x shard x tp x pp = world"
         )
     data = data_and_model(c, problems)
     problems += tp_model_problems(data.spec, c.parallel.tp, c.data.seq_len, sequence_parallel(c))
     accum, more = batch_problems(c, world, local, request, data.info)
+    more += pipeline_problems(c, data.shape, accum)
     if problems + more:
         raise ConfigError(problems + more)
 
@@ -368,7 +371,7 @@ def batch_problems(
     accum, problem = elastic_accum(c, world, local)
     problems = [problem] if problem else []
     one_replica = request.single or (request.auto and world == 1)
-    dp = 1 if one_replica else world // c.parallel.tp
+    dp = 1 if one_replica else max(1, world // (c.parallel.tp * c.parallel.pp))
     g = c.data.micro_batch * accum * dp
     if c.data.global_batch is not None and c.data.global_batch != g:
         problems.append(
@@ -440,15 +443,24 @@ def layout_problems(c: JobConfig, world: int, local: int, device: DeviceInfo) ->
             f"parallel.dp_shard = {p.dp_shard} shards with FSDP but parallel.strategy = "
             f"'{p.strategy}': use 'fsdp', 'hsdp' or 'auto'"
         )
-    elif p.dp_shard and world % (p.dp_shard * p.tp):
+    elif p.dp_shard and world % (p.dp_shard * p.tp * p.pp):
         problems.append(
             f"parallel.dp_shard = {p.dp_shard} does not divide the {world} workers / "
-            f"parallel.tp {p.tp}: choose degrees whose product divides cluster.nproc x "
-            "cluster.nodes"
+            f"(parallel.tp {p.tp} x parallel.pp {p.pp}): choose degrees whose product divides "
+            "cluster.nproc x cluster.nodes"
         )
-    # Until the engine runs them (issues 27 and 28): refused before any worker starts.
-    if p.pp > 1:
-        problems.append(f"parallel.pp = {p.pp}: the engine does not run pipeline stages yet; use 1")
+    if p.pp > 1 and world % (p.pp * p.tp):
+        problems.append(
+            f"parallel.pp x parallel.tp = {p.pp} x {p.tp} does not divide the {world} workers "
+            "(pp x data-parallel x tp must be the world size): choose degrees whose product "
+            "divides cluster.nproc x cluster.nodes"
+        )
+    elif p.pp > 1 and request.auto:
+        problems.append(
+            f"parallel.pp = {p.pp} with parallel.strategy = 'auto': the planner does not choose "
+            "a layout around pipeline stages yet; set parallel.strategy = 'ddp' or 'fsdp'"
+        )
+    # Until the engine runs it (issue 28): refused before any worker starts.
     if c.lora.rank > 0:
         problems.append(f"lora.rank = {c.lora.rank}: the engine does not train LoRA yet; use 0")
     if request.single and world > 1:
@@ -462,6 +474,23 @@ def layout_problems(c: JobConfig, world: int, local: int, device: DeviceInfo) ->
             f"a CUDA device; on {device.kind} the state is in host memory already: remove it"
         )
     return problems
+
+
+def pipeline_problems(c: JobConfig, shape: GPTShape | None, accum: int) -> list[str]:
+    """What keeps the job from running parallel.pp stages, one line each: a model that
+    does not split (models.pipeline cuts the built-in GPT), and the schedule's rules."""
+    p = c.parallel
+    if p.pp == 1:
+        return []
+    if shape is None:
+        return [
+            f"parallel.pp = {p.pp}: model.name = {c.model.name!r} cannot be cut into pipeline "
+            "stages (the built-in GPT presets and hf: Llama models with model.impl = "
+            "'trainwise' can): use parallel.pp = 1"
+        ]
+    batch = c.data.micro_batch * accum
+    microbatches = p.pp_microbatches or default_microbatches(c.data.micro_batch, accum)
+    return schedule_problems(p.pp_schedule, p.pp, p.pp_virtual, shape.n_layer, microbatches, batch)
 
 
 def sequence_parallel(c: JobConfig) -> bool:

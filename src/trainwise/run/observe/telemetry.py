@@ -3,7 +3,8 @@ writers (metrics.jsonl and the experiment trackers, a progress bar or plain line
 rank 0.
 
 The stages are the ones the planner and the report speak in: data wait, compute
-(forward + backward), exposed gradient sync, optimizer, checkpoint stall.
+(forward + backward), the pipeline's bubble, exposed gradient sync, optimizer, checkpoint
+stall.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from trainwise.jsonl import cut_torn_tail, read_objects
 from trainwise.run.observe.trackers import Trackers
 
-STAGES = ("data_s", "compute_s", "sync_s", "optim_s", "ckpt_s")
+STAGES = ("data_s", "compute_s", "bubble_s", "sync_s", "optim_s", "ckpt_s")
 
 
 @dataclass
@@ -63,6 +64,9 @@ class StepRecord:
     # Of sync_s, the tensor-parallel collectives inside forward and backward (timed on the
     # latest probes, run.comm_timer); null without tensor parallelism or before a probe.
     tp_s: float | None = None
+    # Pipeline parallelism: of the step, the wait on the other stages inside the schedule
+    # (its fill and drain, and transfers not hidden); null without pipeline stages.
+    bubble_s: float | None = None
 
 
 RECORD_FIELDS = tuple(f.name for f in fields(StepRecord))

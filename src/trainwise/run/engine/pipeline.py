@@ -1,0 +1,254 @@
+"""The pipeline-parallel training step (parallel.pp > 1), on torch.distributed.pipelining:
+this rank's stages (models.pipeline) wrapped in `PipelineStage`s over the mesh's pp group,
+and one of torch's schedules over them.
+
+A step takes the rank's micro_batch x grad_accum samples as one batch, which the schedule
+cuts into parallel.pp_microbatches; the loss is computed on the last stage, per
+micro-batch (a mean), and the schedule divides the gradients by their number, so the
+gradients are those of one process's mean loss. Afterwards the last stage's loss goes to
+every rank of the pipeline, a tied head's gradient is summed with the embedding's, and
+the gradient norm (clipping, the non-finite check) is completed over the pipeline.
+
+Telemetry (host clocks): `compute` is the time inside the stages' forward and backward
+(PipelineStage's *_one_chunk calls, timed on this rank); `bubble` the rest of the
+schedule's wall time: waiting on the neighbouring stages (the fill and drain of the
+schedule, and transfers not hidden, which one rank's clock cannot tell apart); `sync`
+the exposed communication after the schedule (the loss and the tied gradient).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FULL_BACKWARD,
+    RECV_B,
+    REDUCE_GRAD,
+    SEND_B,
+    PipelineScheduleSingle,
+    ScheduleGPipe,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+    get_schedule_class,
+)
+from torch.distributed.tensor import DTensor
+
+from trainwise.models.pipeline import SINGLE_STAGE, V_SHAPED
+from trainwise.run.engine.materialize import plain_name
+from trainwise.run.engine.mesh import JobMesh
+from trainwise.run.engine.step import (
+    Batch,
+    DataParallelStep,
+    StepResult,
+    mean_over_ranks,
+    total_grad_norm,
+)
+
+TIED = "tok_emb.weight"  # the embedding a tied head reuses (models.pipeline copies it)
+BACKWARD_ACTIONS = (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, SEND_B, RECV_B, REDUCE_GRAD)
+TIMED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+
+class PipelineStep(DataParallelStep):
+    """Runs training steps through a pipeline schedule over this rank's stages (`parts`,
+    stage indices `stage_ids` of `num_stages`; `tied`: the model's head reuses its
+    embedding). Clipping, the update and the guard are the
+    data-parallel step's, with the norm completed over the pipeline."""
+
+    def __init__(
+        self,
+        parts: list[torch.nn.Module],
+        stage_ids: list[int],
+        num_stages: int,
+        schedule: str,
+        microbatches: int,
+        mesh: JobMesh,
+        tied: bool,
+        *args: Any,
+        **kwargs: Any,
+    ):
+        super().__init__(*args, **kwargs)
+        self.name, self.microbatches = schedule, microbatches
+        self.stage_ids, self.num_stages = stage_ids, num_stages
+        self.pp_group = mesh.pp_group()
+        self.first, self.last = 0 in stage_ids, num_stages - 1 in stage_ids
+        self.compute_s = 0.0  # this step's time inside the stages' forward and backward
+        self.stages = self._stages(parts)
+        for stage in self.stages:
+            for method in TIMED:
+                setattr(stage, method, self._timed(getattr(stage, method)))
+        self.schedule = build_schedule(get_schedule_class(schedule), self.stages, microbatches, self._loss)
+        self._eval_schedule: Any = None
+        # A tied head on another rank than the embedding (not in the V: both on rank 0).
+        self.tie_group = tie_group(mesh) if tied and schedule not in V_SHAPED else None
+
+    def _stages(self, parts: list[torch.nn.Module]) -> list[PipelineStage]:
+        return [
+            PipelineStage(part, i, self.num_stages, self.device, group=self.pp_group)
+            for part, i in zip(parts, self.stage_ids, strict=True)
+        ]
+
+    def _timed(self, method: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.compute_s += time.perf_counter() - start
+
+        return timed
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(output, target)
+        return loss * float("nan") if self.poison else loss  # a fault injected by a test
+
+    def step(self, parts: list[torch.nn.Module], batches: Iterator[Batch], probe: bool) -> StepResult:
+        clock = self.clock
+        clock.mark("start")
+        self.stage = "data loading"
+        x, y, *rest = self._batch(batches)
+        clock.mark("data")
+        self.stage = f"the pipeline schedule ({self.name}, {self.microbatches} micro-batches)"
+        self.compute_s, started = 0.0, time.perf_counter()
+        losses: list[torch.Tensor] = []
+        run(self.schedule, self.first, x, y, rest, losses, self.autocast)
+        bubble = max(0.0, time.perf_counter() - started - self.compute_s)
+        clock.mark("last")
+        self.stage = "the pipeline's loss and tied gradients"
+        loss = self._last_stage_mean(losses)
+        sync_tied_grads(parts, self.tie_group)
+        clock.mark("sync")
+        norm, finite = self.update(parts)
+        clock.mark("optim")
+        return StepResult(
+            loss, norm, clock.take(), False, time.perf_counter(), finite, bubble=bubble
+        )
+
+    def _batch(self, batches: Iterator[Batch]) -> list[torch.Tensor]:
+        """The step's grad_accum loader batches as one: the schedule cuts it."""
+        micro = [next(batches) for _ in range(self.grad_accum)]
+        return [torch.cat(parts).to(self.device) for parts in zip(*micro, strict=True)]
+
+    def _last_stage_mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of the last stage's losses, on every rank of the pipeline (a SUM over
+        the pp group, where only the last stage's rank adds a value)."""
+        mean = torch.stack(losses).mean().detach().float() if self.last else None
+        total = mean if mean is not None else torch.zeros((), device=self.device)
+        dist.all_reduce(total, group=self.pp_group)
+        return total
+
+    def grad_norm(self, parts: list[torch.nn.Module]) -> torch.Tensor:
+        """The global norm: this rank's stages', completed over the pipeline; a tied head's
+        copy is the embedding's gradient again and counted once."""
+        params = [
+            p for part in parts for name, p in part.named_parameters()
+            if p.grad is not None and not _head_copy(part, name)
+        ]
+        squared = total_grad_norm(params).float().square()
+        dist.all_reduce(squared, group=self.pp_group)
+        return squared.sqrt()
+
+    def evaluate(self, parts: list[torch.nn.Module], batches: Iterable[Batch]) -> float:
+        """Held-out loss through a forward-only run of the pipeline: one micro-batch per
+        loader batch, on stages of their own (the training schedule's keep their shapes)."""
+        if self._eval_schedule is None:
+            self._eval_schedule = eval_schedule(self.name, self._stages(parts), self.loss_fn)
+        for part in parts:
+            part.eval()
+        total, n = torch.zeros((), device=self.device), 0
+        with torch.no_grad():
+            for batch in batches:
+                x, y, *rest = (t.to(self.device) for t in batch)
+                losses: list[torch.Tensor] = []
+                run(self._eval_schedule, self.first, x, y, rest, losses, self.autocast, eval=True)
+                total += self._last_stage_mean(losses)
+                n += 1
+        for part in parts:
+            part.train()
+        return mean_over_ranks(total / max(n, 1))[0]
+
+
+def run(
+    schedule: Any,
+    first: bool,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    rest: list[torch.Tensor],
+    losses: list[torch.Tensor],
+    context: Callable[[], AbstractContextManager],
+    eval: bool = False,
+) -> None:
+    """One pass of `schedule`: the inputs go in at the first stage; `doc` (packed examples)
+    goes to every stage, which each need its attention mask."""
+    kwargs = {"doc": rest[0]} if rest else {}
+    args = (x,) if first else ()
+    call = schedule.eval if eval else schedule.step
+    with context():
+        call(*args, target=y, losses=losses, **kwargs)
+
+
+def build_schedule(cls: type, stages: list[PipelineStage], microbatches: int, loss_fn: Callable) -> Any:
+    """torch's schedule `cls` over this rank's stages (a single-stage class takes one)."""
+    if issubclass(cls, PipelineScheduleSingle):
+        return cls(stages[0], microbatches, loss_fn=loss_fn)
+    return cls(stages, microbatches, loss_fn=loss_fn)
+
+
+def eval_schedule(schedule: str, stages: list[PipelineStage], loss_fn: Callable) -> Any:
+    """A forward-only pass of one micro-batch: GPipe's for one stage per rank, the looped
+    breadth-first one for several; in the V, ZBV's order with its forwards alone (its
+    runtime would run the backward actions of its order even in `eval`)."""
+    if schedule in SINGLE_STAGE:
+        return build_schedule(ScheduleGPipe, stages, 1, loss_fn)
+    if schedule not in V_SHAPED:
+        return build_schedule(ScheduleLoopedBFS, stages, 1, loss_fn)
+    v = build_schedule(ScheduleZBVZeroBubble, stages, 1, loss_fn)
+    v.pipeline_order_with_comms = {  # torch's lowered order (compute and p2p), less backward
+        rank: [a for a in actions if a.computation_type not in BACKWARD_ACTIONS]
+        for rank, actions in v.pipeline_order_with_comms.items()
+    }
+    return v
+
+
+def _head_copy(part: torch.nn.Module, name: str) -> bool:
+    """The last stage's copy of a tied embedding (the head of a stage that does not embed)."""
+    return plain_name(name) == TIED and not getattr(part, "embeds", True)
+
+
+def tie_group(mesh: JobMesh) -> dist.ProcessGroup | None:
+    """The group of this rank's first- and last-stage ranks (pp coordinates 0 and pp - 1,
+    the same data- and tensor-parallel coordinates), which both hold the tied embedding;
+    None where this rank is in none. Every rank creates every such group, in one order."""
+    ranks = mesh.device_mesh.mesh
+    pairs = ranks.reshape(ranks.shape[0], -1)
+    mine = None
+    for j in range(pairs.shape[1]):
+        group = dist.new_group([int(pairs[0, j]), int(pairs[-1, j])])
+        if dist.get_rank() in (int(pairs[0, j]), int(pairs[-1, j])):
+            mine = group
+    return mine
+
+
+def sync_tied_grads(parts: list[torch.nn.Module], group: dist.ProcessGroup | None) -> None:
+    """A tied embedding's copies (first stage, last stage's head) get the sum of their
+    gradients: on this rank, then over `group` (the copies on other ranks)."""
+    copies = [
+        p for part in parts for name, p in part.named_parameters()
+        if plain_name(name) == TIED and p.grad is not None
+    ]
+    if not copies or group is None and len(copies) == 1:
+        return
+    local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in copies]
+    total = torch.stack(local).sum(0)
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    for grad in local:
+        grad.copy_(total)
