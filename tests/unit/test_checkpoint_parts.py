@@ -168,3 +168,44 @@ def test_the_splitters_gpt_stages_save_what_the_whole_model_resumes(tmp_path: Pa
     _gpt_steps(resumed, resumed_opt, range(2, 4))
     theirs = resumed.state_dict()
     assert all(torch.equal(v, theirs[k]) for k, v in model.state_dict().items())
+
+
+def test_a_tied_embeddings_copies_on_one_rank_resume_with_their_own_state(tmp_path: Path):
+    """In the V (ZBVZeroBubble) the first and last stages share a rank, and with a tied
+    head both hold `tok_emb.weight` (the last a copy): one checkpoint entry, loaded into two
+    parameters whose optimizer state must stay two tensors, or each step would update the
+    shared moments twice."""
+    from trainwise.models.pipeline import split_gpt
+
+    def stages_and_optimizer(seed: int):
+        from trainwise.models.gpt import GPT
+        from trainwise.models.shapes import PRESETS
+
+        torch.manual_seed(seed)
+        model = GPT(PRESETS["tiny"])  # tied
+        stages = [split_gpt(model, s, 2) for s in (0, 1)]
+        params = [p for stage in stages for p in stage.parameters()]
+        return stages, torch.optim.AdamW(params, lr=0.01)
+
+    def step(stages, optimizer, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in (x for stage in stages for x in stage.named_parameters()):
+            # The same gradient for both copies of the embedding (the engine sums them).
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) if (
+                name == "tok_emb.weight") else torch.randn(p.shape, generator=gen)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    stages, optimizer = stages_and_optimizer(0)
+    copies = [stage.tok_emb.weight for stage in stages]
+    assert copies[0] is not copies[1]
+    step(stages, optimizer, 1)
+    _save(stages, optimizer, tmp_path / "v")
+    again, again_opt = stages_and_optimizer(3)
+    _load(again, again_opt, tmp_path / "v")
+    first, last = (again_opt.state[stage.tok_emb.weight] for stage in again)
+    assert all(first[k] is not last[k] for k in first)
+    step(stages, optimizer, 2)
+    step(again, again_opt, 2)
+    for a, b in zip(stages, again, strict=True):
+        assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())

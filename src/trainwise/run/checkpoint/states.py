@@ -75,6 +75,7 @@ class OptimizerState(Stateful):
             view = _PartView(self.optimizer, part)
             set_optimizer_state_dict(part, view.optimizer, state_dict, options=_FLAT)
             view.write_back()
+        _unshare(self.optimizer)
 
     def hyperparameters(self) -> list[dict[str, Any]]:
         """Each group's settings (lr, betas, decay): what a loaded state would replace."""
@@ -83,6 +84,19 @@ class OptimizerState(Stateful):
     def set_hyperparameters(self, groups: list[dict[str, Any]]) -> None:
         for group, settings in zip(self.optimizer.param_groups, groups, strict=True):
             group.update(settings)
+
+
+def _unshare(optimizer: torch.optim.Optimizer) -> None:
+    """Copies of one parameter on one rank (a tied embedding's, when the first and last
+    stages share a rank, as in the V) load the same checkpoint entries, which the optimizer
+    keeps as the same tensors: each gets its own, or one update would move both."""
+    seen: set[int] = set()
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                if id(value) in seen:
+                    state[key] = value.clone()
+                seen.add(id(value))
 
 
 class _PartView:
