@@ -7,6 +7,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -209,3 +210,55 @@ def test_a_tied_embeddings_copies_on_one_rank_resume_with_their_own_state(tmp_pa
     step(again, again_opt, 2)
     for a, b in zip(stages, again, strict=True):
         assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+
+
+class _NestedOptimizerState:
+    """The optimizer state as trainwise wrote it before pipeline stages (DCP's nested
+    format: one list of groups naming every parameter)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict):
+        raise AssertionError("only written")
+
+
+def test_a_checkpoint_of_the_earlier_optimizer_format_still_resumes(tmp_path: Path):
+    """A checkpoint written before pipeline stages (nested optimizer state) is recognised
+    from its metadata and loads into one part; into several, it is refused."""
+    from trainwise.run.checkpoint.states import written_nested
+
+    torch.manual_seed(0)
+    whole = Three()
+    optimizer = _optimizer([whole])
+    _train([whole], optimizer, range(2))
+    old = {MODEL: ModelState([whole]), OPTIMIZER: _NestedOptimizerState(whole, optimizer)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(old, checkpoint_id=tmp_path / "old", no_dist=True)
+    _save([whole], optimizer, tmp_path / "new")
+    assert written_nested(tmp_path / "old") and not written_nested(tmp_path / "new")
+
+    again = Three()
+    again_opt = _optimizer([again])
+    state = {MODEL: ModelState([again]), OPTIMIZER: OptimizerState([again], again_opt)}
+    state[OPTIMIZER].nested = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=tmp_path / "old", no_dist=True)
+    state[OPTIMIZER].nested = False
+    mine = OptimizerState([again], again_opt).state_dict()
+    theirs = OptimizerState([whole], optimizer).state_dict()
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(v, mine[k]) for k, v in theirs.items() if torch.is_tensor(v))
+
+    parts = _split(Three())
+    split = OptimizerState(parts, _optimizer(parts))
+    split.nested = True
+    with pytest.raises(ValueError, match="without parallel.pp"):
+        split.state_dict()

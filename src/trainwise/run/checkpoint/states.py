@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -61,21 +63,37 @@ class OptimizerState(Stateful):
     def __init__(self, parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer):
         self.parts = parts
         self.optimizer = optimizer
+        self.nested = False  # True while loading a checkpoint of the earlier format
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        options = self._options()
         for part in self.parts:
             view = _PartView(self.optimizer, part)
-            out.update(get_optimizer_state_dict(part, view.optimizer, options=_FLAT))
+            out.update(get_optimizer_state_dict(part, view.optimizer, options=options))
             view.write_back()  # a first save initialises the state: keep it
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        options = self._options()
         for part in self.parts:
             view = _PartView(self.optimizer, part)
-            set_optimizer_state_dict(part, view.optimizer, state_dict, options=_FLAT)
+            set_optimizer_state_dict(part, view.optimizer, state_dict, options=options)
             view.write_back()
         _unshare(self.optimizer)
+
+    def _options(self) -> StateDictOptions:
+        """The flat format; the nested one (one list of groups naming every parameter,
+        which no split of the model can share out) to read a checkpoint written before
+        pipeline stages, into one part."""
+        if not self.nested:
+            return _FLAT
+        if len(self.parts) > 1:
+            raise ValueError(
+                "its optimizer state has the format written before pipeline stages, which "
+                "loads into one model part only; resume it without parallel.pp first"
+            )
+        return StateDictOptions()
 
     def hyperparameters(self) -> list[dict[str, Any]]:
         """Each group's settings (lr, betas, decay): what a loaded state would replace."""
@@ -84,6 +102,17 @@ class OptimizerState(Stateful):
     def set_hyperparameters(self, groups: list[dict[str, Any]]) -> None:
         for group, settings in zip(self.optimizer.param_groups, groups, strict=True):
             group.update(settings)
+
+
+def written_nested(path: str | Path) -> bool:
+    """Whether the checkpoint at `path` holds its optimizer state in the nested format
+    trainwise wrote before pipeline stages (groups by index, each listing its parameters:
+    "optim.param_groups.0.params"; the flat format keys them by parameter)."""
+    try:
+        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 (unreadable: the load itself says why)
+        return False
+    return f"{OPTIMIZER}.param_groups.0.params" in keys
 
 
 def _unshare(optimizer: torch.optim.Optimizer) -> None:
