@@ -44,9 +44,11 @@ CASES = {
     "llama-interleavedzb": ("llama", 2, "InterleavedZeroBubble", 2, 4, 1, []),
     "llama-zbv": ("llama", 2, "ZBVZeroBubble", 2, 4, 1, []),
 }
-# Four processes: pipeline x FSDP shards, pipeline x tensor parallelism.
+# Four processes: pipeline x FSDP shards, x replicas (FSDP2's replication: DDP's reducer
+# does not follow the schedule), x tensor parallelism.
 CASES_4 = {
     "small-1f1b-fsdp2": ("small", 4, "1F1B", 1, 4, 1, ["parallel.strategy='fsdp'"]),
+    "small-gpipe-ddp2": ("small", 4, "GPipe", 1, 4, 1, []),
     "llama-interleaved1f1b-tp2": (
         "llama", 4, "Interleaved1F1B", 2, 4, 1, ["parallel.tp=2"]
     ),
@@ -62,7 +64,10 @@ def overrides(case: tuple, root: Path, pipeline: bool) -> list[str]:
         "checkpoint.enabled=false", "parallel.strategy='ddp'", "optim.lr=0.003",
     ]
     if pipeline:
-        keys += [f"parallel.pp=2", f"parallel.pp_schedule='{schedule}'", f"parallel.pp_virtual={virtual}", *extra]
+        keys += [
+            "parallel.pp=2", f"parallel.pp_schedule='{schedule}'",
+            f"parallel.pp_virtual={virtual}", *extra,
+        ]
     else:
         keys[keys.index("parallel.strategy='ddp'")] = "parallel.strategy='single'"
     return keys

@@ -49,8 +49,11 @@ def test_pipeline_stages_are_the_outermost_dim():
     assert dims.mesh_dims() == (("pp", "dp_shard", "tp"), (4, 2, 2))
     assert dims.describe() == "pp 4 x dp_replicate 1 x dp_shard 2 x tp 2"
     assert dims.config_keys()["parallel.pp"] == 4
-    assert ParallelDims.from_strategy("ddp", 4, pp=2).mesh_dims() == (
-        ("pp", "dp_replicate"), (2, 2)
+    # Replicas of pipeline stages are FSDP2's replication (DDP's reducer does not follow
+    # the schedule's micro-batches: tests/dist/test_pipeline.py trains them).
+    replicas = ParallelDims.from_strategy("ddp", 4, pp=2)
+    assert replicas.fsdp and replicas.mesh_dims() == (
+        ("pp", "dp_replicate", "dp_shard"), (2, 2, 1)
     )
     with pytest.raises(ConfigError, match="tp x parallel.pp = 2 x 3 does not divide the 8"):
         ParallelDims.from_strategy("fsdp", 8, tp=2, pp=3)

@@ -62,7 +62,7 @@ def test_record_fields_are_the_dataclass_fields():
 
 
 def test_record_fields_include_the_stages():
-    assert STAGES == ("data_s", "compute_s", "sync_s", "optim_s", "ckpt_s")
+    assert STAGES == ("data_s", "compute_s", "bubble_s", "sync_s", "optim_s", "ckpt_s")
     for stage in STAGES:
         assert stage in RECORD_FIELDS
 

@@ -208,10 +208,11 @@ class ParallelDims:
         return self.reshard_after_forward and self.dp_shard > 1
 
     def runnable(self) -> ParallelDims:
-        """The layout the runtime builds: DDP cannot hold DTensor shards, so replicas of a
-        tensor-parallel model are FSDP2's replication (dp_shard 1) on the same mesh, with
-        the same memory and an all-reduce of the same bytes."""
-        if self.tp > 1 and self.dp_replicate > 1 and not self.fsdp:
+        """The layout the runtime builds: DDP cannot hold DTensor shards, and its reducer
+        does not follow a pipeline schedule's micro-batches, so replicas of a
+        tensor-parallel or pipelined model are FSDP2's replication (dp_shard 1) on the
+        same mesh, with the same memory and an all-reduce of the same bytes."""
+        if (self.tp > 1 or self.pp > 1) and self.dp_replicate > 1 and not self.fsdp:
             return ParallelDims(self.dp_replicate, 1, self.tp, self.pp, fsdp=True)
         return self
 

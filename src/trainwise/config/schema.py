@@ -251,9 +251,9 @@ class ParallelConfig(Section):
     pp_microbatches: int | None = Field(
         None,
         gt=0,
-        description="pp > 1: micro-batches each rank's step is cut into for the pipeline; "
-        "default: data.micro_batch x data.grad_accum split into micro-batches of one sample "
-        "each, at least pp.",
+        description="pp > 1: micro-batches each rank's step is cut into for the pipeline "
+        "(they must cut its data.micro_batch x data.grad_accum samples evenly); default: one "
+        "sample each. 1F1B needs at least pp.",
     )
     sequence_parallel: bool | None = Field(
         None, description="With tp > 1, norms run sequence-parallel; default: on when tp > 1."

@@ -254,6 +254,7 @@ class GPT(nn.Module):
     def _embed(self, idx: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         x = self.tok_emb(idx)
         if self.pos_emb is not None:
-            at = positions if positions is not None else torch.arange(idx.shape[1], device=idx.device)
+            whole = torch.arange(idx.shape[1], device=idx.device)
+            at = positions if positions is not None else whole
             x = x + self.pos_emb(at)
         return self.drop(x)

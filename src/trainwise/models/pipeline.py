@@ -24,6 +24,8 @@ from trainwise.models.gpt import GPT
 
 SINGLE_STAGE = ("GPipe", "1F1B")  # one stage per rank (pp_virtual = 1)
 V_SHAPED = ("ZBVZeroBubble",)  # exactly two stages per rank, in a V
+# Split the backward into input and weight parts: torch runs them without torch.compile.
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
 
 
 def placement(schedule: str) -> str:

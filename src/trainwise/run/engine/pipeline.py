@@ -85,7 +85,9 @@ class PipelineStep(DataParallelStep):
         for stage in self.stages:
             for method in TIMED:
                 setattr(stage, method, self._timed(getattr(stage, method)))
-        self.schedule = build_schedule(get_schedule_class(schedule), self.stages, microbatches, self._loss)
+        self.schedule = build_schedule(
+            get_schedule_class(schedule), self.stages, microbatches, self._loss
+        )
         self._eval_schedule: Any = None
         # A tied head on another rank than the embedding (not in the V: both on rank 0).
         self.tie_group = tie_group(mesh) if tied and schedule not in V_SHAPED else None
@@ -110,7 +112,9 @@ class PipelineStep(DataParallelStep):
         loss = self.loss_fn(output, target)
         return loss * float("nan") if self.poison else loss  # a fault injected by a test
 
-    def step(self, parts: list[torch.nn.Module], batches: Iterator[Batch], probe: bool) -> StepResult:
+    def step(
+        self, parts: list[torch.nn.Module], batches: Iterator[Batch], probe: bool
+    ) -> StepResult:
         clock = self.clock
         clock.mark("start")
         self.stage = "data loading"
@@ -195,7 +199,9 @@ def run(
         call(*args, target=y, losses=losses, **kwargs)
 
 
-def build_schedule(cls: type, stages: list[PipelineStage], microbatches: int, loss_fn: Callable) -> Any:
+def build_schedule(
+    cls: type, stages: list[PipelineStage], microbatches: int, loss_fn: Callable
+) -> Any:
     """torch's schedule `cls` over this rank's stages (a single-stage class takes one)."""
     if issubclass(cls, PipelineScheduleSingle):
         return cls(stages[0], microbatches, loss_fn=loss_fn)

@@ -25,7 +25,7 @@ from trainwise.models import (
     takes_example_ids,
     tp_model_problems,
 )
-from trainwise.models.pipeline import default_microbatches, schedule_problems
+from trainwise.models.pipeline import ZERO_BUBBLE, default_microbatches, schedule_problems
 from trainwise.plan import (
     Decision,
     Workload,
@@ -446,8 +446,8 @@ def layout_problems(c: JobConfig, world: int, local: int, device: DeviceInfo) ->
     elif p.dp_shard and world % (p.dp_shard * p.tp * p.pp):
         problems.append(
             f"parallel.dp_shard = {p.dp_shard} does not divide the {world} workers / "
-            f"(parallel.tp {p.tp} x parallel.pp {p.pp}): choose degrees whose product divides "
-            "cluster.nproc x cluster.nodes"
+            f"parallel.tp {p.tp}" + (f" / parallel.pp {p.pp}" if p.pp > 1 else "")
+            + ": choose degrees whose product divides cluster.nproc x cluster.nodes"
         )
     if p.pp > 1 and world % (p.pp * p.tp):
         problems.append(
@@ -490,7 +490,16 @@ def pipeline_problems(c: JobConfig, shape: GPTShape | None, accum: int) -> list[
         ]
     batch = c.data.micro_batch * accum
     microbatches = p.pp_microbatches or default_microbatches(c.data.micro_batch, accum)
-    return schedule_problems(p.pp_schedule, p.pp, p.pp_virtual, shape.n_layer, microbatches, batch)
+    problems = schedule_problems(
+        p.pp_schedule, p.pp, p.pp_virtual, shape.n_layer, microbatches, batch
+    )
+    if c.train.compile and p.pp_schedule in ZERO_BUBBLE:
+        problems.append(
+            f"train.compile = true with parallel.pp_schedule = '{p.pp_schedule}': torch's "
+            "zero-bubble schedules split the backward, which compiled blocks do not support; "
+            "use 1F1B or Interleaved1F1B, or train.compile = false"
+        )
+    return problems
 
 
 def sequence_parallel(c: JobConfig) -> bool:

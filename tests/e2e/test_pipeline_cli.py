@@ -1,0 +1,71 @@
+"""Pipeline parallelism through the CLI: `trainwise train` with parallel.pp = 2 on 2 gloo
+workers (with activation checkpointing per stage and an evaluation through the schedule)
+records the step's bubble, the summary and `trainwise report` show it; bad pipeline
+input stops before any worker with one line and exit status 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import QUIET, read_records, run_cli
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    root = tmp_path_factory.mktemp("pipeline_cli")
+    res = run_cli(
+        "train", "--nproc", "2", "--strategy", "ddp", "--steps", "6", "--run-dir", "run",
+        *QUIET, "--set", "parallel.pp=2", "--set", "parallel.ac='full'",
+        "--set", "data.seq_len=32", "--set", "train.eval_every=3",
+        "--set", "checkpoint.enabled=false", cwd=root, timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return root / "run", res.stdout + res.stderr
+
+
+def test_the_job_runs_two_stages(run):
+    folder, _ = run
+    job = json.loads((folder / "job.json").read_text())
+    assert job["layout"] == "pp 2 x dp_replicate 1 x dp_shard 1 x tp 1"
+    records = read_records(folder)
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert [r["eval_loss"] is not None for r in records] == [False, False, True] * 2
+
+
+def test_every_step_records_its_bubble(run):
+    folder, output = run
+    records = read_records(folder)
+    assert all(r["bubble_s"] is not None and r["bubble_s"] >= 0 for r in records)
+    assert all(r["sync_s"] is not None for r in records)  # measured each step, not probed
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["stage_share"]["bubble"] > 0
+    assert "pipeline bubble" in output  # the summary's step time
+
+
+def test_the_report_shows_the_bubble(run):
+    folder, _ = run
+    res = run_cli("report", str(folder), cwd=folder.parent)
+    assert res.returncode == 0, res.stderr[-2000:]
+    row = next(line for line in res.stdout.splitlines() if "pipeline bubble" in line)
+    assert float(row.split()[2]) > 0  # its seconds
+
+
+@pytest.mark.parametrize(("sets", "line"), [
+    # tiny has 2 layers: 2 ranks x 2 stages each cannot split them.
+    (["parallel.pp=2", "parallel.pp_virtual=2", "parallel.pp_schedule='Interleaved1F1B'"],
+     "parallel.pp x parallel.pp_virtual = 2 x 2 = 4 stages do not divide the model's 2 layers"),
+    (["parallel.pp=2", "data.micro_batch=1"],
+     "parallel.pp_microbatches = 1 is fewer than the 2 stages 1F1B keeps in flight"),
+])
+def test_bad_pipeline_input_stops_before_any_worker(tmp_path: Path, sets, line):
+    args = [a for kv in sets for a in ("--set", kv)]
+    res = run_cli("train", "--nproc", "2", "--strategy", "ddp", *QUIET, *args, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    assert line in res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "runs").exists()
