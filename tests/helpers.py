@@ -57,17 +57,19 @@ def tiny_llama(
     seed: int = 0,
     vocab: int = 97,
     positions: int = 64,
+    layers: int = 2,
     **save: object,
 ) -> Path:
-    """A 2-layer Hugging Face Llama (hidden 32, GQA 4/2 heads) with random weights, saved by
-    transformers' save_pretrained (`save`: its options), with a fixed batch of inputs beside
-    it (idx.pt) and the logits transformers gives for it (logits.pt). No download."""
+    """A Hugging Face Llama of `layers` layers (hidden 32, GQA 4/2 heads) with random
+    weights, saved by transformers' save_pretrained (`save`: its options), with a fixed
+    batch of inputs beside it (idx.pt) and the logits transformers gives for it
+    (logits.pt). No download."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=vocab, rms_norm_eps=1e-5, max_position_embeddings=positions,
         tie_word_embeddings=tie, rope_theta=5000.0,
     )

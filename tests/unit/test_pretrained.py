@@ -14,6 +14,7 @@ from helpers import QUIET, run_cli, tiny_llama
 from trainwise.errors import ModelError
 from trainwise.models import ModelSpec, build_model, count_parameters
 from trainwise.models.llama import gpt_to_hf
+from trainwise.models.pipeline import split_gpt
 from trainwise.run.engine.materialize import allocate
 
 transformers = pytest.importorskip("transformers")
@@ -164,3 +165,34 @@ def test_cli_bad_model_one_line_exit_2(models, broken, tmp_path, which, sets, me
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+
+
+def _stage(folder: Path, stage: int) -> torch.nn.Module:
+    """Stage `stage` of 2 of the trainwise GPT as the trainer builds it: cut from the meta
+    model by the splitter, storage allocated, not yet loaded."""
+    with torch.device("meta"):
+        gpt = build_model(ModelSpec(name=f"hf:{folder}", seq_len=16, impl="trainwise")).module
+    part = split_gpt(gpt, stage, 2)
+    allocate(part, torch.device("cpu"))
+    return part
+
+
+def test_each_pipeline_stage_reads_only_its_own_tensors(models):
+    """Two stages of a sharded checkpoint: each opens exactly the tensors it holds (its
+    blocks; the embedding on the first, the norm and head on the last), and together they
+    read every tensor of the files once, with the files' values."""
+    folder = models["sharded"]
+    stored = {}
+    for f in folder.glob("*.safetensors"):
+        stored.update(safetensors_torch.load_file(f))
+    bundle = build_model(ModelSpec(name=f"hf:{folder}", seq_len=16, impl="trainwise"))
+    reads = []
+    for stage in (_stage(folder, 0), _stage(folder, 1)):
+        read = bundle.load_weights(stage)
+        mine = {gpt_to_hf(k): v for k, v in stage.state_dict().items() if "rotary" not in k}
+        assert read["tensors_read"] == len(mine), (read, sorted(mine))
+        assert read["bytes_read"] == sum(stored[k].nbytes for k in mine)
+        assert all(torch.equal(v, stored[k]) for k, v in mine.items())
+        reads.append(read)
+    assert sum(r["tensors_read"] for r in reads) == len(stored)
+    assert sum(r["bytes_read"] for r in reads) == sum(t.nbytes for t in stored.values())

@@ -119,6 +119,20 @@ def check_against(
     expected: dict[str, tuple[int, ...]], stored: dict[str, tuple[int, ...]], where: str
 ) -> None:
     """One line for the first missing key, unexpected key or shape mismatch."""
+    check_present(expected, stored, where)
+    extra = sorted(set(stored) - set(expected))
+    if extra:
+        raise ModelError(
+            f"{where}: the weights hold {extra[0]!r}, which the model does not have "
+            f"({len(extra)} such); the weights do not belong to this config.json"
+        )
+
+
+def check_present(
+    expected: dict[str, tuple[int, ...]], stored: dict[str, tuple[int, ...]], where: str
+) -> None:
+    """One line for the first of `expected` missing from the weights or of another shape
+    (a pipeline stage expects its own tensors, a subset of the weights)."""
     for key, shape in expected.items():
         if key not in stored:
             raise ModelError(
@@ -131,12 +145,6 @@ def check_against(
                 f"{list(shape)} in the model; the weights do not match config.json "
                 "(or model.vocab_size / the data's vocabulary changed it)"
             )
-    extra = sorted(set(stored) - set(expected))
-    if extra:
-        raise ModelError(
-            f"{where}: the weights hold {extra[0]!r}, which the model does not have "
-            f"({len(extra)} such); the weights do not belong to this config.json"
-        )
 
 
 def check_weights(
@@ -152,7 +160,11 @@ def load_weights(
     model: nn.Module, folder: str | Path, rename: Callable[[str], str], where: str
 ) -> dict[str, int]:
     """Fill `model` (wrapped or sharded as it runs; every rank calls this) from the
-    safetensors of `folder`. Returns {"bytes_read": this rank's, "bytes_total": the files'}."""
+    safetensors of `folder`: the whole model, or one of its parts (a pipeline stage keeps
+    the whole model's names), which reads only its own tensors. Returns {"bytes_read":
+    this rank's, "bytes_total": the files', "tensors_read": how many tensors it opened}.
+    The weights' keys the model lacks are refused by check_weights on the whole model,
+    before any worker starts."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -160,7 +172,7 @@ def load_weights(
     stored = stored_shapes(files)
     state = get_model_state_dict(model)
     named = _named_for_checkpoint(state, rename, stored)
-    check_against({k: tuple(t.shape) for k, t in named.items()}, stored, where)
+    check_present({k: tuple(t.shape) for k, t in named.items()}, stored, where)
     reader = _CountingReader(str(folder))
     alone = not (dist.is_available() and dist.is_initialized())
     with warnings.catch_warnings():  # DCP warns that one process loads alone: intended
@@ -168,18 +180,22 @@ def load_weights(
         dcp.load(named, storage_reader=reader, no_dist=alone)
     set_model_state_dict(model, state)  # a no-op copy when `state` holds the parameters
     total = sum(f.stat().st_size for f in files)
-    return {"bytes_read": reader.bytes_read, "bytes_total": total}
+    return {"bytes_read": reader.bytes_read, "bytes_total": total,
+            "tensors_read": len(reader.tensors_read)}
 
 
 class _CountingReader(HuggingFaceStorageReader):
-    """DCP's Hugging Face reader, counting the bytes of the slices this rank asks for."""
+    """DCP's Hugging Face reader, counting the bytes of the slices this rank asks for and
+    the tensors they come from."""
 
     def __init__(self, path: str):
         super().__init__(path)
         self.bytes_read = 0
+        self.tensors_read: set[str] = set()
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         for item in plan.items:
             info = self.storage_data[item.storage_index]
             self.bytes_read += math.prod(item.lengths) * info.dtype.itemsize
+            self.tensors_read.add(item.storage_index.fqn)
         return super().read_data(plan, planner)

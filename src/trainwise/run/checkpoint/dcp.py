@@ -38,7 +38,7 @@ from trainwise.config.schema import CheckpointConfig
 from trainwise.plan.model.reliability import interval_steps
 from trainwise.run.checkpoint import store as store
 from trainwise.run.checkpoint.resume_rules import TRAINER_FILE, differences, refusal
-from trainwise.run.checkpoint.states import MODEL, OPTIMIZER, RNG
+from trainwise.run.checkpoint.states import MODEL, OPTIMIZER, RNG, written_nested
 from trainwise.run.checkpoint.store import CheckpointError, root_cause
 from trainwise.run.job.distributed import side_group
 from trainwise.run.observe.events import append_event
@@ -632,7 +632,11 @@ class Checkpointer:
         names = [MODEL] + ([OPTIMIZER] if taken == "all" else []) + ([RNG] if same_world else [])
         optimizer = self.states[OPTIMIZER]
         ours = optimizer.hyperparameters()  # type: ignore[attr-defined]
-        self._read({name: self.states[name] for name in names}, path)
+        optimizer.nested = OPTIMIZER in names and written_nested(path)  # type: ignore[attr-defined]
+        try:
+            self._read({name: self.states[name] for name in names}, path)
+        finally:
+            optimizer.nested = False  # type: ignore[attr-defined]  # saves: the flat format
         scheduler, scaler = self.progress["scheduler"], self.progress.get("scaler")
         if self.other:
             optimizer.set_hyperparameters(ours)  # type: ignore[attr-defined]

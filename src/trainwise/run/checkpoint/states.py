@@ -10,10 +10,13 @@ entry, not a new parameter.
 from __future__ import annotations
 
 import random
+from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -53,22 +56,53 @@ class ModelState(Stateful):
             set_model_state_dict(part, state_dict, options=options)
 
 
+# DCP's flat optimizer format: one key per parameter and setting ("state.<fqn>.exp_avg",
+# "param_groups.<fqn>.lr"), so that each rank writes and reads only the parameters of its
+# parts (PyTorch's format for pipeline stages, as torchtitan's OptimizersContainer uses).
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 class OptimizerState(Stateful):
-    """The optimizer's state, keyed by parameter names (so it reshards with the model).
-    One optimizer over one part's parameters today; pipeline stages will bring one per
-    part (torchtitan's OptimizersContainer)."""
+    """The optimizer's state under the whole model's parameter names, so it reshards with
+    the model and loads into any split of it. One optimizer over every part's parameters
+    (run/engine/optim.py builds it so); DCP's state-dict API takes one module per call, so
+    each part is saved and loaded through a view of the optimizer over that part's
+    parameters (`_PartView`)."""
 
     def __init__(self, parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer):
-        if len(parts) != 1:
-            raise ValueError(f"one optimizer state per model part: {len(parts)} parts")
-        self.model = parts[0]
+        self.parts = parts
         self.optimizer = optimizer
+        self.nested = False  # True while loading a checkpoint of the earlier format
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        out: dict[str, Any] = {}
+        options = self._options()
+        for part in self.parts:
+            view = _PartView(self.optimizer, part)
+            out.update(get_optimizer_state_dict(part, view.optimizer, options=options))
+            view.write_back()  # a first save initialises the state: keep it
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+        options = self._options()
+        for part in self.parts:
+            view = _PartView(self.optimizer, part)
+            set_optimizer_state_dict(part, view.optimizer, state_dict, options=options)
+            view.write_back()
+        _unshare(self.optimizer)
+
+    def _options(self) -> StateDictOptions:
+        """The flat format; the nested one (one list of groups naming every parameter,
+        which no split of the model can share out) to read a checkpoint written before
+        pipeline stages, into one part."""
+        if not self.nested:
+            return _FLAT
+        if len(self.parts) > 1:
+            raise ValueError(
+                "its optimizer state has the format written before pipeline stages, which "
+                "loads into one model part only; resume it without parallel.pp first"
+            )
+        return StateDictOptions()
 
     def hyperparameters(self) -> list[dict[str, Any]]:
         """Each group's settings (lr, betas, decay): what a loaded state would replace."""
@@ -77,6 +111,61 @@ class OptimizerState(Stateful):
     def set_hyperparameters(self, groups: list[dict[str, Any]]) -> None:
         for group, settings in zip(self.optimizer.param_groups, groups, strict=True):
             group.update(settings)
+
+
+def written_nested(path: str | Path) -> bool:
+    """Whether the checkpoint at `path` holds its optimizer state in the nested format
+    trainwise wrote before pipeline stages (groups by index, each listing its parameters:
+    "optim.param_groups.0.params"; the flat format keys them by parameter)."""
+    try:
+        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 (unreadable: the load itself says why)
+        return False
+    return f"{OPTIMIZER}.param_groups.0.params" in keys
+
+
+def _unshare(optimizer: torch.optim.Optimizer) -> None:
+    """Copies of one parameter on one rank (a tied embedding's, when the first and last
+    stages share a rank, as in the V) load the same checkpoint entries, which the optimizer
+    keeps as the same tensors: each gets its own, or one update would move both."""
+    seen: set[int] = set()
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                if id(value) in seen:
+                    state[key] = value.clone()
+                seen.add(id(value))
+
+
+class _PartView:
+    """The optimizer restricted to one part's parameters: an instance of the same class
+    (DCP may step it once with lr 0 to create the state) holding the groups that have
+    parameters in the part and their state. `write_back` puts what DCP set (state and
+    group settings) into the real optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, part: torch.nn.Module):
+        mine = {id(p) for p in part.parameters()}
+        self.whole = optimizer
+        self.groups: list[dict[str, Any]] = []  # the real groups the view's stand for
+        view_groups = []
+        for group in optimizer.param_groups:
+            params = [p for p in group["params"] if id(p) in mine]
+            if params:  # DCP names a group by its first parameter: none, no group
+                self.groups.append(group)
+                view_groups.append({**group, "params": params})
+        view = object.__new__(type(optimizer))
+        # Its settings and hooks, not the methods bound to the real optimizer (the LR
+        # scheduler wraps `step`): the view's step is its own, on its own groups.
+        view.__dict__.update({k: v for k, v in vars(optimizer).items() if not callable(v)})
+        view.param_groups = view_groups
+        held = [p for g in view_groups for p in g["params"]]
+        view.state = defaultdict(dict, {p: optimizer.state[p] for p in held if p in optimizer.state})
+        self.optimizer = view
+
+    def write_back(self) -> None:
+        self.whole.state.update(self.optimizer.state)
+        for group, loaded in zip(self.groups, self.optimizer.param_groups, strict=True):
+            group.update({k: v for k, v in loaded.items() if k != "params"})
 
 
 def rng_key(rank: int) -> str:

@@ -1,0 +1,145 @@
+"""Checkpoints under pipeline stages, on three shared launches of a tiny Hugging Face Llama
+(4 layers, model.impl = 'trainwise', its pretrained weights written to a tmp dir):
+
+1. pp 2 (1F1B, a stage per rank) from the pretrained weights, 12 steps, a checkpoint every
+   4; the last stage's worker is killed at step 11 and the run restarts from its own
+   step-8 checkpoint;
+2. dp_shard 2 x tp 2 (4 processes) resumes the pp run's step-4 checkpoint;
+3. pp 2 with two stages per rank (Interleaved1F1B: each rank's states span two model
+   parts) resumes that run's step-8 checkpoint.
+
+Each continues the losses of the pp run; the restart after the kill repeats them exactly;
+the first step's loss is transformers' on the first batch (each stage loaded its own
+tensors); `export --format hf` of the pp run gives the trained model's logits. The
+unit tests of the states over several parts are tests/unit/test_checkpoint_parts.py."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from faulty import finish, job_args, kill, start, wait_for_pid
+
+from helpers import read_records, run_cli, tiny_llama
+
+pytestmark = pytest.mark.dist
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 256  # the synthetic data's: the pretrained vocabulary must hold its ids
+SEQ = 32
+LAYERS = 4  # pp 2 x pp_virtual 2 stages of one layer each
+# name -> (nproc, strategy, extra); the global batch stays 16 (job_args' contract).
+LAYOUTS = {
+    "pp2": (2, "ddp", ("--set", "parallel.pp=2", "--set", "data.micro_batch=16")),
+    "fsdp2_tp2": (4, "fsdp", ("--set", "parallel.tp=2", "--set", "data.micro_batch=8")),
+    "pp2_interleaved": (2, "ddp", ("--set", "parallel.pp=2", "--set", "data.micro_batch=16",
+                                   "--set", "parallel.pp_schedule=Interleaved1F1B",
+                                   "--set", "parallel.pp_virtual=2")),
+}
+
+
+def _args(root: Path, name: str, layout: str, *extra: str) -> list[str]:
+    nproc, strategy, more = LAYOUTS[layout]
+    model = ("--set", f"model.name='hf:{root / 'llama'}'", "--set", "model.impl=trainwise",
+             "--set", f"data.seq_len={SEQ}")
+    return job_args(root / name, nproc, strategy, *model, *more, *extra)
+
+
+def _resume(root: Path, name: str, layout: str, written: Path, step: int) -> Path:
+    checkpoint = written / "checkpoints" / f"step-{step:08d}"
+    done = run_cli(*_args(root, name, layout, "--set", f"checkpoint.resume={checkpoint}"),
+                   cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resuming from step {step}" in done.stderr
+    return root / name
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    root = tmp_path_factory.mktemp("reshard_pp")
+    tiny_llama(root / "llama", vocab=VOCAB, layers=LAYERS)
+    pp = root / "pp"
+    proc = start(_args(root, "pp", "pp2"), root, faults="pause@step=11,rank=1")
+    kill(wait_for_pid(proc, pp / "faults" / "pause-step-11.pid"))
+    rc, _, err = finish(proc)
+    assert rc == 0, err[-3000:]
+    assert "resuming from step 8" in err
+    tp = _resume(root, "tp", "fsdp2_tp2", pp, 4)
+    back = _resume(root, "pp-again", "pp2_interleaved", tp, 8)
+    return {"root": root, "pp": pp, "tp": tp, "pp_again": back}
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_records(run_dir) if "loss" in r}
+
+
+def test_a_worker_killed_under_pp_resumes_bit_exact(runs):
+    """The steps after the step-8 checkpoint ran before the kill and again after the
+    restart (metrics.jsonl keeps both records): the same loss and gradient norm to the bit
+    (the weights, optimizer, data position and RNG came back)."""
+    records: dict[int, list[dict]] = {}
+    for r in read_records(runs["pp"]):
+        if "loss" in r:
+            records.setdefault(r["step"], []).append(r)
+    assert sorted(records) == list(range(1, 13))
+    repeated = {s: rs for s, rs in records.items() if len(rs) > 1}
+    assert repeated and min(repeated) == 9, sorted(repeated)  # the restart began at step 9
+    for step, (first, again) in repeated.items():
+        assert (first["loss"], first.get("grad_norm")) == (again["loss"], again.get("grad_norm")), step
+
+
+def test_resumes_across_layouts_continue_the_pp_runs_losses(runs):
+    """pp 2 -> dp_shard 2 x tp 2 -> pp 2: each resumed run's losses are the pp run's. Not
+    to the bit: the layouts sum in other orders (FSDP's reduce-scatter over the batch's
+    halves, TP's split matmuls, pp's micro-batches), so fp32 rounding (rel 1e-5)."""
+    pp = _losses(runs["pp"])
+    for name, start_at in (("tp", 4), ("pp_again", 8)):
+        got = _losses(runs[name])
+        assert sorted(got) == list(range(start_at + 1, 13)), name
+        for step, loss in got.items():
+            assert loss == pytest.approx(pp[step], rel=1e-5, abs=1e-6), (name, step)
+
+
+def test_the_pp_run_starts_from_transformers_logits(runs):
+    """Step 1's loss under pp 2 (before any update) is the cross-entropy of the logits
+    transformers gives on the first batch: every stage loaded its pretrained tensors."""
+    from trainwise.config import load_config
+    from trainwise.data import build_loader
+    from trainwise.run.job.resolve import data_and_model
+
+    root, pp = runs["root"], runs["pp"]
+    cfg = load_config(pp / "config.toml")
+    train = data_and_model(cfg, []).datasets[0]
+    x, y = next(iter(build_loader(train, micro_batch=16, grad_accum=1, dp_rank=0, dp_size=1,
+                                  seed=cfg.train.seed, num_steps=1)))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(root / "llama").eval()
+    with torch.no_grad():
+        logits = hf(input_ids=x).logits
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)).item()
+    first = _losses(pp)[1]
+    assert math.isclose(first, want, rel_tol=1e-5), (first, want)
+
+
+def test_export_hf_of_the_pp_run_gives_the_trained_logits(runs):
+    """The pp run's last checkpoint (each stage wrote its own tensors under the whole
+    model's names) exports as one Hugging Face model with the trained model's logits."""
+    from trainwise.export.weights import load_model_state, resolve_checkpoint
+    from trainwise.models import ModelSpec, build_model
+
+    root, pp = runs["root"], runs["pp"]
+    done = run_cli("export", str(pp), "--format", "hf", "-o", str(root / "pp-hf"), cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((root / "pp-hf" / "config.json").read_text())["num_hidden_layers"] == LAYERS
+    exported = transformers.AutoModelForCausalLM.from_pretrained(root / "pp-hf").eval()
+    spec = ModelSpec(name=f"hf:{root / 'llama'}", seq_len=SEQ, impl="trainwise", init="random")
+    trained = build_model(spec).module.eval()
+    trained.load_state_dict(load_model_state(resolve_checkpoint(pp)), strict=True)
+    idx = torch.load(root / "llama" / "idx.pt")
+    with torch.no_grad():
+        got, want = exported(input_ids=idx).logits, trained(idx)
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+    original = torch.load(root / "llama" / "logits.pt")
+    assert not torch.allclose(got, original, atol=1e-3)  # training moved the weights
