@@ -207,7 +207,9 @@ def pipeline_layouts(dp: int, tp: int, pp: int, allowed: Allowed) -> list[Parall
     out = [ParallelDims(dp_replicate=dp, tp=tp, pp=pp).runnable()]
     if shard > 1 and dp % shard == 0:
         out.append(ParallelDims(dp // shard, shard, tp, pp, fsdp=True, reshard_after_forward=False))
-    return [d for d in out if allowed.reshard_after_forward is not True or not d.fsdp]
+    # Replicas of stages run as FSDP2's replication (ParallelDims.runnable): no shard to
+    # keep or free, whatever parallel.shard says.
+    return [d for d in out if allowed.reshard_after_forward is not True or d.dp_shard == 1]
 
 
 def replica_batch(inputs: PlanInputs, dims: ParallelDims) -> int:
