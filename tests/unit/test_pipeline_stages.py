@@ -136,9 +136,15 @@ def test_degrees_that_do_not_multiply_to_the_world_are_refused():
     ]
 
 
-def test_auto_with_pipeline_stages_is_refused_until_the_planner_chooses_them():
-    problems = problems_of(2, "parallel.pp=2")
-    assert problems and "parallel.strategy = 'auto'" in problems[0]
+def test_auto_keeps_the_jobs_stages_and_chooses_around_them():
+    """auto with parallel.pp set: the planner's chooser searches the layouts of pp stages
+    (as it does for tp) and the job runs the one it picks."""
+    config = load_config(overrides=[
+        "data.synthetic_tokens=20000", "data.seq_len=32", "model.name='small'", "parallel.pp=2",
+    ])
+    job = prepare_job(config, 4, CPU, 4)
+    assert job.dims.pp == 2 and job.dims.world == 4
+    assert "pp 2 x" in job.decision.reason
 
 
 def test_a_pipeline_job_resolves_its_layout():

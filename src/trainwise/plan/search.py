@@ -453,7 +453,7 @@ def _pipeline_gain(best: StrategyPlan, ordered: list[StrategyPlan], goal: Goal) 
     said = f"; {stage} holds the most, the bubble is {best.step.bubble / best.step.total:.0%} of a step"
     flat = [s for s in ordered if s.setup is not None and s.setup.dims.pp == 1]
     if not flat:
-        return said + "; nothing without pipeline stages fits"
+        return said + "; no plan without pipeline stages among those that fit"
     other = rank(flat, goal)[0]  # what a plan without stages recommends
     assert other.setup is not None
     return said + (

@@ -478,11 +478,6 @@ def layout_problems(c: JobConfig, world: int, local: int, device: DeviceInfo) ->
             "(pp x data-parallel x tp must be the world size): choose degrees whose product "
             "divides cluster.nproc x cluster.nodes"
         )
-    elif p.pp > 1 and request.auto:
-        problems.append(
-            f"parallel.pp = {p.pp} with parallel.strategy = 'auto': the planner does not choose "
-            "a layout around pipeline stages yet; set parallel.strategy = 'ddp' or 'fsdp'"
-        )
     if request.single and world > 1:
         problems.append(
             f"parallel.strategy = 'single' runs one worker but cluster.nproc = {world}: "
