@@ -39,6 +39,8 @@ def main() -> int:
     parser.add_argument("--out", default="runs/finetune-example", help="the folder to write")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps")
     parser.add_argument("--nproc", type=int, default=2, help="workers (FSDP)")
+    parser.add_argument("--pretrain-steps", type=int, default=300,
+                        help="optimizer steps of the base model's pretraining on corpus.txt")
     args = parser.parse_args()
     out = Path(args.out)
     problem = fresh_folder(out)
@@ -46,7 +48,7 @@ def main() -> int:
         print(f"run.py: {problem}", file=sys.stderr)
         return 2
 
-    model_dir = build_model_dir(out / "base-model")
+    model_dir = pretrain(build_model_dir(out / "random-model"), out, args.pretrain_steps)
     trainwise("data", "prepare", str(HERE / "qa.jsonl"), "--out", str(out / "qa"),
               "--tokenizer", f"hf:{model_dir}", "--field", "prompt",
               "--response-field", "response", "--quiet")
@@ -77,10 +79,28 @@ PROMPT = "Question: Where is water carried from?\nAnswer:"
 # LoRA's adapters start at zero (B = 0): a higher learning rate than the full fine-tune's.
 # The base here has random weights: LoRA adapts what a pretrained model knows, so on this
 # base it learns far less than the full fine-tune in the same steps (docs say so).
-LORA = ("--set", "lora.rank=8", "--set", "lora.alpha=16", "--set", "optim.lr=3e-2")
+LORA = ("--set", "lora.rank=8", "--set", "lora.alpha=16", "--set", "optim.lr=1e-2")
 
 
 MARK = ".finetune-example"  # what this script leaves in --out: a rerun may replace it
+
+
+def pretrain(random_dir: Path, out: Path, steps: int) -> Path:
+    """The base model both fine-tunes start from: the random model trained by trainwise on
+    corpus.txt (one process), exported as a Hugging Face directory with its tokenizer."""
+    trainwise("data", "prepare", str(HERE / "corpus.txt"), "--out", str(out / "corpus"),
+              "--tokenizer", f"hf:{random_dir}", "--quiet")
+    trainwise("train", "--config", str(HERE / "finetune.toml"), "--nproc", "1",
+              "--steps", str(steps), "--run-dir", str(out / "run-pretrain"),
+              "--set", f"model.name='hf:{random_dir}'", "--set", f"data.path='{out / 'corpus'}'",
+              *PRETRAIN)
+    base = out / "base-model"  # export copies the tokenizer files beside the weights
+    trainwise("export", str(out / "run-pretrain"), "--format", "hf", "-o", str(base))
+    return base
+
+
+PRETRAIN = ("--set", "data.format='text'", "--set", "data.val_fraction=0.1", "--set", "data.micro_batch=8",
+            "--set", "optim.lr=1e-2")
 
 
 def fresh_folder(out: Path) -> str | None:
