@@ -44,7 +44,7 @@ def main() -> int:
     parser.add_argument("--out", default="runs/finetune-example", help="the folder to write")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps")
     parser.add_argument("--nproc", type=int, default=2, help="workers (FSDP)")
-    parser.add_argument("--pretrain-steps", type=int, default=300,
+    parser.add_argument("--pretrain-steps", type=int, default=200,
                         help="optimizer steps of the base model's pretraining on corpus.txt")
     args = parser.parse_args()
     out = Path(args.out)
