@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.e2e
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "finetune" / "run.py"
-STEPS = 30  # of each fine-tune
+STEPS = 50  # of each fine-tune: LoRA's loss halves with a margin (7.8 -> 2.5 here)
 
 
 def test_the_finetune_example_runs_end_to_end(tmp_path: Path):
