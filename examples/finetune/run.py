@@ -3,17 +3,22 @@ every parameter and with LoRA side by side:
 
 1. a tiny Llama-style model directory (random weights, saved by transformers) and a BPE
    tokenizer trained on the text beside this script (`tokenizers`);
-2. `trainwise data prepare` of the question/answer pairs in qa.jsonl (prompt / response:
+2. its pretraining, by trainwise: `trainwise data prepare corpus.txt`, `trainwise train`
+   from `hf:DIR` on 1 worker, `trainwise export --format hf` -> base-model, the pretrained
+   model both fine-tunes start from (LoRA adapts what a model already computes: on the
+   random model's frozen weights it learns next to nothing);
+3. `trainwise data prepare` of the question/answer pairs in qa.jsonl (prompt / response:
    only the answers are learned);
-3. `trainwise train` from `hf:DIR` on 2 workers with FSDP (finetune.toml): once every
-   parameter (run-full), once LoRA (run-lora: lora.rank = 8, the base frozen);
-4. `trainwise export run-full --format hf` and `trainwise export run-lora --format peft`;
-5. transformers' `from_pretrained` on the full export and PEFT's on the adapter: their
+4. `trainwise train` from `hf:base-model` on 2 workers with FSDP (finetune.toml): once
+   every parameter (run-full), once LoRA (run-lora: lora.rank = 8, the base frozen);
+5. `trainwise export run-full --format hf` and `trainwise export run-lora --format peft`;
+6. transformers' `from_pretrained` on the full export and PEFT's on the adapter: their
    logits against the trained checkpoints';
-6. `trainwise generate` on both runs: their answers to one question, and both runs'
-   peak memory (metrics.jsonl's mem_bytes).
+7. `trainwise generate` on both runs: their answers to one question, and both runs'
+   first and last training losses and peak memory (metrics.jsonl's loss and mem_bytes).
 
-    python examples/finetune/run.py [--out runs/finetune-example] [--steps 40]
+    python examples/finetune/run.py [--out runs/finetune-example] [--steps 300]
+        [--pretrain-steps 200] [--nproc 2]
 
 Everything is written under --out; the last line is JSON (what the test reads).
 """
@@ -39,6 +44,8 @@ def main() -> int:
     parser.add_argument("--out", default="runs/finetune-example", help="the folder to write")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps")
     parser.add_argument("--nproc", type=int, default=2, help="workers (FSDP)")
+    parser.add_argument("--pretrain-steps", type=int, default=200,
+                        help="optimizer steps of the base model's pretraining on corpus.txt")
     args = parser.parse_args()
     out = Path(args.out)
     problem = fresh_folder(out)
@@ -46,7 +53,7 @@ def main() -> int:
         print(f"run.py: {problem}", file=sys.stderr)
         return 2
 
-    model_dir = build_model_dir(out / "base-model")
+    model_dir = pretrain(build_model_dir(out / "random-model"), out, args.pretrain_steps)
     trainwise("data", "prepare", str(HERE / "qa.jsonl"), "--out", str(out / "qa"),
               "--tokenizer", f"hf:{model_dir}", "--field", "prompt",
               "--response-field", "response", "--quiet")
@@ -64,23 +71,47 @@ def main() -> int:
     print(f"question: {PROMPT!r}")
     for run in ("full", "lora"):
         answer = generate(out / f"run-{run}")
-        peak, kind = peak_memory(out / f"run-{run}")
-        result[run].update(answer=answer, peak_mem_bytes=peak, mem_kind=kind)
-        trainable, total = result[run]["trainable"], result[run]["parameters"]
-        print(f"  {run:4} fine-tune ({trainable:,} of {total:,} parameters trained): answers "
-              f"{answer!r}; peak memory {peak / 1e6:.1f} MB ({kind})")
+        records = metrics(out / f"run-{run}")
+        peak = max(records, key=lambda r: r.get("mem_bytes") or 0)
+        result[run].update(answer=answer, first_loss=records[0]["loss"],
+                           last_loss=records[-1]["loss"],
+                           peak_mem_bytes=int(peak.get("mem_bytes") or 0),
+                           mem_kind=str(peak.get("mem_kind")))
+    for run in ("full", "lora"):
+        r = result[run]
+        print(f"  {run:4} fine-tune ({r['trainable']:,} of {r['parameters']:,} parameters "
+              f"trained): loss {r['first_loss']:.2f} -> {r['last_loss']:.2f}, answers "
+              f"{r['answer']!r}; peak memory {r['peak_mem_bytes'] / 1e6:.1f} MB "
+              f"({r['mem_kind']})")
     print(json.dumps(result))
     return 0
 
 
 PROMPT = "Question: Where is water carried from?\nAnswer:"
-# LoRA's adapters start at zero (B = 0): a higher learning rate than the full fine-tune's.
-# The base here has random weights: LoRA adapts what a pretrained model knows, so on this
-# base it learns far less than the full fine-tune in the same steps (docs say so).
-LORA = ("--set", "lora.rank=8", "--set", "lora.alpha=16", "--set", "optim.lr=3e-2")
+# The full fine-tune's lr (finetune.toml), with alpha / rank = 2; 3e-2 overshoots here.
+LORA = ("--set", "lora.rank=8", "--set", "lora.alpha=16")
 
 
 MARK = ".finetune-example"  # what this script leaves in --out: a rerun may replace it
+
+
+def pretrain(random_dir: Path, out: Path, steps: int) -> Path:
+    """The base model both fine-tunes start from: the random model trained by trainwise on
+    corpus.txt (one process), exported as a Hugging Face directory with its tokenizer."""
+    trainwise("data", "prepare", str(HERE / "corpus.txt"), "--out", str(out / "corpus"),
+              "--tokenizer", f"hf:{random_dir}", "--quiet")
+    trainwise("train", "--config", str(HERE / "finetune.toml"), "--nproc", "1",
+              "--steps", str(steps), "--run-dir", str(out / "run-pretrain"),
+              "--set", f"model.name='hf:{random_dir}'", "--set", f"data.path='{out / 'corpus'}'",
+              *PRETRAIN)
+    base = out / "base-model"  # export copies the tokenizer files beside the weights
+    trainwise("export", str(out / "run-pretrain"), "--format", "hf", "-o", str(base))
+    return base
+
+
+# corpus.txt is one token stream (about 1,000 tokens): 8 windows of 64 a step, 10 % held out.
+PRETRAIN = ("--set", "data.format='text'", "--set", "data.micro_batch=8",
+            "--set", "data.val_fraction=0.1")
 
 
 def fresh_folder(out: Path) -> str | None:
@@ -123,15 +154,13 @@ def generate(run: Path) -> str:
     return answer.getvalue().removesuffix("\n")
 
 
-def peak_memory(run: Path) -> tuple[int, str]:
-    """The largest memory a step of the run measured (bytes) and what was measured."""
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    peak = max(records, key=lambda r: r.get("mem_bytes") or 0)
-    return int(peak.get("mem_bytes") or 0), str(peak.get("mem_kind"))
+def metrics(run: Path) -> list[dict]:
+    """The run's metrics.jsonl: one record per optimizer step."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def build_model_dir(folder: Path) -> Path:
-    """A 2-layer Llama (hidden 64, 4 heads, 2 key/value heads) with random weights and a
+    """The model to pretrain: a 2-layer Llama (hidden 64, 4 heads, 2 key/value heads) with random weights and a
     BPE tokenizer trained on corpus.txt and qa.jsonl, as a model directory."""
     import torch
     import transformers
