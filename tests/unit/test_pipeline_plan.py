@@ -12,6 +12,7 @@ from helpers import run_cli
 from trainwise.config import load_config
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import GPTShape
+from trainwise.models.stage_split import stage_blocks
 from trainwise.plan.constraints import check_allowed, user_allowed
 from trainwise.plan.emit import job_config
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
@@ -25,7 +26,6 @@ from trainwise.plan.model.pipeline import (
     p2p_exposed_seconds,
     rank_stage,
     setup_memory,
-    stage_blocks,
     stage_workload,
     zb_passes,
 )
