@@ -85,7 +85,7 @@ def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
 
 @dataclass(frozen=True)
 class Stage:
-    """What one pipeline rank holds: its blocks, the embeddings, the head and loss, and
+    """What pipeline rank `rank` holds: its blocks, the embeddings, the head and loss, and
     the micro-batches in flight; `name` says which rank for the plan."""
 
     name: str
@@ -93,6 +93,7 @@ class Stage:
     embeddings: bool
     head: bool
     in_flight: float
+    rank: int
 
 
 def rank_stage(w: Workload, dims: ParallelDims, schedule: str, v: int, m: int, rank: int) -> Stage:
@@ -105,7 +106,7 @@ def rank_stage(w: Workload, dims: ParallelDims, schedule: str, v: int, m: int, r
     name = "the first stage" if rank == 0 else "the last stage" if rank == p - 1 else f"stage {rank}"
     return Stage(
         name, sum(split[s] for s in mine), 0 in mine, p * v - 1 in mine,
-        in_flight(schedule, p, v, m, rank),
+        in_flight(schedule, p, v, m, rank), rank,
     )
 
 
