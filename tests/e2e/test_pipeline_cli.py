@@ -61,7 +61,7 @@ def test_the_report_shows_the_bubble(run):
 @pytest.mark.parametrize(("sets", "line"), [
     # tiny has 2 layers: 2 ranks x 2 stages each cannot split them.
     (["parallel.pp=2", "parallel.pp_virtual=2", "parallel.pp_schedule='Interleaved1F1B'"],
-     "parallel.pp x parallel.pp_virtual = 2 x 2 = 4 stages do not divide the model's 2 layers"),
+     "parallel.pp x parallel.pp_virtual = 2 x 2 = 4 stages divide neither the model's 2 layers nor 2 + 2"),
     (["parallel.pp=2", "data.micro_batch=1"],
      "parallel.pp_microbatches = 1 is fewer than the 2 stages 1F1B keeps in flight"),
 ])

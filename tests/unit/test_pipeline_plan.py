@@ -12,6 +12,7 @@ from helpers import run_cli
 from trainwise.config import load_config
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import GPTShape
+from trainwise.models.stage_split import stage_blocks
 from trainwise.plan.constraints import check_allowed, user_allowed
 from trainwise.plan.emit import job_config
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
@@ -25,7 +26,6 @@ from trainwise.plan.model.pipeline import (
     p2p_exposed_seconds,
     rank_stage,
     setup_memory,
-    stage_blocks,
     stage_workload,
     zb_passes,
 )
@@ -100,8 +100,8 @@ def test_stage_parameters_by_hand():
     dims = ParallelDims(pp=2)
     first, last = (rank_stage(w, dims, "1F1B", 1, 4, r) for r in (0, 1))
     # 4 blocks on 2 stages: (4 + 2)/2 = 3, one fewer on each end: 2 and 2.
-    assert (first.blocks, first.embeddings, first.head) == (2, True, False)
-    assert (last.blocks, last.embeddings, last.head) == (2, False, True)
+    assert (first.rank, first.blocks, first.embeddings, first.head) == (0, 2, True, False)
+    assert (last.rank, last.blocks, last.embeddings, last.head) == (1, 2, False, True)
     block = 49280
     assert stage_workload(w, first).params == 2 * block + 1000 * 64 + 32 * 64
     assert stage_workload(w, last).params == 2 * block + 1000 * 64 + 64  # head, final norm

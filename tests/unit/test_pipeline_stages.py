@@ -21,7 +21,7 @@ from trainwise.models.pipeline import (
     rank_stages,
     schedule_problems,
     split_gpt,
-    stage_blocks,
+    stage_range,
 )
 from trainwise.run.engine.materialize import materialize
 from trainwise.run.job.resolve import prepare_job
@@ -52,10 +52,26 @@ def test_v_placement_puts_the_first_and_last_stage_on_rank_0():
     assert rank_stages(1, 2, 2, "Interleaved1F1B") == [1, 3]
 
 
-def test_stages_hold_equal_runs_of_consecutive_blocks():
-    assert [list(stage_blocks(12, 4, s)) for s in range(4)] == [
+def test_stages_hold_runs_of_consecutive_blocks():
+    # 12 + 2 does not divide into 4: equal runs.
+    assert [list(stage_range(12, 4, s)) for s in range(4)] == [
         [0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]
     ]
+    # 10 + 2 does: the embeddings and the head weigh a block each (torchtitan's split).
+    assert [list(stage_range(10, 4, s)) for s in range(4)] == [
+        [0, 1], [2, 3, 4], [5, 6, 7], [8, 9]
+    ]
+
+
+def test_the_runtime_runs_the_split_the_planner_prices():
+    """Llama 3 405B's 126 layers on 16 stages: the planner recommends it, so the job's
+    checks must accept it and the stages must hold 7 + 14 x 8 + 7 blocks."""
+    assert schedule_problems("1F1B", 16, 1, 126, 16, 16) == []
+    assert [len(stage_range(126, 16, s)) for s in range(16)] == [7] + [8] * 14 + [7]
+    assert schedule_problems("1F1B", 4, 1, 5, 4, 4)[0].startswith(
+        "parallel.pp x parallel.pp_virtual = 4 x 1 = 4 stages divide neither the model's 5 "
+        "layers nor 5 + 2"
+    )
 
 
 def meta(name: str):
@@ -93,7 +109,7 @@ def test_microbatches_default_to_one_sample_each():
 
 
 @pytest.mark.parametrize(("args", "line"), [
-    (("1F1B", 4, 1, 6, 4, 4), "4 x 1 = 4 stages do not divide the model's 6 layers"),
+    (("1F1B", 4, 1, 5, 4, 4), "4 x 1 = 4 stages divide neither the model's 5 layers nor 5 + 2"),
     (("GPipe", 2, 2, 8, 4, 4), "'GPipe' runs one stage per rank but parallel.pp_virtual = 2"),
     (("ZBVZeroBubble", 2, 3, 6, 4, 4), "'ZBVZeroBubble' runs exactly two stages per rank"),
     (("Interleaved1F1B", 2, 1, 4, 4, 4), "interleaves several stages per rank"),

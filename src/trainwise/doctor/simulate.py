@@ -173,10 +173,10 @@ def simulate_stage(
 ) -> Simulation:
     """The peak of pipeline rank `stage` of `setup` (a stage of one rank: dp 1, tp 1) over
     a step as its schedule orders it on that rank: stage.in_flight forwards ahead, then a
-    backward and a forward in turn, the last backwards, the optimizer. The stage is the
-    model's own modules, split from the meta model as the planner counts them (its blocks;
-    the embeddings on the first stage; the final norm, the head and the loss on the last);
-    a stage that is not the last gets its output's gradient as the next stage would send it."""
+    backward and a forward in turn, the last backwards, the optimizer. The stage is the one
+    the runtime trains (models.pipeline.split_gpt of the meta model); the loss on the last
+    stage, and a stage that is not the last gets its output's gradient as the next stage
+    would send it."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -186,42 +186,20 @@ def simulate_stage(
 
     from trainwise.config.schema import OptimConfig
     from trainwise.models.gpt import GPT
+    from trainwise.models.pipeline import rank_stages, split_gpt
     from trainwise.models.registry import cross_entropy_loss
     from trainwise.run.engine.optim import build_optimizer
     from trainwise.run.engine.parallelize import parallelize
     from trainwise.run.engine.precision import autocast_context
 
     seq = seq_len or shape.max_seq_len
-    device, b, m = torch.device("cpu"), setup.micro_batch, setup.grad_accum
+    device, b, m, pp = torch.device("cpu"), setup.micro_batch, setup.grad_accum, setup.dims.pp
     with torch.device("meta"):
-        gpt = GPT(replace(shape, n_layer=stage.blocks, max_seq_len=max(seq, shape.max_seq_len)))
-    tied = shape.tie_embeddings and stage.head
-
-    class StageModule(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = gpt.blocks
-            self.tok_emb = gpt.tok_emb if stage.embeddings or tied else None
-            self.pos_emb = gpt.pos_emb if stage.embeddings else None
-            self.norm = gpt.norm if stage.head else None
-            self.lm_head = gpt.lm_head if stage.head else None
-
-        def forward(self, x):
-            if stage.embeddings:
-                h = self.tok_emb(x)
-                h = h if self.pos_emb is None else h + self.pos_emb(torch.arange(seq))
-            else:
-                h = x
-            for block in self.blocks:
-                h = block(h)
-            if not stage.head:
-                return h
-            h = self.norm(h)
-            return h @ self.tok_emb.weight.t() if tied else self.lm_head(h)
-
-    model = StageModule()
+        gpt = GPT(replace(shape, max_seq_len=max(seq, shape.max_seq_len)))
+    (index,) = rank_stages(stage.rank, pp, setup.virtual, setup.schedule)  # one a rank
+    model = split_gpt(gpt, index, pp * setup.virtual)
     with _fake_world(dist, FakeStore, 1):
-        model = parallelize(model, list(model.blocks), ParallelDims(), device=device,
+        model = parallelize(model, model.layers(), ParallelDims(), device=device,
                             precision=precision, ac=setup.ac)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=device)

@@ -9,9 +9,8 @@ the forward skips what a stage lacks. A tied head (tie_embeddings) becomes a cop
 token embedding on the last stage, under the same name: the engine sums its gradient
 with the first stage's after each backward, as Megatron-LM does for its word embeddings.
 
-Placement, as torch.distributed.pipelining's `generate_stage_to_rank_mapping`: "loop" for
-every schedule but ZBVZeroBubble (rank r holds stages r, r + pp, r + 2 pp, ...), "v" for
-ZBVZeroBubble (rank r holds stages r and 2 pp - 1 - r: the first and last share rank 0).
+Which blocks a stage holds and which stages a rank holds: models.stage_split (the rules
+the planner prices too).
 """
 
 from __future__ import annotations
@@ -21,30 +20,20 @@ import copy
 from torch import nn
 
 from trainwise.models.gpt import GPT
+from trainwise.models.stage_split import (
+    SINGLE_STAGE,
+    V_SHAPED,
+    ZERO_BUBBLE,
+    placement,
+    rank_stages,
+    stage_blocks,
+    stage_range,
+)
 
-SINGLE_STAGE = ("GPipe", "1F1B")  # one stage per rank (pp_virtual = 1)
-V_SHAPED = ("ZBVZeroBubble",)  # exactly two stages per rank, in a V
-# Split the backward into input and weight parts: torch runs them without torch.compile.
-ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
-
-
-def placement(schedule: str) -> str:
-    """'v' for the V-shaped schedules, 'loop' for the others."""
-    return "v" if schedule in V_SHAPED else "loop"
-
-
-def rank_stages(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
-    """The stage indices rank `pp_rank` of the pipeline holds, in order."""
-    if placement(schedule) == "v":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(virtual)]
-
-
-def stage_blocks(n_layer: int, stages: int, stage: int) -> range:
-    """The blocks of stage `stage` of `stages`: an equal run of consecutive layers."""
-    per = n_layer // stages
-    return range(stage * per, (stage + 1) * per)
-
+__all__ = [
+    "SINGLE_STAGE", "V_SHAPED", "ZERO_BUBBLE", "default_microbatches", "placement",
+    "rank_stages", "schedule_problems", "split_gpt", "stage_range",
+]
 
 def default_microbatches(micro_batch: int, grad_accum: int) -> int:
     """parallel.pp_microbatches when unset: the rank's batch in micro-batches of one sample."""
@@ -62,10 +51,12 @@ def schedule_problems(
     one per stage; the interleaved ones a multiple of max(1, microbatches // pp))."""
     problems = []
     stages = pp * virtual
-    if n_layer % stages:
+    if stage_blocks(n_layer, stages) is None:
         problems.append(
-            f"parallel.pp x parallel.pp_virtual = {pp} x {virtual} = {stages} stages do not "
-            f"divide the model's {n_layer} layers: choose degrees whose product divides {n_layer}"
+            f"parallel.pp x parallel.pp_virtual = {pp} x {virtual} = {stages} stages divide "
+            f"neither the model's {n_layer} layers nor {n_layer} + 2 (the embeddings and the "
+            f"head weigh a layer each): choose degrees whose product divides {n_layer} or "
+            f"{n_layer + 2}"
         )
     if schedule in SINGLE_STAGE and virtual != 1:
         problems.append(
@@ -120,7 +111,7 @@ def split_gpt(model: GPT, stage: int, stages: int) -> GPT:
     part.__dict__.update({k: v for k, v in vars(model).items() if not k.startswith("_")})
     part._modules.update(model._modules)
     part.blocks = nn.ModuleDict(
-        {str(i): model.blocks[i] for i in stage_blocks(len(model.blocks), stages, stage)}
+        {str(i): model.blocks[i] for i in stage_range(len(model.blocks), stages, stage)}
     )
     part.embeds = first
     if not first:

@@ -16,8 +16,8 @@ from trainwise.config import JobConfig
 from trainwise.config.load import toml_value
 from trainwise.config.parallel_dims import LayoutRequest, read_strategy
 from trainwise.errors import ConfigError
+from trainwise.models.stage_split import SCHEDULE_VIRTUAL, stage_blocks
 from trainwise.plan.inputs import PlanInputs
-from trainwise.plan.model.pipeline import SCHEDULE_VIRTUAL, stage_blocks
 from trainwise.plan.space import EVERYTHING, Allowed
 
 # What the runtime's auto cannot vary: it runs the job's values of these, given or not.

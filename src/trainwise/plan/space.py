@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass, replace
 
 from trainwise.config.parallel_dims import ParallelDims
+from trainwise.models.stage_split import SCHEDULE_VIRTUAL, stage_blocks
 from trainwise.plan.inputs import PlanInputs
-from trainwise.plan.model.pipeline import SCHEDULE_VIRTUAL, stage_blocks
 
 AC_MODES = ("none", "selective", "full")  # fastest first, least memory last
 

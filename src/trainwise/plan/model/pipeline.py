@@ -1,14 +1,7 @@
 """Pipeline parallelism: what `pp` stages of a model cost. The one place for its formulas.
 
-Stages. The blocks are split over the p x v stages (v virtual stages per rank, the
-interleaved schedules' chunks) as torchtitan splits them
-(torchtitan/distributed/pipeline_parallel.py, generate_llm_fqn_per_model_part with
-input_weight = output_weight = 1): the embeddings and the head each weigh one block, so
-when the blocks + 2 divide into the stages the first and the last stage take one block
-fewer (Llama 3 405B: 126 blocks on 16 stages, 7 + 14 x 8 + 7; Dubey et al., 2024, section
-3.3.2 does the same); else the blocks divide evenly. Rank r runs stages r, r + p, ...
-(interleaved), or r and 2p - 1 - r (ZBV's V shape: rank 0 holds both the embeddings and
-the head).
+Stages: the blocks split over the p x v stages and placed on the ranks as the runtime
+does (models.stage_split: torchtitan's split, loop or V placement).
 
 Bubble: the share of the ideal step (m micro-batches with no idle time) a rank waits while
 the pipeline fills and drains:
@@ -42,37 +35,11 @@ from functools import lru_cache
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import GPTShape
+from trainwise.models.stage_split import rank_stages, stage_blocks
 from trainwise.plan.model.comm import Collective, Layout
 from trainwise.plan.model.memory import MemoryEstimate, Workload, block_params, estimate_memory
 from trainwise.plan.model.precision import BYTES
 from trainwise.plan.model.setup import Setup
-
-# torch.distributed.pipelining's schedules (config.schema.PIPELINE_SCHEDULES) by the
-# virtual stages they run per rank: None for any v >= 2, else exactly that.
-SCHEDULE_VIRTUAL = {
-    "GPipe": 1, "1F1B": 1, "Interleaved1F1B": None, "InterleavedZeroBubble": None,
-    "ZBVZeroBubble": 2,
-}
-
-
-def stage_blocks(n_layer: int, stages: int) -> list[int] | None:
-    """Blocks per stage (torchtitan's split, see the module's docstring), or None when
-    neither the blocks + 2 nor the blocks divide into `stages` stages of at least one."""
-    if stages == 1:
-        return [n_layer]
-    k, rest = divmod(n_layer + 2, stages)
-    if rest == 0 and k >= 2:
-        return [k - 1] + [k] * (stages - 2) + [k - 1]
-    if n_layer % stages == 0:
-        return [n_layer // stages] * stages
-    return None
-
-
-def rank_stages(p: int, v: int, schedule: str, rank: int) -> list[int]:
-    """The stages rank `rank` of `p` runs: its v interleaved ones, or ZBV's V."""
-    if schedule == "ZBVZeroBubble":
-        return [rank, 2 * p - 1 - rank]
-    return [rank + i * p for i in range(v)]
 
 
 def zb_passes(shape: GPTShape | None, seq_len: int) -> tuple[float, float, float]:
@@ -118,7 +85,7 @@ def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
 
 @dataclass(frozen=True)
 class Stage:
-    """What one pipeline rank holds: its blocks, the embeddings, the head and loss, and
+    """What pipeline rank `rank` holds: its blocks, the embeddings, the head and loss, and
     the micro-batches in flight; `name` says which rank for the plan."""
 
     name: str
@@ -126,6 +93,7 @@ class Stage:
     embeddings: bool
     head: bool
     in_flight: float
+    rank: int
 
 
 def rank_stage(w: Workload, dims: ParallelDims, schedule: str, v: int, m: int, rank: int) -> Stage:
@@ -134,11 +102,11 @@ def rank_stage(w: Workload, dims: ParallelDims, schedule: str, v: int, m: int, r
     p = dims.pp
     split = stage_blocks(w.shape.n_layer, p * v)
     assert split is not None, "pipeline degrees checked by the caller"
-    mine = rank_stages(p, v, schedule, rank)
+    mine = rank_stages(rank, p, v, schedule)
     name = "the first stage" if rank == 0 else "the last stage" if rank == p - 1 else f"stage {rank}"
     return Stage(
         name, sum(split[s] for s in mine), 0 in mine, p * v - 1 in mine,
-        in_flight(schedule, p, v, m, rank),
+        in_flight(schedule, p, v, m, rank), rank,
     )
 
 
