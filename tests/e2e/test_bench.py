@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_the_checkpoint_bench_saves_and_loads_a_whole_state(tmp_path: Path):
     out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "checkpoint.py"), "--mb", "2", "--rounds", "1",
+        [sys.executable, str(REPO / "bench" / "checkpoint.py"), "--mb", "8", "--rounds", "1",
          "--dir", str(tmp_path), "--json"],
         capture_output=True, text=True, env=cli_env(), timeout=300,
     )
@@ -26,7 +26,8 @@ def test_the_checkpoint_bench_saves_and_loads_a_whole_state(tmp_path: Path):
     measured = {row["what"] for row in payload["rows"]}
     assert {"raw write", "sync save", "checksum (in sync save)", "Checkpointer.load"} <= measured
     state = payload["bytes"]["state (tensors)"]
-    # The checkpoint holds the whole state, plus a little metadata.
+    # The checkpoint holds the whole state, plus a little metadata (DCP's flat optimizer
+    # format keys every setting by parameter: about 0.4 MB for this stack, whatever --mb).
     assert state <= payload["bytes"]["checkpoint dir"] < 1.1 * state
     assert not list(tmp_path.iterdir())  # its temporary folder is gone
 
