@@ -35,7 +35,7 @@ LLAMA = {
 SFT = ["data.dataset='tokens'", "data.path='{root}/sft'", "data.seq_len=128",
        "data.val_fraction=0.2"]
 # name -> (model, world, schedule, pp_virtual, micro_batch, grad_accum, extra overrides:
-# data.* ones apply to the one-process reference too)
+# data.* and lora.* ones apply to the one-process reference too)
 # `small` is the built-in GPT preset (6 layers, tied head: the embedding's gradient crosses
 # the pipeline); `llama` an HF Llama config read into the same GPT (untied).
 CASES = {
@@ -48,6 +48,8 @@ CASES = {
     "llama-interleaved1f1b-accum": ("llama", 2, "Interleaved1F1B", 2, 2, 2, []),
     "llama-interleavedzb": ("llama", 2, "InterleavedZeroBubble", 2, 4, 1, []),
     "llama-zbv": ("llama", 2, "ZBVZeroBubble", 2, 4, 1, []),
+    # LoRA's converter runs before the split: each stage trains its own blocks' adapters.
+    "llama-1f1b-lora": ("llama", 2, "1F1B", 1, 4, 1, ["lora.rank=4", "lora.alpha=8"]),
     # Packed SFT data (the test prepares it): ignored prompt targets, examples' ids to every
     # stage; the losses are the loader micro-batches' means, averaged, as without stages.
     "small-sft-packed-accum": ("small", 2, "1F1B", 1, 2, 2, SFT),
@@ -63,6 +65,9 @@ CASES_4 = {
 }
 
 
+BOTH = ("data.", "lora.")  # extra keys the one-process reference takes too
+
+
 def overrides(case: tuple, root: Path, pipeline: bool) -> list[str]:
     model, _, schedule, virtual, mb, accum, extra = case
     name = f"hf:{root / 'llama'}" if model == "llama" else model
@@ -71,11 +76,11 @@ def overrides(case: tuple, root: Path, pipeline: bool) -> list[str]:
         "data.synthetic_tokens=20000", f"data.micro_batch={mb}", f"data.grad_accum={accum}",
         "checkpoint.enabled=false", "parallel.strategy='ddp'", "optim.lr=0.003",
     ]
-    keys += [e.format(root=root) for e in extra if e.startswith("data.")]
+    keys += [e.format(root=root) for e in extra if e.startswith(BOTH)]
     if pipeline:
         keys += [
             "parallel.pp=2", f"parallel.pp_schedule='{schedule}'",
-            f"parallel.pp_virtual={virtual}", *(e for e in extra if not e.startswith("data.")),
+            f"parallel.pp_virtual={virtual}", *(e for e in extra if not e.startswith(BOTH)),
         ]
     else:
         keys[keys.index("parallel.strategy='ddp'")] = "parallel.strategy='single'"

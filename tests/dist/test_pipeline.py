@@ -72,7 +72,7 @@ def reference(root: Path, case: tuple) -> dict:
     ranks' micro-batches in one)."""
     model, world, _, _, mb, accum, extra = case
     dp = world // 2 // (2 if "parallel.tp=2" in extra else 1)  # pp 2
-    data = [e for e in extra if e.startswith("data.")]
+    data = [e for e in extra if e.startswith(pp_worker.BOTH)]  # data.*, lora.*
     key = (model, mb * dp, accum, *data)
     if key not in _references:
         single = (model, 1, None, 1, mb * dp, accum, data)
