@@ -97,29 +97,21 @@ def starting_model(cfg: JobConfig, spec: ModelSpec) -> nn.Module:
     weights or the seeded init, and the converters' parameters their own init."""
     import torch
 
-    from trainwise.models import build_model
-    from trainwise.models.converters import build_converters, convert, owned, with_converters
-    from trainwise.run.engine.materialize import allocate, fill, materialize
+    from trainwise.models.converters import build_converters
+    from trainwise.run.engine.materialize import (
+        build_unparallelized,
+        convert_built,
+        fill_storage,
+        load_pretrained,
+    )
 
     seed, cpu = cfg.train.seed, torch.device("cpu")
-    with torch.device("meta"):
-        bundle = build_model(spec)
-    if bundle.init_parameter is None:  # built whole, seeded (as the run did)
-        torch.manual_seed(seed)
-        bundle = build_model(spec)
-    converters = build_converters(cfg)
-    convert(bundle.module, converters)
-    init, added = with_converters(bundle.init_parameter, converters), owned(converters)
-    if bundle.init_parameter is None:
-        fill(bundle.module, init, seed, only=added)
-    elif bundle.load_weights is not None:
-        allocate(bundle.module, cpu)
-    else:
-        materialize(bundle.module, init, seed, cpu)
+    bundle = build_unparallelized(spec, seed, cpu)
+    init, added = convert_built(bundle, build_converters(cfg), seed)
+    if bundle.init_parameter is not None:
+        fill_storage(bundle, bundle.module, init, seed, cpu)
     if bundle.load_weights is not None:
-        bundle.load_weights(bundle.module)
-        if bundle.init_parameter is not None:
-            fill(bundle.module, init, seed, only=added)
+        load_pretrained(bundle, bundle.module, init, added, seed)
     return bundle.module
 
 

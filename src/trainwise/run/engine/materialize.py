@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.parallel import DistributedDataParallel
+
+if TYPE_CHECKING:
+    from trainwise.models import ModelBundle, ModelSpec
+    from trainwise.models.converters import InitParameter, ModelConverter
 
 # Wrappers' name parts (activation checkpointing, torch.compile): the seed of a parameter
 # is that of its name in the plain model, whatever wraps it.
@@ -100,3 +105,60 @@ def allocate(model: nn.Module, device: torch.device) -> None:
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):
             reset()
+
+
+# -- the steps of a build that the runtime (run.engine.parts) and a one-process rebuild of
+# a trained model (export.trained) share, in this order: build, convert, storage, weights.
+
+
+def build_unparallelized(spec: ModelSpec, seed: int, device: torch.device) -> ModelBundle:
+    """On the meta device when the model initialises parameter by parameter; otherwise
+    whole on `device`, seeded."""
+    from trainwise.models import build_model
+
+    with torch.device("meta"):
+        bundle = build_model(spec)
+    if bundle.init_parameter is None:
+        torch.manual_seed(seed)  # the same initial weights whatever the layout
+        bundle = build_model(spec)
+        bundle.module.to(device)
+    return bundle
+
+
+def convert_built(
+    bundle: ModelBundle, converters: list[ModelConverter], seed: int
+) -> tuple[InitParameter, Callable[[str], bool]]:
+    """Apply the converters; the init of every parameter (the model's and the converters'
+    own) and which names are the converters'. A model built whole has storage already:
+    its converters' parameters (LoRA's adapters) are filled now."""
+    from trainwise.models.converters import convert, owned, with_converters
+
+    convert(bundle.module, converters)
+    init, added = with_converters(bundle.init_parameter, converters), owned(converters)
+    if bundle.init_parameter is None:
+        fill(bundle.module, init, seed, only=added)
+    return init, added
+
+
+def fill_storage(
+    bundle: ModelBundle, part: nn.Module, init: InitParameter, seed: int, device: torch.device
+) -> None:
+    """Storage for a meta-built part's shards: random values, or none yet when the
+    pretrained weights load next (they fill every parameter of the model's own:
+    load_weights checks)."""
+    if bundle.load_weights is not None:
+        allocate(part, device)
+    else:
+        materialize(part, init, seed, device)
+
+
+def load_pretrained(
+    bundle: ModelBundle, part: nn.Module, init: InitParameter, added: Callable[[str], bool],
+    seed: int,
+) -> None:
+    """The pretrained weights into `part` (each rank reads its own shards), then, for a
+    meta-built model, the converters' parameters (the weights are the model's own only)."""
+    assert bundle.load_weights is not None
+    bundle.load_weights(part)
+    if bundle.init_parameter is not None:  # meta-built: the adapters still empty
+        fill(part, init, seed, only=added)

@@ -16,18 +16,16 @@ from torch import nn
 
 from trainwise.config import JobConfig
 from trainwise.config.schema import ParallelConfig
-from trainwise.models import ModelBundle, build_model
-from trainwise.models.converters import (
-    InitParameter,
-    ModelConverter,
-    adapt_tp_plan,
-    convert,
-    owned,
-    with_converters,
-)
+from trainwise.models import ModelBundle
+from trainwise.models.converters import ModelConverter, adapt_tp_plan
 from trainwise.models.gpt_parallel import gpt_tp_plan
 from trainwise.models.pipeline import rank_stages, split_gpt
-from trainwise.run.engine.materialize import allocate, fill, materialize
+from trainwise.run.engine.materialize import (
+    build_unparallelized,
+    convert_built,
+    fill_storage,
+    load_pretrained,
+)
 from trainwise.run.engine.mesh import JobMesh
 from trainwise.run.engine.parallelize import parallelize
 from trainwise.run.job.resolve import Job, sequence_parallel
@@ -47,18 +45,15 @@ def build_parts(
     weights on every rank), and converted there. A converter's own parameters (LoRA's
     adapters) are filled as the converter says, after any pretrained weights load."""
     seed = cfg.train.seed
-    bundle = build_unparallelized(job, seed, device)
-    convert(bundle.module, converters)
-    init, added = with_converters(bundle.init_parameter, converters), owned(converters)
-    if bundle.init_parameter is None:  # built whole: the adapters have storage already
-        fill(bundle.module, init, seed, only=added)
+    bundle = build_unparallelized(job.model_spec, seed, device)
+    init, added = convert_built(bundle, converters, seed)
     parts = split(bundle, cfg.parallel, mesh)
     dims = job.dims
     # DDP keeps a whole replica per rank and checks it at wrapping: materialise first.
     whole = not dims.fsdp and dims.tp == 1
     if bundle.init_parameter is not None and whole:
         for part in parts:
-            _fill(bundle, part, init, seed, device)
+            fill_storage(bundle, part, init, seed, device)
     sp = sequence_parallel(cfg)
     tensor_parallel = dims.tp > 1 and bundle.tp_plan is not None
     parts = [
@@ -83,25 +78,11 @@ def build_parts(
         # FSDP's CPU offload keeps the sharded parameters in host memory.
         home = torch.device("cpu") if dims.cpu_offload else device
         for part in parts:
-            _fill(bundle, part, init, seed, home)
+            fill_storage(bundle, part, init, seed, home)
     if bundle.load_weights is not None:  # pretrained: each rank reads its own shards
         for part in parts:
-            bundle.load_weights(part)  # the model's own weights: not the converters'
-            if bundle.init_parameter is not None:  # meta-built: the adapters still empty
-                fill(part, init, seed, only=added)
+            load_pretrained(bundle, part, init, added, seed)
     return bundle, parts
-
-
-def build_unparallelized(job: Job, seed: int, device: torch.device) -> ModelBundle:
-    """On the meta device when the model initialises parameter by parameter; otherwise
-    whole on `device`, seeded."""
-    with torch.device("meta"):
-        bundle = build_model(job.model_spec)
-    if bundle.init_parameter is None:
-        torch.manual_seed(seed)  # the same initial weights whatever the layout
-        bundle = build_model(job.model_spec)
-        bundle.module.to(device)
-    return bundle
 
 
 def split(bundle: ModelBundle, parallel: ParallelConfig, mesh: JobMesh) -> list[nn.Module]:
@@ -126,15 +107,3 @@ def blocks_in(part: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
     """The model's blocks (FSDP and AC units) that lie in `part`, in order."""
     inside = {id(m) for m in part.modules()}
     return [b for b in blocks if id(b) in inside]
-
-
-def _fill(
-    bundle: ModelBundle, part: nn.Module, init: InitParameter, seed: int, device: torch.device
-) -> None:
-    """Storage for a meta-built part's shards: random values, or none yet when the
-    pretrained weights load next (they fill every parameter of the model's own:
-    load_weights checks)."""
-    if bundle.load_weights is not None:
-        allocate(part, device)
-    else:
-        materialize(part, init, seed, device)
