@@ -8,6 +8,7 @@ Unknown keys are rejected (``extra="forbid"``).
 from __future__ import annotations
 
 import math
+from fnmatch import fnmatchcase
 from typing import Annotated, Literal, get_args
 
 from pydantic import (
@@ -730,6 +731,23 @@ class LoggingConfig(Section):
             # object.__setattr__: an assignment would validate (and call this) again
             object.__setattr__(self, "trackers", [t for t in self.trackers if t != "tensorboard"])
         return self
+
+
+# lora.targets' default, read by the runtime (models.lora) and the planner (plan.model.lora):
+# the attention projections and the MLP of the built-in GPT (blocks.N.attn.*_proj,
+# blocks.N.mlp.{up,gate,down}) and the Llama family (model.layers.N.self_attn.{q,k,v,o}_proj,
+# model.layers.N.mlp.{gate,up,down}_proj).
+LORA_DEFAULT_TARGETS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "out_proj",
+    "gate_proj", "up_proj", "down_proj", "*.mlp.up", "*.mlp.gate", "*.mlp.down",
+)
+
+
+def lora_target_matches(name: str, patterns: list[str] | tuple[str, ...]) -> bool:
+    """lora.targets' rule: a module is targeted when a pattern matches (fnmatch, case
+    sensitive) its full name or the last part of it."""
+    last = name.rsplit(".", 1)[-1]
+    return any(fnmatchcase(name, p) or fnmatchcase(last, p) for p in patterns)
 
 
 class LoraConfig(Section):

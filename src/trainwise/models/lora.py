@@ -21,7 +21,6 @@ base (`adapt_tp_plan`).
 from __future__ import annotations
 
 import copy
-import fnmatch
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -30,16 +29,13 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from trainwise.config.schema import LORA_DEFAULT_TARGETS, lora_target_matches
+
 if TYPE_CHECKING:
     from trainwise.config import JobConfig
     from trainwise.config.schema import LoraConfig
 
-# Built-in GPT (blocks.N.attn.*_proj, blocks.N.mlp.{up,gate,down}) and the Llama family
-# (model.layers.N.self_attn.{q,k,v,o}_proj, model.layers.N.mlp.{gate,up,down}_proj).
-DEFAULT_TARGETS = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "out_proj",
-    "gate_proj", "up_proj", "down_proj", "*.mlp.up", "*.mlp.gate", "*.mlp.down",
-)
+DEFAULT_TARGETS = LORA_DEFAULT_TARGETS  # the config's default (config.schema)
 ADAPTERS = ("lora_A", "lora_B")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -92,18 +88,13 @@ def init_adapter(name: str, tensor: torch.Tensor, generator: torch.Generator | N
         nn.init.kaiming_uniform_(tensor, a=math.sqrt(5), generator=generator)
 
 
-def _matches(name: str, patterns: list[str] | tuple[str, ...]) -> bool:
-    last = name.rsplit(".", 1)[-1]
-    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(last, p) for p in patterns)
-
-
 def target_names(model: nn.Module, targets: list[str] | None) -> list[str]:
     """The names of the nn.Linear modules the patterns select (default: DEFAULT_TARGETS)."""
     patterns = targets if targets is not None else DEFAULT_TARGETS
     return [
         n for n, m in model.named_modules()
         if n and isinstance(m, nn.Linear) and not isinstance(m, LoRALinear) and
-        not n.endswith(ADAPTERS) and _matches(n, patterns)
+        not n.endswith(ADAPTERS) and lora_target_matches(n, patterns)
     ]
 
 

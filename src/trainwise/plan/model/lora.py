@@ -18,20 +18,15 @@ and value matmuls have no weights: unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 from functools import lru_cache
 
+from trainwise.config.schema import LORA_DEFAULT_TARGETS, lora_target_matches
 from trainwise.models.shapes import GPTShape
 from trainwise.plan.model.precision import MASTER_BYTES
 from trainwise.plan.model.tensor_parallel import params_per_rank
 
-# The Linears that get adapters by default: the attention projections and the MLP of the
-# built-in GPT and the Llama family. The same patterns as models.lora.DEFAULT_TARGETS (the
-# runtime's; it imports torch, which the planner does not: a unit test keeps them equal).
-DEFAULT_TARGETS = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "out_proj",
-    "gate_proj", "up_proj", "down_proj", "*.mlp.up", "*.mlp.gate", "*.mlp.down",
-)
+# The Linears that get adapters by default: the config's (the runtime reads the same).
+DEFAULT_TARGETS = LORA_DEFAULT_TARGETS
 HEAD = "lm_head"  # the untied head's module name (models.gpt)
 
 
@@ -61,12 +56,6 @@ def block_linears(shape: GPTShape, tp: int = 1) -> dict[str, tuple[int, int]]:
     return {**out, "mlp.up": (f // tp, h), "mlp.down": (h, f // tp)}
 
 
-def matches(name: str, patterns: tuple[str, ...]) -> bool:
-    """fnmatch on the full name or its last part (the [lora] targets rule)."""
-    last = name.rsplit(".", 1)[-1]
-    return any(fnmatchcase(name, p) or fnmatchcase(last, p) for p in patterns)
-
-
 @lru_cache(maxsize=256)
 def targeted(shape: GPTShape, lora: LoraPlan, tp: int = 1) -> tuple[tuple[int, int], ...]:
     """(out, in) on one of `tp` ranks of every Linear that gets an adapter, over the whole
@@ -76,9 +65,9 @@ def targeted(shape: GPTShape, lora: LoraPlan, tp: int = 1) -> tuple[tuple[int, i
         dims
         for i in range(shape.n_layer)
         for name, dims in block_linears(shape, tp).items()
-        if matches(f"blocks.{i}.{name}", patterns)
+        if lora_target_matches(f"blocks.{i}.{name}", patterns)
     ]
-    if not shape.tie_embeddings and matches(HEAD, patterns):
+    if not shape.tie_embeddings and lora_target_matches(HEAD, patterns):
         found.append((shape.vocab_size // tp, shape.d_model))
     return tuple(found)
 
@@ -164,7 +153,7 @@ def _norm_outputs_released(shape: GPTShape, lora: LoraPlan) -> int:
     readers = {"attn": ("attn.q_proj", "attn.k_proj", "attn.v_proj"),
                "mlp": ("mlp.up", "mlp.gate") if shape.mlp == "swiglu" else ("mlp.up",)}
     return sum(
-        all(matches(f"blocks.0.{name}", patterns) for name in names) for names in readers.values()
+        all(lora_target_matches(f"blocks.0.{name}", patterns) for name in names) for names in readers.values()
     )
 
 
@@ -179,7 +168,7 @@ def lora_problems(shape: GPTShape | None, lora: LoraPlan) -> list[str]:
     problems = []
     names = [f"blocks.0.{n}" for n in block_linears(shape)] + [HEAD]
     for pattern in lora.targets or ():
-        if not any(matches(name, (pattern,)) for name in names):
+        if not any(lora_target_matches(name, (pattern,)) for name in names):
             problems.append(
                 f"lora.targets pattern {pattern!r} matches no Linear of the model (its "
                 f"names: {', '.join(n.rsplit('.', 1)[-1] for n in names)}); fix the pattern"
