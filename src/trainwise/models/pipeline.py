@@ -24,6 +24,7 @@ from trainwise.models.stage_split import (
     SINGLE_STAGE,
     V_SHAPED,
     ZERO_BUBBLE,
+    default_microbatches,
     placement,
     rank_stages,
     stage_blocks,
@@ -34,11 +35,6 @@ __all__ = [
     "SINGLE_STAGE", "V_SHAPED", "ZERO_BUBBLE", "default_microbatches", "placement",
     "rank_stages", "schedule_problems", "split_gpt", "stage_range",
 ]
-
-def default_microbatches(micro_batch: int, grad_accum: int) -> int:
-    """parallel.pp_microbatches when unset: the rank's batch in micro-batches of one sample."""
-    return micro_batch * grad_accum
-
 
 def schedule_problems(
     schedule: str, pp: int, virtual: int, n_layer: int, microbatches: int, batch: int,

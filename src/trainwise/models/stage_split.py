@@ -1,5 +1,5 @@
-"""How a model's blocks divide into pipeline stages and which stages each rank holds: the
-one place for these facts, which the runtime (models.pipeline cuts the stages) and the
+"""How a model's blocks divide into pipeline stages, which stages each rank holds and how
+many micro-batches a step is cut into by default: the one place for these facts, which the runtime (models.pipeline cuts the stages) and the
 planner (plan.model.pipeline prices them) both read. Plain data, no torch.
 
 Blocks over the p x v stages (v virtual stages per rank): as torchtitan splits them
@@ -26,6 +26,11 @@ SINGLE_STAGE = tuple(s for s, v in SCHEDULE_VIRTUAL.items() if v == 1)  # pp_vir
 V_SHAPED = ("ZBVZeroBubble",)  # exactly two stages per rank, in a V
 # Split the backward into input and weight parts: torch runs them without torch.compile.
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+def default_microbatches(micro_batch: int, grad_accum: int) -> int:
+    """parallel.pp_microbatches when unset: the rank's batch in micro-batches of one sample."""
+    return micro_batch * grad_accum
 
 
 def stage_blocks(n_layer: int, stages: int) -> list[int] | None:

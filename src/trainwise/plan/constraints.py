@@ -16,7 +16,7 @@ from trainwise.config import JobConfig
 from trainwise.config.load import toml_value
 from trainwise.config.parallel_dims import LayoutRequest, read_strategy
 from trainwise.errors import ConfigError
-from trainwise.models.stage_split import SCHEDULE_VIRTUAL, stage_blocks
+from trainwise.models.stage_split import SCHEDULE_VIRTUAL, default_microbatches, stage_blocks
 from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.space import EVERYTHING, Allowed
 
@@ -88,13 +88,12 @@ ALWAYS = ("shard_group", "replicas", "accumulate", "pp_microbatches")
 
 
 def runtime_microbatches(cfg: JobConfig) -> int | None:
-    """The pipeline's micro-batches a job runs (parallel.pp_microbatches; by default a
-    rank's micro_batch x grad_accum samples one at a time, at least pp); None without
-    stages."""
+    """The pipeline's micro-batches a job runs (parallel.pp_microbatches, else the
+    runtime's default); None without stages."""
     p, d = cfg.parallel, cfg.data
     if p.pp == 1:
         return None
-    return p.pp_microbatches or max(p.pp, d.micro_batch * d.grad_accum)
+    return p.pp_microbatches or default_microbatches(d.micro_batch, d.grad_accum)
 KNOBS = ("ac", "micro_batch", "grad_accum")
 
 
