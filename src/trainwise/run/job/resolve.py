@@ -135,6 +135,7 @@ class Job:
 
     def record(self) -> JobRecord:
         est = self.decision.estimate
+        trainable, total = self.lora_counts
         return JobRecord(
             world=self.world,
             device=self.device.name,
@@ -150,8 +151,8 @@ class Job:
             accumulate=self.accumulate,
             reason=self.decision.reason,
             params=self.params,
-            trainable_params=self.lora_counts[0],
-            total_params=self.lora_counts[1],
+            trainable_params=trainable,
+            total_params=total,
             global_batch=self.global_batch,
             tokens_per_step=self.tokens_per_step,
             flops_per_token=self.flops_per_token,
