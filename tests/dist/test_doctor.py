@@ -21,6 +21,10 @@ pytestmark = pytest.mark.dist
 DOCS_SCHEMA = Path(__file__).parents[2] / "docs" / "doctor.schema.json"
 MISMATCH = {"TRAINWISE_FAULTS": "versions@rank=1,torch=9.9.9"}
 SLOW_SAMPLE_S = 0.01  # injected per sample: 16 samples a step -> 0.16 s of loading
+# The default model's gradients at 0.2 MB/s: about 2.5 s a step on 2 workers. One worker's
+# step would have to reach 1.25 s (60x its usual 0.02 s) for 2 workers not to look slower;
+# at 2 MB/s a loaded 2-core CI machine once got there (0.13 s).
+SLOW_NETWORK_GBPS = 0.0002
 SMALL = [
     *("--set", "doctor.max_message_mb=4", "--set", "doctor.iterations=3"),
     *("--set", "doctor.timed_steps=2", "--set", "doctor.smoke_steps=4"),
@@ -38,7 +42,7 @@ JOBS = {
     ),
     "slow_network": (
         ["doctor", "--nproc", "2", "--run-dir", "sn", "--only", "scaling"],
-        {"TRAINWISE_FAULTS": "slow_network@gbps=0.002"},
+        {"TRAINWISE_FAULTS": f"slow_network@gbps={SLOW_NETWORK_GBPS}"},
     ),
     "no_learning": (
         ["doctor", "--nproc", "1", "--run-dir", "nl", "--only", "smoke", "--set", "optim.lr=1e-9"],
