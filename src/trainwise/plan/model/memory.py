@@ -92,9 +92,13 @@ class Workload:
     # every parameter trains. `params` counts the base model, without the adapters.
     lora: LoraPlan | None = None
     # A pipeline stage (plan.model.pipeline): whether this worker runs the head and its
-    # loss, and the micro-batches whose activations it holds at once.
+    # loss, the micro-batches whose activations it holds at once (of its blocks, and of
+    # the head where that differs: None, as many), and the share of its trained
+    # parameters whose accumulated gradients exist at that moment.
     head: bool = True
     in_flight: float = 1.0
+    head_in_flight: float | None = None
+    grads_held: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -242,7 +246,8 @@ def activation_profile(
     # blocks', and on the head's rank the final norm's and the loss's (not the two
     # vocabulary-sized gradients its backward adds).
     saved_head = head - (2 * per["loss"] if w.loss != "fused" and w.head else 0.0)
-    others = (w.in_flight - 1.0) * (sum(kept) + saved_head)
+    heads = w.in_flight if w.head_in_flight is None else w.head_in_flight
+    others = (w.in_flight - 1.0) * sum(kept) + (heads - 1.0) * saved_head
     return ActivationProfile(
         tokens * (sum(kept) + head + others), tokens * (block + others),
         tokens * (sum(kept[:-1]) + others),
@@ -323,7 +328,7 @@ def _replicated(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
     buckets = n * MASTER_BYTES if dims.dp_replicate > 1 else 0.0
     p, g = frozen * c + n * MASTER_BYTES, n * MASTER_BYTES
     o = n * OPTIMIZER_STATE_BYTES[w.optimizer]
-    g_bwd = g if setup.grad_accum > 1 else 0.0
+    g_bwd = g * w.grads_held if setup.grad_accum > 1 else 0.0
     phases = {
         "head backward": (p, g_bwd, o, prof and prof.head, buckets + copies),
         "block backward": (p, g_bwd, o, prof and prof.block, buckets + copies),
@@ -370,6 +375,7 @@ def _sharded(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
     g_bwd = t * BYTES[w.reduce_dtype] if accumulating else 0.0
     if accumulating and setup.accumulate == "sharded":
         g_bwd = g  # reduce-scattered every micro-batch: only the shard accumulates
+    g_bwd *= w.grads_held  # (a pipeline rank whose backward has not reached every chunk)
     g_end = max(g, g_bwd)
     phases = {
         "head backward": (p, g_bwd, o, prof and prof.head, root * c + at_head),

@@ -17,9 +17,20 @@ the pipeline fills and drains:
 
 Memory: the activations of the micro-batches a rank keeps in flight: GPipe all m; 1F1B
 p - r on rank r (the first stage p, the last one); interleaved (Megatron-LM's warm-up,
-Korthikanti et al., 2022, section 4.2.3) 2(p - r - 1) + (v - 1)p + 1 stage micro-batches,
-of 1/v of the rank's blocks each (the first rank: p + (p - 1)/v of its blocks'); ZB-V the
-same as 1F1B's first stage on every rank (section 6). ZB-H1 keeps 1F1B's peak (section 2.1).
+Korthikanti et al., 2022, section 4.2.3) 2(p - r - 1) + (v - 1)p + 1 stage micro-batches
+(the first rank: p + (p - 1)/v micro-batches of all its blocks), never more than m v; ZB-V
+the same as 1F1B's first stage on every rank (section 6). ZB-H1 keeps 1F1B's peak (section
+2.1). The interleaved warm-up runs the rank's stages in order, a round of min(p, m)
+micro-batches each (Narayanan et al., section 2.2.2; torch's Interleaved1F1B), so its last
+stage holds the fewest: on the last rank the head's stage holds one micro-batch, its
+backward following its forward at once (chunk_held). The backward then visits the stages
+last to first, and a stage's accumulated gradients (FSDP keeps them unsharded, in the
+reduce dtype, until the step's last backward: torch.distributed.pipelining's
+backward_maybe_with_nosync) exist from its first backward on. With one round the rank's
+forwards are all done by then, so its activations drain while its gradients grow: the
+peak is the largest of "stage k's first backward" (gradients of stages k..v-1, activations
+of stages 0..k) over k; with more rounds the steady state's 1F1B pairs keep the warm-up's
+activations until every stage has its gradients.
 
 Traffic: each stage sends its output activations (micro-batch x sequence x hidden in the
 compute dtype; 1/tp of it with sequence parallelism, which leaves the residual stream
@@ -83,10 +94,27 @@ def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
     return min(held, float(m))
 
 
+INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble")  # loop placement, v >= 2
+
+
+def chunk_held(schedule: str, p: int, v: int, m: int, rank: int) -> tuple[float, ...]:
+    """Micro-batches each of the rank's v stages (in order) holds at its first backward:
+    interleaved, the warm-up's in_flight x v stage micro-batches dealt out in rounds of
+    min(p, m) a stage (see the module's docstring); otherwise every stage in_flight."""
+    held = in_flight(schedule, p, v, m, rank)
+    if schedule not in INTERLEAVED or v == 1:
+        return (held,) * v
+    total, size = round(held * v), min(p, m)
+    rounds, rest = divmod(total, v * size)
+    return tuple(float(rounds * size + min(max(rest - j * size, 0), size)) for j in range(v))
+
+
 @dataclass(frozen=True)
 class Stage:
-    """What pipeline rank `rank` holds: its blocks, the embeddings, the head and loss, and
-    the micro-batches in flight; `name` says which rank for the plan."""
+    """What pipeline rank `rank` holds: its blocks (`chunks`: per stage it runs), the
+    embeddings, the head and loss, and the micro-batches in flight (`held`: per stage;
+    `in_flight`: of its blocks on average, `head_in_flight`: of the head's stage); `name`
+    says which rank for the plan."""
 
     name: str
     blocks: int
@@ -94,6 +122,9 @@ class Stage:
     head: bool
     in_flight: float
     rank: int
+    chunks: tuple[int, ...] = ()
+    held: tuple[float, ...] = ()
+    head_in_flight: float | None = None
 
 
 def rank_stage(w: Workload, dims: ParallelDims, schedule: str, v: int, m: int, rank: int) -> Stage:
@@ -104,10 +135,18 @@ def rank_stage(w: Workload, dims: ParallelDims, schedule: str, v: int, m: int, r
     assert split is not None, "pipeline degrees checked by the caller"
     mine = rank_stages(rank, p, v, schedule)
     name = "the first stage" if rank == 0 else "the last stage" if rank == p - 1 else f"stage {rank}"
+    chunks = tuple(split[s] for s in mine)
+    held = chunk_held(schedule, p, v, m, rank)
+    head = p * v - 1 in mine
     return Stage(
-        name, sum(split[s] for s in mine), 0 in mine, p * v - 1 in mine,
-        in_flight(schedule, p, v, m, rank), rank,
+        name, sum(chunks), 0 in mine, head, _weighted(chunks, held), rank, chunks, held,
+        held[mine.index(p * v - 1)] if head else None,
     )
+
+
+def _weighted(chunks: tuple[int, ...], held: tuple[float, ...]) -> float:
+    """Micro-batches of all the rank's blocks that `held` of its stages amount to."""
+    return sum(b * h for b, h in zip(chunks, held)) / sum(chunks)
 
 
 @lru_cache(maxsize=4096)
@@ -126,7 +165,7 @@ def stage_workload(w: Workload, stage: Stage) -> Workload:
     params += (embeddings if stage.embeddings else 0) + ((head + tied) if stage.head else 0)
     return replace(
         w, params=int(params), shape=replace(shape, n_layer=max(1, stage.blocks)),
-        head=stage.head, in_flight=stage.in_flight,
+        head=stage.head, in_flight=stage.in_flight, head_in_flight=stage.head_in_flight,
     )
 
 
@@ -200,6 +239,8 @@ def stage_memory(
     all m micro-batches' activations before any gradient exists, and from the second
     backward on, which has the gradients, m - 1 at most."""
     est = estimate_memory(stage_workload(w, stage), setup, device, runtime_bytes)
+    if len(stage.chunks) > 1 and setup.schedule in INTERLEAVED and setup.grad_accum > 1:
+        return _interleaved_memory(w, stage, setup, device, runtime_bytes, est)
     if stage.in_flight < setup.grad_accum or setup.grad_accum == 1:
         return est
     first = estimate_memory(stage_workload(w, stage), replace(setup, grad_accum=1), device,
@@ -207,3 +248,45 @@ def stage_memory(
     second = replace(stage, in_flight=stage.in_flight - 1)
     later = estimate_memory(stage_workload(w, second), setup, device, runtime_bytes)
     return max(first, later, key=lambda e: e.total)
+
+
+def _interleaved_memory(
+    w: Workload, stage: Stage, setup: Setup, device: str, runtime_bytes: float,
+    steady: MemoryEstimate,
+) -> MemoryEstimate:
+    """An interleaved rank's peak (see the module's docstring): with one round, the
+    largest of its stages' first backwards; with more, `steady` (every stage's gradients
+    beside the warm-up's activations)."""
+    p, v, m = setup.dims.pp, len(stage.chunks), setup.grad_accum
+    size = min(p, m)
+    pairs = m * v - sum(stage.held)  # the steady state's forward-backward pairs
+    if pairs >= (v - 1) * size + 1:  # every stage has run a backward before the drain
+        return steady
+    sw = stage_workload(w, stage)
+    shares = _chunk_shares(w, stage)
+    moments = []
+    for k in range(v - 1, -1, -1):
+        held = stage.held[: k + 1] + (0.0,) * (v - 1 - k)
+        head = stage.head and k == v - 1
+        moment = replace(
+            sw, in_flight=_weighted(stage.chunks, held), head=head,
+            head_in_flight=stage.head_in_flight if head else None,
+            grads_held=sum(shares[k:]),
+        )
+        moments.append(estimate_memory(moment, setup, device, runtime_bytes))
+    return max(moments, key=lambda e: e.total)
+
+
+def _chunk_shares(w: Workload, stage: Stage) -> list[float]:
+    """Each of the rank's stages' share of its parameters (blocks, and the embeddings or
+    the head on the stage that holds them; LoRA's adapters taken as the blocks')."""
+    assert w.shape is not None
+    block, root = block_params(w)
+    head = root if stage.head else 0.0  # the head's stage: the head, the final norm (tied: a copy)
+    sizes = [float(b * block) for b in stage.chunks]
+    if stage.embeddings:
+        sizes[0] += root - (w.shape.vocab_size * w.shape.d_model if not w.shape.tie_embeddings else 0)
+    if stage.head:
+        sizes[-1] += head
+    total = sum(sizes)
+    return [x / total for x in sizes]
