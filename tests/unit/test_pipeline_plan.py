@@ -17,15 +17,18 @@ from trainwise.plan.constraints import check_allowed, user_allowed
 from trainwise.plan.emit import job_config
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 from trainwise.plan.model.comm import Layout
-from trainwise.plan.model.memory import Workload, activation_profile
+from trainwise.plan.model.memory import Workload, activation_bytes_per_token, activation_profile
 from trainwise.plan.model.pipeline import (
     activation_message_bytes,
     bubble_fraction,
+    chunk_held,
     in_flight,
+    interleaved_moments,
     p2p_collective,
     p2p_exposed_seconds,
     rank_stage,
     setup_memory,
+    stage_memory,
     stage_workload,
     zb_passes,
 )
@@ -131,6 +134,68 @@ def test_stage_activations_by_hand():
     gpipe = stage_workload(w, rank_stage(w, dims, "GPipe", 1, 4, 1))
     extra = 3 * (2 * 4368 + 8 * 64 + 4 * 1000)
     assert activation_profile(gpipe, True, "cpu").head == tokens * (2 * 4368 + 12512 + extra)
+
+
+def _torch_interleaved_ops(p: int, v: int, m: int, rank: int) -> list:
+    """torch's Interleaved1F1B actions for one rank, from its own op-list builder (private:
+    built without stages or a process group, as its __init__ does for each rank)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    schedule = ScheduleInterleaved1F1B.__new__(ScheduleInterleaved1F1B)
+    schedule.pp_group_size, schedule.n_local_stages, schedule._n_microbatches = p, v, m
+    schedule.number_of_rounds = max(1, m // p)
+    schedule.microbatches_per_round = m // schedule.number_of_rounds
+    return [a for a in schedule._calculate_single_rank_operations(rank) if a is not None]
+
+
+@pytest.mark.parametrize(("p", "v"), [(2, 2), (3, 2), (4, 2), (4, 3), (8, 4)])
+def test_interleaved_stages_hold_what_torchs_schedule_holds(p, v):
+    # Walk torch's Interleaved1F1B on every rank, for every m it accepts up to 3p: at the
+    # first backward each local stage holds chunk_held's micro-batches; at every backward
+    # one of interleaved_moments covers the stage micro-batches held, the head's stage's
+    # (the last) and the stages that have gradients; the largest moment is reached.
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    for m in (m for m in range(1, 3 * p + 1) if m % max(1, m // p) == 0):
+        for rank in range(p):
+            held = chunk_held("Interleaved1F1B", p, v, m, rank)
+            moments = interleaved_moments(held, p, m)
+            live, grads, first, largest = [0] * v, set(), None, 0
+            for action in _torch_interleaved_ops(p, v, m, rank):
+                j = action.stage_index // p
+                if action.computation_type == _ComputationType.FORWARD:
+                    live[j] += 1
+                    continue
+                first = first or tuple(live)
+                grads.add(j)
+                largest = max(largest, sum(live))
+                assert any(
+                    sum(live) <= sum(h) and live[-1] <= h[-1] and min(grads) >= k
+                    for h, k in moments
+                ), (p, v, m, rank, live, grads)
+                live[j] -= 1
+            assert first == held, (p, v, m, rank)
+            assert largest == max(sum(h) for h, _ in moments), (p, v, m, rank)
+
+
+def test_an_interleaved_rank_has_its_stages_gradients_one_by_one():
+    # SHAPE on pp 2 x v 2: a block a stage; rank 1 runs stages 1 and 3 (the head). With m
+    # = p = 2 (one round) it holds 2 micro-batches of stage 1 and 1 of stage 3 at its first
+    # backward (the head's, at once after its forward), when only stage 3 has gradients:
+    # FSDP's unsharded fp32 accumulation of its block and the head (1000 x 64 + norm 64).
+    w = Workload(SHAPE.num_params(), SHAPE, 32, 8, "bf16", reduce_dtype="fp32")
+    dims = ParallelDims(dp_shard=2, pp=2, fsdp=True)
+    setup = Setup(dims, "none", 8, 2, schedule="Interleaved1F1B", virtual=2)
+    last = rank_stage(w, dims, "Interleaved1F1B", 2, 2, 1)
+    assert (last.chunks, last.held, last.head_in_flight) == ((1, 1), (2.0, 1.0), 1.0)
+    est = stage_memory(w, last, setup, "cpu")
+    assert est.phase == "head backward"
+    assert est.grads == pytest.approx(4 * (49280 + 1000 * 64 + 64))
+    per = activation_bytes_per_token(SHAPE, "bf16", False, "cpu")
+    assert est.activations == 8 * 32 * (3 * per["layer"] + per["head"])
+    # Rank 0 (stages 0 and 2, the embeddings): stage 2's block has its gradients.
+    first = rank_stage(w, dims, "Interleaved1F1B", 2, 2, 0)
+    assert stage_memory(w, first, setup, "cpu").grads == pytest.approx(4 * 49280)
 
 
 def test_the_plan_reports_the_worst_stage_and_says_which():

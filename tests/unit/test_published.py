@@ -43,3 +43,10 @@ def test_the_planned_tokens_per_second_are_within_10_percent_on_average():
         for r in bench.RUNS
     ]
     assert statistics.mean(errors) <= 0.10, [f"{e:.1%}" for e in errors]
+
+
+def test_the_llama3_405b_run_fits_its_published_layout():
+    # Meta ran it (arXiv 2407.21783, Table 4): the plan of its layout must fit.
+    plan, published = bench.plan_llama3_405b()
+    assert plan.fits, f"{plan.memory.total / bench.GIB:.1f} GiB planned"
+    assert published > 0

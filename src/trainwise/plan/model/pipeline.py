@@ -17,14 +17,14 @@ the pipeline fills and drains:
 
 Memory: the activations of the micro-batches a rank keeps in flight: GPipe all m; 1F1B
 p - r on rank r (the first stage p, the last one); interleaved (Megatron-LM's warm-up,
-Korthikanti et al., 2022, section 4.2.3) 2(p - r - 1) + (v - 1)p + 1 stage micro-batches
-(the first rank: p + (p - 1)/v micro-batches of all its blocks), never more than m v; ZB-V
-the same as 1F1B's first stage on every rank (section 6). ZB-H1 keeps 1F1B's peak (section
-2.1). The interleaved warm-up runs the rank's stages in order, a round of min(p, m)
-micro-batches each (Narayanan et al., section 2.2.2; torch's Interleaved1F1B), so its last
-stage holds the fewest: on the last rank the head's stage holds one micro-batch, its
-backward following its forward at once (chunk_held). The backward then visits the stages
-last to first, and a stage's accumulated gradients (FSDP keeps them unsharded, in the
+Korthikanti et al., 2022, section 4.2.3) 2(p - r - 1) + (v - 1)N + 1 stage micro-batches,
+N = p when m is a multiple of p (round_size; the first rank: p + (p - 1)/v micro-batches
+of all its blocks), never more than m v; ZB-V the same as 1F1B's first stage on every rank
+(section 6). ZB-H1 keeps 1F1B's peak (section 2.1). Interleaved1F1B, stage by stage: the
+warm-up runs the rank's stages in order, a round of N micro-batches each (Narayanan et
+al., section 2.2.2; torch's Interleaved1F1B), so its last stage holds the fewest: on the
+last rank the head's stage holds one micro-batch, its backward following its forward at
+once (chunk_held). The backward then visits the stages last to first, and a stage's accumulated gradients (FSDP keeps them unsharded, in the
 reduce dtype, until the step's last backward: torch.distributed.pipelining's
 backward_maybe_with_nosync) exist from its first backward on. With one round the rank's
 forwards are all done by then, so its activations drain while its gradients grow: the
@@ -90,21 +90,31 @@ def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
     elif schedule in ("1F1B", "ZBVZeroBubble"):
         held = float(p - rank if schedule == "1F1B" else p)
     else:  # interleaved: Megatron-LM's warm-up, in stage micro-batches of 1/v the blocks
-        held = (2 * (p - rank - 1) + (v - 1) * p + 1) / v
+        held = (2 * (p - rank - 1) + (v - 1) * round_size(p, m) + 1) / v
     return min(held, float(m))
 
 
-INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble")  # loop placement, v >= 2
+def round_size(p: int, m: int) -> int:
+    """Micro-batches an interleaved schedule runs through a stage before the next: torch's
+    Interleaved1F1B rounds (max(1, m // p) of them), p when m is a multiple of p as
+    Megatron-LM requires."""
+    return m // max(1, m // p)
+
+
+# The stage-by-stage accounting below, checked against torch's Interleaved1F1B op lists
+# (tests/unit/test_pipeline_plan.py). Not InterleavedZeroBubble: its deferred weight
+# gradients keep activations longer than that accounting, so it keeps the rank's average.
+INTERLEAVED = ("Interleaved1F1B",)
 
 
 def chunk_held(schedule: str, p: int, v: int, m: int, rank: int) -> tuple[float, ...]:
     """Micro-batches each of the rank's v stages (in order) holds at its first backward:
     interleaved, the warm-up's in_flight x v stage micro-batches dealt out in rounds of
-    min(p, m) a stage (see the module's docstring); otherwise every stage in_flight."""
+    round_size a stage (see the module's docstring); otherwise every stage in_flight."""
     held = in_flight(schedule, p, v, m, rank)
     if schedule not in INTERLEAVED or v == 1:
         return (held,) * v
-    total, size = round(held * v), min(p, m)
+    total, size = round(held * v), round_size(p, m)
     rounds, rest = divmod(total, v * size)
     return tuple(float(rounds * size + min(max(rest - j * size, 0), size)) for j in range(v))
 
@@ -146,7 +156,7 @@ def rank_stage(w: Workload, dims: ParallelDims, schedule: str, v: int, m: int, r
 
 def _weighted(chunks: tuple[int, ...], held: tuple[float, ...]) -> float:
     """Micro-batches of all the rank's blocks that `held` of its stages amount to."""
-    return sum(b * h for b, h in zip(chunks, held)) / sum(chunks)
+    return sum(b * h for b, h in zip(chunks, held, strict=True)) / sum(chunks)
 
 
 @lru_cache(maxsize=4096)
@@ -156,17 +166,26 @@ def stage_workload(w: Workload, stage: Stage) -> Workload:
     (Cached: the search asks for the same stages often.)"""
     assert w.shape is not None
     shape = w.shape
+    block, embeddings, head = _parts(w)
+    params = stage.blocks * block
+    params += (embeddings if stage.embeddings else 0) + (head if stage.head else 0)
+    return replace(
+        w, params=int(params), shape=replace(shape, n_layer=max(1, stage.blocks)),
+        head=stage.head, in_flight=stage.in_flight, head_in_flight=stage.head_in_flight,
+    )
+
+
+def _parts(w: Workload) -> tuple[float, float, float]:
+    """Parameters of (a block, the embeddings' stage's extra, the head's stage's extra:
+    the head and final norm, and a tied head's copy of the embeddings)."""
+    assert w.shape is not None
+    shape = w.shape
     block, root = block_params(w)
     head = shape.vocab_size * shape.d_model if not shape.tie_embeddings else 0
     head += shape.d_model * (2 if shape.norm == "layernorm" and shape.bias else 1)
     embeddings = root - head  # tied: the one matrix, which the head's rank holds too
     tied = shape.vocab_size * shape.d_model if shape.tie_embeddings else 0
-    params = stage.blocks * block
-    params += (embeddings if stage.embeddings else 0) + ((head + tied) if stage.head else 0)
-    return replace(
-        w, params=int(params), shape=replace(shape, n_layer=max(1, stage.blocks)),
-        head=stage.head, in_flight=stage.in_flight, head_in_flight=stage.head_in_flight,
-    )
+    return block, embeddings, head + tied
 
 
 @lru_cache(maxsize=4096)
@@ -234,13 +253,14 @@ def worst_stage(
 def stage_memory(
     w: Workload, stage: Stage, setup: Setup, device: str, runtime_bytes: float = 0.0
 ) -> MemoryEstimate:
-    """estimate_memory of one pipeline rank. A rank that runs every forward before its
-    first backward (GPipe; 1F1B with no more micro-batches than the stages after it) holds
-    all m micro-batches' activations before any gradient exists, and from the second
-    backward on, which has the gradients, m - 1 at most."""
-    est = estimate_memory(stage_workload(w, stage), setup, device, runtime_bytes)
+    """estimate_memory of one pipeline rank. Interleaved1F1B: the largest of its
+    interleaved_moments. Otherwise a rank that runs every forward before its first
+    backward (GPipe; 1F1B with no more micro-batches than the stages after it) holds all m
+    micro-batches' activations before any gradient exists, and from the second backward
+    on, which has the gradients, m - 1 at most."""
     if len(stage.chunks) > 1 and setup.schedule in INTERLEAVED and setup.grad_accum > 1:
-        return _interleaved_memory(w, stage, setup, device, runtime_bytes, est)
+        return _interleaved_memory(w, stage, setup, device, runtime_bytes)
+    est = estimate_memory(stage_workload(w, stage), setup, device, runtime_bytes)
     if stage.in_flight < setup.grad_accum or setup.grad_accum == 1:
         return est
     first = estimate_memory(stage_workload(w, stage), replace(setup, grad_accum=1), device,
@@ -250,43 +270,43 @@ def stage_memory(
     return max(first, later, key=lambda e: e.total)
 
 
+def interleaved_moments(held: tuple[float, ...], p: int, m: int) -> list[tuple[tuple[float, ...], int]]:
+    """The moments an Interleaved1F1B rank can peak at, as (micro-batches each of its
+    stages holds, the first of its stages that has gradients: stages k..v-1 have them);
+    `held`: chunk_held. With one round, stage k's first backward for each k (stages above
+    it drained); with more, the warm-up's activations beside every stage's gradients."""
+    v = len(held)
+    pairs = m * v - sum(held)  # the steady state's forward-backward pairs
+    if pairs >= (v - 1) * round_size(p, m) + 1:  # every stage backs before the drain
+        return [(held, 0)]
+    return [(held[: k + 1] + (0.0,) * (v - 1 - k), k) for k in range(v - 1, -1, -1)]
+
+
 def _interleaved_memory(
-    w: Workload, stage: Stage, setup: Setup, device: str, runtime_bytes: float,
-    steady: MemoryEstimate,
+    w: Workload, stage: Stage, setup: Setup, device: str, runtime_bytes: float
 ) -> MemoryEstimate:
-    """An interleaved rank's peak (see the module's docstring): with one round, the
-    largest of its stages' first backwards; with more, `steady` (every stage's gradients
-    beside the warm-up's activations)."""
-    p, v, m = setup.dims.pp, len(stage.chunks), setup.grad_accum
-    size = min(p, m)
-    pairs = m * v - sum(stage.held)  # the steady state's forward-backward pairs
-    if pairs >= (v - 1) * size + 1:  # every stage has run a backward before the drain
-        return steady
+    """The largest estimate_memory of an Interleaved1F1B rank's interleaved_moments."""
     sw = stage_workload(w, stage)
     shares = _chunk_shares(w, stage)
+    last = len(stage.chunks) - 1
     moments = []
-    for k in range(v - 1, -1, -1):
-        held = stage.held[: k + 1] + (0.0,) * (v - 1 - k)
-        head = stage.head and k == v - 1
+    for held, k in interleaved_moments(stage.held, setup.dims.pp, setup.grad_accum):
+        head = stage.head and held[last] > 0
         moment = replace(
             sw, in_flight=_weighted(stage.chunks, held), head=head,
-            head_in_flight=stage.head_in_flight if head else None,
-            grads_held=sum(shares[k:]),
+            head_in_flight=held[last] if head else None, grads_held=sum(shares[k:]),
         )
         moments.append(estimate_memory(moment, setup, device, runtime_bytes))
     return max(moments, key=lambda e: e.total)
 
 
 def _chunk_shares(w: Workload, stage: Stage) -> list[float]:
-    """Each of the rank's stages' share of its parameters (blocks, and the embeddings or
-    the head on the stage that holds them; LoRA's adapters taken as the blocks')."""
-    assert w.shape is not None
-    block, root = block_params(w)
-    head = root if stage.head else 0.0  # the head's stage: the head, the final norm (tied: a copy)
-    sizes = [float(b * block) for b in stage.chunks]
+    """Each of the rank's stages' share of its parameters: its blocks, and the embeddings
+    or the head on the stage that holds them (LoRA's adapters taken as spread alike)."""
+    block, embeddings, head = _parts(w)
+    sizes = [b * block for b in stage.chunks]
     if stage.embeddings:
-        sizes[0] += root - (w.shape.vocab_size * w.shape.d_model if not w.shape.tie_embeddings else 0)
+        sizes[0] += embeddings
     if stage.head:
         sizes[-1] += head
-    total = sum(sizes)
-    return [x / total for x in sizes]
+    return [x / sum(sizes) for x in sizes]
