@@ -31,10 +31,23 @@ Needs nothing but the repository (no GPU, no network). The runs, each with its s
 - Llama 3 405B (Dubey et al., 2024, arXiv 2407.21783, Table 4): 16,384 H100 at TP 8 x PP 16
   x DP 128, seq 8192, 16 sequences per data-parallel rank, 400 TFLOPs per GPU (41 % MFU):
   400e12 over the planner's model FLOPs a token is the published tokens/s per GPU. Priced
-  on its layout (a pipeline, so beside the named-row runs, not in their mean): 126 blocks
-  over 16 stages, the first and last one fewer (section 3.3.2); FSDP without resharding
-  after forward inside a stage. Not published: the virtual stages and the checkpointing,
-  taken as Interleaved1F1B over 4 stages a rank and selective AC.
+  on its layout (a pipeline, so beside the named-row runs, not in their mean), from
+  section 3.3.2: FSDP that shards gradients and optimizer state but does not reshard the
+  parameters after forward; gradients accumulated over the micro-batches and
+  reduce-scattered in fp32 (section 3.3.4); 16 micro-batches of one sequence (the
+  micro-batch size is not published); an interleaved schedule (Interleaved1F1B) with 126
+  blocks over the stages, the first and last rank one block fewer. Where the row departs
+  from the paper, and why:
+  - stages a rank: the paper's first stage on rank 0 holds only the embeddings and the
+    last only the head, which with 126 blocks on 16 ranks means one block a stage, v = 8;
+    trainwise's split gives every stage a block (models/stage_split.py), so v = 4, two
+    blocks a stage (rank 0: 1 + 2 + 2 + 2 and the embeddings);
+  - checkpointing: the paper trains "without activation checkpointing", having freed
+    every stage's input and output tensors it does not need; trainwise's runtime keeps
+    more a token and block (DTensor's sequence parallelism saves the gathered norm outputs
+    whole, SDPA the repeated k and v of grouped-query attention), so without checkpointing
+    the layout needs about 144 GiB a GPU; the row checkpoints every other block
+    (selective), the lightest checkpointing trainwise offers short of none.
 """
 
 from __future__ import annotations
@@ -227,6 +240,11 @@ def main() -> int:
         f"{plan.memory.total / GIB:.1f} of {plan.budget_bytes / GIB:.1f} (MFU {plan.mfu:.0%}, "
         "published 41 %)"
     )
+    m = plan.memory
+    parts = [("parameters", m.params), ("gradients", m.grads), ("optimizer", m.optimizer),
+             ("activations", m.activations or 0.0), ("buffers", m.buffers),
+             ("CUDA context and fragmentation", m.overhead)]
+    print(f"  its peak, at {m.phase}: " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts) + " GiB")
     return 0
 
 
