@@ -24,9 +24,10 @@ of all its blocks), never more than m v; ZB-V the same as 1F1B's first stage on 
 warm-up runs the rank's stages in order, a round of N micro-batches each (Narayanan et
 al., section 2.2.2; torch's Interleaved1F1B), so its last stage holds the fewest: on the
 last rank the head's stage holds one micro-batch, its backward following its forward at
-once (chunk_held). The backward then visits the stages last to first, and a stage's accumulated gradients (FSDP keeps them unsharded, in the
-reduce dtype, until the step's last backward: torch.distributed.pipelining's
-backward_maybe_with_nosync) exist from its first backward on. With one round the rank's
+once (chunk_held). The backward then visits the stages last to first, and a stage's
+accumulated gradients (FSDP keeps them unsharded, in the reduce dtype, until the step's
+last backward: torch.distributed.pipelining's backward_maybe_with_nosync) exist from its
+first backward on. With one round the rank's
 forwards are all done by then, so its activations drain while its gradients grow: the
 peak is the largest of "stage k's first backward" (gradients of stages k..v-1, activations
 of stages 0..k) over k; with more rounds the steady state's 1F1B pairs keep the warm-up's
