@@ -72,8 +72,8 @@ BASE_READ_TIMEOUT_S = 3 * 3600
 def first_rank_base_weights(job: Job) -> str | None:
     """The frozen base's id for workers started without trainwise's launcher (torchrun or
     srun by hand, or the in-process worker, whose launcher's reads are cached): rank 0
-    reads the weights and hands the id to the others, so a node reads them once, not once
-    per worker."""
+    reads the weights and hands the id to the others: one read for the job, not one per
+    worker."""
     from trainwise.models import base_weights_id
 
     seed = job.cfg.train.seed
