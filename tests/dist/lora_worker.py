@@ -3,7 +3,8 @@ trainer as a run builds it (meta device, converter, parallelize, pretrained weig
 adapters), then: the first logits (B = 0: the base model's), a checksum of this rank's
 frozen shards before and after a few SGD steps (SGD: a gradient off by a factor shows,
 where Adam would normalise it away) from a nonzero B (so A's gradient is not zero at the
-first step), each step's loss averaged over the ranks and the trained adapters whole.
+first step), each step's loss averaged over the ranks, the trained adapters whole, and
+the frozen base's id with the weight files read to compute it.
 Under torchrun (`python lora_worker.py DIR OUT TP`) or called in-process (one worker).
 Not a test."""
 
@@ -21,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from trainwise.checksum import new_hasher
 from trainwise.config import load_config
+from trainwise.models.hf_weights import _file_digest
 from trainwise.run.engine.materialize import fill
 from trainwise.run.engine.trainer import build_trainer
 from trainwise.run.engine.worker import join_job
@@ -86,7 +88,9 @@ def run(folder: Path, world: int, tp: int) -> dict:
     }
     return {
         "adapters": adapters, "logits": logits.tolist(), "before": before, "after": frozen_checksum(trainer.parts),
-        "losses": losses,
+        "losses": losses, "base_weights": job.base_weights,
+        # Weight files this process read to identify the base (not to load it).
+        "base_reads": _file_digest.cache_info().misses,
     }
 
 

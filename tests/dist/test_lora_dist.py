@@ -2,7 +2,8 @@
 one launch) on a pretrained Hugging Face Llama: the adapters laid out like their base
 (colwise: lora_B split by rows, lora_A whole; rowwise: lora_A split by columns, lora_B
 whole, the partial sums reduced with the base's) train the losses of one process; step 0's
-logits are the base model's (transformers'); no frozen shard changes."""
+logits are the base model's (transformers'); no frozen shard changes; only rank 0 reads
+the base to identify it.
 
 from __future__ import annotations
 
@@ -73,3 +74,13 @@ def test_the_frozen_base_does_not_change(results):
     for r in [single, *ranks]:
         assert r["before"] == r["after"]
     assert len({r["before"] for r in ranks}) == 4  # each rank checks its own shards
+
+
+def test_without_trainwise_launcher_only_rank_0_reads_the_base(results):
+    """torchrun started the workers by hand: rank 0 reads the weights once for the job and
+    broadcasts their id (worker.first_rank_base_weights)."""
+    from trainwise.models.hf_weights import weight_files, weights_digest
+
+    folder, _, ranks = results
+    assert [r["base_weights"] for r in ranks] == [weights_digest(folder)] * 4
+    assert [r["base_reads"] for r in ranks] == [len(weight_files(folder)), 0, 0, 0]

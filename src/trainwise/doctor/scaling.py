@@ -35,7 +35,7 @@ def _time_world(ctx: Context, k: int) -> tuple[float, Job]:
     gloo = dist.get_backend() == "gloo"  # (a rank outside `group` cannot ask the group)
     host = group if gloo else dist.new_group(ranks, backend="gloo")
     local = min(k, ctx.env.local_world)
-    job = prepare_job(ctx.cfg, k, ctx.job.device, local)
+    job = prepare_job(ctx.cfg, k, ctx.job.device, local, lambda *_: ctx.job.base_weights)
     seconds = 0.0
     measure = k == ctx.world and ctx.device.type == "cpu"
     if measure:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -54,17 +55,47 @@ def weight_files(folder: str | Path) -> list[Path]:
 
 
 def weights_digest(folder: str | Path) -> str:
-    """One checksum of a model directory's weights (each file's content, in name order):
-    what identifies the frozen base a LoRA run was trained on."""
+    """What identifies a model directory's weights, `ALGO:HEX` (the frozen base a LoRA run
+    was trained on): from the Hugging Face hub cache's blob names when every file is one
+    (nothing read), else an xxh3 of each file's content, in name order (one full read)."""
+    files = weight_files(folder)
+    named = hub_digest(files)
+    if named is not None:
+        return named
     digest = new_hasher()
-    for f in weight_files(folder):
+    for f in files:
         digest.update(f"{f.name}:{_file_digest(f, f.stat().st_size, f.stat().st_mtime_ns)};".encode())
-    return digest.hexdigest()
+    return f"xxh3:{digest.hexdigest()}"
+
+
+_SHA256_NAME = re.compile(r"[0-9a-f]{64}")
+
+
+def hub_digest(files: list[Path]) -> str | None:
+    """The weights' id from the hub cache's own names, reading no byte of them; None unless
+    every file is a snapshot's symlink to `blobs/<sha256>`.
+
+    Trustworthy because the cache is content-addressed: huggingface_hub stores a file
+    under its ETag, which for an LFS file (every safetensors file of a model repository) is
+    the sha256 of its content as the hub computed it, and points each snapshot's file at
+    that blob. Another revision's changed weights are another blob, hence another name; two
+    snapshots of the same weights share blobs, hence the id. Editing a blob in place (the
+    cache never does) is what this cannot see."""
+    if not files:
+        return None
+    digest = new_hasher("sha256")
+    for f in files:
+        blob = f.resolve()
+        if not f.is_symlink() or blob.parent.name != "blobs" or not _SHA256_NAME.fullmatch(blob.name):
+            return None
+        digest.update(f"{f.name}:{blob.name};".encode())
+    return f"sha256:{digest.hexdigest()}"
 
 
 @functools.lru_cache(maxsize=64)
 def _file_digest(path: Path, size: int, mtime_ns: int) -> str:
-    """Once per process and file version (the launcher's check and the run both ask)."""
+    """Once per process and file version (the launcher's check and an in-process worker
+    both ask)."""
     return digest_file(path)
 
 

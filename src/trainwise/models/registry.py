@@ -195,8 +195,9 @@ def lora_model_problems(spec: ModelSpec, lora: Any) -> list[str]:
 
 
 def base_weights_id(spec: ModelSpec, seed: int) -> str:
-    """What the model's weights come from before training: the checksum of a pretrained
-    directory's safetensors, else the seed that draws them (a LoRA run's frozen base is
+    """What the model's weights come from before training: the id of a pretrained
+    directory's safetensors (hf_weights.weights_digest: free in the hub cache, else one
+    read of every file), else the seed that draws them (a LoRA run's frozen base is
     rebuilt from it on resume, not saved)."""
     from trainwise.models.hf import model_dir, wants_pretrained
     from trainwise.models.hf_weights import weights_digest
@@ -204,5 +205,5 @@ def base_weights_id(spec: ModelSpec, seed: int) -> str:
     if model_kind(spec.name) == "hf":
         path = spec.name[len("hf:") :]
         if wants_pretrained(path, spec.init):
-            return f"xxh3:{weights_digest(model_dir(path))}"
+            return weights_digest(model_dir(path))
     return f"random, train.seed = {seed}"

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +54,36 @@ def join_job(cfg: JobConfig) -> tuple[DistEnv, logging.Logger, torch.device, Job
     device = torch.device("cuda", env.local_rank) if info.kind == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    job = prepare_job(cfg, env.world, info, env.local_world)
+    launch = this_launch()
+    given = launch.base_weights if launch else None  # the launcher's: nothing to read here
+    job = prepare_job(cfg, env.world, info, env.local_world, lambda *_: given)
     if not job.dims.single or env.world > 1:
         init_process_group(env, job.backend, device, cfg.parallel.timeout_s)
+    if cfg.lora.rank and job.base_weights is None:
+        job.base_weights = first_rank_base_weights(job)
     return env, log, device, job
+
+
+# Rank 0 may read a whole base (a 140 GB one takes minutes from a network file system)
+# while the others wait for its id: longer than a training collective's timeout.
+BASE_READ_TIMEOUT_S = 3 * 3600
+
+
+def first_rank_base_weights(job: Job) -> str | None:
+    """The frozen base's id for workers started without trainwise's launcher (torchrun or
+    srun by hand, or the in-process worker, whose launcher's reads are cached): rank 0
+    reads the weights and hands the id to the others: one read for the job, not one per
+    worker."""
+    from trainwise.models import base_weights_id
+
+    seed = job.cfg.train.seed
+    if not dist.is_initialized():
+        return base_weights_id(job.model_spec, seed)
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=BASE_READ_TIMEOUT_S))
+    box = [base_weights_id(job.model_spec, seed) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    dist.destroy_process_group(group)
+    return box[0]
 
 
 class FatalError(TrainwiseError):

@@ -2,7 +2,9 @@
 
 The launcher hands its workers, through their environment, the resolved config (they never
 re-read the run directory's config.toml, which a later launch could rewrite) and a launch
-record: its pid, its start time, and a scratch folder outside the run directory. A worker
+record: its pid, its start time, a scratch folder outside the run directory, and what it
+computed once for all of them (a LoRA run's frozen-base id: each worker would read every
+weight to compute it again). A worker
 that hits an error no restart can fix writes `fatal.json` there (it still works when the
 run directory's disk is full); its peers and any restarted worker see it and exit at once,
 and the launcher reports it. Each worker also asks the kernel for a signal of its own
@@ -40,6 +42,7 @@ class Launch:
     pid: int  # the launcher, parent of the workers
     since: float  # unix time the launch began: its events are those after it
     scratch: Path
+    base_weights: str | None = None  # registry.base_weights_id, computed by the launcher
 
     def record_fatal(self, message: str, exit_status: int, rank: int) -> None:
         """The first fatal error of the launch, whole or not at all."""
@@ -57,12 +60,14 @@ class Launch:
             return None
 
 
-def start_launch(config_toml: str) -> Launch:
+def start_launch(config_toml: str, base_weights: str | None = None) -> Launch:
     """A new launch from this process: its record and the config, in the environment the
     elastic agent passes on to every worker it starts."""
-    launch = Launch(os.getpid(), time.time(), Path(tempfile.mkdtemp(prefix="trainwise-launch-")))
+    scratch = Path(tempfile.mkdtemp(prefix="trainwise-launch-"))
+    launch = Launch(os.getpid(), time.time(), scratch, base_weights)
     os.environ[LAUNCH_ENV] = json.dumps(
-        {"pid": launch.pid, "since": launch.since, "scratch": str(launch.scratch)}
+        {"pid": launch.pid, "since": launch.since, "scratch": str(launch.scratch),
+         "base_weights": base_weights}
     )
     os.environ[CONFIG_ENV] = config_toml
     return launch
@@ -80,7 +85,9 @@ def this_launch() -> Launch | None:
     if not text:
         return None
     held = json.loads(text)
-    return Launch(int(held["pid"]), float(held["since"]), Path(held["scratch"]))
+    return Launch(
+        int(held["pid"]), float(held["since"]), Path(held["scratch"]), held.get("base_weights")
+    )
 
 
 def die_with_launcher(launch: Launch) -> None:

@@ -7,6 +7,7 @@ calibration file, and looks for the manifest of a checkpoint given to resume fro
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,8 @@ class Job:
     # FSDP with accumulation: reduce-scatter every micro-batch (parallel.accumulate resolved).
     sharded_accumulation: bool = False
     # LoRA: what the frozen base's weights come from (registry.base_weights_id); in the
-    # lineage, so a resume onto other base weights is refused.
+    # lineage, so a resume onto other base weights is refused. Computed by the launcher
+    # and handed to its workers (run.job.lifeline): it may read every weight.
     base_weights: str | None = None
 
     @property
@@ -224,10 +226,16 @@ def start_lines(job: Job, nproc: int, cores: int) -> list[str]:
 
 
 def prepare_job(
-    cfg: JobConfig, world: int, device: DeviceInfo, local_world: int | None = None
+    cfg: JobConfig,
+    world: int,
+    device: DeviceInfo,
+    local_world: int | None = None,
+    base_id: Callable[[ModelSpec, int], str | None] = base_weights_id,
 ) -> Job:
     """Every machine-dependent check, collected and raised once; then the decision.
-    `world` is the whole job; `local_world` the workers on this machine (default: all)."""
+    `world` is the whole job; `local_world` the workers on this machine (default: all).
+    With LoRA, `base_id(spec, seed)` says what the frozen base is: by default read from the
+    weights (once per process, or free in the hub cache); a worker takes its launcher's."""
     c, local = cfg, local_world or world
     backend, problems = machine_problems(c, device, local)
     problems += layout_problems(c, world, local, device)
@@ -289,7 +297,7 @@ def prepare_job(
         plan_notes=plan_notes,
         datasets=data.datasets,
         sharded_accumulation=dims.accumulates_sharded(setup.accumulate, accum),
-        base_weights=base_weights_id(data.spec, c.train.seed) if c.lora.rank else None,
+        base_weights=base_id(data.spec, c.train.seed) if c.lora.rank else None,
     )
 
 

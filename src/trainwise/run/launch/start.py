@@ -80,7 +80,7 @@ def start_job(
                 enable_flight_recorder(run_dir)
             target(cfg, run_dir)
             return run_dir
-        launch = start_launch(dump_toml(cfg))
+        launch = start_launch(dump_toml(cfg), job.base_weights)  # read once, here
         try:
             launch_workers(
                 run_dir, nproc, launch, cfg.cluster.master_port, max_restarts, module=module,
