@@ -26,8 +26,9 @@ class JobRecord:
     device: str | None = None
     device_kind: str | None = None
     backend: str | None = None
-    strategy: str | None = None
-    layout: str | None = None
+    strategy: str | None = None  # the data-parallel part's shortcut
+    layout: str | None = None  # every degree: ParallelDims.describe()
+    layout_name: str | None = None  # as people read it: ParallelDims.name (pp 2 x fsdp 2)
     plan_name: str | None = None
     requested_strategy: str | None = None
     cpu_offload: bool = False

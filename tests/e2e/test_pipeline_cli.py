@@ -31,9 +31,15 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 
 def test_the_job_runs_two_stages(run):
-    folder, _ = run
+    folder, output = run
     job = json.loads((folder / "job.json").read_text())
     assert job["layout"] == "pp 2 x dp_replicate 1 x dp_shard 1 x tp 1"
+    # Its name says the stages (the data-parallel shortcut alone would be "single").
+    assert (job["layout_name"], job["strategy"]) == ("pp 2", "single")
+    startup = ("tiny on 2 x cpu (pp 2 x dp_replicate 1 x dp_shard 1 x tp 1), pp 2 (set by "
+               "parallel.strategy = 'ddp', parallel.pp = 2): ")
+    assert startup in output
+    assert "  layout     pp 2 x dp_replicate 1 x dp_shard 1 x tp 1" in output  # the summary
     records = read_records(folder)
     assert [r["step"] for r in records] == list(range(1, 7))
     assert records[-1]["loss"] < records[0]["loss"]
@@ -54,6 +60,7 @@ def test_the_report_shows_the_bubble(run):
     folder, _ = run
     res = run_cli("report", str(folder), cwd=folder.parent)
     assert res.returncode == 0, res.stderr[-2000:]
+    assert "  strategy   pp 2 on 2 x cpu" in res.stdout
     row = next(line for line in res.stdout.splitlines() if "pipeline bubble" in line)
     assert float(row.split()[2]) > 0  # its seconds
 

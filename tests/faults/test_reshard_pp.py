@@ -1,11 +1,14 @@
-"""Checkpoints under pipeline stages, on three shared launches of a tiny Hugging Face Llama
-(4 layers, model.impl = 'trainwise', its pretrained weights written to a tmp dir):
+"""Checkpoints under pipeline stages, on four shared launches of a tiny Hugging Face Llama
+(4 layers, model.impl = 'trainwise', its pretrained weights written to a tmp dir), a chain
+that visits each layout and crosses pp both ways (pp -> fsdp -> fsdp x tp -> pp):
 
 1. pp 2 (1F1B, a stage per rank) from the pretrained weights, 12 steps, a checkpoint every
    4; the last stage's worker is killed at step 11 and the run restarts from its own
    step-8 checkpoint;
-2. dp_shard 2 x tp 2 (4 processes) resumes the pp run's step-4 checkpoint;
-3. pp 2 with two stages per rank (Interleaved1F1B: each rank's states span two model
+2. plain FSDP (dp_shard 2, 2 processes) resumes the pp run's step-4 checkpoint, saving
+   every 2 steps;
+3. dp_shard 2 x tp 2 (4 processes) resumes the FSDP run's step-6 checkpoint;
+4. pp 2 with two stages per rank (Interleaved1F1B: each rank's states span two model
    parts) resumes that run's step-8 checkpoint.
 
 Each continues the losses of the pp run; the restart after the kill repeats them exactly;
@@ -34,6 +37,7 @@ LAYERS = 4  # pp 2 x pp_virtual 2 stages of one layer each
 # name -> (nproc, strategy, extra); the global batch stays 16 (job_args' contract).
 LAYOUTS = {
     "pp2": (2, "ddp", ("--set", "parallel.pp=2", "--set", "data.micro_batch=16")),
+    "fsdp2": (2, "fsdp", ()),
     "fsdp2_tp2": (4, "fsdp", ("--set", "parallel.tp=2", "--set", "data.micro_batch=8")),
     "pp2_interleaved": (2, "ddp", ("--set", "parallel.pp=2", "--set", "data.micro_batch=16",
                                    "--set", "parallel.pp_schedule=Interleaved1F1B",
@@ -48,9 +52,9 @@ def _args(root: Path, name: str, layout: str, *extra: str) -> list[str]:
     return job_args(root / name, nproc, strategy, *model, *more, *extra)
 
 
-def _resume(root: Path, name: str, layout: str, written: Path, step: int) -> Path:
+def _resume(root: Path, name: str, layout: str, written: Path, step: int, *extra: str) -> Path:
     checkpoint = written / "checkpoints" / f"step-{step:08d}"
-    done = run_cli(*_args(root, name, layout, "--set", f"checkpoint.resume={checkpoint}"),
+    done = run_cli(*_args(root, name, layout, "--set", f"checkpoint.resume={checkpoint}", *extra),
                    cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resuming from step {step}" in done.stderr
@@ -67,9 +71,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     rc, _, err = finish(proc)
     assert rc == 0, err[-3000:]
     assert "resuming from step 8" in err
-    tp = _resume(root, "tp", "fsdp2_tp2", pp, 4)
+    # Every 2 steps, all kept: the next leg resumes its step 6 while the run goes on to 12.
+    fsdp = _resume(root, "fsdp", "fsdp2", pp, 4,
+                   "--set", "checkpoint.interval=2", "--set", "checkpoint.keep_last=4")
+    tp = _resume(root, "tp", "fsdp2_tp2", fsdp, 6)
     back = _resume(root, "pp-again", "pp2_interleaved", tp, 8)
-    return {"root": root, "pp": pp, "tp": tp, "pp_again": back}
+    return {"root": root, "pp": pp, "fsdp": fsdp, "tp": tp, "pp_again": back}
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -92,11 +99,14 @@ def test_a_worker_killed_under_pp_resumes_bit_exact(runs):
 
 
 def test_resumes_across_layouts_continue_the_pp_runs_losses(runs):
-    """pp 2 -> dp_shard 2 x tp 2 -> pp 2: each resumed run's losses are the pp run's. Not
-    to the bit: the layouts sum in other orders (FSDP's reduce-scatter over the batch's
-    halves, TP's split matmuls, pp's micro-batches), so fp32 rounding (rel 1e-5)."""
+    """pp 2 -> fsdp 2 -> dp_shard 2 x tp 2 -> pp 2: each resumed run's losses are the pp
+    run's. Not to the bit: neighbouring layouts sum in other orders (pp sums the gradients
+    of 16 one-sample micro-batches, FSDP reduce-scatters two halves of 8 samples, TP also
+    splits the matmuls), so fp32 rounding (rel 1e-5). Measured on CPU: the FSDP leg within
+    2e-7, the TP leg equal but for one step; the last leg (pp's arithmetic again) equal on
+    every step, but its weights came through FSDP and TP, so that is not asserted."""
     pp = _losses(runs["pp"])
-    for name, start_at in (("tp", 4), ("pp_again", 8)):
+    for name, start_at in (("fsdp", 4), ("tp", 6), ("pp_again", 8)):
         got = _losses(runs[name])
         assert sorted(got) == list(range(start_at + 1, 13)), name
         for step, loss in got.items():

@@ -15,6 +15,7 @@ from trainwise.plan.estimate import evaluate
 from trainwise.plan.inputs import resolve_inputs
 from trainwise.plan.planner import make_plan
 from trainwise.run.job.resolve import job_plan, prepare_job, resolve_nproc, start_lines
+from trainwise.run.job.run_files import default_run_dir
 
 CPU = DeviceInfo("cpu", "cpu", 1, 64 * GB, bf16=True, fp16=False, gpu=None)
 # A GPU without bf16 (e.g. a V100-class card), one visible.
@@ -470,3 +471,8 @@ def test_ddp_with_tensor_parallelism_is_priced_with_it_not_as_a_replica():
         cfg("parallel.strategy=ddp", "parallel.tp=2", "parallel.sequence_parallel=false"), 4, CPU
     )
     assert without_sp.decision.estimate.activations > job.decision.estimate.activations
+
+
+def test_the_default_run_directory_ends_with_the_layouts_name():
+    assert default_run_dir(cfg(), "pp 2 x fsdp 2").name.endswith("-tiny-pp2-fsdp2")
+    assert default_run_dir(cfg(), "ddp").name.endswith("-tiny-ddp")

@@ -128,3 +128,21 @@ def test_a_request_resolves_to_the_layout_and_auto_has_none_before_the_planner()
 def test_the_rows_are_written_once_simplest_first():
     assert tuple(PLAN_ROWS) == PLAN_NAMES
     assert [row_layout(n).plan_name for n in PLAN_NAMES] == list(PLAN_NAMES)
+
+
+@pytest.mark.parametrize(("dims", "name"), [
+    (ParallelDims(), "single"),
+    (ParallelDims.from_strategy("ddp", 8), "ddp"),
+    (ParallelDims.from_strategy("fsdp", 8), "fsdp"),
+    (ParallelDims.from_strategy("hsdp", 8, replicate=2), "hsdp"),
+    (ParallelDims.from_strategy("ddp", 2, pp=2), "pp 2"),  # strategy: single
+    (ParallelDims.from_strategy("fsdp", 4, pp=2), "pp 2 x fsdp 2"),
+    (ParallelDims.from_strategy("ddp", 4, pp=2), "pp 2 x ddp 2"),  # strategy: hsdp
+    (ParallelDims.from_strategy("fsdp", 4, tp=2), "fsdp 2 x tp 2"),
+    (ParallelDims.from_strategy("fsdp", 2, tp=2), "tp 2"),
+    (ParallelDims.from_strategy("hsdp", 16, replicate=2, tp=2, pp=2), "pp 2 x hsdp 4 x tp 2"),
+])
+def test_the_layout_name_says_its_stages_and_tensor_parallelism(dims: ParallelDims, name: str):
+    """What people read: the shortcut alone for a plain layout; pp and tp say so (the
+    strategy names only the data-parallel part: pp 2 on 2 workers is `single`)."""
+    assert dims.name == name

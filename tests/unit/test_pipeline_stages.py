@@ -161,6 +161,7 @@ def test_auto_keeps_the_jobs_stages_and_chooses_around_them():
     job = prepare_job(config, 4, CPU, 4)
     assert job.dims.pp == 2 and job.dims.world == 4
     assert "pp 2 x" in job.decision.reason
+    assert job.decision.reason.startswith(f"{job.dims.name}: ") and "pp 2" in job.dims.name
 
 
 def test_a_pipeline_job_resolves_its_layout():
@@ -172,6 +173,12 @@ def test_a_pipeline_job_resolves_its_layout():
     job = prepare_job(config, 8, CPU, 8)
     assert job.dims.describe() == "pp 2 x dp_replicate 1 x dp_shard 2 x tp 2"
     assert job.dp_size == 2  # stages of one pipeline read the same samples
+    # What people read names the stages and tp; the shortcut keeps the data-parallel part.
+    assert job.decision.reason.startswith(
+        "pp 2 x fsdp 2 x tp 2 (set by parallel.strategy = 'fsdp', parallel.pp = 2, "
+        "parallel.tp = 2): "
+    )
+    assert (job.record().layout_name, job.strategy) == ("pp 2 x fsdp 2 x tp 2", "fsdp")
     assert job.global_batch == config.data.micro_batch * config.data.grad_accum * 2
 
 

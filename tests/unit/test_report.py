@@ -82,7 +82,7 @@ def test_every_figure_matches_the_hand_arithmetic(tmp_path: Path):
     assert (h.steps_done, h.steps_planned, h.world, h.tokens) == (6, 6, 2, 6000)
     assert h.final_loss == pytest.approx(2.0) and h.final_eval_loss == 3.0
     assert h.wall_s == pytest.approx(12.0)  # loop start 100 (ready) to the last record, 112
-    assert h.model == "tiny" and h.strategy == "ddp"
+    assert h.model == "tiny" and h.layout == "ddp"  # job.json without layout_name: its strategy
 
     t = r.stages.total_s  # six steps of 0.2 / 0.5 / 0.1 / 0.2 s, one 0.5 s stall
     assert t["data wait"] == pytest.approx(1.2) and t["compute"] == pytest.approx(3.0)

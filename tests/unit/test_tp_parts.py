@@ -57,6 +57,9 @@ def test_tp_composes_with_each_data_parallel_shortcut():
 def test_the_job_resolves_tp_with_fsdp():
     job = prepare_job(cfg("parallel.strategy=fsdp", "parallel.tp=2"), 4, CPU)
     assert job.dims.describe() == "dp_replicate 1 x dp_shard 2 x tp 2"
+    assert job.decision.reason.startswith(
+        "fsdp 2 x tp 2 (set by parallel.strategy = 'fsdp', parallel.tp = 2): "
+    )
     assert job.global_batch == job.cfg.data.micro_batch * job.grad_accum * 2
 
 

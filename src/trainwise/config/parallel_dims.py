@@ -156,6 +156,25 @@ class ParallelDims:
         return "ddp" if self.dp_size > 1 else "single"
 
     @property
+    def name(self) -> str:
+        """The layout as people read it (the run's reason line, summary, report, doctor,
+        checkpoint listing): the shortcut alone when that is the whole layout (single,
+        ddp, fsdp, hsdp); with pipeline stages or tensor parallelism each part there is,
+        outermost first, with its degree: `pp 2 x fsdp 2`, `fsdp 2 x tp 2`, `pp 2` (one
+        data-parallel rank). Replicas alone there (FSDP2's replication, dp_shard 1, which
+        `runnable` gives ddp under tp or pp) read as ddp: what they do. `strategy` names
+        the data-parallel part only; code decides on the degrees, never on this name."""
+        if self.pp == 1 and self.tp == 1:
+            return self.strategy
+        parts = [f"pp {self.pp}"] if self.pp > 1 else []
+        if self.dp_size > 1:
+            word = "ddp" if self.dp_shard == 1 else self.strategy
+            parts.append(f"{word} {self.dp_size}")
+        if self.tp > 1:
+            parts.append(f"tp {self.tp}")
+        return " x ".join(parts)
+
+    @property
     def shard(self) -> str:
         """parallel.shard's word for reshard_after_forward."""
         return "full" if self.reshard_after_forward else "grad_op"

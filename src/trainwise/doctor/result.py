@@ -89,7 +89,10 @@ class DoctorRecord(BaseModel):
     run_dir: str
     world: int = Field(ge=1, description="Workers the checks ran on.")
     device: str
-    strategy: str = Field(description="The job's strategy at this world size.")
+    strategy: str = Field(
+        description="The job's layout at this world size, as people read it (ParallelDims.name: "
+        "fsdp, pp 2 x fsdp 2)."
+    )
     elapsed_s: float = Field(ge=0)
     checks: list[CheckResult]
     bandwidth: Bandwidth = Field(default_factory=Bandwidth)

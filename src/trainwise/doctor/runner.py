@@ -59,7 +59,7 @@ def run_doctor(cfg: JobConfig, run_dir: Path | None = None) -> DoctorRecord | No
         return None
     record = DoctorRecord(
         created=time.time(), run_dir=str(run_dir), world=env.world, device=job.device.name,
-        strategy=job.strategy, elapsed_s=time.perf_counter() - start, checks=results,
+        strategy=job.dims.name, elapsed_s=time.perf_counter() - start, checks=results,
         bandwidth=Bandwidth(
             intra_node_busbw_bytes_per_s=ctx.measured.get("intra_node_busbw_bytes_per_s"),
             inter_node_busbw_bytes_per_s=ctx.measured.get("inter_node_busbw_bytes_per_s"),

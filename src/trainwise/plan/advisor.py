@@ -68,7 +68,7 @@ def decide_auto(inputs: PlanInputs, allowed: Allowed) -> Decision:
     replica = replica_memory(w, world, device, inputs.grad_accum)
     budget = choice.plan.budget_bytes
     est = choice.plan.memory
-    name = dims.strategy + (" with cpu offload" if dims.cpu_offload else "")
+    name = dims.name + (" with cpu offload" if dims.cpu_offload else "")
     room = f"{fmt_bytes(budget)} usable of {fmt_bytes(inputs.hardware.memory_bytes)} per worker"
     fits = "which fits in" if replica.total <= budget else "more than the"
     need = f"one replica needs {fmt_bytes(replica.total)} ({describe(replica)}), {fits} {room}"

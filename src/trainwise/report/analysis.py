@@ -53,7 +53,7 @@ class Headline:
     path: str  # the run directory as typed in a command (rundir.typed_path)
     model: str
     params: int | None
-    strategy: str
+    layout: str  # as people read it (ParallelDims.name): pp 2 x fsdp 2
     reason: str
     world: int
     nodes: int
@@ -199,7 +199,8 @@ def headline(run: RunFiles) -> Headline:
         params=job.get("params"),
         trainable_params=job.get("trainable_params"),
         total_params=job.get("total_params"),
-        strategy=str(job.get("strategy", "?")),
+        # Runs from before job.json had layout_name: the shortcut they recorded.
+        layout=str(job.get("layout_name") or job.get("strategy", "?")),
         reason=str(job.get("reason", "")),
         world=world,
         nodes=int(nodes),

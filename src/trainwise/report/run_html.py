@@ -321,7 +321,7 @@ def _compare_figure(reports: list[RunReport]):
         for _, name in STAGES
     ]
     xs = stacked_bars(stages, parts, width=0.6)
-    stages.set_xticks(xs, [f"{r.headline.strategy} x{r.headline.world}" for r in reports])
+    stages.set_xticks(xs, [f"{r.headline.layout} x{r.headline.world}" for r in reports])
     stages.set_title("seconds per steady step", loc="left", fontsize=NOTE_SIZE + 1,
                      fontweight="bold")
     stages.legend(fontsize=NOTE_SIZE - 1, frameon=False)

@@ -51,7 +51,7 @@ def summary_rows(r: RunReport) -> Rows:
     return [
         ("run", h.run),
         ("model", f"{h.model}{params}, {h.precision}"),
-        ("strategy", f"{h.strategy} on {h.world} x {h.device}{machines}"),
+        ("strategy", f"{h.layout} on {h.world} x {h.device}{machines}"),
         ("why", h.reason),
         ("steps", f"{steps}{tokens}, wall {fmt_seconds(h.wall_s)} s"),
         *stops,
@@ -279,7 +279,7 @@ def compare_rows(reports: list[RunReport]) -> Rows:
         h = r.headline
         step = r.stages.measured_per_step
         rows.append((
-            h.run, h.strategy, str(h.world), fmt_seconds(sum(step.values())) + " s",
+            h.run, h.layout, str(h.world), fmt_seconds(sum(step.values())) + " s",
             f"{h.tokens_per_s or h.samples_per_s or 0:,.0f}",
             fmt_bytes(max(r.curves.mem_bytes, default=0)),
             f"{h.final_loss:.4f}", fmt_usd_exact(r.cost.total_usd), str(r.cost.failures),

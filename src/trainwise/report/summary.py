@@ -62,7 +62,7 @@ def render_summary(s: dict[str, Any]) -> str:
         f"  step time  {stages}",
         f"  run dir    {s.get('run_dir', MISSING)}",
     ]
-    if (s.get("tp") or 1) > 1:  # the shortcut above names only the data-parallel part
+    if (s.get("tp") or 1) > 1 or (s.get("pp") or 1) > 1:  # every degree, beside the name
         lines.insert(2, f"  layout     {s.get('layout', MISSING)}")
     if s.get("resumed_from") is not None:
         lines.insert(-1, f"  resumed    {s.get('resume', MISSING)}")

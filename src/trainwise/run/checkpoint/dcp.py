@@ -142,7 +142,7 @@ class Resumed:
         )
         return (
             f"resuming from step {self.step} ({self.path}, written by "
-            f"{self.trainer.get('world_size')} x {self.trainer.get('strategy')}; RNG "
+            f"{self.trainer.get('strategy')} on {self.trainer.get('world_size')} workers; RNG "
             f"{self.rng}{other}){skipped}"
         )
 

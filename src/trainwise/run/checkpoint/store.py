@@ -107,7 +107,7 @@ class Manifest(BaseModel):
     tokens: int
     world_size: int
     dp_size: int
-    strategy: str
+    strategy: str  # the writer's layout as people read it (ParallelDims.name: pp 2 x fsdp 2)
     config_hash: str
     lineage: str | None = None  # config.lineage: None in checkpoints of earlier releases
     trainwise_version: str

@@ -212,7 +212,7 @@ def build_checkpointer(
         ),
         {"scheduler": trainer.scheduler, "scaler": trainer.scaler},
         meta={
-            "strategy": job.strategy, "dp_size": trainer.dp_size, "model": c.model.name,
+            "strategy": job.dims.name, "dp_size": trainer.dp_size, "model": c.model.name,
             "model_spec": asdict(job.model_spec), "config_hash": job_hash(c),
             "lineage": lineage_keys(c, job.global_batch, job.base_weights),
         },

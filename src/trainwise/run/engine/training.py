@@ -376,6 +376,7 @@ class Training:
             "strategy": job.strategy,
             "layout": job.dims.describe(),
             "tp": job.dims.tp,
+            "pp": job.dims.pp,
             "cpu_offload": job.cpu_offload,
             "reason": job.decision.reason,
             "world": env.world,

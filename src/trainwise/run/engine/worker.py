@@ -137,10 +137,10 @@ def agree_run_dir(
     env: DistEnv, cfg: JobConfig, job: Job, run_dir: Path | None, label: str | None = None
 ) -> Path:
     """Rank 0 names the run directory (timestamps differ between processes; `label` ends
-    the default name, the strategy by default) and writes the resolved config; every rank
+    the default name, the layout's name by default) and writes the resolved config; every rank
     gets the same path."""
     if run_dir is None:
-        default = default_run_dir(cfg, label or job.strategy)
+        default = default_run_dir(cfg, label or job.dims.name)
         chosen = Path(cfg.logging.run_dir) if cfg.logging.run_dir else default
         box = [str(chosen)]
         if dist.is_initialized():

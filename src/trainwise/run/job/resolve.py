@@ -91,7 +91,9 @@ class Job:
 
     @property
     def strategy(self) -> str:
-        """The layout's shortcut (single, ddp, fsdp, hsdp): for people, not for decisions."""
+        """The data-parallel part's shortcut (single, ddp, fsdp, hsdp), as job.json and
+        the checkpoints' manifests record it; not for decisions. People read
+        `dims.name`, which says pp and tp too."""
         return self.dims.strategy
 
     @property
@@ -145,6 +147,7 @@ class Job:
             backend=self.backend,
             strategy=self.strategy,
             layout=self.dims.describe(),
+            layout_name=self.dims.name,
             plan_name=self.dims.plan_name,
             requested_strategy=self.cfg.parallel.strategy,
             cpu_offload=self.cpu_offload,
@@ -634,6 +637,18 @@ def elastic_accum(c: JobConfig, world: int, local: int) -> tuple[int, str | None
     return (accum * full // world if world < full and world % local == 0 else accum), None
 
 
+def set_by(strategy: str, offload: bool, dims: ParallelDims) -> str:
+    """A layout the job set, as its reason starts: `ddp (set by parallel.strategy)`; with
+    stages or tensor parallelism the layout's name and every key that made it, `pp 2 (set by
+    parallel.strategy = 'ddp', parallel.pp = 2)` (pp 2 on 2 workers leaves no ddp)."""
+    how = " with cpu offload" if offload else ""
+    if dims.pp == 1 and dims.tp == 1:
+        return f"{strategy}{how} (set by parallel.strategy)"
+    keys = [f"parallel.strategy = '{strategy}'"]
+    keys += [f"parallel.{k} = {v}" for k, v in (("pp", dims.pp), ("tp", dims.tp)) if v > 1]
+    return f"{dims.name}{how} (set by {', '.join(keys)})"
+
+
 def decide(
     w: Workload,
     request: LayoutRequest,
@@ -663,9 +678,8 @@ def decide(
             f"({describe(est)}) but a device has {fmt_bytes(device_bytes)}: use 'auto', "
             "'fsdp', parallel.cpu_offload = true, or a smaller data.micro_batch"
         )
-    how = " with cpu offload" if offload else ""
     reason = (
-        f"{strategy}{how} (set by parallel.strategy): {fmt_bytes(est.total)} per worker "
+        f"{set_by(strategy, offload, dims)}: {fmt_bytes(est.total)} per worker "
         f"({describe(est)}); one replica would need {fmt_bytes(replica.total)}."
     )
     return Decision(

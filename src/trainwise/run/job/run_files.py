@@ -14,10 +14,12 @@ from trainwise.errors import ConfigError
 from trainwise.run.job.resolve import Job, job_plan
 
 
-def default_run_dir(cfg: JobConfig, strategy: str) -> Path:
+def default_run_dir(cfg: JobConfig, label: str) -> Path:
+    """runs/STAMP-MODEL-LABEL, the label without spaces (`pp 2 x fsdp 2`: pp2-fsdp2)."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     model = cfg.model.name.replace(":", "-").replace("/", "-").replace(".", "-")[-40:]
-    return Path("runs") / f"{stamp}-{model}-{strategy}"
+    label = label.replace(" x ", "-").replace(" ", "")
+    return Path("runs") / f"{stamp}-{model}-{label}"
 
 
 def write_whole(path: Path, text: str) -> None:

@@ -38,7 +38,7 @@ def start_job(
     """Check the job against this machine (every check before any worker starts), write
     its run files, then run it: `target(cfg, run_dir)` in this process for one worker on
     one machine, else `python -m MODULE RUN_DIR` workers under the elastic agent. The run
-    directory's default name ends with `label` (default: the strategy); it is returned."""
+    directory's default name ends with `label` (default: the layout's name); it is returned."""
     from trainwise.hardware import detect_device
     from trainwise.hardware.detect import usable_cores
     from trainwise.jsonl import cut_torn_files
@@ -59,7 +59,7 @@ def start_job(
     # Planned at the most machines of the range.
     job = prepare_job(cfg, nproc * nodes, device, nproc)
     check_data(cfg)  # once, here: every worker would meet a bad corpus
-    default = default_run_dir(cfg, label or job.strategy)
+    default = default_run_dir(cfg, label or job.dims.name)
     run_dir = Path(cfg.logging.run_dir) if cfg.logging.run_dir else default
     with hold_run_dir(run_dir, job_identity(cfg)):
         try:
