@@ -21,7 +21,9 @@ from helpers import QUIET, cli_env, run_cli, tiny_llama, worker_failure
 
 transformers = pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.dist
+# Its fixtures launch in series (the `trained` one: a prepare, 4 trains and 4 exports, 168 s
+# on CI's loaded 2-core machine): the suite's 300 s per test would leave under 2x.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 RUNS = ("ddp:transformers", "ddp:trainwise", "fsdp:transformers", "fsdp:trainwise")
 WORKER = Path(__file__).with_name("pretrained_worker.py")

@@ -15,15 +15,22 @@ from helpers import run_cli
 
 pytestmark = pytest.mark.dist
 
+# The job's collective timeout, which the hang is detected by. It also bounds how far apart
+# the two workers may reach their first collectives (gloo's connect at start-up gives up
+# after it): their imports alone take about 3 s of CPU each, so at 5 s one worker a few times
+# slower than the other on a loaded machine failed the start-up instead of step 6. 20 s
+# allows one worker 7x slower; the price is 15 s more of waiting for the hung rank.
+TIMEOUT_S = 20
+
 
 def test_a_hung_rank_is_named_and_the_group_restarts(workdir: Path, reference: References):
     run_dir = workdir / "run"
-    args = job_args(run_dir, 2, "ddp", "--set", "parallel.timeout_s=5")
+    args = job_args(run_dir, 2, "ddp", "--set", f"parallel.timeout_s={TIMEOUT_S}")
     rc, _, err = finish(start(args, workdir, faults="hang@step=6,rank=1,seconds=300"))
     assert rc == 0, err
 
     line = next(x for x in err.splitlines() if "step 6: rank 0 waited" in x)
-    assert "more than 5 s (parallel.timeout_s) in forward/backward" in line
+    assert f"more than {TIMEOUT_S} s (parallel.timeout_s) in forward/backward" in line
     assert "(gradient sync)" in line and "rank 1 did not respond" in line
     assert "Traceback" not in err
 
@@ -43,7 +50,8 @@ def test_a_hung_rank_is_named_and_the_group_restarts(workdir: Path, reference: R
     # The hung rank, stopped by the agent, wrote where its watchdog found it stuck: in the
     # fault's sleep before the step's collectives.
     stuck = (run_dir / "hang" / "rank-1.txt").read_text()
-    taken = stuck.split("Every thread when the step had run 5 s:")[1].split("The failed")[0]
+    taken = stuck.split(f"Every thread when the step had run {TIMEOUT_S} s:")[1]
+    taken = taken.split("The failed")[0]
     assert "in _wait" in taken and "in before_step" in taken
     made = run_cli("report", str(run_dir), "--format", "json", cwd=workdir)
     assert made.returncode == 0, made.stderr
