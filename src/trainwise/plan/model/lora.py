@@ -176,16 +176,18 @@ def adapter_activation_bytes(
 
 
 def first_block_bytes(
-    shape: GPTShape, lora: LoraPlan, norm_own: float, norm_bytes: int, device: str
+    shape: GPTShape, lora: LoraPlan, norm_own: float, norm_bytes: int, device: str,
+    split: int = 1,
 ) -> float:
     """Bytes per token that the first block does not keep under LoRA: with the embeddings
     frozen its input needs no gradient, so its attention norm (frozen too) saves nothing
     of its own (`norm_own`: what a norm keeps besides its readers' inputs), nor do the
     dropout masks of q, k, v (a product saves the noise only for its input's gradient;
-    `norm_bytes`: the norm output's element size)."""
+    `norm_bytes`: the norm output's element size; `split`: sequence parallelism's degree,
+    which splits the norms)."""
     if lora.train_embeddings:
         return 0.0
-    freed = norm_own - frozen_norm_bytes(shape, device) / 2
+    freed = norm_own - frozen_norm_bytes(shape, device) / 2 / split
     if lora.dropout > 0:
         patterns = lora.targets or DEFAULT_TARGETS
         adapted = [n for n in norm_readers(shape)["attn"] if lora_target_matches(f"blocks.0.{n}", patterns)]
@@ -193,15 +195,18 @@ def first_block_bytes(
     return freed
 
 
-def head_input_bytes(shape: GPTShape, lora: LoraPlan, element: int, device: str) -> float:
+def head_input_bytes(
+    shape: GPTShape, lora: LoraPlan, element: int, device: str, split: int = 1
+) -> float:
     """Bytes per token that a frozen head does not keep: its matmul's input (the final
-    norm's output) and the final norm's part for its frozen weight; 0 when the head trains
+    norm's output, whole under tensor parallelism) and the final norm's part for its
+    frozen weight (split over `split` sequence-parallel ranks); 0 when the head trains
     (train_head, or tied with train_embeddings) or carries an adapter."""
     if trained_matmul_params(shape, lora) or (
         not shape.tie_embeddings and lora_target_matches(HEAD, lora.targets or DEFAULT_TARGETS)
     ):
         return 0.0
-    return element * shape.d_model + frozen_norm_bytes(shape, device) / 2
+    return element * shape.d_model + frozen_norm_bytes(shape, device) / 2 / split
 
 
 def _targeted_in_blocks(shape: GPTShape, lora: LoraPlan, tp: int) -> list[tuple[str, int]]:

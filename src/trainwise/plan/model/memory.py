@@ -24,7 +24,8 @@ LoRA (plan.model.lora, `Workload.lora`): the frozen base is held in the compute 
 gradients, optimizer state, autocast's copies, DDP's buckets and the optimizer's
 temporaries are the trainable parameters' (the adapters, and the embeddings or head when
 they train); FSDP gathers a block with its adapters and has only their gradients in
-flight; the activations change by what plan.model.lora.adapter_activation_bytes counts.
+flight; the activations change by what plan.model.lora counts (adapter_activation_bytes,
+first_block_bytes, head_input_bytes: _lora_activations below).
 
 Activations: what autograd saves per token and layer, counted tensor by tensor for
 trainwise's GPT block (activation_bytes_per_token below), in the manner of Korthikanti et
@@ -276,8 +277,8 @@ def _lora_activations(
     norm_bytes = MASTER_BYTES if casting and lora.train_embeddings else e
     layer = adapter_activation_bytes(shape, lora, e, tp, casting, device, norm_bytes)
     layer -= frozen_norm_bytes(shape, device) / split
-    first = first_block_bytes(shape, lora, per["norm_own"], norm_bytes, device)
-    head = head_input_bytes(shape, lora, e, device) if w.head else 0.0
+    first = first_block_bytes(shape, lora, per["norm_own"], norm_bytes, device, split)
+    head = head_input_bytes(shape, lora, e, device, split) if w.head else 0.0
     return {**per, "layer": per["layer"] + layer, "head": per["head"] - head}, first
 
 
