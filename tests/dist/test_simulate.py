@@ -21,8 +21,8 @@ from trainwise.doctor.simulate import simulate_layout, simulate_plan, simulate_s
 from trainwise.models.shapes import PRESETS
 from trainwise.plan.constraints import user_allowed
 from trainwise.plan.estimate import Setup
-from trainwise.plan.model.lora import LoraPlan
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
+from trainwise.plan.model.lora import LoraPlan
 from trainwise.plan.model.memory import Workload, estimate_memory
 from trainwise.plan.model.pipeline import worst_stage
 from trainwise.plan.search import recommend
@@ -43,9 +43,22 @@ BF16 = ("small", "fsdp-full", 8, "bf16")
 # Tensor parallelism (sequence parallel, loss parallel): tp 2 alone, dp_shard 2 x tp 2.
 TP_LAYOUTS = {"tp2": ParallelDims(tp=2), "dp_shard2 x tp2": ParallelDims(1, 2, 2, fsdp=True)}
 TP_CASES = [(preset, layout) for preset in ("tiny", "small") for layout in TP_LAYOUTS]
-# LoRA (rank 8 on every Linear of a block): the issue's bar is 5 %.
-LORA = LoraPlan(rank=8)
-LORA_CASES = [("lora", "small", "single"), ("lora", "small", "dp_shard2 x tp2")]
+# LoRA (rank 8 on every Linear of a block): the issue's bar is 5 %. (preset, layout,
+# precision, dropout): fp32; bf16 autocast (the 16-bit residual stream of frozen embeddings,
+# each adapter's own cast); tp with dropout (CPU dropout's noise, the freed inputs); the
+# tiny GPT-2-style model under grad_op (a frozen head's and first norm's saved inputs).
+LORA_CASES = [
+    ("lora", "small", "single", "fp32", 0.0),
+    ("lora", "small", "single", "bf16", 0.0),
+    ("lora", "small", "dp_shard2 x tp2", "fp32", 0.0),
+    ("lora", "small", "dp_shard2 x tp2", "fp32", 0.1),
+    ("lora", "tiny", "fsdp-grad-op", "fp32", 0.0),
+]
+
+
+def lora_dims(layout: str) -> ParallelDims:
+    """The layout of a LoRA case (a named strategy on two ranks, or a TP layout)."""
+    return TP_LAYOUTS.get(layout) or ParallelDims.from_plan_name(layout, 2, 2)
 
 
 def workload(preset: str, precision: str = "fp32", micro_batch: int = 4) -> Workload:
@@ -72,9 +85,9 @@ def tp_formula(preset: str, layout: str):
 
 def _simulate(case: tuple) -> object:
     if case[0] == "lora":
-        _, preset, layout = case
-        dims = TP_LAYOUTS.get(layout) or ParallelDims.from_plan_name(layout, 1, 1)
-        return simulate_layout(PRESETS[preset], dims, "fp32", 4, SEQ[preset], lora=LORA)
+        _, preset, layout, precision, dropout = case
+        lora = LoraPlan(rank=8, dropout=dropout)
+        return simulate_layout(PRESETS[preset], lora_dims(layout), precision, 4, SEQ[preset], lora=lora)
     if case[1] in TP_LAYOUTS:
         preset, layout = case
         return simulate_layout(PRESETS[preset], TP_LAYOUTS[layout], "fp32", 4, SEQ[preset])
@@ -118,17 +131,18 @@ def test_tp_formula_within_10_percent_of_the_simulated_peak(simulations, preset,
 
 @pytest.mark.parametrize("case", LORA_CASES)
 def test_lora_formula_within_5_percent_of_the_simulated_peak(simulations, case):
-    _, preset, layout = case
+    _, preset, layout, precision, dropout = case
     sim = simulations[case]
-    dims = TP_LAYOUTS.get(layout) or ParallelDims()
-    w = replace(workload(preset), lora=LORA)
+    dims = lora_dims(layout)
+    w = replace(workload(preset, precision), lora=LoraPlan(rank=8, dropout=dropout))
     est = estimate_memory(w, Setup.of(dims, w), "cpu")
     assert est.total == pytest.approx(sim.peak_bytes, rel=0.05)
-    # The frozen base at 4 bytes (fp32) and the adapters; only the adapters' AdamW state.
+    # The frozen base in the compute dtype and the adapters; only the adapters' AdamW state.
     assert est.params == pytest.approx(sim.parts["params"], rel=0.02)
     assert est.optimizer == pytest.approx(sim.parts["optimizer"], rel=0.02)
-    # (A full fine-tune's AdamW state is twice its fp32 parameters.)
-    assert sim.parts["optimizer"] < 0.2 * sim.parts["params"]
+    # (A full fine-tune's AdamW state is twice its fp32 parameters; rank 8 on tiny's
+    # 64-wide layers is a quarter of its parameters, on small's a twelfth.)
+    assert sim.parts["optimizer"] < 0.3 * sim.parts["params"]
 
 
 def test_bf16_mixed_precision_within_10_percent(simulations):

@@ -20,7 +20,11 @@ from trainwise.plan.model.flops import flops_per_token, recompute_factor
 from trainwise.plan.model.lora import (
     DEFAULT_TARGETS,
     LoraPlan,
+    adapter_activation_bytes,
     adapter_params,
+    dropout_mask_bytes,
+    first_block_bytes,
+    head_input_bytes,
     param_counts,
     rank_split,
 )
@@ -122,6 +126,33 @@ def test_lora_memory_parts_by_hand():
     assert toy_memory(ParallelDims(dp_replicate=2), "fp32", lora=None).buffers == 1864 * 4
     # fp32: the frozen base stays 4 bytes: 1864 x 4 + 576 x 4 = 9760.
     assert toy_memory(ParallelDims(), precision="fp32").params == 9760
+
+
+def test_lora_activation_terms_by_hand():
+    # Per token and block, bf16 (2 bytes), TOY (h 8, f 32): lora_B keeps lora_A's 2-wide
+    # output for q, k, v, out, up, down: 6 x 2 x 2 = 24.
+    assert adapter_activation_bytes(TOY, R2, 2) == 24
+    # Dropout 0.1 on CUDA (a byte of mask): each adapter keeps its dropped input and mask,
+    # (2 + 1) x (8 x 5 + 32) = 216; out's and down's inputs are kept by nobody now
+    # (-2 x 40); nor are the two norm outputs, read only by adapted layers (-2 x 2 x 8).
+    drop = LoraPlan(2, dropout=0.1)
+    assert adapter_activation_bytes(TOY, drop, 2, device="cuda") == 24 + 216 - 80 - 32
+    # CPU's dropout keeps the noise in its input's dtype: (2 + 2) x 72 = 288.
+    assert adapter_activation_bytes(TOY, drop, 2, device="cpu") == 24 + 288 - 80 - 32
+    assert (dropout_mask_bytes("cuda", 4), dropout_mask_bytes("cpu", 2)) == (1, 2)
+    # Under autocast with fp32 norm outputs each adapted reader drops its own bf16 cast:
+    # q, k, v, up (2 + 4 - 2) x 8 = 32 each, out (2 + 2 - 2) x 8 = 16, down 2 x 32 = 64.
+    autocast = adapter_activation_bytes(TOY, drop, 2, autocast=True, device="cpu", norm_bytes=4)
+    assert autocast == 24 + 4 * 32 + 16 + 64
+    # A frozen untied head keeps no input (2 x 8); an adapted or trained one does.
+    assert head_input_bytes(TOY, R2, 2, "cuda") == 16
+    assert head_input_bytes(TOY, LoraPlan(2, train_head=True), 2, "cuda") == 0
+    assert head_input_bytes(TOY, LoraPlan(2, targets=("q_proj", "lm_head")), 2, "cuda") == 0
+    # The first block's frozen layernorm saves nothing of its own (here 32), nor with
+    # dropout q, k and v their masks (3 x 8 bytes); unless the embeddings train.
+    assert first_block_bytes(TOY, R2, 32, 2, "cuda") == 32
+    assert first_block_bytes(TOY, drop, 32, 2, "cuda") == 32 + 24
+    assert first_block_bytes(TOY, LoraPlan(2, train_embeddings=True), 32, 2, "cuda") == 0
 
 
 def test_tp_splits_adapters_like_their_base():

@@ -121,10 +121,10 @@ def test_precision_changes_compute_copies_not_master_states():
     assert memory_of(bf16, "single", 1).states == memory_of(W, "single", 1).states
     # Autocast keeps a bf16 copy of every weight it cast (1920 x 2 = 3840) through backward:
     # SHAPE in bf16 peaks in the head's backward with params 7680 + AdamW 15360 +
-    # activations 6912 (below) + the copies.
+    # activations 7424 (below) + the copies.
     single = memory_of(_gpt_workload(precision="bf16"), "single", 1)
     assert (single.phase, single.buffers, single.grads) == ("head backward", 3840, 0)
-    assert single.total == 7680 + 15360 + 6912 + 3840
+    assert single.total == 7680 + 15360 + 7424 + 3840
     # FSDP: gathered bf16 params 1000x2 + unsharded bf16 grads 1000x2 + their fp32 copy for
     # the fp32 reduce-scatter 1000x4 = 8000; with a bf16 reduce, no copy: 4000.
     assert memory_of(bf16, "fsdp", 4).buffers == 8000
@@ -218,11 +218,13 @@ def test_activation_bytes_per_token_by_hand_fp32():
     # Working set of a block's backward: 2x4x32 + 4x8 = 288.
     # The parts tensor parallelism alone keeps whole: the two norms 2 x 64 = 128, the
     # head's norm 64, the residual 32; what sequence parallelism all-gathers: a norm's
-    # output 4x8 = 32; one loss tensor 4x16 = 64.
+    # output 4x8 = 32; one loss tensor 4x16 = 64; what a norm keeps of its own (its input)
+    # 32.
     per = activation_bytes_per_token(SHAPE, "fp32", autocast=False)
     assert per == {
         "layer": 552, "block_input": 32, "head": 256, "working_set": 288,
         "norms": 128, "head_norm": 64, "residual": 32, "gathered": 32, "loss": 64,
+        "norm_own": 32,
     }
 
 
@@ -239,9 +241,10 @@ def test_activation_bytes_by_hand_bf16():
     # 32+128 = 160, head 32 + 3x2x16 = 128, working set 128 + 16 = 144:
     # 8 x (2x280 + 144) = 5632.
     assert activation_bytes(_gpt_workload(precision="bf16")) == 5632
-    # Autocast keeps the residual stream, the norms and the loss in fp32: attention
-    # 48+48+16+8+16 = 136, MLP 48+128 = 176, head 48 + 3x4x16 = 240 -> 8 x (2x312 + 240).
-    assert activation_bytes(_gpt_workload(precision="bf16"), autocast=True) == 6912
+    # Autocast keeps the residual stream, the norms and the loss in fp32, and each linear
+    # its own bf16 cast of a norm's output (q, k and v three): attention 32+3x16+48+16+8+16
+    # = 168, MLP 32+16+128 = 176, head 48 + 3x4x16 = 240 -> 8 x (2x344 + 240) = 7424.
+    assert activation_bytes(_gpt_workload(precision="bf16"), autocast=True) == 8 * (2 * (168 + 176) + 240)
 
 
 def test_gpt_block_matches_korthikanti_without_scores_and_dropout():

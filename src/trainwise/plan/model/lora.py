@@ -128,32 +128,105 @@ def lora_of(rank: int, targets: list[str] | None, dropout: float, train_embeddin
                     train_head)
 
 
-def adapter_activation_bytes(shape: GPTShape, lora: LoraPlan, element: int, tp: int = 1) -> float:
-    """Bytes per token and block that the adapters change in what autograd keeps: lora_B
-    saves lora_A's r-wide output. Without dropout lora_A saves the very input the base
-    layer saved in a full fine-tune (a frozen Linear keeps no input: it computes no
-    weight gradient), so nothing else changes. With dropout each adapter keeps its mask
-    (a byte) and its dropped input (`element` bytes) per input feature, and a norm's
-    output that only adapted layers read (the attention's q, k, v; the MLP's up and
-    gate) is kept by none of them any more. Measured with `trainwise plan --simulate`
-    (small, rank 8, dropout 0.1): fsdp bf16 +2.3 %, fsdp fp32 -2.8 %; dp_shard 2 x tp 2
-    -7.9 % (TP with dropout keeps more than this counts)."""
-    found = targeted(shape, lora, tp)
-    saved = sum(element * lora.rank for _ in found)
+# The Linears of a block that read each norm's output (models.gpt: q, k, v after the
+# attention's norm; gate and up, or up alone, after the MLP's); out_proj and down read
+# activations no other layer reads.
+def norm_readers(shape: GPTShape) -> dict[str, tuple[str, ...]]:
+    """The Linears that read each of a block's two norm outputs, by block_linears' names."""
+    mlp = ("mlp.gate", "mlp.up") if shape.mlp == "swiglu" else ("mlp.up",)
+    return {"attn": ("attn.q_proj", "attn.k_proj", "attn.v_proj"), "mlp": mlp}
+
+
+def dropout_mask_bytes(device: str, input_bytes: int) -> int:
+    """Bytes per element that nn.Dropout keeps for backward: CUDA's fused kernel
+    (aten native_dropout) a bool mask; elsewhere ATen's dropout is input * noise
+    (is_fused_kernel_acceptable is CUDA-only) and the product saves the noise, in the
+    input's dtype."""
+    return 1 if device == "cuda" else input_bytes
+
+
+def adapter_activation_bytes(
+    shape: GPTShape, lora: LoraPlan, element: int, tp: int = 1, autocast: bool = False,
+    device: str = "cuda", norm_bytes: int | None = None,
+) -> float:
+    """Bytes per token and block that the adapters change in what autograd keeps, on one
+    of `tp` ranks (`autocast`: single/DDP in 16 bits, where every Linear casts its input
+    itself; `norm_bytes`: a norm output's element, default `element`).
+    lora_B saves lora_A's r-wide output. A frozen Linear keeps no input (autograd saves a
+    matmul input only for its weight's gradient); without dropout lora_A keeps the very
+    tensor the base layer kept in a full fine-tune, so nothing else changes. With dropout
+    each adapter keeps its dropped input (`element` bytes: lora_A's, or under autocast its
+    16-bit cast) and dropout's mask (dropout_mask_bytes, in its input's dtype), and the
+    undropped input is kept by no Linear any more: out_proj's and down's
+    own inputs, each adapted reader's 16-bit cast of a norm output under autocast, else a
+    norm output that only adapted Linears read. Checked per saved tensor against
+    `trainwise plan --simulate` (small, rank 8, dropout 0.1)."""
+    named = _targeted_in_blocks(shape, lora, tp)
+    saved = sum(element * lora.rank for _ in targeted(shape, lora, tp))
     if lora.dropout > 0:
-        saved += sum((element + 1) * inp for _, inp in found)
-        if tp == 1:  # under TP the linears read an all-gathered copy, kept either way
+        readers = {n for names in norm_readers(shape).values() for n in names}
+        for name, inp in named:
+            mask = dropout_mask_bytes(device, (norm_bytes or element) if name in readers else element)
+            saved += (element + mask) * inp
+            if autocast or name not in readers:
+                saved -= element * inp  # its own input or cast, kept by nobody now
+        if not autocast:
             saved -= element * shape.d_model * shape.n_layer * _norm_outputs_released(shape, lora)
     return saved / shape.n_layer
+
+
+def first_block_bytes(
+    shape: GPTShape, lora: LoraPlan, norm_own: float, norm_bytes: int, device: str,
+    split: int = 1,
+) -> float:
+    """Bytes per token that the first block does not keep under LoRA: with the embeddings
+    frozen its input needs no gradient, so its attention norm (frozen too) saves nothing
+    of its own (`norm_own`: what a norm keeps besides its readers' inputs), nor do the
+    dropout masks of q, k, v (a product saves the noise only for its input's gradient;
+    `norm_bytes`: the norm output's element size; `split`: sequence parallelism's degree,
+    which splits the norms)."""
+    if lora.train_embeddings:
+        return 0.0
+    freed = norm_own - frozen_norm_bytes(shape, device) / 2 / split
+    if lora.dropout > 0:
+        patterns = lora.targets or DEFAULT_TARGETS
+        adapted = [n for n in norm_readers(shape)["attn"] if lora_target_matches(f"blocks.0.{n}", patterns)]
+        freed += len(adapted) * dropout_mask_bytes(device, norm_bytes) * shape.d_model
+    return freed
+
+
+def head_input_bytes(
+    shape: GPTShape, lora: LoraPlan, element: int, device: str, split: int = 1
+) -> float:
+    """Bytes per token that a frozen head does not keep: its matmul's input (the final
+    norm's output, whole under tensor parallelism) and the final norm's part for its
+    frozen weight (split over `split` sequence-parallel ranks); 0 when the head trains
+    (train_head, or tied with train_embeddings) or carries an adapter."""
+    if trained_matmul_params(shape, lora) or (
+        not shape.tie_embeddings and lora_target_matches(HEAD, lora.targets or DEFAULT_TARGETS)
+    ):
+        return 0.0
+    return element * shape.d_model + frozen_norm_bytes(shape, device) / 2 / split
+
+
+def _targeted_in_blocks(shape: GPTShape, lora: LoraPlan, tp: int) -> list[tuple[str, int]]:
+    """(name in the block, input width on one of `tp` ranks) of every adapted Linear of
+    every block."""
+    patterns = lora.targets or DEFAULT_TARGETS
+    return [
+        (name, inp)
+        for i in range(shape.n_layer)
+        for name, (_, inp) in block_linears(shape, tp).items()
+        if lora_target_matches(f"blocks.{i}.{name}", patterns)
+    ]
 
 
 def _norm_outputs_released(shape: GPTShape, lora: LoraPlan) -> int:
     """How many of a block's two norm outputs only adapted Linears read."""
     patterns = lora.targets or DEFAULT_TARGETS
-    readers = {"attn": ("attn.q_proj", "attn.k_proj", "attn.v_proj"),
-               "mlp": ("mlp.up", "mlp.gate") if shape.mlp == "swiglu" else ("mlp.up",)}
     return sum(
-        all(lora_target_matches(f"blocks.0.{name}", patterns) for name in names) for names in readers.values()
+        all(lora_target_matches(f"blocks.0.{name}", patterns) for name in names)
+        for names in norm_readers(shape).values()
     )
 
 

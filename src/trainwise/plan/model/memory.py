@@ -24,7 +24,8 @@ LoRA (plan.model.lora, `Workload.lora`): the frozen base is held in the compute 
 gradients, optimizer state, autocast's copies, DDP's buckets and the optimizer's
 temporaries are the trainable parameters' (the adapters, and the embeddings or head when
 they train); FSDP gathers a block with its adapters and has only their gradients in
-flight; the activations change by what plan.model.lora.adapter_activation_bytes counts.
+flight; the activations change by what plan.model.lora counts (adapter_activation_bytes,
+first_block_bytes, head_input_bytes: _lora_activations below).
 
 Activations: what autograd saves per token and layer, counted tensor by tensor for
 trainwise's GPT block (activation_bytes_per_token below), in the manner of Korthikanti et
@@ -45,7 +46,10 @@ from trainwise.plan.model.lora import (
     LoraPlan,
     adapter_activation_bytes,
     adapter_params,
+    first_block_bytes,
     frozen_norm_bytes,
+    head_input_bytes,
+    norm_readers,
     rank_split,
 )
 from trainwise.plan.model.precision import BYTES, MASTER_BYTES, OPTIMIZER_STATE_BYTES
@@ -134,7 +138,8 @@ class MemoryEstimate:
 
 
 def activation_bytes_per_token(
-    shape: GPTShape, precision: str, autocast: bool, device: str = "cuda", loss: str = "standard"
+    shape: GPTShape, precision: str, autocast: bool, device: str = "cuda", loss: str = "standard",
+    frozen_embeddings: bool = False,
 ) -> dict:
     """Bytes per token that autograd keeps for one transformer block (`layer`), for a
     checkpointed block (`block_input`), for the head and its loss at the start of backward
@@ -142,21 +147,29 @@ def activation_bytes_per_token(
 
     `autocast` (single/ddp in 16-bit): the residual stream and the norms stay fp32 and each
     linear saves the 16-bit copy of its input; under FSDP mixed precision everything runs in
-    the 16-bit parameter dtype. Checked against PyTorch's memory tracker on fake tensors
+    the 16-bit parameter dtype. `frozen_embeddings` (LoRA): the embeddings are kept in the
+    16-bit compute dtype, so under autocast the residual stream is 16-bit too (the blocks'
+    outputs are autocast's). Checked against PyTorch's memory tracker on fake tensors
     (`trainwise plan --simulate`).
     """
     e = BYTES[precision]  # compute dtype
     low = precision != "fp32"
-    r = MASTER_BYTES if autocast and low else e  # residual stream and norms
+    r = MASTER_BYTES if autocast and low else e  # the norms' outputs
+    res = e if frozen_embeddings else r  # the residual stream, a norm's input
     h, f, v = shape.d_model, shape.d_ff, shape.vocab_size
     q = shape.n_head * shape.head_dim
     kv = shape.n_kv_head * shape.head_dim
-    # A norm saves its input; the linear after it saves its (16-bit) output.
-    norm = r * h + e * h
+    # A norm saves its input (`own`); the linears after it save its (16-bit) output: one
+    # tensor for all of them, but under autocast the output is fp32 and each linear keeps
+    # its own 16-bit cast (autocast caches casts of weights only: leaf tensors that
+    # require grad, autocast_mode.cpp cached_cast): three after the attention's norm.
+    own = res * h
     if device == "cpu" and shape.norm == "rmsnorm":
         # CPU runs RMSNorm as composite ops that also keep an fp32 upcast / normalised copy
         # and the per-token rstd (CUDA has a fused kernel); measured with --simulate.
-        norm += (6 * h + 4) if (low and not autocast) else (4 * h + 4)
+        own = r * h + ((6 * h + 4) if (low and not autocast) else (4 * h + 4))
+    casts = {k: len(v) if autocast and low else 1 for k, v in norm_readers(shape).items()}
+    norm = own + e * h  # the final norm's (the head reads it)
     # What SDPA keeps of q, k, v: rope multiplies by constant tables and GQA's repeat saves
     # nothing, so SDPA's own inputs are what stays: the projection outputs when neither
     # applies, the rotated q and k (and v's projection) with rope, q and the repeated k, v
@@ -168,10 +181,10 @@ def activation_bytes_per_token(
         qkv = q + 3 * kv
     else:
         qkv = q + 2 * kv
-    attn = norm + e * qkv + e * q + 4 * shape.n_head + e * q
+    attn = own + casts["attn"] * e * h + e * qkv + e * q + 4 * shape.n_head + e * q
     # MLP: gelu keeps its input and output (the down projection's input); swiglu keeps the
     # gate output, its silu, the up output and their product.
-    mlp = norm + e * f * (4 if shape.mlp == "swiglu" else 2)
+    mlp = own + casts["mlp"] * e * h + e * f * (4 if shape.mlp == "swiglu" else 2)
     # Head: the final norm; the loss (fp32 under autocast, the parameter dtype under FSDP
     # mixed precision) keeps its log-softmax, and backward starts with two more v-sized
     # gradients; the logits themselves are freed after the loss.
@@ -179,13 +192,14 @@ def activation_bytes_per_token(
     # A fused loss keeps only the 16-bit logits, which become their own gradient.
     head = norm + (e * v if loss == "fused" else 3 * loss_bytes * v)
     # The gradients of a block's intermediates while it runs backward.
-    working = e * f * (3 if shape.mlp == "swiglu" else 2) + r * h
+    working = e * f * (3 if shape.mlp == "swiglu" else 2) + res * h
     # What tensor parallelism splits otherwise (plan.tensor_parallel): the norm regions and
     # the residual, which TP alone leaves whole; the linears' inputs after the norms, which
     # sequence parallelism all-gathers (`gathered`, e·h a norm); one loss tensor (`loss`).
     return {
-        "layer": attn + mlp, "block_input": r * h, "head": head, "working_set": working,
-        "norms": 2 * norm, "head_norm": norm, "residual": r * h, "gathered": e * h,
+        "layer": attn + mlp, "block_input": res * h, "head": head, "working_set": working,
+        "norms": 2 * own + (casts["attn"] + casts["mlp"]) * e * h, "head_norm": norm,
+        "norm_own": own, "residual": res * h, "gathered": e * h,
         "loss": loss_bytes * v,
     }
 
@@ -228,15 +242,16 @@ def activation_profile(
     search asks for the same workload many times.)"""
     if w.shape is None:
         return None
-    per = activation_bytes_per_token(w.shape, w.precision, autocast, device, w.loss)
+    frozen_emb = w.lora is not None and not w.lora.train_embeddings
+    per = activation_bytes_per_token(w.shape, w.precision, autocast, device, w.loss, frozen_emb)
     per = activation_split(per, tp, sequence_parallel)
+    first = 0.0  # what the first block keeps less than the others
     if w.lora is not None:
-        split = tp if sequence_parallel else 1  # the norms' region, split over the sequence
-        extra = adapter_activation_bytes(w.shape, w.lora, BYTES[w.precision], tp)
-        extra -= frozen_norm_bytes(w.shape, device) / split
-        per = {**per, "layer": per["layer"] + extra}
+        per, first = _lora_activations(w, per, autocast, device, tp, sequence_parallel)
     ckpt = checkpointed_blocks(w.ac, w.shape.n_layer)
     kept = [per["block_input"] if i in ckpt else per["layer"] for i in range(w.shape.n_layer)]
+    if 0 not in ckpt:
+        kept[0] -= first
     block = sum(kept) + per["working_set"]
     for i in ckpt:
         block = max(block, sum(kept[:i]) + per["layer"] + per["working_set"])
@@ -252,6 +267,24 @@ def activation_profile(
         tokens * (sum(kept) + head + others), tokens * (block + others),
         tokens * (sum(kept[:-1]) + others),
     )
+
+
+def _lora_activations(
+    w: Workload, per: dict, autocast: bool, device: str, tp: int, sequence_parallel: bool
+) -> tuple[dict, float]:
+    """`per` (on one of `tp` ranks) as LoRA changes it (plan.model.lora), and what the
+    first block keeps less than the others."""
+    shape, lora, e = w.shape, w.lora, BYTES[w.precision]
+    casting = autocast and w.precision != "fp32"  # 16-bit casts of fp32 norm outputs
+    split = tp if sequence_parallel else 1  # the norms' region, split over the sequence
+    # A norm's output is in the residual stream's dtype: fp32 under autocast unless the
+    # embeddings are LoRA's frozen 16-bit ones (activation_bytes_per_token).
+    norm_bytes = MASTER_BYTES if casting and lora.train_embeddings else e
+    layer = adapter_activation_bytes(shape, lora, e, tp, casting, device, norm_bytes)
+    layer -= frozen_norm_bytes(shape, device) / split
+    first = first_block_bytes(shape, lora, per["norm_own"], norm_bytes, device, split)
+    head = head_input_bytes(shape, lora, e, device, split) if w.head else 0.0
+    return {**per, "layer": per["layer"] + layer, "head": per["head"] - head}, first
 
 
 def activation_bytes(w: Workload, autocast: bool = False, device: str = "cuda") -> float | None:
