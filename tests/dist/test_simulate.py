@@ -27,6 +27,10 @@ from trainwise.plan.model.memory import Workload, estimate_memory
 from trainwise.plan.model.pipeline import worst_stage
 from trainwise.plan.search import recommend
 
+# The module fixture simulates every case at once: about 3 minutes on a loaded 2-core
+# machine, near the suite's default 300 s a test.
+pytestmark = pytest.mark.timeout(600)
+
 SEQ = {"tiny": 128, "small": 256}
 CASES = [
     (preset, strategy, world)
