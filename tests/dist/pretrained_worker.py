@@ -17,9 +17,9 @@ from torch.distributed.tensor import DTensor
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models import ModelSpec, build_model
-from trainwise.run.job.distributed import destroy_process_group
 from trainwise.run.engine.materialize import allocate
 from trainwise.run.engine.parallelize import parallelize
+from trainwise.run.job.distributed import destroy_process_group
 
 CPU = torch.device("cpu")
 

@@ -3,7 +3,7 @@ one launch) on a pretrained Hugging Face Llama: the adapters laid out like their
 (colwise: lora_B split by rows, lora_A whole; rowwise: lora_A split by columns, lora_B
 whole, the partial sums reduced with the base's) train the losses of one process; step 0's
 logits are the base model's (transformers'); no frozen shard changes; only rank 0 reads
-the base to identify it.
+the base to identify it."""
 
 from __future__ import annotations
 

@@ -160,8 +160,8 @@ def _llama(name: str) -> str:
 
 @pytest.mark.parametrize("name", list(TRAINED))
 def test_export_loads_in_transformers_with_the_trained_logits(trained, name):
-    from trainwise.models import ModelSpec, build_model
     from trainwise.export.weights import load_model_state, resolve_checkpoint
+    from trainwise.models import ModelSpec, build_model
 
     run, impl, llama = trained[name], TRAINED[name][0], _llama(name)
     root = run.parent
