@@ -42,6 +42,7 @@ are world/pp ranks apart: across the network once a stage fills a machine.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -88,8 +89,10 @@ def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
     """Micro-batches of the rank's blocks whose activations it holds at its peak."""
     if schedule == "GPipe":
         held = float(m)
-    elif schedule in ("1F1B", "ZBVZeroBubble"):
-        held = float(p - rank if schedule == "1F1B" else p)
+    elif schedule == "1F1B":
+        held = float(p - rank)
+    elif schedule in ZERO_BUBBLE:
+        return _weighted((1,) * v, zb_held(schedule, p, v, m, rank))
     else:  # interleaved: Megatron-LM's warm-up, in stage micro-batches of 1/v the blocks
         held = (2 * (p - rank - 1) + (v - 1) * round_size(p, m) + 1) / v
     return min(held, float(m))
@@ -102,16 +105,83 @@ def round_size(p: int, m: int) -> int:
     return m // max(1, m // p)
 
 
-# The stage-by-stage accounting below, checked against torch's Interleaved1F1B op lists
-# (tests/unit/test_pipeline_plan.py). Not InterleavedZeroBubble: its deferred weight
-# gradients keep activations longer than that accounting, so it keeps the rank's average.
+# The stage-by-stage accounting below, checked against torch's op lists
+# (tests/unit/test_pipeline_plan.py): Interleaved1F1B's, and the zero-bubble schedules',
+# whose activations live until the weight-gradient pass W.
 INTERLEAVED = ("Interleaved1F1B",)
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+def zb_held(schedule: str, p: int, v: int, m: int, rank: int) -> tuple[float, ...]:
+    """Micro-batches each of the rank's stages (in order) holds at its first W, the
+    zero-bubble schedules' peak: a micro-batch's activations live from its forward F to its
+    weight-gradient pass W (torch's stage_backward_input keeps the graph for
+    stage_backward_weight: a Linear's W needs its input and its output's gradient)."""
+    if schedule == "ZBVZeroBubble":  # ScheduleZBVZeroBubble: 2(p - r) - 1 + r forwards of
+        return _zbv_moments(p, m, rank)[1][0]  # stage 0, then r + 1 of stage 1, its first W
+    return _zb_window(p, v, m, 0)[0]
+
+
+def _zb_forwards(p: int, v: int, m: int) -> int:
+    """Forwards an InterleavedZeroBubble rank has run at its first W, on every rank: torch's
+    warm-up (_get_warmup_ops, multiply_factor 1: (v - 1) N + p - 1 - r) and r + 1 steady
+    forwards, W lagging r backwards behind (num_1f1b_microbatches = rank)."""
+    return min(m * v, (v - 1) * round_size(p, m) + p)
+
+
+def _zb_window(p: int, v: int, m: int, s: int) -> tuple[tuple[float, ...], int]:
+    """The rank's stage micro-batches held, and its first stage with gradients, at its
+    W number s: forwards run stage by stage in rounds of N (forward_stage_index), Ws from
+    the last stage down (backward_stage_index); forwards run - Ws done, per stage."""
+    n = round_size(p, m)
+
+    def count(ops: int, stage: int) -> int:  # ops of `stage` among the first `ops`
+        rounds, rest = divmod(ops, v * n)
+        return rounds * n + min(max(rest - stage * n, 0), n)
+
+    forwards = min(m * v, _zb_forwards(p, v, m) + s)
+    held = tuple(float(count(forwards, j) - count(s, v - 1 - j)) for j in range(v))
+    first = v - 1 - min(v - 1, s // n)  # the stage of W number s has its gradients too
+    return held, first
+
+
+@lru_cache(maxsize=1024)
+def zb_moments(schedule: str, p: int, v: int, m: int, rank: int) -> tuple[tuple[tuple[float, ...], int], ...]:
+    """The moments a zero-bubble rank can peak at, as interleaved_moments: (micro-batches
+    each of its stages holds, the first of its stages that has gradients), none covered by
+    another. InterleavedZeroBubble: at each of its Ws (the same on every rank)."""
+    if schedule == "ZBVZeroBubble":
+        return _zbv_moments(p, m, rank)
+    return _frontier([_zb_window(p, v, m, s) for s in range(m * v)])
+
+
+def _zbv_moments(p: int, m: int, rank: int) -> tuple[tuple[tuple[float, ...], int], ...]:
+    """ScheduleZBVZeroBubble's rank r: its steady state holds 2p stage micro-batches,
+    (2p - r, r) after a forward of stage 0 or (2p - 1 - r, r + 1) at stage 1's W, both
+    stages with gradients; fewer micro-batches than 2p cap them (then an upper bound:
+    the first W, with only stage 1's gradients, counted with both's)."""
+    return tuple(
+        ((float(min(m, 2 * p - rank - k)), float(min(m, rank + k))), 0) for k in (0, 1)
+    )
+
+
+def _frontier(moments: list[tuple[tuple[float, ...], int]]) -> tuple[tuple[tuple[float, ...], int], ...]:
+    """The moments no other one covers (as many micro-batches on every stage, and the
+    gradients of as many stages)."""
+    unique = list(dict.fromkeys(moments))
+
+    def covers(a: tuple[tuple[float, ...], int], b: tuple[tuple[float, ...], int]) -> bool:
+        return a != b and a[1] <= b[1] and all(x >= y for x, y in zip(a[0], b[0], strict=True))
+
+    return tuple(x for x in unique if not any(covers(y, x) for y in unique))
 
 
 def chunk_held(schedule: str, p: int, v: int, m: int, rank: int) -> tuple[float, ...]:
     """Micro-batches each of the rank's v stages (in order) holds at its first backward:
     interleaved, the warm-up's in_flight x v stage micro-batches dealt out in rounds of
     round_size a stage (see the module's docstring); otherwise every stage in_flight."""
+    if schedule in ZERO_BUBBLE:
+        return zb_held(schedule, p, v, m, rank)
     held = in_flight(schedule, p, v, m, rank)
     if schedule not in INTERLEAVED or v == 1:
         return (held,) * v
@@ -254,13 +324,18 @@ def worst_stage(
 def stage_memory(
     w: Workload, stage: Stage, setup: Setup, device: str, runtime_bytes: float = 0.0
 ) -> MemoryEstimate:
-    """estimate_memory of one pipeline rank. Interleaved1F1B: the largest of its
-    interleaved_moments. Otherwise a rank that runs every forward before its first
+    """estimate_memory of one pipeline rank. Interleaved1F1B and the zero-bubble
+    schedules: the largest of its interleaved_moments or zb_moments. Otherwise a rank that runs every forward before its first
     backward (GPipe; 1F1B with no more micro-batches than the stages after it) holds all m
     micro-batches' activations before any gradient exists, and from the second backward
     on, which has the gradients, m - 1 at most."""
+    if setup.schedule in ZERO_BUBBLE:
+        p, v, m = setup.dims.pp, setup.virtual, setup.grad_accum
+        moments = zb_moments(setup.schedule, p, v, m, stage.rank)
+        return _moments_memory(w, stage, moments, setup, device, runtime_bytes)
     if len(stage.chunks) > 1 and setup.schedule in INTERLEAVED and setup.grad_accum > 1:
-        return _interleaved_memory(w, stage, setup, device, runtime_bytes)
+        moments = interleaved_moments(stage.held, setup.dims.pp, setup.grad_accum)
+        return _moments_memory(w, stage, moments, setup, device, runtime_bytes)
     est = estimate_memory(stage_workload(w, stage), setup, device, runtime_bytes)
     if stage.in_flight < setup.grad_accum or setup.grad_accum == 1:
         return est
@@ -283,22 +358,23 @@ def interleaved_moments(held: tuple[float, ...], p: int, m: int) -> list[tuple[t
     return [(held[: k + 1] + (0.0,) * (v - 1 - k), k) for k in range(v - 1, -1, -1)]
 
 
-def _interleaved_memory(
-    w: Workload, stage: Stage, setup: Setup, device: str, runtime_bytes: float
+def _moments_memory(
+    w: Workload, stage: Stage, moments: Iterable[tuple[tuple[float, ...], int]], setup: Setup,
+    device: str, runtime_bytes: float,
 ) -> MemoryEstimate:
-    """The largest estimate_memory of an Interleaved1F1B rank's interleaved_moments."""
+    """The largest estimate_memory of a rank's `moments` (interleaved_moments, zb_moments)."""
     sw = stage_workload(w, stage)
     shares = _chunk_shares(w, stage)
     last = len(stage.chunks) - 1
-    moments = []
-    for held, k in interleaved_moments(stage.held, setup.dims.pp, setup.grad_accum):
+    estimates = []
+    for held, k in moments:
         head = stage.head and held[last] > 0
         moment = replace(
             sw, in_flight=_weighted(stage.chunks, held), head=head,
             head_in_flight=held[last] if head else None, grads_held=sum(shares[k:]),
         )
-        moments.append(estimate_memory(moment, setup, device, runtime_bytes))
-    return max(moments, key=lambda e: e.total)
+        estimates.append(estimate_memory(moment, setup, device, runtime_bytes))
+    return max(estimates, key=lambda e: e.total)
 
 
 def _chunk_shares(w: Workload, stage: Stage) -> list[float]:
