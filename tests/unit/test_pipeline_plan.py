@@ -30,6 +30,7 @@ from trainwise.plan.model.pipeline import (
     setup_memory,
     stage_memory,
     stage_workload,
+    zb_moments,
     zb_passes,
 )
 from trainwise.plan.model.setup import Setup
@@ -94,7 +95,7 @@ def test_micro_batches_in_flight_by_hand():
     assert in_flight("GPipe", 4, 1, 8, 0) == 8
     assert in_flight("Interleaved1F1B", 4, 2, 8, 0) == 5.5
     assert in_flight("Interleaved1F1B", 4, 2, 8, 3) == 2.5
-    assert in_flight("ZBVZeroBubble", 4, 2, 8, 3) == 4
+    assert in_flight("ZBVZeroBubble", 4, 2, 8, 3) == 4  # (4 + 4)/2: see the ZB tests below
     assert in_flight("1F1B", 4, 1, 2, 0) == 2
 
 
@@ -196,6 +197,104 @@ def test_an_interleaved_rank_has_its_stages_gradients_one_by_one():
     # Rank 0 (stages 0 and 2, the embeddings): stage 2's block has its gradients.
     first = rank_stage(w, dims, "Interleaved1F1B", 2, 2, 0)
     assert stage_memory(w, first, setup, "cpu").grads == pytest.approx(4 * 49280)
+
+
+def _torch_zb_ops(schedule: str, p: int, v: int, m: int, rank: int) -> list:
+    """torch's op list of a zero-bubble schedule for one rank, from its own builder (built
+    without stages or a process group, with the attributes its __init__ sets)."""
+    from torch.distributed.pipelining import schedules
+
+    cls = getattr(schedules, f"Schedule{schedule}")
+    built = cls.__new__(cls)
+    built.pp_group_size, built.n_local_stages, built._n_microbatches = p, v, m
+    built.number_of_rounds = max(1, m // p)
+    built.microbatches_per_round = m // built.number_of_rounds
+    built.num_stages, built.rank = p * v, rank
+    return [a for a in built._calculate_single_rank_operations(rank) if a is not None]
+
+
+def _torch_zb_moments(schedule: str, p: int, v: int, m: int, rank: int) -> list:
+    """At each W of the rank: the stage micro-batches it holds (a forward adds one, W frees
+    it: the input-gradient pass I keeps the graph for W) and the first of its stages that
+    has gradients (W's own stage included)."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    ops = _torch_zb_ops(schedule, p, v, m, rank)
+    local = sorted({a.stage_index for a in ops})
+    live, grads, moments = [0.0] * v, set(), []
+    for action in ops:
+        j = local.index(action.stage_index)
+        if action.computation_type == _ComputationType.FORWARD:
+            live[j] += 1
+        elif action.computation_type == _ComputationType.BACKWARD_WEIGHT:
+            grads.add(j)
+            moments.append((tuple(live), min(grads)))
+            live[j] -= 1
+    return moments
+
+
+def _covers(model: tuple, torch_moment: tuple) -> bool:
+    (held, k), (live, first) = model, torch_moment
+    return k <= first and all(h >= x for h, x in zip(held, live, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "v"),
+    [("InterleavedZeroBubble", 2, 2), ("InterleavedZeroBubble", 3, 3),
+     ("InterleavedZeroBubble", 4, 2), ("InterleavedZeroBubble", 4, 4),
+     ("ZBVZeroBubble", 2, 2), ("ZBVZeroBubble", 3, 2), ("ZBVZeroBubble", 5, 2)],
+)
+def test_zero_bubble_stages_hold_what_torchs_schedules_hold(schedule, p, v):
+    # Walk torch's op list on every rank, for every m it accepts up to 3p: chunk_held is
+    # what each local stage holds at the rank's first W; every W's moment is covered by one
+    # of zb_moments (as many micro-batches on every stage, gradients from an earlier stage
+    # at most), and each of zb_moments is one torch reaches (ZB-V: from m = 2p; below, an
+    # upper bound).
+    for m in (m for m in range(1, 3 * p + 1) if m % max(1, m // p) == 0):
+        for rank in range(p):
+            seen = _torch_zb_moments(schedule, p, v, m, rank)
+            model = zb_moments(schedule, p, v, m, rank)
+            assert chunk_held(schedule, p, v, m, rank) == seen[0][0], (p, v, m, rank)
+            for moment in seen:
+                assert any(_covers(x, moment) for x in model), (p, v, m, rank, moment)
+            if schedule == "InterleavedZeroBubble" or m >= 2 * p:
+                assert set(model) <= set(seen), (p, v, m, rank, model)
+
+
+def test_zero_bubble_ranks_hold_their_stages_until_w():
+    # Llama 3 405B's plan, InterleavedZeroBubble p 16 x v 4, m 16 (one round of 16): rank
+    # r's warm-up runs 3 x 16 + 15 - r forwards, and its W lags r backwards behind its I,
+    # so all 64 stage forwards run before its first W: the last rank holds 16 micro-batches
+    # of each stage, the head's included, where the old rank average (Megatron's
+    # interleaved warm-up) said 49, 12.25 a stage.
+    assert chunk_held("InterleavedZeroBubble", 16, 4, 16, 15) == (16.0,) * 4
+    assert in_flight("InterleavedZeroBubble", 16, 4, 16, 15) == 16
+    # Then only the last stage has gradients; the stages drain last to first.
+    assert zb_moments("InterleavedZeroBubble", 16, 4, 16, 15)[0] == ((16.0,) * 4, 3)
+    # ZB-V, p 4, m 8: rank 0 runs 7 forwards of stage 0, then stage 7's F, I, W: (7, 1);
+    # its steady state alternates with (8, 0); rank 3 (stages 3 and 4) (4, 4) and (5, 3).
+    assert chunk_held("ZBVZeroBubble", 4, 2, 8, 0) == (7.0, 1.0)
+    assert zb_moments("ZBVZeroBubble", 4, 2, 8, 0) == (((8.0, 0.0), 0), ((7.0, 1.0), 0))
+    assert zb_moments("ZBVZeroBubble", 4, 2, 8, 3) == (((5.0, 3.0), 0), ((4.0, 4.0), 0))
+
+
+def test_a_zbv_rank_holds_one_micro_batch_of_the_head():
+    # SHAPE on ZB-V pp 2, m 4: rank 0 runs stage 0 (the embeddings and a block) and stage 3
+    # (a block and the head). Its steady state holds 4 stage micro-batches with both stages'
+    # gradients: (4, 0) or (3, 1); (3, 1) carries the head: 4 blocks' saved activations and
+    # one micro-batch of the head and its loss (the old average: 2 of the head).
+    w = Workload(SHAPE.num_params(), SHAPE, 32, 8, "bf16", reduce_dtype="fp32")
+    dims = ParallelDims(dp_shard=2, pp=2, fsdp=True)
+    setup = Setup(dims, "none", 8, 4, schedule="ZBVZeroBubble", virtual=2)
+    first = rank_stage(w, dims, "ZBVZeroBubble", 2, 4, 0)
+    assert (first.chunks, first.held, first.head_in_flight) == ((1, 1), (3.0, 1.0), 1.0)
+    est = stage_memory(w, first, setup, "cpu")
+    per = activation_bytes_per_token(SHAPE, "bf16", False, "cpu")
+    assert est.phase == "head backward"
+    assert est.activations == 8 * 32 * (4 * per["layer"] + per["head"])
+    # Both stages' gradients, FSDP's unsharded fp32: two blocks, the embeddings (1000 x 64
+    # + positions 32 x 64), the head and the final norm.
+    assert est.grads == pytest.approx(4 * (2 * 49280 + 1000 * 64 + 32 * 64 + 1000 * 64 + 64))
 
 
 def test_the_plan_reports_the_worst_stage_and_says_which():
