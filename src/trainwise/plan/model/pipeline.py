@@ -19,8 +19,13 @@ Memory: the activations of the micro-batches a rank keeps in flight: GPipe all m
 p - r on rank r (the first stage p, the last one); interleaved (Megatron-LM's warm-up,
 Korthikanti et al., 2022, section 4.2.3) 2(p - r - 1) + (v - 1)N + 1 stage micro-batches,
 N = p when m is a multiple of p (round_size; the first rank: p + (p - 1)/v micro-batches
-of all its blocks), never more than m v; ZB-V the same as 1F1B's first stage on every rank
-(section 6). ZB-H1 keeps 1F1B's peak (section 2.1). Interleaved1F1B, stage by stage: the
+of all its blocks), never more than m v. The zero-bubble schedules as torch runs them
+(zb_held, zb_moments): a micro-batch's activations live until its weight-gradient pass W;
+InterleavedZeroBubble holds (v - 1) N + p stage micro-batches on every rank (its W lags r
+backwards behind its input gradient I on rank r), more than ZB-H1's 1F1B peak (Qi et al.,
+section 2.1); ZB-V 2p, the p micro-batches of all its blocks of the paper's section 6, but
+unevenly: (2p - 1 - r, r + 1) of its two stages at its first W, so rank 0 holds one of the
+head's. Interleaved1F1B, stage by stage: the
 warm-up runs the rank's stages in order, a round of N micro-batches each (Narayanan et
 al., section 2.2.2; torch's Interleaved1F1B), so its last stage holds the fewest: on the
 last rank the head's stage holds one micro-batch, its backward following its forward at
