@@ -115,13 +115,17 @@ def round_size(p: int, m: int) -> int:
 # whose activations live until the weight-gradient pass W.
 INTERLEAVED = ("Interleaved1F1B",)
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
+# A moment a rank can peak at: (micro-batches each of its stages holds, the first of its
+# stages that has gradients: stages k..v-1 have them).
+Moment = tuple[tuple[float, ...], int]
 
 
 def zb_held(schedule: str, p: int, v: int, m: int, rank: int) -> tuple[float, ...]:
-    """Micro-batches each of the rank's stages (in order) holds at its first W, the
-    zero-bubble schedules' peak: a micro-batch's activations live from its forward F to its
-    weight-gradient pass W (torch's stage_backward_input keeps the graph for
-    stage_backward_weight: a Linear's W needs its input and its output's gradient)."""
+    """Micro-batches each of the rank's stages (in order) holds at its first W (one of
+    zb_moments): a micro-batch's activations live from its forward F to its weight-gradient
+    pass W (torch's stage_backward_input keeps the graph for stage_backward_weight: a
+    Linear's W needs its input and its output's gradient; those gradients, kept between I
+    and W, are not counted)."""
     if schedule == "ZBVZeroBubble":  # ScheduleZBVZeroBubble: 2(p - r) - 1 + r forwards of
         return _zbv_moments(p, m, rank)[1][0]  # stage 0, then r + 1 of stage 1, its first W
     return _zb_window(p, v, m, 0)[0]
@@ -134,7 +138,7 @@ def _zb_forwards(p: int, v: int, m: int) -> int:
     return min(m * v, (v - 1) * round_size(p, m) + p)
 
 
-def _zb_window(p: int, v: int, m: int, s: int) -> tuple[tuple[float, ...], int]:
+def _zb_window(p: int, v: int, m: int, s: int) -> Moment:
     """The rank's stage micro-batches held, and its first stage with gradients, at its
     W number s: forwards run stage by stage in rounds of N (forward_stage_index), Ws from
     the last stage down (backward_stage_index); forwards run - Ws done, per stage."""
@@ -151,7 +155,7 @@ def _zb_window(p: int, v: int, m: int, s: int) -> tuple[tuple[float, ...], int]:
 
 
 @lru_cache(maxsize=1024)
-def zb_moments(schedule: str, p: int, v: int, m: int, rank: int) -> tuple[tuple[tuple[float, ...], int], ...]:
+def zb_moments(schedule: str, p: int, v: int, m: int, rank: int) -> tuple[Moment, ...]:
     """The moments a zero-bubble rank can peak at, as interleaved_moments: (micro-batches
     each of its stages holds, the first of its stages that has gradients), none covered by
     another. InterleavedZeroBubble: at each of its Ws (the same on every rank)."""
@@ -160,7 +164,7 @@ def zb_moments(schedule: str, p: int, v: int, m: int, rank: int) -> tuple[tuple[
     return _frontier([_zb_window(p, v, m, s) for s in range(m * v)])
 
 
-def _zbv_moments(p: int, m: int, rank: int) -> tuple[tuple[tuple[float, ...], int], ...]:
+def _zbv_moments(p: int, m: int, rank: int) -> tuple[Moment, ...]:
     """ScheduleZBVZeroBubble's rank r: its steady state holds 2p stage micro-batches,
     (2p - r, r) after a forward of stage 0 or (2p - 1 - r, r + 1) at stage 1's W, both
     stages with gradients; fewer micro-batches than 2p cap them (then an upper bound:
@@ -170,12 +174,12 @@ def _zbv_moments(p: int, m: int, rank: int) -> tuple[tuple[tuple[float, ...], in
     )
 
 
-def _frontier(moments: list[tuple[tuple[float, ...], int]]) -> tuple[tuple[tuple[float, ...], int], ...]:
+def _frontier(moments: list[Moment]) -> tuple[Moment, ...]:
     """The moments no other one covers (as many micro-batches on every stage, and the
     gradients of as many stages)."""
     unique = list(dict.fromkeys(moments))
 
-    def covers(a: tuple[tuple[float, ...], int], b: tuple[tuple[float, ...], int]) -> bool:
+    def covers(a: Moment, b: Moment) -> bool:
         return a != b and a[1] <= b[1] and all(x >= y for x, y in zip(a[0], b[0], strict=True))
 
     return tuple(x for x in unique if not any(covers(y, x) for y in unique))
@@ -351,7 +355,7 @@ def stage_memory(
     return max(first, later, key=lambda e: e.total)
 
 
-def interleaved_moments(held: tuple[float, ...], p: int, m: int) -> list[tuple[tuple[float, ...], int]]:
+def interleaved_moments(held: tuple[float, ...], p: int, m: int) -> list[Moment]:
     """The moments an Interleaved1F1B rank can peak at, as (micro-batches each of its
     stages holds, the first of its stages that has gradients: stages k..v-1 have them);
     `held`: chunk_held. With one round, stage k's first backward for each k (stages above
@@ -364,7 +368,7 @@ def interleaved_moments(held: tuple[float, ...], p: int, m: int) -> list[tuple[t
 
 
 def _moments_memory(
-    w: Workload, stage: Stage, moments: Iterable[tuple[tuple[float, ...], int]], setup: Setup,
+    w: Workload, stage: Stage, moments: Iterable[Moment], setup: Setup,
     device: str, runtime_bytes: float,
 ) -> MemoryEstimate:
     """The largest estimate_memory of a rank's `moments` (interleaved_moments, zb_moments)."""
