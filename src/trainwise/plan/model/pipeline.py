@@ -116,19 +116,20 @@ def round_size(p: int, m: int) -> int:
 INTERLEAVED = ("Interleaved1F1B",)
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
 # A moment a rank can peak at: (micro-batches each of its stages holds, the first of its
-# stages that has gradients: stages k..v-1 have them).
-Moment = tuple[tuple[float, ...], int]
+# stages that has gradients: stages k..v-1 have them, micro-batches each of its stages
+# holds past I: their output gradients kept until W, zero-bubble only).
+Moment = tuple[tuple[float, ...], int, tuple[float, ...]]
 
 
 def zb_held(schedule: str, p: int, v: int, m: int, rank: int) -> tuple[float, ...]:
     """Micro-batches each of the rank's stages (in order) holds at its first W (one of
     zb_moments): a micro-batch's activations live from its forward F to its weight-gradient
     pass W (torch's stage_backward_input keeps the graph for stage_backward_weight: a
-    Linear's W needs its input and its output's gradient; those gradients, kept between I
-    and W, are not counted)."""
+    Linear's W needs its input and its output's gradient, kept between I and W: the
+    moments' third count)."""
     if schedule == "ZBVZeroBubble":  # ScheduleZBVZeroBubble: 2(p - r) - 1 + r forwards of
-        return _zbv_moments(p, m, rank)[1][0]  # stage 0, then r + 1 of stage 1, its first W
-    return _zb_window(p, v, m, 0)[0]
+        return _zbv_steady(p, m, rank, 1)[0]  # stage 0, then r + 1 of stage 1, its first W
+    return _zb_window(p, v, m, 0, rank)[0]
 
 
 def _zb_forwards(p: int, v: int, m: int) -> int:
@@ -138,10 +139,12 @@ def _zb_forwards(p: int, v: int, m: int) -> int:
     return min(m * v, (v - 1) * round_size(p, m) + p)
 
 
-def _zb_window(p: int, v: int, m: int, s: int) -> Moment:
-    """The rank's stage micro-batches held, and its first stage with gradients, at its
-    W number s: forwards run stage by stage in rounds of N (forward_stage_index), Ws from
-    the last stage down (backward_stage_index); forwards run - Ws done, per stage."""
+def _zb_window(p: int, v: int, m: int, s: int, rank: int) -> Moment:
+    """The rank's stage micro-batches held, its first stage with gradients, and its stage
+    micro-batches past I, at its W number s: forwards run stage by stage in rounds of N
+    (forward_stage_index), Is and Ws from the last stage down (backward_stage_index), the
+    Is r + 1 ahead of the Ws on rank r (its own W's included); per stage, forwards run - Ws
+    done, and Is done - Ws done."""
     n = round_size(p, m)
 
     def count(ops: int, stage: int) -> int:  # ops of `stage` among the first `ops`
@@ -151,36 +154,49 @@ def _zb_window(p: int, v: int, m: int, s: int) -> Moment:
     forwards = min(m * v, _zb_forwards(p, v, m) + s)
     held = tuple(float(count(forwards, j) - count(s, v - 1 - j)) for j in range(v))
     first = v - 1 - min(v - 1, s // n)  # the stage of W number s has its gradients too
-    return held, first
+    inputs = min(m * v, s + rank + 1)
+    past = tuple(float(count(inputs, v - 1 - j) - count(s, v - 1 - j)) for j in range(v))
+    return held, first, past
 
 
 @lru_cache(maxsize=1024)
 def zb_moments(schedule: str, p: int, v: int, m: int, rank: int) -> tuple[Moment, ...]:
     """The moments a zero-bubble rank can peak at, as interleaved_moments: (micro-batches
     each of its stages holds, the first of its stages that has gradients), none covered by
-    another. InterleavedZeroBubble: at each of its Ws (the same on every rank)."""
+    another. InterleavedZeroBubble: at each of its Ws."""
     if schedule == "ZBVZeroBubble":
         return _zbv_moments(p, m, rank)
-    return _frontier([_zb_window(p, v, m, s) for s in range(m * v)])
+    return _frontier([_zb_window(p, v, m, s, rank) for s in range(m * v)])
 
 
 def _zbv_moments(p: int, m: int, rank: int) -> tuple[Moment, ...]:
     """ScheduleZBVZeroBubble's rank r: its steady state holds 2p stage micro-batches,
-    (2p - r, r) after a forward of stage 0 or (2p - 1 - r, r + 1) at stage 1's W, both
-    stages with gradients; fewer micro-batches than 2p cap them (then an upper bound:
-    the first W, with only stage 1's gradients, counted with both's)."""
-    return tuple(
-        ((float(min(m, 2 * p - rank - k)), float(min(m, rank + k))), 0) for k in (0, 1)
-    )
+    (2p - r, r) at a W of stage 0 or (2p - 1 - r, r + 1) at one of stage 1, both stages
+    with gradients, the W's own micro-batch past I; its cool-down (r > 0) holds (p, r),
+    all past I. Fewer micro-batches than 2p cap them (then an upper bound: the first W,
+    with only stage 1's gradients, counted with both's)."""
+    steady = [_zbv_steady(p, m, rank, k) for k in (0, 1)]
+    cool = [(_capped(m, p, rank), 0, _capped(m, rank + 1, rank))] if rank > 0 else []
+    return _frontier(steady + cool)
+
+
+def _zbv_steady(p: int, m: int, rank: int, k: int) -> Moment:
+    """A ZB-V steady-state moment: at a W of stage k (see _zbv_moments)."""
+    return _capped(m, 2 * p - rank - k, rank + k), 0, _capped(m, 1 - k, k)
+
+
+def _capped(m: int, *counts: int) -> tuple[float, ...]:
+    return tuple(float(min(m, c)) for c in counts)
 
 
 def _frontier(moments: list[Moment]) -> tuple[Moment, ...]:
-    """The moments no other one covers (as many micro-batches on every stage, and the
-    gradients of as many stages)."""
+    """The moments no other one covers (as many micro-batches held and past I on every
+    stage, and the gradients of as many stages)."""
     unique = list(dict.fromkeys(moments))
 
     def covers(a: Moment, b: Moment) -> bool:
-        return a != b and a[1] <= b[1] and all(x >= y for x, y in zip(a[0], b[0], strict=True))
+        more = zip(a[0] + a[2], b[0] + b[2], strict=True)
+        return a != b and a[1] <= b[1] and all(x >= y for x, y in more)
 
     return tuple(x for x in unique if not any(covers(y, x) for y in unique))
 
@@ -362,9 +378,10 @@ def interleaved_moments(held: tuple[float, ...], p: int, m: int) -> list[Moment]
     it drained); with more, the warm-up's activations beside every stage's gradients."""
     v = len(held)
     pairs = m * v - sum(held)  # the steady state's forward-backward pairs
+    none = (0.0,) * v  # its backward runs whole: nothing waits for a W
     if pairs >= (v - 1) * round_size(p, m) + 1:  # every stage backs before the drain
-        return [(held, 0)]
-    return [(held[: k + 1] + (0.0,) * (v - 1 - k), k) for k in range(v - 1, -1, -1)]
+        return [(held, 0, none)]
+    return [(held[: k + 1] + (0.0,) * (v - 1 - k), k, none) for k in range(v - 1, -1, -1)]
 
 
 def _moments_memory(
@@ -376,14 +393,27 @@ def _moments_memory(
     shares = _chunk_shares(w, stage)
     last = len(stage.chunks) - 1
     estimates = []
-    for held, k in moments:
+    for held, k, past in moments:
         head = stage.head and held[last] > 0
         moment = replace(
             sw, in_flight=_weighted(stage.chunks, held), head=head,
             head_in_flight=held[last] if head else None, grads_held=sum(shares[k:]),
+            past_i=_past_i(stage, past),
         )
         estimates.append(estimate_memory(moment, setup, device, runtime_bytes))
     return max(estimates, key=lambda e: e.total)
+
+
+def _past_i(stage: Stage, past: tuple[float, ...]) -> tuple[float, float, float]:
+    """Workload.past_i of a rank whose stages hold `past` micro-batches past I: the blocks
+    of its stages but the first pipeline stage (which skips I, stage.py), the head's
+    stage, and every stage's received output gradient but the head's (its output is
+    the loss)."""
+    last = len(stage.chunks) - 1
+    ran_i = [b * n for j, (b, n) in enumerate(zip(stage.chunks, past, strict=True))
+             if not (j == 0 and stage.embeddings)]
+    heads = past[last] if stage.head else 0.0
+    return float(sum(ran_i)), heads, sum(past) - heads
 
 
 def _chunk_shares(w: Workload, stage: Stage) -> list[float]:
