@@ -25,7 +25,8 @@ InterleavedZeroBubble holds (v - 1) N + p stage micro-batches on every rank (its
 backwards behind its input gradient I on rank r), more than ZB-H1's 1F1B peak (Qi et al.,
 section 2.1); ZB-V 2p, the p micro-batches of all its blocks of the paper's section 6, but
 unevenly: (2p - 1 - r, r + 1) of its two stages at its first W, so rank 0 holds one of the
-head's. Interleaved1F1B, stage by stage: the
+head's. The micro-batches past I keep their output gradients until W as well
+(memory.weight_grad_bytes_per_token), a third count per moment. Interleaved1F1B, stage by stage: the
 warm-up runs the rank's stages in order, a round of N micro-batches each (Narayanan et
 al., section 2.2.2; torch's Interleaved1F1B), so its last stage holds the fewest: on the
 last rank the head's stage holds one micro-batch, its backward following its forward at
