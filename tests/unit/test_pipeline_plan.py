@@ -313,6 +313,31 @@ def test_the_output_gradients_kept_until_w_by_hand():
                     "output": 4 * 64}
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_the_output_gradients_kept_until_w_are_what_torch_keeps(kind):
+    # torch's own stage_backward_input on one real block in bf16 (a stage that is not the
+    # first): the bytes of the gradients it keeps for W, each storage once (the down
+    # projection's is the received output gradient itself), are the formula's block. On a
+    # CPU the RMSNorm weights multiply fp32 copies: their output gradients are fp32.
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward_input
+
+    from trainwise.models.gpt import Block
+
+    shape = SHAPE if kind == "gpt2" else GPTShape(
+        4, 64, 4, 2, 128, 1000, 32, "rmsnorm", "swiglu", "rope", False, False)
+    block = Block(shape).to(torch.bfloat16)
+    x = torch.randn(2, 32, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = block(x)
+    _, groups = stage_backward_input([y], [torch.randn_like(y)], [x], block.parameters())
+    kept = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for group in groups for grads in group["grads"] for t in grads if t is not None
+    }
+    per = weight_grad_bytes_per_token(shape, "bf16", False, device="cpu")
+    assert sum(kept.values()) == 2 * 32 * per["layer"]
+
+
 def test_a_zb_rank_prices_what_is_past_i():
     # InterleavedZeroBubble p 2 x v 2, m 2, the last rank (stages 1 and 3, the head's):
     # at its first W both its stages hold 2 micro-batches, 2 of the head's stage past I

@@ -209,7 +209,8 @@ def activation_bytes_per_token(
 
 
 def weight_grad_bytes_per_token(
-    shape: GPTShape, precision: str, autocast: bool, tp: int = 1, sequence_parallel: bool = True
+    shape: GPTShape, precision: str, autocast: bool, tp: int = 1,
+    sequence_parallel: bool = True, device: str = "cuda",
 ) -> dict:
     """Bytes per token a micro-batch keeps between its input-gradient pass I and its
     weight-gradient pass W on one of `tp` ranks: torch's stage_backward_input
@@ -223,17 +224,21 @@ def weight_grad_bytes_per_token(
     gradient it received (`output`: kept in its backward state, in the residual dtype).
     Under activation checkpointing W recomputes the block (the recomputed tensors are
     freed after I), so only these gradients are kept, as without it. The first stage
-    skips I and runs its whole backward at W (stage.py), keeping only `output`."""
+    skips I and runs its whole backward at W (stage.py), keeping only `output`. On a CPU
+    RMSNorm is composite ops whose weight multiplies an fp32 copy. Without autocast and
+    TP the last block's down projection's output gradient is `output` itself: counted
+    twice (e·h a token, a small over-count)."""
     e = BYTES[precision]
     r = MASTER_BYTES if autocast and precision != "fp32" else e  # norms, residual stream
+    n = MASTER_BYTES if device == "cpu" and shape.norm == "rmsnorm" else r  # norm outputs
     h, f, v = shape.d_model, shape.d_ff, shape.vocab_size
     q, kv = shape.n_head * shape.head_dim, shape.n_kv_head * shape.head_dim
     seq = tp if sequence_parallel else 1
     column = e * (q + 2 * kv + f * (2 if shape.mlp == "swiglu" else 1)) / tp
     row = 2 * e * h  # the attention's output projection and the MLP's down projection
     return {
-        "layer": column + row + 2 * r * h / seq,
-        "head": e * v / tp + r * h / seq,
+        "layer": column + row + 2 * n * h / seq,
+        "head": e * v / tp + n * h / seq,
         "output": r * h / seq,
     }
 
@@ -297,19 +302,23 @@ def activation_profile(
     saved_head = head - (2 * per["loss"] if w.loss != "fused" and w.head else 0.0)
     heads = w.in_flight if w.head_in_flight is None else w.head_in_flight
     others = (w.in_flight - 1.0) * sum(kept) + (heads - 1.0) * saved_head
-    others += _kept_for_w(w, autocast, tp, sequence_parallel)
+    others += _kept_for_w(w, autocast, device, tp, sequence_parallel)
     return ActivationProfile(
         tokens * (sum(kept) + head + others), tokens * (block + others),
         tokens * (sum(kept[:-1]) + others),
     )
 
 
-def _kept_for_w(w: Workload, autocast: bool, tp: int, sequence_parallel: bool) -> float:
+def _kept_for_w(
+    w: Workload, autocast: bool, device: str, tp: int, sequence_parallel: bool
+) -> float:
     """Bytes per token of the output gradients `w.past_i` keeps until W."""
     if not any(w.past_i):
         return 0.0
     assert w.shape is not None
-    per = weight_grad_bytes_per_token(w.shape, w.precision, autocast, tp, sequence_parallel)
+    per = weight_grad_bytes_per_token(
+        w.shape, w.precision, autocast, tp, sequence_parallel, device
+    )
     blocks, heads, outputs = w.past_i
     return blocks * per["layer"] + heads * per["head"] + outputs * per["output"]
 
