@@ -17,7 +17,12 @@ from trainwise.plan.constraints import check_allowed, user_allowed
 from trainwise.plan.emit import job_config
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 from trainwise.plan.model.comm import Layout
-from trainwise.plan.model.memory import Workload, activation_bytes_per_token, activation_profile
+from trainwise.plan.model.memory import (
+    Workload,
+    activation_bytes_per_token,
+    activation_profile,
+    weight_grad_bytes_per_token,
+)
 from trainwise.plan.model.pipeline import (
     activation_message_bytes,
     bubble_fraction,
@@ -30,6 +35,7 @@ from trainwise.plan.model.pipeline import (
     setup_memory,
     stage_memory,
     stage_workload,
+    zb_moments,
     zb_passes,
 )
 from trainwise.plan.model.setup import Setup
@@ -94,7 +100,7 @@ def test_micro_batches_in_flight_by_hand():
     assert in_flight("GPipe", 4, 1, 8, 0) == 8
     assert in_flight("Interleaved1F1B", 4, 2, 8, 0) == 5.5
     assert in_flight("Interleaved1F1B", 4, 2, 8, 3) == 2.5
-    assert in_flight("ZBVZeroBubble", 4, 2, 8, 3) == 4
+    assert in_flight("ZBVZeroBubble", 4, 2, 8, 3) == 4  # (4 + 4)/2: see the ZB tests below
     assert in_flight("1F1B", 4, 1, 2, 0) == 2
 
 
@@ -171,11 +177,11 @@ def test_interleaved_stages_hold_what_torchs_schedule_holds(p, v):
                 largest = max(largest, sum(live))
                 assert any(
                     sum(live) <= sum(h) and live[-1] <= h[-1] and min(grads) >= k
-                    for h, k in moments
+                    for h, k, _ in moments
                 ), (p, v, m, rank, live, grads)
                 live[j] -= 1
             assert first == held, (p, v, m, rank)
-            assert largest == max(sum(h) for h, _ in moments), (p, v, m, rank)
+            assert largest == max(sum(h) for h, _, _ in moments), (p, v, m, rank)
 
 
 def test_an_interleaved_rank_has_its_stages_gradients_one_by_one():
@@ -196,6 +202,181 @@ def test_an_interleaved_rank_has_its_stages_gradients_one_by_one():
     # Rank 0 (stages 0 and 2, the embeddings): stage 2's block has its gradients.
     first = rank_stage(w, dims, "Interleaved1F1B", 2, 2, 0)
     assert stage_memory(w, first, setup, "cpu").grads == pytest.approx(4 * 49280)
+
+
+def _torch_zb_ops(schedule: str, p: int, v: int, m: int, rank: int) -> list:
+    """torch's op list of a zero-bubble schedule for one rank, from its own builder (built
+    without stages or a process group, with the attributes its __init__ sets)."""
+    from torch.distributed.pipelining import schedules
+
+    cls = getattr(schedules, f"Schedule{schedule}")
+    built = cls.__new__(cls)
+    built.pp_group_size, built.n_local_stages, built._n_microbatches = p, v, m
+    built.number_of_rounds = max(1, m // p)
+    built.microbatches_per_round = m // built.number_of_rounds
+    built.num_stages, built.rank = p * v, rank
+    return [a for a in built._calculate_single_rank_operations(rank) if a is not None]
+
+
+def _torch_zb_moments(schedule: str, p: int, v: int, m: int, rank: int) -> list:
+    """At each W of the rank: the stage micro-batches it holds (a forward adds one, W frees
+    it: the input-gradient pass I keeps the graph for W), the first of its stages that
+    has gradients (W's own stage included), and the stage micro-batches past I (I adds
+    one, W frees its output gradients; W's own included)."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    ops = _torch_zb_ops(schedule, p, v, m, rank)
+    local = sorted({a.stage_index for a in ops})
+    live, past, grads, moments = [0.0] * v, [0.0] * v, set(), []
+    for action in ops:
+        j = local.index(action.stage_index)
+        if action.computation_type == _ComputationType.FORWARD:
+            live[j] += 1
+        elif action.computation_type == _ComputationType.BACKWARD_INPUT:
+            past[j] += 1
+        elif action.computation_type == _ComputationType.BACKWARD_WEIGHT:
+            grads.add(j)
+            moments.append((tuple(live), min(grads), tuple(past)))
+            live[j] -= 1
+            past[j] -= 1
+    return moments
+
+
+def _covers(model: tuple, torch_moment: tuple) -> bool:
+    (held, k, past), (live, first, passed) = model, torch_moment
+    more = zip(held + past, live + passed, strict=True)
+    return k <= first and all(h >= x for h, x in more)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "p", "v"),
+    [("InterleavedZeroBubble", 2, 2), ("InterleavedZeroBubble", 3, 3),
+     ("InterleavedZeroBubble", 4, 2), ("InterleavedZeroBubble", 4, 4),
+     ("ZBVZeroBubble", 2, 2), ("ZBVZeroBubble", 3, 2), ("ZBVZeroBubble", 5, 2)],
+)
+def test_zero_bubble_stages_hold_what_torchs_schedules_hold(schedule, p, v):
+    # Walk torch's op list on every rank, for every m it accepts up to 3p: chunk_held is
+    # what each local stage holds at the rank's first W; every W's moment is covered by one
+    # of zb_moments (as many micro-batches held and past I on every stage, gradients from
+    # an earlier stage at most), and each of zb_moments is one torch reaches (ZB-V: from m = 2p; below, an
+    # upper bound).
+    for m in (m for m in range(1, 3 * p + 1) if m % max(1, m // p) == 0):
+        for rank in range(p):
+            seen = _torch_zb_moments(schedule, p, v, m, rank)
+            model = zb_moments(schedule, p, v, m, rank)
+            assert chunk_held(schedule, p, v, m, rank) == seen[0][0], (p, v, m, rank)
+            for moment in seen:
+                assert any(_covers(x, moment) for x in model), (p, v, m, rank, moment)
+            if schedule == "InterleavedZeroBubble" or m >= 2 * p:
+                assert set(model) <= set(seen), (p, v, m, rank, model)
+
+
+def test_zero_bubble_ranks_hold_their_stages_until_w():
+    # Llama 3 405B's plan, InterleavedZeroBubble p 16 x v 4, m 16 (one round of 16): rank
+    # r's warm-up runs 3 x 16 + 15 - r forwards, and its W lags r backwards behind its I,
+    # so all 64 stage forwards run before its first W: the last rank holds 16 micro-batches
+    # of each stage, the head's included, where the old rank average (Megatron's
+    # interleaved warm-up) said 49, 12.25 a stage.
+    assert chunk_held("InterleavedZeroBubble", 16, 4, 16, 15) == (16.0,) * 4
+    assert in_flight("InterleavedZeroBubble", 16, 4, 16, 15) == 16
+    # Then only the last stage has gradients; the stages drain last to first.
+    # Its Is run 16 ahead of its Ws: all 16 of the head's stage past I at its first W.
+    assert zb_moments("InterleavedZeroBubble", 16, 4, 16, 15)[0] == (
+        (16.0,) * 4, 3, (0.0, 0.0, 0.0, 16.0))
+    # ZB-V, p 4, m 8: rank 0 runs 7 forwards of stage 0, then stage 7's F, I, W: (7, 1);
+    # its steady state alternates with (8, 0); rank 3 (stages 3 and 4) (4, 4) and (5, 3).
+    assert chunk_held("ZBVZeroBubble", 4, 2, 8, 0) == (7.0, 1.0)
+    # In the steady state only W's own micro-batch is past I; rank 3's cool-down holds
+    # (4, 3), all 7 past I.
+    assert zb_moments("ZBVZeroBubble", 4, 2, 8, 0) == (
+        ((8.0, 0.0), 0, (1.0, 0.0)), ((7.0, 1.0), 0, (0.0, 1.0)))
+    assert zb_moments("ZBVZeroBubble", 4, 2, 8, 3) == (
+        ((5.0, 3.0), 0, (1.0, 0.0)), ((4.0, 4.0), 0, (0.0, 1.0)), ((4.0, 3.0), 0, (4.0, 3.0)))
+
+
+def test_the_output_gradients_kept_until_w_by_hand():
+    # SHAPE: h 64, 4 heads of 16 (q = k = v = 64), gelu MLP of 256, vocabulary 1000. Per
+    # token, FSDP in bf16 (everything 2 bytes): the column-parallel linears' outputs
+    # (q, k, v, the MLP's up: 64 + 64 + 64 + 256), the two row-parallel ones' (64 each,
+    # whole under TP: local partial sums) and the two norms' outputs (64 each, split over
+    # the sequence with SP); the head: logits (1000, vocabulary-split) and the final norm's;
+    # the stage output's gradient (64).
+    kept = weight_grad_bytes_per_token(SHAPE, "bf16", autocast=False)
+    assert kept == {"layer": 2 * (448 + 128 + 128), "head": 2 * (1000 + 64), "output": 2 * 64}
+    tp2 = weight_grad_bytes_per_token(SHAPE, "bf16", False, tp=2, sequence_parallel=True)
+    assert tp2 == {"layer": 2 * (224 + 128 + 64), "head": 2 * (500 + 32), "output": 2 * 32}
+    tp2 = weight_grad_bytes_per_token(SHAPE, "bf16", False, tp=2, sequence_parallel=False)
+    assert tp2 == {"layer": 2 * (224 + 128 + 128), "head": 2 * (500 + 64), "output": 2 * 64}
+    # Autocast: the norms' outputs and the residual stream stay fp32.
+    cast = weight_grad_bytes_per_token(SHAPE, "bf16", autocast=True)
+    assert cast == {"layer": 2 * (448 + 128) + 4 * 128, "head": 2 * 1000 + 4 * 64,
+                    "output": 4 * 64}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_the_output_gradients_kept_until_w_are_what_torch_keeps(kind):
+    # torch's own stage_backward_input on one real block in bf16 (a stage that is not the
+    # first): the bytes of the gradients it keeps for W, each storage once (the down
+    # projection's is the received output gradient itself), are the formula's block. On a
+    # CPU the RMSNorm weights multiply fp32 copies: their output gradients are fp32.
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward_input
+
+    from trainwise.models.gpt import Block
+
+    shape = SHAPE if kind == "gpt2" else GPTShape(
+        4, 64, 4, 2, 128, 1000, 32, "rmsnorm", "swiglu", "rope", False, False)
+    block = Block(shape).to(torch.bfloat16)
+    x = torch.randn(2, 32, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = block(x)
+    _, groups = stage_backward_input([y], [torch.randn_like(y)], [x], block.parameters())
+    kept = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for group in groups for grads in group["grads"] for t in grads if t is not None
+    }
+    per = weight_grad_bytes_per_token(shape, "bf16", False, device="cpu")
+    assert sum(kept.values()) == 2 * 32 * per["layer"]
+
+
+def test_a_zb_rank_prices_what_is_past_i():
+    # InterleavedZeroBubble p 2 x v 2, m 2, the last rank (stages 1 and 3, the head's):
+    # at its first W both its stages hold 2 micro-batches, 2 of the head's stage past I
+    # (its W lags 1 backward behind); pricing them adds 2 x (a block and the head) of
+    # output gradients per token and the stage output of neither (stage 3 ends in the loss).
+    w = Workload(SHAPE.num_params(), SHAPE, 32, 8, "bf16", reduce_dtype="fp32")
+    dims = ParallelDims(dp_shard=2, pp=2, fsdp=True)
+    setup = Setup(dims, "none", 8, 2, schedule="InterleavedZeroBubble", virtual=2)
+    last = rank_stage(w, dims, "InterleavedZeroBubble", 2, 2, 1)
+    assert zb_moments("InterleavedZeroBubble", 2, 2, 2, 1)[0] == ((2.0, 2.0), 1, (0.0, 2.0))
+    est = stage_memory(w, last, setup, "cpu")
+    per = activation_bytes_per_token(SHAPE, "bf16", False, "cpu")
+    kept = weight_grad_bytes_per_token(SHAPE, "bf16", False)
+    saved_head = per["head"] - 2 * per["loss"]  # the second micro-batch's head, as saved
+    assert est.phase == "head backward"
+    assert est.activations == 8 * 32 * (
+        4 * per["layer"] + per["head"] + saved_head + 2 * (kept["layer"] + kept["head"]))
+
+
+def test_a_zbv_rank_holds_one_micro_batch_of_the_head():
+    # SHAPE on ZB-V pp 2, m 4: rank 0 runs stage 0 (the embeddings and a block) and stage 3
+    # (a block and the head). Its steady state holds 4 stage micro-batches with both stages'
+    # gradients: (4, 0) or (3, 1); (3, 1) carries the head: 4 blocks' saved activations and
+    # one micro-batch of the head and its loss (the old average: 2 of the head), and that
+    # micro-batch's output gradients, past I on the head's stage (its block and the head).
+    w = Workload(SHAPE.num_params(), SHAPE, 32, 8, "bf16", reduce_dtype="fp32")
+    dims = ParallelDims(dp_shard=2, pp=2, fsdp=True)
+    setup = Setup(dims, "none", 8, 4, schedule="ZBVZeroBubble", virtual=2)
+    first = rank_stage(w, dims, "ZBVZeroBubble", 2, 4, 0)
+    assert (first.chunks, first.held, first.head_in_flight) == ((1, 1), (3.0, 1.0), 1.0)
+    est = stage_memory(w, first, setup, "cpu")
+    per = activation_bytes_per_token(SHAPE, "bf16", False, "cpu")
+    assert est.phase == "head backward"
+    kept = weight_grad_bytes_per_token(SHAPE, "bf16", False)
+    assert est.activations == 8 * 32 * (
+        4 * per["layer"] + per["head"] + kept["layer"] + kept["head"])
+    # Both stages' gradients, FSDP's unsharded fp32: two blocks, the embeddings (1000 x 64
+    # + positions 32 x 64), the head and the final norm.
+    assert est.grads == pytest.approx(4 * (2 * 49280 + 1000 * 64 + 32 * 64 + 1000 * 64 + 64))
 
 
 def test_the_plan_reports_the_worst_stage_and_says_which():

@@ -103,6 +103,10 @@ class Workload:
     in_flight: float = 1.0
     head_in_flight: float | None = None
     grads_held: float = 1.0
+    # A zero-bubble pipeline stage's micro-batches past their input-gradient pass I, whose
+    # output gradients wait for the weight-gradient pass W (weight_grad_bytes_per_token):
+    # (block micro-batches of stages that ran I, head micro-batches, stage outputs).
+    past_i: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -204,6 +208,41 @@ def activation_bytes_per_token(
     }
 
 
+def weight_grad_bytes_per_token(
+    shape: GPTShape, precision: str, autocast: bool, tp: int = 1,
+    sequence_parallel: bool = True, device: str = "cuda",
+) -> dict:
+    """Bytes per token a micro-batch keeps between its input-gradient pass I and its
+    weight-gradient pass W on one of `tp` ranks: torch's stage_backward_input
+    (torch/distributed/pipelining/_backward.py) hooks the first autograd node where each
+    weight's path meets the inputs' (a Linear's MmBackward, a norm's backward) and keeps
+    the gradient flowing into it, the node's output gradient, for stage_backward_weight:
+    per block (`layer`) the two norms' outputs' (in the norms' dtype, split over the
+    sequence with sequence parallelism) and each linear's (compute dtype; column-parallel
+    outputs split by tp, the row-parallel ones' local partial sums whole); the head's
+    (`head`: the final norm's and the logits', vocabulary-split); and the stage output's
+    gradient it received (`output`: kept in its backward state, in the residual dtype).
+    Under activation checkpointing W recomputes the block (the recomputed tensors are
+    freed after I), so only these gradients are kept, as without it. The first stage
+    skips I and runs its whole backward at W (stage.py), keeping only `output`. On a CPU
+    RMSNorm is composite ops whose weight multiplies an fp32 copy. Without autocast and
+    TP the last block's down projection's output gradient is `output` itself: counted
+    twice (e·h a token, a small over-count)."""
+    e = BYTES[precision]
+    r = MASTER_BYTES if autocast and precision != "fp32" else e  # norms, residual stream
+    n = MASTER_BYTES if device == "cpu" and shape.norm == "rmsnorm" else r  # norm outputs
+    h, f, v = shape.d_model, shape.d_ff, shape.vocab_size
+    q, kv = shape.n_head * shape.head_dim, shape.n_kv_head * shape.head_dim
+    seq = tp if sequence_parallel else 1
+    column = e * (q + 2 * kv + f * (2 if shape.mlp == "swiglu" else 1)) / tp
+    row = 2 * e * h  # the attention's output projection and the MLP's down projection
+    return {
+        "layer": column + row + 2 * n * h / seq,
+        "head": e * v / tp + n * h / seq,
+        "output": r * h / seq,
+    }
+
+
 def checkpointed_blocks(ac: str, n_layer: int) -> set[int]:
     """The blocks run.parallelize wraps in activation checkpointing."""
     if ac == "full":
@@ -263,10 +302,25 @@ def activation_profile(
     saved_head = head - (2 * per["loss"] if w.loss != "fused" and w.head else 0.0)
     heads = w.in_flight if w.head_in_flight is None else w.head_in_flight
     others = (w.in_flight - 1.0) * sum(kept) + (heads - 1.0) * saved_head
+    others += _kept_for_w(w, autocast, device, tp, sequence_parallel)
     return ActivationProfile(
         tokens * (sum(kept) + head + others), tokens * (block + others),
         tokens * (sum(kept[:-1]) + others),
     )
+
+
+def _kept_for_w(
+    w: Workload, autocast: bool, device: str, tp: int, sequence_parallel: bool
+) -> float:
+    """Bytes per token of the output gradients `w.past_i` keeps until W."""
+    if not any(w.past_i):
+        return 0.0
+    assert w.shape is not None
+    per = weight_grad_bytes_per_token(
+        w.shape, w.precision, autocast, tp, sequence_parallel, device
+    )
+    blocks, heads, outputs = w.past_i
+    return blocks * per["layer"] + heads * per["head"] + outputs * per["output"]
 
 
 def _lora_activations(

@@ -19,8 +19,14 @@ Memory: the activations of the micro-batches a rank keeps in flight: GPipe all m
 p - r on rank r (the first stage p, the last one); interleaved (Megatron-LM's warm-up,
 Korthikanti et al., 2022, section 4.2.3) 2(p - r - 1) + (v - 1)N + 1 stage micro-batches,
 N = p when m is a multiple of p (round_size; the first rank: p + (p - 1)/v micro-batches
-of all its blocks), never more than m v; ZB-V the same as 1F1B's first stage on every rank
-(section 6). ZB-H1 keeps 1F1B's peak (section 2.1). Interleaved1F1B, stage by stage: the
+of all its blocks), never more than m v. The zero-bubble schedules as torch runs them
+(zb_held, zb_moments): a micro-batch's activations live until its weight-gradient pass W;
+InterleavedZeroBubble holds (v - 1) N + p stage micro-batches on every rank (its W lags r
+backwards behind its input gradient I on rank r), more than ZB-H1's 1F1B peak (Qi et al.,
+section 2.1); ZB-V 2p, the p micro-batches of all its blocks of the paper's section 6, but
+unevenly: (2p - 1 - r, r + 1) of its two stages at its first W, so rank 0 holds one of the
+head's. The micro-batches past I keep their output gradients until W as well
+(memory.weight_grad_bytes_per_token), a third count per moment. Interleaved1F1B, stage by stage: the
 warm-up runs the rank's stages in order, a round of N micro-batches each (Narayanan et
 al., section 2.2.2; torch's Interleaved1F1B), so its last stage holds the fewest: on the
 last rank the head's stage holds one micro-batch, its backward following its forward at
@@ -42,6 +48,7 @@ are world/pp ranks apart: across the network once a stage fills a machine.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -88,8 +95,10 @@ def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> float:
     """Micro-batches of the rank's blocks whose activations it holds at its peak."""
     if schedule == "GPipe":
         held = float(m)
-    elif schedule in ("1F1B", "ZBVZeroBubble"):
-        held = float(p - rank if schedule == "1F1B" else p)
+    elif schedule == "1F1B":
+        held = float(p - rank)
+    elif schedule in ZERO_BUBBLE:
+        return _weighted((1,) * v, zb_held(schedule, p, v, m, rank))
     else:  # interleaved: Megatron-LM's warm-up, in stage micro-batches of 1/v the blocks
         held = (2 * (p - rank - 1) + (v - 1) * round_size(p, m) + 1) / v
     return min(held, float(m))
@@ -102,16 +111,103 @@ def round_size(p: int, m: int) -> int:
     return m // max(1, m // p)
 
 
-# The stage-by-stage accounting below, checked against torch's Interleaved1F1B op lists
-# (tests/unit/test_pipeline_plan.py). Not InterleavedZeroBubble: its deferred weight
-# gradients keep activations longer than that accounting, so it keeps the rank's average.
+# The stage-by-stage accounting below, checked against torch's op lists
+# (tests/unit/test_pipeline_plan.py): Interleaved1F1B's, and the zero-bubble schedules',
+# whose activations live until the weight-gradient pass W.
 INTERLEAVED = ("Interleaved1F1B",)
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
+# A moment a rank can peak at: (micro-batches each of its stages holds, the first of its
+# stages that has gradients: stages k..v-1 have them, micro-batches each of its stages
+# holds past I: their output gradients kept until W, zero-bubble only).
+Moment = tuple[tuple[float, ...], int, tuple[float, ...]]
+
+
+def zb_held(schedule: str, p: int, v: int, m: int, rank: int) -> tuple[float, ...]:
+    """Micro-batches each of the rank's stages (in order) holds at its first W (one of
+    zb_moments): a micro-batch's activations live from its forward F to its weight-gradient
+    pass W (torch's stage_backward_input keeps the graph for stage_backward_weight: a
+    Linear's W needs its input and its output's gradient, kept between I and W: the
+    moments' third count)."""
+    if schedule == "ZBVZeroBubble":  # ScheduleZBVZeroBubble: 2(p - r) - 1 + r forwards of
+        return _zbv_steady(p, m, rank, 1)[0]  # stage 0, then r + 1 of stage 1, its first W
+    return _zb_window(p, v, m, 0, rank)[0]
+
+
+def _zb_forwards(p: int, v: int, m: int) -> int:
+    """Forwards an InterleavedZeroBubble rank has run at its first W, on every rank: torch's
+    warm-up (_get_warmup_ops, multiply_factor 1: (v - 1) N + p - 1 - r) and r + 1 steady
+    forwards, W lagging r backwards behind (num_1f1b_microbatches = rank)."""
+    return min(m * v, (v - 1) * round_size(p, m) + p)
+
+
+def _zb_window(p: int, v: int, m: int, s: int, rank: int) -> Moment:
+    """The rank's stage micro-batches held, its first stage with gradients, and its stage
+    micro-batches past I, at its W number s: forwards run stage by stage in rounds of N
+    (forward_stage_index), Is and Ws from the last stage down (backward_stage_index), the
+    Is r + 1 ahead of the Ws on rank r (its own W's included); per stage, forwards run - Ws
+    done, and Is done - Ws done."""
+    n = round_size(p, m)
+
+    def count(ops: int, stage: int) -> int:  # ops of `stage` among the first `ops`
+        rounds, rest = divmod(ops, v * n)
+        return rounds * n + min(max(rest - stage * n, 0), n)
+
+    forwards = min(m * v, _zb_forwards(p, v, m) + s)
+    held = tuple(float(count(forwards, j) - count(s, v - 1 - j)) for j in range(v))
+    first = v - 1 - min(v - 1, s // n)  # the stage of W number s has its gradients too
+    inputs = min(m * v, s + rank + 1)
+    past = tuple(float(count(inputs, v - 1 - j) - count(s, v - 1 - j)) for j in range(v))
+    return held, first, past
+
+
+@lru_cache(maxsize=1024)
+def zb_moments(schedule: str, p: int, v: int, m: int, rank: int) -> tuple[Moment, ...]:
+    """The moments a zero-bubble rank can peak at, as interleaved_moments: (micro-batches
+    each of its stages holds, the first of its stages that has gradients), none covered by
+    another. InterleavedZeroBubble: at each of its Ws."""
+    if schedule == "ZBVZeroBubble":
+        return _zbv_moments(p, m, rank)
+    return _frontier([_zb_window(p, v, m, s, rank) for s in range(m * v)])
+
+
+def _zbv_moments(p: int, m: int, rank: int) -> tuple[Moment, ...]:
+    """ScheduleZBVZeroBubble's rank r: its steady state holds 2p stage micro-batches,
+    (2p - r, r) at a W of stage 0 or (2p - 1 - r, r + 1) at one of stage 1, both stages
+    with gradients, the W's own micro-batch past I; its cool-down (r > 0) holds (p, r),
+    all past I. Fewer micro-batches than 2p cap them (then an upper bound: the first W,
+    with only stage 1's gradients, counted with both's)."""
+    steady = [_zbv_steady(p, m, rank, k) for k in (0, 1)]
+    cool = [(_capped(m, p, rank), 0, _capped(m, rank + 1, rank))] if rank > 0 else []
+    return _frontier(steady + cool)
+
+
+def _zbv_steady(p: int, m: int, rank: int, k: int) -> Moment:
+    """A ZB-V steady-state moment: at a W of stage k (see _zbv_moments)."""
+    return _capped(m, 2 * p - rank - k, rank + k), 0, _capped(m, 1 - k, k)
+
+
+def _capped(m: int, *counts: int) -> tuple[float, ...]:
+    return tuple(float(min(m, c)) for c in counts)
+
+
+def _frontier(moments: list[Moment]) -> tuple[Moment, ...]:
+    """The moments no other one covers (as many micro-batches held and past I on every
+    stage, and the gradients of as many stages)."""
+    unique = list(dict.fromkeys(moments))
+
+    def covers(a: Moment, b: Moment) -> bool:
+        more = zip(a[0] + a[2], b[0] + b[2], strict=True)
+        return a != b and a[1] <= b[1] and all(x >= y for x, y in more)
+
+    return tuple(x for x in unique if not any(covers(y, x) for y in unique))
 
 
 def chunk_held(schedule: str, p: int, v: int, m: int, rank: int) -> tuple[float, ...]:
     """Micro-batches each of the rank's v stages (in order) holds at its first backward:
     interleaved, the warm-up's in_flight x v stage micro-batches dealt out in rounds of
     round_size a stage (see the module's docstring); otherwise every stage in_flight."""
+    if schedule in ZERO_BUBBLE:
+        return zb_held(schedule, p, v, m, rank)
     held = in_flight(schedule, p, v, m, rank)
     if schedule not in INTERLEAVED or v == 1:
         return (held,) * v
@@ -254,13 +350,18 @@ def worst_stage(
 def stage_memory(
     w: Workload, stage: Stage, setup: Setup, device: str, runtime_bytes: float = 0.0
 ) -> MemoryEstimate:
-    """estimate_memory of one pipeline rank. Interleaved1F1B: the largest of its
-    interleaved_moments. Otherwise a rank that runs every forward before its first
+    """estimate_memory of one pipeline rank. Interleaved1F1B and the zero-bubble
+    schedules: the largest of its interleaved_moments or zb_moments. Otherwise a rank that runs every forward before its first
     backward (GPipe; 1F1B with no more micro-batches than the stages after it) holds all m
     micro-batches' activations before any gradient exists, and from the second backward
     on, which has the gradients, m - 1 at most."""
+    if setup.schedule in ZERO_BUBBLE:
+        p, v, m = setup.dims.pp, setup.virtual, setup.grad_accum
+        moments = zb_moments(setup.schedule, p, v, m, stage.rank)
+        return _moments_memory(w, stage, moments, setup, device, runtime_bytes)
     if len(stage.chunks) > 1 and setup.schedule in INTERLEAVED and setup.grad_accum > 1:
-        return _interleaved_memory(w, stage, setup, device, runtime_bytes)
+        moments = interleaved_moments(stage.held, setup.dims.pp, setup.grad_accum)
+        return _moments_memory(w, stage, moments, setup, device, runtime_bytes)
     est = estimate_memory(stage_workload(w, stage), setup, device, runtime_bytes)
     if stage.in_flight < setup.grad_accum or setup.grad_accum == 1:
         return est
@@ -271,34 +372,49 @@ def stage_memory(
     return max(first, later, key=lambda e: e.total)
 
 
-def interleaved_moments(held: tuple[float, ...], p: int, m: int) -> list[tuple[tuple[float, ...], int]]:
+def interleaved_moments(held: tuple[float, ...], p: int, m: int) -> list[Moment]:
     """The moments an Interleaved1F1B rank can peak at, as (micro-batches each of its
     stages holds, the first of its stages that has gradients: stages k..v-1 have them);
     `held`: chunk_held. With one round, stage k's first backward for each k (stages above
     it drained); with more, the warm-up's activations beside every stage's gradients."""
     v = len(held)
     pairs = m * v - sum(held)  # the steady state's forward-backward pairs
+    none = (0.0,) * v  # its backward runs whole: nothing waits for a W
     if pairs >= (v - 1) * round_size(p, m) + 1:  # every stage backs before the drain
-        return [(held, 0)]
-    return [(held[: k + 1] + (0.0,) * (v - 1 - k), k) for k in range(v - 1, -1, -1)]
+        return [(held, 0, none)]
+    return [(held[: k + 1] + (0.0,) * (v - 1 - k), k, none) for k in range(v - 1, -1, -1)]
 
 
-def _interleaved_memory(
-    w: Workload, stage: Stage, setup: Setup, device: str, runtime_bytes: float
+def _moments_memory(
+    w: Workload, stage: Stage, moments: Iterable[Moment], setup: Setup,
+    device: str, runtime_bytes: float,
 ) -> MemoryEstimate:
-    """The largest estimate_memory of an Interleaved1F1B rank's interleaved_moments."""
+    """The largest estimate_memory of a rank's `moments` (interleaved_moments, zb_moments)."""
     sw = stage_workload(w, stage)
     shares = _chunk_shares(w, stage)
     last = len(stage.chunks) - 1
-    moments = []
-    for held, k in interleaved_moments(stage.held, setup.dims.pp, setup.grad_accum):
+    estimates = []
+    for held, k, past in moments:
         head = stage.head and held[last] > 0
         moment = replace(
             sw, in_flight=_weighted(stage.chunks, held), head=head,
             head_in_flight=held[last] if head else None, grads_held=sum(shares[k:]),
+            past_i=_past_i(stage, past),
         )
-        moments.append(estimate_memory(moment, setup, device, runtime_bytes))
-    return max(moments, key=lambda e: e.total)
+        estimates.append(estimate_memory(moment, setup, device, runtime_bytes))
+    return max(estimates, key=lambda e: e.total)
+
+
+def _past_i(stage: Stage, past: tuple[float, ...]) -> tuple[float, float, float]:
+    """Workload.past_i of a rank whose stages hold `past` micro-batches past I: the blocks
+    of its stages but the first pipeline stage (which skips I, stage.py), the head's
+    stage, and every stage's received output gradient but the head's (its output is
+    the loss)."""
+    last = len(stage.chunks) - 1
+    ran_i = [b * n for j, (b, n) in enumerate(zip(stage.chunks, past, strict=True))
+             if not (j == 0 and stage.embeddings)]
+    heads = past[last] if stage.head else 0.0
+    return float(sum(ran_i)), heads, sum(past) - heads
 
 
 def _chunk_shares(w: Workload, stage: Stage) -> list[float]:
