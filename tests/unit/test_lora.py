@@ -72,7 +72,7 @@ def test_the_converter_freezes_the_base_and_counts_the_adapters():
     x = torch.randint(0, 64, (2, 16))
     with torch.no_grad():
         before = gpt(x)
-    LoRAConverter(LoraConfig(rank=rank), "bf16", seed=0).convert(gpt)
+    LoRAConverter(LoraConfig(rank=rank), "bf16").convert(gpt)
     layers = lora_layers(gpt)
     adapters = sum(rank * (m.in_features + m.out_features) for m in layers.values())
     trainable, total = parameter_counts(gpt)
@@ -91,20 +91,20 @@ def test_the_converter_freezes_the_base_and_counts_the_adapters():
 
 def test_embeddings_and_head_train_when_asked():
     gpt = tiny_gpt()  # the tiny preset ties its head to the token embedding
-    LoRAConverter(LoraConfig(rank=2, train_head=True), "fp32", seed=0).convert(gpt)
+    LoRAConverter(LoraConfig(rank=2, train_head=True), "fp32").convert(gpt)
     assert gpt.tok_emb.weight.requires_grad
     gpt = tiny_gpt()
-    LoRAConverter(LoraConfig(rank=2, targets=["*.mlp.up"]), "fp32", seed=0).convert(gpt)
+    LoRAConverter(LoraConfig(rank=2, targets=["*.mlp.up"]), "fp32").convert(gpt)
     assert list(lora_layers(gpt)) == [f"blocks.{i}.mlp.up" for i in range(len(gpt.blocks))]
     assert not gpt.tok_emb.weight.requires_grad
     mlp = build_model(ModelSpec(name="mlp", in_features=8, num_classes=3, hidden=(16,))).module
-    LoRAConverter(LoraConfig(rank=2, targets=["blocks.*"], train_head=True), "fp32", 0).convert(mlp)
+    LoRAConverter(LoraConfig(rank=2, targets=["blocks.*"], train_head=True), "fp32").convert(mlp)
     assert list(lora_layers(mlp)) == ["blocks.0.0"] and mlp.head.weight.requires_grad
 
 
 def test_merge_folds_the_update_into_the_base():
     gpt, cfg = tiny_gpt(), LoraConfig(rank=4, alpha=8.0)
-    LoRAConverter(cfg, "fp32", seed=0).convert(gpt)
+    LoRAConverter(cfg, "fp32").convert(gpt)
     for layer in lora_layers(gpt).values():
         torch.nn.init.normal_(layer.lora_B.weight)  # a trained-looking update
     x = torch.randint(0, 64, (2, 16))
@@ -230,7 +230,7 @@ def test_adapters_follow_their_base_split_under_tp():
 
     with torch.device("meta"):
         bundle = build_model(ModelSpec("small", vocab_size=256, seq_len=32))
-    converter = LoRAConverter(LoraConfig(rank=4), "fp32", seed=0)
+    converter = LoRAConverter(LoraConfig(rank=4), "fp32")
     converter.convert(bundle.module)
     torch.distributed.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
     try:

@@ -174,8 +174,8 @@ class LoRAConverter:
 
     name = "lora"
 
-    def __init__(self, cfg: LoraConfig, dtype: str, seed: int):
-        self.cfg, self.dtype, self.seed = cfg, _DTYPES[dtype], seed
+    def __init__(self, cfg: LoraConfig, dtype: str):
+        self.cfg, self.dtype = cfg, _DTYPES[dtype]
 
     def convert(self, model: nn.Module) -> None:
         """Swap the targeted Linears, then freeze all but the adapters (and embeddings /
@@ -275,5 +275,5 @@ def lora_converter(config: JobConfig) -> LoRAConverter | None:
     """The factory in models.converters.CONVERTERS: None when lora.rank = 0."""
     if config.lora.rank == 0:
         return None
-    return LoRAConverter(config.lora, config.precision.dtype, config.train.seed)
+    return LoRAConverter(config.lora, config.precision.dtype)
 
