@@ -55,6 +55,7 @@ from trainwise.run.engine.step import (
     mean_over_ranks,
     total_grad_norm,
 )
+from trainwise.run.observe.telemetry import Spans
 
 TIED = "tok_emb.weight"  # the embedding a tied head reuses (models.pipeline copies it)
 BACKWARD_ACTIONS = (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, SEND_B, RECV_B, REDUCE_GRAD)
@@ -203,34 +204,6 @@ class PipelineStep(DataParallelStep):
         for part in parts:
             part.train()
         return mean_over_ranks(total / max(n, 1))[0]
-
-
-class Spans:
-    """Time spans on this rank: CUDA events on GPU (read once the device has passed
-    them), host clocks on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.spans: list[tuple[Any, Any]] = []
-
-    def mark(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def add(self, start: Any, end: Any) -> None:
-        self.spans.append((start, end))
-
-    def seconds(self) -> float:
-        """The spans' total, in seconds; the list starts again empty."""
-        spans, self.spans = self.spans, []
-        if not self.cuda:
-            return sum(end - start for start, end in spans)
-        if spans:
-            spans[-1][1].synchronize()
-        return sum(start.elapsed_time(end) for start, end in spans) / 1000.0
 
 
 def run(

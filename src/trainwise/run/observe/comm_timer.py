@@ -13,7 +13,6 @@ Python per op.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from typing import Any
 
@@ -21,6 +20,8 @@ import torch
 from torch._ops import HigherOrderOperator
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainwise.run.observe.telemetry import Spans
 
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
 NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")  # timed, not counted
@@ -33,10 +34,9 @@ class CollectiveTimer(TorchDispatchMode):
 
     def __init__(self, device: torch.device):
         super().__init__()
-        self.cuda = device.type == "cuda"
         self.calls = 0
         self.bytes = 0
-        self._spans: list[tuple[Any, Any]] = []
+        self._spans = Spans(device)
         self.counting = True  # False: intercept as before, count nothing
         self.by_op: Counter[tuple[str, int]] = Counter()
 
@@ -48,9 +48,9 @@ class CollectiveTimer(TorchDispatchMode):
             return NotImplemented  # DTensor runs the op and issues its collectives to us
         if not self.counting or getattr(func, "namespace", None) not in COLLECTIVE_NAMESPACES:
             return func(*args, **kwargs)
-        start = self._mark()
+        start = self._spans.mark()
         out = func(*args, **kwargs)
-        self._spans.append((start, self._mark()))
+        self._spans.add(start, self._spans.mark())
         name = func.__name__.split(".")[0]
         if name not in NOT_COLLECTIVES:
             size = sum(_tensor_bytes(a) for a in args)
@@ -59,22 +59,9 @@ class CollectiveTimer(TorchDispatchMode):
             self.by_op[name, size] += 1
         return out
 
-    def _mark(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
     def seconds(self) -> float:
         """The time from each collective's issue to its completion, summed."""
-        if not self.cuda:
-            return sum(end - start for start, end in self._spans)
-        total = 0.0
-        for start, end in self._spans:
-            end.synchronize()
-            total += start.elapsed_time(end) / 1000.0
-        return total
+        return self._spans.seconds()
 
 
 def _tensor_bytes(value: Any) -> int:

@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -158,6 +159,38 @@ class StageClock:
 
     def spans(self) -> dict[str, float]:
         return resolve_spans(self.take())
+
+
+class Spans:
+    """Time spans on this rank, summed: CUDA events on GPU (recorded on the current
+    stream, read once the device has passed them, so timing adds no synchronisation to
+    the work), host clocks on CPU. The pipeline's compute and wall time, the
+    tensor-parallel collectives (comm_timer)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: list[tuple[Any, Any]] = []
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def add(self, start: Any, end: Any) -> None:
+        self.spans.append((start, end))
+
+    def seconds(self) -> float:
+        """The spans' total, in seconds; the list starts again empty."""
+        spans, self.spans = self.spans, []
+        if not self.cuda:
+            return sum(end - start for start, end in spans)
+        total = 0.0
+        for start, end in spans:
+            end.synchronize()
+            total += start.elapsed_time(end) / 1000.0
+        return total
 
 
 def resolve_spans(marks: Marks) -> dict[str, float]:
