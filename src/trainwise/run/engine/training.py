@@ -367,12 +367,13 @@ class Training:
     def _summary(self, figures: dict[str, Any]) -> dict[str, Any]:
         c, job, env, resumed = self.cfg, self.job, self.env, self.resumed
         cost = retry_cost(read_events(self.run_dir), env.world)
+        trainable, total = job.lora_counts
         return {
             "run_dir": str(self.run_dir),
             "model": c.model.name,
             "params": job.params,
-            "trainable_params": job.lora_counts[0],
-            "total_params": job.lora_counts[1],
+            "trainable_params": trainable,
+            "total_params": total,
             "strategy": job.strategy,
             "layout": job.dims.describe(),
             "tp": job.dims.tp,
