@@ -18,19 +18,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainwise.errors import ConfigError
+from trainwise.models.lora import ADAPTERS
 
 if TYPE_CHECKING:
     from trainwise.config import JobConfig
 
 PREFIX = "base_model.model."  # PEFT's name of the base model inside a PeftModel
-ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 _FULL_MODULES = {"train_embeddings": "embed_tokens", "train_head": "lm_head"}
 _EMBED_HEAD = ("embed_tokens", "lm_head")
 
 
 def adapter_base(name: str) -> str | None:
     """`<path>` of an adapter entry `<path>.lora_A.weight` / `.lora_B.weight`, else None."""
-    for suffix in ADAPTER_SUFFIXES:
+    for suffix in (f".{adapter}.weight" for adapter in ADAPTERS):
         if name.endswith(suffix):
             return name[: -len(suffix)]
     return None
