@@ -12,7 +12,6 @@ head that trained fully (lora.train_embeddings / train_head) go in as PEFT's
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -128,7 +127,7 @@ def export_peft(run_dir: Path, checkpoint: Path, out: Path, force: bool = False)
     via `out.partial` renamed when complete."""
     from safetensors.torch import save_file
 
-    from trainwise.export.hf import checkpoint_model_spec, hf_target, replace_dir
+    from trainwise.export.hf import checkpoint_model_spec, hf_target, staged_dir
     from trainwise.export.weights import checkpoint_step, load_model_state, refuse_existing
 
     run_dir, checkpoint, out = Path(run_dir), Path(checkpoint), Path(out)
@@ -148,18 +147,11 @@ def export_peft(run_dir: Path, checkpoint: Path, out: Path, force: bool = False)
     whole, full = trained_whole(state, rename, cfg.lora, tied)
     tensors.update(whole)
     config = lora_config(cfg.lora, targets, full, tied and bool(full), _base_dir(spec.name))
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        partial.mkdir(parents=True)
+    with staged_dir(out) as partial:  # never half an adapter
         config.save_pretrained(str(partial))
         contiguous = {k: v.detach().contiguous() for k, v in tensors.items()}
         save_file(contiguous, str(partial / "adapter_model.safetensors"),
                   metadata={"format": "pt"})
-        replace_dir(partial, out)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)  # never half an adapter
-        raise
     return {"tensors": len(tensors), "targets": len(targets), "step": checkpoint_step(checkpoint)}
 
 
