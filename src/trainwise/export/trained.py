@@ -184,11 +184,7 @@ def from_run(run_dir: Path, step: int | None = None) -> Trained:
     module = build_trained(cfg, checkpoint)
     shape = getattr(module, "shape", None)
     max_len = getattr(shape, "max_seq_len", None) or cfg.data.seq_len
-
-    def logits(ids: torch.Tensor) -> torch.Tensor:
-        return module(ids)
-
-    return Trained(logits, tokenizer, max_len, str(checkpoint), module)
+    return Trained(module, tokenizer, max_len, str(checkpoint), module)  # its output: logits
 
 
 def from_export(folder: Path) -> Trained:
