@@ -74,17 +74,17 @@ def trained_whole(
     return {PREFIX + names[0]: value, PREFIX + names[1]: value.clone()}, [embed]
 
 
-def lora_run_dir(source: Path, checkpoint: Path) -> Path | None:
-    """The run directory of a LoRA run's checkpoint (`source` is what the user gave: the
-    run, or the checkpoint itself), or None when the run trained every parameter.
+def lora_run_config(source: Path, checkpoint: Path) -> JobConfig | None:
+    """The run config of a LoRA run's checkpoint (`source` is what the user gave: the run,
+    or the checkpoint itself), or None when the run trained every parameter.
     ConfigError when the checkpoint holds adapters but no run config can be found."""
     from trainwise.export.hf import adapter_entries
+    from trainwise.export.trained import run_config
 
     for folder in (source, checkpoint.parent.parent):
         if (folder / "config.toml").is_file():
-            from trainwise.export.trained import run_config
-
-            return folder if run_config(folder).lora.rank > 0 else None
+            cfg = run_config(folder)
+            return cfg if cfg.lora.rank > 0 else None
     if adapter_entries(checkpoint):
         raise ConfigError(
             f"{checkpoint} holds LoRA adapters but no run config.toml is beside it: give the "
@@ -93,25 +93,14 @@ def lora_run_dir(source: Path, checkpoint: Path) -> Path | None:
     return None
 
 
-def merged_state(run_dir: Path, checkpoint: Path) -> dict[str, Any]:
+def merged_state(cfg: JobConfig, checkpoint: Path) -> dict[str, Any]:
     """The LoRA run's trained model (the checkpoint over its starting weights) with the
     adapters folded into their base weights: a plain model's state dict."""
-    from trainwise.export.trained import build_trained, run_config
+    from trainwise.export.trained import build_trained
     from trainwise.models.lora import merge_lora
 
-    cfg = run_config(run_dir)
     module = build_trained(cfg, checkpoint)
     return merge_lora({k: v.detach() for k, v in module.state_dict().items()}, cfg.lora)
-
-
-def lora_run(run_dir: Path) -> JobConfig:
-    """The run's config; ConfigError when it did not train with LoRA."""
-    from trainwise.export.trained import run_config
-
-    cfg = run_config(run_dir)
-    if cfg.lora.rank == 0:
-        raise ConfigError(not_lora(run_dir))
-    return cfg
 
 
 def not_lora(where: Path) -> str:
@@ -122,17 +111,17 @@ def not_lora(where: Path) -> str:
     )
 
 
-def export_peft(run_dir: Path, checkpoint: Path, out: Path, force: bool = False) -> dict:
-    """Write the adapters of a LoRA run's `checkpoint` as a PEFT adapter directory `out`,
-    via `out.partial` renamed when complete."""
+def export_peft(cfg: JobConfig, checkpoint: Path, out: Path, force: bool = False) -> dict:
+    """Write the adapters of a LoRA run's `checkpoint` (`cfg`: the run's config, from
+    lora_run_config) as a PEFT adapter directory `out`, via `out.partial` renamed when
+    complete."""
     from safetensors.torch import save_file
 
     from trainwise.export.hf import checkpoint_model_spec, hf_target, staged_dir
     from trainwise.export.weights import checkpoint_step, load_model_state, refuse_existing
 
-    run_dir, checkpoint, out = Path(run_dir), Path(checkpoint), Path(out)
+    checkpoint, out = Path(checkpoint), Path(out)
     refuse_existing(out, force)
-    cfg = lora_run(run_dir)
     spec = checkpoint_model_spec(checkpoint)
     state = load_model_state(checkpoint)
     try:
