@@ -53,11 +53,11 @@ def run_config(run_dir: Path) -> JobConfig:
 
 def chosen_checkpoint(run_dir: Path, step: int | None = None) -> Path:
     """The run's newest valid checkpoint (or that of `step`); ConfigError when none."""
-    from trainwise.export.weights import choose_checkpoint
+    from trainwise.export.weights import resolve_checkpoint
     from trainwise.run.checkpoint.store import CheckpointError
 
     try:
-        return choose_checkpoint(Path(run_dir), step)[0]
+        return resolve_checkpoint(Path(run_dir), step)
     except CheckpointError as err:
         raise ConfigError(str(err)) from None
 
