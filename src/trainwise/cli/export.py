@@ -7,8 +7,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainwise.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainwise.config import JobConfig
 
 _SUFFIX_FORMATS = {
     ".safetensors": "safetensors",
@@ -100,9 +104,9 @@ def run(args: argparse.Namespace) -> int:
     if skipped:
         print(f"trainwise: exporting {checkpoint.name}, the newest valid one", file=sys.stderr)
     if fmt in ("hf", "peft"):
-        from trainwise.export.adapters import lora_run_dir, not_lora
+        from trainwise.export.adapters import lora_run_config, not_lora
 
-        lora = lora_run_dir(source, checkpoint)
+        lora = lora_run_config(source, checkpoint)
         if fmt == "peft":
             if lora is None:
                 raise ConfigError(not_lora(source))
@@ -125,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _export_hf(
-    checkpoint: Path, out: Path, shard_size: str, force: bool, lora_run: Path | None
+    checkpoint: Path, out: Path, shard_size: str, force: bool, lora: JobConfig | None
 ) -> int:
     from trainwise.export.adapters import merged_state
     from trainwise.export.hf import export_hf, parse_size
@@ -133,9 +137,9 @@ def _export_hf(
 
     size = parse_size(shard_size)
     refuse_existing(out, force)  # before building a LoRA run's model
-    state = merged_state(lora_run, checkpoint) if lora_run is not None else None
+    state = merged_state(lora, checkpoint) if lora is not None else None
     result = export_hf(checkpoint, out, size, force, state)
-    merged = ", LoRA adapters merged" if lora_run is not None else ""
+    merged = ", LoRA adapters merged" if lora is not None else ""
     print(
         f"trainwise: wrote {out} ({result['tensors']} tensors in {result['files']} safetensors "
         f"file(s), Hugging Face format{merged}) from step {result['step']} ({checkpoint})"
@@ -143,10 +147,10 @@ def _export_hf(
     return 0
 
 
-def _export_peft(run_dir: Path, checkpoint: Path, out: Path, force: bool) -> int:
+def _export_peft(lora: JobConfig, checkpoint: Path, out: Path, force: bool) -> int:
     from trainwise.export.adapters import export_peft
 
-    result = export_peft(run_dir, checkpoint, out, force)
+    result = export_peft(lora, checkpoint, out, force)
     print(
         f"trainwise: wrote {out} (PEFT adapter: {result['targets']} LoRA modules, "
         f"{result['tensors']} tensors) from step {result['step']} ({checkpoint})"

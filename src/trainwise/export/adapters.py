@@ -12,25 +12,24 @@ head that trained fully (lora.train_embeddings / train_head) go in as PEFT's
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainwise.errors import ConfigError
+from trainwise.models.lora import ADAPTERS
 
 if TYPE_CHECKING:
     from trainwise.config import JobConfig
 
 PREFIX = "base_model.model."  # PEFT's name of the base model inside a PeftModel
-ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 _FULL_MODULES = {"train_embeddings": "embed_tokens", "train_head": "lm_head"}
 _EMBED_HEAD = ("embed_tokens", "lm_head")
 
 
 def adapter_base(name: str) -> str | None:
     """`<path>` of an adapter entry `<path>.lora_A.weight` / `.lora_B.weight`, else None."""
-    for suffix in ADAPTER_SUFFIXES:
+    for suffix in (f".{adapter}.weight" for adapter in ADAPTERS):
         if name.endswith(suffix):
             return name[: -len(suffix)]
     return None
@@ -75,17 +74,17 @@ def trained_whole(
     return {PREFIX + names[0]: value, PREFIX + names[1]: value.clone()}, [embed]
 
 
-def lora_run_dir(source: Path, checkpoint: Path) -> Path | None:
-    """The run directory of a LoRA run's checkpoint (`source` is what the user gave: the
-    run, or the checkpoint itself), or None when the run trained every parameter.
+def lora_run_config(source: Path, checkpoint: Path) -> JobConfig | None:
+    """The run config of a LoRA run's checkpoint (`source` is what the user gave: the run,
+    or the checkpoint itself), or None when the run trained every parameter.
     ConfigError when the checkpoint holds adapters but no run config can be found."""
     from trainwise.export.hf import adapter_entries
+    from trainwise.export.trained import run_config
 
     for folder in (source, checkpoint.parent.parent):
         if (folder / "config.toml").is_file():
-            from trainwise.export.trained import run_config
-
-            return folder if run_config(folder).lora.rank > 0 else None
+            cfg = run_config(folder)
+            return cfg if cfg.lora.rank > 0 else None
     if adapter_entries(checkpoint):
         raise ConfigError(
             f"{checkpoint} holds LoRA adapters but no run config.toml is beside it: give the "
@@ -94,25 +93,14 @@ def lora_run_dir(source: Path, checkpoint: Path) -> Path | None:
     return None
 
 
-def merged_state(run_dir: Path, checkpoint: Path) -> dict[str, Any]:
+def merged_state(cfg: JobConfig, checkpoint: Path) -> dict[str, Any]:
     """The LoRA run's trained model (the checkpoint over its starting weights) with the
     adapters folded into their base weights: a plain model's state dict."""
-    from trainwise.export.trained import build_trained, run_config
+    from trainwise.export.trained import build_trained
     from trainwise.models.lora import merge_lora
 
-    cfg = run_config(run_dir)
     module = build_trained(cfg, checkpoint)
     return merge_lora({k: v.detach() for k, v in module.state_dict().items()}, cfg.lora)
-
-
-def lora_run(run_dir: Path) -> JobConfig:
-    """The run's config; ConfigError when it did not train with LoRA."""
-    from trainwise.export.trained import run_config
-
-    cfg = run_config(run_dir)
-    if cfg.lora.rank == 0:
-        raise ConfigError(not_lora(run_dir))
-    return cfg
 
 
 def not_lora(where: Path) -> str:
@@ -123,17 +111,17 @@ def not_lora(where: Path) -> str:
     )
 
 
-def export_peft(run_dir: Path, checkpoint: Path, out: Path, force: bool = False) -> dict:
-    """Write the adapters of a LoRA run's `checkpoint` as a PEFT adapter directory `out`,
-    via `out.partial` renamed when complete."""
+def export_peft(cfg: JobConfig, checkpoint: Path, out: Path, force: bool = False) -> dict:
+    """Write the adapters of a LoRA run's `checkpoint` (`cfg`: the run's config, from
+    lora_run_config) as a PEFT adapter directory `out`, via `out.partial` renamed when
+    complete."""
     from safetensors.torch import save_file
 
-    from trainwise.export.hf import checkpoint_model_spec, hf_target, replace_dir
+    from trainwise.export.hf import checkpoint_model_spec, hf_target, staged_dir
     from trainwise.export.weights import checkpoint_step, load_model_state, refuse_existing
 
-    run_dir, checkpoint, out = Path(run_dir), Path(checkpoint), Path(out)
+    checkpoint, out = Path(checkpoint), Path(out)
     refuse_existing(out, force)
-    cfg = lora_run(run_dir)
     spec = checkpoint_model_spec(checkpoint)
     state = load_model_state(checkpoint)
     try:
@@ -148,18 +136,11 @@ def export_peft(run_dir: Path, checkpoint: Path, out: Path, force: bool = False)
     whole, full = trained_whole(state, rename, cfg.lora, tied)
     tensors.update(whole)
     config = lora_config(cfg.lora, targets, full, tied and bool(full), _base_dir(spec.name))
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        partial.mkdir(parents=True)
+    with staged_dir(out) as partial:  # never half an adapter
         config.save_pretrained(str(partial))
         contiguous = {k: v.detach().contiguous() for k, v in tensors.items()}
         save_file(contiguous, str(partial / "adapter_model.safetensors"),
                   metadata={"format": "pt"})
-        replace_dir(partial, out)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)  # never half an adapter
-        raise
     return {"tensors": len(tensors), "targets": len(targets), "step": checkpoint_step(checkpoint)}
 
 

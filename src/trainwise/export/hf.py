@@ -14,7 +14,7 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,24 +147,34 @@ def export_hf(
     if config.get("tie_word_embeddings"):
         sizes = {k: v for k, v in sizes.items() if rename(k) != "lm_head.weight"}
     groups = plan_shards(sizes, shard_bytes)
-    partial = out.with_name(out.name + ".partial")
     try:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        weight_map = _write_shards(read, partial, groups, rename, save_file)
-        dtypes = {str(d).removeprefix("torch.") for _, d in sizes.values()}
-        config["torch_dtype"] = config["dtype"] = (
-            next(iter(dtypes)) if len(dtypes) == 1 else "float32"
-        )
-        (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        _copy_tokenizer(spec, partial)
-        replace_dir(partial, out)
-    except BaseException as err:
-        shutil.rmtree(partial, ignore_errors=True)  # never leave half a model behind
-        if isinstance(err, (OSError, SafetensorError)):  # the checkpoint was read by DCP
-            raise unwritable(out, err) from None
-        raise
+        with staged_dir(out) as partial:
+            weight_map = _write_shards(read, partial, groups, rename, save_file)
+            dtypes = {str(d).removeprefix("torch.") for _, d in sizes.values()}
+            config["torch_dtype"] = config["dtype"] = (
+                next(iter(dtypes)) if len(dtypes) == 1 else "float32"
+            )
+            text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+            (partial / "config.json").write_text(text)
+            _copy_tokenizer(spec, partial)
+    except (OSError, SafetensorError) as err:  # the checkpoint was read by DCP
+        raise unwritable(out, err) from None
     return {"tensors": len(weight_map), "files": len(groups), "step": checkpoint_step(checkpoint)}
+
+
+@contextlib.contextmanager
+def staged_dir(out: Path) -> Iterator[Path]:
+    """A fresh ``out.partial`` to fill, put at ``out`` (replace_dir) when the block ends, and
+    removed when it fails: never half a directory at ``out``."""
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        partial.mkdir(parents=True)
+        yield partial
+        replace_dir(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
 
 
 def replace_dir(partial: Path, out: Path) -> None:

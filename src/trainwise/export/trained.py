@@ -53,11 +53,11 @@ def run_config(run_dir: Path) -> JobConfig:
 
 def chosen_checkpoint(run_dir: Path, step: int | None = None) -> Path:
     """The run's newest valid checkpoint (or that of `step`); ConfigError when none."""
-    from trainwise.export.weights import choose_checkpoint
+    from trainwise.export.weights import resolve_checkpoint
     from trainwise.run.checkpoint.store import CheckpointError
 
     try:
-        return choose_checkpoint(Path(run_dir), step)[0]
+        return resolve_checkpoint(Path(run_dir), step)
     except CheckpointError as err:
         raise ConfigError(str(err)) from None
 
@@ -184,11 +184,7 @@ def from_run(run_dir: Path, step: int | None = None) -> Trained:
     module = build_trained(cfg, checkpoint)
     shape = getattr(module, "shape", None)
     max_len = getattr(shape, "max_seq_len", None) or cfg.data.seq_len
-
-    def logits(ids: torch.Tensor) -> torch.Tensor:
-        return module(ids)
-
-    return Trained(logits, tokenizer, max_len, str(checkpoint), module)
+    return Trained(module, tokenizer, max_len, str(checkpoint), module)  # its output: logits
 
 
 def from_export(folder: Path) -> Trained:
