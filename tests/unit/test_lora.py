@@ -132,6 +132,14 @@ def test_bad_lora_input_is_one_line_before_any_worker(overrides, says):
     assert caught.value.exit_status == 2
 
 
+def test_an_empty_target_list_is_refused_where_the_config_is_read():
+    # Unset means the defaults; an empty list would give adapters to nothing.
+    with pytest.raises(ConfigError) as caught:
+        load_config(overrides=[*TINY, "lora.rank=4", "lora.targets=[]"])
+    assert "lora.targets = []" in str(caught.value) and "is empty" in str(caught.value)
+    assert caught.value.exit_status == 2
+
+
 def test_training_moves_only_the_adapters_and_the_checkpoint_holds_only_them():
     trainer, job = trainer_for("lora.rank=4")
     model = trainer.parts[0]

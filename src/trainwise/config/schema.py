@@ -769,6 +769,17 @@ class LoraConfig(Section):
         "the Linears that get adapters; default: the attention projections and the MLP of "
         "the built-in GPT and the Llama family.",
     )
+
+    @field_validator("targets")
+    @classmethod
+    def _some_targets(cls, value: list[str] | None) -> list[str] | None:
+        # An empty list would give adapters to nothing (the runtime) while the planner,
+        # reading it as unset, priced the defaults: refused, as a pattern matching nothing is.
+        if value == []:
+            raise ValueError("is empty: list at least one pattern, or leave it unset for "
+                             "the default targets")
+        return value
+
     train_embeddings: bool = Field(
         False, description="With LoRA: the token embeddings train fully too (else frozen)."
     )
