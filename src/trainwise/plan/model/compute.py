@@ -388,8 +388,8 @@ def _adapters(
     """Every adapter of the model, forward (x A^T, then B) and backward (the input and
     weight gradients of both: twice the forward), in the eager runtime's operations (the
     dropout, two linears, the scaling and the sum forward)."""
-    r, gemms = lora.rank, 0.0
-    for out, inp in targeted(shape, lora, tp):
+    r, gemms, layers = lora.rank, 0.0, targeted(shape, lora, tp)
+    for out, inp in layers:
         forward = _gemm(tokens, r, inp, hw, precision, table) + _gemm(
             tokens, out, r, hw, precision, table
         )
@@ -399,7 +399,7 @@ def _adapters(
             + _gemm(out, r, tokens, hw, precision, table)
         )
         gemms += forward + backward
-    ops = len(targeted(shape, lora, tp)) * ADAPTER_OPS * (1 + BACKWARD_OPS_PER_FORWARD_OP)
+    ops = len(layers) * ADAPTER_OPS * (1 + BACKWARD_OPS_PER_FORWARD_OP)
     return Work(gemms, ops)
 
 
