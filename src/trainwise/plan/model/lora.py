@@ -61,10 +61,11 @@ def targeted(shape: GPTShape, lora: LoraPlan, tp: int = 1) -> tuple[tuple[int, i
     """(out, in) on one of `tp` ranks of every Linear that gets an adapter, over the whole
     model: the blocks' (blocks.<i>.attn.q_proj, ...) and the untied head's."""
     patterns = lora.targets or DEFAULT_TARGETS
+    linears = block_linears(shape, tp).items()
     found = [
         dims
         for i in range(shape.n_layer)
-        for name, dims in block_linears(shape, tp).items()
+        for name, dims in linears
         if lora_target_matches(f"blocks.{i}.{name}", patterns)
     ]
     if not shape.tie_embeddings and lora_target_matches(HEAD, patterns):
