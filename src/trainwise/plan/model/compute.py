@@ -41,7 +41,13 @@ from trainwise.plan.model.gemm import (
     gemm_seconds,
     slowest_pace,
 )
-from trainwise.plan.model.lora import LoraPlan, rank_split, targeted, trained_matmul_params
+from trainwise.plan.model.lora import (
+    LoraPlan,
+    block_linears,
+    rank_split,
+    targeted,
+    trained_matmul_params,
+)
 from trainwise.plan.model.memory import Workload, checkpointed_blocks
 from trainwise.plan.model.precision import BYTES, MASTER_BYTES
 
@@ -251,12 +257,8 @@ def _micro_batch(
 
 
 def _gemms(shape: GPTShape, tp: int) -> list[tuple[int, int]]:
-    """(out, in) of a block's projections on one of `tp` ranks: q, k, v and the gate/up
-    split their outputs, out_proj and down their inputs."""
-    h, f = shape.d_model, shape.d_ff
-    q, kv = shape.n_head * shape.head_dim, shape.n_kv_head * shape.head_dim
-    mlp_in = [(f // tp, h)] * (2 if shape.mlp == "swiglu" else 1)
-    return [(q // tp, h), (kv // tp, h), (kv // tp, h), (h, q // tp), *mlp_in, (h, f // tp)]
+    """(out, in) of a block's projections on one of `tp` ranks (lora.block_linears)."""
+    return list(block_linears(shape, tp).values())
 
 
 def _gemm(m: int, n: int, k: int, hw: Hardware, precision: str, table: GemmTable | None) -> float:
