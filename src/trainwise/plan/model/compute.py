@@ -33,7 +33,11 @@ from typing import TYPE_CHECKING
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import GPTShape
 from trainwise.plan.inputs import Hardware, PlanInputs
-from trainwise.plan.model.flops import model_flops_per_token, recompute_factor
+from trainwise.plan.model.flops import (
+    head_flops_per_token,
+    model_flops_per_token,
+    recompute_factor,
+)
 from trainwise.plan.model.gemm import (
     GENERATIONS,
     GemmTable,
@@ -168,7 +172,7 @@ def _flat(inputs: PlanInputs, w: Workload, samples: float, tp: int) -> ComputeTi
     n_layer = w.shape.n_layer if w.shape else 1
     flops = model_flops_per_token(w.params, w.shape, w.seq_len, w.lora)
     if w.shape is not None and not w.head:  # a pipeline stage without the head's matmul
-        flops -= 6.0 * w.shape.vocab_size * w.shape.d_model
+        flops -= head_flops_per_token(w.shape, w.lora)
     hw_flops = flops * recompute_factor(w.ac, n_layer, w.lora is not None)
     share = inputs.efficiency if inputs.efficiency is not None else BARE_EFFICIENCY
     rate = inputs.hardware.peak_flops * share

@@ -34,6 +34,13 @@ def flops_per_token(shape: GPTShape, seq_len: int, lora: LoraPlan | None = None)
     return full - 2.0 * frozen + 6.0 * adapter_params(shape, lora)
 
 
+def head_flops_per_token(shape: GPTShape, lora: LoraPlan | None = None) -> float:
+    """The head's matmul's share of flops_per_token (what a pipeline stage without the
+    head does not run): 6 a parameter, 4 when LoRA freezes it."""
+    frozen = lora is not None and trained_matmul_params(shape, lora) == 0
+    return (4.0 if frozen else 6.0) * shape.vocab_size * shape.d_model
+
+
 def mfu(tokens_per_s: float, flops_token: float, peak_flops_total: float) -> float:
     """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices."""
     return tokens_per_s * flops_token / peak_flops_total
