@@ -227,3 +227,16 @@ def test_a_pipeline_stage_within_5_percent_of_the_formula():
     (row,) = simulate_plan(SimpleNamespace(inputs=inputs), rows=[choice.plan])
     assert row["strategy"].startswith("pp2 + ")
     assert abs(row["gap"]) <= 0.10
+
+
+def test_a_lora_pipeline_stage_is_simulated_with_its_adapters():
+    # A LoRA pipeline stage: the simulation cuts it from the converted model, as the
+    # runtime does, so only the adapters have gradients and optimizer state, as priced.
+    shape, lora = PRESETS["tiny"], LoraPlan(8)
+    w = Workload(shape.num_params(), shape, SEQ["tiny"], 2, lora=lora)
+    setup = Setup(ParallelDims(pp=2), "none", 2, 4)
+    stage, est = worst_stage(w, setup, "cpu")
+    sim = simulate_stage(shape, setup, stage, "fp32", SEQ["tiny"], lora=lora)
+    assert sim.parts["optimizer"] == pytest.approx(est.optimizer, rel=0.02)
+    assert sim.parts["grads"] == pytest.approx(est.grads, rel=0.02)
+    assert est.total == pytest.approx(sim.peak_bytes, rel=0.05)

@@ -16,7 +16,7 @@ from trainwise.models.shapes import PRESETS, GPTShape
 from trainwise.plan.emit import job_config
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 from trainwise.plan.model.comm import Layout, layout_collectives
-from trainwise.plan.model.flops import flops_per_token, recompute_factor
+from trainwise.plan.model.flops import flops_per_token, head_flops_per_token, recompute_factor
 from trainwise.plan.model.lora import (
     DEFAULT_TARGETS,
     LoraPlan,
@@ -82,6 +82,14 @@ def test_lora_flops_by_hand():
     assert flops_per_token(TOY, 4, R2) == 11_040
     # The head trains: it keeps its weight gradient, 4 x 1576 + 6 x (128 + 576) + 768.
     assert flops_per_token(TOY, 4, LoraPlan(2, train_head=True)) == 11_296
+
+
+def test_a_stage_without_the_head_drops_its_frozen_matmul():
+    # The head's 16 x 8 = 128 matmul parameters: 6 FLOPs each when they train, 4 when
+    # LoRA freezes them; a pipeline stage without the head does not run them.
+    assert head_flops_per_token(TOY) == 768
+    assert head_flops_per_token(TOY, R2) == 512
+    assert head_flops_per_token(TOY, LoraPlan(2, train_head=True)) == 768
 
 
 def test_llama_70b_lora_step_does_31_percent_fewer_flops():

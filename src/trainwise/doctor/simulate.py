@@ -169,14 +169,15 @@ def _converters(lora: LoraPlan | None, precision: str) -> list:
 
 def simulate_stage(
     shape: GPTShape, setup: Setup, stage: Stage, precision: str = "fp32",
-    seq_len: int | None = None, optimizer: str = "adamw",
+    seq_len: int | None = None, optimizer: str = "adamw", lora: LoraPlan | None = None,
 ) -> Simulation:
     """The peak of pipeline rank `stage` of `setup` (a stage of one rank: dp 1, tp 1) over
     a step as its schedule orders it on that rank: stage.in_flight forwards ahead, then a
     backward and a forward in turn, the last backwards, the optimizer. The stage is the one
     the runtime trains (models.pipeline.split_gpt of the meta model); the loss on the last
     stage, and a stage that is not the last gets its output's gradient as the next stage
-    would send it."""
+    would send it; with `lora`, cut from the model the LoRA converter turned, as the
+    runtime converts before it splits."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -185,6 +186,7 @@ def simulate_stage(
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from trainwise.config.schema import OptimConfig
+    from trainwise.models.converters import convert
     from trainwise.models.gpt import GPT
     from trainwise.models.pipeline import rank_stages, split_gpt
     from trainwise.models.registry import cross_entropy_loss
@@ -196,6 +198,7 @@ def simulate_stage(
     device, b, m, pp = torch.device("cpu"), setup.micro_batch, setup.grad_accum, setup.dims.pp
     with torch.device("meta"):
         gpt = GPT(replace(shape, max_seq_len=max(seq, shape.max_seq_len)))
+    convert(gpt, _converters(lora, precision))
     (index,) = rank_stages(stage.rank, pp, setup.virtual, setup.schedule)  # one a rank
     model = split_gpt(gpt, index, pp * setup.virtual)
     with _fake_world(dist, FakeStore, 1):
@@ -207,6 +210,7 @@ def simulate_stage(
             opt = build_optimizer([model], OptimConfig(name=optimizer))
             tracker = MemTracker()
             tracker.track_external(model, opt, y)
+            _skip_frozen(tracker, model)
 
             class MicroBatch(nn.Module):
                 """A fresh top module per micro-batch: the tracker refuses one top module
@@ -394,7 +398,9 @@ def simulate_plan(plan, progress=None, rows: list | None = None) -> list[dict]:
         knobbed = knob_workload(w, setup.micro_batch, setup.ac)
         if dims.pp > 1:  # its worst stage, over the schedule's micro-batches
             stage, here = worst_stage(knobbed, setup, "cpu")
-            sim = simulate_stage(w.shape, setup, stage, w.precision, w.seq_len, w.optimizer)
+            sim = simulate_stage(
+                w.shape, setup, stage, w.precision, w.seq_len, w.optimizer, w.lora
+            )
         else:
             sim = simulate_layout(
                 w.shape, dims, w.precision, setup.micro_batch, w.seq_len, setup.ac,

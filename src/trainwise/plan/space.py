@@ -88,8 +88,7 @@ def pp_degrees(inputs: PlanInputs, allowed: Allowed, tp: int) -> list[int]:
         return [1]
     return [1] + [
         p for p in divisors(inputs.gpus // tp)[1:]
-        if p <= allowed.max_pp
-        and any(pipeline_runs(shape.n_layer, p, v) for v in virtual_degrees(shape.n_layer, p))
+        if p <= allowed.max_pp and virtual_degrees(shape.n_layer, p)
     ]
 
 

@@ -33,7 +33,11 @@ from typing import TYPE_CHECKING
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import GPTShape
 from trainwise.plan.inputs import Hardware, PlanInputs
-from trainwise.plan.model.flops import model_flops_per_token, recompute_factor
+from trainwise.plan.model.flops import (
+    head_flops_per_token,
+    model_flops_per_token,
+    recompute_factor,
+)
 from trainwise.plan.model.gemm import (
     GENERATIONS,
     GemmTable,
@@ -41,7 +45,13 @@ from trainwise.plan.model.gemm import (
     gemm_seconds,
     slowest_pace,
 )
-from trainwise.plan.model.lora import LoraPlan, rank_split, targeted, trained_matmul_params
+from trainwise.plan.model.lora import (
+    LoraPlan,
+    block_linears,
+    rank_split,
+    targeted,
+    trained_matmul_params,
+)
 from trainwise.plan.model.memory import Workload, checkpointed_blocks
 from trainwise.plan.model.precision import BYTES, MASTER_BYTES
 
@@ -162,7 +172,7 @@ def _flat(inputs: PlanInputs, w: Workload, samples: float, tp: int) -> ComputeTi
     n_layer = w.shape.n_layer if w.shape else 1
     flops = model_flops_per_token(w.params, w.shape, w.seq_len, w.lora)
     if w.shape is not None and not w.head:  # a pipeline stage without the head's matmul
-        flops -= 6.0 * w.shape.vocab_size * w.shape.d_model
+        flops -= head_flops_per_token(w.shape, w.lora)
     hw_flops = flops * recompute_factor(w.ac, n_layer, w.lora is not None)
     share = inputs.efficiency if inputs.efficiency is not None else BARE_EFFICIENCY
     rate = inputs.hardware.peak_flops * share
@@ -251,12 +261,8 @@ def _micro_batch(
 
 
 def _gemms(shape: GPTShape, tp: int) -> list[tuple[int, int]]:
-    """(out, in) of a block's projections on one of `tp` ranks: q, k, v and the gate/up
-    split their outputs, out_proj and down their inputs."""
-    h, f = shape.d_model, shape.d_ff
-    q, kv = shape.n_head * shape.head_dim, shape.n_kv_head * shape.head_dim
-    mlp_in = [(f // tp, h)] * (2 if shape.mlp == "swiglu" else 1)
-    return [(q // tp, h), (kv // tp, h), (kv // tp, h), (h, q // tp), *mlp_in, (h, f // tp)]
+    """(out, in) of a block's projections on one of `tp` ranks (lora.block_linears)."""
+    return list(block_linears(shape, tp).values())
 
 
 def _gemm(m: int, n: int, k: int, hw: Hardware, precision: str, table: GemmTable | None) -> float:
@@ -388,8 +394,8 @@ def _adapters(
     """Every adapter of the model, forward (x A^T, then B) and backward (the input and
     weight gradients of both: twice the forward), in the eager runtime's operations (the
     dropout, two linears, the scaling and the sum forward)."""
-    r, gemms = lora.rank, 0.0
-    for out, inp in targeted(shape, lora, tp):
+    r, gemms, layers = lora.rank, 0.0, targeted(shape, lora, tp)
+    for out, inp in layers:
         forward = _gemm(tokens, r, inp, hw, precision, table) + _gemm(
             tokens, out, r, hw, precision, table
         )
@@ -399,7 +405,7 @@ def _adapters(
             + _gemm(out, r, tokens, hw, precision, table)
         )
         gemms += forward + backward
-    ops = len(targeted(shape, lora, tp)) * ADAPTER_OPS * (1 + BACKWARD_OPS_PER_FORWARD_OP)
+    ops = len(layers) * ADAPTER_OPS * (1 + BACKWARD_OPS_PER_FORWARD_OP)
     return Work(gemms, ops)
 
 

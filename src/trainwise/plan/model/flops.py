@@ -30,13 +30,15 @@ def flops_per_token(shape: GPTShape, seq_len: int, lora: LoraPlan | None = None)
     full = 6.0 * n + 12.0 * shape.n_layer * shape.d_model * seq_len
     if lora is None:
         return full
-    return full - 2.0 * frozen_matmul_params(shape, lora, n) + 6.0 * adapter_params(shape, lora)
+    frozen = n - trained_matmul_params(shape, lora)
+    return full - 2.0 * frozen + 6.0 * adapter_params(shape, lora)
 
 
-def frozen_matmul_params(shape: GPTShape, lora: LoraPlan, matmul: int | None = None) -> int:
-    """The matmul parameters (`matmul`, default matmul_params) that LoRA freezes."""
-    n = matmul_params(shape) if matmul is None else matmul
-    return n - trained_matmul_params(shape, lora)
+def head_flops_per_token(shape: GPTShape, lora: LoraPlan | None = None) -> float:
+    """The head's matmul's share of flops_per_token (what a pipeline stage without the
+    head does not run): 6 a parameter, 4 when LoRA freezes it."""
+    frozen = lora is not None and trained_matmul_params(shape, lora) == 0
+    return (4.0 if frozen else 6.0) * shape.vocab_size * shape.d_model
 
 
 def mfu(tokens_per_s: float, flops_token: float, peak_flops_total: float) -> float:

@@ -60,14 +60,8 @@ def block_linears(shape: GPTShape, tp: int = 1) -> dict[str, tuple[int, int]]:
 def targeted(shape: GPTShape, lora: LoraPlan, tp: int = 1) -> tuple[tuple[int, int], ...]:
     """(out, in) on one of `tp` ranks of every Linear that gets an adapter, over the whole
     model: the blocks' (blocks.<i>.attn.q_proj, ...) and the untied head's."""
-    patterns = lora.targets or DEFAULT_TARGETS
-    found = [
-        dims
-        for i in range(shape.n_layer)
-        for name, dims in block_linears(shape, tp).items()
-        if lora_target_matches(f"blocks.{i}.{name}", patterns)
-    ]
-    if not shape.tie_embeddings and lora_target_matches(HEAD, patterns):
+    found = [dims for _, dims in _targeted_in_blocks(shape, lora, tp)]
+    if not shape.tie_embeddings and lora_target_matches(HEAD, lora.targets or DEFAULT_TARGETS):
         found.append((shape.vocab_size // tp, shape.d_model))
     return tuple(found)
 
@@ -165,7 +159,7 @@ def adapter_activation_bytes(
     saved = sum(element * lora.rank for _ in targeted(shape, lora, tp))
     if lora.dropout > 0:
         readers = {n for names in norm_readers(shape).values() for n in names}
-        for name, inp in named:
+        for name, (_, inp) in named:
             mask = dropout_mask_bytes(device, (norm_bytes or element) if name in readers else element)
             saved += (element + mask) * inp
             if autocast or name not in readers:
@@ -209,14 +203,17 @@ def head_input_bytes(
     return element * shape.d_model + frozen_norm_bytes(shape, device) / 2 / split
 
 
-def _targeted_in_blocks(shape: GPTShape, lora: LoraPlan, tp: int) -> list[tuple[str, int]]:
-    """(name in the block, input width on one of `tp` ranks) of every adapted Linear of
+def _targeted_in_blocks(
+    shape: GPTShape, lora: LoraPlan, tp: int
+) -> list[tuple[str, tuple[int, int]]]:
+    """(name in the block, (out, in) on one of `tp` ranks) of every adapted Linear of
     every block."""
     patterns = lora.targets or DEFAULT_TARGETS
+    linears = block_linears(shape, tp).items()
     return [
-        (name, inp)
+        (name, dims)
         for i in range(shape.n_layer)
-        for name, (_, inp) in block_linears(shape, tp).items()
+        for name, dims in linears
         if lora_target_matches(f"blocks.{i}.{name}", patterns)
     ]
 

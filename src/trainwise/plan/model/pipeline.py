@@ -148,9 +148,8 @@ def _zb_window(p: int, v: int, m: int, s: int, rank: int) -> Moment:
     done, and Is done - Ws done."""
     n = round_size(p, m)
 
-    def count(ops: int, stage: int) -> int:  # ops of `stage` among the first `ops`
-        rounds, rest = divmod(ops, v * n)
-        return rounds * n + min(max(rest - stage * n, 0), n)
+    def count(ops: int, stage: int) -> int:
+        return _dealt(ops, stage, v, n)
 
     forwards = min(m * v, _zb_forwards(p, v, m) + s)
     held = tuple(float(count(forwards, j) - count(s, v - 1 - j)) for j in range(v))
@@ -212,8 +211,14 @@ def chunk_held(schedule: str, p: int, v: int, m: int, rank: int) -> tuple[float,
     if schedule not in INTERLEAVED or v == 1:
         return (held,) * v
     total, size = round(held * v), round_size(p, m)
-    rounds, rest = divmod(total, v * size)
-    return tuple(float(rounds * size + min(max(rest - j * size, 0), size)) for j in range(v))
+    return tuple(float(_dealt(total, j, v, size)) for j in range(v))
+
+
+def _dealt(ops: int, stage: int, v: int, size: int) -> int:
+    """Of a rank's first `ops` stage micro-batches, dealt to its v stages in order in
+    rounds of `size` a stage, those of `stage`."""
+    rounds, rest = divmod(ops, v * size)
+    return rounds * size + min(max(rest - stage * size, 0), size)
 
 
 @dataclass(frozen=True)
