@@ -24,6 +24,13 @@ def cli_env() -> dict[str, str]:
     return env
 
 
+def hang_limit(*, launches: int = 1, steps: int = 0, procs: int = 2) -> float:
+    """Seconds after which a test's work counts as hung, not slow: `launches` process
+    launches of `procs` workers training `steps` steps in all. Every limit in tests/
+    comes from here. (A first form: a calibrated machine speed replaces these figures.)"""
+    return 120.0 * launches + 1.0 * steps * max(1, procs // 2)
+
+
 def run_cli(
     *args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:

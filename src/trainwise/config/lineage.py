@@ -20,6 +20,9 @@ from trainwise.config.schema import JobConfig
 # run starts (a resume does not start: model.init is moot once a checkpoint exists).
 LINEAGE_SECTIONS = ("model", "optim", "schedule")
 NOT_LINEAGE = ("model.init",)
+# Keys that joined the lineage later: recorded only when set, so that the checkpoints of
+# runs before them keep their lineage.
+WHEN_SET = ("model.loss", "data.collate")
 # Single keys of the other sections; the data's global batch is the job's (derived).
 LINEAGE_KEYS = (
     "data.dataset", "data.path", "data.seq_len", "data.val_fraction", "data.vocab_size",
@@ -42,9 +45,12 @@ def lineage_keys(
         for key, value in dumped[section].items():
             if f"{section}.{key}" not in NOT_LINEAGE:
                 keys[f"{section}.{key}"] = value
-    for dotted in LINEAGE_KEYS:
+    for dotted in LINEAGE_KEYS + WHEN_SET:
         section, key = dotted.split(".")
         keys[dotted] = dumped[section][key]
+    for dotted in WHEN_SET:
+        if keys[dotted] is None:
+            del keys[dotted]
     keys["data.global_batch"] = global_batch
     if cfg.lora.rank > 0:
         keys.update({f"lora.{k}": v for k, v in dumped["lora"].items()})

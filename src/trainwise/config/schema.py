@@ -24,7 +24,10 @@ from pydantic import (
 from trainwise.config.parallel_dims import STRATEGY_WORDS, read_strategy
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import find_gpu, gpu_names
+from trainwise.objects import is_import_path
 
+# data.dataset's built-in words (trainwise.data builds them); anything else is an import path.
+BUILTIN_DATASETS = ("synthetic", "digits", "tokens")
 # parallel.strategy: train's shortcuts and the planner's row names (config.parallel_dims).
 Strategy = Literal[STRATEGY_WORDS]  # type: ignore[valid-type]
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
@@ -100,14 +103,38 @@ class ModelConfig(Section):
     kwargs: dict = Field(
         default_factory=dict, description="Keyword arguments passed to a custom factory."
     )
+    loss: str | None = Field(
+        None,
+        description="'package.module:fn': the loss, fn(output, target) -> a scalar tensor "
+        "(mean over the micro-batch); default: the factory's own (a factory may return "
+        "(module, loss_fn)), else cross entropy.",
+    )
 
 
 class DataConfig(Section):
-    dataset: Literal["synthetic", "digits", "tokens"] = Field(
+    dataset: str = Field(
         "synthetic",
         description="synthetic: built-in generated language; digits: sklearn's digits "
         "(for the mlp); tokens: a .bin file of uint16 token ids, or a directory written by "
-        "`trainwise data prepare` (data.path).",
+        "`trainwise data prepare` (data.path); or your own, 'package.module:attr': a "
+        "torch Dataset (map-style or iterable), a Hugging Face datasets.Dataset or streaming "
+        "IterableDataset, or a function returning one.",
+    )
+
+    @field_validator("dataset")
+    @classmethod
+    def _known_or_import_path(cls, value: str) -> str:
+        if value in BUILTIN_DATASETS or is_import_path(value):
+            return value
+        raise ValueError(
+            f"is neither a built-in dataset ({', '.join(BUILTIN_DATASETS)}) nor an import "
+            "path 'package.module:attr' of your own dataset"
+        )
+
+    collate: str | None = Field(
+        None,
+        description="Your own dataset: 'package.module:fn', the collate function that turns a "
+        "list of samples into a batch (inputs, target); default: torch's default_collate.",
     )
     path: str | None = Field(
         None, description="The token file or prepared directory for dataset = 'tokens'."
