@@ -402,7 +402,7 @@ def test_a_report_that_cannot_be_written_leaves_no_part_file(tmp_path: Path, mon
     temporary file is removed, and the run says in one line that the report was not written."""
     import errno
 
-    from trainwise.cli.train import finish_report
+    from trainwise.api import finish_report
     from trainwise.config import load_config
 
     run = make_run(tmp_path)
