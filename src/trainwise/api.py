@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Union
 
-from trainwise.errors import ConfigError, LaunchError
+from trainwise.errors import ConfigError, LaunchError, ModelError
 from trainwise.records import Plan, RunSummary, StepRecord, StopEvent
 
 if TYPE_CHECKING:
@@ -149,16 +149,15 @@ def model_key(model: Any) -> Any:
     if model is None or isinstance(model, (str, Mapping)):
         return model
     if _is_module_instance(model):
-        raise ConfigError(
+        raise ModelError(
             f"model={type(model).__name__}(...): an nn.Module instance; give its class or a "
             "function that builds it (every worker builds its own, on the meta device)"
         )
     if not callable(model):
-        raise ConfigError(
+        raise ModelError(
             f"model={model!r}: give a preset name, 'hf:DIR', an import path, an nn.Module "
             "class or a function returning an nn.Module"
         )
-    from trainwise.errors import ModelError
     from trainwise.objects import object_reference
 
     return object_reference(model, "model", ModelError, "a model factory")

@@ -11,6 +11,7 @@ but its errors (cloudpickle only when an object travels by value).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -180,7 +181,8 @@ def pickle_by_value(
             part.write_bytes(payload)
             os.replace(part, target)  # whole or not at all: a reader never sees half of it
         except OSError as err:
-            part.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # nothing half-written left behind
+                part.unlink(missing_ok=True)
             raise error(
                 f"{key}: cannot keep {name} in {folder} ({err.strerror or err}); set "
                 f"{OBJECTS_ENV} to a writable folder"
