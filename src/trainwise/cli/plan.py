@@ -81,7 +81,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="override any key, e.g. --set plan.efficiency=0.5 (repeatable)",
     )
     for flag, key, _, text in FLAGS:
-        # Values stay text here: load_plan_inputs converts them with one-line errors.
+        # Values stay text here: job_spec converts them with one-line errors.
         p.add_argument(flag, help=f"{text} ({key})")
     p.add_argument(
         "--sweep", metavar="COUNTS", help="GPU counts: 1,2,4,8 or 1..1024 (doubling) (plan.sweep)"
