@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 CALIBRATION_DIR_ENV = "TRAINWISE_CALIBRATION_DIR"  # trainwise.plan.calibrate's
+OBJECTS_DIR_ENV = "TRAINWISE_OBJECTS_DIR"  # trainwise.objects': Python objects by value
 
 
 @pytest.fixture
@@ -22,13 +23,16 @@ def module_calibration_dir(tmp_path_factory: pytest.TempPathFactory):
     module's shared runs too (module fixtures start after this autouse one)."""
     import os
 
-    old = os.environ.get(CALIBRATION_DIR_ENV)
+    old = {name: os.environ.get(name) for name in (CALIBRATION_DIR_ENV, OBJECTS_DIR_ENV)}
     os.environ[CALIBRATION_DIR_ENV] = str(tmp_path_factory.mktemp("calibrations"))
+    # Objects trainwise.train() sends by value: never into the user's cache.
+    os.environ[OBJECTS_DIR_ENV] = str(tmp_path_factory.mktemp("objects"))
     yield
-    if old is None:
-        os.environ.pop(CALIBRATION_DIR_ENV, None)
-    else:
-        os.environ[CALIBRATION_DIR_ENV] = old
+    for name, value in old.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)

@@ -3,6 +3,8 @@ messages and exit codes (2 for bad input, before any worker starts)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 class TrainwiseError(Exception):
     """Base of every error trainwise raises on purpose."""
@@ -27,3 +29,12 @@ class ModelError(ConfigError):
 
 class DataError(ConfigError):
     """A dataset name or file that cannot be read as configured."""
+
+
+class LaunchError(TrainwiseError):
+    """A worker failed; the message names the rank, the exit code and the error.
+    `run_dir` is the run it ended (set by the launcher), for a report of what it recorded;
+    `report` that page, once written."""
+
+    run_dir: Path | None = None
+    report: Path | None = None

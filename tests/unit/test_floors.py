@@ -2,7 +2,12 @@
 functions included), the top-level modules (errors, records, the tests' seam faults.py...)
 sit below every floor, run and doctor do not import each other's way up, the planner stays
 free of torch so that it answers instantly, run/'s wings import only from the wings below
-them, and no folder grows past what a newcomer can scan."""
+them, and no folder grows past what a newcomer can scan.
+
+api.py is the one top-level module that is a floor: the library's verbs (plan, train,
+report, doctor) call report/, run/, doctor/ and plan/, and cli/ calls them, so it sits
+between cli and report. The package's face, __init__.py, re-exports it and nothing else
+of the floors."""
 
 from __future__ import annotations
 
@@ -12,12 +17,13 @@ from pathlib import Path
 import trainwise
 
 FLOORS = {
-    "cli": 5, "report": 4, "run": 3, "doctor": 3, "export": 3, "plan": 2,
+    "cli": 6, "api": 5, "report": 4, "run": 3, "doctor": 3, "export": 3, "plan": 2,
     "config": 1, "hardware": 1, "models": 1, "data": 1,
 }
 # run/'s wings, top to bottom.
 WINGS = {"launch": 5, "engine": 4, "checkpoint": 3, "observe": 2, "job": 1}
 ENTRY_POINTS = {"__main__.py"}  # `python -m trainwise` runs the CLI: the top of the house
+FACE = "__init__.py"  # `import trainwise`: the API's names, re-exported
 MAX_MODULES = 16
 PACKAGE = Path(trainwise.__file__).parent
 
@@ -67,7 +73,22 @@ def test_every_module_imports_only_from_lower_floors():
         parts = path.relative_to(PACKAGE).parts
         if len(parts) > 1 and parts[0] in FLOORS:
             wrong += upward_imports(path, parts[0], "/".join(parts))
+        elif len(parts) == 1 and path.stem in FLOORS:  # a floor of one module: api.py
+            wrong += upward_imports(path, path.stem, path.name)
     assert wrong == []
+
+
+def test_the_api_sits_between_the_cli_and_the_report(tmp_path: Path):
+    """The check can fail: the report (or anything below the API) calling the API, and
+    the API calling the CLI."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from trainwise.api import train\n")
+    assert upward_imports(probe, "report", "report/probe.py") == [
+        "report/probe.py:2: report imports trainwise.api"
+    ]
+    assert upward_imports(probe, "cli", "cli/probe.py") == []
+    probe.write_text("import trainwise.cli.main\n")
+    assert upward_imports(probe, "api", "api.py") == ["api.py:1: api imports trainwise.cli.main"]
 
 
 def floor_imports(path: Path) -> list[str]:
@@ -85,9 +106,11 @@ def test_top_level_modules_import_no_floor(tmp_path: Path):
     the tests' seam), so they import no part of trainwise's floors."""
     wrong = []
     for path in sorted(PACKAGE.glob("*.py")):
-        if path.name not in ENTRY_POINTS:
+        if path.name not in ENTRY_POINTS and path.name != FACE and path.stem not in FLOORS:
             wrong += floor_imports(path)
     assert wrong == []
+    face = [line for line in floor_imports(PACKAGE / FACE) if not line.endswith("trainwise.api")]
+    assert face == [], "__init__.py re-exports trainwise.api, and no other floor"
     probe = tmp_path / "probe.py"  # the check can fail: the seam reaching up to the planner
     probe.write_text("def f():\n    from trainwise.plan.model.comm import allreduce_factor\n")
     assert floor_imports(probe) == ["probe.py:2: imports trainwise.plan.model.comm"]
@@ -134,3 +157,31 @@ def test_no_folder_holds_more_modules_than_a_newcomer_can_scan():
         if len(modules) > MAX_MODULES:
             crowded[str(folder.relative_to(PACKAGE.parent))] = len(modules)
     assert crowded == {}
+
+
+# The commands that are the API's verbs; the others (export, launch, data, ...) have no
+# API of their own yet and call their parts directly.
+VERB_COMMANDS = ("plan.py", "train.py", "report.py", "doctor.py", "main.py")
+
+
+def internals_imported(path: Path) -> list[str]:
+    """Imports of trainwise.run or trainwise.plan (any depth) by `path`, a CLI module."""
+    return [
+        f"cli/{path.name}:{line}: imports {module}"
+        for line, module in imported_modules(path)
+        if module.split(".")[:2] in (["trainwise", "run"], ["trainwise", "plan"])
+    ]
+
+
+def test_the_verbs_commands_only_parse_call_the_api_and_print(tmp_path: Path):
+    """cli/plan.py, train.py, report.py, doctor.py (and the dispatcher) import nothing from
+    trainwise.run or trainwise.plan, at any depth, inside functions too: they parse their
+    flags (trainwise.config), call trainwise.api and print with trainwise.report's
+    renderers; the orchestration is the API's, shared with Python callers."""
+    wrong = []
+    for name in VERB_COMMANDS:
+        wrong += internals_imported(PACKAGE / "cli" / name)
+    assert wrong == []
+    probe = tmp_path / "plan.py"  # the check can fail: a command reaching the planner
+    probe.write_text("def run():\n    from trainwise.plan.planner import make_plan\n")
+    assert internals_imported(probe) == ["cli/plan.py:2: imports trainwise.plan.planner"]

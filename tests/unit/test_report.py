@@ -343,9 +343,10 @@ def test_a_stop_not_yet_resumed_says_so(tmp_path: Path):
 
 
 def test_a_calibrated_plan_that_missed_because_the_machine_changed_says_so():
+    from trainwise.records import RunPlan
     from trainwise.report.analysis import machine_changed
 
-    plan = {"calibration_step_s": 0.020, "calibration_source": "runs/a"}
+    plan = RunPlan(calibration_step_s=0.020, calibration_source="runs/a")
     # The plan reproduces its calibration run (0.021 against 0.020) and this run took 0.030.
     why = machine_changed(plan, "calibration_step_s", 0.021, 0.030, "a step")
     assert why is not None and "+50%" in why and "runs/a" in why
@@ -353,13 +354,14 @@ def test_a_calibrated_plan_that_missed_because_the_machine_changed_says_so():
     assert machine_changed(plan, "calibration_step_s", 0.023, 0.030, "a step") is None
     # Within 25 % of the plan: no miss to explain.
     assert machine_changed(plan, "calibration_step_s", 0.021, 0.025, "a step") is None
-    assert machine_changed({}, "calibration_step_s", 0.021, 0.030, "a step") is None
+    assert machine_changed(RunPlan(), "calibration_step_s", 0.021, 0.030, "a step") is None
 
 
 def test_the_plans_memory_is_compared_like_with_like():
+    from trainwise.records import MemoryFigures
     from trainwise.report.analysis import planned_memory
 
-    memory = {"total": 3_000_000_000, "overhead": 1_050_000_000}
+    memory = MemoryFigures(total=3_000_000_000, overhead=1_050_000_000)
     # A GPU's allocator peak holds tensors: neither the CUDA context nor fragmentation.
     assert planned_memory(memory, "cuda_peak") == 1_950_000_000
     # On CPU the overhead is the runtime's own memory, which the resident set holds.
@@ -400,7 +402,7 @@ def test_a_report_that_cannot_be_written_leaves_no_part_file(tmp_path: Path, mon
     temporary file is removed, and the run says in one line that the report was not written."""
     import errno
 
-    from trainwise.cli.train import finish_report
+    from trainwise.api import finish_report
     from trainwise.config import load_config
 
     run = make_run(tmp_path)

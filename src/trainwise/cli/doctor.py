@@ -1,16 +1,15 @@
-"""`trainwise doctor`: the job's preflight checklist on the machines it will run on."""
+"""`trainwise doctor`: the job's preflight checklist on the machines it will run on: the
+flags parsed, trainwise.api's doctor called, the checklist printed."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainwise.cli.train import JOB_FLAGS, add_import_roots, add_job_arguments, job_flags
-from trainwise.config import load_config
+from trainwise.api import doctor_job
+from trainwise.cli.train import add_job_arguments, job_spec
 from trainwise.config.schema import CHECK_NAMES
 from trainwise.errors import ConfigError
 
@@ -51,26 +50,12 @@ def parse_only(text: str | None) -> list[str] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    flags = {**job_flags(args), "doctor.checks": parse_only(args.only)}
-    add_import_roots(args.config)
-    cfg = load_config(
-        args.config, flags, args.set, flag_names={**JOB_FLAGS, "doctor.checks": "--only"}
-    )
-
-    from trainwise.doctor.calibration import LAUNCH_ENV
-    from trainwise.doctor.runner import read_record, run_doctor
-    from trainwise.run.launch.start import is_worker, start_job
-
-    if is_worker(cfg):  # started by torchrun or srun: one of the workers
-        record = run_doctor(cfg)
-        return 0 if record is None else show(record, args)
-
-    os.environ.setdefault(LAUNCH_ENV, str(time.time()))  # the workers time their start
-    run_dir = start_job(cfg, run_doctor, "trainwise.doctor.runner", label="doctor")
-    if not (run_dir / "doctor.json").is_file():  # rank 0 is on another machine
-        print(f"trainwise: this machine's checks finished; rank 0's machine has {run_dir}")
+    spec = job_spec(args, {"doctor.checks": (parse_only(args.only), "--only")})
+    result = doctor_job(spec)
+    if result.message:  # rank 0 is on another machine
+        print(f"trainwise: {result.message}")
         return 0
-    return show(read_record(run_dir), args)
+    return 0 if result.record is None else show(result.record, args)
 
 
 def show(record: DoctorRecord, args: argparse.Namespace) -> int:

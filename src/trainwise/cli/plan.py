@@ -1,5 +1,6 @@
-"""`trainwise plan`: flags and the job TOML in, the plan out (terminal, JSON, Markdown, HTML).
-Imports no torch unless --simulate asks for a measurement."""
+"""`trainwise plan`: flags and the job TOML in, the plan out (terminal, JSON, Markdown, HTML):
+the flags parsed, trainwise.api's plan called, the plan printed. Imports no torch unless
+--simulate asks for a measurement."""
 
 from __future__ import annotations
 
@@ -8,12 +9,9 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from trainwise.api import JobSpec, plan_job
 from trainwise.errors import ConfigError
-
-if TYPE_CHECKING:
-    from trainwise.plan.inputs import PlanInputs
 
 # flag -> (config key, argparse type, help). One table: the parser, the key mapping and the
 # flag named in error messages all come from it.
@@ -53,6 +51,11 @@ FLAGS: list[tuple[str, str, type, str]] = [
     ("--objective", "plan.objective", str, "cost or time"),
     ("--max-pp", "plan.max_pp", int, "the most pipeline stages to weigh (default 1: none)"),
 ]
+# How the API's messages name plan's options here: by their flags.
+OPTION_FLAGS = {
+    "emit": "--emit", "calibrate": "--calibrate", "simulate": "--simulate",
+    "deadline_hours": "--deadline", "budget_usd": "--budget",
+}
 # A figure for the duration units of --deadline: hours per unit.
 HOURS_PER = {"h": 1.0, "d": 24.0, "w": 168.0}
 
@@ -78,7 +81,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="override any key, e.g. --set plan.efficiency=0.5 (repeatable)",
     )
     for flag, key, _, text in FLAGS:
-        # Values stay text here: load_plan_inputs converts them with one-line errors.
+        # Values stay text here: job_spec converts them with one-line errors.
         p.add_argument(flag, help=f"{text} ({key})")
     p.add_argument(
         "--sweep", metavar="COUNTS", help="GPU counts: 1,2,4,8 or 1..1024 (doubling) (plan.sweep)"
@@ -118,14 +121,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def load_plan_inputs(args: argparse.Namespace):
-    """The resolved inputs, the sweep counts, the config and the keys the user gave (key
-    -> where from), or ConfigError (exit 2)."""
-    from trainwise.config.load import load_job
-    from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
-    from trainwise.plan.planner import parse_sweep
+def job_spec(args: argparse.Namespace) -> JobSpec:
+    """The job as the flags give it: --config, the flags (each key named by its flag),
+    --sweep (its text: the API reads it), then --set; or ConfigError (exit 2)."""
+    from trainwise.config.load import set_layer
 
-    flags, names = {}, {}
+    flags: dict[str, tuple[object, str]] = {}
     for flag, key, kind, _ in FLAGS:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None and kind is not str:
@@ -134,32 +135,20 @@ def load_plan_inputs(args: argparse.Namespace):
             value = _positive(
                 flag, value, value, "a number of tokens > 0 (e.g. 2e12) or 'chinchilla'"
             )
-        flags[key] = value
-        names[key] = flag
-    if args.sweep is not None:
-        try:
-            flags["plan.sweep"] = parse_sweep(args.sweep)
-        except ValueError as err:
-            detail = str(err) if "GPU" in str(err) or "range" in str(err) else repr(args.sweep)
-            raise ConfigError(
-                f"--sweep {detail}: expected counts like 1,2,4,8 or a range like 1..1024"
-            ) from None
-        names["plan.sweep"] = "--sweep"
-    cfg, given = load_job(args.config, flags, args.set, base=PLAN_DEFAULTS, flag_names=names)
-    return resolve_inputs(cfg), cfg.plan.sweep, cfg, given
+        flags[key] = (value, flag)
+    flags["plan.sweep"] = (args.sweep, "--sweep")
+    return JobSpec(args.config, (flags, set_layer(args.set)), OPTION_FLAGS)
 
 
-def load_goal(args: argparse.Namespace, objective: str):
-    """--objective, --deadline and --budget as the search's Goal; one line if they do not
-    parse or both limits are given."""
-    from trainwise.plan.search import Goal
-
+def load_goal(args: argparse.Namespace) -> tuple[float | None, float | None]:
+    """--deadline and --budget as hours and US dollars; one line if they do not parse or
+    both limits are given."""
     if args.deadline is not None and args.budget is not None:
         raise ConfigError(
             "--deadline and --budget were both given: give one (the cheapest in time, or "
             "the fastest within the money)"
         )
-    return Goal(objective, _deadline_hours(args.deadline), _budget_usd(args.budget))
+    return _deadline_hours(args.deadline), _budget_usd(args.budget)
 
 
 def _deadline_hours(text: str | None) -> float | None:
@@ -205,90 +194,28 @@ def _number(flag: str, text: str, kind: type) -> int | float:
     raise ConfigError(f"{flag} {text!r}: expected {what}")
 
 
-def _emit(path: str, cfg, plan, given) -> None:
-    """Write the recommendation as a job file; one line (exit 2) when it cannot."""
-    from trainwise.plan.emit import job_toml
-
-    choice = plan.recommendation.choice
-    if not choice.fits:
-        raise ConfigError(
-            f"--emit {path}: nothing fits on these GPUs, so there is no job to write; see the "
-            "plan's smallest changes (run it without --emit)"
-        )
-    try:
-        Path(path).write_text(job_toml(cfg, choice, plan.inputs, given), encoding="utf-8")
-    except OSError as err:
-        raise ConfigError(f"--emit {path}: cannot write ({err.strerror})") from None
-    print(f"trainwise: wrote the recommended job to {path}", file=sys.stderr)
-    if choice.batch_note:
-        print(f"trainwise: {choice.batch_note} (the job file says so)", file=sys.stderr)
-
-
-def calibrated_inputs(
-    inputs: PlanInputs, source: str | None, key: str
-) -> tuple[PlanInputs, list[str]]:
-    """The inputs priced by the calibrated model when `source` (a file or a run directory)
-    or this machine kind's calibration file gives one; the analytic model otherwise."""
-    from trainwise.plan.calibrate import machine_calibration
-    from trainwise.plan.model.performance import ANALYTIC, CalibratedModel
-
-    where = f"--calibrate {source}" if key == "--calibrate" else f"plan.calibration = {source!r}"
-    cal, warnings = machine_calibration(source, inputs.hardware.gpu, where)
-    for line in warnings:
-        print(f"trainwise: warning: {line}", file=sys.stderr)
-    model = CalibratedModel(calibration=cal) if cal else ANALYTIC
-    return model.adopt(inputs)
-
-
 def run(args: argparse.Namespace) -> int:
-    from trainwise.models.shapes import PRESETS
-    from trainwise.plan.constraints import check_allowed, user_allowed
-    from trainwise.plan.planner import make_plan
-    from trainwise.plan.record import plan_record
     from trainwise.report.plan_view import render_markdown, render_terminal
 
-    inputs, sweep, cfg, given = load_plan_inputs(args)
-    goal = load_goal(args, inputs.objective)
-    allowed = user_allowed(cfg, given)  # what the user set stays; the rest is searched
-    check_allowed(inputs, allowed)
-    if args.emit and inputs.model not in PRESETS:
-        raise ConfigError(
-            f"--emit {args.emit}: {inputs.model} is no model `trainwise train` builds; give "
-            f"a preset (--model {', '.join(PRESETS)})"
-        )
-    inputs, notes = calibrated_inputs(inputs, args.calibrate or cfg.plan.calibration,
-                                      "--calibrate" if args.calibrate else "plan.calibration")
-    if args.simulate and inputs.workload.shape is None:
-        raise ConfigError(
-            "--simulate needs a model to build: give a preset (--model) or a shape "
-            "(--layers --hidden --heads ...) instead of --params"
-        )
-    plan = make_plan(inputs, sweep, notes, goal, allowed)
-    if args.emit:
-        _emit(args.emit, cfg, plan, given)
-    simulation = None
-    if args.simulate:
-        from trainwise.doctor.simulate import simulate_plan
-        from trainwise.report.plan_view import table_plans
-
-        rows = [s for _, s in table_plans(plan)]  # the rows the tables print
-        simulation = simulate_plan(plan, lambda line: print(line, file=sys.stderr), rows)
+    spec = job_spec(args)
+    deadline_hours, budget_usd = load_goal(args)
+    plan = plan_job(
+        spec, deadline_hours, budget_usd, calibrate=args.calibrate, simulate=args.simulate,
+        emit=args.emit,
+    )
     if args.html:
         from trainwise.report.plan_html import render_html
 
         path = Path(args.html)
         try:
-            path.write_text(render_html(plan), encoding="utf-8")
+            path.write_text(render_html(plan.planned), encoding="utf-8")
         except OSError as err:
             raise ConfigError(f"--html {args.html}: cannot write ({err.strerror})") from None
     if args.json:
-        record = plan_record(plan)
-        if simulation is not None:
-            record["simulation"] = simulation
-        json.dump(record, sys.stdout, indent=2)
+        json.dump(plan.to_dict(), sys.stdout, indent=2)
         print()
     elif args.markdown:
-        print(render_markdown(plan, simulation))
+        print(render_markdown(plan.planned, plan.simulation))
     else:
-        render_terminal(plan, simulation=simulation)
+        render_terminal(plan.planned, simulation=plan.simulation)
     return 0

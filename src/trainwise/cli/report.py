@@ -1,12 +1,14 @@
 """`trainwise report RUN [RUN ...]`: where the time and the money went, from run
 directories alone. One run: RUN/report.html is (re)written and the summary printed. Several:
-one page compares them side by side."""
+one page compares them side by side. trainwise.api's report reads each run."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+
+from trainwise.api import report, write_report
 
 FORMATS = ("text", "md", "json", "html")
 
@@ -37,12 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trainwise.report.analysis import analyse
-    from trainwise.report.rundir import load_run
-
-    reports = [analyse(load_run(path)) for path in args.runs]  # bad input: one line, exit 2
+    reports = [report(path) for path in args.runs]  # bad input: one line, exit 2
     page = Path(args.output) if args.output else default_page(args.runs)
-    write_page(reports, page)
+    write_report(reports, page)
     if args.format == "html":
         print(page)
         return 0
@@ -73,13 +72,3 @@ def render(reports: list, fmt: str) -> str:
     return "\n\n".join(
         [run_view.render_compare_text(reports), *(run_view.render_text(r) for r in reports)]
     )
-
-
-def write_page(reports: list, page: Path) -> None:
-    """The HTML page, whole or not at all (a reader never sees half a page)."""
-    from trainwise.report.run_html import render_html
-    from trainwise.run.job.run_files import write_whole
-
-    text = render_html(reports)
-    page.parent.mkdir(parents=True, exist_ok=True)
-    write_whole(page, text)

@@ -1,14 +1,13 @@
-"""`trainwise train`: plan (strategy auto), check, launch the workers, summarise."""
+"""`trainwise train`: the flags parsed, trainwise.api's train called (plan with strategy
+auto, check, launch the workers), its result printed."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-from pathlib import Path
 
-from trainwise.config import JobConfig, dump_toml, load_config
+from trainwise.api import JobSpec, train_job
+from trainwise.config import dump_toml
+from trainwise.config.load import set_layer
 from trainwise.errors import ConfigError
 from trainwise.report import render_summary
 
@@ -123,100 +122,27 @@ def job_flags(args: argparse.Namespace) -> dict[str, object]:
     return flags
 
 
-def add_import_roots(config: str | None) -> None:
-    """Let `model.name = "module:factory"` find modules beside the job file and in the
-    current directory, here and in the workers (which inherit PYTHONPATH)."""
-    roots = [os.getcwd()] + ([str(Path(config).resolve().parent)] if config else [])
-    for root in reversed(roots):
-        if root not in sys.path:
-            sys.path.insert(0, root)
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(roots + ([old] if old else []))
+def job_spec(args: argparse.Namespace, extra: dict[str, tuple[object, str]]) -> JobSpec:
+    """The job as the flags give it: --config, the job's flags (and `extra`: key ->
+    (value, flag)), each key named by its flag, then --set."""
+    flags = {key: (value, JOB_FLAGS[key]) for key, value in job_flags(args).items()}
+    return JobSpec(args.config, ({**flags, **extra}, set_layer(args.set)))
 
 
 def run(args: argparse.Namespace) -> int:
-    flags = {
-        **job_flags(args),
-        "cluster.allow_version_mismatch": args.allow_version_mismatch,
-    }
-    add_import_roots(args.config)
-    names = {**JOB_FLAGS, "cluster.allow_version_mismatch": "--allow-version-mismatch"}
-    cfg = load_config(args.config, flags, args.set, flag_names=names)
+    extra = {"cluster.allow_version_mismatch": (args.allow_version_mismatch,
+                                                "--allow-version-mismatch")}
+    spec = job_spec(args, extra)
     if args.print_config:
+        cfg, _ = spec.load()
         print(dump_toml(cfg), end="")
         return 0
-
-    # Imported here so that --print-config and config errors stay instant.
-    from trainwise.run.engine.control import stop_status
-    from trainwise.run.launch.start import is_worker, start_job, train_here
-    from trainwise.run.launch.torchrun import LaunchError, Preempted
-
-    if is_worker(cfg):
-        from trainwise.run.engine.worker import train
-
-        summary = train(cfg)
-        if summary:
-            print(render_summary(summary))
-            finish_report(cfg, Path(summary["run_dir"]))
-        return stop_status(summary["preempted"]) if summary and summary.get("preempted") else 0
-
-    try:
-        run_dir = start_job(
-            cfg, train_here, "trainwise.run.engine.worker", max_restarts=cfg.checkpoint.max_restarts
-        )
-    except Preempted as stop:
-        # Saved but not finished: 128 + the signal, so that `train && export` stops here.
-        print(f"trainwise: {stop}; {resume_hint(cfg, stop.event)}")
-        return stop.exit_status
-    except LaunchError as failed:
-        if failed.run_dir is not None:
-            finish_report(cfg, failed.run_dir, after_failure=True)
-        raise
-    path = run_dir / "summary.json"
-    if not path.is_file():  # rank 0 runs on another machine and writes its own disk
-        print(f"trainwise: this machine's workers finished; rank 0's machine has {path}")
-        return 0
-    print(render_summary(json.loads(path.read_text())))
-    finish_report(cfg, run_dir)
-    return 0
-
-
-def resume_hint(cfg: JobConfig, event: dict) -> str:
-    """How to go on after a stop that saved."""
-    saved = f"checkpoint {event['checkpoint']} saved" if event.get("checkpoint") else "saved"
-    if cfg.checkpoint.resume == "never":
-        return (
-            f"{saved}: run again with checkpoint.resume = 'auto' to resume from it "
-            "('never' would start a new lineage)"
-        )
-    return f"{saved}: run the same command again to resume"
-
-
-def finish_report(cfg: JobConfig, run_dir: Path, after_failure: bool = False) -> None:
-    """RUN/report.html on rank 0's machine, when the run has finished or failed for good
-    (logging.report): after a failure, of what the run recorded, and quietly when even
-    that cannot be written (the failure's own line is what matters then)."""
-    if not cfg.logging.report or not (run_dir / "metrics.jsonl").is_file():
-        return
-    from trainwise.cli.report import write_page
-    from trainwise.report.analysis import analyse
-    from trainwise.report.rundir import load_run
-
-    page = run_dir / "report.html"
-    try:
-        write_page([analyse(load_run(run_dir))], page)
-    except Exception as err:  # any failure: the run's results stand without the page
-        if not after_failure:
-            print(
-                f"trainwise: the report was not written ({type(err).__name__}: {err}); "
-                f"`trainwise report {run_dir}` tries again",
-                file=sys.stderr,
-            )
-        return
-    from trainwise.run.observe.trackers import add_report
-
-    add_report(run_dir, cfg.logging.trackers, cfg.logging.mlflow_uri)
-    if after_failure:
-        print(f"trainwise: report of what the run recorded: {page}", file=sys.stderr)
-    else:
-        print(f"  report     {page}")
+    # The workers draw their own progress (in this terminal): no second bar here.
+    result = train_job(spec, progress=False)
+    if result.message:  # a stop that saved (exit 128 + the signal), or rank 0 elsewhere
+        print(f"trainwise: {result.message}")
+    elif result.summary is not None:
+        print(render_summary(result.summary))
+        if result.report is not None:
+            print(f"  report     {result.report}")
+    return result.exit_status

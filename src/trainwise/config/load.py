@@ -6,6 +6,7 @@ key, the value, where it came from and what is allowed.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import re
 import sys
@@ -47,33 +48,53 @@ def load_job(
 ) -> tuple[JobConfig, dict[str, str]]:
     """load_config, and where each key the user gave came from (the file, a flag or
     --set; `base` and schema defaults are not given): what the planner keeps fixed."""
-    raw: dict[str, Any] = {}
-    origin: dict[str, str] = {}
-    if path is None:
-        for key, value in (base or {}).items():
-            _assign(raw, key, value)
-            origin[key] = "defaults"
-    else:
-        raw = read_toml(Path(path))
-        for key in _leaf_keys(raw):
-            origin[key] = str(path)
+    names = flag_names or {}
+    given = {
+        key: (value, names.get(key) or "--" + key.rsplit(".", 1)[-1].replace("_", "-"))
+        for key, value in (flags or {}).items()
+    }
+    return load_layers(path, [given, set_layer(overrides or [])], base)
+
+
+def set_layer(items: list[str]) -> Layer:
+    """`--set key=value` items as a layer (values read as TOML, bare words as strings);
+    every malformed item is one line of the ConfigError."""
     problems: list[str] = []
-    for key, value in (flags or {}).items():
-        if value is not None:
-            _assign(raw, key, value)
-            origin[key] = (flag_names or {}).get(key) or "--" + key.rsplit(".", 1)[-1].replace(
-                "_", "-"
-            )
-    for item in overrides or []:
+    layer: Layer = {}
+    for item in items:
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep or not key:
             problems.append(f"--set {item!r}: expected key=value, e.g. --set optim.lr=3e-4")
             continue
-        _assign(raw, key, parse_value(text.strip()))
-        origin[key] = "--set"
+        layer[key] = (parse_value(text.strip()), "--set")
     if problems:
         raise ConfigError(problems)
+    return layer
+
+
+# A layer of keys over a job: dotted key -> (value, where it came from, as messages name
+# it: a flag, --set, a keyword of trainwise.train). A value of None is not given.
+Layer = dict[str, tuple[Any, str]]
+CONFIG_ORIGIN = "config"  # where the keys of a dict or a JobConfig given as the job came from
+
+
+def load_layers(
+    source: str | Path | dict[str, Any] | JobConfig | None = None,
+    layers: list[Layer] | tuple[Layer, ...] = (),
+    base: dict[str, Any] | None = None,
+) -> tuple[JobConfig, dict[str, str]]:
+    """The job from `source` with `layers` on top (a later layer wins), checked once:
+    every problem raised together as one ConfigError. `source`: a TOML file, a dict of
+    sections as such a file holds them, a JobConfig, or None (`base`'s dotted keys over
+    the schema's defaults). Returns the config and where each key the user gave came from
+    (`base` and schema defaults are not given)."""
+    raw, origin = _source(source, base)
+    for layer in layers:
+        for key, (value, where) in layer.items():
+            if value is not None:
+                _assign(raw, key, value)
+                origin[key] = where
     try:
         cfg = JobConfig.model_validate(raw)
     except ValidationError as err:
@@ -82,6 +103,27 @@ def load_job(
     if problems:
         raise ConfigError(problems)
     return cfg, {k: v for k, v in origin.items() if v != "defaults"}
+
+
+def _source(
+    source: str | Path | dict[str, Any] | JobConfig | None, base: dict[str, Any] | None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The raw sections of the job's source and the origin of each key it sets."""
+    if source is None:
+        raw: dict[str, Any] = {}
+        for key, value in (base or {}).items():
+            _assign(raw, key, value)
+        return raw, dict.fromkeys(base or {}, "defaults")
+    if isinstance(source, JobConfig):
+        # Every value, so that the job is exactly this one; given: the keys it had set.
+        given = source.model_dump(mode="json", by_alias=True, exclude_unset=True)
+        raw = source.model_dump(mode="json", by_alias=True)
+        return raw, dict.fromkeys(_leaf_keys(given), CONFIG_ORIGIN)
+    if isinstance(source, dict):
+        raw = copy.deepcopy(source)
+        return raw, dict.fromkeys(_leaf_keys(raw), CONFIG_ORIGIN)
+    raw = read_toml(Path(source))
+    return raw, dict.fromkeys(_leaf_keys(raw), str(source))
 
 
 def read_toml(path: Path) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from pydantic import (
 from trainwise.config.parallel_dims import STRATEGY_WORDS, read_strategy
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import find_gpu, gpu_names
-from trainwise.objects import is_import_path
+from trainwise.objects import is_object_reference
 
 # data.dataset's built-in words (trainwise.data builds them); anything else is an import path.
 BUILTIN_DATASETS = ("synthetic", "digits", "tokens")
@@ -124,7 +124,7 @@ class DataConfig(Section):
     @field_validator("dataset")
     @classmethod
     def _known_or_import_path(cls, value: str) -> str:
-        if value in BUILTIN_DATASETS or is_import_path(value):
+        if value in BUILTIN_DATASETS or is_object_reference(value):
             return value
         raise ValueError(
             f"is neither a built-in dataset ({', '.join(BUILTIN_DATASETS)}) nor an import "

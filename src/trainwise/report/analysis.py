@@ -20,6 +20,7 @@ from trainwise.plan.estimate import SIMPLER_WITHIN, config_keys
 from trainwise.plan.model.cost import CostTerm, run_cost
 from trainwise.plan.planner import COMM_BOUND_SHARE
 from trainwise.plan.units import PLAN_TOLERANCE, fmt_gpu_hours, fmt_usd_exact
+from trainwise.records import MemoryFigures, RunPlan, StepRecord
 from trainwise.report.drilldown import DrillDown, drill_down
 from trainwise.report.rundir import RunFiles
 from trainwise.run.observe.events import RetryCost, resumptions, retry_cost
@@ -170,7 +171,7 @@ def analyse(run: RunFiles) -> RunReport:
 
 
 def _profiled_note(run: RunFiles) -> list[str]:
-    traced = [r["step"] for r in run.records if r.get("profiled")]
+    traced = [r.step for r in run.records if r.profiled]
     if not traced:
         return []
     return [
@@ -186,34 +187,34 @@ def _section(run: RunFiles, name: str) -> dict[str, Any]:
 
 
 def headline(run: RunFiles) -> Headline:
-    job, recs, s = run.job, run.records, run.summary or {}
+    job, recs, s = run.job, run.records, run.summary
     last = recs[-1]
-    evals = [r for r in recs if r.get("eval_loss") is not None]
-    world = int(job.get("world", 1))
+    evals = [r for r in recs if r.eval_loss is not None]
+    world = int(job.world or 1)
     ready = [e for e in run.events if e["kind"] == "ready"]
     nodes = ready[-1].get("nodes") if ready and ready[-1].get("nodes") else 1
     return Headline(
         run=run.name,
         path=run.typed,
-        model=str(_section(run, "model").get("name", s.get("model", "?"))),
-        params=job.get("params"),
-        trainable_params=job.get("trainable_params"),
-        total_params=job.get("total_params"),
+        model=str(_section(run, "model").get("name", s.model if s and s.model else "?")),
+        params=job.params,
+        trainable_params=job.trainable_params,
+        total_params=job.total_params,
         # Runs from before job.json had layout_name: the shortcut they recorded.
-        layout=str(job.get("layout_name") or job.get("strategy", "?")),
-        reason=str(job.get("reason", "")),
+        layout=str(job.layout_name or job.strategy or "?"),
+        reason=str(job.reason or ""),
         world=world,
         nodes=int(nodes),
-        device=str(job.get("device", "?")),
-        precision=str(job.get("precision", "?")),
+        device=str(job.device or "?"),
+        precision=str(job.precision or "?"),
         steps_planned=_section(run, "train").get("steps"),
-        steps_done=int(last["step"]),
-        tokens=last.get("tokens"),
+        steps_done=int(last.step),
+        tokens=last.tokens,
         wall_s=wall_seconds(run),
-        final_loss=float(last["loss"]),
-        final_eval_loss=float(evals[-1]["eval_loss"]) if evals else None,
-        tokens_per_s=_median([r.get("tokens_per_s") for r in steady(recs)]),
-        samples_per_s=_median([r.get("samples_per_s") for r in steady(recs)]),
+        final_loss=float(last.loss),
+        final_eval_loss=float(evals[-1].eval_loss) if evals else None,
+        tokens_per_s=_median([r.tokens_per_s for r in steady(recs)]),
+        samples_per_s=_median([r.samples_per_s for r in steady(recs)]),
         preempted=_last_end(run.events) == "preempted",
         stops=[stop.line() for stop in resumptions(run.events)],
     )
@@ -226,30 +227,35 @@ def _last_end(events: list[dict[str, Any]]) -> str | None:
 
 def wall_seconds(run: RunFiles) -> float:
     """The run's wall time, as the terminal summary gives it (run.wall.run_wall_s)."""
-    return run_wall_s(run.all_records, run.events)
+    return run_wall_s([r.to_dict() for r in run.all_records], run.events)
 
 
-def steady(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def steady(records: list[StepRecord]) -> list[StepRecord]:
     """The steps after warm-up (all of them when the run is too short to have any)."""
-    later = [r for r in records if r["step"] > WARMUP_STEPS and not r.get("profiled")]
+    later = [r for r in records if r.step > WARMUP_STEPS and not r.profiled]
     return later or records
 
 
-def calm(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def calm(records: list[StepRecord]) -> list[StepRecord]:
     """The steady steps without a checkpoint stall: what the plan's step is compared with."""
-    return [r for r in steady(records) if not r.get("ckpt_s")] or steady(records)
+    return [r for r in steady(records) if not r.ckpt_s] or steady(records)
+
+
+def _figure(record: StepRecord, key: str) -> float:
+    """A stage's seconds in a step record (`key`: one of STAGES' fields); 0 when unmeasured."""
+    return float(getattr(record, key) or 0.0)
 
 
 def stage_split(run: RunFiles, failures: RetryCost, notes: list[str]) -> StageSplit:
     recs = run.records
     # The bubble only for a pipeline's run (the records of others have none).
-    piped = any(r.get("bubble_s") is not None for r in recs)
+    piped = any(r.bubble_s is not None for r in recs)
     stages = [s for s in STAGES if s[0] != "bubble_s" or piped]
-    total = {name: sum(float(r.get(key) or 0.0) for r in recs) for key, name in stages}
+    total = {name: sum(_figure(r, key) for r in recs) for key, name in stages}
     total["restart downtime"] = failures.downtime_s
-    if any(r.get("sync_s") is None for r in recs) and int(run.job.get("world", 1)) > 1:
+    if any(r.sync_s is None for r in recs) and int(run.job.world or 1) > 1:
         notes.append("exposed sync is measured by probes; steps before the first probe count 0")
-    tp = [r["tp_s"] for r in calm(recs) if r.get("tp_s") is not None]
+    tp = [r.tp_s for r in calm(recs) if r.tp_s is not None]
     if tp:
         notes.append(
             f"exposed sync includes the tensor-parallel collectives inside forward and backward "
@@ -258,31 +264,31 @@ def stage_split(run: RunFiles, failures: RetryCost, notes: list[str]) -> StageSp
     size = max(1, -(-len(recs) // WINDOWS))
     windows = [
         StageWindow(
-            first_step=chunk[0]["step"],
-            last_step=chunk[-1]["step"],
+            first_step=chunk[0].step,
+            last_step=chunk[-1].step,
             seconds_per_step={
-                name: sum(float(r.get(key) or 0.0) for r in chunk) / len(chunk)
+                name: sum(_figure(r, key) for r in chunk) / len(chunk)
                 for key, name in stages
             },
         )
         for chunk in (recs[i : i + size] for i in range(0, len(recs), size))
     ]
     quiet = calm(recs)
-    measured = {name: _median([r.get(key) or 0.0 for r in quiet]) or 0.0 for key, name in stages}
+    measured = {name: _median([_figure(r, key) for r in quiet]) or 0.0 for key, name in stages}
     measured["checkpoint stall"] = 0.0
     planned: dict[str, float | None] | None = None
-    if run.plan:
-        step = run.plan["step"]
+    if run.plan is not None:
+        step = run.plan.step
         planned = {
-            "data wait": step["data"],
+            "data wait": step.data,
             # The planner times forward, backward and the optimizer as one compute term.
-            "compute": step["compute"],
-            "exposed sync": step["exposed_comm"],
+            "compute": step.compute,
+            "exposed sync": step.exposed_comm,
             "optimizer": None,
             "checkpoint stall": 0.0,
         }
         if piped:  # the planner's bubble, when it prices the pipeline
-            planned["pipeline bubble"] = step.get("bubble")
+            planned["pipeline bubble"] = step.bubble
     return StageSplit(total, windows, planned, measured)
 
 
@@ -298,9 +304,7 @@ def cost_of(run: RunFiles, gpus: int, cost: RetryCost, notes: list[str]) -> Cost
         notes.append(f"the job ran on {sizes} workers; each step is charged at its attempt's")
 
     def gpu_seconds(key: str) -> float:
-        return sum(
-            float(r.get(key) or 0.0) * workers.get(r.get("attempt", 0), gpus) for r in run.records
-        )
+        return sum(_figure(r, key) * workers.get(r.attempt or 0, gpus) for r in run.records)
 
     terms = run_cost(
         price_per_gpu_hour=price,
@@ -327,34 +331,34 @@ def _price(run: RunFiles) -> tuple[float, str]:
     given = _section(run, "cost").get("price_per_gpu_hour")
     if given is not None:
         return float(given), "cost.price_per_gpu_hour"
-    if run.plan and run.plan.get("price_per_gpu_hour") is not None:
-        return float(run.plan["price_per_gpu_hour"]), f"the catalog's {run.job.get('device')}"
+    if run.plan is not None and run.plan.price_per_gpu_hour is not None:
+        return float(run.plan.price_per_gpu_hour), f"the catalog's {run.job.device}"
     return 0.0, "unknown (set cost.price_per_gpu_hour)"
 
 
 def plan_vs_actual(run: RunFiles, stages: StageSplit, notes: list[str]) -> list[PlanCheck]:
     plan, job = run.plan, run.job
-    if not plan:
+    if plan is None:
         return []
-    step_s = _median([r["step_s"] for r in calm(run.records)])
-    tokens = job.get("tokens_per_step")
-    mem = max((int(r.get("mem_bytes") or 0) for r in run.records), default=0)
-    mem_kind = run.records[-1].get("mem_kind", "")
+    step_s = _median([r.step_s for r in calm(run.records)])
+    tokens = job.tokens_per_step
+    mem = max((int(r.mem_bytes or 0) for r in run.records), default=0)
+    mem_kind = run.records[-1].mem_kind or ""
     saves = [e for e in run.events if e["kind"] == "checkpoint" and e.get("save_s") is not None]
     slow_part = _largest_miss(stages, plan)
-    defaults = plan.get("calibrated") is False  # older plan.json files do not say
-    speed = machine_changed(plan, "calibration_step_s", plan["step"]["total"], step_s, "a step")
+    defaults = plan.calibrated is False  # older plan.json files do not say
+    speed = machine_changed(plan, "calibration_step_s", plan.step.total, step_s, "a step")
     save_s = _median([e["save_s"] for e in saves])
     disk = machine_changed(
-        plan, "calibration_save_s", plan["checkpoint"]["save_s"], save_s, "a save"
+        plan, "calibration_save_s", plan.checkpoint.save_s, save_s, "a save"
     )
     rows = [
-        _check("step time", "s", plan["step"]["total"], step_s, slow_part, reason=speed,
+        _check("step time", "s", plan.step.total, step_s, slow_part, reason=speed,
                defaults=defaults),
         _check(
             "tokens/s",
             "tokens/s",
-            plan.get("tokens_per_s"),
+            plan.tokens_per_s,
             tokens / step_s if tokens and step_s else None,
             slow_part,
             reason=speed,
@@ -363,7 +367,7 @@ def plan_vs_actual(run: RunFiles, stages: StageSplit, notes: list[str]) -> list[
         _check(
             "memory per worker",
             "bytes",
-            planned_memory(plan["memory_per_gpu"], mem_kind),
+            planned_memory(plan.memory_per_gpu, mem_kind),
             mem or None,
             MEMORY_ASSUMPTION.get(mem_kind, MEMORY_ASSUMPTION["cuda_peak"]),
             comparable=mem_kind in MEMORY_ASSUMPTION,
@@ -372,7 +376,7 @@ def plan_vs_actual(run: RunFiles, stages: StageSplit, notes: list[str]) -> list[
         _check(
             "checkpoint save",
             "s",
-            plan["checkpoint"]["save_s"],
+            plan.checkpoint.save_s,
             save_s,
             "the checkpoint write speed and fixed latency (checkpoint.write_gbps, "
             "save_latency_s; trainwise doctor measures them)",
@@ -388,23 +392,24 @@ def plan_vs_actual(run: RunFiles, stages: StageSplit, notes: list[str]) -> list[
     return rows
 
 
-def planned_memory(memory: dict[str, Any], mem_kind: str) -> float:
+def planned_memory(memory: MemoryFigures, mem_kind: str) -> float | None:
     """The plan's figure for what the run measured: on a GPU the allocator's peak, so the
     tensors without the overhead (the CUDA context and fragmentation, which
     max_memory_allocated does not count); on CPU the whole total (its overhead is the
     runtime's own memory, measured by a calibration, which the resident set holds)."""
-    if mem_kind == "cuda_peak":
-        return memory["total"] - (memory.get("overhead") or 0)
-    return memory["total"]
+    if mem_kind == "cuda_peak" and memory.total is not None:
+        return memory.total - (memory.overhead or 0)
+    return memory.total
 
 
 def machine_changed(
-    plan: dict[str, Any], key: str, planned: float, actual: float | None, what: str
+    plan: RunPlan, key: str, planned: float | None, actual: float | None, what: str
 ) -> str | None:
     """Why a calibrated plan missed this run's time, when the files show it: the plan
-    reproduces its calibration run's figure (plan.json `key`), and this run's differs from
-    that one's: the machine, not the model, changed between the runs."""
-    before = plan.get(key)
+    reproduces its calibration run's figure (plan.json `key`: calibration_step_s or
+    calibration_save_s), and this run's differs from that one's: the machine, not the
+    model, changed between the runs."""
+    before = getattr(plan, key)
     if not before or not actual or not planned:
         return None
     change = actual / before - 1
@@ -413,16 +418,16 @@ def machine_changed(
         return None
     return (
         f"the machine's speed changed: {what} took {actual:.3g} s here and {before:.3g} s "
-        f"in {plan.get('calibration_source')} ({change:+.0%}), whose measurements the plan "
+        f"in {plan.calibration_source} ({change:+.0%}), whose measurements the plan "
         "reproduces (other load on the machine?)"
     )
 
 
-def _largest_miss(stages: StageSplit, plan: dict[str, Any]) -> str:
+def _largest_miss(stages: StageSplit, plan: RunPlan) -> str:
     """The assumption behind the stage whose seconds per step the plan missed by most."""
     m, p = stages.measured_per_step, stages.planned_per_step or {}
     misses = {
-        f"the achieved compute rate (plan.efficiency = {plan.get('efficiency') or 'modelled'})":
+        f"the achieved compute rate (plan.efficiency = {plan.efficiency or 'modelled'})":
             m["compute"] + m["optimizer"] - (p.get("compute") or 0.0),
         "the link bandwidth (cluster.intra_node_gbps / inter_node_gbps; trainwise doctor "
         "measures it)": m["exposed sync"] - (p.get("exposed sync") or 0.0),
@@ -454,19 +459,17 @@ def _check(
 
 def curves(run: RunFiles) -> Curves:
     recs = run.records
-    shares = [
-        float(r.get("data_s") or 0.0) / float(r["step_s"]) if r.get("step_s") else 0.0 for r in recs
-    ]
+    shares = [_figure(r, "data_s") / float(r.step_s) if r.step_s else 0.0 for r in recs]
     ready = [e for e in run.events if e["kind"] == "ready" and e.get("attempt", 0) > 0]
     return Curves(
-        step=[r["step"] for r in recs],
-        loss=[float(r["loss"]) for r in recs],
-        eval_step=[r["step"] for r in recs if r.get("eval_loss") is not None],
-        eval_loss=[float(r["eval_loss"]) for r in recs if r.get("eval_loss") is not None],
-        tokens_per_s=[float(r.get("tokens_per_s") or 0.0) for r in recs],
+        step=[r.step for r in recs],
+        loss=[float(r.loss) for r in recs],
+        eval_step=[r.step for r in recs if r.eval_loss is not None],
+        eval_loss=[float(r.eval_loss) for r in recs if r.eval_loss is not None],
+        tokens_per_s=[float(r.tokens_per_s or 0.0) for r in recs],
         data_share=shares,
-        mem_bytes=[int(r.get("mem_bytes") or 0) for r in recs],
-        mem_kind=str(recs[-1].get("mem_kind", "")),
+        mem_bytes=[int(r.mem_bytes or 0) for r in recs],
+        mem_kind=str(recs[-1].mem_kind or ""),
         checkpoints=sorted({int(e["step"]) for e in run.events if e["kind"] == "checkpoint"}),
         restarts=sorted(
             [int(e.get("step", 0)) for e in ready]
@@ -479,9 +482,9 @@ def advice(
     run: RunFiles, stages: StageSplit, costs: Costs, checks: list[PlanCheck]
 ) -> list[Advice]:
     out: list[Advice] = []
-    step_total = sum(float(r.get("step_s") or 0.0) for r in run.records) or 1.0
+    step_total = sum(_figure(r, "step_s") for r in run.records) or 1.0
     price = costs.price_per_gpu_hour
-    gpus = int(run.job.get("world", 1))
+    gpus = int(run.job.world or 1)
     data_share = stages.total_s["data wait"] / step_total
     doctor = {c["name"]: c for c in (run.doctor or {}).get("checks", [])}
     if data_share > DATA_BOUND_SHARE:
@@ -491,7 +494,7 @@ def advice(
             title="data-bound",
             evidence=f"the workers waited for batches {data_share:.0%} of the step time"
             + _doctor_said(doctor, "data"),
-            change=loader_fixes(workers, run.job.get("device_kind") == "cuda"),
+            change=loader_fixes(workers, run.job.device_kind == "cuda"),
             saving=f"up to {fmt_gpu_hours(hours)} GPU-h ({fmt_usd_exact(hours * price)}) on a run like this "
             "one, if the loader kept up",
         ))
@@ -509,7 +512,7 @@ def advice(
             work = (step_total - stages.total_s["checkpoint stall"]) * gpus / 3600
             change = (
                 f"{config_keys(name)}: the planner predicts a step {gain:.0%} "
-                f"shorter than {run.job.get('strategy')}'s here; or {change}"
+                f"shorter than {run.job.strategy}'s here; or {change}"
             )
             saving = f"{fmt_gpu_hours(work * gain)} GPU-h ({fmt_usd_exact(work * gain * price)}), the planner's {gain:.0%} of the steps' time"
         out.append(Advice(
@@ -555,16 +558,16 @@ def advice(
 def faster_strategy(run: RunFiles) -> tuple[str, float] | None:
     """The plan's fastest other strategy that fits on the same workers, and the share of
     the step it saves, when that is more than the planner's SIMPLER_WITHIN."""
-    plan = run.plan or {}
-    current = plan.get("step", {}).get("total")
-    fits = [
-        a for a in plan.get("alternatives", []) if a.get("fits") and a["name"] != plan.get("name")
-    ]
+    plan = run.plan
+    if plan is None:
+        return None
+    current = plan.step.total
+    fits = [a for a in plan.alternatives if a.fits and a.name != plan.name]
     if not current or not fits:
         return None
-    best = min(fits, key=lambda a: a["step_total"])
-    gain = 1 - best["step_total"] / current
-    return (best["name"], gain) if gain > SIMPLER_WITHIN else None
+    best = min(fits, key=lambda a: a.step_total or 0.0)
+    gain = 1 - (best.step_total or 0.0) / current
+    return (str(best.name), gain) if gain > SIMPLER_WITHIN else None
 
 
 def _doctor_said(doctor: dict[str, dict], name: str) -> str:

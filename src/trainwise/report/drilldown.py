@@ -105,14 +105,14 @@ def attributed(run: RunFiles) -> list[Attributed]:
     first = min(run.profiles, key=lambda p: p.get("rank", 0))
     trace = first.get("stages_s") or {}
     lo, hi = (first.get("steps") or [0, 0])[:2]
-    traced = [r for r in run.records if lo <= r["step"] <= hi]
-    plan = (run.plan or {}).get("step", {})
+    traced = [r for r in run.records if lo <= r.step <= hi]
+    step = run.plan.step if run.plan is not None else None
     out = []
     for stage, plan_key, field_name, trace_key in ATTRIBUTED:
-        values = [float(r[field_name]) for r in traced if r.get(field_name) is not None]
+        values = [float(v) for r in traced if (v := getattr(r, field_name)) is not None]
         out.append(
             Attributed(
-                stage, plan.get(plan_key) if plan_key else None,
+                stage, getattr(step, plan_key) if step is not None and plan_key else None,
                 sum(values) / len(values) if values else None, trace.get(trace_key),
             )
         )

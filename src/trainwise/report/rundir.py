@@ -1,5 +1,6 @@
 """A run directory read back for the report: the files `trainwise train` writes, checked
-once here so that everything after works on plain values.
+once here so that everything after works on typed records (trainwise.records): the job
+(`JobRecord`), the steps (`StepRecord`), the summary (`RunSummary`) and the plan (`RunPlan`).
 
 Needed: job.json (what ran), metrics.jsonl (a record per step). Read when present:
 config.toml, events.jsonl, summary.json, plan.json (the planner's figures for the job as
@@ -18,6 +19,7 @@ from typing import Any
 from trainwise.config import read_toml
 from trainwise.errors import ConfigError
 from trainwise.jsonl import JsonlError, read_objects
+from trainwise.records import JobRecord, RunPlan, RunSummary, StepRecord
 from trainwise.run.observe.events import read_events
 
 
@@ -28,13 +30,13 @@ class ReportError(ConfigError):
 @dataclass
 class RunFiles:
     path: Path
-    job: dict[str, Any]
-    records: list[dict[str, Any]]  # one per step: the last attempt's (what the model kept)
-    all_records: list[dict[str, Any]]  # as written, repeated steps included
+    job: JobRecord
+    records: list[StepRecord]  # one per step: the last attempt's (what the model kept)
+    all_records: list[StepRecord]  # as written, repeated steps included
     events: list[dict[str, Any]] = field(default_factory=list)
-    config: dict[str, Any] = field(default_factory=dict)
-    summary: dict[str, Any] | None = None
-    plan: dict[str, Any] | None = None
+    config: dict[str, Any] = field(default_factory=dict)  # config.toml as written
+    summary: RunSummary | None = None
+    plan: RunPlan | None = None  # None without plan.json (the planner had no figures)
     doctor: dict[str, Any] | None = None
     profiles: list[dict[str, Any]] = field(default_factory=list)  # profile/summary-rank-N
     traces: list[str] = field(default_factory=list)  # profile/ and hang/ files, run-relative
@@ -76,24 +78,25 @@ def load_run(path: str | Path) -> RunFiles:
         raise ReportError(
             f"{metrics}: no step recorded yet; report on the run after it has trained"
         )
-    by_step: dict[int, dict[str, Any]] = {}
+    by_step: dict[int, StepRecord] = {}
     for rec in written:  # a later attempt redoes the steps since its checkpoint: keep the last
-        by_step[rec["step"]] = rec
+        by_step[rec.step] = rec
     config: dict[str, Any] = {}
     if (run / "config.toml").is_file():
         try:
             config = read_toml(run / "config.toml")
         except ConfigError as err:
             raise ReportError(str(err)) from None
+    summary, plan = _json(run, "summary.json"), _json(run, "plan.json")
     return RunFiles(
         path=run,
-        job=job,
+        job=JobRecord.from_dict(job),
         records=[by_step[s] for s in sorted(by_step)],
         all_records=written,
         events=read_events(run),
         config=config,
-        summary=_json(run, "summary.json"),
-        plan=_json(run, "plan.json"),
+        summary=RunSummary.from_dict(summary) if summary else None,
+        plan=RunPlan.from_dict(plan) if plan else None,
         doctor=_json(run, "doctor.json"),
         **_drill_down_files(run),
     )
@@ -137,7 +140,7 @@ def _json(run: Path, name: str, needed: str | None = None) -> Any:
         raise ReportError(f"{path}: not JSON (half-written?); remove it or run again") from None
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
+def _records(path: Path) -> list[StepRecord]:
     """The step records; a torn last line is skipped (read_objects warns)."""
     try:
         rows = read_objects(path)
@@ -146,4 +149,4 @@ def _records(path: Path) -> list[dict[str, Any]]:
     for n, rec in enumerate(rows, 1):
         if not isinstance(rec.get("step"), int):
             raise ReportError(f"{path} record {n}: not a step record (no integer 'step')")
-    return rows
+    return [StepRecord.from_dict(rec) for rec in rows]

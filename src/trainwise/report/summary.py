@@ -1,10 +1,12 @@
-"""The terminal summary that ends `trainwise train`, rendered from summary.json."""
+"""The terminal summary that ends `trainwise train`, rendered from summary.json
+(`RunSummary`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from trainwise.plan.units import fmt_params, fmt_seconds
+from trainwise.records import RunSummary
 
 MISSING = "n/a"  # a figure the summary lacks (a rerun that trained nothing, an older file)
 
@@ -16,9 +18,15 @@ def fig(value: Any, spec: str = "", unit: str = "", scale: float = 1) -> str:
     return f"{value * scale:{spec}}{unit}"
 
 
-def render_summary(s: dict[str, Any]) -> str:
-    shares = s.get("stage_share") or {}
-    tp = s.get("tp_comm_share")
+def _or_missing(value: Any) -> Any:
+    return MISSING if value is None else value
+
+
+def render_summary(summary: RunSummary | dict[str, Any]) -> str:
+    """The summary's lines; a dict is read as summary.json's (RunSummary.from_dict)."""
+    s = summary if isinstance(summary, RunSummary) else RunSummary.from_dict(summary)
+    shares = s.stage_share or {}
+    tp = s.tp_comm_share
     parts = {"sync": f" (tensor-parallel {fig(tp, '.1f', '%', scale=100)})"} if tp else {}
     stages = (
         " | ".join(
@@ -35,37 +43,37 @@ def render_summary(s: dict[str, Any]) -> str:
         )
         or MISSING
     )
-    if (s.get("world") or 1) > 1 and not s.get("sync_measured"):
+    if (s.world or 1) > 1 and not s.sync_measured:
         stages += "  (sync not probed)"
-    loss = f"{fig(s.get('first_loss'), '.4f')} -> {fig(s.get('final_loss'), '.4f')}"
-    if s.get("final_eval_loss") is not None:
-        loss += f"  (held-out {fig(s['final_eval_loss'], '.4f')})"
-    unit = " tokens/s" if (s.get("tokens_per_sample") or 1) > 1 else " samples/s"
-    speed = fig(s.get("tokens_per_s"), ",.0f", unit)
+    loss = f"{fig(s.first_loss, '.4f')} -> {fig(s.final_loss, '.4f')}"
+    if s.final_eval_loss is not None:
+        loss += f"  (held-out {fig(s.final_eval_loss, '.4f')})"
+    unit = " tokens/s" if (s.tokens_per_sample or 1) > 1 else " samples/s"
+    speed = fig(s.tokens_per_s, ",.0f", unit)
     # The report's wall figure (run.wall), written as the report writes it.
-    wall = fig(s.get("wall_s"))
-    wall = f"{fmt_seconds(s['wall_s'])} s" if wall != MISSING else wall
+    wall = fig(s.wall_s)
+    wall = f"{fmt_seconds(s.wall_s)} s" if wall != MISSING else wall
     head = "trainwise: training finished"
-    if s.get("preempted"):
-        head = f"trainwise: preempted by {s['preempted']} after step {s.get('last_step')}; saved"
-    params = f"{fig(s.get('params'), ',')} parameters"
-    if s.get("trainable_params") is not None and s.get("total_params"):  # LoRA
-        params = fmt_params(s["trainable_params"], s["total_params"])
+    if s.preempted:
+        head = f"trainwise: preempted by {s.preempted} after step {s.last_step}; saved"
+    params = f"{fig(s.params, ',')} parameters"
+    if s.trainable_params is not None and s.total_params:  # LoRA
+        params = fmt_params(s.trainable_params, s.total_params)
     lines = [
         head,
-        f"  strategy   {s.get('reason', MISSING)}",
-        f"  model      {s.get('model', MISSING)}, {params}, {s.get('precision', MISSING)}",
-        f"  steps      {s.get('steps', MISSING)} x global batch {s.get('global_batch', MISSING)}"
-        f" on {s.get('world', MISSING)} x {s.get('device', MISSING)}",
+        f"  strategy   {_or_missing(s.reason)}",
+        f"  model      {_or_missing(s.model)}, {params}, {_or_missing(s.precision)}",
+        f"  steps      {_or_missing(s.steps)} x global batch {_or_missing(s.global_batch)}"
+        f" on {_or_missing(s.world)} x {_or_missing(s.device)}",
         f"  loss       {loss}",
         f"  speed      {speed}  (wall {wall})",
         f"  step time  {stages}",
-        f"  run dir    {s.get('run_dir', MISSING)}",
+        f"  run dir    {_or_missing(s.run_dir)}",
     ]
-    if (s.get("tp") or 1) > 1 or (s.get("pp") or 1) > 1:  # every degree, beside the name
-        lines.insert(2, f"  layout     {s.get('layout', MISSING)}")
-    if s.get("resumed_from") is not None:
-        lines.insert(-1, f"  resumed    {s.get('resume', MISSING)}")
-    if (s.get("retry_cost") or {}).get("failures"):
-        lines.insert(-1, f"  failures   {s.get('retry_line', MISSING)}")
+    if (s.tp or 1) > 1 or (s.pp or 1) > 1:  # every degree, beside the name
+        lines.insert(2, f"  layout     {_or_missing(s.layout)}")
+    if s.resumed_from is not None:
+        lines.insert(-1, f"  resumed    {_or_missing(s.resume)}")
+    if s.retry_cost is not None and s.retry_cost.failures:
+        lines.insert(-1, f"  failures   {_or_missing(s.retry_line)}")
     return "\n".join(lines)

@@ -34,11 +34,15 @@ def start_job(
     module: str,
     label: str | None = None,
     max_restarts: int = 0,
+    on_start: Callable[[Path], object] | None = None,
 ) -> Path:
     """Check the job against this machine (every check before any worker starts), write
     its run files, then run it: `target(cfg, run_dir)` in this process for one worker on
     one machine, else `python -m MODULE RUN_DIR` workers under the elastic agent. The run
-    directory's default name ends with `label` (default: the layout's name); it is returned."""
+    directory's default name ends with `label` (default: the layout's name); it is returned.
+    `on_start(run_dir)` is called once the run files are written, before the workers start
+    (trainwise.train's progress follows the run from there). A stop or a failure
+    (Preempted, LaunchError) carries the run directory as `run_dir`."""
     from trainwise.hardware import detect_device
     from trainwise.hardware.detect import usable_cores
     from trainwise.jsonl import cut_torn_files
@@ -47,7 +51,7 @@ def start_job(
     from trainwise.run.job.run_files import default_run_dir, write_run_files
     from trainwise.run.job.run_lock import hold_run_dir, job_identity, unusable_run_dir
     from trainwise.run.launch.data_checks import check_data
-    from trainwise.run.launch.torchrun import LaunchError, launch_workers
+    from trainwise.run.launch.torchrun import LaunchError, Preempted, launch_workers
     from trainwise.run.observe.events import append_event
     from trainwise.run.observe.hang import enable_flight_recorder
 
@@ -75,23 +79,26 @@ def start_job(
             raise unusable_run_dir(run_dir, err) from None
         for line in start_lines(job, nproc, usable_cores()):
             print(line, file=sys.stderr)  # beside the workers' start-up lines
-        if nproc == 1 and nodes == 1:
-            if device.kind == "cuda":  # as launch_workers does for the workers it starts
-                enable_flight_recorder(run_dir)
-            target(cfg, run_dir)
-            return run_dir
-        launch = start_launch(dump_toml(cfg), job.base_weights)  # read once, here
+        if on_start is not None:
+            on_start(run_dir)
         try:
-            launch_workers(
-                run_dir, nproc, launch, cfg.cluster.master_port, max_restarts, module=module,
-                cluster=cfg.cluster, checkpoints=checkpoint_root(cfg, run_dir),
-                device_kind=device.kind,
-            )
-        except LaunchError as err:
-            err.run_dir = run_dir  # for a report of what the run recorded
+            if nproc == 1 and nodes == 1:
+                if device.kind == "cuda":  # as launch_workers does for the workers it starts
+                    enable_flight_recorder(run_dir)
+                target(cfg, run_dir)
+                return run_dir
+            launch = start_launch(dump_toml(cfg), job.base_weights)  # read once, here
+            try:
+                launch_workers(
+                    run_dir, nproc, launch, cfg.cluster.master_port, max_restarts,
+                    module=module, cluster=cfg.cluster,
+                    checkpoints=checkpoint_root(cfg, run_dir), device_kind=device.kind,
+                )
+            finally:
+                end_launch(launch)
+        except (LaunchError, Preempted) as err:
+            err.run_dir = run_dir  # for the result, and a report of what the run recorded
             raise
-        finally:
-            end_launch(launch)
     return run_dir
 
 

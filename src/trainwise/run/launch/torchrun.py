@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from trainwise.config.schema import ClusterConfig
-from trainwise.errors import TrainwiseError
+from trainwise.errors import LaunchError, TrainwiseError
 from trainwise.run.checkpoint.store import find_latest_valid
 from trainwise.run.engine.control import stop_status
 from trainwise.run.job.lifeline import Launch
@@ -36,16 +37,12 @@ HANDLED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 SHUTDOWN_GRACE_S = 120  # how long a signalled worker may take to save before SIGKILL
 
 
-class LaunchError(TrainwiseError):
-    """A worker failed; the message names the rank, the exit code and the error.
-    `run_dir` is the run it ended (set by start_job), for a report of what it recorded."""
-
-    run_dir: Path | None = None
-
-
 class Preempted(TrainwiseError):  # noqa: N818 - an outcome: saved, not finished
     """The run was stopped by a signal after saving a checkpoint (its `preempted` event);
-    its exit status is 128 + the signal (control.stop_status), never 0."""
+    its exit status is 128 + the signal (control.stop_status), never 0. `run_dir` is the
+    run it stopped (set by start_job)."""
+
+    run_dir: Path | None = None
 
     def __init__(self, event: dict):
         super().__init__(f"stopped by {event.get('signal')} after step {event.get('step')}")
@@ -135,6 +132,9 @@ def launch_workers(
     agent_log.addHandler(handler)
     for name in AGENT_LOGGERS:
         logging.getLogger(name).addFilter(QUIET_STOPS)
+    # The agent installs its handlers of HANDLED_SIGNALS and leaves them: a process that
+    # goes on after the run (a notebook, a script) gets its own back.
+    handlers = kept_signal_handlers()
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", module, str(run_dir))
     except SignalException as err:
@@ -162,7 +162,18 @@ def launch_workers(
         agent_log.removeHandler(handler)
         for name in AGENT_LOGGERS:
             logging.getLogger(name).removeFilter(QUIET_STOPS)
+        for sig, previous in handlers.items():
+            signal.signal(sig, previous)
     _raise_outcome(run_dir, launch)
+
+
+def kept_signal_handlers() -> dict[signal.Signals, object]:
+    """This process's handlers of HANDLED_SIGNALS, to restore after the agent (only the
+    main thread sets handlers; elsewhere the agent sets none either)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    signals = [signal.Signals[name] for name in HANDLED_SIGNALS.split(",")]
+    return {sig: signal.getsignal(sig) for sig in signals}
 
 
 def worker_environment(

@@ -18,56 +18,17 @@ import resource
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainwise.jsonl import cut_torn_tail, read_objects
+from trainwise.records import StepRecord  # the record's schema: one place, beside its readers
 from trainwise.run.observe.trackers import Trackers
 
 STAGES = ("data_s", "compute_s", "bubble_s", "sync_s", "optim_s", "ckpt_s")
-
-
-@dataclass
-class StepRecord:
-    """One line of metrics.jsonl: every field is present; null means not measured."""
-
-    step: int  # 1-based optimizer step
-    loss: float  # training loss, averaged over all data-parallel ranks
-    eval_loss: float | None  # held-out loss, on evaluation steps
-    lr: float
-    grad_norm: float  # global norm before clipping
-    step_s: float  # wall time of the step
-    data_s: float  # waiting for batches
-    compute_s: float  # forward + backward, less the exposed sync
-    # Exposed communication: the gradient sync and, under tensor parallelism, its collectives
-    # (from the latest probes); null before one.
-    sync_s: float | None
-    optim_s: float  # clipping, optimizer and scheduler step
-    ckpt_s: float  # the loop blocked by a checkpoint save (staging only when async)
-    tokens: int  # tokens processed so far, all ranks
-    tokens_per_s: float
-    samples_per_s: float
-    mfu: float | None  # model FLOPs utilisation; null when the device's peak is unknown
-    # Peak CUDA memory allocated; on CPU the peak resident set the job added over the
-    # worker's baseline (taken before the model is built), else the whole peak RSS.
-    mem_bytes: int
-    mem_kind: str  # "cuda_peak", "rss_added" or "rss_peak"
-    elapsed_s: float  # since the loop started
-    time: float  # unix time
-    attempt: int  # elastic restart count: a resumed run repeats the steps since its checkpoint
-    profiled: bool = False  # logging.profile_steps and the step after: slowed by the profiler
-    # Peak CUDA memory the caching allocator reserved (what the device really gave up);
-    # null on CPU.
-    mem_reserved_bytes: int | None = None
-    # Of sync_s, the tensor-parallel collectives inside forward and backward (timed on the
-    # latest probes, run.comm_timer); null without tensor parallelism or before a probe.
-    tp_s: float | None = None
-    # Pipeline parallelism: of the step, the wait on the other stages inside the schedule
-    # (its fill and drain, and transfers not hidden); null without pipeline stages.
-    bubble_s: float | None = None
 
 
 RECORD_FIELDS = tuple(f.name for f in fields(StepRecord))

@@ -40,7 +40,8 @@ def launch_spans(
     splitting a launch in two by mistake loses only the time between two of its items."""
     items: list[tuple[float, str, Any]] = []
     for r in records:
-        loop_start = r["time"] - r.get("elapsed_s", r.get("step_s", 0.0))
+        since = r.get("elapsed_s")  # None in a record that lacks it: its step at least
+        loop_start = r["time"] - (since if since is not None else r.get("step_s") or 0.0)
         items += [(float(loop_start), "loop start", None), (float(r["time"]), "step", None)]
     # A step is recorded before the events of the same instant (the finish after the last).
     items += [(float(e["time"]), str(e.get("kind")), e.get("attempt")) for e in events]
