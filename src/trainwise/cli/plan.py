@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 # flag -> (config key, argparse type, help). One table: the parser, the key mapping and the
 # flag named in error messages all come from it.
 FLAGS: list[tuple[str, str, type, str]] = [
-    ("--model", "model.name", str, "a GPT preset (llama-7b, gpt2-124m, tiny, ...)"),
+    ("--model", "model.name", str, "a GPT preset (llama-7b, gpt2-124m, tiny, ...), your own "
+     "model 'package.module:factory' or 'hf:DIR'"),
     ("--params", "plan.params", int, "a bare parameter count (model states only)"),
     ("--layers", "plan.layers", int, "shape: layers"),
     ("--hidden", "plan.hidden", int, "shape: model width"),
@@ -122,7 +123,7 @@ def load_plan_inputs(args: argparse.Namespace):
     """The resolved inputs, the sweep counts, the config and the keys the user gave (key
     -> where from), or ConfigError (exit 2)."""
     from trainwise.config.load import load_job
-    from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
+    from trainwise.plan.inputs import PLAN_DEFAULTS, profiled, resolve_inputs
     from trainwise.plan.planner import parse_sweep
 
     flags, names = {}, {}
@@ -146,7 +147,12 @@ def load_plan_inputs(args: argparse.Namespace):
             ) from None
         names["plan.sweep"] = "--sweep"
     cfg, given = load_job(args.config, flags, args.set, base=PLAN_DEFAULTS, flag_names=names)
-    return resolve_inputs(cfg), cfg.plan.sweep, cfg, given
+    profile = None
+    if profiled(cfg):  # your own model or hf:DIR, read from its module (imports torch)
+        from trainwise.run.job.workload import job_profile
+
+        profile = job_profile(cfg)
+    return resolve_inputs(cfg, profile), cfg.plan.sweep, cfg, given
 
 
 def load_goal(args: argparse.Namespace, objective: str):
@@ -258,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
         )
     inputs, notes = calibrated_inputs(inputs, args.calibrate or cfg.plan.calibration,
                                       "--calibrate" if args.calibrate else "plan.calibration")
-    if args.simulate and inputs.workload.shape is None:
+    if args.simulate and inputs.workload.shape is None and inputs.workload.profile is None:
         raise ConfigError(
             "--simulate needs a model to build: give a preset (--model) or a shape "
             "(--layers --hidden --heads ...) instead of --params"

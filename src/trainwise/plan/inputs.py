@@ -13,7 +13,8 @@ from trainwise.config.parallel_dims import plan_name
 from trainwise.config.schema import JobConfig
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, TFLOP, GPUSpec, default_catalog, find_gpu
-from trainwise.models.shapes import PRESETS, GPTShape, job_shape
+from trainwise.models.shapes import PRESETS, GPTShape, ModelProfile, job_shape
+from trainwise.objects import is_import_path
 from trainwise.plan.model.gemm import GemmTable
 from trainwise.plan.model.lora import LoraPlan, lora_of, lora_problems
 from trainwise.plan.model.memory import Workload
@@ -108,6 +109,7 @@ class PlanInputs:
     performance: PerformanceModel | None = None
     compile: bool = False  # train.compile: blocks run as fused graphs (plan.compute)
     gemm_table: GemmTable | None = None  # measured GEMM rates (a calibration), else modelled
+    notes: tuple[str, ...] = ()  # what the planner assumed of the model (the plan says them)
 
     @property
     def gpus_per_node(self) -> int:
@@ -123,11 +125,16 @@ class PlanInputs:
         return replace(self, gpus=gpus)
 
 
-def resolve_inputs(cfg: JobConfig) -> PlanInputs:
+def resolve_inputs(cfg: JobConfig, profile: ModelProfile | None = None) -> PlanInputs:
     """PlanInputs from a validated job config; combinations the schema cannot judge alone
-    raise ConfigError (one line each)."""
+    raise ConfigError (one line each). `profile`: the model read from its module
+    (models.profile.profile_model), which prices it in place of model.name: as its GPT
+    shape when it has one, else by its blocks, their GEMMs and what its sample measured."""
     p = cfg.plan
-    params, shape, model = _model(cfg)
+    if profile is not None:
+        params, shape, model = _profiled(cfg, profile)
+    else:
+        params, shape, model = _model(cfg)
     lora = lora_plan(cfg)
     if lora is not None and (problems := lora_problems(shape, lora)):
         raise ConfigError(problems)
@@ -138,18 +145,19 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
     gpus = p.gpus or per_node * cfg.cluster.nodes
     hardware = resolve_hardware(cfg, spec, per_node)
     micro = cfg.data.micro_batch
-    seq = cfg.data.seq_len
     global_batch = cfg.data.global_batch
+    workload = config_workload(
+        cfg, params, shape, units=BARE_COUNT_UNITS if shape is None else None, profile=profile
+    )
     tokens = p.tokens
     if tokens == "chinchilla":
         tokens = TOKENS_PER_PARAM * params
     elif tokens is None:  # what `trainwise train` would run
-        tokens = cfg.train.steps * (global_batch or micro * cfg.data.grad_accum * gpus) * seq
+        batch = global_batch or micro * cfg.data.grad_accum * gpus
+        tokens = cfg.train.steps * batch * workload.seq_len
     return PlanInputs(
         model=model,
-        workload=config_workload(
-            cfg, params, shape, units=BARE_COUNT_UNITS if shape is None else None
-        ),
+        workload=workload,
         global_batch=global_batch,
         grad_accum=cfg.data.grad_accum,
         tokens=float(tokens),
@@ -169,20 +177,28 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
         else None,
         accumulate=cfg.parallel.accumulate,
         compile=cfg.train.compile,
+        notes=profile.notes if profile is not None else (),
     )
 
 
 def config_workload(
-    cfg: JobConfig, params: float, shape: GPTShape | None, units: int | None = None
+    cfg: JobConfig, params: float, shape: GPTShape | None, units: int | None = None,
+    profile: ModelProfile | None = None,
 ) -> Workload:
     """The workload a job's config describes: the model's size and shape with the config's
     sequence, micro-batch, precision, optimizer, checkpointing, gradient reduction and
-    LoRA. One
-    definition for `trainwise plan` and the runtime's decision (run/job/resolve.py)."""
+    LoRA. With a `profile` (the module read by models.profile), its shape when it has
+    one; else its blocks as the FSDP units and its tokens a sample. One definition for
+    `trainwise plan` and the runtime's decision (run/job/resolve.py)."""
+    seq = cfg.data.seq_len
+    if profile is not None:
+        shape = shape or profile.shape
+        units = max(1, profile.blocks)
+        seq = seq if shape is not None else profile.tokens
     return Workload(
         params=params,
         shape=shape,
-        seq_len=cfg.data.seq_len,
+        seq_len=seq,
         micro_batch=cfg.data.micro_batch,
         precision=cfg.precision.dtype,
         optimizer=cfg.optim.name,
@@ -190,6 +206,7 @@ def config_workload(
         reduce_dtype=cfg.precision.reduce_dtype,
         units=units,
         lora=lora_plan(cfg),
+        profile=profile,
     )
 
 
@@ -350,6 +367,30 @@ def _model(cfg: JobConfig) -> tuple[int, GPTShape | None, str]:
         shape = replace(shape, **given)  # GPTShape checks divisibility (ModelError, exit 2)
         name = "custom shape"
     return shape.num_params(), shape, name
+
+
+def profiled(cfg: JobConfig) -> bool:
+    """Whether the planner reads the job's model from its module (models.profile): an
+    import path "pkg.mod:factory" or "hf:DIR", with no bare count or shape given."""
+    p, name = cfg.plan, cfg.model.name
+    if p.params is not None or any(getattr(p, key) is not None for key in SHAPE_FIELDS):
+        return False
+    return name.startswith("hf:") or is_import_path(name)
+
+
+def _profiled(cfg: JobConfig, profile: ModelProfile) -> tuple[int, GPTShape | None, str]:
+    """(parameters, shape or None, name) of a model read from its module."""
+    p = cfg.plan
+    given = [f"plan.{key}" for key in ("params", *SHAPE_FIELDS) if getattr(p, key) is not None]
+    if given:
+        raise ConfigError(
+            f"model {profile.source} was given with {', '.join(given)}: give one (the "
+            "module is priced from itself; drop the bare count or the shape)"
+        )
+    shape = profile.shape
+    if shape is not None and shape.pos == "rope":  # positions cost nothing: the job's
+        shape = replace(shape, max_seq_len=cfg.data.seq_len)
+    return profile.params, shape, profile.source
 
 
 def _swiglu_ffn(d_model: int) -> int:
