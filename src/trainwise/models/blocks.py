@@ -22,7 +22,7 @@ from trainwise.errors import ModelError
 from trainwise.models.shapes import GPTShape, LinearShape
 
 NAMED_BLOCKS = ("blocks", "layers")
-RULE_NAMED = "the root's `{}` list"
+RULE_NAMED = "the model's `{}` list"
 RULE_RUN = "the largest run of identical submodules"
 # Where decoder code keeps its head counts: trainwise's and nanoGPT's, Meta's Llama,
 # PyTorch's and Hugging Face's (on the module or on its `config`).
@@ -45,8 +45,9 @@ def find_blocks(module: nn.Module) -> Blocks:
     for attr in NAMED_BLOCKS:
         units = getattr(module, attr, None)
         if isinstance(units, (nn.ModuleList, nn.ModuleDict)) and len(units):
-            members = units.values() if isinstance(units, nn.ModuleDict) else units
-            return Blocks(tuple(members), attr, RULE_NAMED.format(attr))
+            members = list(units.values() if isinstance(units, nn.ModuleDict) else units)
+            return Blocks(tuple(members), blocks_path(module, members) or attr,
+                          RULE_NAMED.format(attr))
     best: tuple[int, int, str, list[nn.Module]] | None = None
     for name, parent in module.named_modules(remove_duplicate=True):
         depth = name.count(".") + (1 if name else 0)
@@ -149,19 +150,18 @@ def _read_gpt(
 ) -> GPTShape:
     embeddings = [m for _, m in outer if isinstance(m, nn.Embedding)]
     if not 1 <= len(embeddings) <= 2:
-        raise _NotGPT(f"{len(embeddings)} embeddings outside the blocks (a GPT has 1 or 2)")
+        raise _NotGPT(f"{len(embeddings)} embeddings outside the blocks, where a GPT has 1 or 2")
     d = embeddings[0].embedding_dim
     norms = [m for m in block.modules() if _norm_kind(m, d)]
     if len(norms) != 2:
-        raise _NotGPT(f"{len(norms)} norms of width {d} in a block (a GPT block has 2)")
-    layers = [(m, linear_shape(m)) for _, m in linears(block)]
-    attn, mlp_in, out, down = _split_block(layers, d)
+        raise _NotGPT(f"{len(norms)} norms of width {d} in a block, where a GPT's has 2")
+    attn, mlp_in, out, down = _split_block(block, d)
     q_dim = out.in_features
     if len(attn) == 1:  # one fused projection: q, then k and v
         kv_dim, rem = divmod(attn[0].out_features - q_dim, 2)
         if rem or kv_dim <= 0:
             raise _NotGPT(f"a fused projection of {attn[0].out_features} is not q + 2 kv")
-    elif len(attn) == 3 and attn[0].out_features == q_dim and attn[1] == attn[2]:
+    elif attn[0].out_features == q_dim and attn[1] == attn[2]:
         kv_dim = attn[1].out_features
     else:
         raise _NotGPT("the attention is not q, k, v and an output projection")
@@ -187,24 +187,31 @@ def _read_gpt(
     )
 
 
-def _split_block(layers: list, d: int) -> tuple[list, list, LinearShape, LinearShape]:
+def _split_block(block: nn.Module, d: int) -> tuple[list, list, LinearShape, LinearShape]:
     """(the attention's input projections, the MLP's, the attention's output projection,
-    the MLP's down projection), in the block's registration order: the two projections
-    back to width d are the attention's output, then the MLP's down."""
-    outs = [i for i, (_, s) in enumerate(layers) if s.out_features == d]
-    if len(outs) != 2:
-        raise _NotGPT(f"{len(outs)} projections back to width {d} in a block (a GPT has 2)")
-    out, down = layers[outs[0]][1], layers[outs[1]][1]
-    attn = [s for i, (_, s) in enumerate(layers) if i < outs[0] and s.in_features == d]
-    mlp = [
-        s for i, (_, s) in enumerate(layers)
-        if i > outs[0] and i != outs[1] and s.in_features == d and s.out_features == down.in_features
-    ]
-    if len(attn) + len(mlp) + 2 != len(layers) or len(mlp) not in (1, 2):
-        raise _NotGPT("the block's projections are not an attention and a GELU or SwiGLU MLP")
-    if len(mlp) == 2 and mlp[0] != mlp[1]:
+    the MLP's down projection): the block's projections held by two submodules, the
+    attention's first (q, k, v and o, or a fused qkv and o) and the MLP's (up and down,
+    or SwiGLU's gate, up and down)."""
+    holders: dict[int, list[LinearShape]] = {}
+    for name, layer in linears(block):
+        holder = id(block.get_submodule(name.rpartition(".")[0]))
+        holders.setdefault(holder, []).append(linear_shape(layer))
+    if len(holders) != 2:
+        raise _NotGPT(f"the block's projections sit in {len(holders)} modules, not in an "
+                      "attention and an MLP")
+    attn, mlp = holders.values()
+    if attn[-1].out_features != d or len(attn) not in (2, 4):
+        raise _NotGPT("the attention is not q, k, v (or one fused qkv) and an output projection")
+    downs = [s for s in mlp if s.out_features == d]
+    ups = [s for s in mlp if s.in_features == d and s.out_features != d]
+    if len(downs) != 1 or len(ups) not in (1, 2) or len(ups) + 1 != len(mlp):
+        raise _NotGPT("the MLP is neither up and down projections (GELU) nor gate, up and "
+                      "down (SwiGLU)")
+    if len(ups) == 2 and ups[0] != ups[1]:
         raise _NotGPT("the SwiGLU gate and up projections differ")
-    return attn, mlp, out, down
+    if any(s.out_features != downs[0].in_features for s in ups):
+        raise _NotGPT("the MLP's projections do not meet in one width")
+    return attn[:-1], ups, attn[-1], downs[0]
 
 
 def _norm_kind(m: nn.Module, d: int) -> str | None:
@@ -222,8 +229,8 @@ def _heads(root: nn.Module, block: nn.Module, q_dim: int, kv_dim: int) -> tuple[
     n_head = _attr(root, block, HEAD_ATTRS)
     if not n_head or q_dim % n_head:
         raise _NotGPT(
-            "no head count found (an attribute " + " / ".join(HEAD_ATTRS[:3]) + " on the "
-            "attention, or the model's config's num_attention_heads)"
+            "no head count found: an attribute " + " / ".join(HEAD_ATTRS[:3]) + " on the "
+            "attention, or num_attention_heads on the model's config"
         )
     head_dim = q_dim // n_head
     n_kv = _attr(root, block, KV_HEAD_ATTRS) or n_head * kv_dim // q_dim
@@ -250,7 +257,7 @@ def _embeddings(embeddings: list, outer: list, d: int) -> tuple[int, bool, int |
     head projects back to (the first without a head), the other one positions."""
     heads = [m for _, m in outer if linear_shape(m) is not None]
     if len(heads) > 1:
-        raise _NotGPT(f"{len(heads)} linear layers outside the blocks (a GPT has its head)")
+        raise _NotGPT(f"{len(heads)} linear layers outside the blocks, where a GPT has its head alone")
     if heads:
         head = linear_shape(heads[0])
         if head.in_features != d or head.bias:

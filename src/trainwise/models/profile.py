@@ -73,12 +73,17 @@ def profile_model(
     if shape is None:
         shape, why = infer_gpt_shape(module, blocks, params, seq_len)
         if shape is not None:
-            notes.append(f"priced as a GPT of its shape ({_describe(shape)}), read from the module")
+            notes.append(f"priced as trainwise's GPT of the shape read from the module: "
+                         f"{_describe(shape)}")
     inside = {id(m) for b in blocks for m in b.modules()}
     make, tokens, where = _sample(module, inside, shape, vocab_size, seq_len, sample)
     run, rows = None, {}
     if shape is None:
-        notes.append(f"not trainwise's GPT structure ({why}): priced from its blocks' GEMMs")
+        notes.append(f"priced by its Linear layers' GEMMs and a sample run on fake tensors, not "
+                     f"as a GPT ({why})")
+        if tokens == 1:
+            notes.append("a token is one sample (the module takes no token ids): tokens/s "
+                         "read as samples/s")
         if make is None:
             notes.append(f"activations are not counted: {where}")
         else:
@@ -141,10 +146,10 @@ def _blocks(
     shared = _count({id(p): p for b in blocks for p in b.parameters()}.values())
     if shared != len(blocks) * _count(blocks[0].parameters()):
         return [], "", "", [f"the blocks at {path} share parameters: priced as one FSDP unit"]
-    notes = [f"{len(blocks)} blocks ({type(blocks[0]).__name__} at {path}, {rule}) as its "
-             f"FSDP and checkpointing units"]
+    notes = [f"{len(blocks)} blocks ({type(blocks[0]).__name__} at {path}, found as {rule}) "
+             "are its FSDP and checkpointing units"]
     if rule == RULE_RUN:
-        notes[0] += "; name them `blocks` on the model to choose others"
+        notes[0] += " (a `blocks` list on the model chooses others)"
     return blocks, path, rule, notes
 
 
@@ -350,15 +355,15 @@ def _after_last_block(tracker, blocks: list[nn.Module]) -> int:
 
 
 def _activation_tracker():
-    """PyTorch's MemTracker that also keeps the largest sum of activations and backward's
-    temporaries (its peak is of the total, when gradients exist too)."""
+    """PyTorch's MemTracker keeping, in place of its peaks (of the total, and per module:
+    a walk over every module after every operation), the largest sum of activations and
+    backward's temporaries."""
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
     class ActivationTracker(MemTracker):
         largest = 0
 
         def _update_peak_stats(self, peak_state) -> None:
-            super()._update_peak_stats(peak_state)
             for snap in self._curr_mem_snap.values():
                 now = snap[_MemRefType.ACT] + snap[_MemRefType.TEMP]
                 self.largest = max(self.largest, now)
