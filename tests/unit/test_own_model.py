@@ -138,6 +138,7 @@ def test_activations_measured_at_other_settings_are_not_counted(monkeypatch):
     plan = plan_for({"model.name": "byo_model:build", "plan.gpus": 2, "data.micro_batch": 32,
                      "precision.dtype": "bf16"}, profile)
     assert all(s.memory.activations is None for s in plan.strategies)
+    assert any("measured at fp32 with ac none, the job runs bf16" in w for w in plan.warnings)
 
 
 def test_the_runtime_prices_fsdp_by_the_blocks_of_your_model(monkeypatch, tmp_path):

@@ -66,15 +66,15 @@ def _identical_runs(children: list[nn.Module]) -> Iterator[list[nn.Module]]:
     i = 0
     while i < len(children):
         j = i + 1
-        key = _structure(children[i])
-        while j < len(children) and _structure(children[j]) == key:
+        key = structure(children[i])
+        while j < len(children) and structure(children[j]) == key:
             j += 1
         if j - i >= 2 and key[1]:
             yield children[i:j]
         i = j
 
 
-def _structure(module: nn.Module) -> tuple:
+def structure(module: nn.Module) -> tuple:
     """What makes two modules the same block: class and parameter names and shapes."""
     return (
         type(module).__qualname__,

@@ -32,6 +32,7 @@ from trainwise.models.blocks import (
     infer_gpt_shape,
     linear_shape,
     linears,
+    structure,
 )
 from trainwise.models.custom import call_factory, factory_name
 from trainwise.models.registry import ModelBundle, ModelSpec, build_model, cross_entropy_loss
@@ -76,6 +77,11 @@ def profile_model(
             notes.append(f"priced as trainwise's GPT of the shape read from the module: "
                          f"{_describe(shape)}")
     inside = {id(m) for b in blocks for m in b.modules()}
+    # Blocks alike (the rule's runs; a named list may differ): one block's layers stand
+    # for all; else each block's layers are counted where they are, once.
+    alike = bool(blocks) and all(structure(b) == structure(blocks[0]) for b in blocks)
+    block_layers = _within(module, blocks[0]) if alike else []
+    outer_layers = linears(module, inside if alike else set())
     make, tokens, where = _sample(module, inside, shape, vocab_size, seq_len, sample)
     run, rows = None, {}
     if shape is None:
@@ -92,10 +98,10 @@ def profile_model(
                 notes.append(f"activations are not counted: {failed}")
     return ModelProfile(
         source=source, params=params, trainable=trainable, blocks=len(blocks),
-        block_params=_count(blocks[0].parameters()) if blocks else 0,
+        block_params=max((_count(b.parameters()) for b in blocks), default=0),
+        in_blocks=_count({id(p): p for b in blocks for p in b.parameters()}.values()),
         block_path=path, block_rule=rule,
-        block_linears=_shapes(blocks[0], rows.get("block")) if blocks else (),
-        outer_linears=_shapes(module, rows.get("outer"), inside),
+        block_linears=_shapes(block_layers, rows), outer_linears=_shapes(outer_layers, rows),
         param_tensors=len(list(module.parameters())), tokens=tokens, shape=shape, run=run,
         tp_plan=bundle.tp_plan is not None, stages=_is_gpt(module), notes=tuple(notes),
         rebuild=build, sample=make,
@@ -144,7 +150,7 @@ def _blocks(
     else:
         path, rule = blocks_path(module, blocks), "the model's builder"
     shared = _count({id(p): p for b in blocks for p in b.parameters()}.values())
-    if shared != len(blocks) * _count(blocks[0].parameters()):
+    if shared != sum(_count(b.parameters()) for b in blocks):
         return [], "", "", [f"the blocks at {path} share parameters: priced as one FSDP unit"]
     notes = [f"{len(blocks)} blocks ({type(blocks[0]).__name__} at {path}, found as {rule}) "
              "are its FSDP and checkpointing units"]
@@ -172,16 +178,22 @@ def _describe(shape) -> str:
     )
 
 
+def _within(root: nn.Module, part: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name in `root`, layer) of the Linear-like layers of `part`."""
+    ids = {id(m) for m in part.modules()}
+    return [(n, m) for n, m in linears(root) if id(m) in ids]
+
+
 def _shapes(
-    module: nn.Module, rows: list[float] | None, skip: set[int] | None = None
+    layers: list[tuple[str, nn.Module]], rows: dict[str, float]
 ) -> tuple[LinearShape, ...]:
-    """The Linear shapes of `module` (the first block, or what lies outside the blocks),
-    with their measured rows per token when a sample ran (else 1)."""
+    """The shapes of `layers` with the rows per token a sample measured for each (by
+    name; 1 when none ran)."""
     out = []
-    for i, (_, layer) in enumerate(linears(module, skip)):
+    for name, layer in layers:
         s = linear_shape(layer)
         assert s is not None
-        out.append(LinearShape(s.in_features, s.out_features, s.bias, rows[i] if rows else 1.0))
+        out.append(LinearShape(s.in_features, s.out_features, s.bias, rows.get(name, 1.0)))
     return tuple(out)
 
 
@@ -224,9 +236,9 @@ def _sample(
 def _measured(
     build: Callable[[], ModelBundle], make: Callable[[int], Sample], tokens: int,
     precision: str, ac: str, micro_batch: int,
-) -> tuple[SampleRun | None, dict[str, list[float]], str]:
-    """One micro-batch's run and the rows per token of the Linears (of the first block,
-    and outside the blocks), or (None, {}, why it failed)."""
+) -> tuple[SampleRun | None, dict[str, float], str]:
+    """One micro-batch's run and the rows per token of each Linear (by name), or (None,
+    {}, why it failed)."""
     try:
         count = _count_run(build, make(micro_batch), tokens, precision)
         acts = _memory_run(build, make(micro_batch), precision, ac, sharded=False)
@@ -273,23 +285,23 @@ class _Dispatched(TorchDispatchMode):
 
 
 def _count_run(build, batch: Sample, tokens: int, precision: str):
-    """The rows per token of the Linears (forward hooks; of the first block and outside),
-    (shape, rows) of every Linear of the model, the FLOPs (FlopCounterMode), the other
-    operations' bytes and the operations of forward and backward."""
+    """The rows per token of each Linear (forward hooks, by name), (shape, rows) of each,
+    the FLOPs (FlopCounterMode), the other operations' bytes and the operations of
+    forward and backward."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.device("meta"):
         bundle = build()
-    module, inside = bundle.module, {id(m) for b in bundle.blocks for m in b.modules()}
-    parts = {"block": linears(bundle.blocks[0]) if bundle.blocks else [],
-             "outer": linears(module, inside)}
+    module = bundle.module
+    layers = linears(module)
     seen: dict[int, float] = {}
 
     def hook(layer, inputs, _):
-        seen[id(layer)] = seen.get(id(layer), 0.0) + inputs[0].numel() / linear_shape(layer).in_features
+        rows = inputs[0].numel() / linear_shape(layer).in_features
+        seen[id(layer)] = seen.get(id(layer), 0.0) + rows
 
-    handles = [layer.register_forward_hook(hook) for _, layer in parts["block"] + parts["outer"]]
+    handles = [layer.register_forward_hook(hook) for _, layer in layers]
     with FakeTensorMode(allow_non_fake_inputs=True):
         module.to_empty(device="cpu")
         x, y = batch
@@ -302,12 +314,8 @@ def _count_run(build, batch: Sample, tokens: int, precision: str):
             loss.backward()
     for h in handles:
         h.remove()
-    rows = {k: [seen.get(id(m), 0.0) / n for _, m in v] for k, v in parts.items()}
-    pairs = [
-        (linear_shape(m), r) for k in parts for (_, m), r in zip(parts[k], rows[k], strict=True)
-    ]
-    # Every block's layers ran: the first block's rows stand for all of them.
-    pairs += [(s, r) for s, r in pairs[: len(parts["block"])]] * (len(bundle.blocks) - 1)
+    rows = {name: seen.get(id(m), 0.0) / n for name, m in layers}
+    pairs = [(linear_shape(m), rows[name]) for name, m in layers]
     total = flops.get_total_flops() + back_flops.get_total_flops()
     moved = float(forward.moved + backward.moved)
     return rows, pairs, float(total), moved, forward.ops, backward.ops

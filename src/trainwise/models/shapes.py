@@ -261,11 +261,13 @@ class ModelProfile:
     params: int  # tied weights counted once
     trainable: int
     blocks: int  # repeated blocks found (0: none; the model is one unit)
-    block_params: int  # of one block
+    block_params: int  # of one block (the largest, where they differ)
     block_path: str  # where they are ("layers", "transformer.h"; "" when none)
     block_rule: str  # how they were found (models.blocks.find_blocks)
-    block_linears: tuple[LinearShape, ...] = ()  # one block's
-    outer_linears: tuple[LinearShape, ...] = ()  # outside the blocks (a head, a stem)
+    in_blocks: int = 0  # parameters of all the blocks
+    # One block's Linears (none where the blocks differ: then each is among the others).
+    block_linears: tuple[LinearShape, ...] = ()
+    outer_linears: tuple[LinearShape, ...] = ()  # the others: a head, a stem
     param_tensors: int = 0  # parameter tensors of the whole model
     # Tokens a sample holds: the sequence length of a module that takes token ids, else 1
     # (a token is then a sample: throughput reads as samples/s).
@@ -284,4 +286,4 @@ class ModelProfile:
     @property
     def outer_params(self) -> int:
         """Parameters outside the blocks (embeddings, stem, head, final norm)."""
-        return self.params - self.blocks * self.block_params
+        return self.params - self.in_blocks

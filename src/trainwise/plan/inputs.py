@@ -131,8 +131,10 @@ def resolve_inputs(cfg: JobConfig, profile: ModelProfile | None = None) -> PlanI
     (models.profile.profile_model), which prices it in place of model.name: as its GPT
     shape when it has one, else by its blocks, their GEMMs and what its sample measured."""
     p = cfg.plan
+    notes: tuple[str, ...] = ()
     if profile is not None:
         params, shape, model = _profiled(cfg, profile)
+        notes = (*profile.notes, *_unmeasured(cfg, profile))
     else:
         params, shape, model = _model(cfg)
     lora = lora_plan(cfg)
@@ -177,7 +179,7 @@ def resolve_inputs(cfg: JobConfig, profile: ModelProfile | None = None) -> PlanI
         else None,
         accumulate=cfg.parallel.accumulate,
         compile=cfg.train.compile,
-        notes=profile.notes if profile is not None else (),
+        notes=notes,
     )
 
 
@@ -191,8 +193,11 @@ def config_workload(
     one; else its blocks as the FSDP units and its tokens a sample. One definition for
     `trainwise plan` and the runtime's decision (run/job/resolve.py)."""
     seq = cfg.data.seq_len
+    lora = lora_plan(cfg)
     if profile is not None:
-        shape = shape or profile.shape
+        # The planner's LoRA names trainwise's GPT layers: another module's adapters are
+        # not placed on its shape (every parameter counts as trained, as before).
+        shape = shape or (profile.shape if lora is None or profile.stages else None)
         units = max(1, profile.blocks)
         seq = seq if shape is not None else profile.tokens
     return Workload(
@@ -205,7 +210,7 @@ def config_workload(
         ac=cfg.parallel.ac,
         reduce_dtype=cfg.precision.reduce_dtype,
         units=units,
-        lora=lora_plan(cfg),
+        lora=lora,
         profile=profile,
     )
 
@@ -387,10 +392,28 @@ def _profiled(cfg: JobConfig, profile: ModelProfile) -> tuple[int, GPTShape | No
             f"model {profile.source} was given with {', '.join(given)}: give one (the "
             "module is priced from itself; drop the bare count or the shape)"
         )
+    if lora_plan(cfg) is not None and not profile.stages:
+        raise ConfigError(
+            f"lora.rank = {cfg.lora.rank} with model {profile.source}: the planner places "
+            "adapters on trainwise's GPT layers only; plan it without [lora] (lora.rank = 0)"
+        )
     shape = profile.shape
     if shape is not None and shape.pos == "rope":  # positions cost nothing: the job's
         shape = replace(shape, max_seq_len=cfg.data.seq_len)
     return profile.params, shape, profile.source
+
+
+def _unmeasured(cfg: JobConfig, profile: ModelProfile) -> tuple[str, ...]:
+    """Why a profile's measured activations do not count for this job: its sample ran at
+    another precision or checkpointing (the one line saying so), else nothing."""
+    run, job = profile.run, (cfg.precision.dtype, cfg.parallel.ac)
+    if profile.shape is not None or run is None or (run.precision, run.ac) == job:
+        return ()
+    return (
+        f"activations are not counted: model {profile.source} was measured at "
+        f"{run.precision} with ac {run.ac}, the job runs {job[0]} with ac {job[1]}; "
+        "profile it at the job's (profile_model(..., precision=, ac=))",
+    )
 
 
 def _swiglu_ffn(d_model: int) -> int:
