@@ -102,7 +102,8 @@ def linear_shape(module: nn.Module) -> LinearShape | None:
     if isinstance(module, nn.Linear):
         return LinearShape(module.in_features, module.out_features, module.bias is not None)
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx"):
-        return LinearShape(int(module.nx), int(module.nf), getattr(module, "bias", None) is not None)
+        bias = getattr(module, "bias", None) is not None
+        return LinearShape(int(module.nx), int(module.nf), bias)
     return None
 
 
@@ -257,7 +258,9 @@ def _embeddings(embeddings: list, outer: list, d: int) -> tuple[int, bool, int |
     head projects back to (the first without a head), the other one positions."""
     heads = [m for _, m in outer if linear_shape(m) is not None]
     if len(heads) > 1:
-        raise _NotGPT(f"{len(heads)} linear layers outside the blocks, where a GPT has its head alone")
+        raise _NotGPT(
+            f"{len(heads)} linear layers outside the blocks, where a GPT has its head alone"
+        )
     if heads:
         head = linear_shape(heads[0])
         if head.in_features != d or head.bias:

@@ -58,11 +58,13 @@ def profile_model(
 ) -> ModelProfile:
     """The profile of `model`: an import path "pkg.mod:factory", "hf:DIR", a preset name
     (or the runtime's ModelSpec of one), or a Python callable returning an nn.Module (or
-    (module, loss_fn)), called with `kwargs` under torch.device("meta"). `vocab_size` / `seq_len`: the job's (a token-id
-    model's input); `sample`: one batch (x, y) of the data, or a function returning it
-    (called only for a module that does not take token ids); `precision`, `ac`,
-    `micro_batch`: the job's, at which a module without a GPT shape is measured. A factory
-    that raises or returns no module: ModelError, one line."""
+    (module, loss_fn)), called with `kwargs` under torch.device("meta").
+
+    `vocab_size` / `seq_len`: the job's (a token-id model's input); `sample`: one batch
+    (x, y) of the data, or a function returning it (called only for a module that takes
+    no token ids); `precision`, `ac`, `micro_batch`: the job's, at which a module without
+    a GPT shape is measured. A factory that raises or returns no module: ModelError, one
+    line naming it."""
     source, build = _builder(model, kwargs, vocab_size, seq_len)
     with torch.device("meta"):
         bundle = build()
@@ -208,7 +210,8 @@ def _sample(
     if embeddings:  # token ids in, the next ids as targets
         vocab = vocab or (shape.vocab_size if shape else embeddings[0].num_embeddings)
         positions = [e.num_embeddings for e in embeddings[1:]]
-        seq = seq or (shape.max_seq_len if shape else None) or (positions or [DEFAULT_SEQ_LEN])[0]
+        own = shape.max_seq_len if shape else (positions or [DEFAULT_SEQ_LEN])[0]
+        seq = seq or own
 
         def ids(micro_batch: int) -> Sample:
             x = torch.randint(0, vocab, (micro_batch, seq))
@@ -216,7 +219,9 @@ def _sample(
 
         return ids, seq, ""
     if given is None:
-        return None, 1, "no sample input (a module without a token embedding needs a batch of its data)"
+        return None, 1, (
+            "no sample input (a module without a token embedding needs a batch of its data)"
+        )
     try:
         x, y = given() if callable(given) else given
     except Exception as exc:  # the data could not give one: said in the plan
@@ -245,7 +250,7 @@ def _measured(
         sharded = acts if precision == "fp32" else _memory_run(
             build, make(micro_batch), precision, ac, sharded=True
         )
-    except ModelError:
+    except ModelError:  # the factory again: one line, as the first time
         raise
     except Exception as exc:  # the module's forward on fake tensors: said in the plan
         return None, {}, f"its forward and backward on fake tensors failed ({first_line(exc)})"
@@ -322,10 +327,10 @@ def _count_run(build, batch: Sample, tokens: int, precision: str):
 
 
 def _memory_run(build, batch: Sample, precision: str, ac: str, sharded: bool) -> tuple[int, int]:
-    """(the largest bytes of activations and temporaries over a forward and backward, those
-    left when the last block's backward ends) of one micro-batch: single / DDP's (autocast in 16-bit)
-    or FSDP's (`sharded`: the parameters in the 16-bit dtype), the blocks checkpointed as
-    the runtime does it (`ac`)."""
+    """(the largest bytes of activations and temporaries over a forward and backward,
+    those left when the last block's backward ends) of one micro-batch: single / DDP's
+    (autocast in 16-bit) or FSDP's (`sharded`: the parameters in the 16-bit dtype), the
+    blocks checkpointed as the runtime does it (`ac`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with torch.device("meta"):
