@@ -292,7 +292,7 @@ def plan_job(
         f"{spec.name('calibrate')} {source}" if calibrate else f"plan.calibration = {source!r}"
     )
     inputs, notes = _calibrated(inputs, source, where)
-    if simulate and inputs.workload.shape is None:
+    if simulate and inputs.workload.shape is None and inputs.workload.profile is None:
         raise ConfigError(
             f"{spec.name('simulate')} needs a model to build: give a preset (model) or a "
             "shape (layers, hidden, heads, ...) instead of a bare parameter count"
@@ -305,11 +305,16 @@ def plan_job(
 
 
 def _plan_inputs(cfg: JobConfig) -> Any:
-    """The planner's inputs of the job. (Where the profile of a model object joins:
-    resolve_inputs(cfg, profile=...).)"""
-    from trainwise.plan.inputs import resolve_inputs
+    """The planner's inputs of the job: a preset, a shape or a bare count from the
+    formulas alone (no torch); your own model or hf:DIR read from its module on the meta
+    device and a sample of the job's data (models.profile; imports torch)."""
+    from trainwise.plan.inputs import profiled, resolve_inputs
 
-    return resolve_inputs(cfg)
+    if not profiled(cfg):
+        return resolve_inputs(cfg)
+    from trainwise.run.job.workload import job_profile
+
+    return resolve_inputs(cfg, job_profile(cfg))
 
 
 def _sweep_counts(spec: JobSpec) -> JobSpec:

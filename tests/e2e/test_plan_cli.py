@@ -111,7 +111,7 @@ def test_plan_reads_the_train_job_file(capsys, tmp_path: Path):
         (["--sweep", "1..x"], ["--sweep", "1..1024"]),
         (["--sweep", "4,0"], ["--sweep", ">= 1"]),
         (["--tokens", "lots"], ["--tokens", "chinchilla"]),
-        (["--model", "mypkg.models:build"], ["model.name", "--params"]),
+        (["--model", "mypkg.models:build"], ["model.name", "cannot import", "PYTHONPATH"]),
         (["--params", "1000", "--layers", "2"], ["plan.params", "shape"]),
         (["--gpu", "T4", "--precision", "bf16"], ["T4", "--gpu-tflops"]),
         (["--strategy", "zero3"], ["plan.strategy", "fsdp-full"]),

@@ -18,9 +18,11 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 
 from trainwise.config.parallel_dims import PLAN_NAMES, ParallelDims, row_layout
-from trainwise.models.shapes import GPTShape
+from trainwise.errors import ConfigError
+from trainwise.models.shapes import GPTShape, ModelProfile
 from trainwise.plan.estimate import Setup, layout_name
 from trainwise.plan.model.lora import LoraPlan
 from trainwise.plan.model.pipeline import Stage, worst_stage
@@ -56,7 +58,7 @@ class Simulation:
 
 
 def simulate_layout(
-    shape: GPTShape,
+    shape: GPTShape | ModelProfile,
     dims: ParallelDims,
     precision: str = "fp32",
     micro_batch: int = 1,
@@ -67,10 +69,11 @@ def simulate_layout(
     sequence_parallel: bool = True,
     lora: LoraPlan | None = None,
 ) -> Simulation:
-    """The peak of one steady-state training step of a GPT of `shape` on rank 0 of a
-    layout that `simulated` accepts: its mesh over the fake process group of dims.world
-    ranks, tensor parallelism with the GPT's own plan (sequence parallel unless told);
-    with `lora`, the model as the LoRA converter (models.lora) turns it."""
+    """The peak of one steady-state training step of a GPT of `shape` (or of the module a
+    ModelProfile was read from, on a micro-batch of its sample) on rank 0 of a layout that
+    `simulated` accepts: its mesh over the fake process group of dims.world ranks, tensor
+    parallelism with the model's own plan (sequence parallel unless told); with `lora`,
+    the model as the LoRA converter (models.lora) turns it."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -80,9 +83,6 @@ def simulate_layout(
 
     from trainwise.config.schema import OptimConfig
     from trainwise.models.converters import adapt_tp_plan, convert
-    from trainwise.models.gpt import GPT
-    from trainwise.models.gpt_parallel import gpt_tp_plan
-    from trainwise.models.registry import cross_entropy_loss
     from trainwise.run.engine.mesh import job_mesh
     from trainwise.run.engine.optim import build_optimizer
     from trainwise.run.engine.parallelize import parallelize
@@ -91,11 +91,8 @@ def simulate_layout(
     if not simulated(dims):
         raise ValueError(f"cannot simulate {layout_name(dims)}; simulated: {', '.join(SIMULATED)}")
     world = dims.world
-    seq = seq_len or shape.max_seq_len
-    shape = replace(shape, max_seq_len=max(seq, shape.max_seq_len))
     device = torch.device("cpu")
     optim_cfg = OptimConfig(name=optimizer)
-    loss_fn = local_loss(cross_entropy_loss)
     # The model is a DTensor one (tracked by FSDPMemTracker) unless it is plain or DDP's.
     dtensors = dims.fsdp or dims.tp > 1
     warnings.filterwarnings("ignore", message="DTensor random operators")
@@ -104,13 +101,13 @@ def simulate_layout(
         # Built on meta outside the fake mode (the model's meta -> to_empty swap fails inside
         # it), sharded there too (fully_shard builds the mesh), then materialised as fakes.
         with torch.device("meta"):
-            model = GPT(shape)
+            bundle, batch = _bundle(shape, seq_len)
+        model, blocks, loss_fn = bundle.module, list(bundle.blocks), local_loss(bundle.loss_fn)
         converters = _converters(lora, precision)
         convert(model, converters)
-        blocks = list(model.blocks)
         mesh = job_mesh(dims, device.type)  # once, outside the fake mode (it reads values)
         if dtensors:
-            tp_plan = gpt_tp_plan(model, sequence_parallel) if dims.tp > 1 else None
+            tp_plan = bundle.tp_plan(sequence_parallel) if dims.tp > 1 and bundle.tp_plan else None
             if tp_plan is not None:
                 tp_plan = adapt_tp_plan(model, tp_plan, converters)
             model = parallelize(
@@ -120,8 +117,7 @@ def simulate_layout(
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=device)
             # A tensor-parallel group reads the same micro-batch on every rank.
-            x = torch.randint(0, shape.vocab_size, (micro_batch, seq))
-            y = torch.randint(0, shape.vocab_size, (micro_batch, seq))
+            x, y = batch(micro_batch)
             tracker, opt = _tracker_for(model, dims, dtensors, optim_cfg, x, y)
             with tracker:
                 if not dtensors:
@@ -148,6 +144,29 @@ def simulate_layout(
                     tracker.reset_mod_stats()
     peak, parts = _peak_by_part(snapshot)
     return Simulation(layout_name(dims), world, peak, parts)
+
+
+def _bundle(what: GPTShape | ModelProfile, seq_len: int | None):
+    """(the model's bundle, built on the current device, and a function making a
+    micro-batch (x, y)): a GPT of a shape on token ids of `seq_len` (default its own), or
+    the module a profile was read from, on its sample."""
+    import torch
+
+    from trainwise.models.gpt import GPT
+    from trainwise.models.gpt_parallel import gpt_tp_plan
+    from trainwise.models.registry import ModelBundle, cross_entropy_loss
+
+    if isinstance(what, ModelProfile):
+        return what.rebuild(), what.sample
+    seq = seq_len or what.max_seq_len
+    gpt = GPT(replace(what, max_seq_len=max(seq, what.max_seq_len)))
+
+    def ids(micro_batch: int):
+        shape = (micro_batch, seq)
+        return torch.randint(0, what.vocab_size, shape), torch.randint(0, what.vocab_size, shape)
+
+    tp = partial(gpt_tp_plan, gpt)
+    return ModelBundle(gpt, cross_entropy_loss, list(gpt.blocks), what, tp_plan=tp), ids
 
 
 def _converters(lora: LoraPlan | None, precision: str) -> list:
@@ -385,8 +404,16 @@ def simulate_plan(plan, progress=None, rows: list | None = None) -> list[dict]:
     from trainwise.plan.model.memory import estimate_memory
 
     w = plan.inputs.workload
-    if w.shape is None:
+    # Your own module is simulated itself (as it trains), on its sample.
+    what = w.profile if w.profile is not None else w.shape
+    if what is None:
         raise ValueError("a bare parameter count has no model to simulate")
+    if w.profile is not None and w.profile.sample is None:
+        raise ConfigError(
+            f"--simulate: model {w.profile.source} takes no token ids and no sample batch "
+            "came from the job's data: give the job a dataset (data.dataset), or plan "
+            "without --simulate"
+        )
     out = []
     for s in plan.strategies if rows is None else rows:
         setup = _setup(s, w.ac)
@@ -403,7 +430,7 @@ def simulate_plan(plan, progress=None, rows: list | None = None) -> list[dict]:
             )
         else:
             sim = simulate_layout(
-                w.shape, dims, w.precision, setup.micro_batch, w.seq_len, setup.ac,
+                what, dims, w.precision, setup.micro_batch, w.seq_len, setup.ac,
                 w.reduce_dtype, w.optimizer, setup.sequence_parallel, w.lora,
             )
             # The simulation runs one micro-batch a step: the formula without accumulation.

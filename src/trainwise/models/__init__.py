@@ -1,5 +1,7 @@
-"""Models: GPT shapes and presets (plain data, no torch), the GPT, the MLP, your own model
-by import path, Hugging Face configs, and the registry that turns a config into a module.
+"""Models: GPT shapes and presets and the profile of any other model (plain data, no
+torch), the GPT, the MLP, your own model by import path (and its profile: its blocks, GEMMs
+and a sample run), Hugging Face configs, and the registry that turns a config into a
+module.
 
 The rest of trainwise imports models only from here. Shapes load without torch, so the
 planner stays instant; everything else loads on first use.
@@ -10,9 +12,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from trainwise.models.shapes import PRESETS, GPTShape
+from trainwise.models.shapes import PRESETS, GPTShape, ModelProfile
 
 _LAZY = {
+    "profile_model": "profile",
+    "find_blocks": "blocks",
     "GPT": "gpt",
     "Block": "gpt",
     "MLPClassifier": "mlp",
@@ -33,7 +37,7 @@ _LAZY = {
     "tp_model_problems": "registry",
 }
 
-__all__ = ["PRESETS", "GPTShape", *_LAZY]
+__all__ = ["PRESETS", "GPTShape", "ModelProfile", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,5 +1,5 @@
-"""Bring your own model: a factory named by an import path "package.module:factory" that
-returns an nn.Module, or a tuple (module, loss_fn)."""
+"""Bring your own model: a factory (named by an import path "package.module:factory", or
+given as a Python callable) that returns an nn.Module, or a tuple (module, loss_fn)."""
 
 from __future__ import annotations
 
@@ -25,21 +25,34 @@ def build_custom(
     path: str, kwargs: dict[str, Any] | None = None
 ) -> tuple[nn.Module, LossFn | None]:
     """Call the factory with `kwargs`; return (module, loss_fn or None)."""
-    factory = load_factory(path)
+    return call_factory(load_factory(path), kwargs, f"model.name = {path!r}")
+
+
+def factory_name(factory: Callable[..., Any]) -> str:
+    """How a factory given as a Python object is named in messages: module.qualname."""
+    module = getattr(factory, "__module__", None)
+    name = getattr(factory, "__qualname__", None) or type(factory).__name__
+    return f"{module}.{name}" if module else name
+
+
+def call_factory(
+    factory: Callable[..., Any], kwargs: dict[str, Any] | None, where: str
+) -> tuple[nn.Module, LossFn | None]:
+    """Call `factory` with `kwargs`; (module, loss_fn or None), or one line (ModelError)
+    naming the factory by `where` ("model.name = 'pkg.mod:build'") and the fix."""
     kwargs = dict(kwargs or {})
     try:
         result = factory(**kwargs)
     except TypeError as exc:
         # Most often model.kwargs not matching the factory's signature.
         raise ModelError(
-            f"model.name = {path!r}: calling it with model.kwargs "
+            f"{where}: calling it with model.kwargs "
             f"{sorted(kwargs)} failed ({first_line(exc)}); match model.kwargs "
             "to the factory's parameters"
         ) from exc
     except Exception as exc:  # the user's code failed: one line, not a traceback
         raise ModelError(
-            f"model.name = {path!r}: the factory raised {first_line(exc)}; "
-            "fix the factory or model.kwargs"
+            f"{where}: the factory raised {first_line(exc)}; fix the factory or model.kwargs"
         ) from exc
     if isinstance(result, nn.Module):
         return result, None
@@ -56,6 +69,6 @@ def build_custom(
         else f"a {type(result).__name__}"
     )
     raise ModelError(
-        f"model.name = {path!r}: the factory returned {what}; it must return an "
+        f"{where}: the factory returned {what}; it must return an "
         "nn.Module or a tuple (nn.Module, loss_fn)"
     )

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trainwise.errors import ModelError
+from trainwise.models.blocks import find_blocks
 from trainwise.models.custom import build_custom
 from trainwise.models.gpt import GPT
 from trainwise.models.gpt_parallel import gpt_tp_plan, tp_problems
@@ -97,14 +98,6 @@ def resolve_shape(spec: ModelSpec) -> GPTShape | None:
     return job_shape(spec.name, spec.vocab_size, spec.seq_len)
 
 
-def _blocks_of(module: nn.Module) -> list[nn.Module]:
-    for attr in ("blocks", "layers"):
-        units = getattr(module, attr, None)
-        if isinstance(units, nn.ModuleList):
-            return list(units)
-    return []
-
-
 def build_model(spec: ModelSpec) -> ModelBundle:
     """Build on the current default device; the caller seeds the RNG."""
     kind = model_kind(spec.name)
@@ -139,7 +132,7 @@ def build_model(spec: ModelSpec) -> ModelBundle:
         return bundle
     module, loss_fn = build_custom(spec.name, spec.kwargs)
     return ModelBundle(
-        module, loss_fn or cross_entropy_loss, _blocks_of(module), None,
+        module, loss_fn or cross_entropy_loss, list(find_blocks(module).modules), None,
         tp_plan=getattr(module, "tp_plan", None),
         init_parameter=getattr(module, "init_parameter", None),
     )

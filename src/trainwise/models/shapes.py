@@ -1,11 +1,12 @@
 """GPT shapes as plain data: the dimensions of a decoder-only transformer, its exact
-parameter count, and the named presets. No torch here, so that the planner can size a
+parameter count, and the named presets; and the profile of any other model (its blocks,
+their GEMMs, what a sample of it measured). No torch here, so that the planner can size a
 70B model without importing it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Literal
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 from trainwise.errors import ModelError
 
@@ -207,3 +208,82 @@ def job_shape(name: str, vocab_size: int | None = None, seq_len: int | None = No
         overrides["max_seq_len"] = seq_len
     # replace() re-runs GPTShape validation on the overridden values.
     return replace(PRESETS[name], **overrides)
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One matrix multiplication of a module: a Linear's (in, out, bias), and the rows it
+    multiplies per token (its calls' input rows over the tokens of the batch: 1 for a
+    transformer's projections, more where a layer runs on several rows a token; 1 as an
+    assumption when no sample ran)."""
+
+    in_features: int
+    out_features: int
+    bias: bool
+    rows: float = 1.0
+
+    @property
+    def params(self) -> int:
+        return self.in_features * self.out_features + (self.out_features if self.bias else 0)
+
+
+@dataclass(frozen=True)
+class SampleRun:
+    """What one micro-batch of the module measured on fake tensors (models.profile): its
+    real forward and backward under PyTorch's memory tracker, FLOP counter and dispatcher.
+    Per token: per ModelProfile.tokens of a sample."""
+
+    precision: str  # the job's, as measured
+    ac: str  # the job's checkpointing of the blocks, as measured
+    micro_batch: int
+    # Bytes of saved activations and backward's temporaries per sample: at their largest
+    # (single / DDP: the forward under autocast in 16-bit), the same with the parameters
+    # in the 16-bit dtype (FSDP's mixed precision; = `activations` in fp32), and what is
+    # left of them once the last block has run its backward (the blocks below hold it).
+    activations: float
+    activations_sharded: float
+    activations_late: float
+    other_flops: float  # per token, forward + backward: matmuls outside the Linears
+    moved_bytes: float  # per token, forward + backward: what the other operations write, x2
+    forward_ops: int  # operations a micro-batch's forward dispatches
+    backward_ops: int
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A model as the planner prices it, read from the module itself on the meta device
+    (models.profile.profile_model): its parameters, its repeated blocks (the FSDP and
+    checkpointing units the runtime wraps) with their Linear shapes, and, when the module
+    is a decoder-only transformer of trainwise's GPT structure, its GPTShape. Plain data:
+    the planner imports it without torch."""
+
+    source: str  # what the user named: "pkg.mod:factory", "hf:DIR" or a callable's name
+    params: int  # tied weights counted once
+    trainable: int
+    blocks: int  # repeated blocks found (0: none; the model is one unit)
+    block_params: int  # of one block (the largest, where they differ)
+    block_path: str  # where they are ("layers", "transformer.h"; "" when none)
+    block_rule: str  # how they were found (models.blocks.find_blocks)
+    in_blocks: int = 0  # parameters of all the blocks
+    # One block's Linears (none where the blocks differ: then each is among the others).
+    block_linears: tuple[LinearShape, ...] = ()
+    outer_linears: tuple[LinearShape, ...] = ()  # the others: a head, a stem
+    param_tensors: int = 0  # parameter tensors of the whole model
+    # Tokens a sample holds: the sequence length of a module that takes token ids, else 1
+    # (a token is then a sample: throughput reads as samples/s).
+    tokens: int = 1
+    shape: GPTShape | None = None  # inferred: the model is priced as this GPT
+    run: SampleRun | None = None  # None: no sample input could be built
+    tp_plan: bool = False  # the module gives a tensor-parallel plan (`tp_plan` method)
+    stages: bool = False  # the runtime can cut it into pipeline stages (trainwise's GPT)
+    notes: tuple[str, ...] = ()  # what was assumed, for the plan's notes
+    # How to build the module again (on the current device) and one micro-batch of its
+    # input, for a simulation: () -> (module, loss_fn, blocks) and (micro_batch) -> (x, y).
+    # Not part of the profile's identity.
+    rebuild: Any = field(default=None, compare=False, repr=False)
+    sample: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def outer_params(self) -> int:
+        """Parameters outside the blocks (embeddings, stem, head, final norm)."""
+        return self.params - self.in_blocks

@@ -104,10 +104,16 @@ def _asked(cfg: JobConfig, key: str, given: Mapping[str, str]) -> bool:
 
 def check_allowed(inputs: PlanInputs, allowed: Allowed) -> None:
     """A setting no layout of these GPUs can meet: one line (ConfigError, exit 2)."""
-    tp, shape = allowed.tp_degree, inputs.workload.shape
+    tp, shape, profile = allowed.tp_degree, inputs.workload.shape, inputs.workload.profile
     problems = []
     if tp is not None and tp > 1:
-        if shape is None:
+        if profile is not None and not profile.tp_plan:
+            problems.append(
+                f"parallel.tp = {tp}: model {profile.source} has no tensor-parallel plan: give "
+                "the module a `tp_plan(sequence_parallel)` method (docs/parallelism.md) or use "
+                "parallel.tp = 1"
+            )
+        elif shape is None:
             problems.append(
                 f"parallel.tp = {tp}: tensor parallelism needs a model shape; give a preset "
                 "(--model) or a shape (--layers --hidden --heads ...) instead of --params"
@@ -140,6 +146,11 @@ def pipeline_problems(inputs: PlanInputs, allowed: Allowed) -> list[str]:
     shape, tp = inputs.workload.shape, allowed.tp_degree or 1
     if pp == 1:
         return []
+    profile = inputs.workload.profile
+    if profile is not None and not profile.stages:
+        return [f"parallel.pp = {pp}: model {profile.source} cannot be cut into pipeline "
+                "stages (trainwise's GPT presets and hf: Llama models with model.impl = "
+                "'trainwise' can): use parallel.pp = 1"]
     if shape is None:
         return [f"parallel.pp = {pp}: pipeline stages need a model shape; give a preset "
                 "(--model) or a shape (--layers --hidden --heads ...) instead of --params"]

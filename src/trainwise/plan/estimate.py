@@ -25,7 +25,12 @@ from trainwise.plan.model.comm import (
 )
 from trainwise.plan.model.compute import ComputeTime
 from trainwise.plan.model.cost import CheckpointPlan, Cost, checkpoint_plan, job_cost
-from trainwise.plan.model.flops import mfu, model_flops_per_token, recompute_factor
+from trainwise.plan.model.flops import (
+    mfu,
+    model_flops_per_token,
+    model_layers,
+    recompute_factor,
+)
 from trainwise.plan.model.gemm import GENERATIONS
 from trainwise.plan.model.lora import rank_split
 from trainwise.plan.model.memory import (
@@ -33,6 +38,7 @@ from trainwise.plan.model.memory import (
     Workload,
     block_params,
     checkpointed_blocks,
+    fsdp_units,
 )
 from trainwise.plan.model.pipeline import (
     bubble_fraction,
@@ -187,7 +193,7 @@ def price(
     host_per_node = memory.host * inputs.gpus_per_node
     host_fits = host_per_node <= hw.host_memory_bytes
 
-    model_flops = model_flops_per_token(w.params, w.shape, w.seq_len, w.lora)
+    model_flops = model_flops_per_token(w.params, w.shape, w.seq_len, w.lora, w.profile)
     timed, bubble, paced = rank_compute(model, inputs, setup, w, per_rank)
     compute = timed.seconds
 
@@ -318,7 +324,7 @@ def _communication(
     dp_accum = 1 if dims.pp > 1 else accum
     frozen, trained = rank_split(w.params, w.shape, w.lora, tp)
     rank_params = frozen + trained
-    units = w.shape.n_layer + 1 if w.shape else (w.units or 1)  # blocks and the root
+    units = fsdp_units(w)
     collectives = layout_collectives(
         dims, rank_params, stage_layout, w.precision, w.reduce_dtype, dp_accum,
         setup.accumulate, units, trained,
@@ -348,7 +354,7 @@ def _communication(
         exposed += p2p_exposed_seconds(p2p, dims.pp, setup.virtual, accum, busy)
     if hw.device == "cpu":  # gloo runs the collectives on the cores that compute: no overlap
         exposed = sum(c.seconds for c in collectives)
-    n_layer = w.shape.n_layer if w.shape else 1
+    n_layer = model_layers(w.shape, w.profile)
     recomputed = len(checkpointed_blocks(w.ac, n_layer)) if w.shape else 0
     tp_comm = tp_collectives(w.shape, w.seq_len, w.micro_batch, w.precision, tp, recomputed,
                              accum, layout)
@@ -361,6 +367,6 @@ def _communication(
     # Only the per-operation model prices the SMs alone: an efficiency (the override, a
     # doctor's calibration, a bare parameter count's published MFU) comes from whole steps
     # whose compute already ran beside the collectives.
-    modelled = inputs.efficiency is None and w.shape is not None
+    modelled = inputs.efficiency is None and (w.shape is not None or w.profile is not None)
     slowed = contention_seconds(on_sms, hw.nccl_channels, sms) if modelled else 0.0
     return everything, host_s + slowed, exposed

@@ -13,7 +13,8 @@ from trainwise.config.parallel_dims import plan_name
 from trainwise.config.schema import JobConfig
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, TFLOP, GPUSpec, default_catalog, find_gpu
-from trainwise.models.shapes import PRESETS, GPTShape, job_shape
+from trainwise.models.shapes import PRESETS, GPTShape, ModelProfile, job_shape
+from trainwise.objects import is_object_reference
 from trainwise.plan.model.gemm import GemmTable
 from trainwise.plan.model.lora import LoraPlan, lora_of, lora_problems
 from trainwise.plan.model.memory import Workload
@@ -108,6 +109,7 @@ class PlanInputs:
     performance: PerformanceModel | None = None
     compile: bool = False  # train.compile: blocks run as fused graphs (plan.compute)
     gemm_table: GemmTable | None = None  # measured GEMM rates (a calibration), else modelled
+    notes: tuple[str, ...] = ()  # what the planner assumed of the model (the plan says them)
 
     @property
     def gpus_per_node(self) -> int:
@@ -123,11 +125,18 @@ class PlanInputs:
         return replace(self, gpus=gpus)
 
 
-def resolve_inputs(cfg: JobConfig) -> PlanInputs:
+def resolve_inputs(cfg: JobConfig, profile: ModelProfile | None = None) -> PlanInputs:
     """PlanInputs from a validated job config; combinations the schema cannot judge alone
-    raise ConfigError (one line each)."""
+    raise ConfigError (one line each). `profile`: the model read from its module
+    (models.profile.profile_model), which prices it in place of model.name: as its GPT
+    shape when it has one, else by its blocks, their GEMMs and what its sample measured."""
     p = cfg.plan
-    params, shape, model = _model(cfg)
+    notes: tuple[str, ...] = ()
+    if profile is not None:
+        params, shape, model = _profiled(cfg, profile)
+        notes = (*profile.notes, *_unmeasured(cfg, profile))
+    else:
+        params, shape, model = _model(cfg)
     lora = lora_plan(cfg)
     if lora is not None and (problems := lora_problems(shape, lora)):
         raise ConfigError(problems)
@@ -138,18 +147,19 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
     gpus = p.gpus or per_node * cfg.cluster.nodes
     hardware = resolve_hardware(cfg, spec, per_node)
     micro = cfg.data.micro_batch
-    seq = cfg.data.seq_len
     global_batch = cfg.data.global_batch
+    workload = config_workload(
+        cfg, params, shape, units=BARE_COUNT_UNITS if shape is None else None, profile=profile
+    )
     tokens = p.tokens
     if tokens == "chinchilla":
         tokens = TOKENS_PER_PARAM * params
     elif tokens is None:  # what `trainwise train` would run
-        tokens = cfg.train.steps * (global_batch or micro * cfg.data.grad_accum * gpus) * seq
+        batch = global_batch or micro * cfg.data.grad_accum * gpus
+        tokens = cfg.train.steps * batch * workload.seq_len
     return PlanInputs(
         model=model,
-        workload=config_workload(
-            cfg, params, shape, units=BARE_COUNT_UNITS if shape is None else None
-        ),
+        workload=workload,
         global_batch=global_batch,
         grad_accum=cfg.data.grad_accum,
         tokens=float(tokens),
@@ -169,27 +179,39 @@ def resolve_inputs(cfg: JobConfig) -> PlanInputs:
         else None,
         accumulate=cfg.parallel.accumulate,
         compile=cfg.train.compile,
+        notes=notes,
     )
 
 
 def config_workload(
-    cfg: JobConfig, params: float, shape: GPTShape | None, units: int | None = None
+    cfg: JobConfig, params: float, shape: GPTShape | None, units: int | None = None,
+    profile: ModelProfile | None = None,
 ) -> Workload:
     """The workload a job's config describes: the model's size and shape with the config's
     sequence, micro-batch, precision, optimizer, checkpointing, gradient reduction and
-    LoRA. One
-    definition for `trainwise plan` and the runtime's decision (run/job/resolve.py)."""
+    LoRA. With a `profile` (the module read by models.profile), its shape when it has
+    one; else its blocks as the FSDP units and its tokens a sample. One definition for
+    `trainwise plan` and the runtime's decision (run/job/resolve.py)."""
+    seq = cfg.data.seq_len
+    lora = lora_plan(cfg)
+    if profile is not None:
+        # The planner's LoRA names trainwise's GPT layers: another module's adapters are
+        # not placed on its shape (every parameter counts as trained, as before).
+        shape = shape or (profile.shape if lora is None or profile.stages else None)
+        units = max(1, profile.blocks)
+        seq = seq if shape is not None else profile.tokens
     return Workload(
         params=params,
         shape=shape,
-        seq_len=cfg.data.seq_len,
+        seq_len=seq,
         micro_batch=cfg.data.micro_batch,
         precision=cfg.precision.dtype,
         optimizer=cfg.optim.name,
         ac=cfg.parallel.ac,
         reduce_dtype=cfg.precision.reduce_dtype,
         units=units,
-        lora=lora_plan(cfg),
+        lora=lora,
+        profile=profile,
     )
 
 
@@ -350,6 +372,49 @@ def _model(cfg: JobConfig) -> tuple[int, GPTShape | None, str]:
         shape = replace(shape, **given)  # GPTShape checks divisibility (ModelError, exit 2)
         name = "custom shape"
     return shape.num_params(), shape, name
+
+
+def profiled(cfg: JobConfig) -> bool:
+    """Whether the planner reads the job's model from its module (models.profile): an
+    import path "pkg.mod:factory", an object by value or "hf:DIR", with no bare count or
+    shape given."""
+    p, name = cfg.plan, cfg.model.name
+    if p.params is not None or any(getattr(p, key) is not None for key in SHAPE_FIELDS):
+        return False
+    return name.startswith("hf:") or is_object_reference(name)
+
+
+def _profiled(cfg: JobConfig, profile: ModelProfile) -> tuple[int, GPTShape | None, str]:
+    """(parameters, shape or None, name) of a model read from its module."""
+    p = cfg.plan
+    given = [f"plan.{key}" for key in ("params", *SHAPE_FIELDS) if getattr(p, key) is not None]
+    if given:
+        raise ConfigError(
+            f"model {profile.source} was given with {', '.join(given)}: give one (the "
+            "module is priced from itself; drop the bare count or the shape)"
+        )
+    if lora_plan(cfg) is not None and not profile.stages:
+        raise ConfigError(
+            f"lora.rank = {cfg.lora.rank} with model {profile.source}: the planner places "
+            "adapters on trainwise's GPT layers only; plan it without [lora] (lora.rank = 0)"
+        )
+    shape = profile.shape
+    if shape is not None and shape.pos == "rope":  # positions cost nothing: the job's
+        shape = replace(shape, max_seq_len=cfg.data.seq_len)
+    return profile.params, shape, profile.source
+
+
+def _unmeasured(cfg: JobConfig, profile: ModelProfile) -> tuple[str, ...]:
+    """Why a profile's measured activations do not count for this job: its sample ran at
+    another precision or checkpointing (the one line saying so), else nothing."""
+    run, job = profile.run, (cfg.precision.dtype, cfg.parallel.ac)
+    if profile.shape is not None or run is None or (run.precision, run.ac) == job:
+        return ()
+    return (
+        f"activations are not counted: model {profile.source} was measured at "
+        f"{run.precision} with ac {run.ac}, the job runs {job[0]} with ac {job[1]}; "
+        "profile it at the job's (profile_model(..., precision=, ac=))",
+    )
 
 
 def _swiglu_ffn(d_model: int) -> int:

@@ -119,7 +119,8 @@ def make_plan(
         rows = sweep(inputs, counts, allowed, goal)
         for name in {r.strategy for r in rows}:
             knees[name] = knee([r for r in rows if r.strategy == name])
-    warnings = ([batch_note] if batch_note else []) + _warnings(
+    # What the planner assumed of a model read from its module comes first.
+    warnings = [*inputs.notes, *([batch_note] if batch_note else [])] + _warnings(
         inputs, best, single, strategies, knees
     )
     questions = [

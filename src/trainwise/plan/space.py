@@ -67,11 +67,12 @@ EVERYTHING = Allowed()
 
 def tp_degrees(inputs: PlanInputs, allowed: Allowed) -> list[int]:
     """Tensor-parallel degrees: divisors of the heads (and key/value heads), of the GPUs
-    a node holds and of the GPUs; 1 alone for a model without a shape."""
-    shape = inputs.workload.shape
+    a node holds and of the GPUs; 1 alone for a model without a shape or a user's module
+    without a tensor-parallel plan."""
+    shape, profile = inputs.workload.shape, inputs.workload.profile
     if allowed.tp_degree is not None:
         return [allowed.tp_degree]  # checked against the model by the job
-    if not allowed.tp or shape is None:
+    if not allowed.tp or shape is None or (profile is not None and not profile.tp_plan):
         return [1]
     limit = math.gcd(shape.n_head, shape.n_kv_head, inputs.gpus_per_node, inputs.gpus)
     return divisors(limit)
@@ -80,11 +81,12 @@ def tp_degrees(inputs: PlanInputs, allowed: Allowed) -> list[int]:
 def pp_degrees(inputs: PlanInputs, allowed: Allowed, tp: int) -> list[int]:
     """Pipeline degrees: the job's; else 1 and every divisor of the GPUs over tp up to
     allowed.max_pp whose stages split the model's blocks for some schedule
-    (pipeline.stage_blocks); 1 alone for a model without a shape."""
+    (pipeline.stage_blocks); 1 alone for a model without a shape or one the runtime
+    cannot cut (a user's module: models.pipeline cuts trainwise's GPT)."""
     if allowed.pp_degree is not None:
         return [allowed.pp_degree]
-    shape = inputs.workload.shape
-    if allowed.max_pp == 1 or shape is None:
+    shape, profile = inputs.workload.shape, inputs.workload.profile
+    if allowed.max_pp == 1 or shape is None or (profile is not None and not profile.stages):
         return [1]
     return [1] + [
         p for p in divisors(inputs.gpus // tp)[1:]

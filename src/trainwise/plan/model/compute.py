@@ -19,6 +19,10 @@ A per-operation model of trainwise's GPT (models.gpt), one micro-batch of T toke
 Activation checkpointing adds the forward of each checkpointed block again (full: every
 block; selective: every other one, as run.parallelize wraps them).
 
+A model read from its module (models.profile) without a GPT shape is priced the same way
+from what the profile holds: its Linears' GEMMs by shape, its other matmuls' FLOPs, its
+other operations' bytes and the operations it dispatches (_profiled_micro_batch).
+
 `plan.efficiency`, when the user sets it, overrides the model: model FLOPs x recomputation
 at that share of the peak. A model known only by its parameter count is priced as 6N FLOPs
 a token at BARE_EFFICIENCY.
@@ -31,11 +35,12 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from trainwise.config.parallel_dims import ParallelDims
-from trainwise.models.shapes import GPTShape
+from trainwise.models.shapes import GPTShape, LinearShape, ModelProfile
 from trainwise.plan.inputs import Hardware, PlanInputs
 from trainwise.plan.model.flops import (
     head_flops_per_token,
     model_flops_per_token,
+    model_layers,
     recompute_factor,
 )
 from trainwise.plan.model.gemm import (
@@ -145,7 +150,7 @@ def compute_time(
 ) -> ComputeTime:
     """Compute of `samples` sequences of workload `w` (at its micro-batch and ac) on one of
     `tp` tensor-parallel ranks, in layout `dims` (None: one GPU alone)."""
-    if inputs.efficiency is not None or w.shape is None:
+    if inputs.efficiency is not None or (w.shape is None and w.profile is None):
         return _flat(inputs, w, samples, tp)
     step = _step_seconds(inputs, w, samples, tp, dims)
     one = step if tp == 1 and dims is None else _step_seconds(inputs, w, samples, 1, None)
@@ -159,18 +164,18 @@ def achieved_share(inputs: PlanInputs, plan: StrategyPlan, compute_s: float) -> 
     setup = plan.setup
     assert setup is not None
     w = inputs.workload
-    n_layer = w.shape.n_layer if w.shape else 1
-    hw_flops = model_flops_per_token(w.params, w.shape, w.seq_len, w.lora) * recompute_factor(
-        setup.ac, n_layer, w.lora is not None
-    )
+    n_layer = model_layers(w.shape, w.profile)
+    hw_flops = model_flops_per_token(
+        w.params, w.shape, w.seq_len, w.lora, w.profile
+    ) * recompute_factor(setup.ac, n_layer, w.lora is not None)
     tokens = setup.micro_batch * setup.grad_accum * w.seq_len
     return tokens * hw_flops / (inputs.hardware.peak_flops * setup.dims.tp * compute_s)
 
 
 def _flat(inputs: PlanInputs, w: Workload, samples: float, tp: int) -> ComputeTime:
     """Model FLOPs x recomputation at one share of the peak (the override, or a bare count)."""
-    n_layer = w.shape.n_layer if w.shape else 1
-    flops = model_flops_per_token(w.params, w.shape, w.seq_len, w.lora)
+    n_layer = model_layers(w.shape, w.profile)
+    flops = model_flops_per_token(w.params, w.shape, w.seq_len, w.lora, w.profile)
     if w.shape is not None and not w.head:  # a pipeline stage without the head's matmul
         flops -= head_flops_per_token(w.shape, w.lora)
     hw_flops = flops * recompute_factor(w.ac, n_layer, w.lora is not None)
@@ -199,13 +204,18 @@ def _cached_step(
     dims: ParallelDims | None,
 ) -> float:
     """The step's seconds (cached: the planner's search prices the same setups often)."""
-    assert w.shape is not None
     fsdp = dims is not None and dims.fsdp
     autocast = not fsdp and w.precision != "fp32"  # FSDP's mixed precision casts once
-    micro = _micro_batch(
-        w.shape, w.seq_len, w.micro_batch, tp, hw, w.precision, autocast,
-        compiled, w.ac, table, w.loss, w.norm_kernel, w.lora, w.head,
-    )
+    if w.shape is None:
+        assert w.profile is not None
+        micro = _profiled_micro_batch(
+            w.profile, w.seq_len * w.micro_batch, hw, w.precision, w.ac, table
+        )
+    else:
+        micro = _micro_batch(
+            w.shape, w.seq_len, w.micro_batch, tp, hw, w.precision, autocast,
+            compiled, w.ac, table, w.loss, w.norm_kernel, w.lora, w.head,
+        )
     micro_batches = samples / w.micro_batch
     work = micro.times(micro_batches) + _per_step(hw, w, tp, dims, micro_batches)
     host = work.host_ops * (COMPILED_OP_S if compiled else EAGER_OP_S)
@@ -258,6 +268,42 @@ def _micro_batch(
     adapters = _adapters(shape, lora, tokens, tp, hw, precision, table)
     per_block = 1.0 / shape.n_layer  # the recomputed blocks run their adapters again
     return work + adapters + adapters.times(recomputed * per_block / 3)
+
+
+@lru_cache(maxsize=1024)
+def _profiled_micro_batch(
+    p: ModelProfile, tokens: int, hw: Hardware, precision: str, ac: str,
+    table: GemmTable | None,
+) -> Work:
+    """One micro-batch of `tokens` tokens of a profiled model (models.profile): each
+    Linear's GEMMs by its shape and measured rows, forward and backward (the checkpointed
+    blocks' forward again); its other matmuls' FLOPs (attention, convolutions) at the
+    generation's large-GEMM share of the peak; the bytes its other operations read and
+    write at the memory bandwidth; and the operations the host dispatches, as its sample
+    run counted them. Without a sample run: the Linears alone, three operations each."""
+    def passes(layers: tuple[LinearShape, ...]) -> tuple[float, float]:
+        forward = backward = 0.0
+        for s in layers:
+            m = max(1, round(tokens * s.rows)) if s.rows > 0 else 0
+            if m:
+                forward += _gemm(m, s.out_features, s.in_features, hw, precision, table)
+                backward += _gemm(m, s.in_features, s.out_features, hw, precision, table)
+                backward += _gemm(s.out_features, s.in_features, m, hw, precision, table)
+        return forward, backward
+
+    block_fw, block_bw = passes(p.block_linears)
+    outer_fw, outer_bw = passes(p.outer_linears)
+    recomputed = len(checkpointed_blocks(ac, p.blocks)) if p.blocks else 0
+    device = p.blocks * (block_fw + block_bw) + recomputed * block_fw + outer_fw + outer_bw
+    layers = len(p.block_linears) * p.blocks + len(p.outer_linears)
+    ops = float(layers * (1 + BACKWARD_OPS_PER_FORWARD_OP))
+    if p.run is not None:
+        gen = GENERATIONS[hw.generation]
+        device += tokens * p.run.other_flops / (hw.peak_flops * gen.gemm_share)
+        device += tokens * p.run.moved_bytes / (hw.hbm_bps * MEMORY_SHARE)
+        again = recomputed / p.blocks if p.blocks else 0.0  # the forward's share run again
+        ops = p.run.forward_ops * (1 + again) + p.run.backward_ops
+    return Work(device, ops)
 
 
 def _gemms(shape: GPTShape, tp: int) -> list[tuple[int, int]]:
@@ -414,7 +460,6 @@ def _per_step(
 ) -> Work:
     """The optimizer step on this rank's parameters (on the host with cpu offload: priced
     by the caller), and FSDP's copies and per-parameter work for every micro-batch."""
-    assert w.shape is not None
     frozen, trained = rank_split(w.params, w.shape, w.lora, tp)
     rank_params = frozen + trained
     shard = dims.dp_shard if dims is not None and dims.fsdp else 1
@@ -428,7 +473,10 @@ def _per_step(
         # Each gather casts the fp32 shard to 16 bits and copies the gathered buffer out
         # into the parameters; the reduction copies the gradients in (upcast to fp32).
         moved = rank_params * (gathers * (MASTER_BYTES / shard + 2 * e) + e + MASTER_BYTES)
-        tensors = _param_tensors(w.shape) * w.shape.n_layer + 3
+        tensors = (
+            _param_tensors(w.shape) * w.shape.n_layer + 3 if w.shape is not None
+            else w.profile.param_tensors if w.profile is not None else 1
+        )
         work += Work(
             micro_batches * moved / (hw.hbm_bps * MEMORY_SHARE),
             micro_batches * FSDP_OPS_PER_PARAM * tensors,

@@ -12,7 +12,7 @@ forward (2) and the input gradient the layers below need (2) remain, so a step d
 
 from __future__ import annotations
 
-from trainwise.models.shapes import GPTShape
+from trainwise.models.shapes import GPTShape, ModelProfile
 from trainwise.plan.model.lora import LoraPlan, adapter_params, trained_matmul_params
 
 
@@ -47,11 +47,34 @@ def mfu(tokens_per_s: float, flops_token: float, peak_flops_total: float) -> flo
 
 
 def model_flops_per_token(
-    params: int, shape: GPTShape | None, seq_len: int, lora: LoraPlan | None = None
+    params: int, shape: GPTShape | None, seq_len: int, lora: LoraPlan | None = None,
+    profile: ModelProfile | None = None,
 ) -> float:
     """Model FLOPs per token (what MFU counts): the GPT formula above (with LoRA's, when
-    `lora`), or 6N for a bare parameter count (Kaplan et al., 2020, eq. 2.1: C = 6N)."""
-    return flops_per_token(shape, seq_len, lora) if shape is not None else 6.0 * params
+    `lora`); a profiled model's (profile_flops_per_token); or 6N for a bare parameter
+    count (Kaplan et al., 2020, eq. 2.1: C = 6N)."""
+    if shape is not None:
+        return flops_per_token(shape, seq_len, lora)
+    if profile is not None:
+        return profile_flops_per_token(profile)
+    return 6.0 * params
+
+
+def profile_flops_per_token(profile: ModelProfile) -> float:
+    """A profiled model's FLOPs per token: 6 a weight of each Linear for every row it
+    multiplies per token (forward, the input and the weight gradients), and the other
+    matmuls' (attention, convolutions) its sample run counted."""
+    layers = [*profile.block_linears * profile.blocks, *profile.outer_linears]
+    gemms = sum(6.0 * s.rows * s.in_features * s.out_features for s in layers)
+    return gemms + (profile.run.other_flops if profile.run is not None else 0.0)
+
+
+def model_layers(shape: GPTShape | None, profile: ModelProfile | None = None) -> int:
+    """The blocks activation checkpointing wraps: a GPT's layers, a profiled model's
+    blocks; 1 for a bare count."""
+    if shape is not None:
+        return shape.n_layer
+    return max(1, profile.blocks) if profile is not None else 1
 
 
 def recompute_factor(ac: str, n_layer: int, lora: bool = False) -> float:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from trainwise.config.parallel_dims import ParallelDims
-from trainwise.models.shapes import GPTShape
+from trainwise.models.shapes import GPTShape, ModelProfile
 from trainwise.plan.model.lora import (
     LoraPlan,
     adapter_activation_bytes,
@@ -81,7 +81,7 @@ class Workload:
     ac: str = "none"
     reduce_dtype: str = "fp32"  # dtype of FSDP's gradient reduce-scatter
     # FSDP units of a model without a shape (a bare parameter count): an assumption the
-    # planner states; None means the whole model is one unit (unknown custom models).
+    # planner states; None means the whole model is one unit. A profiled model: its blocks.
     units: int | None = None
     # The cross-entropy kernel: "standard" (F.cross_entropy, trainwise's: keeps the fp32
     # log-softmax over the vocabulary) or "fused" (a fused kernel, e.g. flash-attn's
@@ -107,6 +107,9 @@ class Workload:
     # output gradients wait for the weight-gradient pass W (weight_grad_bytes_per_token):
     # (block micro-batches of stages that ran I, head micro-batches, stage outputs).
     past_i: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # A model read from its module (models.profile): its blocks, their GEMMs and what a
+    # sample of it measured price it where it has no shape.
+    profile: ModelProfile | None = None
 
 
 @dataclass(frozen=True)
@@ -280,7 +283,7 @@ def activation_profile(
     tensor-parallel ranks, what plan.tensor_parallel keeps of it. (Cached: the planner's
     search asks for the same workload many times.)"""
     if w.shape is None:
-        return None
+        return _measured_activations(w, autocast)
     frozen_emb = w.lora is not None and not w.lora.train_embeddings
     per = activation_bytes_per_token(w.shape, w.precision, autocast, device, w.loss, frozen_emb)
     per = activation_split(per, tp, sequence_parallel)
@@ -307,6 +310,20 @@ def activation_profile(
         tokens * (sum(kept) + head + others), tokens * (block + others),
         tokens * (sum(kept[:-1]) + others),
     )
+
+
+def _measured_activations(w: Workload, autocast: bool) -> ActivationProfile | None:
+    """A profiled model's activations as its sample run measured them per sample (at the
+    job's precision and checkpointing: None at others, and without a run): their largest
+    at backward's peaks, and what is left when the gradients peak. `autocast`: single /
+    DDP's forward; else FSDP's 16-bit parameters."""
+    run = w.profile.run if w.profile is not None else None
+    if run is None or (run.precision, run.ac) != (w.precision, w.ac):
+        return None
+    largest = run.activations if autocast else run.activations_sharded
+    late = run.activations_late * largest / run.activations if run.activations else 0.0
+    b = w.micro_batch
+    return ActivationProfile(largest * b, largest * b, late * b)
 
 
 def _kept_for_w(
@@ -350,7 +367,9 @@ def activation_bytes(w: Workload, autocast: bool = False, device: str = "cuda") 
 def block_params(w: Workload, tp: int = 1) -> tuple[float, float]:
     """(parameters of one transformer block, parameters of the root unit: embeddings, final
     norm, head), on one of `tp` tensor-parallel ranks. A model without a shape is `w.units`
-    equal units (default one)."""
+    equal units (default one); a profiled one its blocks and what lies outside them."""
+    if w.shape is None and w.profile is not None and w.profile.blocks:
+        return float(w.profile.block_params), float(w.profile.outer_params)
     if w.shape is None:
         return float(w.params) / (w.units or 1) / tp, 0.0
     block = _one_block(w.shape)
@@ -360,6 +379,17 @@ def block_params(w: Workload, tp: int = 1) -> tuple[float, float]:
         block = whole + (block - whole) / tp
         root = params_per_rank(w.params, w.shape, tp) - w.shape.n_layer * block
     return float(block), float(root)
+
+
+def fsdp_units(w: Workload) -> int:
+    """The FSDP units a step gathers and reduces: a GPT's blocks and its root; a profiled
+    model's blocks and, when parameters lie outside them, its root; else `w.units`."""
+    if w.shape is not None:
+        return w.shape.n_layer + 1
+    p = w.profile
+    if p is not None and p.blocks:
+        return p.blocks + (1 if p.outer_params else 0)
+    return w.units or 1
 
 
 @lru_cache(maxsize=256)
@@ -410,8 +440,10 @@ def _replicated(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
     frozen, n = rank_split(w.params, w.shape, w.lora, dims.tp)  # n: the trained ones
     c = BYTES[w.precision]
     prof = activation_profile(w, True, device, dims.tp, setup.sequence_parallel)
-    # autocast's 16-bit copies of the fp32 weights (a frozen base is in 16 bits already)
-    copies = n * c if w.precision != "fp32" else 0.0
+    # autocast's 16-bit copies of the fp32 weights (a frozen base is in 16 bits already;
+    # a profiled model's sample run counted them among its activations)
+    measured = w.shape is None and w.profile is not None and w.profile.run is not None
+    copies = n * c if w.precision != "fp32" and not measured else 0.0
     buckets = n * MASTER_BYTES if dims.dp_replicate > 1 else 0.0
     p, g = frozen * c + n * MASTER_BYTES, n * MASTER_BYTES
     o = n * OPTIMIZER_STATE_BYTES[w.optimizer]
@@ -446,7 +478,9 @@ def _sharded(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
         trained_block = adapter_params(w.shape, w.lora, tp) / w.shape.n_layer
         block += trained_block
     grads_in_flight = trained_block * (c + reduce_copy)
-    units = w.shape.n_layer if w.shape is not None else (w.units or 1)
+    units = w.shape.n_layer if w.shape is not None else (
+        w.profile.blocks if w.profile is not None and w.profile.blocks else (w.units or 1)
+    )
     if not dims.reshard_after_forward:
         params_in_flight = (n - root) * c  # every block stays gathered until its backward
     else:

@@ -14,7 +14,7 @@ from typing import Any
 
 from trainwise.config import JobConfig
 from trainwise.config.parallel_dims import LayoutRequest, ParallelDims
-from trainwise.data import DataInfo, build_datasets
+from trainwise.data import DataInfo
 from trainwise.errors import ConfigError
 from trainwise.hardware import GB, DeviceInfo
 from trainwise.hardware.catalog import find_gpu
@@ -29,6 +29,7 @@ from trainwise.models import (
     tp_model_problems,
 )
 from trainwise.models.pipeline import ZERO_BUBBLE, default_microbatches, schedule_problems
+from trainwise.models.shapes import ModelProfile
 from trainwise.plan import (
     Decision,
     Workload,
@@ -58,6 +59,7 @@ from trainwise.plan.model.memory import replica_memory
 from trainwise.plan.model.performance import CalibratedModel, model_of
 from trainwise.plan.record import strategy_record
 from trainwise.records import JobRecord
+from trainwise.run.job.workload import job_datasets, job_profile, job_spec
 
 
 @dataclass
@@ -263,7 +265,7 @@ def prepare_job(
     if problems + more:
         raise ConfigError(problems + more)
 
-    workload = config_workload(c, data.params, data.shape)
+    workload = config_workload(c, data.params, data.shape, profile=data.profile)
     device_bytes = device_budget(c, device, local)
     view = planner_view(c, workload, world, local, device, device_bytes, accum)
     calibration, plan_notes = None, []
@@ -349,37 +351,17 @@ class JobData:
     spec: ModelSpec
     params: int
     shape: GPTShape | None
+    profile: ModelProfile | None = None  # a model without a shape, read from its module
 
 
 def data_and_model(c: JobConfig, problems: list[str]) -> JobData:
     """Build the datasets and size the model; raises with `problems` and its own at once
     when either cannot be built (the later checks need both)."""
     try:
-        train_ds, val_ds, info = build_datasets(
-            c.data.dataset,
-            seq_len=c.data.seq_len,
-            val_fraction=c.data.val_fraction,
-            seed=c.train.seed,
-            path=c.data.path,
-            vocab_size=c.data.vocab_size,
-            synthetic_tokens=c.data.synthetic_tokens,
-            format=c.data.format,
-            packing=c.data.packing,
-        )
+        train_ds, val_ds, info = job_datasets(c)
     except ConfigError as err:
         raise ConfigError(problems + err.problems) from None
-    spec = ModelSpec(
-        name=c.model.name,
-        vocab_size=c.model.vocab_size or info.vocab_size,
-        seq_len=c.data.seq_len,
-        in_features=info.in_features,
-        num_classes=info.num_classes,
-        hidden=tuple(c.model.hidden),
-        dropout=c.model.dropout,
-        kwargs=dict(c.model.kwargs),
-        init=c.model.init,
-        impl=c.model.impl,
-    )
+    spec = job_spec(c, info)
     if c.model.vocab_size and info.vocab_size and c.model.vocab_size < info.vocab_size:
         problems.append(
             f"model.vocab_size = {c.model.vocab_size} is smaller than the data's vocabulary "
@@ -393,10 +375,14 @@ def data_and_model(c: JobConfig, problems: list[str]) -> JobData:
             "set data.packing = false"
         )
     try:
-        params, shape = count_parameters(spec), resolve_shape(spec)
+        # A model without a formula (your own, a transformers one) is read from its module
+        # and measured on the data: its blocks are the FSDP units the plan prices.
+        shape = resolve_shape(spec)
+        profile = None if shape is not None else job_profile(c, spec, train_ds)
+        params = profile.params if profile is not None else count_parameters(spec)
     except ConfigError as err:
         raise ConfigError(problems + err.problems) from None
-    return JobData((train_ds, val_ds), info, spec, params, shape)
+    return JobData((train_ds, val_ds), info, spec, params, shape, profile)
 
 
 def batch_problems(
