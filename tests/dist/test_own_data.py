@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -34,11 +35,23 @@ from trainwise.data import ShardedBatchSampler
 
 STEPS = 12
 FP32_RTOL = 1e-5
-# name -> (nproc, strategy, micro_batch, extra --set values); global batch 16 in each.
-LAYOUTS: dict[str, tuple[int, str, int, tuple[str, ...]]] = {
-    "single": (1, "single", 16, ()),
-    "ddp": (2, "ddp", 8, ()),
-    "fsdp": (2, "fsdp", 8, ("parallel.shard=full",)),
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run of the user's job is laid out; the global batch is 16 in each."""
+
+    nproc: int
+    strategy: str  # --strategy
+    micro_batch: int
+    runs_as: str  # what job.json says it ran (its layout_name)
+    sets: tuple[str, ...] = ()  # more --set values
+
+
+LAYOUTS = {
+    "single": Layout(1, "single", 16, "single"),
+    "ddp": Layout(2, "ddp", 8, "ddp"),
+    "fsdp": Layout(2, "fsdp", 8, "fsdp", ("parallel.shard=full",)),
 }
 DATASETS = {"hf": "user_job:hf_data", "stream": "user_job:hf_stream"}
 RUNS = [(data, layout) for data in DATASETS for layout in LAYOUTS]
@@ -52,15 +65,15 @@ pytestmark = [
 def job_args(run_dir: Path, dataset: str, layout: str, *sets: str, steps: int = STEPS) -> list[str]:
     """`trainwise train` of the user's job: checkpoints every 4 steps, held-out loss at the
     end (the fault tests' job shape, so that a kill test's reference is a fixture run)."""
-    nproc, strategy, micro, extra = LAYOUTS[layout]
+    lay = LAYOUTS[layout]
     keys = [
-        "model.name=user_job:build", f"data.dataset={dataset}", f"data.micro_batch={micro}",
-        "data.global_batch=16", f"train.eval_every={steps}", "checkpoint.interval=4",
-        "checkpoint.keep_last=3", "parallel.timeout_s=60", "logging.probe_every=0",
-        *extra, *sets,
+        "model.name=user_job:build", f"data.dataset={dataset}",
+        f"data.micro_batch={lay.micro_batch}", "data.global_batch=16",
+        f"train.eval_every={steps}", "checkpoint.interval=4", "checkpoint.keep_last=3",
+        "parallel.timeout_s=60", "logging.probe_every=0", *lay.sets, *sets,
     ]
     return [
-        "train", "--nproc", str(nproc), "--strategy", strategy, "--steps", str(steps),
+        "train", "--nproc", str(lay.nproc), "--strategy", lay.strategy, "--steps", str(steps),
         "--run-dir", str(run_dir), *QUIET, *[a for k in keys for a in ("--set", k)],
     ]
 
@@ -113,7 +126,7 @@ def eval_loss(run_dir: Path) -> float:
 @pytest.mark.parametrize(("data", "layout"), [k for k in RUNS if k[1] != "single"])
 def test_a_layout_trains_as_one_process(runs, data: str, layout: str):
     job = json.loads((runs[data, layout] / "job.json").read_text())
-    assert (job["world"], job["strategy"]) == LAYOUTS[layout][:2]
+    assert (job["world"], job["layout_name"]) == (LAYOUTS[layout].nproc, LAYOUTS[layout].runs_as)
     one = runs[data, "single"]
     assert max_rel_diff(losses(runs[data, layout]), losses(one), STEPS) <= FP32_RTOL
     assert eval_loss(runs[data, layout]) == pytest.approx(eval_loss(one), rel=FP32_RTOL)
