@@ -58,8 +58,11 @@ class Stream:
         return iter(self.source)
 
     def state(self, epoch: int) -> dict[str, Any] | None:
-        """The dataset's own state where it resumes exactly (JSON, for trainer.json)."""
-        return {"epoch": epoch, "state": self.source.state_dict()} if self.stateful else None
+        """The dataset's own state where it resumes exactly (JSON, for trainer.json). A
+        copy: an async save writes it after later steps have moved the dataset on."""
+        if not self.stateful:
+            return None
+        return {"epoch": epoch, "state": json.loads(json.dumps(self.source.state_dict()))}
 
     def restore(self, saved: dict[str, Any]) -> int:
         """Load a state(); returns its epoch (the next pass continues inside it)."""
