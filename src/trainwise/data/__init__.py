@@ -1,14 +1,15 @@
 """trainwise.data: built-in and user datasets, splits, and the sharded batch sampler.
 
-This package sits on the lowest floor: it imports nothing from trainwise but
-trainwise.errors and trainwise.checksum, and takes plain arguments rather than config objects.
+This package sits on the lowest floor: it imports nothing from trainwise but the
+top-level modules (errors, checksum, objects), and takes plain arguments rather than config
+objects.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from torch.utils.data import DataLoader, Dataset
 
@@ -22,15 +23,20 @@ from trainwise.data.shards import (
     is_prepared_dir,
     read_index,
 )
+from trainwise.data.stream import Stream, StreamBatches, stream_eval_batches
 from trainwise.data.synthetic import build_synthetic_corpus, synthetic_entropy_rate
 from trainwise.data.tokens import open_token_file, token_vocab_size, write_token_file
+from trainwise.data.user import UserData, first_batch, user_data_problems
 from trainwise.errors import DataError
+from trainwise.objects import is_import_path
 
 __all__ = [
     "DATASET_NAMES",
     "ArrayDataset",
     "DataInfo",
     "ShardedBatchSampler",
+    "Stream",
+    "StreamBatches",
     "PackedExamples",
     "PromptResponseExamples",
     "TokenShards",
@@ -45,6 +51,8 @@ __all__ = [
     "split_tokens",
     "synthetic_entropy_rate",
     "token_vocab_size",
+    "first_batch",
+    "user_data_problems",
     "write_token_file",
 ]
 
@@ -55,14 +63,15 @@ DATASET_NAMES = ("synthetic", "digits", "tokens")
 class DataInfo:
     """What a model and the throughput meter need to know about the built datasets."""
 
-    task: Literal["lm", "classify"]
+    task: Literal["lm", "classify", "custom"]  # custom: your own dataset (data/user.py)
     vocab_size: int | None  # lm: max token id + 1 as used by the corpus
     in_features: int | None  # classify
     num_classes: int | None  # classify
-    train_samples: int
-    val_samples: int
-    tokens_per_sample: int  # seq_len for lm, 1 for classify (used for tokens/s)
+    train_samples: int | None  # None: an iterable (its length is not known)
+    val_samples: int | None  # None: an iterable, or no validation split
+    tokens_per_sample: int  # seq_len for lm, 1 for classify and custom (used for tokens/s)
     packed: bool = False  # samples are (x, y, doc): packed examples the model keeps apart
+    notes: tuple[str, ...] = ()  # said once before training (how an iterable is read, ...)
 
 
 def _lm_datasets(
@@ -132,8 +141,19 @@ def example_format(path: str, format: str) -> bool:
     return kind == "prompt_response" and format != "text"
 
 
+def _user_datasets(
+    path: str, collate: str | None, val_fraction: float, num_workers: int
+) -> tuple[Any, Any, DataInfo]:
+    user = UserData(path, collate, val_fraction, num_workers)
+    train, val = user.train, user.val
+    n_train = None if isinstance(train, Stream) else len(train)
+    n_val = None if val is None or isinstance(val, Stream) else len(val)
+    info = DataInfo("custom", None, None, None, n_train, n_val, 1, notes=tuple(user.notes))
+    return train, val, info
+
+
 def build_datasets(
-    name: Literal["synthetic", "digits", "tokens"],
+    name: str,
     *,
     seq_len: int,
     val_fraction: float,
@@ -143,14 +163,19 @@ def build_datasets(
     synthetic_tokens: int = 1_000_000,
     format: str = "auto",
     packing: bool = True,
-) -> tuple[Dataset, Dataset, DataInfo]:
-    """Build (train, val, info) for a dataset name.
+    collate: str | None = None,
+    num_workers: int = 0,
+) -> tuple[Any, Any, DataInfo]:
+    """Build (train, val, info) for a dataset name, or your own dataset's import path
+    (data/user.py: val is None for an iterable without a validation split).
 
     synthetic: a generated corpus of synthetic_tokens ids over vocab_size, the same on every
     rank (it depends on seed only). tokens: the uint16 file at path, or a directory
     `trainwise data prepare` wrote (its vocabulary is the tokenizer's). digits: sklearn's
     digits, split with a seeded shuffle; seq_len is unused.
     """
+    if is_import_path(name):
+        return _user_datasets(name, collate, val_fraction, num_workers)
     if name == "synthetic":
         corpus = build_synthetic_corpus(synthetic_tokens, vocab_size, seed)
         what = f"the synthetic corpus ({synthetic_tokens} tokens)"
@@ -182,7 +207,7 @@ def build_datasets(
 
 
 def build_loader(
-    dataset: Dataset,
+    dataset: Any,
     *,
     micro_batch: int,
     grad_accum: int,
@@ -195,10 +220,18 @@ def build_loader(
     num_workers: int = 0,
     pin_memory: bool = False,
     prefetch_factor: int = 2,
-) -> DataLoader:
-    """A DataLoader yielding this rank's (x, y) micro-batches via ShardedBatchSampler."""
+    position: dict[str, Any] | None = None,
+) -> DataLoader | StreamBatches:
+    """This rank's (x, y, ...) micro-batches: a DataLoader over ShardedBatchSampler for a
+    map-style dataset, StreamBatches for an iterable one (`position`: a checkpoint's data
+    position at start_step, which restores the stream's own state)."""
     if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
         raise DataError(f"data.num_workers={num_workers!r} must be an integer >= 0")
+    if isinstance(dataset, Stream):
+        return StreamBatches(
+            dataset, micro_batch=micro_batch, grad_accum=grad_accum, dp_rank=dp_rank,
+            dp_size=dp_size, start_step=start_step, num_steps=num_steps, position=position,
+        )
     sampler = ShardedBatchSampler(
         len(dataset),
         micro_batch,
@@ -213,6 +246,7 @@ def build_loader(
     return DataLoader(
         dataset,
         batch_sampler=sampler,
+        collate_fn=getattr(dataset, "batch_of", None),  # your data.collate (data/user.py)
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
@@ -221,10 +255,15 @@ def build_loader(
 
 
 def build_eval_loader(
-    dataset: Dataset, *, micro_batch: int, max_batches: int, dp_rank: int, dp_size: int, seed: int
-) -> DataLoader:
+    dataset: Any, *, micro_batch: int, max_batches: int, dp_rank: int, dp_size: int, seed: int
+) -> Any:
     """Held-out batches, in order: every rank gets the same number of distinct samples and
     none repeats (a small split gets smaller batches, then fewer of them)."""
+    if isinstance(dataset, Stream):
+        return stream_eval_batches(
+            dataset, micro_batch=micro_batch, max_batches=max_batches, dp_rank=dp_rank,
+            dp_size=dp_size,
+        )
     mb = min(micro_batch, max(1, len(dataset) // (dp_size * max_batches)))
     steps = max(1, min(max_batches, len(dataset) // (dp_size * mb)))
     return build_loader(

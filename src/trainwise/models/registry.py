@@ -20,6 +20,7 @@ from trainwise.models.gpt_parallel import gpt_tp_plan, tp_problems
 from trainwise.models.hf import build_from_dir, hf_shape, hf_takes_example_ids
 from trainwise.models.mlp import MLPClassifier
 from trainwise.models.shapes import PRESETS, GPTShape, job_shape
+from trainwise.objects import load_callable
 
 
 @dataclass
@@ -36,6 +37,7 @@ class ModelSpec:
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to a custom factory
     init: str = "auto"  # hf: "auto" | "pretrained" | "random" (model.init)
     impl: str = "transformers"  # hf: "transformers" | "trainwise" (model.impl)
+    loss: str | None = None  # model.loss: "pkg.mod:fn", in place of the model's own loss
 
 
 @dataclass
@@ -98,8 +100,23 @@ def resolve_shape(spec: ModelSpec) -> GPTShape | None:
     return job_shape(spec.name, spec.vocab_size, spec.seq_len)
 
 
+def load_loss(path: str) -> Callable[[Tensor, Tensor], Tensor]:
+    """model.loss = "pkg.mod:fn": fn(output, target) -> a scalar tensor."""
+    return load_callable(
+        path, "model.loss", ModelError, "a function (output, target) -> scalar loss tensor"
+    )
+
+
 def build_model(spec: ModelSpec) -> ModelBundle:
-    """Build on the current default device; the caller seeds the RNG."""
+    """Build on the current default device; the caller seeds the RNG. The loss is
+    model.loss where set, else the factory's, else cross entropy."""
+    bundle = _build_model(spec)
+    if spec.loss is not None:
+        bundle.loss_fn = load_loss(spec.loss)
+    return bundle
+
+
+def _build_model(spec: ModelSpec) -> ModelBundle:
     kind = model_kind(spec.name)
     if not 0.0 <= spec.dropout < 1.0:
         raise ModelError(f"model.dropout = {spec.dropout!r}: must be in [0, 1)")

@@ -155,7 +155,7 @@ class Training:
             )
         self._check_data(path)
         self.step = self.resumed.step
-        self.batches = self.batches_from(self.step)
+        self.batches = self.batches_from(self.step, self._saved_data(self.resumed))
         self.trackers = self._build_trackers() if env.is_main else None
         self.recorder = self._build_recorder()
         if env.is_main:
@@ -207,9 +207,10 @@ class Training:
         if policy != "rollback":
             return False
         self.stage = "the rollback"
-        self.step = self._rollback()
+        resumed = self._rollback()
+        self.step = resumed.step
         self.rollbacks += 1
-        self.batches = self.batches_from(self.step)
+        self.batches = self.batches_from(self.step, self._saved_data(resumed))
         if self.env.is_main:
             append_event(self.run_dir, "rollback", to_step=self.step)
         return True
@@ -217,6 +218,8 @@ class Training:
     def maybe_evaluate(self) -> float | None:
         every, step = self.cfg.train.eval_every, self.step
         if every <= 0 or (step % every and step != self.cfg.train.steps):
+            return None
+        if self.job.datasets[1] is None:  # an iterable without a validation split
             return None
         self.stage = "evaluation"
         return self.trainer.evaluate(self.eval_batches())
@@ -235,7 +238,7 @@ class Training:
         self.recorder.make_durable()  # no checkpoint past steps whose records are lost
         self.stage = "the checkpoint save"
         tokens = step * self.job.tokens_per_step
-        return stop, ckpt.save(step, tokens, time.time(), self.data_state, sync=stop)
+        return stop, ckpt.save(step, tokens, time.time(), self.data_position(), sync=stop)
 
     def on_peer_failure(self, err: RuntimeError) -> None:
         """A collective failed because of another rank: one line and an event, then exit
@@ -293,19 +296,34 @@ class Training:
     def lr(self) -> float:
         return self.trainer.scheduler.get_last_lr()[0]
 
-    def batches_from(self, step: int) -> Any:
-        # The sampler's stream depends on (seed, global batch, step) only: the same samples
-        # follow step `step` whatever the number of ranks (resharding skips and repeats none).
+    def batches_from(self, step: int, saved: dict[str, Any] | None = None) -> Any:
+        # The sampler's stream depends on (seed, global batch, step) only, an iterable's
+        # position on the samples of the steps before: the same samples follow step `step`
+        # whatever the number of ranks (resharding skips and repeats none). `saved`: the
+        # checkpoint's data position, whose stream state restores an iterable dataset.
         c, t = self.cfg, self.trainer
-        return iter(
-            build_loader(
-                self.train_ds, micro_batch=c.data.micro_batch, grad_accum=self.job.grad_accum,
-                dp_rank=t.dp_rank, dp_size=t.dp_size, seed=c.train.seed, start_step=step,
-                num_steps=c.train.steps - step, num_workers=c.data.num_workers,
-                pin_memory=c.data.pin_memory and self.device.type == "cuda",
-                prefetch_factor=c.data.prefetch_factor,
-            )
+        loader = build_loader(
+            self.train_ds, micro_batch=c.data.micro_batch, grad_accum=self.job.grad_accum,
+            dp_rank=t.dp_rank, dp_size=t.dp_size, seed=c.train.seed, start_step=step,
+            num_steps=c.train.steps - step, num_workers=c.data.num_workers,
+            pin_memory=c.data.pin_memory and self.device.type == "cuda",
+            prefetch_factor=c.data.prefetch_factor, position=saved,
         )
+        if getattr(loader, "resumed", None):
+            self.log.info("trainwise: data: the stream %s", loader.resumed)
+        return iter(loader)
+
+    def data_position(self) -> dict[str, Any]:
+        """What a checkpoint records of the data: the run's (global batch, seed), the
+        samples consumed, and an iterable's own state where it has one (data/stream.py)."""
+        position = getattr(self.batches, "position", None)
+        if position is not None:
+            return {**self.data_state, **position()}
+        return {**self.data_state, "samples": self.step * self.job.global_batch}
+
+    def _saved_data(self, resumed: Resumed) -> dict[str, Any] | None:
+        """A loaded checkpoint's data position (none from another lineage's checkpoint)."""
+        return None if resumed.other else resumed.trainer.get("data")
 
     def eval_batches(self) -> Any:
         c, t = self.cfg, self.trainer
@@ -316,7 +334,8 @@ class Training:
         )
 
     def _check_data(self, path: Path | None) -> None:
-        saved = self.resumed.trainer.get("data", self.data_state)
+        data = self.resumed.trainer.get("data", self.data_state)
+        saved = {key: data.get(key) for key in self.data_state}  # less the position
         if not self.resumed.other and saved != self.data_state:
             raise CheckpointError(
                 f"the checkpoint at {path} was written with data {saved} but this run has "
@@ -344,8 +363,9 @@ class Training:
             tensorboard_every=c.tensorboard_every, wrap=self.faults.tracker,
         )
 
-    def _rollback(self) -> int:
-        """Reload the newest valid checkpoint in place; returns the step to continue from."""
+    def _rollback(self) -> Resumed:
+        """Reload the newest valid checkpoint in place; returns it (its step: where the run
+        continues)."""
         step = self.step
         if self.rollbacks >= MAX_ROLLBACKS:
             raise GuardError(
@@ -362,7 +382,7 @@ class Training:
         self.log.warning(
             "trainwise: step %d: rolled back to step %d (%s)", step, resumed.step, path
         )
-        return resumed.step
+        return resumed
 
     def _summary(self, figures: dict[str, Any]) -> dict[str, Any]:
         c, job, env, resumed = self.cfg, self.job, self.env, self.resumed

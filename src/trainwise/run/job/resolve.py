@@ -14,7 +14,7 @@ from typing import Any
 
 from trainwise.config import JobConfig
 from trainwise.config.parallel_dims import LayoutRequest, ParallelDims
-from trainwise.data import DataInfo
+from trainwise.data import DataInfo, user_data_problems
 from trainwise.errors import ConfigError
 from trainwise.hardware import GB, DeviceInfo
 from trainwise.hardware.catalog import find_gpu
@@ -216,6 +216,7 @@ def start_lines(job: Job, nproc: int, cores: int) -> list[str]:
         f"{c.data.micro_batch} x data.grad_accum {job.grad_accum} x data-parallel size "
         f"{job.dp_size} (--nproc {nproc}{machines}); another --nproc changes it"
     ]
+    lines += [f"trainwise: {note}" for note in job.data.notes]
     if job.dims.tp > nproc:  # allowed by parallel.allow_tp_across_nodes
         lines.append(
             f"trainwise: warning: parallel.tp = {job.dims.tp} spans machines ({nproc} workers "
@@ -261,6 +262,11 @@ def prepare_job(
     problems += tp_model_problems(data.spec, c.parallel.tp, c.data.seq_len, sequence_parallel(c))
     problems += lora_model_problems(data.spec, c.lora)
     accum, more = batch_problems(c, world, local, request, data.info)
+    if data.info.task == "custom":  # your own dataset: read one global batch of it
+        more += user_data_problems(
+            *data.datasets, micro_batch=c.data.micro_batch, grad_accum=accum,
+            dp=data_parallel_size(c, world, request), evaluate=c.train.eval_every > 0,
+        )
     more += pipeline_problems(c, data.shape, accum)
     if problems + more:
         raise ConfigError(problems + more)
@@ -391,28 +397,34 @@ def batch_problems(
     """The accumulation steps, and whether the batch arithmetic holds for this data."""
     accum, problem = elastic_accum(c, world, local)
     problems = [problem] if problem else []
-    one_replica = request.single or (request.auto and world == 1)
-    dp = 1 if one_replica else max(1, world // (c.parallel.tp * c.parallel.pp))
+    dp = data_parallel_size(c, world, request)
     g = c.data.micro_batch * accum * dp
+    counted = info.task != "custom"  # your own dataset: user_data_problems counts it
     if c.data.global_batch is not None and c.data.global_batch != g:
         problems.append(
             f"data.global_batch = {c.data.global_batch} is not micro_batch({c.data.micro_batch})"
             f" x grad_accum({accum}) x data-parallel size({dp}) = {g}: "
             "change one of them so that they agree"
         )
-    elif c.train.eval_every and info.val_samples < dp:
+    elif counted and c.train.eval_every and info.val_samples < dp:
         problems.append(
             f"data.val_fraction = {c.data.val_fraction} holds out {info.val_samples} samples, "
             f"fewer than the {dp} data-parallel ranks that evaluate: raise data.val_fraction "
             "or set train.eval_every = 0"
         )
-    elif g > info.train_samples:
+    elif counted and g > info.train_samples:
         problems.append(
             f"global batch {g} = micro_batch({c.data.micro_batch}) x grad_accum"
             f"({accum}) x data-parallel size({dp}) exceeds the "
             f"{info.train_samples} training samples: lower data.micro_batch"
         )
     return accum, problems
+
+
+def data_parallel_size(c: JobConfig, world: int, request: LayoutRequest) -> int:
+    """The ranks that share out each global batch (one for a single replica)."""
+    one_replica = request.single or (request.auto and world == 1)
+    return 1 if one_replica else max(1, world // (c.parallel.tp * c.parallel.pp))
 
 
 def device_budget(c: JobConfig, device: DeviceInfo, local: int) -> float:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainwise.config import JobConfig
-from trainwise.data import DataInfo, build_datasets
+from trainwise.data import DataInfo, build_datasets, first_batch
 from trainwise.models import ModelSpec
 from trainwise.models.shapes import ModelProfile
 
@@ -25,6 +25,8 @@ def job_datasets(c: JobConfig) -> tuple[Any, Any, DataInfo]:
         synthetic_tokens=c.data.synthetic_tokens,
         format=c.data.format,
         packing=c.data.packing,
+        collate=c.data.collate,
+        num_workers=c.data.num_workers,
     )
 
 
@@ -42,6 +44,7 @@ def job_spec(c: JobConfig, info: DataInfo | None = None) -> ModelSpec:
         kwargs=dict(c.model.kwargs),
         init=c.model.init,
         impl=c.model.impl,
+        loss=c.model.loss,
     )
 
 
@@ -52,15 +55,13 @@ def job_profile(
     checkpointing and micro-batch; a module that takes no token ids is measured on the
     first micro-batch of `train_set` (default: the job's, built when needed: a job whose
     data is not there yet is still planned, with its activations said to be uncounted)."""
-    from torch.utils.data import default_collate
-
     from trainwise.models.profile import profile_model
 
     micro = c.data.micro_batch
 
     def sample() -> Any:
         data = train_set if train_set is not None else job_datasets(c)[0]
-        return default_collate([data[i] for i in range(micro)])
+        return first_batch(data, micro)
 
     return profile_model(
         spec or job_spec(c), sample=sample, precision=c.precision.dtype, ac=c.parallel.ac,
