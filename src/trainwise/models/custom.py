@@ -59,3 +59,19 @@ def build_custom(
         f"model.name = {path!r}: the factory returned {what}; it must return an "
         "nn.Module or a tuple (nn.Module, loss_fn)"
     )
+
+
+# The attribute names under which a user's module keeps its repeated blocks, in the order
+# they are looked for (torchtitan's models: `layers`; nanoGPT-style: `blocks`).
+BLOCK_CONTAINERS = ("blocks", "layers")
+
+
+def blocks_container(module: nn.Module) -> str | None:
+    """The name of the child holding `module`'s repeated blocks: the first of
+    BLOCK_CONTAINERS that is a ModuleList, ModuleDict or Sequential; None when it has none.
+    What pipeline stages are cut along (models.pipeline.module_cut)."""
+    for name in BLOCK_CONTAINERS:
+        child = module._modules.get(name)
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            return name
+    return None
