@@ -66,7 +66,6 @@ _FIX = '(docs/parallelism.md, "Your own model in stages"), or use parallel.pp = 
 class StageInfo:
     """What the engine needs to know of a stage cut here."""
 
-    index: int
     container: str  # the child holding the stage's blocks
     # Parameters the first and the last stage both hold: {name on the last stage: the whole
     # model's name, the first stage's}. The model's, so the same on every stage.
@@ -175,7 +174,7 @@ def split_gpt(model: GPT, stage: int, stages: int) -> GPT:
         part.norm = None
         part.lm_head = None
     ties = {"tok_emb.weight": "tok_emb.weight"} if model.lm_head is None else {}
-    part.__dict__[_STAGE] = StageInfo(stage, "blocks", ties)
+    part.__dict__[_STAGE] = StageInfo("blocks", ties)
     return part
 
 
@@ -278,7 +277,7 @@ def split_module(model: nn.Module, stage: int, stages: int, cut: ModuleCut) -> n
         memo: dict[int, Any] = {}  # one memo: the copies keep sharing what they shared
         for top in dict.fromkeys(name.partition(".")[0] for name in cut.ties):
             part._modules[top] = copy.deepcopy(model._modules[top], memo)
-    part.__dict__[_STAGE] = StageInfo(stage, cut.container, cut.ties)
+    part.__dict__[_STAGE] = StageInfo(cut.container, cut.ties)
     return part
 
 
