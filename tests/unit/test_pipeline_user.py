@@ -306,6 +306,11 @@ def test_stages_that_do_not_divide_the_blocks_are_refused():
     assert "2 stages divide neither the model's 3 layers nor 3 + 2" in problem
 
 
+def test_auto_is_refused_until_the_planner_cuts_your_module():
+    (problem,) = _problems("user_lm:build", "parallel.strategy='auto'")
+    assert "parallel.strategy = 'auto'" in problem and "set parallel.strategy = 'fsdp'" in problem
+
+
 def test_a_module_that_follows_the_convention_is_accepted():
     cfg = load_config(overrides=[
         "model.name='user_lm:build'", "model.kwargs={tie = true}", "data.seq_len=16",

@@ -533,6 +533,12 @@ def pipeline_problems(c: JobConfig, data: JobData, accum: int) -> list[str]:
         except ModelError as err:
             return err.problems
         n_layer = len(cut.keys)
+        if LayoutRequest.of(p).auto:  # the planner's search prices stages by a GPT shape
+            return [
+                f"{where}: parallel.strategy = 'auto' lets the planner choose around the "
+                "stages, and it cannot cut your own module yet: set parallel.strategy = "
+                "'fsdp' or 'ddp' (the layout inside each stage)"
+            ]
     else:
         return [
             f"{where} cannot be cut into pipeline stages (the built-in GPT presets, hf: Llama "
