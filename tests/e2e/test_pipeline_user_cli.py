@@ -1,6 +1,6 @@
 """`trainwise train --set parallel.pp=2` with your own module that cannot be cut: one line,
 exit status 2, no worker started (no run directory). The checks behind it, case by case:
-tests/unit/test_pipeline_user.py."""
+tests/unit/test_user_stages.py."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def test_a_module_that_cannot_be_cut_is_one_line_exit_2_and_no_worker(workdir: P
     (workdir / "flat.py").write_text(NO_BLOCKS)
     args, said = CASES[case]
     path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
-    res = run_cli("train", "--nproc", "2", "--set", "parallel.pp=2", "--set", "data.seq_len=16",
+    res = run_cli("train", "--nproc", "2", "--strategy", "ddp", "--set", "parallel.pp=2",
+                  "--set", "data.seq_len=16",
                   *args, *QUIET, cwd=workdir, timeout=hang_limit(), env={"PYTHONPATH": path})
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()

@@ -533,12 +533,6 @@ def pipeline_problems(c: JobConfig, data: JobData, accum: int) -> list[str]:
         except ModelError as err:
             return err.problems
         n_layer = len(cut.keys)
-        if LayoutRequest.of(p).auto:  # the planner's search prices stages by a GPT shape
-            return [
-                f"{where}: parallel.strategy = 'auto' lets the planner choose around the "
-                "stages, and it cannot cut your own module yet: set parallel.strategy = "
-                "'fsdp' or 'ddp' (the layout inside each stage)"
-            ]
     else:
         return [
             f"{where} cannot be cut into pipeline stages (the built-in GPT presets, hf: Llama "
@@ -555,6 +549,12 @@ def pipeline_problems(c: JobConfig, data: JobData, accum: int) -> list[str]:
             f"train.compile = true with parallel.pp_schedule = '{p.pp_schedule}': torch's "
             "zero-bubble schedules split the backward, which compiled blocks do not support; "
             "use 1F1B or Interleaved1F1B, or train.compile = false"
+        )
+    if cut is not None and LayoutRequest.of(p).auto:  # its search prices a GPT's stages
+        problems.append(
+            f"{where}: parallel.strategy = 'auto' lets the planner choose around the stages, "
+            "and it cannot cut your own module yet: set parallel.strategy = 'fsdp' or 'ddp' "
+            "(the layout inside each stage)"
         )
     if cut is not None and not problems:  # run on the meta device, stage after stage
         example = example_input(data.datasets[0])
