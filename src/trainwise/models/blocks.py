@@ -21,6 +21,9 @@ from torch import nn
 from trainwise.errors import ModelError
 from trainwise.models.shapes import GPTShape, LinearShape
 
+# The attribute names under which a module keeps its repeated blocks, in the order they are
+# looked for (nanoGPT-style: `blocks`; torchtitan's models: `layers`): FSDP units, checkpointing
+# units and the container pipeline stages are cut along (models.custom.blocks_container).
 NAMED_BLOCKS = ("blocks", "layers")
 RULE_NAMED = "the model's `{}` list"
 RULE_RUN = "the largest run of identical submodules"
@@ -44,7 +47,7 @@ def find_blocks(module: nn.Module) -> Blocks:
     """The repeated blocks of `module` by the rules above (none: an empty Blocks)."""
     for attr in NAMED_BLOCKS:
         units = getattr(module, attr, None)
-        if isinstance(units, (nn.ModuleList, nn.ModuleDict)) and len(units):
+        if isinstance(units, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and len(units):
             members = list(units.values() if isinstance(units, nn.ModuleDict) else units)
             return Blocks(tuple(members), blocks_path(module, members) or attr,
                           RULE_NAMED.format(attr))

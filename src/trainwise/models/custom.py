@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from trainwise.errors import ModelError
+from trainwise.models.blocks import NAMED_BLOCKS
 from trainwise.objects import first_line, load_callable
 
 LossFn = Callable[[Any, Any], Any]
@@ -72,3 +73,14 @@ def call_factory(
         f"{where}: the factory returned {what}; it must return an "
         "nn.Module or a tuple (nn.Module, loss_fn)"
     )
+
+
+def blocks_container(module: nn.Module) -> str | None:
+    """The name of the child holding `module`'s repeated blocks: the first of
+    NAMED_BLOCKS (models.blocks) that is a ModuleList, ModuleDict or Sequential; None when it has none.
+    What pipeline stages are cut along (models.pipeline.module_cut)."""
+    for name in NAMED_BLOCKS:
+        child = module._modules.get(name)
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            return name
+    return None

@@ -175,6 +175,8 @@ def price(
     from trainwise.plan.model.performance import model_of  # it delegates back to this module
 
     model = model or model_of(inputs)
+    if setup.dims.pp > 1 and inputs.workload.shape is None:
+        return stageless(inputs, setup, name, model)
     dims, hw = setup.dims, inputs.hardware
     w = knob_workload(inputs.workload, setup.micro_batch, setup.ac)
     gpus, tp, accum = inputs.gpus, dims.tp, setup.grad_accum
@@ -234,6 +236,25 @@ def price(
         notes=notes,
         setup=setup,
     )
+
+
+def stageless(
+    inputs: PlanInputs, setup: Setup, name: str | None, model: PerformanceModel
+) -> StrategyPlan:
+    """A pipeline layout of a model whose blocks the planner does not see (your own
+    module, priced from its parameter count): priced as the same layout without stages on
+    world / pp ranks, each holding the whole model and running all of its layers, which
+    bounds a stage's memory from above and takes pp times the step at the same GPU-hours.
+    (A stopgap until the planner cuts such a model as the runtime does.)"""
+    pp = setup.dims.pp
+    plan = price(
+        replace(inputs, gpus=inputs.gpus // pp), replace(setup, dims=replace(setup.dims, pp=1)),
+        name, None, model,
+    )
+    note = (f"the planner does not cut this model into its {pp} stages: priced as every rank "
+            "holding all of it (memory: an upper bound)")
+    return replace(plan, name=name or layout_name(setup.dims), gpus=inputs.gpus, setup=setup,
+                   notes=[*plan.notes, note])
 
 
 def rank_compute(

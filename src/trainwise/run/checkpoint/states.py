@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from trainwise.models.pipeline import stage_info
+
 MODEL, OPTIMIZER, RNG = "model", "optim", "rng"
 
 
@@ -79,7 +81,8 @@ class OptimizerState(Stateful):
         options = self._options()
         for part in self.parts:
             view = _PartView(self.optimizer, part)
-            out.update(get_optimizer_state_dict(part, view.optimizer, options=options))
+            state = get_optimizer_state_dict(part, view.optimizer, options=options)
+            out.update(_renamed(state, _copy_names(part)))
             view.write_back()  # a first save initialises the state: keep it
         return out
 
@@ -87,7 +90,9 @@ class OptimizerState(Stateful):
         options = self._options()
         for part in self.parts:
             view = _PartView(self.optimizer, part)
-            set_optimizer_state_dict(part, view.optimizer, state_dict, options=options)
+            names = {whole: own for own, whole in _copy_names(part).items()}
+            state = {**state_dict, **_renamed(state_dict, names)}
+            set_optimizer_state_dict(part, view.optimizer, state, options=options)
             view.write_back()
         _unshare(self.optimizer)
 
@@ -122,6 +127,26 @@ def written_nested(path: str | Path) -> bool:
     except Exception:  # noqa: BLE001 (unreadable: the load itself says why)
         return False
     return f"{OPTIMIZER}.param_groups.0.params" in keys
+
+
+def _copy_names(part: torch.nn.Module) -> dict[str, str]:
+    """{its name in `part`: the whole model's} of each copy a pipeline stage holds of a
+    parameter under another name (a tied head on the last stage: models.pipeline): the
+    whole model's optimizer state knows it by the first name only."""
+    info = stage_info(part)
+    ties = info.ties if info is not None else {}
+    return {own: whole for own, whole in ties.items() if own != whole}
+
+
+def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """`state` (the flat optimizer format: "state.<name>.exp_avg", "param_groups.<name>.lr")
+    with the entries of the parameters in `names` under their other name."""
+    out = {}
+    for key, value in state.items():
+        kind, _, rest = key.partition(".")
+        old = next((n for n in names if rest.startswith(n + ".")), None)
+        out[f"{kind}.{names[old]}{rest[len(old):]}" if old else key] = value
+    return out
 
 
 def _unshare(optimizer: torch.optim.Optimizer) -> None:

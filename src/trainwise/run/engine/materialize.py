@@ -100,11 +100,26 @@ def allocate(model: nn.Module, device: torch.device) -> None:
     undefined values, and rebuild computed buffers (modules with `reset_buffers`, e.g.
     rope tables). For weights about to be loaded (a pretrained model): drawing random
     values first would cost a full tensor per parameter for nothing."""
+    shared = shared_parameters(model)
     model.to_empty(device=device)
+    for first, *others in shared:  # to_empty gave each holder a Parameter of its own
+        for module, name in others:
+            setattr(module, name, getattr(*first))
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):
             reset()
+
+
+def shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The holders (module, attribute) of each parameter that several modules share (a
+    head tied to the embedding), the first as named_parameters() names it."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((module, name))
+    return [group for group in holders.values() if len(group) > 1]
 
 
 # -- the steps of a build that the runtime (run.engine.parts) and a one-process rebuild of

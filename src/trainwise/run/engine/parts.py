@@ -4,12 +4,15 @@
     (TP, AC, compile, FSDP) -> materialize or load weights
 
 One part, or this rank's pipeline stages (parallel.pp > 1: models.pipeline cuts them, as
-torchtitan's `pipeline_llm`, each keeping the whole model's parameter names), each
-parallelized on the mesh's other dims. Everything after the build (the step, the states,
+torchtitan's `pipeline_llm`, the GPT's or your own module's, each keeping the whole
+model's parameter names), each parallelized on the mesh's other dims. Everything after the build (the step, the states,
 the optimizer, evaluation, clipping, the export) takes the list.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+from fnmatch import fnmatch
 
 import torch
 from torch import nn
@@ -18,8 +21,9 @@ from trainwise.config import JobConfig
 from trainwise.config.schema import ParallelConfig
 from trainwise.models import ModelBundle
 from trainwise.models.converters import ModelConverter, adapt_tp_plan
+from trainwise.models.gpt import GPT
 from trainwise.models.gpt_parallel import gpt_tp_plan
-from trainwise.models.pipeline import rank_stages, split_gpt
+from trainwise.models.pipeline import ZERO_BUBBLE, rank_stages, split_stage, stage_layers
 from trainwise.run.engine.materialize import (
     build_unparallelized,
     convert_built,
@@ -49,6 +53,13 @@ def build_parts(
     init, added = convert_built(bundle, converters, seed)
     parts = split(bundle, cfg.parallel, mesh)
     dims = job.dims
+    if dims.pp > 1 and cfg.parallel.pp_schedule in ZERO_BUBBLE:
+        # torch's zero-bubble schedules find a stage's weights in the autograd graph by the
+        # module's parameters before FSDP's pre-backward gathers them again: resharded after
+        # forward, the weight pass misses their gradients (a pp 2 x dp 2 step's gradient
+        # norm fell to 0.76 of one process's). Kept gathered, as torchtitan keeps every
+        # pipeline stage's.
+        dims = replace(dims, reshard_after_forward=False)
     # DDP keeps a whole replica per rank and checks it at wrapping: materialise first.
     whole = not dims.fsdp and dims.tp == 1
     if bundle.init_parameter is not None and whole:
@@ -59,7 +70,7 @@ def build_parts(
     parts = [
         parallelize(
             part,
-            blocks_in(part, bundle.blocks),
+            stage_layers(part) if dims.pp > 1 else blocks_in(part, bundle.blocks),
             dims,
             device=device,
             precision=dtype,
@@ -94,13 +105,28 @@ def split(bundle: ModelBundle, parallel: ParallelConfig, mesh: JobMesh) -> list[
     schedule, virtual = parallel.pp_schedule, parallel.pp_virtual
     stages = pp * virtual
     ids = rank_stages(mesh.pp_rank, pp, virtual, schedule)
-    return [split_gpt(bundle.module, i, stages) for i in ids]
+    return [split_stage(bundle.module, i, stages) for i in ids]
 
 
 def tp_plan(bundle: ModelBundle, part: nn.Module, sp: bool, pp: int) -> list[dict[str, object]]:
-    """The tensor-parallel plan of `part`: the model's, or a pipeline stage's own (the
-    plan of the modules it holds; a stage is a GPT: models.pipeline)."""
-    return gpt_tp_plan(part, sp) if pp > 1 else bundle.tp_plan(sp)
+    """The tensor-parallel plan of `part`: the model's, or a pipeline stage's own: the
+    GPT's plan of the stage, or the entries of your model's plan that name a module the
+    stage holds (torch would warn of each other one and skip it)."""
+    if pp == 1:
+        return bundle.tp_plan(sp)
+    if isinstance(part, GPT):
+        return gpt_tp_plan(part, sp)
+    return held_plans(bundle.tp_plan(sp), part)
+
+
+def held_plans(plans: list[dict[str, object]], part: nn.Module) -> list[dict[str, object]]:
+    """`plans` less the entries whose module name (a pattern, as parallelize_module
+    matches it) names no module of `part`."""
+    names = [name for name, _ in part.named_modules()]
+    return [
+        {key: style for key, style in plan.items() if any(fnmatch(n, key) for n in names)}
+        for plan in plans
+    ]
 
 
 def blocks_in(part: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:

@@ -8,8 +8,10 @@ loss is computed on the last stage, each pipeline micro-batch's mean weighted by
 of the counted targets of its loader micro-batch (targets may be ignored: SFT prompts) and
 by 1 / grad_accum, so that the losses and gradients are the data-parallel step's: the mean
 over the loader's micro-batches of each one's mean loss. Afterwards the last stage's loss
-goes to every rank of the pipeline, a tied head's gradient is summed with the embedding's, and
-the gradient norm (clipping, the non-finite check) is completed over the pipeline.
+goes to every rank of the pipeline, a tied head's gradient is summed with the embedding's
+(each copy of a parameter the first and last stage share: models.pipeline's ties, whose
+values the step makes equal at the start), and the gradient norm (clipping, the
+non-finite check) is completed over the pipeline.
 
 Telemetry (CUDA events on GPU, host clocks on CPU): `compute` is the time inside the
 stages' forward and backward (PipelineStage's *_one_chunk calls, timed on this rank);
@@ -45,7 +47,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor
 
 from trainwise.data.shards import IGNORE
-from trainwise.models.pipeline import SINGLE_STAGE, V_SHAPED
+from trainwise.models.pipeline import SINGLE_STAGE, V_SHAPED, stage_info
 from trainwise.run.engine.materialize import plain_name
 from trainwise.run.engine.mesh import JobMesh
 from trainwise.run.engine.step import (
@@ -57,16 +59,16 @@ from trainwise.run.engine.step import (
 )
 from trainwise.run.observe.telemetry import Spans
 
-TIED = "tok_emb.weight"  # the embedding a tied head reuses (models.pipeline copies it)
 BACKWARD_ACTIONS = (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, SEND_B, RECV_B, REDUCE_GRAD)
+Copies = tuple[torch.nn.Parameter | None, torch.nn.Parameter | None]  # first stage's, last's
 TIMED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
 class PipelineStep(DataParallelStep):
     """Runs training steps through a pipeline schedule over this rank's stages (`parts`,
-    stage indices `stage_ids` of `num_stages`; `tied`: the model's head reuses its
-    embedding). Clipping, the update and the guard are the data-parallel step's, with
-    the norm completed over the pipeline."""
+    cut by models.pipeline, stage indices `stage_ids` of `num_stages`). Clipping, the
+    update and the guard are the data-parallel step's, with the norm completed over the
+    pipeline."""
 
     def __init__(
         self,
@@ -76,7 +78,6 @@ class PipelineStep(DataParallelStep):
         schedule: str,
         microbatches: int,
         mesh: JobMesh,
-        tied: bool,
         *args: Any,
         **kwargs: Any,
     ):
@@ -95,8 +96,29 @@ class PipelineStep(DataParallelStep):
         )
         self._eval_schedule: Any = None
         self._denominators = torch.ones(self.grad_accum, dtype=torch.long)  # set per step
-        # A tied head on another rank than the embedding (not in the V: both on rank 0).
-        self.tie_group = tie_group(mesh) if tied and schedule not in V_SHAPED else None
+        # Parameters the first and last stage share (a tied head): {last's name: first's}.
+        info = stage_info(parts[0])
+        self.ties = info.ties if info is not None else {}
+        # The last stage on another rank than the first (not in the V: both on rank 0).
+        self.tie_group = tie_group(mesh) if self.ties and schedule not in V_SHAPED else None
+        sync_tied_weights(self.tied_copies(parts), self.tie_group)
+
+    def tied_copies(self, parts: list[torch.nn.Module]) -> list[Copies]:
+        """For each shared parameter, this rank's copies of it: the first stage's (under
+        the whole model's name) and the last stage's (under its own), None where this
+        rank does not hold that stage."""
+        found = []
+        for alias, name in self.ties.items():
+            first = last = None
+            for part, i in zip(parts, self.stage_ids, strict=True):
+                want = name if i == 0 else alias if i == self.num_stages - 1 else None
+                held = [p for n, p in part.named_parameters() if plain_name(n) == want]
+                if held and i == 0:
+                    first = held[0]
+                elif held:
+                    last = held[0]
+            found.append((first, last))
+        return found
 
     def _stages(self, parts: list[torch.nn.Module]) -> list[PipelineStage]:
         return [
@@ -152,7 +174,7 @@ class PipelineStep(DataParallelStep):
         clock.mark("last")
         self.stage = "the pipeline's loss and tied gradients"
         loss = self._last_stage_sum(losses)
-        sync_tied_grads(parts, self.tie_group)
+        sync_tied_grads(self.tied_copies(parts), self.tie_group)
         clock.mark("sync")
         norm, finite = self.update(parts)
         clock.mark("optim")
@@ -179,8 +201,9 @@ class PipelineStep(DataParallelStep):
         """The global norm: this rank's stages', completed over the pipeline; a tied head's
         copy is the embedding's gradient again and counted once."""
         params = [
-            p for part in parts for name, p in part.named_parameters()
-            if p.grad is not None and not _head_copy(part, name)
+            p for part, i in zip(parts, self.stage_ids, strict=True)
+            for name, p in part.named_parameters()
+            if p.grad is not None and not (i == self.num_stages - 1 and plain_name(name) in self.ties)
         ]
         squared = total_grad_norm(params).float().square()
         dist.all_reduce(squared, group=self.pp_group)
@@ -251,11 +274,6 @@ def eval_schedule(schedule: str, stages: list[PipelineStage], loss_fn: Callable)
     return v
 
 
-def _head_copy(part: torch.nn.Module, name: str) -> bool:
-    """The last stage's copy of a tied embedding (the head of a stage that does not embed)."""
-    return plain_name(name) == TIED and not getattr(part, "embeds", True)
-
-
 def tie_group(mesh: JobMesh) -> dist.ProcessGroup | None:
     """The group of this rank's first- and last-stage ranks (pp coordinates 0 and pp - 1,
     the same data- and tensor-parallel coordinates), which both hold the tied embedding;
@@ -270,18 +288,34 @@ def tie_group(mesh: JobMesh) -> dist.ProcessGroup | None:
     return mine
 
 
-def sync_tied_grads(parts: list[torch.nn.Module], group: dist.ProcessGroup | None) -> None:
-    """A tied embedding's copies (first stage, last stage's head) get the sum of their
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def sync_tied_grads(copies: list[Copies], group: dist.ProcessGroup | None) -> None:
+    """Each shared parameter's copies (first stage, last stage) get the sum of their
     gradients: on this rank, then over `group` (the copies on other ranks)."""
-    copies = [
-        p for part in parts for name, p in part.named_parameters()
-        if plain_name(name) == TIED and p.grad is not None
-    ]
-    if not copies or group is None and len(copies) == 1:
-        return
-    local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in copies]
-    total = torch.stack(local).sum(0)
-    if group is not None:
-        dist.all_reduce(total, group=group)
-    for grad in local:
-        grad.copy_(total)
+    for pair in copies:
+        grads = [_local(p.grad) for p in pair if p is not None and p.grad is not None]
+        if not grads or group is None and len(grads) == 1:
+            continue
+        total = torch.stack(grads).sum(0)
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        for grad in grads:
+            grad.copy_(total)
+
+
+@torch.no_grad()
+def sync_tied_weights(copies: list[Copies], group: dist.ProcessGroup | None) -> None:
+    """Each shared parameter's last-stage copy takes the first stage's values (a model
+    built on the meta device drew the copy by its own name), sent over `group` where the
+    stages sit on different ranks: a sum to which only the first stage's rank adds."""
+    for first, last in copies:
+        if first is None and last is None or group is None and (first is None or last is None):
+            continue
+        value = _local(first).clone() if first is not None else torch.zeros_like(_local(last))
+        if group is not None:
+            dist.all_reduce(value, group=group)
+        if last is not None:
+            _local(last).copy_(value)

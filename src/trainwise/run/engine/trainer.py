@@ -95,9 +95,8 @@ def build_trainer(
     loss_fn = local_loss(bundle.loss_fn) if dims.tp > 1 else bundle.loss_fn
     hooks = post_optimizer_hooks(converters)
     if dims.pp > 1:
-        tied = bundle.shape is not None and bundle.shape.tie_embeddings
         step = build_pipeline_step(
-            cfg, job, mesh, parts, tied, dtype, device, loss_fn, optimizer, scheduler, scaler,
+            cfg, job, mesh, parts, dtype, device, loss_fn, optimizer, scheduler, scaler,
             hooks,
         )
         return Trainer(parts, mesh, optimizer, scheduler, scaler, step)
@@ -117,7 +116,6 @@ def build_pipeline_step(
     job: Job,
     mesh: JobMesh,
     parts: list[torch.nn.Module],
-    tied: bool,
     dtype: str,
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -137,7 +135,7 @@ def build_pipeline_step(
     microbatches = p.pp_microbatches or default_microbatches(cfg.data.micro_batch, job.grad_accum)
     ids = rank_stages(mesh.pp_rank, dims.pp, p.pp_virtual, p.pp_schedule)
     return PipelineStep(
-        parts, ids, dims.pp * p.pp_virtual, p.pp_schedule, microbatches, mesh, tied,
+        parts, ids, dims.pp * p.pp_virtual, p.pp_schedule, microbatches, mesh,
         loss_fn, optimizer, scheduler, scaler, autocast, job.grad_accum, cfg.train.grad_clip,
         device, after_optimizer=hooks,
     )

@@ -12,23 +12,34 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from trainwise.config import JobConfig
 from trainwise.config.parallel_dims import LayoutRequest, ParallelDims
-from trainwise.data import DataInfo, user_data_problems
-from trainwise.errors import ConfigError
+from trainwise.data import DataInfo, first_batch, user_data_problems
+from trainwise.errors import ConfigError, ModelError
 from trainwise.hardware import GB, DeviceInfo
 from trainwise.hardware.catalog import find_gpu
 from trainwise.models import (
     GPTShape,
     ModelSpec,
     base_weights_id,
+    build_model,
     count_parameters,
     lora_model_problems,
+    model_kind,
     resolve_shape,
     takes_example_ids,
     tp_model_problems,
 )
-from trainwise.models.pipeline import ZERO_BUBBLE, default_microbatches, schedule_problems
+from trainwise.models.pipeline import (
+    ZERO_BUBBLE,
+    default_microbatches,
+    example_input,
+    module_cut,
+    module_problems,
+    schedule_problems,
+)
 from trainwise.models.shapes import ModelProfile
 from trainwise.plan import (
     Decision,
@@ -267,7 +278,7 @@ def prepare_job(
             *data.datasets, micro_batch=c.data.micro_batch, grad_accum=accum,
             dp=data_parallel_size(c, world, request), evaluate=c.train.eval_every > 0,
         )
-    more += pipeline_problems(c, data.shape, accum)
+    more += pipeline_problems(c, data, accum)
     if problems + more:
         raise ConfigError(problems + more)
 
@@ -501,22 +512,35 @@ def layout_problems(c: JobConfig, world: int, local: int, device: DeviceInfo) ->
     return problems
 
 
-def pipeline_problems(c: JobConfig, shape: GPTShape | None, accum: int) -> list[str]:
+def pipeline_problems(c: JobConfig, data: JobData, accum: int) -> list[str]:
     """What keeps the job from running parallel.pp stages, one line each: a model that
-    does not split (models.pipeline cuts the built-in GPT), and the schedule's rules."""
+    does not split (models.pipeline cuts the built-in GPT, and your own module that keeps
+    its blocks as torchtitan's models do, checked on the meta device), and the schedule's
+    rules."""
     p = c.parallel
     if p.pp == 1:
         return []
-    if shape is None:
+    where = f"parallel.pp = {p.pp}: model.name = {c.model.name!r}"
+    if data.shape is not None:
+        n_layer, model, cut = data.shape.n_layer, None, None
+    elif model_kind(c.model.name) == "custom":
+        with torch.device("meta"):
+            model = build_model(data.spec).module
+        try:
+            cut = module_cut(model, where)
+        except ModelError as err:
+            return err.problems
+        n_layer = len(cut.keys)
+    else:
         return [
-            f"parallel.pp = {p.pp}: model.name = {c.model.name!r} cannot be cut into pipeline "
-            "stages (the built-in GPT presets and hf: Llama models with model.impl = "
-            "'trainwise' can): use parallel.pp = 1"
+            f"{where} cannot be cut into pipeline stages (the built-in GPT presets, hf: Llama "
+            "models with model.impl = 'trainwise' and your own module with its blocks in "
+            "`layers` or `blocks` can): use parallel.pp = 1"
         ]
     batch = c.data.micro_batch * accum
     microbatches = p.pp_microbatches or default_microbatches(c.data.micro_batch, accum)
     problems = schedule_problems(
-        p.pp_schedule, p.pp, p.pp_virtual, shape.n_layer, microbatches, batch, accum
+        p.pp_schedule, p.pp, p.pp_virtual, n_layer, microbatches, batch, accum
     )
     if c.train.compile and p.pp_schedule in ZERO_BUBBLE:
         problems.append(
@@ -524,6 +548,19 @@ def pipeline_problems(c: JobConfig, shape: GPTShape | None, accum: int) -> list[
             "zero-bubble schedules split the backward, which compiled blocks do not support; "
             "use 1F1B or Interleaved1F1B, or train.compile = false"
         )
+    if cut is not None and LayoutRequest.of(p).auto:  # its search prices a GPT's stages
+        problems.append(
+            f"{where}: parallel.strategy = 'auto' lets the planner choose around the stages, "
+            "and it cannot cut your own module yet: set parallel.strategy = 'fsdp' or 'ddp' "
+            "(the layout inside each stage)"
+        )
+    if cut is not None and not problems:  # run on the meta device, stage after stage
+        try:
+            batch = first_batch(data.datasets[0], 1)
+        except Exception:  # noqa: BLE001 (the data checks say why; nothing to run with)
+            batch = None
+        example = example_input(batch)
+        problems = module_problems(model, cut, p.pp * p.pp_virtual, example, where)
     return problems
 
 
