@@ -90,13 +90,18 @@ class ParallelDims:
     (fully_shard) or replicated by DDP; `reshard_after_forward` (FSDP's ZeRO-3 versus
     ZeRO-2) and `cpu_offload` are FSDP's options. `pp` is the number of pipeline stages
     (outermost in the mesh); `cp` is reserved: context parallelism is not supported yet
-    and must be 1."""
+    and must be 1. `ep` (expert parallelism, a Mixture-of-Experts model's) is borrowed
+    from the data-parallel ranks, as torchtitan borrows it: each group of `ep` of them
+    holds the experts split `ep` ways and exchanges tokens by all-to-all, the rest of the
+    data parallelism (dp_size / ep) replicating or sharding each slice; it adds no ranks
+    to the world."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
     fsdp: bool = False
     reshard_after_forward: bool = True
     cpu_offload: bool = False
@@ -116,6 +121,11 @@ class ParallelDims:
             problems.append("parallel.cpu_offload = true needs FSDP: use 'fsdp' or 'hsdp'")
         if not self.fsdp and self.dp_shard > 1:
             problems.append(f"parallel.dp_shard = {self.dp_shard} needs FSDP (sharding)")
+        if isinstance(self.ep, int) and self.ep > 1 and self.dp_size % self.ep:
+            problems.append(
+                f"parallel.ep = {self.ep} does not divide the {self.dp_size} data-parallel "
+                "ranks it is borrowed from (world / (tp x pp)): choose a divisor of them"
+            )
         if problems:
             raise ConfigError(problems)
 
@@ -124,11 +134,12 @@ class ParallelDims:
     def degrees(self) -> dict[str, int]:
         return {
             "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp,
-            "pp": self.pp, "cp": self.cp,
+            "pp": self.pp, "cp": self.cp, "ep": self.ep,
         }
 
     @property
     def world(self) -> int:
+        """Ranks in all (ep is borrowed from the data-parallel ones: it adds none)."""
         return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
 
     @property
@@ -164,7 +175,7 @@ class ParallelDims:
         data-parallel rank). Replicas alone there (FSDP2's replication, dp_shard 1, which
         `runnable` gives ddp under tp or pp) read as ddp: what they do. `strategy` names
         the data-parallel part only; code decides on the degrees, never on this name."""
-        if self.pp == 1 and self.tp == 1:
+        if self.pp == 1 and self.tp == 1 and self.ep == 1:
             return self.strategy
         parts = [f"pp {self.pp}"] if self.pp > 1 else []
         if self.dp_size > 1:
@@ -172,6 +183,8 @@ class ParallelDims:
             parts.append(f"{word} {self.dp_size}")
         if self.tp > 1:
             parts.append(f"tp {self.tp}")
+        if self.ep > 1:
+            parts.append(f"ep {self.ep}")
         return " x ".join(parts)
 
     @property
@@ -232,15 +245,17 @@ class ParallelDims:
         tensor-parallel or pipelined model are FSDP2's replication (dp_shard 1) on the
         same mesh, with the same memory and an all-reduce of the same bytes."""
         if (self.tp > 1 or self.pp > 1) and self.dp_replicate > 1 and not self.fsdp:
-            return ParallelDims(self.dp_replicate, 1, self.tp, self.pp, fsdp=True)
+            return ParallelDims(self.dp_replicate, 1, self.tp, self.pp, ep=self.ep, fsdp=True)
         return self
 
     def describe(self) -> str:
-        """`dp_replicate 2 x dp_shard 4 x tp 1` (`pp 4 x ...` with pipeline stages), as the
-        summary and plan.json name it."""
+        """`dp_replicate 2 x dp_shard 4 x tp 1` (`pp 4 x ...` with pipeline stages, `... x
+        ep 2` with experts split), as the summary and plan.json name it."""
         stages = f"pp {self.pp} x " if self.pp > 1 else ""
+        experts = f" x ep {self.ep}" if self.ep > 1 else ""
         return (
             f"{stages}dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x tp {self.tp}"
+            f"{experts}"
         )
 
     def config_keys(self) -> dict[str, object]:
@@ -256,6 +271,8 @@ class ParallelDims:
             keys["parallel.tp"] = self.tp
         if self.pp > 1:
             keys["parallel.pp"] = self.pp
+        if self.ep > 1:
+            keys["parallel.ep"] = self.ep
         return keys
 
     # -- from the user's words -------------------------------------------------------
@@ -271,10 +288,12 @@ class ParallelDims:
         cpu_offload: bool = False,
         tp: int = 1,
         pp: int = 1,
+        ep: int = 1,
     ) -> ParallelDims:
         """The layout of a resolved shortcut on `world` workers (`replicate`: hsdp's
-        replica groups), with `tp`-way tensor parallelism inside each data-parallel rank
-        and `pp` pipeline stages around them. With tp > 1 the data-parallel part is always
+        replica groups), with `tp`-way tensor parallelism inside each data-parallel rank,
+        `pp` pipeline stages around them and the experts split `ep` ways over the
+        data-parallel ranks. With tp > 1 the data-parallel part is always
         FSDP2 (DDP cannot hold DTensor shards): ddp becomes FSDP's replication (dp_shard =
         1) on the same mesh."""
         if world % (tp * pp):
@@ -284,9 +303,9 @@ class ParallelDims:
             )
         dp = world // (tp * pp)
         if strategy == "single":
-            return cls(tp=tp, pp=pp)
+            return cls(tp=tp, pp=pp, ep=ep)
         if strategy == "ddp":
-            return cls(dp_replicate=dp, tp=tp, pp=pp).runnable()
+            return cls(dp_replicate=dp, tp=tp, pp=pp, ep=ep).runnable()
         if strategy not in ("fsdp", "hsdp"):
             raise ConfigError(f"parallel.strategy = '{strategy}' has no layout; resolve auto first")
         groups = (replicate or 1) if strategy == "hsdp" else 1
@@ -297,7 +316,7 @@ class ParallelDims:
                 "(tp x pp)"
             )
         return cls(
-            dp_replicate=groups, dp_shard=dp // groups, tp=tp, pp=pp, fsdp=True,
+            dp_replicate=groups, dp_shard=dp // groups, tp=tp, pp=pp, ep=ep, fsdp=True,
             reshard_after_forward=shard == "full", cpu_offload=cpu_offload,
         )
 
@@ -334,11 +353,14 @@ class LayoutRequest:
     replicate: int | None = None
     dp_shard: int | None = None
     pp: int = 1
+    ep: int = 1
 
     @classmethod
     def of(cls, p: ParallelConfig) -> LayoutRequest:
         """The request of the job's parallel.* section."""
-        return cls(p.strategy, p.shard, p.cpu_offload, p.tp, p.replicate, p.dp_shard, p.pp)
+        return cls(
+            p.strategy, p.shard, p.cpu_offload, p.tp, p.replicate, p.dp_shard, p.pp, p.ep
+        )
 
     @property
     def auto(self) -> bool:
@@ -381,5 +403,5 @@ class LayoutRequest:
         groups (auto has none before the planner chooses: ConfigError)."""
         return ParallelDims.from_strategy(
             self.kind(replicate), world, replicate=replicate, shard=self.shard,
-            cpu_offload=self.cpu_offload, tp=self.tp, pp=self.pp,
+            cpu_offload=self.cpu_offload, tp=self.tp, pp=self.pp, ep=self.ep,
         )

@@ -264,6 +264,14 @@ class ParallelConfig(Section):
         "(embeddings on the first, the final norm and head on the last), outermost in the "
         "mesh, so stages may sit on different machines and exchange only activations.",
     )
+    ep: int = Field(
+        1,
+        gt=0,
+        description="Expert-parallel degree of a Mixture-of-Experts model: its experts split "
+        "this many ways over the data-parallel ranks (borrowed from them, as torchtitan does: "
+        "it must divide world / (tp x pp)), tokens sent to their experts and back by "
+        "all-to-all; 1: every rank holds every expert.",
+    )
     pp_schedule: PipelineSchedule = Field(
         "1F1B",
         description="pp > 1: torch.distributed.pipelining's schedule. GPipe (all forwards, then "

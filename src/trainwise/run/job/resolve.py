@@ -499,6 +499,11 @@ def layout_problems(c: JobConfig, world: int, local: int, device: DeviceInfo) ->
             "(pp x data-parallel x tp must be the world size): choose degrees whose product "
             "divides cluster.nproc x cluster.nodes"
         )
+    if p.ep > 1:  # models/moe brings the experts; until a model has them, nothing to split
+        problems.append(
+            f"parallel.ep = {p.ep} splits a Mixture-of-Experts model's experts, but "
+            f"model.name = {c.model.name!r} has none: use parallel.ep = 1"
+        )
     if request.single and world > 1:
         problems.append(
             f"parallel.strategy = 'single' runs one worker but cluster.nproc = {world}: "
