@@ -36,6 +36,7 @@ from trainwise.models.pipeline import (
     ZERO_BUBBLE,
     default_microbatches,
     example_input,
+    extra_inputs_problem,
     module_cut,
     module_problems,
     schedule_problems,
@@ -559,8 +560,10 @@ def pipeline_problems(c: JobConfig, data: JobData, accum: int) -> list[str]:
             batch = first_batch(data.datasets[0], 1)
         except Exception:  # noqa: BLE001 (the data checks say why; nothing to run with)
             batch = None
-        example = example_input(batch)
-        problems = module_problems(model, cut, p.pp * p.pp_virtual, example, where)
+        collate = f" with data.collate = {c.data.collate!r}" if c.data.collate else ""
+        problems = extra_inputs_problem(
+            batch, where, f"data.dataset = {c.data.dataset!r}{collate}"
+        ) or module_problems(model, cut, p.pp * p.pp_virtual, example_input(batch), where)
     return problems
 
 
