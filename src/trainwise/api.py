@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 # overrides). The CLI's flags of the same name set the same keys (a test holds it).
 PLAN_KEYWORDS = {
     "model": "model.name",
+    "data": "data.dataset",  # your own module is measured on a sample of it
+    "collate": "data.collate",
     "params": "plan.params",
     "gpus": "plan.gpus",
     "gpu": "cluster.gpu",
@@ -222,6 +224,8 @@ def plan(
     config: JobSource = None,
     *,
     model: Any = None,
+    data: Any = None,
+    collate: Callable[..., Any] | str | None = None,
     params: float | None = None,
     gpus: int | None = None,
     gpu: str | None = None,
@@ -250,10 +254,13 @@ def plan(
     time, or the fastest within the money; `calibrate`: a calibration file or a run
     directory whose measurements replace the assumptions ("none": the formulas);
     `simulate`: also measure each row's peak memory on fake tensors (imports torch);
-    `emit`: write the recommendation as a job file. Returns the record `plan --json`
-    prints. Imports no torch unless `simulate`."""
+    `emit`: write the recommendation as a job file. `model`, `data` and `collate` take
+    what train() takes: your own module is read on the meta device and measured on a
+    micro-batch of `data`. Returns the record `plan --json` prints. Imports no torch
+    unless `simulate` or your own model."""
     shortcuts = {
-        "model": model_key(model), "params": params, "gpus": gpus, "gpu": gpu,
+        "model": model_key(model), "data": data_key(data),
+        "collate": function_key(collate, "collate"), "params": params, "gpus": gpus, "gpu": gpu,
         "gpus_per_node": gpus_per_node, "strategy": strategy, "precision": precision,
         "seq": seq, "micro_batch": micro_batch, "global_batch": global_batch,
         "tokens": tokens, "objective": objective, "sweep": sweep,
