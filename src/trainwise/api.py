@@ -23,7 +23,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Union
@@ -189,6 +190,37 @@ def function_key(fn: Any, keyword: str) -> Any:
     return object_reference(fn, keyword, ConfigError, "a function")
 
 
+def _by_value_names(objects: Mapping[str, Any], keys: Mapping[str, Any]) -> dict[str, str]:
+    """How messages name the objects of a call that went by value: {"pickled:<digest>":
+    "Net (by value)"} for each keyword whose job key (`keys`) is such a reference."""
+    from trainwise.objects import is_pickled_reference
+
+    names = {}
+    for keyword, obj in objects.items():
+        key = keys.get(keyword)
+        if isinstance(key, str) and is_pickled_reference(key):
+            name = getattr(obj, "__name__", None)
+            names[key] = f"{name} (by value)" if name else f"a {type(obj).__name__} (by value)"
+    return names
+
+
+@contextmanager
+def _named_objects(names: Mapping[str, str]) -> Iterator[None]:
+    """A ConfigError raised inside names the objects sent by value as the caller knows
+    them (_by_value_names), not by the digests of their references."""
+    try:
+        yield
+    except ConfigError as err:
+        if names:
+            for reference, name in names.items():
+                err.problems = [
+                    p.replace(repr(reference), name).replace(reference, name)
+                    for p in err.problems
+                ]
+            err.args = ("\n".join(err.problems),)
+        raise
+
+
 def _is_module_instance(obj: Any) -> bool:
     """An nn.Module instance, told without importing torch."""
     return not isinstance(obj, type) and any(
@@ -266,7 +298,9 @@ def plan(
         "tokens": tokens, "objective": objective, "sweep": sweep,
     }
     spec = job_spec(config, shortcuts, PLAN_KEYWORDS, sections, overrides)
-    return plan_job(spec, deadline_hours, budget_usd, calibrate, simulate, emit)
+    objects = {"model": model, "data": data, "collate": collate}
+    with _named_objects(_by_value_names(objects, shortcuts)):
+        return plan_job(spec, deadline_hours, budget_usd, calibrate, simulate, emit)
 
 
 def plan_job(
@@ -479,7 +513,9 @@ def train(
         "run_dir": None if run_dir is None else str(run_dir), "oversubscribe": oversubscribe,
     }
     spec = job_spec(config, shortcuts, JOB_KEYWORDS, sections, overrides)
-    return train_job(spec, progress)
+    objects = {"model": model, "data": data, "collate": collate, "loss": loss}
+    with _named_objects(_by_value_names(objects, shortcuts)):
+        return train_job(spec, progress)
 
 
 def train_job(spec: JobSpec, progress: bool | None = None) -> RunResult:
@@ -667,7 +703,8 @@ def doctor(
         "nproc": nproc, "strategy": strategy, "precision": precision, "steps": steps,
         "run_dir": None if run_dir is None else str(run_dir), "oversubscribe": oversubscribe,
     }
-    return doctor_job(job_spec(config, shortcuts, JOB_KEYWORDS, sections, overrides))
+    with _named_objects(_by_value_names({"model": model}, shortcuts)):
+        return doctor_job(job_spec(config, shortcuts, JOB_KEYWORDS, sections, overrides))
 
 
 def doctor_job(spec: JobSpec) -> DoctorResult:
