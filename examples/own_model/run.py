@@ -58,7 +58,10 @@ def main() -> int:
 
     plan = trainwise.plan(JOB, model=TinyLM, data=load_data, gpus=2, gpu="cpu")
     best = plan.recommendation
-    step_ms = best.plan.step.total * 1e3 if best.plan else None
+    if not best.fits:  # the plan's questions say what would make it fit
+        print(f"plan: it does not fit: {[q.answer for q in plan.questions]}", file=sys.stderr)
+        return 1
+    step_ms = best.plan.step.total * 1e3
     print(f"plan: fits {best.fits}; {best.configuration}; step {step_ms:.1f} ms planned")
 
     half = args.steps // 2
