@@ -74,21 +74,23 @@ class Block(nn.Module):
 
 
 class UserNet(nn.Module):
-    """A small residual classifier; `ids` (the counted datasets): recorded, not used."""
+    """A small residual classifier; `ids` (the counted datasets): recorded, not used.
+    Written as docs/parallelism.md tells a user to, so that it runs in pipeline stages
+    too: the blocks in `blocks`, and a forward that skips what a stage lacks (None)."""
 
     def __init__(self, width: int = 32, depth: int = 2):
         super().__init__()
-        self.embed = nn.Linear(FEATURES, width)
+        self.embed = nn.Linear(FEATURES, width)  # the first stage's
         self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-        self.head = nn.Linear(width, CLASSES)
+        self.head = nn.Linear(width, CLASSES)  # the last stage's
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         if ids is not None and self.training:
             record(ids)
-        h = self.embed(x)
+        h = self.embed(x) if self.embed is not None else x
         for block in self.blocks:
             h = block(h)
-        return self.head(h)
+        return self.head(h) if self.head is not None else h
 
 
 def build() -> UserNet:

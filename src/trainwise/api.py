@@ -23,7 +23,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Union
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 # overrides). The CLI's flags of the same name set the same keys (a test holds it).
 PLAN_KEYWORDS = {
     "model": "model.name",
+    "data": "data.dataset",  # your own module is measured on a sample of it
+    "collate": "data.collate",
     "params": "plan.params",
     "gpus": "plan.gpus",
     "gpu": "cluster.gpu",
@@ -187,6 +190,37 @@ def function_key(fn: Any, keyword: str) -> Any:
     return object_reference(fn, keyword, ConfigError, "a function")
 
 
+def _by_value_names(objects: Mapping[str, Any], keys: Mapping[str, Any]) -> dict[str, str]:
+    """How messages name the objects of a call that went by value: {"pickled:<digest>":
+    "Net (by value)"} for each keyword whose job key (`keys`) is such a reference."""
+    from trainwise.objects import is_pickled_reference
+
+    names = {}
+    for keyword, obj in objects.items():
+        key = keys.get(keyword)
+        if isinstance(key, str) and is_pickled_reference(key):
+            name = getattr(obj, "__name__", None)
+            names[key] = f"{name} (by value)" if name else f"a {type(obj).__name__} (by value)"
+    return names
+
+
+@contextmanager
+def _named_objects(names: Mapping[str, str]) -> Iterator[None]:
+    """A ConfigError raised inside names the objects sent by value as the caller knows
+    them (_by_value_names), not by the digests of their references."""
+    try:
+        yield
+    except ConfigError as err:
+        if names:
+            for reference, name in names.items():
+                err.problems = [
+                    p.replace(repr(reference), name).replace(reference, name)
+                    for p in err.problems
+                ]
+            err.args = ("\n".join(err.problems),)
+        raise
+
+
 def _is_module_instance(obj: Any) -> bool:
     """An nn.Module instance, told without importing torch."""
     return not isinstance(obj, type) and any(
@@ -222,6 +256,8 @@ def plan(
     config: JobSource = None,
     *,
     model: Any = None,
+    data: Any = None,
+    collate: Callable[..., Any] | str | None = None,
     params: float | None = None,
     gpus: int | None = None,
     gpu: str | None = None,
@@ -250,16 +286,21 @@ def plan(
     time, or the fastest within the money; `calibrate`: a calibration file or a run
     directory whose measurements replace the assumptions ("none": the formulas);
     `simulate`: also measure each row's peak memory on fake tensors (imports torch);
-    `emit`: write the recommendation as a job file. Returns the record `plan --json`
-    prints. Imports no torch unless `simulate`."""
+    `emit`: write the recommendation as a job file. `model`, `data` and `collate` take
+    what train() takes: your own module is read on the meta device and measured on a
+    micro-batch of `data`. Returns the record `plan --json` prints. Imports no torch
+    unless `simulate` or your own model."""
     shortcuts = {
-        "model": model_key(model), "params": params, "gpus": gpus, "gpu": gpu,
+        "model": model_key(model), "data": data_key(data),
+        "collate": function_key(collate, "collate"), "params": params, "gpus": gpus, "gpu": gpu,
         "gpus_per_node": gpus_per_node, "strategy": strategy, "precision": precision,
         "seq": seq, "micro_batch": micro_batch, "global_batch": global_batch,
         "tokens": tokens, "objective": objective, "sweep": sweep,
     }
     spec = job_spec(config, shortcuts, PLAN_KEYWORDS, sections, overrides)
-    return plan_job(spec, deadline_hours, budget_usd, calibrate, simulate, emit)
+    objects = {"model": model, "data": data, "collate": collate}
+    with _named_objects(_by_value_names(objects, shortcuts)):
+        return plan_job(spec, deadline_hours, budget_usd, calibrate, simulate, emit)
 
 
 def plan_job(
@@ -472,7 +513,9 @@ def train(
         "run_dir": None if run_dir is None else str(run_dir), "oversubscribe": oversubscribe,
     }
     spec = job_spec(config, shortcuts, JOB_KEYWORDS, sections, overrides)
-    return train_job(spec, progress)
+    objects = {"model": model, "data": data, "collate": collate, "loss": loss}
+    with _named_objects(_by_value_names(objects, shortcuts)):
+        return train_job(spec, progress)
 
 
 def train_job(spec: JobSpec, progress: bool | None = None) -> RunResult:
@@ -660,7 +703,8 @@ def doctor(
         "nproc": nproc, "strategy": strategy, "precision": precision, "steps": steps,
         "run_dir": None if run_dir is None else str(run_dir), "oversubscribe": oversubscribe,
     }
-    return doctor_job(job_spec(config, shortcuts, JOB_KEYWORDS, sections, overrides))
+    with _named_objects(_by_value_names({"model": model}, shortcuts)):
+        return doctor_job(job_spec(config, shortcuts, JOB_KEYWORDS, sections, overrides))
 
 
 def doctor_job(spec: JobSpec) -> DoctorResult:

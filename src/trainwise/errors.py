@@ -31,6 +31,12 @@ class DataError(ConfigError):
     """A dataset name or file that cannot be read as configured."""
 
 
+def joined(before: list[str], err: ConfigError) -> ConfigError:
+    """The problems found before `err` and its own, to raise at once: `err` itself when
+    it has them all (a DataError stays one), else a ConfigError of them all."""
+    return err if not before else ConfigError(before + err.problems)
+
+
 class LaunchError(TrainwiseError):
     """A worker failed; the message names the rank, the exit code and the error.
     `run_dir` is the run it ended (set by the launcher), for a report of what it recorded;

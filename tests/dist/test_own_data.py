@@ -3,15 +3,17 @@
 files (map-style) and on the same files streamed (an IterableDatasetDict). Real gloo
 runs through `trainwise train`:
 
-- every layout gives the losses of one process (fp32, relative 1e-5), held-out loss too;
+- every layout (ddp, fsdp, pp 2) gives the losses of one process (fp32, relative 1e-5),
+  held-out loss too;
 - a worker killed (SIGKILL) mid-run: the run resumes and ends bit-identical to the run left
   alone, the data position included (the stream's own state, restored);
 - a run continued on 1 worker after 2 trains on every sample once: the model writes down
   the id of each sample it trains on, and none is missing or repeated.
 
 One module fixture runs each dataset under each layout of LAYOUTS (two launches at a
-time); its ddp runs are the uninterrupted references of the kill tests. A new layout (a
-pipeline of the user's module, say) is one more entry of LAYOUTS.
+time); its ddp runs are the uninterrupted references of the kill tests. A new layout is one
+more entry of LAYOUTS: pp 2 is one (the user's module, written as docs/parallelism.md
+tells, cut into two stages, one a worker).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ LAYOUTS = {
     "single": Layout(1, "single", 16, "single"),
     "ddp": Layout(2, "ddp", 8, "ddp"),
     "fsdp": Layout(2, "fsdp", 8, "fsdp", ("parallel.shard=full",)),
+    # Two stages of the user's module (its embed + block 0, then block 1 + head), one a
+    # worker; the layout inside them is set (auto is refused for a user's module in stages).
+    "pp": Layout(2, "ddp", 16, "pp 2", ("parallel.pp=2",)),
 }
 DATASETS = {"hf": "user_job:hf_data", "stream": "user_job:hf_stream"}
 RUNS = [(data, layout) for data in DATASETS for layout in LAYOUTS]

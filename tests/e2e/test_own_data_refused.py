@@ -1,5 +1,7 @@
-"""Your own dataset gone wrong, as a user meets it at the command line: one line naming
-the object and the fix, exit status 2, and no worker started (no run directory)."""
+"""Your own model and dataset gone wrong, as a user meets them at the command line (one
+line naming the object and the fix, exit status 2) and from Python (a typed ConfigError:
+a ModelError or a DataError, of one line); either way no worker started (no run
+directory)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
+import own_models
+import trainwise
 import user_job
 from helpers import QUIET, hang_limit, run_cli
+from trainwise.errors import DataError, ModelError
 
 pytestmark = pytest.mark.e2e
 
@@ -42,4 +47,51 @@ def test_bad_data_stops_before_any_worker_in_one_line(tmp_path: Path, keys, word
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("trainwise: error: "), proc.stderr
     assert words in lines[0]
+    assert not (tmp_path / "run").exists()  # no run files, no event: nothing started
+
+
+def _broken_factory():  # given as an object no import path names: it goes by value
+    def broken():
+        raise RuntimeError("the weights file is gone")
+
+    return broken
+
+
+@pytest.mark.parametrize(
+    ("given", "error", "words"),
+    [
+        ({"model": own_models.raises}, ModelError,
+         "model.name = 'own_models:raises': the factory raised RuntimeError: checkpoint file "
+         "missing; fix the factory"),
+        ({"model": _broken_factory()}, ModelError,
+         "model.name = broken (by value): the factory raised RuntimeError: the weights file "
+         "is gone"),
+        ({"data": user_job.raises}, DataError,
+         "data.dataset = 'user_job:raises': calling it raised RuntimeError: the bucket is not "
+         "mounted; fix the function"),
+        ({"data": user_job.strings}, DataError,  # an instance: by value
+         "data.dataset = a Strings (by value) yields str samples; the step needs tensors"),
+        ({"collate": user_job.no_tensors}, DataError,
+         "data.collate = 'user_job:no_tensors' makes dict batches with keys ['labels', 'x'] "
+         "whose 'labels' is a list"),
+        ({"data": user_job.too_short}, DataError,
+         "data.dataset = 'user_job:too_short' has 8 samples, fewer than one global batch of "
+         "16"),
+    ],
+    ids=["factory-raises", "factory-by-value-raises", "dataset-raises", "wrong-type",
+         "collate-without-tensors", "shorter-than-a-global-batch"],
+)
+@pytest.mark.timeout(hang_limit())
+def test_bad_input_from_python_is_a_typed_error_before_any_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given, error, words
+):
+    monkeypatch.chdir(tmp_path)
+    job = {"model": user_job.build, "data": user_job.map_data, **given}
+    with pytest.raises(error) as err:
+        trainwise.train(
+            **job, nproc=2, strategy="ddp", steps=2, run_dir=tmp_path / "run", progress=False,
+            oversubscribe=True, overrides={"data.micro_batch": 8, "data.val_fraction": 0.2},
+        )
+    (line,) = err.value.problems
+    assert words in line and "\n" not in str(err.value)
     assert not (tmp_path / "run").exists()  # no run files, no event: nothing started

@@ -13,7 +13,7 @@ from helpers import QUIET, hang_limit, run_cli
 
 pytestmark = pytest.mark.e2e
 
-TESTS = Path(__file__).parents[1]  # user_lm.py
+TESTS = Path(__file__).parents[1]  # user_lm.py, user_job.py
 NO_BLOCKS = """
 from torch import nn
 
@@ -27,6 +27,10 @@ CASES = {
     "stages do not divide the blocks": (
         ["--model", "user_lm:build", "--set", "model.kwargs={n_blocks = 3}"],
         "divide neither the model's 3 layers nor 3 + 2"),
+    "more inputs than one": (
+        ["--model", "user_job:build", "--set", "data.dataset=user_job:map_counted",
+         "--set", "data.micro_batch=8"],
+        "the batches of data.dataset = 'user_job:map_counted' give the model 1 more input(s)"),
 }
 
 

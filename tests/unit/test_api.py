@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+import own_models
 import trainwise
+import user_job
 from helpers import cli_env
 from trainwise.api import JOB_KEYWORDS, PLAN_KEYWORDS, JobSpec, job_spec
 from trainwise.cli.main import main
@@ -93,7 +95,14 @@ def test_import_and_a_presets_plan_import_no_torch():
          {"model": "llama-13b", "gpus": 32, "gpu": "A100-80GB", "sweep": "8..64"}),
         (["--gpus", "16", "--set", "lora.rank=8", "--set", "plan.max_pp=2"],
          {"gpus": 16, "lora": {"rank": 8}, "overrides": {"plan.max_pp": 2}}),
+        # Your own module: a GPT of the tests' own (priced as its shape), given as the
+        # function; a classifier priced by its blocks and a sample of its own dataset.
+        (["--model", "own_models:llama_small", "--seq", "256", "--gpus", "2"],
+         {"model": own_models.llama_small, "seq": 256, "gpus": 2}),
+        (["--model", "user_job:build", "--gpus", "2", "--set", "data.dataset=user_job:map_data"],
+         {"model": user_job.build, "data": user_job.map_data, "gpus": 2}),
     ],
+    ids=["preset", "sections", "own-gpt", "own-classifier"],
 )
 def test_plan_json_is_the_record_the_api_returns(capsys, flags, keywords):
     assert main(["plan", "--json", *flags]) == 0

@@ -68,6 +68,46 @@ def test_a_module_shaped_like_a_preset_is_planned_as_the_preset(factory, preset,
     assert chosen.dims.tp == chosen.dims.pp == 1
 
 
+class SmallLlama(own_models.Llama):
+    """The `small` preset's shape as a class of the test's own, built without arguments."""
+
+    def __init__(self):
+        super().__init__(256, 256, 6, 8, 4, 1024, tied=True)
+
+
+def _class_in_a_function() -> type:
+    class InAFunction(own_models.Llama):  # no import path names it: by value
+        def __init__(self):
+            super().__init__(256, 256, 6, 8, 4, 1024, tied=True)
+
+    return InAFunction
+
+
+@pytest.mark.parametrize(
+    "model", [own_models.llama_small, SmallLlama, _class_in_a_function()],
+    ids=["factory", "class", "class-by-value"],
+)
+def test_plan_from_python_prices_a_module_shaped_like_a_preset_as_the_preset(model):
+    """trainwise.plan(model=...) with the object itself: every row and the choice within
+    1 % of the preset's."""
+    import trainwise
+
+    mine = trainwise.plan(model=model, seq=256, gpus=2)
+    theirs = trainwise.plan(model="small", seq=256, gpus=2)
+    if model.__qualname__.startswith("_class_in_a_function"):
+        assert mine.inputs.model.startswith("pickled:")
+    assert mine.inputs.params == theirs.inputs.params
+    rows = {s.name: s for s in theirs.strategies}
+    assert {s.name for s in mine.strategies} == set(rows)
+    for s in mine.strategies:
+        assert close(s.memory_per_gpu.total, rows[s.name].memory_per_gpu.total), s.name
+        assert close(s.step.total, rows[s.name].step.total), s.name
+    chosen, preset = mine.recommendation, theirs.recommendation
+    assert chosen.configuration == preset.configuration
+    assert close(chosen.plan.memory_per_gpu.total, preset.plan.memory_per_gpu.total)
+    assert close(chosen.plan.step.total, preset.plan.step.total)
+
+
 def test_a_module_that_cannot_be_split_is_not_planned_with_tp_or_stages():
     profile = profile_model("own_models:llama_7b", seq_len=4096)
     keys = {"model.name": "own_models:llama_7b", "plan.max_pp": 8, "plan.gpus": 64}

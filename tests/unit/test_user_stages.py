@@ -311,9 +311,25 @@ def test_auto_is_refused_until_the_planner_cuts_your_module():
     assert "parallel.strategy = 'auto'" in problem and "set parallel.strategy = 'fsdp'" in problem
 
 
+def test_a_batch_with_more_inputs_than_one_is_refused_in_stages():
+    """The counted dataset hands the model its samples' ids beside the input: in stages
+    they could reach the first stage alone."""
+    (problem,) = _problems("user_job:build", "data.dataset='user_job:map_counted'",
+                           "data.global_batch=4")
+    assert problem.startswith("parallel.pp = 2: model.name = 'user_job:build'")
+    assert "data.dataset = 'user_job:map_counted' give the model 1 more input(s)" in problem
+    assert problem.endswith("or use parallel.pp = 1")
+
+
 def test_a_module_that_follows_the_convention_is_accepted():
     cfg = load_config(overrides=[
         "model.name='user_lm:build'", "model.kwargs={tie = true}", "data.seq_len=16",
         "parallel.pp=2", "parallel.strategy='ddp'", "data.micro_batch=4",
+    ])
+    assert prepare_job(cfg, 2, CPU, 2).dims.pp == 2
+    # The tests' own classifier on its own data (tests/user_job.py), two inputs no more.
+    cfg = load_config(overrides=[
+        "model.name='user_job:build'", "data.dataset='user_job:map_data'", "parallel.pp=2",
+        "parallel.strategy='ddp'", "data.micro_batch=8", "data.global_batch=8",
     ])
     assert prepare_job(cfg, 2, CPU, 2).dims.pp == 2

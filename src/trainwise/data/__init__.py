@@ -28,7 +28,7 @@ from trainwise.data.synthetic import build_synthetic_corpus, synthetic_entropy_r
 from trainwise.data.tokens import open_token_file, token_vocab_size, write_token_file
 from trainwise.data.user import UserData, first_batch, user_data_problems
 from trainwise.errors import DataError
-from trainwise.objects import is_import_path
+from trainwise.objects import is_object_reference
 
 __all__ = [
     "DATASET_NAMES",
@@ -174,7 +174,7 @@ def build_datasets(
     `trainwise data prepare` wrote (its vocabulary is the tokenizer's). digits: sklearn's
     digits, split with a seeded shuffle; seq_len is unused.
     """
-    if is_import_path(name):
+    if is_object_reference(name):  # an import path, or an object by value
         return _user_datasets(name, collate, val_fraction, num_workers)
     if name == "synthetic":
         corpus = build_synthetic_corpus(synthetic_tokens, vocab_size, seed)

@@ -107,7 +107,8 @@ def not_lora(where: Path) -> str:
     """The one line for --format peft on a run that trained every parameter."""
     return (
         f"--format peft: {where} trained every parameter (lora.rank = 0), so it has no "
-        "adapters to export; use --format hf (or safetensors) for its weights"
+        "adapters to export; use --format safetensors for its weights (or hf, for a "
+        "Hugging Face model or a Llama-style preset)"
     )
 
 

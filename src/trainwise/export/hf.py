@@ -51,6 +51,12 @@ def hf_target(spec: ModelSpec, sizes: dict[str, tuple[int, ...]]) -> tuple[dict,
         if emb is not None:  # the data may have set the vocabulary
             config["vocab_size"] = emb[0]
         return config, lambda name: name.removeprefix("model.")
+    if kind == "custom":
+        raise ConfigError(
+            f"export --format hf: model.name = {spec.name!r} is a module of your own, which "
+            "transformers cannot build from a config.json: use --format safetensors (one "
+            "file of its state dict, which your module's load_state_dict takes)"
+        )
     shape = resolve_shape(spec) if kind in ("preset", "hf") else None
     if shape is None:
         raise ConfigError(

@@ -301,6 +301,23 @@ def example_input(batch: Any) -> Any:
     return first if isinstance(first, torch.Tensor) else None
 
 
+def extra_inputs_problem(batch: Any, where: str, source: str) -> list[str]:
+    """A batch that gives your own module more inputs than one ((input, target, *more):
+    `model(input, *more)`, a dict batch's attention mask, say): refused in stages, one
+    line. A stage after the first takes only what the one before it returns, so `more`
+    could reach the first stage alone (the GPT's packed-example ids go to every stage by a
+    keyword of its own, which your module has not)."""
+    more = len(batch) - 2 if isinstance(batch, (tuple, list)) else 0
+    if more <= 0:
+        return []
+    return [
+        f"{where}: the batches of {source} give the model {more} more input(s) beside its "
+        "input and target, and a stage after the first takes only what the one before it "
+        "returns: give the model one input (fold the others into it in data.collate, or "
+        "leave them out), or use parallel.pp = 1"
+    ]
+
+
 def module_problems(
     model: nn.Module, cut: ModuleCut, stages: int, example: Any, where: str
 ) -> list[str]:

@@ -149,13 +149,15 @@ class PipelineStep(DataParallelStep):
         return loss * float("nan") if self.poison else loss  # a fault injected by a test
 
     def _targets(self, y: torch.Tensor) -> torch.Tensor:
-        """The targets with each sample's loader micro-batch beside them ([B, T, 2]), and
-        the denominators of _loss: each loader micro-batch's counted targets x grad_accum."""
+        """The targets with each sample's loader micro-batch beside them ([B, T, 2] for
+        tokens, [B, 2] for a class a sample: any target shape), and the denominators of
+        _loss: each loader micro-batch's counted targets x grad_accum."""
         accum = self.grad_accum
         counted = (y != IGNORE).reshape(accum, -1).sum(1)
         self._denominators = counted * accum
         loader_batch = torch.arange(accum, device=y.device).repeat_interleave(len(y) // accum)
-        return torch.stack([y, loader_batch[:, None].expand_as(y)], dim=-1)
+        per_sample = loader_batch.view(-1, *[1] * (y.dim() - 1)).expand_as(y)
+        return torch.stack([y, per_sample], dim=-1)
 
     def step(
         self, parts: list[torch.nn.Module], batches: Iterator[Batch], probe: bool

@@ -17,7 +17,7 @@ import torch
 from trainwise.config import JobConfig
 from trainwise.config.parallel_dims import LayoutRequest, ParallelDims
 from trainwise.data import DataInfo, first_batch, user_data_problems
-from trainwise.errors import ConfigError, ModelError
+from trainwise.errors import ConfigError, DataError, ModelError, joined
 from trainwise.hardware import GB, DeviceInfo
 from trainwise.hardware.catalog import find_gpu
 from trainwise.models import (
@@ -36,6 +36,7 @@ from trainwise.models.pipeline import (
     ZERO_BUBBLE,
     default_microbatches,
     example_input,
+    extra_inputs_problem,
     module_cut,
     module_problems,
     schedule_problems,
@@ -273,14 +274,15 @@ def prepare_job(
     problems += tp_model_problems(data.spec, c.parallel.tp, c.data.seq_len, sequence_parallel(c))
     problems += lora_model_problems(data.spec, c.lora)
     accum, more = batch_problems(c, world, local, request, data.info)
+    bad_data = []
     if data.info.task == "custom":  # your own dataset: read one global batch of it
-        more += user_data_problems(
+        bad_data = user_data_problems(
             *data.datasets, micro_batch=c.data.micro_batch, grad_accum=accum,
             dp=data_parallel_size(c, world, request), evaluate=c.train.eval_every > 0,
         )
-    more += pipeline_problems(c, data, accum)
-    if problems + more:
-        raise ConfigError(problems + more)
+    more += bad_data + pipeline_problems(c, data, accum)
+    if problems + more:  # the data's problems alone: a DataError
+        raise (DataError if more == bad_data and not problems else ConfigError)(problems + more)
 
     workload = config_workload(c, data.params, data.shape, profile=data.profile)
     device_bytes = device_budget(c, device, local)
@@ -377,7 +379,7 @@ def data_and_model(c: JobConfig, problems: list[str]) -> JobData:
     try:
         train_ds, val_ds, info = job_datasets(c)
     except ConfigError as err:
-        raise ConfigError(problems + err.problems) from None
+        raise joined(problems, err) from None
     spec = job_spec(c, info)
     if c.model.vocab_size and info.vocab_size and c.model.vocab_size < info.vocab_size:
         problems.append(
@@ -398,7 +400,7 @@ def data_and_model(c: JobConfig, problems: list[str]) -> JobData:
         profile = None if shape is not None else job_profile(c, spec, train_ds)
         params = profile.params if profile is not None else count_parameters(spec)
     except ConfigError as err:
-        raise ConfigError(problems + err.problems) from None
+        raise joined(problems, err) from None
     return JobData((train_ds, val_ds), info, spec, params, shape, profile)
 
 
@@ -564,8 +566,10 @@ def pipeline_problems(c: JobConfig, data: JobData, accum: int) -> list[str]:
             batch = first_batch(data.datasets[0], 1)
         except Exception:  # noqa: BLE001 (the data checks say why; nothing to run with)
             batch = None
-        example = example_input(batch)
-        problems = module_problems(model, cut, p.pp * p.pp_virtual, example, where)
+        collate = f" with data.collate = {c.data.collate!r}" if c.data.collate else ""
+        problems = extra_inputs_problem(
+            batch, where, f"data.dataset = {c.data.dataset!r}{collate}"
+        ) or module_problems(model, cut, p.pp * p.pp_virtual, example_input(batch), where)
     return problems
 
 
