@@ -179,7 +179,7 @@ class Training:
     def train_step(self) -> StepResult:
         self.stage = "the training step"
         if self.watchdog:
-            self.watchdog.arm()  # re-armed each step: it fires on a step that outlasts timeout_s
+            self.watchdog.arm()  # it fires on a step that runs about as long as timeout_s
         self.faults.before_step(self.step, until=self.stopping)
         self.profiler.before_step(self.step)
         self.trainer.step.poison = self.faults.poisons(self.step)
@@ -254,7 +254,8 @@ class Training:
         self.log.error("trainwise: %s", line)
         trace = "".join(traceback.format_exception(err))  # kept for a post-mortem
         stuck = self.watchdog.stacks() if self.watchdog else ""
-        dump = write_hang_dump(self.run_dir, self.env.rank, line, trace, stuck, timeout)
+        after = self.watchdog.taken_after() if self.watchdog else timeout
+        dump = write_hang_dump(self.run_dir, self.env.rank, line, trace, stuck, after)
         append_event(
             self.run_dir, "peer_failure", **asdict(failure), message=line, traceback=trace,
             dump=str(dump.relative_to(self.run_dir)),
