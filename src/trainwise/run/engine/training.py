@@ -64,7 +64,8 @@ class Training:
         self.distributed = dist.is_initialized()
         # Under a launcher, the launcher says what a second signal did (once, not per rank).
         self.control = Control(
-            self.distributed, cfg.parallel.timeout_s, announce_second=this_launch() is None
+            self.distributed, cfg.parallel.timeout_s, announce_second=this_launch() is None,
+            every=cfg.logging.flush_every,
         )
         # Kept idle for diagnosis: after a failed collective the survivors meet here to
         # find which ranks are missing (the default group may be wedged by then).
@@ -228,7 +229,7 @@ class Training:
         if self.env.is_main and ckpt.wanted(step):
             self.control.request_save()
         self.stage = "the exchange of control flags"
-        stop, save_now = self.control.exchange()
+        stop, save_now = self.control.exchange(step)
         if not (stop or save_now or ckpt.due(step)) or not (ckpt.cfg.enabled or stop):
             return stop, 0.0
         self.stage = "the metrics reduction"
