@@ -5,6 +5,7 @@ the components are built once in `Training.__init__`."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -89,6 +90,10 @@ class Training:
         """Train to train.steps (or a stop signal); the summary on rank 0."""
         self.resume()
         self.control.install()
+        # What is built by now lives as long as the run: out of the collector's sight, so
+        # that a full collection (a checkpoint save's garbage sets one off) walks only what
+        # the loop made since, not torch's and the job's 300,000 objects (0.6 s on 2 cores).
+        gc.freeze()
         failed = False
         try:
             while self.step < self.cfg.train.steps:
@@ -116,6 +121,7 @@ class Training:
                 raise
             self.on_peer_failure(err)
         finally:
+            gc.unfreeze()
             if self.watchdog:
                 self.watchdog.disarm()
             if failed:
