@@ -99,6 +99,7 @@ class PipelineStep(DataParallelStep):
         self._denominators = torch.ones(self.grad_accum, dtype=torch.long)  # set per step
         # A tied head on another rank than the embedding (not in the V: both on rank 0).
         self.tie_group = tie_group(mesh) if tied and schedule not in V_SHAPED else None
+        self._tied: list[torch.Tensor] | None = None  # this rank's copies of it
 
     def _stages(self, parts: list[torch.nn.Module]) -> list[PipelineStage]:
         return [
@@ -154,7 +155,9 @@ class PipelineStep(DataParallelStep):
         clock.mark("last")
         self.stage = "the pipeline's tied gradients"
         loss = self._loss_part(losses)
-        sync_tied_grads(parts, self.tie_group)
+        if self._tied is None:  # found once: the parts keep their parameters
+            self._tied = tied_copies(parts)
+        sync_tied_grads(self._tied, self.tie_group)
         clock.mark("sync")
         norm, finite = self.update(parts)
         clock.mark("optim")
@@ -282,13 +285,15 @@ def tie_group(mesh: JobMesh) -> dist.ProcessGroup | None:
     return mine
 
 
-def sync_tied_grads(parts: list[torch.nn.Module], group: dist.ProcessGroup | None) -> None:
-    """A tied embedding's copies (first stage, last stage's head) get the sum of their
-    gradients: on this rank, then over `group` (the copies on other ranks)."""
-    copies = [
-        p for part in parts for name, p in part.named_parameters()
-        if plain_name(name) == TIED and p.grad is not None
-    ]
+def tied_copies(parts: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """This rank's copies of a tied embedding (first stage, last stage's head)."""
+    return [p for part in parts for name, p in part.named_parameters() if plain_name(name) == TIED]
+
+
+def sync_tied_grads(tied: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """A tied embedding's copies (`tied`: tied_copies) get the sum of their gradients: on
+    this rank, then over `group` (the copies on other ranks)."""
+    copies = [p for p in tied if p.grad is not None]
     if not copies or group is None and len(copies) == 1:
         return
     local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in copies]
