@@ -1,13 +1,17 @@
 """Overhead of trainwise against a minimal hand-written torchrun loop, side by side.
 
-For each strategy (ddp, fsdp) it runs, in alternating order round after round (so that
-drift of the machine falls on both alike):
+For each model (the tiny preset and the ~6M-parameter `small`) and layout (ddp, fsdp,
+tp 2, pp 2) it runs, in alternating order round after round (so that drift of the
+machine falls on both alike):
 
 - `trainwise train` with its defaults (telemetry every step, the loss averaged over
-  ranks, probe steps, TensorBoard, progress lines) except evaluation, which is off
-  because the raw loop has none;
+  ranks every logging.flush_every steps, probe steps, TensorBoard, progress lines, the
+  stop/save agreement, the hang watchdog, the non-finite guard) except evaluation and
+  mid-run checkpoints, which are off because the raw loop has neither (the final save
+  comes after the timed window);
 - `bench/raw_loop.py` under `python -m torch.distributed.run`: the same model, data,
-  optimizer, schedule, clipping and DDP / FSDP2 wrapping, with nothing else in the loop.
+  optimizer, schedule, clipping and DDP / FSDP2 / DTensor TP / pipelining stages, with
+  nothing else in the loop.
 
 Both get the same number of workers, micro batch, steps, fp32, and OMP_NUM_THREADS=1.
 Throughput is steady state: the tokens of the steps after the warm-up step W, over the
@@ -15,14 +19,16 @@ wall time from the end of step W to the end of the last step (trainwise: `elapse
 metrics.jsonl, which includes everything its loop does between steps; raw: rank 0's
 perf_counter at the end of each step). Process start-up, data building and wrapping are
 outside the window for both. It prints the median tokens/s of each, their min-max, and
-the ratio trainwise / raw per strategy (target >= 0.97).
+the ratio trainwise / raw per model and layout against its target (1.0 for ddp and
+fsdp, 0.97 for tp and pp).
 
-    .venv/bin/python bench/overhead.py            # 150 steps, 3 rounds, ddp and fsdp
+    .venv/bin/python bench/overhead.py            # 3 rounds, both models, all layouts
     .venv/bin/python bench/overhead.py --quick    # 40 steps, 1 round: a smoke run
 
-Not part of `make test`: it takes minutes and its figures depend on the machine. It exits
-1 when the two loops end at different losses (they would not be doing the same work);
-`--strategies ddp --steps 6 --warmup 2 --rounds 1` is the quickest check of that.
+Not part of `make test`: it takes about 20 minutes on a quiet 2-core machine and its
+figures depend on the machine. It exits 1 when a pair of loops ends at different losses
+(they would not be doing the same work); `--models tiny --layouts ddp --steps 6 --warmup
+2 --rounds 1` is the quickest check of that.
 """
 
 from __future__ import annotations
@@ -40,14 +46,28 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 RAW_LOOP = Path(__file__).resolve().with_name("raw_loop.py")
-TARGET = 0.97
 SYSTEMS = ("trainwise", "raw")
+# trainwise / raw to reach: the data-parallel loops have nothing to add to a step; tensor
+# and pipeline parallelism leave the framework a little (DTensor's and the schedule's).
+TARGETS = {"ddp": 1.0, "fsdp": 1.0, "tp": 0.97, "pp": 0.97}
+# trainwise's flags of each layout (2 workers: tp and pp leave no data parallelism).
+LAYOUT_FLAGS = {
+    "ddp": ("--strategy", "ddp"),
+    "fsdp": ("--strategy", "fsdp"),
+    "tp": ("--set", "parallel.tp=2"),
+    "pp": ("--set", "parallel.pp=2"),
+}
+# Per model: (micro batch, steps). A window of 100+ steps holds one steady probe (step 100,
+# logging.probe_every) as a long run holds one per 100 steps; small's micro batch keeps its
+# step near half a second on 2 cores.
+MODELS = {"tiny": (16, 150), "small": (4, 110)}
 
 
 @dataclass
 class Run:
     system: str
-    strategy: str
+    model: str
+    layout: str
     round: int
     tokens_per_s: float
     ms_per_step: float  # steady-state wall time per step
@@ -64,12 +84,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="trainwise vs a minimal torchrun loop: steady-state tokens/s ratio."
     )
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 150)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps (default per model: tiny 150, small 110)")
     p.add_argument("--rounds", type=int, default=None, help="runs of each (default 3)")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the window")
-    p.add_argument("--strategies", default="ddp,fsdp", help="comma-separated: ddp, fsdp")
+    p.add_argument("--models", default="tiny,small", help="comma-separated: tiny, small")
+    p.add_argument("--layouts", default="ddp,fsdp,tp,pp",
+                   help="comma-separated: ddp, fsdp, tp (tp 2), pp (pp 2)")
     p.add_argument("--nproc", type=int, default=2, help="workers per run")
-    p.add_argument("--micro-batch", type=int, default=16, help="samples per worker per step")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="samples per data-parallel rank per step (default per model)")
     p.add_argument("--quick", action="store_true", help="40 steps, 1 round (smoke run)")
     p.add_argument(
         "--set",
@@ -81,15 +105,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
-    args.steps = args.steps or (40 if args.quick else 150)
+    args.steps = args.steps or (40 if args.quick else None)
     args.rounds = args.rounds or (1 if args.quick else 3)
-    args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    bad = [s for s in args.strategies if s not in ("ddp", "fsdp")]
-    if bad:
-        p.error(f"--strategies: unknown {', '.join(bad)}; choose among ddp, fsdp")
-    if not 1 <= args.warmup < args.steps - 1:
+    args.models = _choices(p, "--models", args.models, MODELS)
+    args.layouts = _choices(p, "--layouts", args.layouts, LAYOUT_FLAGS)
+    if args.nproc != 2 and {"tp", "pp"} & set(args.layouts):
+        p.error("--layouts tp and pp run on exactly 2 workers (--nproc 2)")
+    shortest = min(steps_of(args, m) for m in args.models)
+    if not 1 <= args.warmup < shortest - 1:
         p.error(f"--warmup {args.warmup} must be >= 1 and leave steps to time (--steps)")
     return args
+
+
+def _choices(p: argparse.ArgumentParser, flag: str, text: str, known: dict) -> list[str]:
+    chosen = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in chosen if s not in known]
+    if bad or not chosen:
+        p.error(f"{flag}: unknown {', '.join(bad) or 'nothing'}; choose among {', '.join(known)}")
+    return chosen
+
+
+def steps_of(args: argparse.Namespace, model: str) -> int:
+    return args.steps or MODELS[model][1]
+
+
+def micro_of(args: argparse.Namespace, model: str) -> int:
+    return args.micro_batch or MODELS[model][0]
 
 
 def child_env() -> dict[str, str]:
@@ -147,95 +188,113 @@ def probe_every(run_dir: Path) -> int:
     return load_config(run_dir / "config.toml").logging.probe_every
 
 
-def run_trainwise(strategy: str, rnd: int, args: argparse.Namespace, tmp: Path) -> Run:
-    run_dir = tmp / f"trainwise-{strategy}-{rnd}"
+def run_trainwise(model: str, layout: str, rnd: int, args: argparse.Namespace, tmp: Path) -> Run:
+    run_dir = tmp / f"trainwise-{model}-{layout}-{rnd}"
+    steps = steps_of(args, model)
     cmd = [
         sys.executable, "-m", "trainwise", "train",
         "--nproc", str(args.nproc),
-        "--strategy", strategy,
-        "--steps", str(args.steps),
+        *LAYOUT_FLAGS[layout],
+        "--steps", str(steps),
         "--precision", "fp32",
         "--run-dir", str(run_dir),
-        "--set", "model.name=tiny",
-        "--set", f"data.micro_batch={args.micro_batch}",
+        "--set", f"model.name={model}",
+        "--set", f"data.micro_batch={micro_of(args, model)}",
         "--set", "train.eval_every=0",  # the raw loop does not evaluate
+        # Nor does it save: the one checkpoint is the final one, after the timed window.
+        "--set", f"checkpoint.interval={steps}",
     ]
     for kv in args.overrides:
         cmd += ["--set", kv]
-    wall = run_child(cmd, timeout=90 + args.steps)
+    wall = run_child(cmd, timeout=child_timeout(model, steps))
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r for r in recs}
-    if sorted(by_step) != list(range(1, args.steps + 1)):
+    if sorted(by_step) != list(range(1, steps + 1)):
         sys.exit(f"{run_dir}/metrics.jsonl lacks steps: the window needs a record per step")
-    ends = [by_step[s]["elapsed_s"] for s in range(1, args.steps + 1)]
-    seconds, steps = window(ends, args.warmup)
-    tokens = by_step[args.steps]["tokens"] - by_step[args.warmup]["tokens"]
-    timed = [by_step[s] for s in range(args.warmup + 1, args.steps + 1)]
-    every = probe_every(run_dir)
+    ends = [by_step[s]["elapsed_s"] for s in range(1, steps + 1)]
+    seconds, timed_steps = window(ends, args.warmup)
+    tokens = by_step[steps]["tokens"] - by_step[args.warmup]["tokens"]
+    timed = [by_step[s] for s in range(args.warmup + 1, steps + 1)]
+    every = probe_every(run_dir) if layout != "pp" else 0  # the pipeline step never probes
     probes = [r["step"] for r in timed if is_probe_step(r["step"], every)]
     return Run(
         system="trainwise",
-        strategy=strategy,
+        model=model,
+        layout=layout,
         round=rnd,
         tokens_per_s=tokens / seconds,
-        ms_per_step=1000 * seconds / steps,
-        final_loss=by_step[args.steps]["loss"],
+        ms_per_step=1000 * seconds / timed_steps,
+        final_loss=by_step[steps]["loss"],
         wall_s=wall,
-        step_clock_ms=1000 * sum(r["step_s"] for r in timed) / steps,
+        step_clock_ms=1000 * sum(r["step_s"] for r in timed) / timed_steps,
         # A probe step's step_s leaves out one of its two forward+backward passes, the one
         # without gradient sync, which is its compute_s.
-        probe_ms=1000 * sum(by_step[s]["compute_s"] for s in probes) / steps,
+        probe_ms=1000 * sum(by_step[s]["compute_s"] for s in probes) / timed_steps,
         probe_steps=probes,
     )
 
 
-def run_raw(strategy: str, rnd: int, args: argparse.Namespace, tmp: Path) -> Run:
-    out = tmp / f"raw-{strategy}-{rnd}.json"
+def run_raw(model: str, layout: str, rnd: int, args: argparse.Namespace, tmp: Path) -> Run:
+    out = tmp / f"raw-{model}-{layout}-{rnd}.json"
+    steps = steps_of(args, model)
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--standalone",
         "--nproc-per-node", str(args.nproc),
         str(RAW_LOOP),
-        "--strategy", strategy,
-        "--steps", str(args.steps),
-        "--micro-batch", str(args.micro_batch),
+        "--layout", layout,
+        "--model", model,
+        "--steps", str(steps),
+        "--micro-batch", str(micro_of(args, model)),
         "--out", str(out),
     ]
-    wall = run_child(cmd, timeout=90 + args.steps)
+    wall = run_child(cmd, timeout=child_timeout(model, steps))
     rec = json.loads(out.read_text())
-    seconds, steps = window(rec["step_end_s"], args.warmup)
+    seconds, timed_steps = window(rec["step_end_s"], args.warmup)
     return Run(
         system="raw",
-        strategy=strategy,
+        model=model,
+        layout=layout,
         round=rnd,
-        tokens_per_s=rec["tokens_per_step"] * steps / seconds,
-        ms_per_step=1000 * seconds / steps,
+        tokens_per_s=rec["tokens_per_step"] * timed_steps / seconds,
+        ms_per_step=1000 * seconds / timed_steps,
         final_loss=rec["final_loss"],
         wall_s=wall,
     )
+
+
+def child_timeout(model: str, steps: int) -> float:
+    """Seconds after which a run counts as hung: start-up, and a generous step."""
+    return 120 + steps * (1.0 if model == "tiny" else 10.0)
 
 
 def fmt_k(x: float) -> str:
     return f"{x / 1000:.1f}k"
 
 
-def summarize(strategy: str, runs: list[Run]) -> dict:
-    mine = {s: [r for r in runs if r.strategy == strategy and r.system == s] for s in SYSTEMS}
+def summarize(model: str, layout: str, runs: list[Run]) -> dict:
+    mine = {
+        s: [r for r in runs if (r.model, r.layout, r.system) == (model, layout, s)]
+        for s in SYSTEMS
+    }
     tps = {s: [r.tokens_per_s for r in mine[s]] for s in SYSTEMS}
     med = {s: statistics.median(tps[s]) for s in SYSTEMS}
     # Paired per round: both runs of a round saw the same state of the machine.
     pairs = zip(mine["trainwise"], mine["raw"], strict=True)
     paired = [t.tokens_per_s / r.tokens_per_s for t, r in pairs]
     tw = mine["trainwise"]
+    ratio = med["trainwise"] / med["raw"]
     return {
-        "strategy": strategy,
+        "model": model,
+        "layout": layout,
         "trainwise_tokens_per_s": med["trainwise"],
         "raw_tokens_per_s": med["raw"],
         "trainwise_range": [min(tps["trainwise"]), max(tps["trainwise"])],
         "raw_range": [min(tps["raw"]), max(tps["raw"])],
-        "ratio": med["trainwise"] / med["raw"],
+        "ratio": ratio,
         "paired_ratio_range": [min(paired), max(paired)],
-        "meets_target": med["trainwise"] / med["raw"] >= TARGET,
+        "target": TARGETS[layout],
+        "meets_target": ratio >= TARGETS[layout],
         "ms_per_step": {s: statistics.median(r.ms_per_step for r in mine[s]) for s in SYSTEMS},
         "trainwise_step_clock_ms": statistics.median(r.step_clock_ms or 0.0 for r in tw),
         "trainwise_probe_ms": statistics.median(r.probe_ms or 0.0 for r in tw),
@@ -245,7 +304,7 @@ def summarize(strategy: str, runs: list[Run]) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = ("strategy", "trainwise tok/s", "raw tok/s", "ratio", "per-round", "target")
+    header = ("model", "layout", "trainwise tok/s", "raw tok/s", "ratio", "per-round", "target")
     lines = []
     for r in rows:
         tw_lo, tw_hi = r["trainwise_range"]
@@ -253,12 +312,13 @@ def print_table(rows: list[dict]) -> None:
         p_lo, p_hi = r["paired_ratio_range"]
         lines.append(
             (
-                r["strategy"],
+                r["model"],
+                r["layout"],
                 f"{r['trainwise_tokens_per_s']:,.0f} ({fmt_k(tw_lo)}-{fmt_k(tw_hi)})",
                 f"{r['raw_tokens_per_s']:,.0f} ({fmt_k(raw_lo)}-{fmt_k(raw_hi)})",
                 f"{r['ratio']:.3f}",
                 f"{p_lo:.3f}-{p_hi:.3f}",
-                f">= {TARGET}: {'ok' if r['meets_target'] else 'BELOW'}",
+                f">= {r['target']}: {'ok' if r['meets_target'] else 'BELOW'}",
             )
         )
     widths = [max(len(row[i]) for row in (header, *lines)) for i in range(len(header))]
@@ -286,42 +346,44 @@ def print_notes(rows: list[dict]) -> None:
         loss = r["final_loss"]
         same = trains_alike(r)
         print(
-            f"{r['strategy']}: ms/step raw {ms['raw']:.2f}, trainwise {ms['trainwise']:.2f}"
-            f" = {inside:.2f} in its step clock + {probe:.2f} probe passes"
-            f" (steps {r['trainwise_probe_steps']}) + {between - probe:.2f} else between"
-            f" steps (loss all-reduce, metrics, TensorBoard);"
-            f" final loss {loss['trainwise']:.4f} vs {loss['raw']:.4f}"
+            f"{r['model']} {r['layout']}: ms/step raw {ms['raw']:.2f}, trainwise"
+            f" {ms['trainwise']:.2f} = {inside:.2f} in its step clock + {probe:.2f} probe"
+            f" passes (steps {r['trainwise_probe_steps']}) + {between - probe:.2f} else"
+            f" between steps; final loss {loss['trainwise']:.4f} vs {loss['raw']:.4f}"
             f" ({'same' if same else 'DIFFERENT: the loops do not train alike'})"
         )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    sizes = ", ".join(
+        f"{m}: micro batch {micro_of(args, m)}, {steps_of(args, m)} steps" for m in args.models
+    )
     print(
-        f"trainwise vs raw torchrun loop: {args.nproc} workers, tiny GPT, micro batch "
-        f"{args.micro_batch}, {args.steps} steps (window after step {args.warmup}), "
-        f"{args.rounds} round(s), fp32, OMP_NUM_THREADS=1",
+        f"trainwise vs raw torchrun loop: {args.nproc} workers ({sizes}; window after step "
+        f"{args.warmup}), {args.rounds} round(s), fp32, OMP_NUM_THREADS=1",
         flush=True,
     )
     # Anything else running on the machine shows up as noise: make it visible.
     load_before = os.getloadavg()[0]
     runners = {"trainwise": run_trainwise, "raw": run_raw}
     runs: list[Run] = []
+    cases = [(m, lay) for m in args.models for lay in args.layouts]
     with tempfile.TemporaryDirectory(prefix="trainwise-overhead-") as tmp:
-        for strategy in args.strategies:
-            for rnd in range(args.rounds):
+        for rnd in range(args.rounds):
+            for model, layout in cases:
                 # Alternate who goes first, so a warming or cooling machine favours neither.
                 order = SYSTEMS if rnd % 2 == 0 else SYSTEMS[::-1]
                 for system in order:
-                    run = runners[system](strategy, rnd, args, Path(tmp))
+                    run = runners[system](model, layout, rnd, args, Path(tmp))
                     runs.append(run)
                     print(
-                        f"  {strategy} round {rnd + 1}/{args.rounds} {system:9s} "
-                        f"{run.tokens_per_s:10,.0f} tok/s  {run.ms_per_step:6.2f} ms/step  "
+                        f"  {model} {layout} round {rnd + 1}/{args.rounds} {system:9s} "
+                        f"{run.tokens_per_s:10,.0f} tok/s  {run.ms_per_step:7.2f} ms/step  "
                         f"(process {run.wall_s:.1f} s)",
                         flush=True,
                     )
-    rows = [summarize(s, runs) for s in args.strategies]
+    rows = [summarize(m, lay, runs) for m, lay in cases]
     print()
     print_table(rows)
     print_notes(rows)
@@ -341,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"\nwrote {args.json}")
-    different = [r["strategy"] for r in rows if not trains_alike(r)]
+    different = [f"{r['model']} {r['layout']}" for r in rows if not trains_alike(r)]
     if different:
         print(f"overhead: the loops end at different losses ({', '.join(different)}): the "
               "ratio compares unlike work; fix bench/raw_loop.py to match", file=sys.stderr)

@@ -114,7 +114,8 @@ def case_losses(case: tuple, root: Path, pipeline: bool) -> dict:
         "eval": trainer.evaluate(evaluation),
         "spans": spans, "sync": sync, "layout": job.dims.describe(),
         "dp_rank": trainer.dp_rank, "parts": len(trainer.parts),
-        "guard": [poisoned.finite, math.isnan(float(poisoned.loss))],
+        # The loss as the recorder reads it: reduced over the ranks (the last stage's).
+        "guard": [poisoned.finite, math.isnan(mean_over_ranks(poisoned.loss)[0])],
     }
 
 

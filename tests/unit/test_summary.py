@@ -1,6 +1,8 @@
-"""The summary's figures across attempts and launches (run.recorder) and its rendering
-(report.summary): the run's first loss after a resume, a rerun that trains nothing keeps
-what the run measured, and missing figures print as n/a instead of failing."""
+"""The recorder's records and the summary's figures across attempts and launches
+(run.recorder) and its rendering (report.summary): every step keeps a record of its own
+loss however the records are batched, the run's first loss after a resume, a rerun that
+trains nothing keeps what the run measured, and missing figures print as n/a instead of
+failing."""
 
 from __future__ import annotations
 
@@ -19,9 +21,12 @@ STEPS = 6
 LOSSES = {1: 5.0, 2: 4.0, 3: 3.0, 4: 2.5, 5: 2.0, 6: 1.5}
 
 
-def recorder(run_dir: Path, start_step: int, attempt: int = 0) -> Recorder:
+def recorder(
+    run_dir: Path, start_step: int, attempt: int = 0, steps: int = STEPS, flush_every: int = 10
+) -> Recorder:
+    cfg = LoggingConfig(progress="none", tensorboard=False, flush_every=flush_every)
     return Recorder(
-        steps=STEPS, cfg=LoggingConfig(progress="none", tensorboard=False), is_main=True,
+        steps=steps, cfg=cfg, is_main=True,
         run_dir=run_dir, distributed=False, tokens_per_step=100, tokens_per_sample=10,
         flops_per_token=None, peak_flops_total=None, device=torch.device("cpu"),
         start_step=start_step, attempt=attempt,
@@ -41,6 +46,33 @@ def train(run_dir: Path, first: int, last: int, attempt: int = 0) -> dict:
     for step in range(first, last + 1):
         rec.add(step, result(LOSSES[step]), lr=1e-3)
     return rec.finish()
+
+
+def written(rec: Recorder, closed: bool = False) -> dict[int, float]:
+    """Step -> loss of every record in metrics.jsonl so far (a step twice fails)."""
+    if not closed:
+        rec.writer.sync()  # what the background writer has been given is in the file
+    rows = [json.loads(line) for line in rec.writer.path.read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert len(steps) == len(set(steps)), steps
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def test_every_step_has_a_record_of_its_own_loss_however_they_are_batched(tmp_path: Path):
+    """The losses are reduced over ranks and written every flush_every steps (and at once
+    after a save, and at the end): never a step dropped, nor steps merged into one."""
+    steps, losses = 11, {s: 10.0 - 0.5 * s for s in range(1, 12)}
+    rec = recorder(tmp_path, 0, steps=steps, flush_every=4)
+    for step in range(1, steps + 1):
+        rec.add(step, result(losses[step]), lr=1e-3, ckpt_s=0.25 if step == 6 else 0.0)
+        if step == 3:
+            assert written(rec) == {}  # buffered: no collective, no write per step
+        if step == 4:
+            assert written(rec) == {s: losses[s] for s in range(1, 5)}
+        if step == 7:  # step 6 saved: its record and 5's were written with it
+            assert written(rec) == {s: losses[s] for s in range(1, 7)}
+    rec.finish()
+    assert written(rec, closed=True) == losses
 
 
 def test_after_a_resume_the_first_loss_is_the_runs(tmp_path: Path):

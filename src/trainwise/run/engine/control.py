@@ -7,8 +7,12 @@ Slurm job step, the same signal again within seconds is the first one delivered 
 see SLURM_REPEAT_S).
 A signal reaches the ranks at slightly different moments, and time-based save decisions
 are taken on rank 0's clock, so the flags are agreed with a MAX all-reduce on a gloo group
-of their own: issued after each step, waited for after the next one, so it overlaps a
-whole step and adds no synchronisation to the loop. Every rank acts on the same step.
+of their own: issued after a step, waited for after the next one, so it overlaps a whole
+step and adds no synchronisation to the loop. Every rank acts on the same step. The
+exchange is not made after every step, only at steps every rank knows (`Cadence`): after
+every logging.flush_every steps, and in between about once a second of training, at
+every step when steps are slower than that. A stop or save request waits for the next
+one: at most about a second (or flush_every steps) and a step more than before.
 """
 
 from __future__ import annotations
@@ -28,7 +32,12 @@ from trainwise.run.job.lifeline import LAUNCHER_GONE
 # (SIGINT), a closed terminal (SIGHUP), and the launcher's death (see lifeline). A second
 # signal exits at once, except repeats of the launcher's death (one event, several signals).
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP, LAUNCHER_GONE)
-STOP, SAVE = 0, 1
+# The exchanged flags: stop, save now, and minus the steps each rank wishes to the next
+# exchange (a MAX all-reduce of them agrees on the smallest wish).
+STOP, SAVE, GAP = 0, 1, 2
+# Exchanges about this far apart, in seconds of training, when steps are shorter: the cost
+# of a collective is not paid every millisecond step, and a stop still comes promptly.
+AGREE_EVERY_S = 1.0
 # Slurm signals every process of a job step at once, and the launcher then forwards the
 # same signal to its workers: under Slurm a worker gets each signal twice, moments apart.
 # A repeat this soon is that same request, not a second one.
@@ -80,14 +89,48 @@ def stop_status(name: str | None) -> int:
         return 128 + signal.SIGTERM  # a stop of unknown cause is still not a success
 
 
+class Cadence:
+    """The steps after which the ranks exchange their flags, the same on every rank: every
+    multiple of `every` (logging.flush_every: the ranks meet for the metrics then anyway)
+    and, in between, as the last exchange agreed: the steps that take about AGREE_EVERY_S,
+    one when steps are slower than that."""
+
+    def __init__(self, every: int):
+        self.every = every
+        self.next = 0  # the first exchange follows the first step
+        self._last: tuple[int, float] | None = None  # this rank's last proposal: step, time
+
+    def due(self, step: int) -> bool:
+        return step >= self.next or step % self.every == 0
+
+    def proposal(self, step: int, now: float) -> int:
+        """This rank's wish for the gap after `step`'s exchange, from its clock `now`:
+        the steps that take about AGREE_EVERY_S, measured since its previous proposal
+        (1 before there is one, or after the step went back: a rollback)."""
+        last, self._last = self._last, (step, now)
+        if last is None or step <= last[0]:
+            return 1
+        step_s = (now - last[1]) / (step - last[0])
+        wish = int(AGREE_EVERY_S / step_s) if step_s > 0 else self.every
+        return max(1, min(self.every, wish))
+
+    def agreed(self, issued: int, gap: int) -> None:
+        """The exchange issued after step `issued` agreed on `gap`."""
+        self.next = issued + max(1, gap)
+
+
 class Control:
-    def __init__(self, distributed: bool, timeout_s: float = 600.0, announce_second: bool = True):
+    def __init__(
+        self, distributed: bool, timeout_s: float = 600.0, announce_second: bool = True,
+        every: int = 1,
+    ):
         self.announce_second = announce_second
         self.group = side_group(timeout_s) if distributed else None
+        self.cadence = Cadence(every)
         self.signal: int | None = None
         self._first: tuple[int, float] | None = None  # the first signal and when it came
-        self._local = torch.zeros(2, dtype=torch.int32)
-        self._pending: tuple[object, torch.Tensor] | None = None
+        self._local = torch.zeros(3, dtype=torch.int32)
+        self._pending: tuple[object, torch.Tensor, int] | None = None
         self._previous: dict[int, object] = {}
 
     # -- signals ----------------------------------------------------------------------
@@ -127,23 +170,28 @@ class Control:
     def request_save(self) -> None:
         self._local[SAVE] = 1
 
-    def exchange(self) -> tuple[bool, bool]:
-        """Call once after every step on every rank: returns (stop, save) as agreed for
-        this step (from the exchange issued after the previous step) and issues the next
-        exchange. Without a process group the local flags apply at once."""
+    def exchange(self, step: int) -> tuple[bool, bool]:
+        """Call after every step on every rank, with the step: returns (stop, save) as
+        agreed for this step (by the exchange issued after the previous step, if one
+        was) and issues the next exchange when the cadence says so. Without a process
+        group the local flags apply at once."""
         if self.group is None:
             stop, save = bool(self._local[STOP]), bool(self._local[SAVE])
             self._local[SAVE] = 0
             return stop, save
         agreed = (False, False)
         if self._pending is not None:
-            work, flags = self._pending
+            work, flags, issued = self._pending
+            self._pending = None
             work.wait()
             agreed = (bool(flags[STOP]), bool(flags[SAVE]))
-        flags = self._local.clone()
-        self._local[SAVE] = 0
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        self._pending = (work, flags)
+            self.cadence.agreed(issued, -int(flags[GAP]))
+        if self.cadence.due(step):
+            flags = self._local.clone()
+            self._local[SAVE] = 0
+            flags[GAP] = -self.cadence.proposal(step, time.monotonic())
+            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            self._pending = (work, flags, step)
         return agreed
 
     def drain(self) -> None:

@@ -7,18 +7,19 @@ cuts into parallel.pp_microbatches (each inside one of the loader's micro-batche
 loss is computed on the last stage, each pipeline micro-batch's mean weighted by its share
 of the counted targets of its loader micro-batch (targets may be ignored: SFT prompts) and
 by 1 / grad_accum, so that the losses and gradients are the data-parallel step's: the mean
-over the loader's micro-batches of each one's mean loss. Afterwards the last stage's loss
-goes to every rank of the pipeline, a tied head's gradient is summed with the embedding's
-(each copy of a parameter the first and last stage share: models.pipeline's ties, whose
-values the step makes equal at the start), and the gradient norm (clipping, the
-non-finite check) is completed over the pipeline.
+over the loader's micro-batches of each one's mean loss. Afterwards a tied head's gradient
+is summed with the embedding's (each copy of a parameter the first and last stage share:
+models.pipeline's ties, whose values the step makes equal at the start), and the gradient
+norm (clipping, the non-finite check) is completed over the pipeline. The loss stays on
+the last stage until the metrics are due (the recorder's reduction over all ranks, every
+logging.flush_every steps).
 
 Telemetry (CUDA events on GPU, host clocks on CPU): `compute` is the time inside the
 stages' forward and backward (PipelineStage's *_one_chunk calls, timed on this rank);
 `bubble` the rest of the
 schedule's wall time: waiting on the neighbouring stages (the fill and drain of the
 schedule, and transfers not hidden, which one rank's clock cannot tell apart); `sync`
-the exposed communication after the schedule (the loss and the tied gradient).
+the exposed communication after the schedule (the tied gradient).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class PipelineStep(DataParallelStep):
         self.name, self.microbatches = schedule, microbatches
         self.stage_ids, self.num_stages = stage_ids, num_stages
         self.pp_group = mesh.pp_group()
+        self.pp_size = dist.get_world_size(self.pp_group)
         self.first, self.last = 0 in stage_ids, num_stages - 1 in stage_ids
         self.compute = Spans(self.device)  # this step's stage forwards and backwards
         self.stages = self._stages(parts)
@@ -101,7 +103,8 @@ class PipelineStep(DataParallelStep):
         self.ties = info.ties if info is not None else {}
         # The last stage on another rank than the first (not in the V: both on rank 0).
         self.tie_group = tie_group(mesh) if self.ties and schedule not in V_SHAPED else None
-        sync_tied_weights(self.tied_copies(parts), self.tie_group)
+        self._tied = self.tied_copies(parts)  # found once: the parts keep their parameters
+        sync_tied_weights(self._tied, self.tie_group)
 
     def tied_copies(self, parts: list[torch.nn.Module]) -> list[Copies]:
         """For each shared parameter, this rank's copies of it: the first stage's (under
@@ -174,9 +177,9 @@ class PipelineStep(DataParallelStep):
         run(self.schedule, self.first, x, self._targets(y), rest, losses, self.autocast)
         wall.add(started, wall.mark())
         clock.mark("last")
-        self.stage = "the pipeline's loss and tied gradients"
-        loss = self._last_stage_sum(losses)
-        sync_tied_grads(self.tied_copies(parts), self.tie_group)
+        self.stage = "the pipeline's tied gradients"
+        loss = self._loss_part(losses)
+        sync_tied_grads(self._tied, self.tie_group)
         clock.mark("sync")
         norm, finite = self.update(parts)
         clock.mark("optim")
@@ -191,6 +194,14 @@ class PipelineStep(DataParallelStep):
         micro = [next(batches) for _ in range(self.grad_accum)]
         return [torch.cat(tensors).to(self.device) for tensors in zip(*micro, strict=True)]
 
+    def _loss_part(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's part of the step's loss (StepResult.loss), without communication:
+        the last stage's sum counted for each rank of its pipeline, which hold none, so
+        that the mean of the parts over all ranks is the mean over the pipelines."""
+        if not self.last:
+            return torch.zeros((), device=self.device)
+        return torch.stack(losses).sum().detach().float() * self.pp_size
+
     def _last_stage_sum(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The sum of the last stage's losses, on every rank of the pipeline (a SUM over
         the pp group, where only the last stage's rank adds a value)."""
@@ -199,17 +210,19 @@ class PipelineStep(DataParallelStep):
         dist.all_reduce(total, group=self.pp_group)
         return total
 
-    def grad_norm(self, parts: list[torch.nn.Module]) -> torch.Tensor:
-        """The global norm: this rank's stages', completed over the pipeline; a tied head's
-        copy is the embedding's gradient again and counted once."""
-        params = [
-            p for part, i in zip(parts, self.stage_ids, strict=True)
-            for name, p in part.named_parameters()
-            if p.grad is not None and not (i == self.num_stages - 1 and plain_name(name) in self.ties)
-        ]
-        squared = total_grad_norm(params).float().square()
+    def grad_norm(self, counted: list[list[torch.Tensor]]) -> torch.Tensor:
+        """The global norm: this rank's stages', completed over the pipeline."""
+        squared = total_grad_norm(counted).float().square()
         dist.all_reduce(squared, group=self.pp_group)
         return squared.sqrt()
+
+    def counted(self, parts: list[torch.nn.Module]) -> list[torch.Tensor]:
+        """A tied head's copy is the embedding's gradient again: counted once."""
+        return [
+            p for part, i in zip(parts, self.stage_ids, strict=True)
+            for name, p in part.named_parameters()
+            if not (i == self.num_stages - 1 and plain_name(name) in self.ties)
+        ]
 
     def evaluate(self, parts: list[torch.nn.Module], batches: Iterable[Batch]) -> float:
         """Held-out loss through a forward-only run of the pipeline: one micro-batch per

@@ -127,8 +127,10 @@ class Recorder:
         if not self._pending:
             return
         losses = mean_over_ranks(torch.stack([pending[1].loss for pending in self._pending]))
+        # The peak memory so far, read once for the records written together.
+        memory = (*peak_memory(self.device), peak_reserved(self.device))
         records = [
-            self._record(step, res, loss, lr, eval_loss, ckpt_s)
+            self._record(step, res, loss, lr, eval_loss, ckpt_s, memory)
             for (step, res, lr, eval_loss, ckpt_s), loss in zip(self._pending, losses, strict=True)
         ]
         self._pending.clear()
@@ -146,6 +148,7 @@ class Recorder:
         lr: float,
         eval_loss: float | None,
         ckpt_s: float,
+        memory: tuple[int, str, int | None],
     ) -> StepRecord:
         spans, probe_sync = res.spans()
         tp_s = spans.get("tp")  # a probe step's tensor-parallel collectives (tp > 1)
@@ -182,7 +185,7 @@ class Recorder:
                 self.totals[key] += value
             self.tp_total += tp_part or 0.0
             self._check_data_wait(step)
-        mem, kind = peak_memory(self.device)
+        mem, kind, reserved = memory
         tps = self.tokens_per_step / step_s if step_s > 0 else 0.0
         use_mfu = self.peak and self.flops_per_token
         return StepRecord(
@@ -194,7 +197,7 @@ class Recorder:
             mfu=mfu(tps, self.flops_per_token, self.peak) if use_mfu else None,
             mem_bytes=mem, mem_kind=kind, elapsed_s=res.end - self.start, time=time.time(),
             attempt=self.attempt, profiled=profiled,
-            mem_reserved_bytes=peak_reserved(self.device),
+            mem_reserved_bytes=reserved,
         )
 
     def _check_data_wait(self, step: int) -> None:

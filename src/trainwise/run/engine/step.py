@@ -30,7 +30,9 @@ Batch = tuple[torch.Tensor, ...]
 class StepResult:
     """What a step leaves for the recorder; nothing here has been synchronised yet."""
 
-    loss: torch.Tensor  # local mean loss of the step (not yet averaged over ranks)
+    # This rank's part of the step's loss, not yet read: its mean over all ranks is the
+    # step's loss (a data-parallel rank's mean loss; the recorder reduces when due).
+    loss: torch.Tensor
     grad_norm: torch.Tensor
     marks: Marks  # stage marks: data, compute, last (the syncing micro-batch), probe, optim
     probe: bool  # the step ran the probe pass
@@ -79,9 +81,10 @@ class TrainStep(Protocol):
         ...
 
 
-def grad_params(parts: list[torch.nn.Module]) -> list[torch.Tensor]:
-    """The parameters of every part that got a gradient: what is clipped and checked."""
-    return [p for part in parts for p in part.parameters() if p.grad is not None]
+def with_grads(groups: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """Of each group, the parameters that got a gradient this step (none: no group)."""
+    kept = ([p for p in group if p.grad is not None] for group in groups)
+    return [group for group in kept if group]
 
 
 def one_part(parts: list[torch.nn.Module]) -> torch.nn.Module:
@@ -133,13 +136,24 @@ class DataParallelStep:
         self.clock = StageClock(device)
         self.poison = False
         self.stage = "the training step"  # where a failed collective was: named in its message
+        # The parts' parameters grouped by mesh: (parts, clipped, counted in the norm),
+        # walked once (the parts keep their parameters), not at every step.
+        self._walked: tuple[list[torch.nn.Module], list, list] | None = None
+        self._synced: bool | None = None  # the gradient sync setting last made
 
     def _forward_backward(
         self, model: torch.nn.Module, batch: Batch, sync: bool, scale: float
     ) -> torch.Tensor:
         x, y, *rest = batch  # rest: what else the model takes (packed examples' ids)
-        with set_gradient_sync(model, sync), self.autocast():
-            loss = self.loss_fn(model(x, *rest), y) * scale
+        # FSDP2's setting walks every module: made when it changes, or to turn the sync off
+        # (DDP's no_sync is a context around each micro-batch).
+        changed = not sync or sync != self._synced
+        self._synced = sync
+        toggle = set_gradient_sync(model, sync) if changed else contextlib.nullcontext()
+        with toggle, self.autocast():
+            loss = self.loss_fn(model(x, *rest), y)
+            if scale != 1.0:  # not for one micro-batch a step: no op, no node in backward
+                loss = loss * scale
             if self.poison:
                 loss = loss * float("nan")  # a fault injected by a test
         with self.backward_context():
@@ -174,18 +188,18 @@ class DataParallelStep:
         # torchtitan's way: one all-reduce for the norm of sharded gradients, then clip with
         # the plain tensor (clip_grad_norm_ on DTensors would reduce it twice).
         self.stage = "the gradient-norm all-reduce"
-        params = grad_params(parts)
-        norm = self.grad_norm(parts)
+        clipped, counted = self._params(parts)
+        norm = self.grad_norm(counted)
         # The guard: the norm is global (identical on every rank), so every rank skips the
         # same update. Reading it costs one host sync per step; fp16's scaler does its own.
         finite = self.scaler is not None or not self.guard or bool(torch.isfinite(norm))
         self.stage = "the optimizer step"
         if self.scaler:
-            clip_grads(params, self.grad_clip, norm)
+            clip_grads(clipped, self.grad_clip, norm)
             self.scaler.step(self.optimizer)
             self.scaler.update()
         elif finite:
-            clip_grads(params, self.grad_clip, norm)
+            clip_grads(clipped, self.grad_clip, norm)
             self.optimizer.step()
         for hook in self.after_optimizer:
             hook(parts)
@@ -193,9 +207,24 @@ class DataParallelStep:
         self.optimizer.zero_grad(set_to_none=True)
         return norm, finite
 
-    def grad_norm(self, parts: list[torch.nn.Module]) -> torch.Tensor:
-        """The global 2-norm of the gradients of every part (identical on every rank)."""
-        return total_grad_norm(grad_params(parts))
+    def grad_norm(self, counted: list[list[torch.Tensor]]) -> torch.Tensor:
+        """The global 2-norm of the gradients `counted` (by mesh; identical on every rank)."""
+        return total_grad_norm(counted)
+
+    def counted(self, parts: list[torch.nn.Module]) -> list[torch.Tensor]:
+        """The parameters whose gradients the norm counts: every part's."""
+        return [p for part in parts for p in part.parameters()]
+
+    def _params(
+        self, parts: list[torch.nn.Module]
+    ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+        """(the parameters clipped, those the norm counts), grouped by mesh, with a
+        gradient this step."""
+        if self._walked is None or self._walked[0] is not parts:
+            every = [p for part in parts for p in part.parameters()]
+            self._walked = (parts, by_mesh(every), by_mesh(self.counted(parts)))
+        _, clipped, counted = self._walked
+        return with_grads(clipped), with_grads(counted)
 
     def evaluate(self, parts: list[torch.nn.Module], batches: Iterable[Batch]) -> float:
         return evaluate(one_part(parts), self.loss_fn, batches, self.autocast, self.device)
@@ -205,7 +234,7 @@ class DataParallelStep:
     ) -> tuple[torch.Tensor, Batch]:
         """Forward and backward of the step's micro-batches: (the summed loss, the last
         micro-batch, which the probe repeats)."""
-        total = torch.zeros((), device=self.device)
+        total: torch.Tensor | None = None
         batch: Batch = ()
         for a in range(self.grad_accum):
             self.stage = "data loading"
@@ -216,7 +245,8 @@ class DataParallelStep:
             self.stage = f"forward/backward of micro-batch {a + 1}/{self.grad_accum}" + (
                 " (gradient sync)" if sync else ""
             )
-            total += self._forward_backward(model, batch, sync, 1.0 / self.grad_accum)
+            loss = self._forward_backward(model, batch, sync, 1.0 / self.grad_accum)
+            total = loss.float() if total is None else total + loss
             self.clock.mark("last" if last else "compute")
         return total, batch
 
@@ -232,12 +262,12 @@ def by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def total_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
-    """The global 2-norm of the gradients, a plain tensor equal on every rank: each mesh's
-    norm completed over its ranks (full_tensor: one all-reduce per mesh), then combined.
-    Plain gradients are whole (DDP synchronised them; or replicated)."""
+def total_grad_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
+    """The global 2-norm of the gradients of `groups` (by_mesh's), a plain tensor equal on
+    every rank: each mesh's norm completed over its ranks (full_tensor: one all-reduce per
+    mesh), then combined. Plain gradients are whole (DDP synchronised them; or replicated)."""
     norms = []
-    for group in by_mesh(params):
+    for group in groups:
         norm = torch.nn.utils.get_total_norm([p.grad for p in group])
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if len(norms) == 1:
@@ -245,9 +275,10 @@ def total_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
 
 
-def clip_grads(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
-    """clip_grads_with_norm_ per mesh with the global norm (its foreach ops take one mesh)."""
-    for group in by_mesh(params):
+def clip_grads(groups: list[list[torch.Tensor]], max_norm: float, norm: torch.Tensor) -> None:
+    """clip_grads_with_norm_ per mesh (`groups`: by_mesh's) with the global norm (its
+    foreach ops take one mesh)."""
+    for group in groups:
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
 
 

@@ -169,11 +169,12 @@ def build_step(
 def loss_context(tp: int, inner: AbstractContextManager | None = None) -> AbstractContextManager:
     """With tensor parallelism the logits arrive sharded by vocabulary: the loss (forward
     and backward) runs under DTensor's loss_parallel, which computes it on the shards."""
+    if tp <= 1:  # entered at every micro-batch: no stack to build for nothing
+        return inner if inner is not None else contextlib.nullcontext()
     stack = contextlib.ExitStack()
     if inner is not None:
         stack.enter_context(inner)
-    if tp > 1:
-        stack.enter_context(loss_parallel())
+    stack.enter_context(loss_parallel())
     return stack
 
 

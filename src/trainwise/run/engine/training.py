@@ -5,6 +5,7 @@ the components are built once in `Training.__init__`."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -64,7 +65,8 @@ class Training:
         self.distributed = dist.is_initialized()
         # Under a launcher, the launcher says what a second signal did (once, not per rank).
         self.control = Control(
-            self.distributed, cfg.parallel.timeout_s, announce_second=this_launch() is None
+            self.distributed, cfg.parallel.timeout_s, announce_second=this_launch() is None,
+            every=cfg.logging.flush_every,
         )
         # Kept idle for diagnosis: after a failed collective the survivors meet here to
         # find which ranks are missing (the default group may be wedged by then).
@@ -88,6 +90,10 @@ class Training:
         """Train to train.steps (or a stop signal); the summary on rank 0."""
         self.resume()
         self.control.install()
+        # What is built by now lives as long as the run: out of the collector's sight, so
+        # that a full collection (a checkpoint save's garbage sets one off) walks only what
+        # the loop made since, not torch's and the job's 300,000 objects (0.6 s on 2 cores).
+        gc.freeze()
         failed = False
         try:
             while self.step < self.cfg.train.steps:
@@ -115,6 +121,7 @@ class Training:
                 raise
             self.on_peer_failure(err)
         finally:
+            gc.unfreeze()
             if self.watchdog:
                 self.watchdog.disarm()
             if failed:
@@ -179,7 +186,7 @@ class Training:
     def train_step(self) -> StepResult:
         self.stage = "the training step"
         if self.watchdog:
-            self.watchdog.arm()  # re-armed each step: it fires on a step that outlasts timeout_s
+            self.watchdog.arm()  # it fires on a step that runs about as long as timeout_s
         self.faults.before_step(self.step, until=self.stopping)
         self.profiler.before_step(self.step)
         self.trainer.step.poison = self.faults.poisons(self.step)
@@ -231,7 +238,7 @@ class Training:
         if self.env.is_main and ckpt.wanted(step):
             self.control.request_save()
         self.stage = "the exchange of control flags"
-        stop, save_now = self.control.exchange()
+        stop, save_now = self.control.exchange(step)
         if not (stop or save_now or ckpt.due(step)) or not (ckpt.cfg.enabled or stop):
             return stop, 0.0
         self.stage = "the metrics reduction"
@@ -257,7 +264,8 @@ class Training:
         self.log.error("trainwise: %s", line)
         trace = "".join(traceback.format_exception(err))  # kept for a post-mortem
         stuck = self.watchdog.stacks() if self.watchdog else ""
-        dump = write_hang_dump(self.run_dir, self.env.rank, line, trace, stuck, timeout)
+        after = self.watchdog.taken_after() if self.watchdog else timeout
+        dump = write_hang_dump(self.run_dir, self.env.rank, line, trace, stuck, after)
         append_event(
             self.run_dir, "peer_failure", **asdict(failure), message=line, traceback=trace,
             dump=str(dump.relative_to(self.run_dir)),

@@ -12,6 +12,7 @@ import faulthandler
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -50,25 +51,46 @@ def enable_flight_recorder(run_dir: Path) -> None:
     (Path(run_dir) / HANG_DIR).mkdir(parents=True, exist_ok=True)
 
 
+# The watchdog is re-armed once this share of its timeout has passed since it was armed,
+# not at every step: arming joins faulthandler's thread and starts another (tens of
+# microseconds on a quiet machine, milliseconds on a loaded one), a cost a short step
+# should not pay. A stuck step's stacks are then taken between (1 - REARM_SHARE) x the
+# timeout and the timeout after it began: still before its collective gives up.
+REARM_SHARE = 0.25
+
+
 class StepWatchdog:
-    """faulthandler's watchdog: a C thread that, when a step runs longer than `seconds`,
-    writes every thread's stack into an unnamed file, GIL or not. That is where this rank
-    was while stuck (or while waiting for a stuck peer); a failure puts it in the dump.
-    Arming starts a thread, once a step."""
+    """faulthandler's watchdog: a C thread that, when a step runs long (between
+    (1 - REARM_SHARE) x `seconds` and `seconds`), writes every thread's stack into an
+    unnamed file, GIL or not. That is where this rank was while stuck (or while waiting
+    for a stuck peer); a failure puts it in the dump."""
 
     def __init__(self, seconds: float):
         self.seconds = seconds
         # Unnamed, gone with the process: read back at a failure. Open for its lifetime.
         self.file = tempfile.TemporaryFile()  # noqa: SIM115
+        self.armed_at: float | None = None  # monotonic time of the last arming
+        self.step_began = 0.0
 
     def arm(self) -> None:
+        """At the start of every step: note when it began; re-arm when due."""
+        now = self.step_began = time.monotonic()
+        if self.armed_at is not None and now - self.armed_at < REARM_SHARE * self.seconds:
+            return
         if os.fstat(self.file.fileno()).st_size:  # a slow step's stacks: not this one's
             self.file.truncate(0)
             self.file.seek(0)
         faulthandler.dump_traceback_later(self.seconds, file=self.file)
+        self.armed_at = now
 
     def disarm(self) -> None:
         faulthandler.cancel_dump_traceback_later()
+        self.armed_at = None
+
+    def taken_after(self) -> float:
+        """How long the current step had run when the stacks are (or were) taken."""
+        armed = self.step_began if self.armed_at is None else self.armed_at
+        return armed + self.seconds - self.step_began
 
     def stacks(self) -> str:
         self.file.seek(0)
@@ -87,7 +109,7 @@ def write_hang_dump(
     with path.open("w") as out:
         out.write(f"{header}\n\n")
         if stuck:
-            out.write(f"Every thread when the step had run {after_s:g} s:\n{stuck}\n")
+            out.write(f"Every thread when the step had run {after_s:.0f} s:\n{stuck}\n")
         out.write(f"The failed collective:\n{trace}\nEvery thread now:\n")
         out.flush()  # faulthandler writes to the descriptor, after what is buffered
         faulthandler.dump_traceback(out, all_threads=True)
