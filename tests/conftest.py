@@ -1,12 +1,40 @@
-"""Fixtures shared by every test tier."""
+"""Fixtures shared by every test tier, and each test's time limit."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from limits import SPEED_FILE_ENV, hang_limit
+
 CALIBRATION_DIR_ENV = "TRAINWISE_CALIBRATION_DIR"  # trainwise.plan.calibrate's
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One machine-speed measurement a session: the first hang_limit call of any process
+    makes it in this folder, which pytest-xdist's workers inherit (they start after this)."""
+    if SPEED_FILE_ENV not in os.environ:  # set by the controller, or by whoever runs pytest
+        folder = Path(tempfile.mkdtemp(prefix="trainwise-speed-"))
+        os.environ[SPEED_FILE_ENV] = str(folder / "speed.json")
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test without its own timeout mark gets one launch's hang limit. A module whose
+    fixture launches more marks its tests with hang_limit of that work (pytest-timeout
+    counts a fixture's setup against the first test that uses it)."""
+    unmarked = [item for item in items if item.get_closest_marker("timeout") is None]
+    if unmarked:
+        try:
+            limit = hang_limit()
+        except (AssertionError, RuntimeError) as err:  # the measurement itself failed
+            raise pytest.UsageError(f"cannot size the tests' time limits: {err}") from err
+        for item in unmarked:
+            item.add_marker(pytest.mark.timeout(limit))
 
 
 @pytest.fixture
@@ -20,8 +48,6 @@ def module_calibration_dir(tmp_path_factory: pytest.TempPathFactory):
     """Machine calibrations (written by `trainwise doctor`, read by plan and train) in a
     directory of the test module's own, never the user's cache: in effect for the
     module's shared runs too (module fixtures start after this autouse one)."""
-    import os
-
     old = os.environ.get(CALIBRATION_DIR_ENV)
     os.environ[CALIBRATION_DIR_ENV] = str(tmp_path_factory.mktemp("calibrations"))
     yield

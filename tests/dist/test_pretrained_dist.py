@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import QUIET, cli_env, run_cli, tiny_llama, worker_failure
+from helpers import QUIET, hang_limit, run_cli, run_limited, tiny_llama, worker_failure
 
 transformers = pytest.importorskip("transformers")
 
-# Its fixtures launch in series (the `trained` one: a prepare, 4 trains and 4 exports, 168 s
-# on CI's loaded 2-core machine): the suite's 300 s per test would leave under 2x.
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+# The first test of each fixture carries it: `trained` is a prepare, 4 trains (one of 4
+# workers) and 4 exports, the others a launch each.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(hang_limit(launches=9, procs=4, steps=12))]
 
 RUNS = ("ddp:transformers", "ddp:trainwise", "fsdp:transformers", "fsdp:trainwise")
 WORKER = Path(__file__).with_name("pretrained_worker.py")
@@ -36,10 +35,11 @@ def _launch(
     folder = tiny_llama(root / "llama", max_shard_size="30KB", vocab=vocab)  # several files
     out = root / "out"
     out.mkdir()
-    proc = subprocess.run(
+    proc = run_limited(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
          "--standalone", str(WORKER), str(folder), str(out), *runs],
-        env=cli_env(), capture_output=True, text=True, timeout=300,
+        what=f"pretrained_worker.py on {nproc} workers: {', '.join(runs)}",
+        limit=hang_limit(launches=len(runs), procs=nproc),  # a model built and loaded a run
     )
     assert proc.returncode == 0, worker_failure(proc.stderr)
     return folder, out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]

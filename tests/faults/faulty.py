@@ -9,14 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from helpers import QUIET, cli_env, run_cli
+from helpers import QUIET, cli_env, communicate, hang_limit, run_cli, wait_until
 
 # A short job with a checkpoint every 4 steps and a held-out loss at the end; global batch
 # 16 whatever the world size.
@@ -32,7 +31,8 @@ def job_args(
         "--run-dir", str(run_dir), *QUIET,
         "--set", f"data.micro_batch={micro}", "--set", f"train.eval_every={steps}",
         "--set", "checkpoint.interval=4", "--set", "checkpoint.keep_last=3",
-        "--set", "parallel.timeout_s=60", *extra,
+        # A collective waits a launch's hang limit: a peer this late is hung, not slow.
+        "--set", f"parallel.timeout_s={hang_limit():g}", *extra,
     ]
 
 
@@ -49,26 +49,28 @@ def start(args: list[str], cwd: Path, faults: str = "") -> subprocess.Popen:
     )
 
 
-def wait_for_pid(proc: subprocess.Popen, marker: Path, timeout: float = 120) -> int:
-    """The pid a paused worker wrote; fails at once if the run ended before pausing."""
-    deadline = time.monotonic() + timeout
-    while not marker.exists():
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            raise AssertionError(f"run ended before {marker.name}:\n{out}\n{err}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"{marker} did not appear within {timeout} s")
-        time.sleep(0.05)
+def wait_for_pid(proc: subprocess.Popen, marker: Path, limit: float | None = None) -> int:
+    """The pid a paused worker wrote; fails at once if the run ended before pausing.
+    `limit`: hang_limit's (default: one launch's)."""
+    limit = hang_limit() if limit is None else limit
+    wait_until(marker.exists, limit=limit, what=f"{marker.name} of {what(proc)}", procs=[proc])
     return int(marker.read_text())
+
+
+def what(proc: subprocess.Popen) -> str:
+    """The run `start` began, as a hang's message names it."""
+    return f"`trainwise {' '.join(proc.args[3:11])} ...`"
 
 
 def kill(pid: int, sig: int = signal.SIGKILL) -> None:
     os.kill(pid, sig)
 
 
-def finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=timeout)
+def finish(proc: subprocess.Popen, limit: float | None = None) -> tuple[int, str, str]:
+    """The run's exit status and output. `limit`: hang_limit's for what is left of it
+    (default: two launches of STEPS steps: a fault's restart is a second launch)."""
+    limit = hang_limit(launches=2, steps=2 * STEPS) if limit is None else limit
+    out, err = communicate(proc, limit=limit, what=what(proc))
     return proc.returncode, out, err
 
 
