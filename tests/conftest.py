@@ -9,17 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from limits import SPEED_FILE_ENV, hang_limit
+from limits import SHARED_DIR_ENV, hang_limit
 
 CALIBRATION_DIR_ENV = "TRAINWISE_CALIBRATION_DIR"  # trainwise.plan.calibrate's
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """One machine-speed measurement a session: the first hang_limit call of any process
-    makes it in this folder, which pytest-xdist's workers inherit (they start after this)."""
-    if SPEED_FILE_ENV not in os.environ:  # set by the controller, or by whoever runs pytest
-        folder = Path(tempfile.mkdtemp(prefix="trainwise-speed-"))
-        os.environ[SPEED_FILE_ENV] = str(folder / "speed.json")
+    """A folder for the session's processes to share, which pytest-xdist's workers inherit
+    (they start after this): the machine-speed measurement, made once by the first
+    hang_limit call of any of them, and the runs they share (the fault tests' references)."""
+    if SHARED_DIR_ENV not in os.environ:  # this is the controller, or a plain session
+        folder = Path(tempfile.mkdtemp(prefix="trainwise-tests-"))
+        os.environ[SHARED_DIR_ENV] = str(folder)
         config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
 
 

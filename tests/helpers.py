@@ -13,8 +13,10 @@ from limits import (  # noqa: F401 (re-exported: the tests import them from here
     cli_env,
     communicate,
     hang_limit,
+    locked,
     machine_speed,
     run_limited,
+    shared_dir,
     wait_until,
     worker_failure,
 )

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -32,7 +32,8 @@ def cli_env() -> dict[str, str]:
 # Time limits. A limit only catches a hang: it is the work's expected time on this machine,
 # here and now (a standard tiny launch timed once per test session), times HANG_FACTOR, times
 # the test processes sharing the machine. A slow or busy machine raises every limit with it.
-SPEED_FILE_ENV = "TRAINWISE_TEST_SPEED_FILE"  # the session's measurement (tests/conftest.py)
+SHARED_DIR_ENV = "TRAINWISE_TEST_SHARED_DIR"  # the session's folder (tests/conftest.py)
+SPEED_FILE_ENV = "TRAINWISE_TEST_SPEED_FILE"  # a measurement to keep (default: the folder's)
 SPEED_WORKER = Path(__file__).with_name("speed_worker.py")
 HANG_FACTOR = 4.0
 # The calibration launch's own limit, the one fixed figure: 20x its time on a loaded 2-core
@@ -75,21 +76,36 @@ def machine_speed() -> Speed:
 
 
 def _session_measurement() -> dict[str, float]:
-    import fcntl
     import tempfile
 
-    where = os.environ.get(SPEED_FILE_ENV)
+    where = os.environ.get(SPEED_FILE_ENV) or (
+        os.environ.get(SHARED_DIR_ENV) and str(Path(os.environ[SHARED_DIR_ENV]) / "speed.json"))
     if not where:
         with tempfile.TemporaryDirectory(prefix="trainwise-speed-") as folder:
             return _measure(Path(folder))
     path = Path(where)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the others wait here for the first's measurement
+    with locked(path):  # the others wait here for the first's measurement
         if not path.exists():
             measured = _measure(path.parent)
             path.with_suffix(".partial").write_text(json.dumps(measured))
             path.with_suffix(".partial").rename(path)
         return json.loads(path.read_text())
+
+
+def shared_dir() -> Path:
+    """The folder this test session's processes share (the pytest-xdist workers': made by
+    tests/conftest.py, removed at the session's end)."""
+    return Path(os.environ[SHARED_DIR_ENV])
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold the session-wide lock of `path` (a file beside it): one process at a time."""
+    import fcntl
+
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _measure(folder: Path) -> dict[str, float]:

@@ -16,7 +16,8 @@ import pytest
 from helpers import hang_limit, run_limited, tiny_llama, worker_failure
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.dist
+# The fixture's launch of 4 workers and one process's run in this one.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(hang_limit(launches=2, procs=4, steps=8))]
 
 WORKER = Path(__file__).with_name("lora_worker.py")
 

@@ -20,10 +20,9 @@ from helpers import hang_limit, run_limited, worker_failure
 from trainwise.models import ModelSpec, build_model
 from trainwise.run.engine.materialize import materialize
 
-pytestmark = pytest.mark.dist
-
 WORKER = Path(__file__).with_name("tp_worker.py")
 WORLD = 4
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(hang_limit(procs=WORLD, steps=6))]
 
 
 @pytest.fixture(scope="module")

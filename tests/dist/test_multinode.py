@@ -25,11 +25,11 @@ from helpers import QUIET, cli_env, communicate, hang_limit, read_records, run_c
 from trainwise.run.job.distributed import free_port
 from trainwise.run.observe.events import read_events
 
-pytestmark = pytest.mark.dist
-
 STEPS = 10
 JOB = ["--steps", str(STEPS), "--strategy", "ddp", *QUIET,
        "--set", "checkpoint.interval=4", "--set", "checkpoint.async_save=false"]
+# The reference run beside a test's own launches (two hosts: a train and a doctor).
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(hang_limit(launches=4, steps=2 * STEPS))]
 
 
 @pytest.fixture(scope="module")

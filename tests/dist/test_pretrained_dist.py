@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 # The first test of each fixture carries it: `trained` is a prepare, 4 trains (one of 4
 # workers) and 4 exports, the others a launch each.
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(hang_limit(launches=9, procs=4, steps=12))]
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(hang_limit(launches=8, procs=4, steps=12))]
 
 RUNS = ("ddp:transformers", "ddp:trainwise", "fsdp:transformers", "fsdp:trainwise")
 WORKER = Path(__file__).with_name("pretrained_worker.py")
@@ -38,27 +38,35 @@ def _launch(
     proc = run_limited(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
          "--standalone", str(WORKER), str(folder), str(out), *runs],
-        what=f"pretrained_worker.py on {nproc} workers: {', '.join(runs)}",
+        what=f"pretrained_worker.py on {nproc} workers: {', '.join(r.split('@')[0] for r in runs)}",
         limit=hang_limit(launches=len(runs), procs=nproc),  # a model built and loaded a run
     )
     assert proc.returncode == 0, worker_failure(proc.stderr)
     return folder, out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
-    return _launch(tmp_path_factory.mktemp("pretrained"), 97, RUNS)
-
-
 # Tensor-parallel layouts -> workers: 2-way TP alone, and FSDP over two 2-way TP groups
-# (dp_shard 2 x tp 2). The vocabulary (98) divides by 2.
+# (dp_shard 2 x tp 2). Their model's vocabulary (98) divides by 2; the others' (97) gives
+# FSDP uneven rows.
 TP_LAYOUTS = {"tp": 2, "fsdp_tp": 4}
 
 
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
+    """One launch of 2 workers: every entry of RUNS, and 2-way TP on a model of its own."""
+    root = tmp_path_factory.mktemp("pretrained")
+    tp_folder = tiny_llama(root / "llama-tp", max_shard_size="30KB", vocab=98)
+    return _launch(root, 97, (*RUNS, f"tp:trainwise@{tp_folder}"))
+
+
 @pytest.fixture(scope="module", params=list(TP_LAYOUTS))
-def tp_loaded(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path, list]:
-    """The model built on the meta device, parallelized, its shards allocated, then loaded."""
+def tp_loaded(request, loaded, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path, list]:
+    """The model built on the meta device, parallelized, its shards allocated, then loaded
+    (2-way TP in `loaded`'s launch, which has the workers it needs)."""
     layout, nproc = request.param, TP_LAYOUTS[request.param]
+    if nproc == 2:
+        folder, out, results = loaded
+        return layout, folder.with_name("llama-tp"), out, results
     root = tmp_path_factory.mktemp(f"pretrained_{layout}")
     return (layout, *_launch(root, 98, (f"{layout}:trainwise",), nproc))
 

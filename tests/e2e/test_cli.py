@@ -15,7 +15,6 @@ from trainwise.cli.main import main
 from trainwise.config import load_config
 from trainwise.run.observe.telemetry import RECORD_FIELDS
 
-pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.toml"))
 
@@ -73,6 +72,11 @@ BAD_INPUTS = {
     "more CPU workers than cores": (["--nproc", "4096", "--set", "cluster.device='cpu'"],
                                     "--oversubscribe"),
 }
+
+
+# The first test of each fixture carries it: every example's run, every bad input's refusal.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(hang_limit(launches=len(EXAMPLES) + len(BAD_INPUTS),
+                                                              steps=6 * len(EXAMPLES)))]
 
 
 def _bad_input(root: Path, case: str) -> tuple[Path, object]:

@@ -12,7 +12,8 @@ import pytest
 from helpers import QUIET, hang_limit, read_records, run_cli
 from trainwise.data import build_synthetic_corpus, write_token_file
 
-pytestmark = pytest.mark.e2e
+# The compile test's two runs: one compiles (about a launch's work).
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(hang_limit(launches=3, steps=30))]
 
 
 def test_training_on_a_token_file(workdir: Path):

@@ -15,16 +15,19 @@ import pytest
 from helpers import hang_limit, run_limited
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.e2e
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "finetune" / "run.py"
 STEPS = 50  # of each fine-tune: LoRA's loss halves with a margin (7.8 -> 2.5 here)
 PRETRAIN_STEPS = 100
 
 
+# Three trains (a one-process pretraining, two fine-tunes), the rest in the script's process.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(
+    hang_limit(launches=4, steps=PRETRAIN_STEPS + 2 * STEPS))]
+
+
 def test_the_finetune_example_runs_end_to_end(tmp_path: Path):
     out = tmp_path / "example"
-    # Three trains (a one-process pretraining, two fine-tunes), the rest in its process.
     proc = run_limited(
         [sys.executable, str(SCRIPT), "--out", str(out), "--steps", str(STEPS),
          "--pretrain-steps", str(PRETRAIN_STEPS)],

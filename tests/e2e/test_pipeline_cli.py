@@ -13,7 +13,8 @@ import pytest
 
 from helpers import QUIET, hang_limit, read_records, run_cli
 
-pytestmark = pytest.mark.e2e
+# The fixture's run compiles (about a launch's work), which the first test carries.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(hang_limit(launches=3, steps=6))]
 
 
 @pytest.fixture(scope="module")

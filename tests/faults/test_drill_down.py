@@ -16,11 +16,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from faulty import finish, job_args, kill, start, wait_for_pid
+from faulty import fault_limit, finish, job_args, kill, start, wait_for_pid
 
 from helpers import hang_limit, run_cli, run_limited, wait_until
 
-pytestmark = pytest.mark.dist
+# Each test's limit: its runs and the references it may wait for, and for the first, the module fixture's runs.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit(launches=3))]
 mlflow = pytest.importorskip("mlflow", reason="pip install 'trainwise[mlflow]'")
 
 STEPS = 8

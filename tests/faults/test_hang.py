@@ -9,11 +9,21 @@ import json
 from pathlib import Path
 
 import pytest
-from faulty import STEPS, References, assert_identical, final_weights, finish, job_args, start
+from faulty import (
+    STEPS,
+    References,
+    assert_identical,
+    fault_limit,
+    final_weights,
+    finish,
+    job_args,
+    start,
+)
 
 from helpers import hang_limit, run_cli
 
-pytestmark = pytest.mark.dist
+# Each test's limit: its runs and the references it may wait for.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit())]
 
 # The job's collective timeout, which the hang is detected by. It also bounds how far apart
 # the two workers may reach their first collectives (gloo's connect at start-up gives up
@@ -42,7 +52,7 @@ def test_a_hung_rank_is_named_and_the_group_restarts(workdir: Path, reference: R
     assert any(e["kind"] == "failure" for e in log)
     resume = next(e for e in log if e["kind"] == "resume")
     assert resume["step"] == 4 and resume["attempt"] == 1
-    assert_identical(reference.weights(2, "ddp"), final_weights(run_dir, workdir))
+    assert_identical(reference.weights(2, "ddp"), final_weights(run_dir))
 
     # The waiting rank's stacks, named in its event and shown by the report.
     assert seen["dump"] == "hang/rank-0.txt"

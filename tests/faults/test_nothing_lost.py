@@ -12,12 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from faulty import STEPS, References, finish, start, wait_for_pid
+from faulty import STEPS, References, fault_limit, finish, start, wait_for_pid
 from faulty import job_args as fault_job_args
 
 from helpers import cli_env, communicate, hang_limit, read_records, run_cli, wait_until
 
-pytestmark = pytest.mark.dist
+# Each test's limit: its runs and the references it may wait for.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit())]
 
 
 def job_args(run_dir: Path, nproc: int, strategy: str, *extra: str, steps: int = STEPS):
