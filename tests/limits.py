@@ -191,7 +191,7 @@ def run_limited(
     cmd: Sequence[str], *, what: str, limit: float, cwd: Path | None = None,
     env: dict[str, str] | None = None, basis: str | None = None,
 ) -> subprocess.CompletedProcess:
-    """subprocess.run(cmd, capture_output=True, text=True) under a hang limit (finish's)."""
+    """subprocess.run(cmd, capture_output=True, text=True) under a hang limit (communicate's)."""
     proc = subprocess.Popen(list(cmd), cwd=cwd, env=env if env is not None else cli_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out, err = communicate(proc, limit=limit, what=what, basis=basis)
