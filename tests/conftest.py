@@ -1,13 +1,42 @@
-"""Fixtures shared by every test tier."""
+"""Fixtures shared by every test tier, and each test's time limit."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from limits import SHARED_DIR_ENV, hang_limit
+
 CALIBRATION_DIR_ENV = "TRAINWISE_CALIBRATION_DIR"  # trainwise.plan.calibrate's
 OBJECTS_DIR_ENV = "TRAINWISE_OBJECTS_DIR"  # trainwise.objects': Python objects by value
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A folder for the session's processes to share, which pytest-xdist's workers inherit
+    (they start after this): the machine-speed measurement, made once by the first
+    hang_limit call of any of them, and the runs they share (the fault tests' references)."""
+    if SHARED_DIR_ENV not in os.environ:  # this is the controller, or a plain session
+        folder = Path(tempfile.mkdtemp(prefix="trainwise-tests-"))
+        os.environ[SHARED_DIR_ENV] = str(folder)
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test without its own timeout mark gets one launch's hang limit. A module whose
+    fixture launches more marks its tests with hang_limit of that work (pytest-timeout
+    counts a fixture's setup against the first test that uses it)."""
+    unmarked = [item for item in items if item.get_closest_marker("timeout") is None]
+    if unmarked:
+        try:
+            limit = hang_limit()
+        except (AssertionError, RuntimeError) as err:  # the measurement itself failed
+            raise pytest.UsageError(f"cannot size the tests' time limits: {err}") from err
+        for item in unmarked:
+            item.add_marker(pytest.mark.timeout(limit))
 
 
 @pytest.fixture
@@ -21,8 +50,6 @@ def module_calibration_dir(tmp_path_factory: pytest.TempPathFactory):
     """Machine calibrations (written by `trainwise doctor`, read by plan and train) in a
     directory of the test module's own, never the user's cache: in effect for the
     module's shared runs too (module fixtures start after this autouse one)."""
-    import os
-
     old = {name: os.environ.get(name) for name in (CALIBRATION_DIR_ENV, OBJECTS_DIR_ENV)}
     os.environ[CALIBRATION_DIR_ENV] = str(tmp_path_factory.mktemp("calibrations"))
     # Objects trainwise.train() sends by value: never into the user's cache.

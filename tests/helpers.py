@@ -1,12 +1,25 @@
-"""Shared test helpers: run the CLI as a user types it, in a separate process."""
+"""Shared test helpers: run the CLI as a user types it, in a separate process (under the
+hang limits of limits.py, re-exported here), and the small models and corpora of the tests."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from limits import (  # noqa: F401 (re-exported: the tests import them from here)
+    Hung,
+    cli_env,
+    communicate,
+    hang_limit,
+    locked,
+    machine_speed,
+    run_limited,
+    shared_dir,
+    wait_until,
+    worker_failure,
+)
 
 # Quiet, fast, loopback-only runs: every test job sets these.
 # The tests run up to 4 CPU workers on 2 cores on purpose (layouts, not speed).
@@ -15,42 +28,18 @@ QUIET = ["--set", "logging.progress=none", "--set", "logging.tensorboard=false",
          "--set", "logging.report=false", *ON_FEW_CORES]
 
 
-def cli_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
-    outer = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID")
-    for var in outer:
-        env.pop(var, None)  # a test must not think it is a worker of an outer job
-    return env
-
-
-def hang_limit(*, launches: int = 1, steps: int = 0, procs: int = 2) -> float:
-    """Seconds after which a test's work counts as hung, not slow: `launches` process
-    launches of `procs` workers training `steps` steps in all. Every limit in tests/
-    comes from here. (A first form: a calibrated machine speed replaces these figures.)"""
-    return 120.0 * launches + 1.0 * steps * max(1, procs // 2)
-
-
 def run_cli(
-    *args: str, cwd: Path, timeout: float = 240, env: dict[str, str] | None = None
+    *args: str, cwd: Path, timeout: float | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    """`trainwise ARGS` in `cwd`; `env` adds variables (a test's fault, say)."""
-    return subprocess.run(
+    """`trainwise ARGS` in `cwd`; `env` adds variables (a test's fault, say). `timeout`:
+    hang_limit's for the work (default: one launch)."""
+    return run_limited(
         [sys.executable, "-m", "trainwise", *args],
+        what=f"`trainwise {' '.join(args[:6])}{' ...' if len(args) > 6 else ''}` in {cwd}",
+        limit=hang_limit() if timeout is None else timeout,
         cwd=cwd,
         env={**cli_env(), **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
     )
-
-
-def worker_failure(stderr: str) -> str:
-    """A failed launch's stderr for an assertion message: from the first worker's traceback
-    (or faulthandler's dump), where the cause is, then the launcher's summary at the end."""
-    starts = [i for i in (stderr.find("Traceback"), stderr.find("Fatal Python error")) if i >= 0]
-    head = stderr[min(starts):][:3000] if starts else ""
-    return f"{head}\n...\n{stderr[-1500:]}"
 
 
 def read_records(run_dir: Path) -> list[dict]:

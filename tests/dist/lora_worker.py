@@ -5,7 +5,8 @@ frozen shards before and after a few SGD steps (SGD: a gradient off by a factor 
 where Adam would normalise it away) from a nonzero B (so A's gradient is not zero at the
 first step), each step's loss averaged over the ranks, the trained adapters whole, and
 the frozen base's id with the weight files read to compute it.
-Under torchrun (`python lora_worker.py DIR OUT TP`) or called in-process (one worker).
+Under torchrun (`python lora_worker.py DIR OUT TP TIMEOUT_S`: its collectives' limit, the
+test's hang limit) or called in-process (one worker).
 Not a test."""
 
 from __future__ import annotations
@@ -31,15 +32,16 @@ from trainwise.run.job.distributed import destroy_process_group
 STEPS, GLOBAL_BATCH, VOCAB = 4, 4, 98
 
 
-def overrides(folder: Path, world: int, tp: int) -> list[str]:
+def overrides(folder: Path, world: int, tp: int, timeout_s: str | None = None) -> list[str]:
     dp = world // tp
-    return [
+    limit = [] if timeout_s is None else [f"parallel.timeout_s={timeout_s}"]
+    return [*limit,
         f"model.name='hf:{folder}'", "model.impl='trainwise'", f"data.vocab_size={VOCAB}",
         "data.seq_len=16", "data.synthetic_tokens=4000", "checkpoint.enabled=false",
         f"data.micro_batch={GLOBAL_BATCH // dp}", f"parallel.tp={tp}",
         f"parallel.strategy='{'single' if world == 1 else 'fsdp'}'",
         "lora.rank=4", "lora.alpha=8", "optim.name='sgd'", "optim.lr=0.1", "schedule.warmup_steps=0",
-        "parallel.timeout_s=60", "cluster.device='cpu'",  # gloo, as the batches
+        "cluster.device='cpu'",  # gloo, as the batches
     ]
 
 
@@ -55,9 +57,10 @@ def frozen_checksum(parts: list[torch.nn.Module]) -> str:
     return digest.hexdigest()
 
 
-def run(folder: Path, world: int, tp: int) -> dict:
+def run(folder: Path, world: int, tp: int, timeout_s: str | None = None) -> dict:
     """This worker's part of the run: first logits, frozen checksums, global losses."""
-    _, _, device, job = join_job(load_config(overrides=overrides(folder, world, tp)))
+    cfg = load_config(overrides=overrides(folder, world, tp, timeout_s))
+    _, _, device, job = join_job(cfg)
     trainer = build_trainer(job.cfg, job, device)
     model = trainer.parts[0]
     before = frozen_checksum(trainer.parts)  # sharded now (the first forward gathers)
@@ -94,9 +97,9 @@ def run(folder: Path, world: int, tp: int) -> dict:
     }
 
 
-def main(folder: str, out: str, tp: str) -> None:
+def main(folder: str, out: str, tp: str, timeout_s: str) -> None:
     faulthandler.enable()
-    result = run(Path(folder), int(os.environ["WORLD_SIZE"]), int(tp))
+    result = run(Path(folder), int(os.environ["WORLD_SIZE"]), int(tp), timeout_s)
     (Path(out) / f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
     destroy_process_group()
 

@@ -2,7 +2,8 @@
 model of a Hugging Face directory, wrap it (DDP, FSDP2, `tp`: tensor parallelism over all
 ranks, or `fsdp_tp`: FSDP2 over 2-way tensor-parallel groups), load the pretrained
 weights into the wrapped model, and save this rank's bytes read, bytes of parameters held
-and first-forward logits. Not a test."""
+and first-forward logits. A run "strategy:impl@DIR" loads the model of DIR instead of the
+launch's. Not a test."""
 
 from __future__ import annotations
 
@@ -29,7 +30,11 @@ def main(model_dir: str, out: str, *runs: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     idx = torch.load(Path(model_dir) / "idx.pt")
-    results = {run: _load(run, model_dir, out, idx) for run in runs}
+    results = {}
+    for run in runs:
+        run, _, own_dir = run.partition("@")
+        inputs = torch.load(Path(own_dir) / "idx.pt") if own_dir else idx
+        results[run] = _load(run, own_dir or model_dir, out, inputs)
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(results))
     destroy_process_group()  # the models' cycles freed first, as the trainer leaves
 

@@ -12,11 +12,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from helpers import QUIET, run_cli
+from helpers import QUIET, communicate, hang_limit, run_cli
 from trainwise.config.schema import CHECK_NAMES
 from trainwise.doctor.bandwidth import bus_factor
-
-pytestmark = pytest.mark.dist
 
 DOCS_SCHEMA = Path(__file__).parents[2] / "docs" / "doctor.schema.json"
 MISMATCH = {"TRAINWISE_FAULTS": "versions@rank=1,torch=9.9.9"}
@@ -30,6 +28,7 @@ SLOW_DATA_BATCHES = 4  # batches timed per worker count: the slow loader's run s
 # step would have to reach 1.25 s (60x its usual 0.02 s) for 2 workers not to look slower;
 # at 2 MB/s a loaded 2-core CI machine once got there (0.13 s).
 SLOW_NETWORK_GBPS = 0.0002
+FULL_LAUNCHES = 3
 SMALL = [
     *("--set", "doctor.max_message_mb=4", "--set", "doctor.iterations=3"),
     *("--set", "doctor.timed_steps=2", "--set", "doctor.smoke_steps=4"),
@@ -61,6 +60,18 @@ JOBS = {
 }
 
 
+def _limit(name: str, launches: int = 1) -> float:
+    """The hang limit of `launches` jobs like JOBS[name]: the whole checklist is about
+    FULL_LAUNCHES launches' work (its scaling and smoke runs, bandwidth sweeps, a save)."""
+    work = FULL_LAUNCHES if name == "full" else 1
+    return hang_limit(launches=launches * work, procs=int(JOBS[name][0][2]))
+
+
+# The module fixture runs every job (two at a time, each as slow as two), which the first
+# test carries; the two-node test its own launch of 4 workers.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(sum(map(_limit, JOBS)))]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """Every job once, two at a time (each leaves a core idle for much of its life)."""
@@ -70,7 +81,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
         args, env = JOBS[name]
         # Each job its own machine calibrations: a doctor writes one, a train reads one.
         env = {**env, "TRAINWISE_CALIBRATION_DIR": str(root / f"calibrations-{name}")}
-        return name, run_cli(*args, *QUIET, cwd=root, env=env, timeout=300)
+        return name, run_cli(*args, *QUIET, cwd=root, env=env, timeout=_limit(name, launches=2))
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         return root, dict(pool.map(go, JOBS))
@@ -265,7 +276,9 @@ def test_two_nodes_time_the_links_within_and_between_nodes_separately(tmp_path: 
         )
         for _ in range(2)
     ]
-    outputs = [a.communicate(timeout=240)[0] for a in agents]
+    limit = hang_limit(procs=4, steps=8)
+    outputs = [communicate(a, limit=limit, what=f"doctor agent {i} of 2")[0]
+               for i, a in enumerate(agents)]
     assert [a.returncode for a in agents] == [0, 0], outputs
     record = _record(tmp_path, "two")
     assert record["world"] == 4

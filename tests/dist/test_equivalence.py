@@ -16,11 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import QUIET, max_rel_diff, read_records, run_cli
-
-# Its fixture runs 11 launches, two at a time (105 s on CI's loaded 2-core machine): the
-# suite's 300 s per test would leave under 3x.
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+from helpers import QUIET, hang_limit, max_rel_diff, read_records, run_cli
 
 FP32_RTOL = 1e-5
 BF16_RTOL = 1e-2
@@ -44,6 +40,16 @@ RUNS = {
 }
 
 
+def _limit(name: str, launches: int = 1) -> float:
+    """The hang limit of `launches` runs like RUNS[name]."""
+    return hang_limit(launches=launches, procs=RUNS[name][0], steps=int(STEPS))
+
+
+# The module fixture trains every run (two at a time, each as slow as two), which the first
+# test carries.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(sum(map(_limit, RUNS)))]
+
+
 def _train(root: Path, name: str) -> list[float]:
     nproc, strategy, mb, accum, extra = RUNS[name]
     sets = [a for kv in extra for a in ("--set", kv)]
@@ -52,6 +58,7 @@ def _train(root: Path, name: str) -> list[float]:
         "--run-dir", str(root / name), "--set", f"data.micro_batch={mb}",
         "--set", f"data.grad_accum={accum}", "--set", "data.global_batch=16",
         "--set", "checkpoint.enabled=false", *QUIET, *sets, cwd=root,
+        timeout=_limit(name, launches=2),
     )
     assert res.returncode == 0, f"{name} failed:\n{res.stderr[-3000:]}"
     job = json.loads((root / name / "job.json").read_text())

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import QUIET, cli_env, read_records, run_cli, worker_failure
+from helpers import (
+    QUIET,
+    cli_env,
+    communicate,
+    hang_limit,
+    read_records,
+    run_cli,
+    run_limited,
+    worker_failure,
+)
 from trainwise.run.job.distributed import free_port
 
 pytestmark = pytest.mark.dist
@@ -80,9 +89,7 @@ def test_under_torchrun_each_process_is_one_worker(workdir: Path):
         "run",
         *QUIET,
     ]
-    res = subprocess.run(
-        cmd, cwd=workdir, env=cli_env(), capture_output=True, text=True, timeout=240
-    )
+    res = run_limited(cmd, cwd=workdir, what="trainwise under torchrun", limit=hang_limit(steps=4))
     assert res.returncode == 0, worker_failure(res.stderr)
     assert res.stdout.count("training finished") == 1  # rank 0 alone reports
     job = json.loads((workdir / "run" / "job.json").read_text())
@@ -128,7 +135,8 @@ def test_srun_variables_make_workers(workdir: Path):
                 text=True,
             )
         )
-    outs = [p.communicate(timeout=240) for p in procs]
+    outs = [communicate(p, limit=hang_limit(steps=3), what=f"srun task {rank}")
+            for rank, p in enumerate(procs)]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     assert "training finished" in outs[0][0] and "training finished" not in outs[1][0]
     job = json.loads((workdir / "run" / "job.json").read_text())

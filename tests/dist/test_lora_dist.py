@@ -8,16 +8,16 @@ the base to identify it."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import cli_env, tiny_llama, worker_failure
+from helpers import hang_limit, run_limited, tiny_llama, worker_failure
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.dist
+# The fixture's launch of 4 workers and one process's run in this one.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(hang_limit(launches=2, procs=4, steps=8))]
 
 WORKER = Path(__file__).with_name("lora_worker.py")
 
@@ -32,10 +32,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, list[
     folder = tiny_llama(root / "llama", vocab=98)
     out = root / "out"
     out.mkdir()
-    proc = subprocess.run(
+    limit = hang_limit(procs=4, steps=lora_worker.STEPS)
+    proc = run_limited(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-         "--standalone", str(WORKER), str(folder), str(out), "2"],
-        env=cli_env(), capture_output=True, text=True, timeout=300,
+         "--standalone", str(WORKER), str(folder), str(out), "2", f"{limit:g}"],
+        what="lora_worker.py on 4 workers (dp_shard 2 x tp 2)", limit=limit,
     )
     assert proc.returncode == 0, worker_failure(proc.stderr)
     single = lora_worker.run(folder, 1, 1)

@@ -10,30 +10,28 @@ One torchrun launch of 4 gloo workers (tp_worker.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import cli_env, worker_failure
+from helpers import hang_limit, run_limited, worker_failure
 from trainwise.models import ModelSpec, build_model
 from trainwise.run.engine.materialize import materialize
 
-pytestmark = pytest.mark.dist
-
 WORKER = Path(__file__).with_name("tp_worker.py")
 WORLD = 4
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(hang_limit(procs=WORLD, steps=6))]
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]]:
     out = tmp_path_factory.mktemp("meta_init")
-    proc = subprocess.run(
+    proc = run_limited(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
          "--standalone", str(WORKER), str(out)],
-        env=cli_env(), capture_output=True, text=True, timeout=300,
+        what=f"tp_worker.py on {WORLD} workers", limit=hang_limit(procs=WORLD, steps=6),
     )
     assert proc.returncode == 0, worker_failure(proc.stderr)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]

@@ -15,22 +15,21 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from helpers import QUIET, cli_env, read_records, run_cli
+from helpers import QUIET, cli_env, communicate, hang_limit, read_records, run_cli, wait_until
 from trainwise.run.job.distributed import free_port
 from trainwise.run.observe.events import read_events
-
-pytestmark = pytest.mark.dist
 
 STEPS = 10
 JOB = ["--steps", str(STEPS), "--strategy", "ddp", *QUIET,
        "--set", "checkpoint.interval=4", "--set", "checkpoint.async_save=false"]
+# The reference run beside a test's own launches (two hosts: a train and a doctor).
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(hang_limit(launches=4, steps=2 * STEPS))]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +82,8 @@ class Host:
 
 
 def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True,
+                   timeout=hang_limit(procs=0))
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,8 @@ def hosts():
             _ip("-n", h.netns, "addr", "add", f"{h.address}/24", "dev", h.interface)
             _ip("-n", h.netns, "link", "set", h.interface, "up")
             _ip("-n", h.netns, "link", "set", "lo", "up")
-        subprocess.run(made[0].command("--version"), check=True, capture_output=True, timeout=60)
+        subprocess.run(made[0].command("--version"), check=True, capture_output=True,
+                       timeout=hang_limit(procs=0))
     except (OSError, subprocess.SubprocessError) as err:
         reason = getattr(err, "stderr", None) or err
         _remove(made)
@@ -114,7 +115,8 @@ def hosts():
 
 def _remove(hosts: list[Host]) -> None:
     for h in hosts:  # deleting a namespace deletes its end of the veth pair, then the pair
-        subprocess.run(["ip", "netns", "del", h.netns], capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "del", h.netns], capture_output=True,
+                       timeout=hang_limit(procs=0))
 
 
 def _on_hosts(root: Path, hosts: list[Host], run: str, *args: str) -> list[tuple[str, str]]:
@@ -138,7 +140,8 @@ def _on_hosts(root: Path, hosts: list[Host], run: str, *args: str) -> list[tuple
                 text=True,
             )
         )
-    outputs = [p.communicate(timeout=300) for p in procs]
+    outputs = [communicate(p, limit=hang_limit(steps=STEPS), what=f"`trainwise {args[0]}` on "
+                           f"{h.hostname}") for p, h in zip(procs, hosts, strict=True)]
     for p, (_, err) in zip(procs, outputs, strict=True):
         assert p.returncode in (0, 1), err[-3000:]  # the doctor exits 1 on a failed check
     return outputs
@@ -176,13 +179,8 @@ def test_two_hosts_train_the_same_model_as_one_node_with_two_workers(
     assert record["bandwidth"]["intra_node_busbw_bytes_per_s"] is None
 
 
-def _wait_for(path: Path, procs: list[subprocess.Popen], timeout: float = 120) -> int:
-    deadline = time.monotonic() + timeout
-    while not path.is_file():
-        dead = [p for p in procs if p.poll() is not None]
-        assert not dead, dead[0].communicate()[1][-3000:]
-        assert time.monotonic() < deadline, f"no {path.name} after {timeout} s"
-        time.sleep(0.05)
+def _wait_for(path: Path, procs: list[subprocess.Popen]) -> int:
+    wait_until(path.is_file, limit=hang_limit(steps=STEPS), what=path.name, procs=procs)
     return int(path.read_text())
 
 
@@ -190,20 +188,23 @@ def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-# Its two agents must meet within a 4 s last call: under other tests' load the second can
-# arrive after the first has started (and finished) alone.
+# Its two agents must meet within the rendezvous's last call: under other tests' load the
+# second can arrive after the first has started (and finished) alone.
 @pytest.mark.serial
 def test_losing_a_node_of_an_elastic_job_the_other_resumes_alone(tmp_path: Path, one_node):
     endpoint = f"127.0.0.1:{free_port()}"
+    # Quick to give up on the dead node and to start without it (defaults: 15 s, 30 s), yet
+    # a launch's expected time here (hang_limit's without its margin): a live agent misses
+    # no heartbeat for that long, and two agents started together meet within it.
+    quick = round(hang_limit(factor=1))
     args = [
         "--nnodes", "1:2", "--nproc", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", "elastic",
         "--run-dir", "elastic", "--set", "checkpoint.max_restarts=2",
         "--set", "logging.flush_every=1",  # a record per step, so that steps 1-6 outlive the kill
-        # Quick to give up on the dead node and to start without it (defaults: 15 s, 30 s).
-        "--set", "cluster.node_timeout_s=3", "--set", "cluster.rdzv_last_call_s=4",
+        "--set", f"cluster.node_timeout_s={quick}", "--set", f"cluster.rdzv_last_call_s={quick}",
     ]
     fault = {"TRAINWISE_FAULTS": "pause@step=6,rank=1"}  # after step 6; last checkpoint 4
-    # Both at once, so that the second joins well within the last call (4 s) that starts
+    # Both at once, so that the second joins well within the last call that starts
     # when the first reaches the rendezvous; it retries until the first's store is up.
     first = _agent(tmp_path, [*args, "--node-rank", "0"], fault)
     second = _agent(tmp_path, [*args, "--node-rank", "1"], fault)
@@ -212,8 +213,9 @@ def test_losing_a_node_of_an_elastic_job_the_other_resumes_alone(tmp_path: Path,
     assert _parent(pid) == second.pid
     os.kill(pid, signal.SIGKILL)  # the whole machine: its worker (in its own session)
     os.killpg(second.pid, signal.SIGKILL)  # and its agent
-    second.wait(timeout=30)
-    out, err = first.communicate(timeout=300)
+    second.wait(timeout=hang_limit(procs=0))
+    limit = hang_limit(launches=2, steps=STEPS, waits=2 * quick)  # the restart, the last call
+    out, err = communicate(first, limit=limit, what="the surviving elastic agent")
     assert first.returncode == 0, err[-3000:]
 
     events = read_events(tmp_path / "elastic")

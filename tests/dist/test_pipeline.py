@@ -14,17 +14,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import cli_env, max_rel_diff, sft_corpus, worker_failure
-
-# A launch trains 10 (or 3) cases, each built and evaluated: on 2 busy cores it can near
-# the project's 300 s a test, which would count it against the first test that uses it.
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+from helpers import hang_limit, max_rel_diff, run_limited, sft_corpus, worker_failure
 
 WORKER = Path(__file__).with_name("pp_worker.py")
 _spec = importlib.util.spec_from_file_location("pp_worker", WORKER)
@@ -33,11 +28,23 @@ _spec.loader.exec_module(pp_worker)
 RTOL = 1e-5
 
 
+def _launch_limit(world: int) -> float:
+    """A launch's hang limit: it builds and trains each case, about a launch's work each."""
+    cases = len(pp_worker.CASES if world == 2 else pp_worker.CASES_4)
+    return hang_limit(launches=cases, procs=world, steps=cases * pp_worker.STEPS)
+
+
+# The first test of each fixture carries its launch; the references train in this process
+# (a case each, about a launch's work).
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(
+    _launch_limit(2) + _launch_limit(4) + hang_limit(launches=len(pp_worker.CASES) + len(pp_worker.CASES_4)))]
+
+
 def launch(root: Path, world: int) -> list[dict]:
-    proc = subprocess.run(
+    proc = run_limited(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
          "--standalone", str(WORKER), str(root), str(world)],
-        env=cli_env(), capture_output=True, text=True, timeout=600,
+        what=f"pp_worker.py on {world} workers", limit=_launch_limit(world),
     )
     assert proc.returncode == 0, worker_failure(proc.stderr)
     return [json.loads((root / f"rank{r}.json").read_text()) for r in range(world)]

@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import QUIET, cli_env, run_cli, tiny_llama, worker_failure
+from helpers import QUIET, hang_limit, run_cli, run_limited, tiny_llama, worker_failure
 
 transformers = pytest.importorskip("transformers")
 
-# Its fixtures launch in series (the `trained` one: a prepare, 4 trains and 4 exports, 168 s
-# on CI's loaded 2-core machine): the suite's 300 s per test would leave under 2x.
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+# The first test of each fixture carries it: `trained` is a prepare, 4 trains (one of 4
+# workers) and 4 exports, the others a launch each.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(hang_limit(launches=8, procs=4, steps=12))]
 
 RUNS = ("ddp:transformers", "ddp:trainwise", "fsdp:transformers", "fsdp:trainwise")
 WORKER = Path(__file__).with_name("pretrained_worker.py")
@@ -36,29 +35,38 @@ def _launch(
     folder = tiny_llama(root / "llama", max_shard_size="30KB", vocab=vocab)  # several files
     out = root / "out"
     out.mkdir()
-    proc = subprocess.run(
+    proc = run_limited(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
          "--standalone", str(WORKER), str(folder), str(out), *runs],
-        env=cli_env(), capture_output=True, text=True, timeout=300,
+        what=f"pretrained_worker.py on {nproc} workers: {', '.join(r.split('@')[0] for r in runs)}",
+        limit=hang_limit(launches=len(runs), procs=nproc),  # a model built and loaded a run
     )
     assert proc.returncode == 0, worker_failure(proc.stderr)
     return folder, out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
-    return _launch(tmp_path_factory.mktemp("pretrained"), 97, RUNS)
-
-
 # Tensor-parallel layouts -> workers: 2-way TP alone, and FSDP over two 2-way TP groups
-# (dp_shard 2 x tp 2). The vocabulary (98) divides by 2.
+# (dp_shard 2 x tp 2). Their model's vocabulary (98) divides by 2; the others' (97) gives
+# FSDP uneven rows.
 TP_LAYOUTS = {"tp": 2, "fsdp_tp": 4}
 
 
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
+    """One launch of 2 workers: every entry of RUNS, and 2-way TP on a model of its own."""
+    root = tmp_path_factory.mktemp("pretrained")
+    tp_folder = tiny_llama(root / "llama-tp", max_shard_size="30KB", vocab=98)
+    return _launch(root, 97, (*RUNS, f"tp:trainwise@{tp_folder}"))
+
+
 @pytest.fixture(scope="module", params=list(TP_LAYOUTS))
-def tp_loaded(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path, list]:
-    """The model built on the meta device, parallelized, its shards allocated, then loaded."""
+def tp_loaded(request, loaded, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path, list]:
+    """The model built on the meta device, parallelized, its shards allocated, then loaded
+    (2-way TP in `loaded`'s launch, which has the workers it needs)."""
     layout, nproc = request.param, TP_LAYOUTS[request.param]
+    if nproc == 2:
+        folder, out, results = loaded
+        return layout, folder.with_name("llama-tp"), out, results
     root = tmp_path_factory.mktemp(f"pretrained_{layout}")
     return (layout, *_launch(root, 98, (f"{layout}:trainwise",), nproc))
 

@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import QUIET, SFT_SEQ, read_records, run_cli, sft_corpus, tiny_llama
+from helpers import QUIET, SFT_SEQ, hang_limit, read_records, run_cli, sft_corpus, tiny_llama
 from trainwise.data.prepare import load_tokenizer, prepare
 
-pytestmark = pytest.mark.dist
+# A test's runs: two launches, or one and two refused before any worker.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(hang_limit(launches=3, steps=8))]
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from helpers import hang_limit
 from trainwise.cli.main import main
 from trainwise.config import load_config
 from trainwise.config.parallel_dims import ParallelDims
@@ -26,10 +27,6 @@ from trainwise.plan.model.lora import LoraPlan
 from trainwise.plan.model.memory import Workload, estimate_memory
 from trainwise.plan.model.pipeline import worst_stage
 from trainwise.plan.search import recommend
-
-# The module fixture simulates every case at once: about 3 minutes on a loaded 2-core
-# machine, near the suite's default 300 s a test.
-pytestmark = pytest.mark.timeout(600)
 
 SEQ = {"tiny": 128, "small": 256}
 CASES = [
@@ -58,6 +55,11 @@ LORA_CASES = [
     ("lora", "small", "dp_shard2 x tp2", "fp32", 0.1),
     ("lora", "tiny", "fsdp-grad-op", "fp32", 0.0),
 ]
+
+
+# The module fixture simulates every case, two processes at a time: each case about a
+# launch's work (a spawned process's imports, or a model of the small preset on 8 fake ranks).
+pytestmark = pytest.mark.timeout(hang_limit(launches=len(CASES) + len(TP_CASES) + len(LORA_CASES) + 1))
 
 
 def lora_dims(layout: str) -> ParallelDims:

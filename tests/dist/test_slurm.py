@@ -17,6 +17,7 @@ minutes by default, CRED_EXPIRE_S here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -24,12 +25,11 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from helpers import QUIET, cli_env, read_records, run_cli
+from helpers import QUIET, Hung, cli_env, hang_limit, read_records, run_cli, run_limited, wait_until
 from trainwise.run.job.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,6 +41,10 @@ SETS = [*QUIET, "--set", f"train.steps={STEPS}", "--set", f"train.eval_every={ST
         "--set", "checkpoint.interval=5"]
 COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
 CRED_EXPIRE_S = 5  # a requeued job starts again after this (and 1 s)
+REQUEUE_S = CRED_EXPIRE_S + 1
+# test_time_limit_signal_requeues_by_itself: USR1 comes 15 to 45 s after the job starts (a
+# 1-minute limit, its warning 15 s before, checked every 30 s), whatever the machine.
+TIME_LIMIT_S = 45
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
 
 
@@ -63,8 +67,8 @@ def _skip_reason() -> str | None:
 
 
 SKIP = _skip_reason()
-# serial: a private Slurm cluster's daemons and jobs wait on fixed timeouts (15-120 s);
-# run alone, after the parallel pass, they do not race other tests' load.
+# serial: a private Slurm cluster's daemons and jobs keep Slurm's own clock (a 1-minute time
+# limit, credentials that expire); run alone, after the parallel pass.
 pytestmark = [
     pytest.mark.dist,
     pytest.mark.serial,
@@ -100,12 +104,12 @@ class Cluster:
         self._daemon("munged", "-F", "-f", f"--socket={self.socket}", f"--key-file={key}",
                      f"--pid-file={munge_dir / 'munged.pid'}",
                      f"--seed-file={munge_dir / 'munged.seed'}")
-        self._until(self.socket.exists, "munged's socket", 20)
+        self._until(self.socket.exists, "munged's socket")
         self.node = self._write_conf()
         self._daemon("slurmctld", "-D", "-f", str(self.conf))
         self._daemon("slurmd", "-D", "-f", str(self.conf))
         self._until(lambda: self.slurm("sinfo", "-h", "-o", "%t", check=False).stdout.strip()
-                    == "idle", "the node to be idle", 60)
+                    == "idle", "the node to be idle")
 
     def _write_conf(self) -> str:
         """slurm.conf for this machine; returns the node's name (its hostname)."""
@@ -172,13 +176,18 @@ class Cluster:
         )
         log.close()  # the child has its own copy
 
-    def _until(self, ready, what: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not ready():
+    def _until(self, ready, what: str) -> None:
+        """Wait for `ready()` (a daemon's start-up, a lone process's hang limit); fails with
+        the daemons' logs when one has ended or the limit passed."""
+        def check() -> bool:
             dead = [d.args[0] for d in self.daemons if d.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                raise AssertionError(f"waiting for {what}: {dead or 'timed out'}\n{self.logs()}")
-            time.sleep(0.2)
+            assert not dead, f"waiting for {what}: {dead} ended\n{self.logs()}"
+            return ready()
+
+        try:
+            wait_until(check, limit=hang_limit(procs=0), what=what)
+        except Hung as hung:
+            raise Hung(f"{hung}\n{self.logs()}") from None
 
     def logs(self) -> str:
         tails = []
@@ -193,18 +202,17 @@ class Cluster:
             if self.daemons and self.daemons[-1].poll() is None:
                 self.slurm("scancel", "--user", "root", check=False)
                 spool = self.root / "spool"
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline and (
-                    self.slurm("squeue", "-h", check=False).stdout.strip()
-                    or any(spool.glob("*.[0-9]*"))  # a step daemon's socket
-                ):
-                    time.sleep(0.2)
+                with contextlib.suppress(Hung):  # then the daemons are stopped all the same
+                    wait_until(lambda: not (
+                        self.slurm("squeue", "-h", check=False).stdout.strip()
+                        or any(spool.glob("*.[0-9]*"))  # a step daemon's socket
+                    ), limit=hang_limit(procs=0), what="the cancelled jobs' end")
         finally:
             for daemon in reversed(self.daemons):
                 if daemon.poll() is None:
                     daemon.send_signal(signal.SIGTERM)
                     try:
-                        daemon.wait(timeout=15)
+                        daemon.wait(timeout=hang_limit(procs=0))
                     except subprocess.TimeoutExpired:
                         daemon.kill()
                         daemon.wait()
@@ -214,8 +222,8 @@ class Cluster:
 
     def slurm(self, *args: str, check: bool = True, cwd: Path | None = None,
               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        done = subprocess.run([_find(args[0]), *args[1:]], env={**self.env, **(env or {})},
-                              cwd=cwd, capture_output=True, text=True, timeout=60)
+        done = run_limited([_find(args[0]), *args[1:]], env={**self.env, **(env or {})},
+                           cwd=cwd, what=" ".join(args), limit=hang_limit(procs=0))
         if check:
             assert done.returncode == 0, f"{' '.join(args)}: {done.stderr}"
         return done
@@ -224,15 +232,14 @@ class Cluster:
         line = self.slurm("scontrol", "-o", "show", "job", job_id).stdout
         return dict(re.findall(r"(\w+)=(\S*)", line))
 
-    def wait_end(self, job_id: str, workdir: Path, timeout: float) -> dict[str, str]:
-        """Poll the job (submitted from `workdir`) until it ends."""
-        deadline = time.monotonic() + timeout
-        while (job := self.job(job_id))["JobState"] not in ENDED:
-            if time.monotonic() > deadline:
-                outputs = "\n".join(path.read_text() for path in workdir.glob("*.out"))
-                raise AssertionError(f"job {job_id} still {job}:\n{outputs}\n{self.logs()}")
-            time.sleep(0.2)
-        return job
+    def wait_end(self, job_id: str, workdir: Path, limit: float) -> dict[str, str]:
+        """Poll the job (submitted from `workdir`) until it ends (`limit`: hang_limit's)."""
+        try:
+            return wait_until(lambda: (job := self.job(job_id))["JobState"] in ENDED and job,
+                              limit=limit, what=f"the end of job {job_id}")
+        except Hung as hung:
+            outputs = "\n".join(path.read_text() for path in workdir.glob("*.out"))
+            raise Hung(f"{hung}: {self.job(job_id)}\n{outputs}\n{self.logs()}") from None
 
 
 @pytest.fixture(scope="module")
@@ -295,20 +302,21 @@ def assert_preempted_and_resumed(workdir: Path, job_id: str, job: dict[str, str]
     assert events[-1]["kind"] == "finish" and events[-1]["step"] == STEPS
 
 
-def wait_for_pause(cluster: Cluster, job_id: str, run_dir: Path, timeout: float = 120) -> None:
+def wait_for_pause(cluster: Cluster, job_id: str, run_dir: Path) -> None:
     """Rank 0 has trained step PAUSE and waits (TRAINWISE_FAULTS) for the signal."""
     marker = run_dir / "faults" / f"pause-step-{PAUSE}.pid"
-    deadline = time.monotonic() + timeout
-    while not marker.exists():
+
+    def paused() -> bool:
         state = cluster.job(job_id)["JobState"]
         assert state in ("PENDING", "RUNNING"), f"job {job_id} {state} before step {PAUSE}"
-        assert time.monotonic() < deadline, f"{marker} did not appear within {timeout} s"
-        time.sleep(0.1)
+        return marker.exists()
+
+    wait_until(paused, limit=hang_limit(steps=PAUSE), what=f"{marker.name} of job {job_id}")
 
 
 def test_job_trains_like_plain_train(cluster: Cluster, reference, tmp_path: Path):
     job_id, run_dir = submit(cluster, tmp_path, [])
-    job = cluster.wait_end(job_id, tmp_path, timeout=120)
+    job = cluster.wait_end(job_id, tmp_path, hang_limit(steps=STEPS))
     log = job_log(tmp_path, job_id)
     assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", log
     assert job["Restarts"] == "0" and "training finished" in log
@@ -319,7 +327,7 @@ def test_usr1_checkpoints_requeues_and_resumes_exactly(cluster: Cluster, referen
     job_id, run_dir = submit(cluster, tmp_path, [], faults=f"pause@step={PAUSE},rank=0")
     wait_for_pause(cluster, job_id, run_dir)
     cluster.slurm("scancel", "--signal=USR1", "--batch", job_id)  # as a preempting admin
-    job = cluster.wait_end(job_id, tmp_path, timeout=120)
+    job = cluster.wait_end(job_id, tmp_path, hang_limit(launches=2, steps=STEPS, waits=REQUEUE_S))
     assert_preempted_and_resumed(tmp_path, job_id, job)
     assert_same_losses(run_dir, reference)
 
@@ -332,7 +340,8 @@ def test_time_limit_signal_requeues_by_itself(cluster: Cluster, reference, tmp_p
     job_id, run_dir = submit(cluster, tmp_path, ["--time", "1"], sbatch=("--signal=B:USR1@15",),
                              faults=f"pause@step={PAUSE},rank=0")
     assert cluster.job(job_id)["TimeLimit"] == "00:01:00"
-    job = cluster.wait_end(job_id, tmp_path, timeout=240)
+    waits = TIME_LIMIT_S + REQUEUE_S
+    job = cluster.wait_end(job_id, tmp_path, hang_limit(launches=2, steps=STEPS, waits=waits))
     assert_preempted_and_resumed(tmp_path, job_id, job)
     assert_same_losses(run_dir, reference)
 

@@ -16,11 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import QUIET, max_rel_diff, read_records, run_cli
-
-# The module fixture trains 10 jobs, two at a time (about 300 s on 2 busy cores): more
-# than the project's default 300 s per test, which would count it against the first test.
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(900)]
+from helpers import QUIET, hang_limit, max_rel_diff, read_records, run_cli
 
 FP32_RTOL = 1e-5
 BF16_RTOL = 2e-2  # bf16 keeps 8 bits of mantissa: sums in another order differ by ~0.4 % each
@@ -57,6 +53,16 @@ RUNS = {
 }
 
 
+def _limit(name: str, launches: int = 1) -> float:
+    """The hang limit of `launches` runs like RUNS[name]."""
+    return hang_limit(launches=launches, procs=RUNS[name][0], steps=int(STEPS))
+
+
+# The module fixture trains every run (two at a time, each as slow as two), which the first
+# test carries.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(sum(map(_limit, RUNS)))]
+
+
 def _train(root: Path, name: str) -> list[float]:
     nproc, strategy, mb, accum, extra, layout = RUNS[name]
     sets = [a for kv in extra for a in ("--set", kv)]
@@ -66,7 +72,7 @@ def _train(root: Path, name: str) -> list[float]:
         "--run-dir", str(root / name), "--set", f"data.micro_batch={mb}",
         "--set", f"data.grad_accum={accum}", "--set", "data.global_batch=16",
         "--set", "checkpoint.enabled=false", "--set", "checkpoint.max_restarts=0",
-        *QUIET, *tp, *sets, cwd=root,
+        *QUIET, *tp, *sets, cwd=root, timeout=_limit(name, launches=2),
     )
     assert res.returncode == 0, f"{name} failed:\n{res.stderr[-3000:]}"
     job = json.loads((root / name / "job.json").read_text())

@@ -4,22 +4,21 @@ for people; a test only checks that they work and measure what they say)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import cli_env
+from helpers import hang_limit, run_limited
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_checkpoint_bench_saves_and_loads_a_whole_state(tmp_path: Path):
-    out = subprocess.run(
+    out = run_limited(
         [sys.executable, str(REPO / "bench" / "checkpoint.py"), "--mb", "8", "--rounds", "1",
          "--dir", str(tmp_path), "--json"],
-        capture_output=True, text=True, env=cli_env(), timeout=300,
+        what="bench/checkpoint.py --mb 8", limit=hang_limit(procs=0),
     )
     assert out.returncode == 0, out.stderr
     payload = json.loads(out.stdout[out.stdout.index("\n{") :])
@@ -50,10 +49,8 @@ def test_gpu_validate_without_cuda_says_so_in_one_line():
 
     if torch.cuda.is_available():
         pytest.skip("with CUDA the script runs its jobs: minutes, not a test")
-    out = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "gpu_validate.py")],
-        capture_output=True, text=True, env=cli_env(), timeout=120,
-    )
+    out = run_limited([sys.executable, str(REPO / "bench" / "gpu_validate.py")],
+                      what="bench/gpu_validate.py without CUDA", limit=hang_limit(procs=0))
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1 and "no CUDA device is visible" in lines[0], out.stdout

@@ -10,23 +10,22 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from helpers import QUIET, read_records, run_cli
+from helpers import QUIET, hang_limit, read_records, run_cli
 from trainwise.cli.main import main
 from trainwise.config import load_config
 from trainwise.run.observe.telemetry import RECORD_FIELDS
 
-pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.toml"))
 
 
 def test_demo_job_learns_and_records_every_step(workdir: Path, capsys):
     """`make demo` runs `trainwise train` with no arguments: this is that job."""
-    res = run_cli("train", cwd=workdir, timeout=300)
+    steps = load_config().train.steps
+    res = run_cli("train", cwd=workdir, timeout=hang_limit(steps=steps))
     assert res.returncode == 0, res.stderr[-3000:]
     (run_dir,) = list((workdir / "runs").iterdir())
     records = read_records(run_dir)
-    steps = load_config().train.steps
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     for r in records:
         assert tuple(r) == RECORD_FIELDS
@@ -73,6 +72,11 @@ BAD_INPUTS = {
     "more CPU workers than cores": (["--nproc", "4096", "--set", "cluster.device='cpu'"],
                                     "--oversubscribe"),
 }
+
+
+# The first test of each fixture carries it: every example's run, every bad input's refusal.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(hang_limit(launches=len(EXAMPLES) + len(BAD_INPUTS),
+                                                              steps=6 * len(EXAMPLES)))]
 
 
 def _bad_input(root: Path, case: str) -> tuple[Path, object]:

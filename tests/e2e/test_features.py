@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import QUIET, read_records, run_cli
+from helpers import QUIET, hang_limit, read_records, run_cli
 from trainwise.data import build_synthetic_corpus, write_token_file
 
-pytestmark = pytest.mark.e2e
+# The compile test's two runs: one compiles (about a launch's work).
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(hang_limit(launches=3, steps=30))]
 
 
 def test_training_on_a_token_file(workdir: Path):
@@ -57,7 +58,7 @@ def test_compile_and_activation_checkpointing_match_eager(workdir: Path):
         "--set",
         "parallel.ac='full'",
         cwd=workdir,
-        timeout=600,
+        timeout=hang_limit(launches=2, procs=1),  # compiling is about a launch's work
     )
     assert eager.returncode == 0 and fast.returncode == 0, fast.stderr[-3000:]
     a = [r["loss"] for r in read_records(workdir / "eager")]

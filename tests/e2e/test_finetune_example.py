@@ -7,27 +7,32 @@ equal the trained checkpoints', and both runs' answers (trainwise generate)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import cli_env
+from helpers import hang_limit, run_limited
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.e2e
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "finetune" / "run.py"
 STEPS = 50  # of each fine-tune: LoRA's loss halves with a margin (7.8 -> 2.5 here)
+PRETRAIN_STEPS = 100
+
+
+# Three trains (a one-process pretraining, two fine-tunes), the rest in the script's process.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(
+    hang_limit(launches=4, steps=PRETRAIN_STEPS + 2 * STEPS))]
 
 
 def test_the_finetune_example_runs_end_to_end(tmp_path: Path):
     out = tmp_path / "example"
-    proc = subprocess.run(
+    proc = run_limited(
         [sys.executable, str(SCRIPT), "--out", str(out), "--steps", str(STEPS),
-         "--pretrain-steps", "100"],
-        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300,
+         "--pretrain-steps", str(PRETRAIN_STEPS)],
+        cwd=tmp_path, what="examples/finetune/run.py",
+        limit=hang_limit(launches=4, steps=PRETRAIN_STEPS + 2 * STEPS),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -36,7 +41,7 @@ def test_the_finetune_example_runs_end_to_end(tmp_path: Path):
     assert (exported / "config.json").is_file() and list(exported.glob("*.safetensors"))
     assert (Path(result["adapter"]) / "adapter_config.json").is_file()
     pretrain = losses(out / "run-pretrain")
-    assert len(pretrain) == 100 and pretrain[-1] < pretrain[0] / 3
+    assert len(pretrain) == PRETRAIN_STEPS and pretrain[-1] < pretrain[0] / 3
     for run in ("full", "lora"):
         loss = losses(out / f"run-{run}")
         assert len(loss) == STEPS and [result[run]["first_loss"], result[run]["last_loss"]] \
@@ -63,10 +68,9 @@ def test_the_example_never_deletes_a_folder_it_did_not_write(tmp_path: Path):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(mine)],
-        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=60,
-    )
+    proc = run_limited([sys.executable, str(SCRIPT), "--out", str(mine)], cwd=tmp_path,
+                       what="examples/finetune/run.py onto a folder of its own",
+                       limit=hang_limit(procs=0))
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "was not written by this example" in lines[0], proc.stderr

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import QUIET, read_records, run_cli
+from helpers import QUIET, hang_limit, read_records, run_cli
 
-pytestmark = pytest.mark.e2e
+# The fixture's run compiles (about a launch's work), which the first test carries.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(hang_limit(launches=3, steps=6))]
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         *QUIET, "--set", "parallel.pp=2", "--set", "parallel.ac='full'",
         "--set", "train.compile=true",
         "--set", "data.seq_len=32", "--set", "train.eval_every=3",
-        "--set", "checkpoint.enabled=false", cwd=root, timeout=600,
+        "--set", "checkpoint.enabled=false", cwd=root,
+        timeout=hang_limit(launches=2, steps=6),  # compiling is about a launch's work
     )
     assert res.returncode == 0, res.stderr[-3000:]
     return root / "run", res.stdout + res.stderr

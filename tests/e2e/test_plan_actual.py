@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers import QUIET, run_cli
+from helpers import QUIET, hang_limit, run_cli
 from trainwise.hardware import GB
 from trainwise.report.analysis import PLAN_ERROR_FLAG, analyse
 from trainwise.report.rundir import load_run
 
 # Timings of two runs compared: under other tests' load they would compare the load.
-pytestmark = [pytest.mark.e2e, pytest.mark.serial]
+# The fixture's two runs, which the first test carries.
+pytestmark = [pytest.mark.e2e, pytest.mark.serial, pytest.mark.timeout(hang_limit(launches=3, steps=120))]
 
 # The demo's job, shorter: saves and evaluations at the same rhythm in both runs.
 DEMO = ["train", *QUIET, "--steps", "60", "--set", "checkpoint.interval=20",

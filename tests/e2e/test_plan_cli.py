@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_cli
+from helpers import hang_limit, run_cli, run_limited
 from trainwise.cli.main import main
 
 pytestmark = pytest.mark.e2e
@@ -146,16 +146,13 @@ def test_plan_imports_no_torch(tmp_path: Path):
         "rc = main(['plan', '--json', '--sweep', '1..4096']); "
         "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)"
     )
-    import subprocess
-
-    res = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
+    res = run_limited([sys.executable, "-c", code], cwd=tmp_path, what="plan in a fresh process",
+                      limit=hang_limit(procs=0))
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout)["sweep"][-1]["gpus"] == 4096
 
 
 def test_plan_as_a_process(tmp_path: Path):
-    res = run_cli("plan", "--gpus", "16", cwd=tmp_path, timeout=120)
+    res = run_cli("plan", "--gpus", "16", cwd=tmp_path, timeout=hang_limit(procs=0))
     assert res.returncode == 0, res.stderr[-2000:]
     assert "hsdp" in res.stdout and "2 nodes" in res.stdout

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import QUIET, read_records, run_cli
+from helpers import QUIET, hang_limit, read_records, run_cli
 from trainwise.cli.main import main
 from trainwise.plan.units import fmt_usd
 
@@ -35,7 +35,7 @@ def test_llama_70b_on_1024_gpus_fits_and_its_job_file_is_accepted(capsys, tmp_pa
     # communication: tests/unit/test_search.py.
     tp = rec["config"].get("parallel.tp", 1)
     assert 1 <= tp <= 8 and rec["layout"]["fsdp"]
-    res = run_cli("train", "--config", str(job), "--print-config", cwd=tmp_path, timeout=60)
+    res = run_cli("train", "--config", str(job), "--print-config", cwd=tmp_path, timeout=hang_limit(procs=0))
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"tp = {tp}" in res.stdout
     assert f"micro_batch = {rec['config']['data.micro_batch']}" in res.stdout
@@ -43,7 +43,7 @@ def test_llama_70b_on_1024_gpus_fits_and_its_job_file_is_accepted(capsys, tmp_pa
 
 def test_a_pipe_gets_every_figure_whole(tmp_path: Path):
     # A pipe is 80 columns: the tables stack their columns instead of cutting figures.
-    res = run_cli("plan", *LLAMA_70B, cwd=tmp_path, timeout=60)
+    res = run_cli("plan", *LLAMA_70B, cwd=tmp_path, timeout=hang_limit(procs=0))
     assert res.returncode == 0, res.stderr[-2000:]
     assert "…" not in res.stdout
     record = json.loads(run_cli("plan", *LLAMA_70B, "--json", cwd=tmp_path).stdout)
@@ -59,7 +59,8 @@ def test_the_emitted_job_for_3_cpu_workers_trains(tmp_path: Path):
     job = tmp_path / "job.toml"
     res = run_cli(
         "plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "3", "--seq", "64",
-        "--global-batch", "32", "--emit", str(job), "--json", cwd=tmp_path, timeout=60,
+        "--global-batch", "32", "--emit", str(job), "--json", cwd=tmp_path,
+        timeout=hang_limit(procs=0),
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "global batch 33 instead of 32" in res.stderr

@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 from faulty import References
 
+from helpers import shared_dir
+
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> References:
-    """The uninterrupted runs that interrupted ones must match."""
-    return References(tmp_path_factory.mktemp("reference"))
+def reference() -> References:
+    """The uninterrupted runs that interrupted ones must match, made once a session for all
+    of its pytest-xdist workers."""
+    return References(shared_dir() / "reference")

@@ -9,11 +9,21 @@ import shutil
 from pathlib import Path
 
 import pytest
-from faulty import STEPS, References, assert_identical, final_weights, finish, job_args, start
+from faulty import (
+    STEPS,
+    References,
+    assert_identical,
+    fault_limit,
+    final_weights,
+    finish,
+    job_args,
+    start,
+)
 
 from helpers import read_records
 
-pytestmark = pytest.mark.dist
+# Each test's limit: its runs and the references it may wait for.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit())]
 
 # One in-process worker. The reference run has checkpoints at 4, 8 and 12 (keep_last = 3).
 
@@ -72,7 +82,7 @@ def test_corrupted_and_truncated_checkpoints_are_skipped(workdir: Path, referenc
     skipped = events(run_dir, "checkpoint_skipped")
     assert [Path(e["path"]).name for e in skipped] == ["step-00000012", "step-00000008"]
     # Steps 5..12 were trained again from step 4's exact state.
-    assert_identical(reference.weights(1, "single"), final_weights(run_dir, workdir))
+    assert_identical(reference.weights(1, "single"), final_weights(run_dir))
 
     for step in (4, 8, 12):
         flip(shard(run_dir, step))
@@ -102,7 +112,7 @@ def test_two_ranks_share_the_hashing_and_a_mismatch_found_by_rank_1_is_reported(
     warnings = [line for line in err.splitlines() if "is invalid and skipped" in line]
     assert len(warnings) == 1 and f"{odd[0]}: xxh3 mismatch" in warnings[0], err
     assert "resuming from step 8" in err
-    assert_identical(reference.weights(2, "ddp"), final_weights(run_dir, workdir))
+    assert_identical(reference.weights(2, "ddp"), final_weights(run_dir))
 
 
 def test_nonfinite_skip_skips_one_update(workdir: Path):
@@ -124,7 +134,7 @@ def test_nonfinite_rollback_reloads_the_last_checkpoint(workdir: Path, reference
     assert "step 6: rolled back to step 4" in err
     assert [e["to_step"] for e in events(run_dir, "rollback")] == [4]
     # A transient fault: after the rollback the run is the one that never saw it.
-    assert_identical(reference.weights(1, "single"), final_weights(run_dir, workdir))
+    assert_identical(reference.weights(1, "single"), final_weights(run_dir))
 
 
 def test_nonfinite_rollback_gives_up_when_the_fault_repeats(workdir: Path):

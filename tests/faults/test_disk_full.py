@@ -9,14 +9,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from faulty import job_args, tmpfs
+from faulty import fault_limit, job_args, tmpfs
 
 from helpers import run_cli
 from trainwise.config import load_config
 from trainwise.hardware import detect_device
 from trainwise.run.job.resolve import prepare_job
 
-pytestmark = pytest.mark.dist
+# Each test's limit: its runs and the references it may wait for.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit())]
 
 FP32 = 4
 ADAM_STATES = 2  # exp_avg and exp_avg_sq, each the size of the parameters

@@ -13,15 +13,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from faulty import finish, job_args, kill, start, wait_for_pid
+from faulty import fault_limit, finish, job_args, kill, start, wait_for_pid
 
-from helpers import run_cli
+from helpers import hang_limit, run_cli, run_limited, wait_until
 
-pytestmark = pytest.mark.dist
+# Each test's limit: its runs and the references it may wait for, and for the first, the module fixture's runs.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit(launches=3))]
 mlflow = pytest.importorskip("mlflow", reason="pip install 'trainwise[mlflow]'")
 
 STEPS = 8
@@ -44,14 +44,14 @@ def mlflow_run(run_dir: Path):
 
 def wait_for_mlflow_step(run_dir: Path, step: int, proc: subprocess.Popen) -> None:
     """The tracker logs on the metrics thread, after metrics.jsonl: wait until it has."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if (run_dir / "trackers.json").is_file():
-            client, run_id = mlflow_run(run_dir)
-            if any(m.step == step for m in client.get_metric_history(run_id, "loss")):
-                return
-        time.sleep(0.2)
-    raise AssertionError(f"MLflow never got step {step}")
+
+    def logged() -> bool:
+        if not (run_dir / "trackers.json").is_file():
+            return False
+        client, run_id = mlflow_run(run_dir)
+        return any(m.step == step for m in client.get_metric_history(run_id, "loss"))
+
+    wait_until(logged, limit=hang_limit(), what=f"MLflow's loss of step {step}", procs=[proc])
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +111,9 @@ def wandb_history(run_dir: Path) -> tuple[dict[int, float], int]:
     logs = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
     history: dict[int, float] = {}
     for log in logs:
-        shown = subprocess.run(
+        shown = run_limited(
             [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log)],
-            capture_output=True, text=True, timeout=120,
+            what=f"wandb's reader of {log.name}", limit=hang_limit(),
         )
         assert shown.returncode == 0, shown.stderr
         for line in shown.stdout.splitlines():

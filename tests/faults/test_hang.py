@@ -10,25 +10,37 @@ import re
 from pathlib import Path
 
 import pytest
-from faulty import References, assert_identical, final_weights, finish, job_args, start
+from faulty import (
+    STEPS,
+    References,
+    assert_identical,
+    fault_limit,
+    final_weights,
+    finish,
+    job_args,
+    start,
+)
 
-from helpers import run_cli
+from helpers import hang_limit, run_cli
 from trainwise.run.observe.hang import REARM_SHARE
 
-pytestmark = pytest.mark.dist
+# Each test's limit: its runs and the references it may wait for.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit())]
 
 # The job's collective timeout, which the hang is detected by. It also bounds how far apart
 # the two workers may reach their first collectives (gloo's connect at start-up gives up
-# after it): their imports alone take about 3 s of CPU each, so at 5 s one worker a few times
-# slower than the other on a loaded machine failed the start-up instead of step 6. 20 s
-# allows one worker 7x slower; the price is 15 s more of waiting for the hung rank.
-TIMEOUT_S = 20
+# after it), so it is a whole launch's expected time on this machine now (hang_limit's
+# without its safety factor): one worker's start-up lagging the other's by more than the
+# whole launch takes is a hang. The price is that much waiting for the hung rank.
+TIMEOUT_S = round(hang_limit(factor=1))
 
 
 def test_a_hung_rank_is_named_and_the_group_restarts(workdir: Path, reference: References):
     run_dir = workdir / "run"
     args = job_args(run_dir, 2, "ddp", "--set", f"parallel.timeout_s={TIMEOUT_S}")
-    rc, _, err = finish(start(args, workdir, faults="hang@step=6,rank=1,seconds=300"))
+    hang = f"hang@step=6,rank=1,seconds={10 * TIMEOUT_S}"  # far past the timeout
+    limit = hang_limit(launches=2, steps=2 * STEPS, waits=TIMEOUT_S)  # with a restart
+    rc, _, err = finish(start(args, workdir, faults=hang), limit)
     assert rc == 0, err
 
     line = next(x for x in err.splitlines() if "step 6: rank 0 waited" in x)
@@ -42,7 +54,7 @@ def test_a_hung_rank_is_named_and_the_group_restarts(workdir: Path, reference: R
     assert any(e["kind"] == "failure" for e in log)
     resume = next(e for e in log if e["kind"] == "resume")
     assert resume["step"] == 4 and resume["attempt"] == 1
-    assert_identical(reference.weights(2, "ddp"), final_weights(run_dir, workdir))
+    assert_identical(reference.weights(2, "ddp"), final_weights(run_dir))
 
     # The waiting rank's stacks, named in its event and shown by the report.
     assert seen["dump"] == "hang/rank-0.txt"

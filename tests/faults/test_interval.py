@@ -8,11 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
-from faulty import job_args
+from faulty import fault_limit, job_args
 
 from helpers import run_cli
 
-pytestmark = pytest.mark.dist
+# Each test's limit: its runs and the references it may wait for.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit())]
 
 
 def saved_steps(run_dir: Path) -> list[int]:

@@ -12,6 +12,7 @@ import pytest
 from faulty import (
     References,
     assert_identical,
+    fault_limit,
     final_weights,
     finish,
     job_args,
@@ -22,7 +23,8 @@ from faulty import (
 
 from helpers import run_cli
 
-pytestmark = pytest.mark.dist
+# Each test's limit: its runs and the references it may wait for.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit())]
 
 
 def events(run_dir: Path) -> list[dict]:
@@ -49,7 +51,7 @@ def test_sigkill_restart_resumes_exactly(workdir: Path, reference: References, s
     assert cost["failures"] == 1 and cost["downtime_s"] > 0 and cost["recomputed_s"] > 0
     assert "1 failure cost" in out
 
-    assert_identical(reference.weights(2, strategy), final_weights(broken, workdir))
+    assert_identical(reference.weights(2, strategy), final_weights(broken))
     if strategy == "ddp":  # the report prices the same events: downtime plus recomputation
         made = run_cli("report", str(broken), "--format", "json", cwd=workdir)
         assert made.returncode == 0, made.stderr

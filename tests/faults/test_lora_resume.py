@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from faulty import finish, job_args, kill, start, wait_for_pid
+from faulty import fault_limit, finish, job_args, kill, start, wait_for_pid
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from helpers import read_records, run_cli, tiny_llama
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.dist
+# Each test's limit: its runs and the references it may wait for, and for the first, the module fixture's runs.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit(launches=4))]
 
 STEPS = 8  # a checkpoint every 4 (job_args)
 

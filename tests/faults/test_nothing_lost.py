@@ -9,16 +9,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from faulty import STEPS, References, finish, start, wait_for_pid
+from faulty import STEPS, References, fault_limit, finish, start, wait_for_pid
 from faulty import job_args as fault_job_args
 
-from helpers import cli_env, read_records, run_cli
+from helpers import cli_env, communicate, hang_limit, read_records, run_cli, wait_until
 
-pytestmark = pytest.mark.dist
+# Each test's limit: its runs and the references it may wait for.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit())]
 
 
 def job_args(run_dir: Path, nproc: int, strategy: str, *extra: str, steps: int = STEPS):
@@ -70,15 +70,9 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def wait_gone(pids: set[int], timeout: float = 60) -> set[int]:
-    """The pids still alive after `timeout` (polled; returns as soon as all are gone)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        left = {p for p in pids if alive(p)}
-        if not left:
-            return set()
-        time.sleep(0.1)
-    return {p for p in pids if alive(p)}
+def wait_gone(pids: set[int], what: str) -> None:
+    """Returns once every process of `pids` has ended; fails (Hung) after a launch's limit."""
+    wait_until(lambda: not any(map(alive, pids)), limit=hang_limit(), what=what)
 
 
 def start_in_session(args: list[str], cwd: Path, faults: str = "") -> subprocess.Popen:
@@ -194,8 +188,8 @@ def test_workers_die_with_a_killed_launcher_after_saving(workdir: Path, referenc
     workers = descendants(proc.pid)
     assert len(workers) >= 2
     proc.kill()  # SIGKILL: no handler, no forwarding
-    proc.communicate(timeout=30)
-    assert wait_gone(workers) == set(), "workers outlived their launcher"
+    communicate(proc, limit=hang_limit(), what="the killed launcher's end")
+    wait_gone(workers, "the end of the workers of a killed launcher")
 
     stop = next(e for e in events(run_dir) if e["kind"] == "preempted")
     # The stop is agreed one exchange later, on every rank at once: after step 7.
@@ -220,7 +214,7 @@ def test_ctrl_c_and_a_closed_terminal_save_and_say_where_to_resume(
     assert f"stopped by {sig.name} after step 7" in out and "run the same command again" in out
     assert "step-00000007" in out
     assert "Traceback" not in err and len(complaint_lines(err)) <= 3, err
-    assert wait_gone(workers) == set()
+    wait_gone(workers, f"the end of the workers after {sig.name}")
 
     again = run_cli(*job_args(run_dir, 2, "ddp"), cwd=workdir)
     assert again.returncode == 0, again.stderr
@@ -238,11 +232,11 @@ def test_a_second_ctrl_c_stops_at_once_without_a_save(workdir: Path):
     os.killpg(proc.pid, signal.SIGINT)
     wait_for_pid(proc, run_dir / "faults" / "pause_in_save-step-7.pid")
     os.killpg(proc.pid, signal.SIGINT)
-    rc, out, err = finish(proc, timeout=60)
+    rc, out, err = finish(proc, limit=hang_limit())
     assert rc == 130, (out, err)
     assert "Traceback" not in err and len(complaint_lines(err)) <= 3, err
     assert "step-00000004" in err  # where the run can resume from
-    assert wait_gone(workers) == set()
+    wait_gone(workers, "the end of the workers after a second SIGINT")
     assert not (run_dir / "checkpoints" / "step-00000007").exists()
 
 
@@ -262,8 +256,9 @@ def test_a_full_run_directory_ends_the_job_at_once(workdir: Path, tmp_path: Path
         run_dir, ckpts = mount / "run", tmp_path / "ckpts"
         args = job_args(run_dir, 2, "ddp", "--set", f"checkpoint.dir={ckpts}",
                         "--set", "logging.flush_every=1")
-        proc = start(args, workdir, faults="pause@step=6,rank=0,seconds=3")
-        wait_for_pid(proc, run_dir / "faults" / "pause-step-6.pid")
+        proc = start(args, workdir, faults="pause@step=6,rank=0")
+        marker = run_dir / "faults" / "pause-step-6.pid"
+        wait_for_pid(proc, marker)
         with open(mount / "filler", "wb") as filler:  # the disk fills while the run pauses
             try:
                 while True:
@@ -271,6 +266,7 @@ def test_a_full_run_directory_ends_the_job_at_once(workdir: Path, tmp_path: Path
                     filler.flush()
             except OSError:
                 pass
+        marker.with_suffix(".go").touch()  # then it goes on, onto a full disk
         rc, out, err = finish(proc)
         assert rc == 1, err
         assert "Traceback" not in err and "restart" not in err.lower(), err

@@ -14,6 +14,7 @@ from faulty import (
     STEPS,
     References,
     assert_identical,
+    fault_limit,
     final_weights,
     finish,
     job_args,
@@ -21,7 +22,8 @@ from faulty import (
     wait_for_pid,
 )
 
-pytestmark = pytest.mark.dist
+# Each test's limit: its runs and the references it may wait for.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit())]
 
 
 def preempt(workdir: Path, run_dir: Path, sig: signal.Signals) -> dict:
@@ -57,7 +59,7 @@ def test_sigterm_saves_exits_143_and_resumes_exactly(workdir: Path, reference: R
     assert f"resuming from step {stop['step']}" in err
     assert f"stopped by SIGTERM after step {stop['step']}; resumed from step {stop['step']}" in err
     assert "0 step(s) redone" in err
-    assert_identical(reference.weights(2, "fsdp"), final_weights(run_dir, workdir))
+    assert_identical(reference.weights(2, "fsdp"), final_weights(run_dir))
 
 
 def test_sigusr1_is_a_preemption_too(workdir: Path):

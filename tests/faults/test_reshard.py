@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from faulty import STEPS, References, job_args
+from faulty import STEPS, References, fault_limit, job_args
 from safetensors.torch import load_file
 
 from helpers import read_records, run_cli
@@ -24,7 +24,8 @@ from trainwise.run.engine.precision import autocast_context
 from trainwise.run.engine.step import evaluate
 from trainwise.run.job.resolve import prepare_job
 
-pytestmark = pytest.mark.dist
+# Each test's limit: its runs and the references it may wait for.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit())]
 
 RESUME_AT = 4
 LAYOUTS = {"fsdp2": (2, "fsdp"), "ddp2": (2, "ddp"), "single": (1, "single")}

@@ -24,11 +24,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from faulty import finish, job_args, kill, start, wait_for_pid
+from faulty import fault_limit, finish, job_args, kill, start, wait_for_pid
 
 from helpers import read_records, run_cli, tiny_llama
 
-pytestmark = pytest.mark.dist
+# Each test's limit: its runs and the references it may wait for, and for the first, the module fixture's runs.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit(launches=5))]
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 256  # the synthetic data's: the pretrained vocabulary must hold its ids

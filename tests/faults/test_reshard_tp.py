@@ -14,6 +14,8 @@ import torch
 from faulty import (
     References,
     assert_identical,
+    exported_weights,
+    fault_limit,
     final_weights,
     finish,
     job_args,
@@ -24,7 +26,8 @@ from faulty import (
 
 from helpers import read_records, run_cli
 
-pytestmark = pytest.mark.dist
+# Each test's limit: its runs and the references it may wait for, and for the first, the module fixture's runs.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit(launches=1))]
 
 RESUME_AT = 4
 # name -> (nproc, strategy, extra): micro-batches keep the global batch at 16.
@@ -91,7 +94,7 @@ def test_export_of_a_tp_checkpoint_is_the_whole_model(
 ):
     """The exported 2 x 2 model equals the single-process model trained alike (to float
     rounding): every shard was gathered under its plain name."""
-    tp, single = final_weights(tp_run, workdir), reference.weights(1, "single")
+    tp, single = exported_weights(tp_run, workdir), reference.weights(1, "single")
     assert tp.keys() == single.keys()
     for name in tp:
         torch.testing.assert_close(tp[name], single[name], rtol=1e-4, atol=1e-5, msg=name)
@@ -105,4 +108,4 @@ def test_sigkill_under_tp_resumes_exactly(workdir: Path, tp_run: Path):
     rc, _, err = finish(proc)
     assert rc == 0, err
     assert "resuming from step 8" in err
-    assert_identical(final_weights(tp_run, workdir), final_weights(broken, workdir))
+    assert_identical(final_weights(tp_run), final_weights(broken))

@@ -9,11 +9,12 @@ import json
 from pathlib import Path
 
 import pytest
-from faulty import fill_disk, finish, job_args, start, tmpfs, wait_for_pid
+from faulty import fault_limit, fill_disk, finish, job_args, start, tmpfs, wait_for_pid
 
 from helpers import QUIET, run_cli
 
-pytestmark = pytest.mark.dist
+# Each test's limit: its runs and the references it may wait for.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit())]
 
 STEPS = 16
 # Records are written only before each save (every 8 steps) and at the end: the 8 records

@@ -16,6 +16,7 @@ import pytest
 from faulty import (
     References,
     assert_identical,
+    fault_limit,
     final_weights,
     finish,
     job_args,
@@ -25,7 +26,8 @@ from faulty import (
 
 from helpers import run_cli
 
-pytestmark = pytest.mark.dist
+# Each test's limit: its runs and the references it may wait for, and for the first, the module fixture's runs.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit(launches=1))]
 
 # The reference run (1 x single) has checkpoints at 4, 8 and 12.
 
@@ -72,7 +74,7 @@ def test_a_garbled_newest_manifest_is_named_skipped_and_kept(
     # The new step 12 took the name; the damaged one was moved aside, byte for byte.
     kept = list((run_dir / "checkpoints" / "previous").glob("*-unknown/step-00000012"))
     assert len(kept) == 1 and contents(kept[0]) == before, err
-    assert_identical(reference.weights(1, "single"), final_weights(run_dir, workdir))
+    assert_identical(reference.weights(1, "single"), final_weights(run_dir))
 
 
 def test_no_readable_manifest_stops_with_one_line_and_deletes_nothing(

@@ -8,13 +8,13 @@ import hashlib
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import xxhash
 
+from helpers import hang_limit, run_limited
 from trainwise.run.checkpoint import store as cs
 from trainwise.run.checkpoint.store import (
     FORMAT,
@@ -407,17 +407,12 @@ def test_scan_files_and_dir_bytes(tmp_path: Path):
 def test_module_does_not_import_torch():
     source = Path(cs.__file__).read_text()
     assert not re.search(r"^\s*(import|from)\s+torch\b", source, re.MULTILINE)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import trainwise.run.checkpoint.store, sys; print('torch' in sys.modules)",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
+    result = run_limited(
+        [sys.executable, "-c",
+         "import trainwise.run.checkpoint.store, sys; print('torch' in sys.modules)"],
+        what="an import of trainwise.run.checkpoint.store", limit=hang_limit(procs=0),
     )
+    assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 
+from helpers import hang_limit, run_limited
 from trainwise.run.engine.control import AGREE_EVERY_S, SLURM_REPEAT_S, Cadence, is_repeat
 
 
@@ -50,8 +50,8 @@ print(control.signal_name, control.exchange(1))
 def test_a_worker_survives_the_double_delivery_only_in_a_slurm_step(step, survives):
     env = {k: v for k, v in os.environ.items() if k != "SLURM_STEP_ID"}
     env.update({"SLURM_STEP_ID": step} if step else {})
-    done = subprocess.run([sys.executable, "-c", DOUBLE_DELIVERY], env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = run_limited([sys.executable, "-c", DOUBLE_DELIVERY], env=env,
+                       what="a worker signalled twice", limit=hang_limit(procs=0))
     if survives:
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == "SIGUSR1 (True, False)"  # one stop, at the next step

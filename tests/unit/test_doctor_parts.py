@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -135,9 +136,7 @@ def test_terminal_rendering_has_colour_only_in_a_terminal():
     assert "\x1b[" in tty.getvalue()
 
 
-def test_a_slowed_dataset_sleeps_per_sample_and_keeps_its_items():
-    import time
-
+def test_a_slowed_dataset_sleeps_per_sample_and_keeps_its_items(monkeypatch):
     faults = parse_faults("slow_data@seconds=0.02;slow_network@gbps=0.5")
     assert [(f.kind, f.seconds, f.gbps) for f in faults] == [
         ("slow_data", 0.02, None),
@@ -148,9 +147,10 @@ def test_a_slowed_dataset_sleeps_per_sample_and_keeps_its_items():
     fault = {"TRAINWISE_FAULTS": "slow_data@seconds=0.02"}
     slow = Faults.from_env(0, Path("unused"), 0, fault).data(data)
     assert isinstance(slow, SlowDataset) and len(slow) == 3
-    start = time.perf_counter()
+    slept: list[float] = []
+    monkeypatch.setattr("trainwise.faults.time", SimpleNamespace(sleep=slept.append))
     assert [slow[i] for i in range(3)] == data
-    assert time.perf_counter() - start >= 0.06
+    assert slept == [0.02] * 3  # each sample's load waits the fault's seconds
 
 
 def test_the_fsdp_verdict_is_finite_for_the_default_job():

@@ -7,10 +7,11 @@ import json
 import multiprocessing as mp
 import random
 import sys
-import time
+from types import SimpleNamespace
 
 import pytest
 
+from helpers import hang_limit, wait_until
 from trainwise.jsonl import JsonlError, cut_torn_files, cut_torn_tail
 from trainwise.run.observe.events import (
     EVENTS_FILE,
@@ -37,11 +38,14 @@ def fail(t: float, rank: int = 0) -> dict:
 # ---- the log file -------------------------------------------------------------------------
 
 
-def test_round_trip(tmp_path):
-    before = time.time()
+def test_round_trip(tmp_path, monkeypatch):
+    from trainwise.run.observe import events
+
+    monkeypatch.setattr(events, "time", SimpleNamespace(time=lambda: 4567.25))  # the clock
     a = append_event(tmp_path, "start", world_size=2)
     b = append_event(tmp_path, "checkpoint", time=123.5, step=10, step_time=120.0, path="x")
-    assert before <= a["time"] <= time.time()
+    monkeypatch.undo()
+    assert a["time"] == 4567.25
     assert a == {"time": a["time"], "kind": "start", "world_size": 2}
     assert b == {"time": 123.5, "kind": "checkpoint", "step": 10, "step_time": 120.0, "path": "x"}
     assert read_events(tmp_path) == [a, b]
@@ -108,7 +112,8 @@ def test_concurrent_appends_do_not_interleave(tmp_path):
     for p in procs:
         p.start()
     for p in procs:
-        p.join(60)
+        wait_until(lambda p=p: p.exitcode is not None, limit=hang_limit(procs=0),
+                   what=f"the end of writer process {p.pid}")
         assert p.exitcode == 0
     lines = (tmp_path / EVENTS_FILE).read_text().splitlines()
     assert len(lines) == N_PROCS * N_LINES

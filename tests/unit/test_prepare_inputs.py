@@ -10,14 +10,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from test_prepare import DOCS, _bpe_tokenizer, _documents, _jsonl
 
-from helpers import cli_env, run_cli
+from helpers import cli_env, communicate, hang_limit, run_cli, run_limited, wait_until
 from trainwise.data import build_datasets
 from trainwise.data.prepare import BATCH, COMMIT_BATCHES, load_tokenizer, prepare
 from trainwise.data.progress_line import ProgressLine
@@ -115,13 +114,11 @@ def _killed_after_first_commit(src: Path, out: Path, *extra: str) -> None:
     proc = subprocess.Popen(_prepare_cmd(src, out, *extra), env={**cli_env(), ENV: "pause_in_prepare@commit=1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     marker = out.with_name(out.name + ".partial.pid")
-    deadline = time.monotonic() + 120
-    while not marker.exists():  # the prepare pauses at its first commit until killed
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "the prepare never reached its first commit"
-        time.sleep(0.05)
+    # The prepare pauses at its first commit until killed.
+    wait_until(marker.exists, limit=hang_limit(procs=0), what="the prepare's first commit",
+               procs=[proc])
     os.kill(int(marker.read_text()), signal.SIGKILL)
-    proc.wait(timeout=60)
+    communicate(proc, limit=hang_limit(procs=0), what="the killed prepare's end")
     marker.unlink()
 
 
@@ -131,12 +128,12 @@ def test_a_killed_prepare_resumes_to_the_same_bytes(tmp_path: Path):
     assert not (tmp_path / "out").exists()  # nothing looks complete
     partial = tmp_path / "out.partial"
     assert json.loads((partial / "progress.json").read_text())["items"] == BATCH * COMMIT_BATCHES
-    resumed = subprocess.run(_prepare_cmd(src, tmp_path / "out"), env=cli_env(),
-                             capture_output=True, text=True, timeout=300)
+    resumed = run_limited(_prepare_cmd(src, tmp_path / "out"), what="the resumed prepare",
+                          limit=hang_limit(procs=0))
     assert resumed.returncode == 0, resumed.stderr
     assert f"after {BATCH * COMMIT_BATCHES} records" in resumed.stderr
-    whole = subprocess.run(_prepare_cmd(src, tmp_path / "whole"), env=cli_env(),
-                           capture_output=True, text=True, timeout=300)
+    whole = run_limited(_prepare_cmd(src, tmp_path / "whole"), what="a whole prepare",
+                        limit=hang_limit(procs=0))
     assert whole.returncode == 0, whole.stderr
     _same_output(tmp_path / "out", tmp_path / "whole")
     assert not partial.exists()

@@ -3,10 +3,9 @@ only without the final collections' walk over the heap."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
-from helpers import cli_env
+from helpers import hang_limit, run_limited
 
 PROBE = """
 import atexit, gc, sys
@@ -19,7 +18,7 @@ exit_process(int(sys.argv[1]))
 
 def test_the_status_the_atexit_handlers_and_the_buffered_output_survive():
     for status in (0, 3):
-        done = subprocess.run([sys.executable, "-c", PROBE, str(status)], capture_output=True,
-                              text=True, env=cli_env(), timeout=60)
+        done = run_limited([sys.executable, "-c", PROBE, str(status)],
+                           what=f"a process that exits {status}", limit=hang_limit(procs=0))
         assert done.returncode == status, done.stderr
         assert done.stdout == "buffered, not flushedatexit ran, frozen True\n", done.stdout

@@ -21,6 +21,7 @@ import pytest
 import tomli_w
 import yaml
 
+from helpers import hang_limit, run_limited
 from trainwise.cli.main import build_parser, main
 from trainwise.cli.train import job_flags
 from trainwise.config import JobConfig, load_config, read_toml
@@ -400,8 +401,8 @@ def test_the_script_requeues_a_stop_and_nothing_else(srun_exit, requeued, status
     env = {"PATH": f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin",
            "SLURM_JOB_NODELIST": "node[001-002]", "SLURM_JOB_ID": "4242",
            "SRUN_EXIT": str(srun_exit)}
-    done = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=60)
+    done = run_limited(["bash", str(script)], cwd=tmp_path, env=env,
+                       what="the sbatch script on a fake Slurm", limit=hang_limit(procs=0))
     assert done.returncode == status, done.stderr
     assert (tmp_path / "requeued").exists() == requeued
     words = (tmp_path / "srun.args").read_text().splitlines()
