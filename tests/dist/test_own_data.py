@@ -23,7 +23,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ import pytest
 import torch
 
 import user_job
-from helpers import QUIET, cli_env, hang_limit, max_rel_diff, read_records, run_cli
+from helpers import QUIET, cli_env, hang_limit, max_rel_diff, read_records, run_cli, wait_until
 from trainwise.data import ShardedBatchSampler
 
 STEPS = 12
@@ -75,7 +74,7 @@ def job_args(run_dir: Path, dataset: str, layout: str, *sets: str, steps: int = 
         "model.name=user_job:build", f"data.dataset={dataset}",
         f"data.micro_batch={lay.micro_batch}", "data.global_batch=16",
         f"train.eval_every={steps}", "checkpoint.interval=4", "checkpoint.keep_last=3",
-        "parallel.timeout_s=60", "logging.probe_every=0", *lay.sets, *sets,
+        f"parallel.timeout_s={hang_limit():g}", "logging.probe_every=0", *lay.sets, *sets,
     ]
     return [
         "train", "--nproc", str(lay.nproc), "--strategy", lay.strategy, "--steps", str(steps),
@@ -166,15 +165,7 @@ def trained_state(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 
 def wait_for(proc: subprocess.Popen, marker: Path, limit: float) -> int:
     """The pid a paused worker wrote; fails at once if the run ended before pausing."""
-    deadline = time.monotonic() + limit
-    while not marker.exists():
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            raise AssertionError(f"the run ended before {marker.name}:\n{out}\n{err}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"{marker} did not appear in {limit} s")
-        time.sleep(0.05)
+    wait_until(marker.exists, limit=limit, what=marker.name, procs=[proc])
     return int(marker.read_text())
 
 

@@ -18,7 +18,7 @@ import pytest
 import own_models
 import trainwise
 import user_job
-from helpers import cli_env
+from helpers import cli_env, hang_limit
 from trainwise.api import JOB_KEYWORDS, PLAN_KEYWORDS, JobSpec, job_spec
 from trainwise.cli.main import main
 from trainwise.errors import ConfigError, ModelError
@@ -82,7 +82,7 @@ def test_import_and_a_presets_plan_import_no_torch():
         "print(plan.recommendation.strategy)\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=hang_limit()
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()
