@@ -33,6 +33,7 @@ _LAZY = {
     "model_kind": "registry",
     "preset_names": "registry",
     "resolve_shape": "registry",
+    "resolve_moe_shape": "registry",
     "takes_example_ids": "registry",
     "tp_model_problems": "registry",
 }
