@@ -35,27 +35,34 @@ CASES = {
     "fsdp4-accum": (1, 2, 4, ["parallel.strategy='fsdp'"]),
     "pp2-fsdp2": (2, 1, 2, ["parallel.strategy='fsdp'", "parallel.pp=2"]),
     "fsdp2-tp2": (2, 1, 2, ["parallel.strategy='fsdp'", "parallel.tp=2"]),
+    # A Hugging Face Qwen3-MoE directory (q/k norms over this rank's heads under TP, heads
+    # of 16 on a width of 32), its pretrained weights loaded into the sharded model.
+    "qwen3-fsdp2-tp2": (2, 1, 2, ["parallel.strategy='fsdp'", "parallel.tp=2"]),
 }
+QWEN3 = ["model.name='hf:{root}/qwen3moe'", "model.impl='trainwise'", "data.vocab_size=98"]
 
 
-def overrides(mb: int, accum: int, layout: list[str]) -> list[str]:
+def overrides(name: str, root: Path, mb: int, accum: int, layout: list[str]) -> list[str]:
+    model = [k.format(root=root) for k in QWEN3] if name.startswith("qwen3") else [
+        "model.name='moe-tiny'"]
     return [
-        "model.name='moe-tiny'", "data.seq_len=32", "data.synthetic_tokens=20000",
+        *model, "data.seq_len=32", "data.synthetic_tokens=20000",
         f"data.micro_batch={mb}", f"data.grad_accum={accum}", "checkpoint.enabled=false",
         "optim.lr=0.003", *MOE, *layout,
     ]
 
 
-def case_run(name: str, pipeline: bool) -> dict:
+def case_run(name: str, root: Path, pipeline: bool) -> dict:
     """STEPS steps of case `name` on this process group (`pipeline`: its layout) or on one
     process (its global batch as one micro-batch a step, accumulated as the case does)."""
     mb, accum, dp, layout = CASES[name]
-    keys = overrides(mb, accum, layout) if pipeline else overrides(
-        mb * dp, accum, ["parallel.strategy='single'"])
+    keys = overrides(name, root, mb, accum, layout) if pipeline else overrides(
+        name, root, mb * dp, accum, ["parallel.strategy='single'"])
     cfg = load_config(overrides=keys)
     world = dist.get_world_size() if pipeline else 1
     job = prepare_job(cfg, world, detect_device("cpu"), world)
     trainer = build_trainer(cfg, job, torch.device("cpu"))
+    read = reread(trainer.parts[0], root) if name.startswith("qwen3") else None
     batches = iter(build_loader(
         job.datasets[0], micro_batch=cfg.data.micro_batch, grad_accum=job.grad_accum,
         dp_rank=trainer.dp_rank, dp_size=trainer.dp_size, seed=cfg.train.seed,
@@ -74,13 +81,22 @@ def case_run(name: str, pipeline: bool) -> dict:
         "eval": trainer.evaluate(evaluation),
         "biases": {i: r.expert_bias.tolist() for i, r in routers(trainer.parts).items()},
         "layout": job.dims.describe(),
+        "read": read,
     }
+
+
+def reread(part: torch.nn.Module, root: Path) -> dict:
+    """The pretrained weights read into the built model once more (the same values): the
+    bytes this rank read, of all the files' and of their experts'."""
+    from trainwise.models.moe.hf import load_moe_weights
+
+    return load_moe_weights(part, root / "qwen3moe", "qwen3_moe", 4, "test")
 
 
 def main(root: str) -> None:
     faulthandler.enable()  # a crash in C++ (gloo, teardown) prints where it happened
     dist.init_process_group("gloo")
-    out = {name: case_run(name, True) for name in CASES}
+    out = {name: case_run(name, Path(root), True) for name in CASES}
     (Path(root) / f"rank{dist.get_rank()}.json").write_text(json.dumps(out))
     destroy_process_group()
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import cli_env, hang_limit, max_rel_diff, worker_failure
+from helpers import cli_env, hang_limit, max_rel_diff, tiny_moe, worker_failure
 
 WORKER = Path(__file__).with_name("moe_worker.py")
 _spec = importlib.util.spec_from_file_location("moe_worker", WORKER)
@@ -30,8 +30,14 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(LIMIT)]
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    root = tmp_path_factory.mktemp("moe")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("moe")
+    tiny_moe(folder / "qwen3moe", vocab=98)  # 2-way TP divides the vocabulary
+    return folder
+
+
+@pytest.fixture(scope="module")
+def ranks(root: Path) -> list[dict]:
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
          "--standalone", str(WORKER), str(root)],
@@ -46,12 +52,13 @@ LAYOUTS = {
     "fsdp4-accum": "dp_replicate 1 x dp_shard 4 x tp 1",
     "pp2-fsdp2": "pp 2 x dp_replicate 1 x dp_shard 2 x tp 1",
     "fsdp2-tp2": "dp_replicate 1 x dp_shard 2 x tp 2",
+    "qwen3-fsdp2-tp2": "dp_replicate 1 x dp_shard 2 x tp 2",
 }
 
 
 @pytest.mark.parametrize("name", list(moe_worker.CASES))
-def test_layout_trains_one_processs_model(ranks, name):
-    got, want = ranks[0][name], moe_worker.case_run(name, pipeline=False)
+def test_layout_trains_one_processs_model(ranks, root, name):
+    got, want = ranks[0][name], moe_worker.case_run(name, root, pipeline=False)
     assert got["layout"] == LAYOUTS[name]
     steps = moe_worker.STEPS
     assert max_rel_diff(got["losses"], want["losses"], steps) <= RTOL
@@ -64,3 +71,18 @@ def test_layout_trains_one_processs_model(ranks, name):
     held = {int(k): v for r in ranks for k, v in r[name]["biases"].items()}
     assert held == {int(k): v for k, v in want["biases"].items()}
     assert any(b != 0 for bias in held.values() for b in bias)  # the update ran
+
+
+def test_each_rank_reads_its_experts_only(ranks, root):
+    """FSDP over dp_shard 2 holds half the experts a rank (rows of the [E, ...] weights):
+    each rank opens those experts' tensors in the files and no other expert's (a TP pair
+    the same ones), and a slice of every other tensor."""
+    from safetensors import safe_open
+
+    with safe_open(str(root / "qwen3moe" / "model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+    experts = sum(".experts." in k for k in keys)
+    assert experts == 2 * 4 * 3  # layers x experts x (gate, up, down)
+    reads = [r["qwen3-fsdp2-tp2"]["read"] for r in ranks]
+    assert all(r["tensors_read"] == len(keys) - experts // 2 for r in reads), reads
+    assert all(r["bytes_read"] < r["bytes_total"] / 2 for r in reads), reads
