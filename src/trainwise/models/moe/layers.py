@@ -105,7 +105,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, d] -> (weights [N, K], experts [N, K], scores [N, E] in fp32)."""
-        logits = F.linear(x.float(), self.gate.weight.float())
+        with torch.autocast(x.device.type, enabled=False):  # routing stays in fp32
+            logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         chosen = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, chosen)
