@@ -120,3 +120,17 @@ def test_parameters_by_where_they_live():
     # attention, router and norms of 32 layers, the embedding and the head, the final norm
     dense = 32 * (4096 * (2 * 4096 + 2 * 1024) + 8 * 4096 + 2 * 4096) + 2 * 32000 * 4096 + 4096
     assert split.total == mixtral.num_params() and split.dense == dense
+
+
+def test_shapes_and_cost_import_no_torch():
+    """The planner reads them: it imports no torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import trainwise.models.moe.cost, trainwise.models.moe.shapes; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    from helpers import cli_env, hang_limit
+
+    proc = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True,
+                          text=True, timeout=hang_limit())
+    assert proc.returncode == 0, proc.stderr
