@@ -1,11 +1,12 @@
 """The lineage of a run: the settings that decide what training computes, so that a
 checkpoint resumes only into the run that wrote it.
 
-A checkpoint records these keys; resume compares them with the job's. The layout may
-change between a save and a load (the world size, the strategy, the micro-batch and the
-accumulation that keep the global batch: DCP reshards), and so may `train.steps` (a higher
-count continues a finished run); what the model is, how it is optimised, on which data in
-which order and at which precision may not.
+A checkpoint records these keys (and the [moe] keys set to other than their defaults);
+resume compares them with the job's. The layout may change between a save and a load (the
+world size, the strategy, the micro-batch and the accumulation that keep the global batch:
+DCP reshards), and so may `train.steps` (a higher count continues a finished run); what
+the model is, how it is optimised, on which data in which order and at which precision
+may not.
 """
 
 from __future__ import annotations
@@ -55,7 +56,19 @@ def lineage_keys(
     if cfg.lora.rank > 0:
         keys.update({f"lora.{k}": v for k, v in dumped["lora"].items()})
         keys["lora.base_weights"] = base_weights
+    keys.update(moe_keys(cfg))
     return keys
+
+
+def moe_keys(cfg: JobConfig) -> dict[str, Any]:
+    """The [moe] keys that differ from their defaults: they change what a Mixture-of-
+    Experts model trains to (its balancing), so a resume must keep them; left at their
+    defaults they are not recorded, so that the checkpoints of dense models and of runs
+    before [moe] keep their lineage."""
+    default = type(cfg.moe)().model_dump(mode="json")
+    return {
+        f"moe.{k}": v for k, v in cfg.moe.model_dump(mode="json").items() if v != default[k]
+    }
 
 
 def lineage_hash(keys: dict[str, Any]) -> str:

@@ -79,7 +79,8 @@ class Section(BaseModel):
 class ModelConfig(Section):
     name: str = Field(
         "tiny",
-        description="A GPT preset (tiny, small, gpt2-124m, llama-1b, llama-7b, ...), 'mlp', "
+        description="A GPT preset (tiny, small, gpt2-124m, llama-1b, llama-7b, ...), a "
+        "Mixture-of-Experts preset (moe-tiny, mixtral-8x7b, qwen3-30b-a3b, ...), 'mlp', "
         "'package.module:factory' for your own model, or 'hf:DIR' (a Hugging Face model "
         "directory: config.json, and safetensors weights when pretrained).",
     )
@@ -824,6 +825,36 @@ class LoraConfig(Section):
     )
 
 
+class MoEConfig(Section):
+    aux_loss_coef: float = Field(
+        0.001,
+        ge=0.0,
+        description="A Mixture-of-Experts model's load-balancing loss, added to the training "
+        "loss with this weight (metrics.jsonl logs `loss` with it and `aux_loss`, its part): "
+        "per sequence and MoE layer E/(K T) x sum over experts of (tokens routed to it) x "
+        "(its mean router score) (DeepSeek-V3's sequence-wise form of Switch's loss: 1 when "
+        "balanced), averaged over the layers and the sequences; 0 = off. Qwen3-MoE and "
+        "DeepSeekMoE train with 0.001.",
+    )
+    bias_update_rate: float = Field(
+        0.0,
+        ge=0.0,
+        description="Auxiliary-loss-free balancing (DeepSeek-V3, Wang et al. 2024): each "
+        "expert's routing bias, added to its score for the choice only, moves by this much "
+        "after every optimizer step, up for experts that got fewer tokens than the mean over "
+        "the step's global batch and down for those that got more; 0 = off (DeepSeek-V3: "
+        "0.001).",
+    )
+    capacity_factor: float | None = Field(
+        None,
+        gt=0.0,
+        description="Token dropping: each expert takes at most capacity_factor x tokens x "
+        "top_k / experts of a micro-batch's tokens (in token order); the tokens beyond pass "
+        "it by (its share of their output is zero; the computation still runs). None "
+        "(default): no dropping, every token reaches its top_k experts.",
+    )
+
+
 class JobConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -832,6 +863,7 @@ class JobConfig(Section):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    moe: MoEConfig = Field(default_factory=MoEConfig)
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)

@@ -48,6 +48,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor
 
 from trainwise.data.shards import IGNORE
+from trainwise.models.moe.layers import not_counted
 from trainwise.models.pipeline import SINGLE_STAGE, V_SHAPED, stage_info
 from trainwise.run.engine.materialize import plain_name
 from trainwise.run.engine.mesh import JobMesh
@@ -55,6 +56,8 @@ from trainwise.run.engine.step import (
     Batch,
     DataParallelStep,
     StepResult,
+    aux_source,
+    last_aux,
     mean_over_ranks,
     total_grad_norm,
 )
@@ -63,6 +66,9 @@ from trainwise.run.observe.telemetry import Spans
 BACKWARD_ACTIONS = (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, SEND_B, RECV_B, REDUCE_GRAD)
 Copies = tuple[torch.nn.Parameter | None, torch.nn.Parameter | None]  # first stage's, last's
 TIMED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+# torch's runtime metadata inference (first step): a real forward and backward of each stage
+# on made-up inputs (PipelineStage, torch 2.13), whose routing a MoE model must not count.
+INFERENCE = ("_forward_metadata_inference", "_backward_metadata_inference")
 
 
 class PipelineStep(DataParallelStep):
@@ -124,10 +130,15 @@ class PipelineStep(DataParallelStep):
         return found
 
     def _stages(self, parts: list[torch.nn.Module]) -> list[PipelineStage]:
-        return [
+        stages = [
             PipelineStage(part, i, self.num_stages, self.device, group=self.pp_group)
             for part, i in zip(parts, self.stage_ids, strict=True)
         ]
+        for stage in stages:  # torch's metadata inference trains nothing: no counting then
+            for method in INFERENCE:
+                if hasattr(stage, method):
+                    setattr(stage, method, not_counted(getattr(stage, method)))
+        return stages
 
     def _timed(self, method: Callable) -> Callable:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -148,8 +159,14 @@ class PipelineStep(DataParallelStep):
         first = torch.zeros_like(y, dtype=torch.bool)
         first.view(-1)[0] = True
         y = torch.where(first & (counted == 0), 0, y)
-        loss = self.loss_fn(output, y) * counted / self._denominators[loader_batch]
-        return loss * float("nan") if self.poison else loss  # a fault injected by a test
+        weight = counted / self._denominators[loader_batch]
+        loss = self.loss_fn(output, y) * weight
+        loss = loss * float("nan") if self.poison else loss  # a fault injected by a test
+        aux = last_aux(self.loss_fn)
+        if aux is not None:  # read back from the schedule's losses (_loss_part): those
+            # of its micro-batches only (torch's metadata inference calls this too)
+            loss.aux_part = aux * weight
+        return loss
 
     def _targets(self, y: torch.Tensor) -> torch.Tensor:
         """The targets with each sample's loader micro-batch beside them ([B, T, 2] for
@@ -178,7 +195,7 @@ class PipelineStep(DataParallelStep):
         wall.add(started, wall.mark())
         clock.mark("last")
         self.stage = "the pipeline's tied gradients"
-        loss = self._loss_part(losses)
+        loss, aux = self._loss_part(losses)
         sync_tied_grads(self._tied, self.tie_group)
         clock.mark("sync")
         norm, finite = self.update(parts)
@@ -186,7 +203,8 @@ class PipelineStep(DataParallelStep):
         # Resolved after the update, whose guard waited for the device anyway.
         bubble = max(0.0, wall.seconds() - self.compute.seconds())
         return StepResult(
-            loss, norm, clock.take(), False, time.perf_counter(), finite, bubble=bubble
+            loss, norm, clock.take(), False, time.perf_counter(), finite, bubble=bubble,
+            aux_loss=aux,
         )
 
     def _batch(self, batches: Iterator[Batch]) -> list[torch.Tensor]:
@@ -194,13 +212,24 @@ class PipelineStep(DataParallelStep):
         micro = [next(batches) for _ in range(self.grad_accum)]
         return [torch.cat(tensors).to(self.device) for tensors in zip(*micro, strict=True)]
 
-    def _loss_part(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's part of the step's loss (StepResult.loss), without communication:
-        the last stage's sum counted for each rank of its pipeline, which hold none, so
-        that the mean of the parts over all ranks is the mean over the pipelines."""
+    def _loss_part(
+        self, losses: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's part of the step's loss and of its auxiliary part (StepResult.loss and
+        aux_loss; None when the loss function adds none, as on every rank), without
+        communication: the last stage's sums counted for each rank of its pipeline, which
+        hold none, so that the mean of the parts over all ranks is the mean over the
+        pipelines."""
+        has_aux = aux_source(self.loss_fn) is not None
         if not self.last:
-            return torch.zeros((), device=self.device)
-        return torch.stack(losses).sum().detach().float() * self.pp_size
+            zero = torch.zeros((), device=self.device)
+            return zero, (zero if has_aux else None)
+        loss = torch.stack(losses).sum().detach().float() * self.pp_size
+        if not has_aux:
+            return loss, None
+        auxes = [part.aux_part for part in losses if getattr(part, "aux_part", None) is not None]
+        aux = torch.stack(auxes).sum() if auxes else torch.zeros((), device=self.device)
+        return loss, aux.detach().float() * self.pp_size
 
     def _last_stage_sum(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The sum of the last stage's losses, on every rank of the pipeline (a SUM over
