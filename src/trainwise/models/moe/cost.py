@@ -16,6 +16,8 @@ own model can be traced on fake tensors (doctor/simulate.py), these counts are b
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from trainwise.models.moe.shapes import MoEShape
 from trainwise.models.shapes import LinearShape
 
@@ -74,6 +76,7 @@ def ranks_per_token(shape: MoEShape, ep: int) -> float:
     return ep * (1.0 - missed)
 
 
+@lru_cache(maxsize=256)
 def dense_params(shape: MoEShape) -> int:
     """Every parameter but the routed experts': the embeddings, head, norms, attention,
     routers, shared experts and leading dense FFNs (sharded by FSDP like a dense model's)."""
@@ -92,6 +95,7 @@ def matmul_active_params(shape: MoEShape) -> int:
     return shape.active_params() - lookup
 
 
+@lru_cache(maxsize=256)
 def flops_per_token(shape: MoEShape, seq_len: int) -> float:
     """Model FLOPs per token (what MFU counts): 6 per active matmul parameter (forward,
     input and weight gradients: the router's gate and the top_k experts a token goes to,

@@ -108,13 +108,16 @@ def _micro_batch(
     tokens = seq * micro_batch
     recomputed = checkpointed_blocks(ac, shape.n_layer)
     work = Work()
-    for i in range(shape.n_layer):
-        moe = shape.is_moe_layer(i)
+    for moe in (False, True):  # the layers of a kind are alike: priced once, counted
+        layers = [i for i in range(shape.n_layer) if shape.is_moe_layer(i) == moe]
+        if not layers:
+            continue
         forward = _layer_forward(shape, moe, tokens, seq, ep, imbalance, hw, precision,
                                  autocast, table, kernels)
         backward = _layer_backward(shape, moe, tokens, seq, ep, imbalance, hw, precision,
                                    autocast, table, kernels)
-        work = work + forward + backward + (forward if i in recomputed else Work())
+        again = sum(1 for i in layers if i in recomputed)
+        work = work + (forward + backward).times(len(layers)) + forward.times(again)
     if head:
         work = work + _head(shape, tokens, 1, hw, precision, table, loss)  # type: ignore[arg-type]
     return work

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import accumulate
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.moe.cost import activation_bytes_per_token, dense_params
@@ -115,13 +116,14 @@ def moe_activations(w: Workload, autocast: bool, device: str) -> ActivationProfi
     working = per["working"] + k * per["routed_working"]
     ckpt = checkpointed_blocks(w.ac, shape.n_layer)
     kept = [per["block_input"] if i in ckpt else layer[i] for i in range(shape.n_layer)]
-    block = sum(kept) + working
+    below = list(accumulate(kept, initial=0.0))  # what the blocks below block i keep
+    block = below[-1] + working
     for i in ckpt:
-        block = max(block, sum(kept[:i]) + layer[i] + working)
+        block = max(block, below[i] + layer[i] + working)
     head = per["head"] + cpu_norms if w.head else 0.0
     tokens = w.seq_len * w.micro_batch
-    return ActivationProfile(tokens * (sum(kept) + head), tokens * block,
-                             tokens * sum(kept[:-1]))
+    return ActivationProfile(tokens * (below[-1] + head), tokens * block,
+                             tokens * below[-2])
 
 
 def _cpu_norm_bytes(shape: MoEShape, low_fsdp: bool) -> float:
