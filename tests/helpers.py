@@ -89,6 +89,37 @@ def tiny_llama(
     return folder
 
 
+def tiny_moe(
+    folder: Path, *, family: str = "qwen3_moe", seed: int = 0, vocab: int = 97, **config: object
+) -> Path:
+    """A Hugging Face Mixture-of-Experts model of `family` (Qwen3-MoE: q/k norms, heads of
+    16 on a width of 32; or Mixtral), 2 layers of 4 experts top-2, random weights, saved by
+    save_pretrained (each expert's projections its own tensors on disk), with a fixed batch
+    (idx.pt) and the logits transformers gives for it (logits.pt). `config`: overrides."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if family == "qwen3_moe":
+        made = transformers.Qwen3MoeConfig(**{
+            **common, "head_dim": 16, "intermediate_size": 64, "moe_intermediate_size": 16,
+            "num_experts": 4, "norm_topk_prob": True, **config})
+    else:
+        made = transformers.MixtralConfig(**{
+            **common, "intermediate_size": 16, "num_local_experts": 4, "sliding_window": None,
+            **config})
+    model = transformers.AutoModelForCausalLM.from_config(made).eval()
+    model.save_pretrained(folder)
+    idx = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        torch.save(model(input_ids=idx).logits, folder / "logits.pt")
+    torch.save(idx, folder / "idx.pt")
+    return folder
+
+
 def max_rel_diff(a: list[float], b: list[float], steps: int) -> float:
     """The largest relative difference of two runs' per-step losses (both `steps` long)."""
     assert len(a) == len(b) == steps

@@ -178,6 +178,9 @@ class StepRecord(Record):
     # Pipeline parallelism: of the step, the wait on the other stages inside the schedule
     # (its fill and drain, and transfers not hidden); null without pipeline stages.
     bubble_s: float | None = None
+    # Of `loss`, a Mixture-of-Experts model's load-balancing part (moe.aux_loss_coef x its
+    # balancing loss), averaged as the loss; null for a model without one.
+    aux_loss: float | None = None
 
 
 # -- summary.json and the events a result names ----------------------------------------------

@@ -449,7 +449,9 @@ def test_unknown_name_lists_presets() -> None:
 
 def test_preset_names() -> None:
     assert preset_names()[:3] == ["tiny", "small", "gpt2-124m"]
-    assert set(preset_names()) == set(PRESETS)
+    from trainwise.models.moe import MOE_PRESETS
+
+    assert set(preset_names()) == set(PRESETS) | set(MOE_PRESETS)
 
 
 def test_resolve_shape_applies_overrides() -> None:

@@ -16,7 +16,7 @@ from trainwise.config.lineage import moe_keys
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.errors import ConfigError, ModelError
 from trainwise.models.moe import MOE_PRESETS
-from trainwise.models.moe.cost import activation_bytes_per_token, dense_params
+from trainwise.models.moe.cost import layer_activation_bytes, param_split, routed_row_bytes
 from trainwise.plan.estimate import Setup, price
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 from trainwise.plan.model.gemm import GENERATIONS, gemm_seconds, grouped_gemm_seconds
@@ -28,7 +28,7 @@ from trainwise.plan.search import recommend
 from trainwise.plan.space import EVERYTHING
 
 TINY = MOE_PRESETS["moe-tiny"]
-DENSE, EXPERTS = dense_params(TINY), TINY.expert_total()  # 70,976 and 98,304
+DENSE, EXPERTS = param_split(TINY).dense, TINY.expert_total()  # 70,976 and 98,304
 
 
 def tiny(micro_batch: int = 8, ac: str = "none", imbalance: float = 1.0) -> Workload:
@@ -59,19 +59,24 @@ def test_model_states_of_three_layouts_by_hand():
     assert (fsdp.phase, fsdp.buffers) == ("head backward", 4 * 32_832)
 
 
-def test_activations_are_the_blocks_and_the_head_per_token():
+def test_activations_are_the_layers_and_the_head_per_token():
     w = tiny()
-    per = activation_bytes_per_token(TINY, 4, 4, 4, False)
-    cpu_norm = 4 * 64 + 4  # a composite RMSNorm's fp32 copy and rstd on a CPU
-    layer = per["attention"] + per["moe_ffn"] + 2 * per["routed"] + 2 * cpu_norm
+
+    def cpu_row(width: int) -> int:  # a CPU's composite RMSNorm in fp32: input, copy, rstd
+        return 4 * width + 4 * width + 4
+
+    layer = layer_activation_bytes(TINY, 1, compute_bytes=4, norm_row=cpu_row, micro_batch=8,
+                                   seq_len=128)
+    head = cpu_row(64) + 4 * 64 + 3 * 4 * 256  # the final norm, its output, the loss
     tokens = 128 * 8
-    assert memory(ParallelDims()).activations == tokens * (2 * layer + per["head"] + cpu_norm)
-    # The busiest rank holds `imbalance` times the routed rows of the mean one.
+    assert memory(ParallelDims()).activations == tokens * (2 * layer + head)
+    # The busiest rank holds `imbalance` times the routed copies of the mean one.
     skewed = moe_activations(replace(w, imbalance=1.5), False, "cpu")
-    assert skewed.head - moe_activations(w, False, "cpu").head == tokens * 2 * 0.5 * 2 * per["routed"]
+    extra = tokens * 2 * TINY.moe.top_k * 0.5 * routed_row_bytes(TINY, 4)
+    assert skewed.head - moe_activations(w, False, "cpu").head == pytest.approx(extra)
     # Full checkpointing keeps each block's input, and recomputes one block at a time.
     full = moe_activations(replace(w, ac="full"), False, "cpu")
-    assert full.head == tokens * (2 * per["block_input"] + per["head"] + cpu_norm)
+    assert full.head == tokens * (2 * 4 * 64 + head)
     assert full.block < moe_activations(w, False, "cpu").block
 
 

@@ -14,7 +14,7 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,9 @@ from trainwise.models.llama import gpt_to_hf, llama_config
 from trainwise.run.checkpoint.store import CheckpointError
 
 _MODEL = "model."  # the checkpoint's prefix of the model's entries
+# A checkpoint entry -> its (Hugging Face name, tensor) pairs: one, several (a MoE model's
+# experts, one tensor each in the files) or none (state the files do not hold).
+Split = Callable[[str, Any], Iterable[tuple[str, Any]]]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -61,6 +64,32 @@ def hf_target(spec: ModelSpec, sizes: dict[str, tuple[int, ...]]) -> tuple[dict,
     if emb is not None and emb[0] != shape.vocab_size:
         shape = type(shape)(**{**shape.__dict__, "vocab_size": emb[0]})
     return llama_config(shape), gpt_to_hf
+
+
+def moe_target(spec: ModelSpec, sizes: dict[str, tuple[int, ...]]) -> tuple[dict, Split] | None:
+    """(config.json, checkpoint entry -> its Hugging Face tensors) for a trained MoE model
+    (models.moe.hf: an experts' entry is E tensors of the files); None for another."""
+    from dataclasses import replace
+
+    from trainwise.models import resolve_moe_shape
+
+    kind = model_kind(spec.name)
+    if kind not in ("moe", "hf") or (kind == "hf" and spec.impl != "trainwise"):
+        return None
+    shape = resolve_moe_shape(spec)
+    if shape is None:
+        return None
+    emb = sizes.get("tok_emb.weight")
+    if emb is not None and emb[0] != shape.vocab_size:  # the data may have set it
+        shape = replace(shape, vocab_size=emb[0])
+    source = read_hf_config(spec.name[len("hf:") :]) if kind == "hf" else None
+    from trainwise.models.moe.hf import export_target
+
+    return export_target(shape, source, spec.aux_loss_coef)
+
+
+def _renamed(rename: Callable[[str], str]) -> Split:
+    return lambda name, tensor: [(rename(name), tensor)]
 
 
 def _tensor_sizes(checkpoint: Path) -> dict[str, tuple[tuple[int, ...], Any]]:
@@ -143,13 +172,19 @@ def export_hf(
         """Those model entries: from `state`, or read from the checkpoint by DCP."""
         return _read(checkpoint, names, sizes) if state is None else {n: state[n] for n in names}
 
-    config, rename = hf_target(spec, {k: s for k, (s, _) in sizes.items()})
-    if config.get("tie_word_embeddings"):
-        sizes = {k: v for k, v in sizes.items() if rename(k) != "lm_head.weight"}
+    shapes = {k: s for k, (s, _) in sizes.items()}
+    moe = moe_target(spec, shapes)
+    if moe is not None:
+        config, split = moe
+    else:
+        config, rename = hf_target(spec, shapes)
+        if config.get("tie_word_embeddings"):
+            sizes = {k: v for k, v in sizes.items() if rename(k) != "lm_head.weight"}
+        split = _renamed(rename)
     groups = plan_shards(sizes, shard_bytes)
     try:
         with staged_dir(out) as partial:
-            weight_map = _write_shards(read, partial, groups, rename, save_file)
+            weight_map = _write_shards(read, partial, groups, split, save_file)
             dtypes = {str(d).removeprefix("torch.") for _, d in sizes.values()}
             config["torch_dtype"] = config["dtype"] = (
                 next(iter(dtypes)) if len(dtypes) == 1 else "float32"
@@ -190,8 +225,9 @@ def replace_dir(partial: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_shards(read, folder, groups, rename, save_file) -> dict[str, str]:
-    """Each group read and written in turn; the index when there is more than one file."""
+def _write_shards(read, folder, groups, split: Split, save_file) -> dict[str, str]:
+    """Each group read and written in turn, each entry as its Hugging Face tensors; the
+    index when there is more than one file."""
     import math
 
     weight_map: dict[str, str] = {}
@@ -203,7 +239,7 @@ def _write_shards(read, folder, groups, rename, save_file) -> dict[str, str]:
             else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         )
         state = read(names)
-        tensors = {rename(n): t.contiguous() for n, t in state.items()}
+        tensors = {hf: t.contiguous() for n, t in state.items() for hf, t in split(n, t)}
         part = folder / (file + ".part")
         save_file(tensors, str(part), metadata={"format": "pt"})
         publish(part, folder / file)  # the mode of the folder's other files

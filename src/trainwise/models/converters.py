@@ -67,7 +67,13 @@ def _lora(config: JobConfig) -> ModelConverter | None:
     return lora_converter(config)
 
 
-CONVERTERS: list[ConverterFactory] = [_lora]  # each feature adds its factory
+def _moe_balance(config: JobConfig) -> ModelConverter | None:
+    from trainwise.models.moe.balance import balance_converter
+
+    return balance_converter(config)
+
+
+CONVERTERS: list[ConverterFactory] = [_lora, _moe_balance]  # each feature adds its factory
 
 
 def build_converters(config: JobConfig) -> list[ModelConverter]:

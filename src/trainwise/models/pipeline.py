@@ -84,11 +84,17 @@ def stage_layers(part: nn.Module) -> list[nn.Module]:
 
 
 def split_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
-    """Stage `stage` of `stages` of `model` (built on the meta device): the GPT's split, or
-    your own module's by the convention (the job's checks refused one that does not
+    """Stage `stage` of `stages` of `model` (built on the meta device): the GPT's split, the
+    MoE model's (models.moe.parallel: the same), or your own module's by the convention (the job's checks refused one that does not
     follow it)."""
     if isinstance(model, GPT):
         return split_gpt(model, stage, stages)
+    from trainwise.models.moe.model import MoEModel
+
+    if isinstance(model, MoEModel):
+        from trainwise.models.moe.parallel import split_moe
+
+        return split_moe(model, stage, stages)
     return split_module(model, stage, stages, module_cut(model, "the model"))
 
 

@@ -84,7 +84,9 @@ def profile_model(
     alike = bool(blocks) and all(structure(b) == structure(blocks[0]) for b in blocks)
     block_layers = _within(module, blocks[0]) if alike else []
     outer_layers = linears(module, inside if alike else set())
-    make, tokens, where = _sample(module, inside, shape, vocab_size, seq_len, sample)
+    # A MoE model's shape gives its sample's vocabulary and sequence, as a GPT's does.
+    sized = shape if shape is not None else bundle.moe
+    make, tokens, where = _sample(module, inside, sized, vocab_size, seq_len, sample)
     run, rows = None, {}
     if shape is None:
         notes.append(f"priced by its Linear layers' GEMMs and a sample run on fake tensors, not "

@@ -19,6 +19,7 @@ from trainwise.models.gpt import GPT
 from trainwise.models.gpt_parallel import gpt_tp_plan, tp_problems
 from trainwise.models.hf import build_from_dir, hf_shape, hf_takes_example_ids
 from trainwise.models.mlp import MLPClassifier
+from trainwise.models.moe.shapes import MOE_PRESETS, MoEShape, moe_job_shape
 from trainwise.models.shapes import PRESETS, GPTShape, job_shape
 from trainwise.objects import load_callable
 
@@ -38,6 +39,9 @@ class ModelSpec:
     init: str = "auto"  # hf: "auto" | "pretrained" | "random" (model.init)
     impl: str = "transformers"  # hf: "transformers" | "trainwise" (model.impl)
     loss: str | None = None  # model.loss: "pkg.mod:fn", in place of the model's own loss
+    # Mixture-of-Experts models ([moe]): the balancing loss's weight, token dropping.
+    aux_loss_coef: float = 0.001
+    capacity_factor: float | None = None
 
 
 @dataclass
@@ -56,6 +60,7 @@ class ModelBundle:
     # Fills one parameter at full size from a generator: the model can be built on the meta
     # device and initialised shard by shard (None: built whole on the device, as seeded).
     init_parameter: Callable[[str, Tensor, torch.Generator], None] | None = None
+    moe: MoEShape | None = None  # set for Mixture-of-Experts models (models.moe)
 
 
 def cross_entropy_loss(output: Tensor, target: Tensor) -> Tensor:
@@ -71,12 +76,14 @@ def cross_entropy_loss(output: Tensor, target: Tensor) -> Tensor:
 
 
 def preset_names() -> list[str]:
-    return list(PRESETS)
+    return [*PRESETS, *MOE_PRESETS]
 
 
-def model_kind(name: str) -> Literal["preset", "mlp", "custom", "hf"]:
+def model_kind(name: str) -> Literal["preset", "moe", "mlp", "custom", "hf"]:
     if name in PRESETS:
         return "preset"
+    if name in MOE_PRESETS:
+        return "moe"
     if name == "mlp":
         return "mlp"
     if name.startswith("hf:"):
@@ -84,7 +91,7 @@ def model_kind(name: str) -> Literal["preset", "mlp", "custom", "hf"]:
     if ":" in name:
         return "custom"
     raise ModelError(
-        f"model.name = {name!r}: not a preset ({', '.join(PRESETS)}), 'mlp', "
+        f"model.name = {name!r}: not a preset ({', '.join(preset_names())}), 'mlp', "
         "'package.module:factory' or 'hf:path/to/config.json'"
     )
 
@@ -94,10 +101,28 @@ def resolve_shape(spec: ModelSpec) -> GPTShape | None:
     an hf: Llama directory built by trainwise; None for other kinds."""
     kind = model_kind(spec.name)
     if kind == "hf" and spec.impl == "trainwise":
-        return hf_shape(spec.name[len("hf:") :], spec.vocab_size, spec.seq_len, spec.init)
+        from trainwise.models.moe.hf import is_moe_dir
+
+        path = spec.name[len("hf:") :]
+        if is_moe_dir(path):  # a MoE directory: resolve_moe_shape's
+            return None
+        return hf_shape(path, spec.vocab_size, spec.seq_len, spec.init)
     if kind != "preset":
         return None
     return job_shape(spec.name, spec.vocab_size, spec.seq_len)
+
+
+def resolve_moe_shape(spec: ModelSpec) -> MoEShape | None:
+    """The Mixture-of-Experts shape of the model (a MoE preset with the job's vocabulary,
+    or an hf: MoE directory built by trainwise); None for a model without experts."""
+    kind = model_kind(spec.name)
+    if kind == "moe":
+        return moe_job_shape(spec.name, spec.vocab_size, spec.seq_len)
+    if kind == "hf" and spec.impl == "trainwise":
+        from trainwise.models.moe.hf import hf_moe_shape
+
+        return hf_moe_shape(spec.name[len("hf:") :], spec.vocab_size, spec.seq_len, spec.init)
+    return None
 
 
 def load_loss(path: str) -> Callable[[Tensor, Tensor], Tensor]:
@@ -127,6 +152,10 @@ def _build_model(spec: ModelSpec) -> ModelBundle:
             gpt, cross_entropy_loss, list(gpt.blocks), shape,
             tp_plan=partial(gpt_tp_plan, gpt), init_parameter=gpt.init_parameter,
         )
+    if kind == "moe":
+        from trainwise.models.moe.build import moe_bundle
+
+        return moe_bundle(resolve_moe_shape(spec), spec)
     if kind == "mlp":
         missing = [
             f"model.{k} is required for model.name = 'mlp'; set it (the data usually decides it)"
@@ -137,6 +166,10 @@ def _build_model(spec: ModelSpec) -> ModelBundle:
             raise ModelError(missing)
         mlp = MLPClassifier(spec.in_features, spec.num_classes, spec.hidden, spec.dropout)
         return ModelBundle(mlp, cross_entropy_loss, list(mlp.blocks), None)
+    if kind == "hf" and (moe := resolve_moe_shape(spec)) is not None:
+        from trainwise.models.moe.hf import build_moe_dir
+
+        return build_moe_dir(spec, moe)
     if kind == "hf":
         hf = build_from_dir(
             spec.name[len("hf:") :], spec.vocab_size, spec.seq_len, spec.dropout, spec.init,
@@ -161,7 +194,7 @@ def takes_example_ids(spec: ModelSpec) -> bool:
     when its attention takes a custom 4-D mask."""
     kind = model_kind(spec.name)
     if kind != "hf":
-        return kind == "preset"
+        return kind in ("preset", "moe")
     return spec.impl == "trainwise" or hf_takes_example_ids(spec.name[len("hf:") :])
 
 
@@ -170,6 +203,8 @@ def count_parameters(spec: ModelSpec) -> int:
     shape = resolve_shape(spec)
     if shape is not None and model_kind(spec.name) == "preset":
         return shape.num_params()
+    if model_kind(spec.name) == "moe":
+        return resolve_moe_shape(spec).num_params()
     with torch.device("meta"):
         module = build_model(spec).module
     return sum(p.numel() for p in module.parameters())  # parameters() dedups tied weights
@@ -188,6 +223,10 @@ def tp_model_problems(spec: ModelSpec, tp: int, seq_len: int, sequence_parallel:
             "give the model a `tp_plan(sequence_parallel)` method (docs/parallelism.md) or "
             "use parallel.tp = 1"
         ]
+    if bundle.moe is not None:
+        from trainwise.models.moe.parallel import moe_tp_problems
+
+        return moe_tp_problems(bundle.moe, tp, seq_len, sequence_parallel)
     shape = bundle.shape
     return tp_problems(shape, tp, seq_len, sequence_parallel) if shape is not None else []
 

@@ -3,7 +3,7 @@ Units: bytes, seconds, hours, US dollars; shares in [0, 1]."""
 
 from __future__ import annotations
 
-from trainwise.models.moe.cost import dense_params
+from trainwise.models.moe.cost import param_split
 from trainwise.models.moe.shapes import MoEShape
 from trainwise.plan.estimate import StrategyPlan
 from trainwise.plan.inputs import SHAPE_FIELDS
@@ -122,7 +122,7 @@ def moe_record(shape: MoEShape, imbalance: float) -> dict:
         "experts": m.experts, "top_k": m.top_k, "expert_ffn": m.d_expert,
         "shared_experts": m.shared_experts, "dense_layers": m.dense_layers,
         "total_params": shape.num_params(), "active_params": shape.active_params(),
-        "expert_params": shape.expert_total(), "dense_params": dense_params(shape),
+        "expert_params": shape.expert_total(), "dense_params": param_split(shape).dense,
         "imbalance": imbalance,
     }
 

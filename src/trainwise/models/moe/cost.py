@@ -1,66 +1,164 @@
-"""The cost description of a Mixture-of-Experts model: the facts of its shape that the
-planner prices (plan/moe), in one place and without torch. What a token multiplies (each
-GEMM by shape, and how many of a micro-batch's rows it sees), which parameters are dense
-and which are the routed experts that expert parallelism shards, its model FLOPs, and what
-autograd keeps per token of a MoE block.
+"""The MoE family's cost description for the planner, torch-free: what a token costs in a
+MoE model, in the terms the planner prices (GEMMs, parameters by where they live, FLOPs).
+The planner's own formulas (plan/) turn these into time and memory; nothing here knows a
+device.
 
-The activations are counted from the structure torchtitan's MoE has
-(torchtitan/models/common/moe.py and token_dispatcher.py), the one trainwise's model
-follows: a router whose gate runs in fp32 (softmax or sigmoid scores, top-k indices,
-their scores gathered and renormalised), the routed tokens sorted by expert (argsort,
-then an index gather), the experts as grouped GEMMs over the sorted tokens (SwiGLU: gate,
-up, their product, down), the combine (the outputs upcast to fp32, scaled by their scores,
-scatter-added back to their tokens), and the shared experts beside them. Until trainwise's
-own model can be traced on fake tensors (doctor/simulate.py), these counts are by hand.
+- `token_gemms`: every matrix multiplication one token runs through, layer by layer, with
+  the rows it contributes: attention's projections and the router (1 row), each routed
+  projection (K rows: the token's K copies, in one grouped GEMM over the E experts, each
+  expert's share T K / E rows of a micro-batch's T tokens on average), the shared experts
+  and a dense layer's FFN (1 row), and the head.
+- `param_split`: the parameters the routed experts hold (what expert parallelism shards)
+  and the rest (dense: every rank of an ep group holds them).
+- `moe_flops_per_token`: 6 FLOPs per multiplied parameter and row (forward, the input and
+  the weight gradients) plus the attention scores' 12 L (n_head x head_dim) T, PaLM's
+  count (Chowdhery et al., 2022, appendix B) with the active parameters for N.
+- `ranks_per_token`, `routed_row_bytes`: where the routed copies go under expert
+  parallelism: the ranks a token's experts fall on, and what the experts' rank keeps of
+  each copy it computes (the part of a layer's activations that follows the routing).
+- `layer_activation_bytes`: what autograd keeps of a token in layer i until backward,
+  tensor by tensor as the model's code saves them (counted from its autograd graph with
+  saved-tensor hooks, and against the doctor's fake-tensor simulation:
+  tests/unit/test_moe_cost.py). The norms' share depends on the device's kernels, which
+  the planner knows (plan/model/memory.py's rule for the GPT): it is passed in.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from trainwise.models.moe.shapes import MoEShape
-from trainwise.models.shapes import LinearShape
-
-FP32 = 4  # the router's gate and scores, the combine's upcast, a norm's rstd
-INDEX = 8  # int64: top-k ids, the sort order, the token of each routed row
 
 
-def attention_linears(shape: MoEShape) -> tuple[LinearShape, ...]:
-    """One layer's attention projections (q, k, v, out), one row a token."""
-    d, q, kv = shape.d_model, shape.n_head * shape.head_dim, shape.n_kv_head * shape.head_dim
-    return (LinearShape(d, q, False), LinearShape(d, kv, False), LinearShape(d, kv, False),
-            LinearShape(q, d, False))
+@dataclass(frozen=True)
+class TokenGemm:
+    """One matrix multiplication of a token: `rows` rows of `in_features` times an
+    `in_features` x `out_features` weight (per expert, for the routed ones)."""
+
+    name: str  # the module's name in a layer, as the model names it
+    kind: str  # attention, router, experts, shared, dense, head
+    in_features: int
+    out_features: int
+    rows: float = 1.0
+    grouped: int = 0  # the experts a grouped GEMM runs over (0: a plain GEMM)
+
+    @property
+    def flops(self) -> float:
+        """Forward FLOPs a token spends in it (2 a multiply-add)."""
+        return 2.0 * self.rows * self.in_features * self.out_features
 
 
-def swiglu_linears(d_model: int, width: int, rows: float = 1.0) -> tuple[LinearShape, ...]:
-    """A SwiGLU feed-forward of `width`: gate and up (d -> width), down (width -> d)."""
-    if not width:
-        return ()
-    return (LinearShape(d_model, width, False, rows), LinearShape(d_model, width, False, rows),
-            LinearShape(width, d_model, False, rows))
+def layer_gemms(shape: MoEShape, i: int) -> list[TokenGemm]:
+    """Layer i's GEMMs a token runs through."""
+    d, hd = shape.d_model, shape.head_dim
+    q, kv, m = shape.n_head * hd, shape.n_kv_head * hd, shape.moe
+    out = [
+        TokenGemm("attn.q_proj", "attention", d, q),
+        TokenGemm("attn.k_proj", "attention", d, kv),
+        TokenGemm("attn.v_proj", "attention", d, kv),
+        TokenGemm("attn.out_proj", "attention", q, d),
+    ]
+    if not shape.is_moe_layer(i):
+        f = m.d_dense
+        return out + [TokenGemm("mlp.gate", "dense", d, f), TokenGemm("mlp.up", "dense", d, f),
+                      TokenGemm("mlp.down", "dense", f, d)]
+    k, e, f = m.top_k, m.experts, m.d_expert
+    out += [
+        TokenGemm("moe.router.gate", "router", d, e),
+        TokenGemm("moe.experts.gate_proj", "experts", d, f, rows=k, grouped=e),
+        TokenGemm("moe.experts.up_proj", "experts", d, f, rows=k, grouped=e),
+        TokenGemm("moe.experts.down_proj", "experts", f, d, rows=k, grouped=e),
+    ]
+    if m.shared_experts:
+        s = m.shared_width
+        out += [TokenGemm("moe.shared.gate", "shared", d, s), TokenGemm("moe.shared.up", "shared", d, s),
+                TokenGemm("moe.shared.down", "shared", s, d)]
+    return out
 
 
-def dense_linears(shape: MoEShape, moe_layer: bool) -> tuple[LinearShape, ...]:
-    """The GEMMs every token of a layer runs: the attention, then on a MoE layer the router
-    (d -> experts) and the shared experts, on a leading dense layer its dense FFN."""
-    m = shape.moe
-    if not moe_layer:
-        return attention_linears(shape) + swiglu_linears(shape.d_model, m.d_dense)
-    router = LinearShape(shape.d_model, m.experts, False)
-    return (*attention_linears(shape), router, *swiglu_linears(shape.d_model, m.shared_width))
+def token_gemms(shape: MoEShape) -> list[TokenGemm]:
+    """Every GEMM of a token through the model: the layers' in order, then the head (the
+    embedding is a lookup)."""
+    gemms = [g for i in range(shape.n_layer) for g in layer_gemms(shape, i)]
+    return gemms + [TokenGemm("lm_head", "head", shape.d_model, shape.vocab_size)]
 
 
-def expert_linears(shape: MoEShape) -> tuple[LinearShape, ...]:
-    """One routed expert's GEMMs, with the rows it sees per token of the micro-batch on
-    average: top_k / experts (each token goes to top_k of the experts)."""
-    m = shape.moe
-    return swiglu_linears(shape.d_model, m.d_expert, m.top_k / m.experts)
+@dataclass(frozen=True)
+class ParamSplit:
+    """A MoE model's parameters by where they live under expert parallelism."""
+
+    experts: int  # the routed experts' (sharded over ep, then over FSDP within)
+    dense: int  # the rest: attention, router, shared experts, dense layers, embeddings
+
+    @property
+    def total(self) -> int:
+        return self.experts + self.dense
 
 
-def routed_rows(shape: MoEShape, tokens: float, ep: int = 1) -> float:
-    """Rows each routed expert multiplies on average when each of `ep` ranks routes
-    `tokens` tokens: the ep group's tokens x top_k spread over the experts."""
-    return tokens * ep * shape.moe.top_k / shape.moe.experts
+def param_split(shape: MoEShape) -> ParamSplit:
+    experts = shape.expert_total()
+    return ParamSplit(experts=experts, dense=shape.num_params() - experts)
+
+
+def attention_flops_per_token(shape: MoEShape, seq_len: int) -> float:
+    """The attention scores and their values (forward and backward), per token: 12 L x
+    (n_head x head_dim) x T (PaLM's count: the causal half not taken off)."""
+    return 12.0 * shape.n_layer * shape.n_head * shape.head_dim * seq_len
+
+
+def moe_flops_per_token(shape: MoEShape, seq_len: int) -> float:
+    """Model FLOPs per token of training (what MFU counts): 6 per multiplied parameter
+    and row (each routed expert's K rows), plus the attention scores."""
+    gemms = sum(3.0 * g.flops for g in token_gemms(shape))
+    return gemms + attention_flops_per_token(shape, seq_len)
+
+
+def layer_activation_bytes(
+    shape: MoEShape, i: int, *, compute_bytes: int, norm_row: Callable[[int], float],
+    micro_batch: int, seq_len: int, grouped: bool = False,
+) -> float:
+    """Bytes per token that autograd keeps for layer i of a training micro-batch of
+    `micro_batch` sequences of `seq_len`, the layer's parameters and the residual stream
+    in `compute_bytes` a value (fp32, or FSDP's 16-bit parameter dtype; autocast's extra
+    16-bit casts of the Linears' inputs are not counted here). `norm_row(w)`: the bytes
+    one RMSNorm over a row of width w keeps, its input included (a device's kernels
+    decide: the CPU's composite op keeps an fp32 normalised copy and the per-row rstd).
+    `grouped`: the experts run as torch._grouped_mm (its int32 offsets).
+
+    Attention (as the GPT's, heads of their own width): the norm, the projections' input,
+    what SDPA keeps (the rotated q, and k, v repeated to every head under grouped-query
+    attention, else as projected; its output and fp32 log-sum-exp a head) and the output
+    projection's input; Qwen3's q/k norms, a norm per head. A MoE feed-forward: the norm
+    and its output (the router reads it in fp32, a copy of it in 16-bit); the router's fp32
+    scores and the K chosen ids (renormalised: the K weights and their sum); the dispatch's
+    sort order and token ids (int64); per routed copy the rows (K a token), the gate and
+    up outputs, the SiLU and the product (4 f), the down output and its unsorted copy
+    (weighted on combine: 3 d in all, and the weight); the shared experts' 4 x their width;
+    the balancing loss's [sequences, experts] (fp32). A leading dense layer: the norm, its
+    output and a SwiGLU's 4 x d_dense."""
+    e, h, hd = compute_bytes, shape.d_model, shape.head_dim
+    q, kv, m = shape.n_head * hd, shape.n_kv_head * hd, shape.moe
+    sdpa = 3 * q if shape.n_kv_head != shape.n_head else q + 2 * kv
+    attention = norm_row(h) + e * (h + sdpa + 2 * q) + 4 * shape.n_head
+    if shape.qk_norm:
+        attention += shape.n_head * norm_row(hd) + shape.n_kv_head * norm_row(hd)
+    if not shape.is_moe_layer(i):
+        return attention + norm_row(h) + e * (h + 4 * m.d_dense)
+    tokens, k = micro_batch * seq_len, m.top_k
+    router = 4 * m.experts + 8 * k + (4 * k + 4 if m.renormalize else 0)
+    if m.score == "sigmoid":
+        router += 4  # the balancing loss normalises the scores: their sum
+    if e != 4:  # the router's fp32 copies: of its input, and of its weight a micro-batch
+        router += 4 * h + 4 * m.experts * h / tokens
+    dispatch = 16 * k + (4 * m.experts / tokens if grouped else 0)
+    experts = e * k * (3 * h + 4 * m.d_expert) + e * k
+    balance = 4 * m.experts / seq_len
+    # The norm's output: kept by the router's GEMM in fp32 (which reads a copy in 16-bit)
+    # and by the shared experts'.
+    kept = h if e == 4 or m.shared_experts else 0
+    ffn = norm_row(h) + e * (kept + 4 * m.shared_width)
+    return attention + ffn + router + dispatch + experts + balance
 
 
 def ranks_per_token(shape: MoEShape, ep: int) -> float:
@@ -68,7 +166,7 @@ def ranks_per_token(shape: MoEShape, ep: int) -> float:
     when it routes uniformly (experts / ep on each rank): ep x (1 - the chance that none
     of its top_k distinct experts is on a given rank). A dispatcher that sends a token
     once to each rank holding any of its experts (DeepEP's: its dispatch layout counts
-    tokens per rank) moves this many copies, where one per routed expert moves top_k."""
+    tokens per rank) moves this many copies, where one a routed expert moves top_k."""
     m = shape.moe
     local, missed = m.experts // ep, 1.0
     for i in range(m.top_k):
@@ -76,88 +174,9 @@ def ranks_per_token(shape: MoEShape, ep: int) -> float:
     return ep * (1.0 - missed)
 
 
-@lru_cache(maxsize=256)
-def dense_params(shape: MoEShape) -> int:
-    """Every parameter but the routed experts': the embeddings, head, norms, attention,
-    routers, shared experts and leading dense FFNs (sharded by FSDP like a dense model's)."""
-    return shape.num_params() - shape.expert_total()
-
-
-def outer_params(shape: MoEShape) -> int:
-    """Outside the layers: the embeddings, the final norm and an untied head."""
-    return shape.outer_params()
-
-
-def matmul_active_params(shape: MoEShape) -> int:
-    """Active parameters that multiply activations: the token embedding is a lookup (a
-    tied head multiplies)."""
-    lookup = 0 if shape.tie_embeddings else shape.vocab_size * shape.d_model
-    return shape.active_params() - lookup
-
-
-@lru_cache(maxsize=256)
-def flops_per_token(shape: MoEShape, seq_len: int) -> float:
-    """Model FLOPs per token (what MFU counts): 6 per active matmul parameter (forward,
-    input and weight gradients: the router's gate and the top_k experts a token goes to,
-    not the others) plus the attention's score and value matmuls, 12 x layers x the query
-    width x the sequence (nanoGPT's 6N + 12·L·H·Q·T with H·Q the query width, which is not
-    d_model for Qwen3's 128-wide heads)."""
-    q = shape.n_head * shape.head_dim
-    return 6.0 * matmul_active_params(shape) + 12.0 * shape.n_layer * q * seq_len
-
-
-def activation_bytes_per_token(
-    shape: MoEShape, compute: int, norm_out: int, residual: int, autocast: bool
-) -> dict[str, float]:
-    """Bytes autograd keeps per token of the micro-batch, by part of a layer (torchtitan's
-    structure, see the module's docstring): `compute` bytes of the GEMMs' dtype,
-    `norm_out` of the norms' outputs (fp32 under autocast), `residual` of the residual
-    stream; under `autocast` each linear keeps its own 16-bit cast of an fp32 norm output.
-
-    - `attention`: its norm's input and output (or the three casts), the q/k norms' inputs
-      and rstd (Qwen3), what SDPA keeps of q, k, v (rotated; k and v repeated for
-      grouped-query attention), its output and log-sum-exp, the out projection's input;
-    - `moe_ffn` (on the token's own rank): the norm's input and output, the router's fp32
-      copy of it (its gate runs in fp32), the scores (fp32 x experts), the top-k ids, the
-      renormalisation's operands, the sort order and each routed row's token (int64), the
-      combine's fp32 upcast of the outputs and their scores (top_k of each), the shared
-      experts' SwiGLU intermediates;
-    - `routed` (on the experts' rank, per token routed there, top_k a token on average):
-      the sorted input row and the expert's SwiGLU intermediates (gate, silu, up, product);
-    - `dense_ffn`: a leading dense layer's feed-forward (DeepSeek's), as a dense block's;
-    - `routed_working`, `working`: the gradients of the intermediates while a block runs
-      its backward (per routed token, and per token);
-    - `head`, `head_norm`, `loss`: the final norm and the loss's fp32 log-softmax, as the
-      dense GPT's (plan.model.memory).
-    """
-    h, v, m = shape.d_model, shape.vocab_size, shape.moe
-    q, kv = shape.n_head * shape.head_dim, shape.n_kv_head * shape.head_dim
-    e = compute
-    cast = 3 if autocast else 1  # q, k, v each keep their cast under autocast
-    qkv = 3 * q if shape.n_kv_head != shape.n_head else q + 3 * kv
-    qk_norms = e * (q + kv) + FP32 * (shape.n_head + shape.n_kv_head) if shape.qk_norm else 0
-    attention = residual * h + cast * e * h + qk_norms + e * qkv + 2 * e * q + FP32 * shape.n_head
-    shared = m.shared_width
-    # The FFN's norm output: the router's gate keeps it in fp32 (a copy, unless it is fp32
-    # already), the shared experts' gate and up keep it too (each its own 16-bit cast
-    # under autocast).
-    ffn_in = residual * h + FP32 * h
-    if shared and autocast:
-        ffn_in += 2 * e * h
-    elif shared and norm_out != FP32:
-        ffn_in += norm_out * h
-    router = FP32 * m.experts + INDEX * m.top_k + (FP32 * m.top_k + FP32 if m.renormalize else 0)
-    sort = 2 * INDEX * m.top_k
-    combine = m.top_k * (FP32 * h + FP32)
-    moe_ffn = ffn_in + router + sort + combine + 4 * e * shared
-    dense_ffn = residual * h + (2 if autocast else 1) * e * h + 4 * e * m.d_dense
-    routed = e * h + 4 * e * m.d_expert
-    loss = FP32 if (autocast or e == FP32) else e
-    head_norm = residual * h + e * h
-    return {
-        "attention": attention, "moe_ffn": moe_ffn, "routed": routed, "dense_ffn": dense_ffn,
-        "routed_working": e * (3 * m.d_expert + h),
-        "working": e * 3 * max(shared, m.d_dense) + residual * h,
-        "block_input": residual * h, "head": head_norm + 3 * loss * v, "head_norm": head_norm,
-        "loss": loss * v,
-    }
+def routed_row_bytes(shape: MoEShape, compute_bytes: int) -> float:
+    """Of `layer_activation_bytes`'s routed copies, what the rank that computes them keeps
+    of one: its sorted row, the gate and up outputs, the SiLU and the product, the down
+    output (the unsorted copy and its weight are the token's own rank's). Under expert
+    parallelism the busiest rank keeps more of these than the mean."""
+    return compute_bytes * (2 * shape.d_model + 4 * shape.moe.d_expert)

@@ -12,7 +12,7 @@ forward (2) and the input gradient the layers below need (2) remain, so a step d
 
 from __future__ import annotations
 
-from trainwise.models.moe.cost import flops_per_token as moe_flops_per_token
+from trainwise.models.moe.cost import moe_flops_per_token
 from trainwise.models.moe.shapes import MoEShape
 from trainwise.models.shapes import GPTShape, ModelProfile
 from trainwise.plan.model.lora import LoraPlan, adapter_params, trained_matmul_params
@@ -53,7 +53,7 @@ def model_flops_per_token(
     profile: ModelProfile | None = None, moe: MoEShape | None = None,
 ) -> float:
     """Model FLOPs per token (what MFU counts): the GPT formula above (with LoRA's, when
-    `lora`); a Mixture-of-Experts model's on its active parameters (models.moe.cost); a
+    `lora`); a Mixture-of-Experts model's, each routed row counted (models.moe.cost); a
     profiled model's (profile_flops_per_token); or 6N for a bare parameter count (Kaplan
     et al., 2020, eq. 2.1: C = 6N)."""
     if moe is not None:

@@ -2,7 +2,7 @@
 per-operation model, over the GEMMs and bytes of models.moe.cost.
 
 One micro-batch of T tokens on a rank of an `ep`-way expert group:
-- every token's GEMMs (models.moe.cost.dense_linears: attention, router, shared experts,
+- every token's GEMMs (models.moe.cost.layer_gemms: attention, router, shared experts,
   a leading dense layer's FFN) by shape, forward and backward, and attention as SDPA's
   flash kernel, as for a dense GPT;
 - the routed experts as grouped GEMMs (plan.gemm.grouped_gemm_seconds): the rank holds
@@ -23,11 +23,12 @@ modelled for MoE blocks (priced eager).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 from trainwise.config.parallel_dims import ParallelDims
-from trainwise.models.moe.cost import dense_linears, expert_linears, routed_rows
+from trainwise.models.moe.cost import TokenGemm, layer_gemms
 from trainwise.models.moe.shapes import MoEShape
 from trainwise.plan.inputs import Hardware
 from trainwise.plan.model.compute import (
@@ -123,27 +124,53 @@ def _micro_batch(
     return work
 
 
+def _gemms(shape: MoEShape, moe: bool) -> list[TokenGemm]:
+    """A layer's GEMMs (models.moe.cost.layer_gemms) of a MoE layer or a dense one."""
+    index = shape.moe.dense_layers if moe else 0
+    return layer_gemms(shape, index)
+
+
+def _plain_gemms(shape: MoEShape, moe: bool, tokens: int, hw: Hardware, precision: str,
+                 table: GemmTable | None, backward: bool) -> float:
+    """Every token's GEMMs of a layer: forward (T, out, in); backward the input gradient
+    (T, in, out) and the weight gradient (out, in, T)."""
+    total = 0.0
+    for g in _gemms(shape, moe):
+        if g.grouped:
+            continue
+        o, i = g.out_features, g.in_features
+        if backward:
+            total += _gemm(tokens, i, o, hw, precision, table) + _gemm(o, i, tokens, hw, precision, table)
+        else:
+            total += _gemm(tokens, o, i, hw, precision, table)
+    return total
+
+
 def _routed_gemms(
     shape: MoEShape, tokens: int, ep: int, imbalance: float, hw: Hardware, precision: str,
     table: GemmTable | None, backward: bool,
 ) -> float:
-    """The rank's experts of one MoE layer as grouped GEMMs, on the busiest rank's rows:
-    forward (m, out, in); backward the input gradients (m, in, out) and the weight
-    gradients (out, in, m)."""
+    """The rank's experts of one MoE layer as grouped GEMMs, on the busiest rank's rows
+    (each of its experts / ep experts multiplies ep x T x top_k / experts rows on average,
+    `imbalance` times that): forward (m, out, in); backward the input gradients
+    (m, in, out) and the weight gradients (out, in, m)."""
     gen, e = GENERATIONS[hw.generation], BYTES[precision]
-    groups = shape.moe.experts // ep
-    m = routed_rows(shape, tokens, ep) * imbalance
 
-    def grouped(rows: float, n: int, k: int) -> float:
-        return grouped_gemm_seconds(groups, rows, n, k, hw.peak_flops, hw.hbm_bps, e, gen, table)
+    def grouped(groups: int, rows: float, n: int, k: float) -> float:
+        return grouped_gemm_seconds(groups, rows, n, math.ceil(k), hw.peak_flops, hw.hbm_bps, e,
+                                    gen, table)
 
     total = 0.0
-    for lin in expert_linears(shape):
-        o, i = lin.out_features, lin.in_features
+    for g in _gemms(shape, True):
+        if not g.grouped:
+            continue
+        groups = g.grouped // ep
+        m = tokens * ep * g.rows / g.grouped * imbalance
+        o, i = g.out_features, g.in_features
         if backward:
-            total += grouped(m, i, o) + grouped(o, i, m)  # type: ignore[arg-type]
+            total += grouped(groups, m, i, o) + grouped(groups, o, i, m)
         else:
-            total += grouped(m, o, i)
+            total += grouped(groups, m, o, i)
     return total
 
 
@@ -183,8 +210,7 @@ def _layer_forward(
     shape: MoEShape, moe: bool, tokens: int, seq: int, ep: int, imbalance: float,
     hw: Hardware, precision: str, autocast: bool, table: GemmTable | None, kernels: Kernels,
 ) -> Work:
-    gemms = sum(_gemm(tokens, lin.out_features, lin.in_features, hw, precision, table)
-                for lin in dense_linears(shape, moe))
+    gemms = _plain_gemms(shape, moe, tokens, hw, precision, table, False)
     if moe:
         gemms += _routed_gemms(shape, tokens, ep, imbalance, hw, precision, table, False)
     q = shape.n_head * shape.head_dim
@@ -209,11 +235,7 @@ def _layer_backward(
 ) -> Work:
     """Input and weight gradients of every GEMM, attention's backward (2.5 times its
     forward), the elementwise work twice."""
-    gemms = sum(
-        _gemm(tokens, lin.in_features, lin.out_features, hw, precision, table)
-        + _gemm(lin.out_features, lin.in_features, tokens, hw, precision, table)
-        for lin in dense_linears(shape, moe)
-    )
+    gemms = _plain_gemms(shape, moe, tokens, hw, precision, table, True)
     if moe:
         gemms += _routed_gemms(shape, tokens, ep, imbalance, hw, precision, table, True)
     q = shape.n_head * shape.head_dim

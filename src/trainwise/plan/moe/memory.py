@@ -14,10 +14,11 @@ parameters over dp_shard and its experts over efsdp (torchtitan wraps the expert
 their own unit), so a gathered block holds its dense parameters and its rank's experts
 whole.
 
-Activations (models.moe.cost.activation_bytes_per_token): per layer the attention and,
-on a MoE layer, what the token's own rank keeps of the router, the sort and the combine,
-plus what the experts' rank keeps of the routed rows: top_k a token on average, the
-busiest rank `imbalance` times that (moe.imbalance). Checkpointed blocks keep their input.
+Activations (models.moe.cost.layer_activation_bytes, counted against the model's
+autograd graph): per layer what the model keeps of a token, its routed copies top_k a
+token on average, the busiest expert rank `imbalance` times that many
+(models.moe.cost.routed_row_bytes a copy; moe.imbalance); around them the GPT's rules for
+the head, a checkpointed block's input and the working set of a block's backward.
 
 Not modelled: tensor parallelism and pipeline stages of a MoE model (the planner refuses
 them), CPU offload, LoRA, the auxiliary loss's few bytes a sequence.
@@ -30,7 +31,7 @@ from functools import lru_cache
 from itertools import accumulate
 
 from trainwise.config.parallel_dims import ParallelDims
-from trainwise.models.moe.cost import activation_bytes_per_token, dense_params
+from trainwise.models.moe.cost import layer_activation_bytes, param_split, routed_row_bytes
 from trainwise.models.moe.shapes import MoEShape
 from trainwise.plan.model.memory import (
     ActivationProfile,
@@ -86,7 +87,7 @@ class MoEParams:
 @lru_cache(maxsize=256)
 def moe_params(shape: MoEShape, ep: int) -> MoEParams:
     """The split of `shape`'s parameters on a rank of an `ep`-way expert group."""
-    dense, root = float(dense_params(shape)), float(shape.outer_params())
+    dense, root = float(param_split(shape).dense), float(shape.outer_params())
     experts = shape.expert_total() / ep
     return MoEParams(dense, root, (dense - root) / shape.n_layer, experts,
                      experts / shape.moe_layers)
@@ -105,33 +106,77 @@ def moe_activations(w: Workload, autocast: bool, device: str) -> ActivationProfi
     the busiest expert rank's: its routed rows `w.imbalance` times the mean."""
     shape = w.moe
     assert shape is not None
-    e, low = BYTES[w.precision], w.precision != "fp32"
-    norm = MASTER_BYTES if autocast and low else e  # norm outputs, residual stream
-    per = activation_bytes_per_token(shape, e, norm, norm, autocast and low)
-    k = shape.moe.top_k * w.imbalance  # routed rows a token on the busiest rank
-    cpu_norms = _cpu_norm_bytes(shape, low and not autocast) if device == "cpu" else 0.0
-    moe_layer = per["attention"] + per["moe_ffn"] + k * per["routed"] + 2 * cpu_norms
-    dense_layer = per["attention"] + per["dense_ffn"] + 2 * cpu_norms
-    layer = [moe_layer if shape.is_moe_layer(i) else dense_layer for i in range(shape.n_layer)]
-    working = per["working"] + k * per["routed_working"]
+    layer, per = _layer_bytes(w, autocast, device), _around(w, autocast, device)
     ckpt = checkpointed_blocks(w.ac, shape.n_layer)
-    kept = [per["block_input"] if i in ckpt else layer[i] for i in range(shape.n_layer)]
+    kept = [per["block_input"] if i in ckpt else layer[shape.is_moe_layer(i)]
+            for i in range(shape.n_layer)]
     below = list(accumulate(kept, initial=0.0))  # what the blocks below block i keep
-    block = below[-1] + working
+    block = below[-1] + per["working"]
     for i in ckpt:
-        block = max(block, below[i] + layer[i] + working)
-    head = per["head"] + cpu_norms if w.head else 0.0
+        block = max(block, below[i] + layer[shape.is_moe_layer(i)] + per["working"])
+    head = per["head"] if w.head else 0.0
     tokens = w.seq_len * w.micro_batch
     return ActivationProfile(tokens * (below[-1] + head), tokens * block,
                              tokens * below[-2])
 
 
-def _cpu_norm_bytes(shape: MoEShape, low_fsdp: bool) -> float:
-    """What a CPU's composite RMSNorm keeps beyond its input, per norm and token: the fp32
-    upcast or normalised copy and the rstd (memory.activation_bytes_per_token's CPU rule;
-    16-bit parameters without autocast keep more)."""
-    h = shape.d_model
-    return (6 * h + 4) if low_fsdp else (4 * h + 4)
+def _norm_row(residual: int, compute: int, device: str, fsdp_low: bool):
+    """Bytes one RMSNorm over a row of width w keeps, its input included: the input on
+    CUDA (the fused kernel); on a CPU also the composite op's fp32 normalised copy (and
+    the fp32 input under 16-bit parameters) and the row's rstd (memory.py's GPT rule)."""
+    if device != "cpu":
+        return lambda w: residual * w
+    return lambda w: residual * w + (6 if fsdp_low else 4) * w + 4
+
+
+@lru_cache(maxsize=1024)
+def _layer_bytes(w: Workload, autocast: bool, device: str) -> dict[bool, float]:
+    """Bytes per token a layer keeps (models.moe.cost.layer_activation_bytes), keyed by
+    whether it is a MoE layer, on the busiest expert rank. Under autocast (single, DDP in
+    16 bits) the residual stream and the norms stay fp32 and each Linear after a norm
+    keeps its own 16-bit cast of it: an approximation, not checked against autograd."""
+    shape = w.moe
+    assert shape is not None
+    e, low = BYTES[w.precision], w.precision != "fp32"
+    casting = autocast and low
+    r = MASTER_BYTES if casting else e
+    norm_row = _norm_row(r, e, device, low and not autocast)
+    routed = shape.moe.top_k * (w.imbalance - 1.0) * routed_row_bytes(shape, e)
+    out = {}
+    for moe in (False, True):
+        layers = [i for i in range(shape.n_layer) if shape.is_moe_layer(i) == moe]
+        if not layers:
+            continue
+        kept = layer_activation_bytes(
+            shape, layers[0], compute_bytes=e, norm_row=norm_row, micro_batch=w.micro_batch,
+            seq_len=w.seq_len, grouped=device == "cuda",
+        )
+        if casting:  # k and v's casts of the attention's norm output, a second FFN reader's
+            second = (not moe and shape.moe.d_dense) or (moe and shape.moe.shared_experts)
+            kept += e * shape.d_model * (2 + (1 if second else 0))
+        out[moe] = kept + (routed if moe else 0.0)
+    return out
+
+
+def _around(w: Workload, autocast: bool, device: str) -> dict[str, float]:
+    """What the planner adds around the layers, per token, as for the dense GPT
+    (memory.activation_bytes_per_token): a checkpointed block's input, the head (the final
+    norm, its output, the loss's fp32 log-softmax and the two vocabulary-sized gradients
+    its backward starts with), and a block's working set in backward (the gradients of
+    its widest intermediates: the busiest rank's routed copies, a shared or dense FFN)."""
+    shape = w.moe
+    assert shape is not None
+    e, low = BYTES[w.precision], w.precision != "fp32"
+    r = MASTER_BYTES if autocast and low else e
+    h, m = shape.d_model, shape.moe
+    loss = MASTER_BYTES if (autocast or not low) else e
+    norm_row = _norm_row(r, e, device, low and not autocast)
+    routed = m.top_k * w.imbalance * e * (3 * m.d_expert + h) if shape.moe_layers else 0.0
+    return {
+        "block_input": r * h,
+        "head": norm_row(h) + e * h + 3 * loss * shape.vocab_size,
+        "working": routed + 3 * e * max(m.shared_width, m.d_dense) + r * h,
+    }
 
 
 def moe_memory(w: Workload, setup: Setup, device: str) -> MemoryEstimate:

@@ -47,6 +47,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor
 
 from trainwise.data.shards import IGNORE
+from trainwise.models.moe.layers import not_counted
 from trainwise.models.pipeline import SINGLE_STAGE, V_SHAPED, stage_info
 from trainwise.run.engine.materialize import plain_name
 from trainwise.run.engine.mesh import JobMesh
@@ -54,6 +55,8 @@ from trainwise.run.engine.step import (
     Batch,
     DataParallelStep,
     StepResult,
+    aux_source,
+    last_aux,
     mean_over_ranks,
     total_grad_norm,
 )
@@ -62,6 +65,9 @@ from trainwise.run.observe.telemetry import Spans
 BACKWARD_ACTIONS = (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, SEND_B, RECV_B, REDUCE_GRAD)
 Copies = tuple[torch.nn.Parameter | None, torch.nn.Parameter | None]  # first stage's, last's
 TIMED = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+# torch's runtime metadata inference (first step): a real forward and backward of each stage
+# on made-up inputs (PipelineStage, torch 2.13), whose routing a MoE model must not count.
+INFERENCE = ("_forward_metadata_inference", "_backward_metadata_inference")
 
 
 class PipelineStep(DataParallelStep):
@@ -121,10 +127,15 @@ class PipelineStep(DataParallelStep):
         return found
 
     def _stages(self, parts: list[torch.nn.Module]) -> list[PipelineStage]:
-        return [
+        stages = [
             PipelineStage(part, i, self.num_stages, self.device, group=self.pp_group)
             for part, i in zip(parts, self.stage_ids, strict=True)
         ]
+        for stage in stages:  # torch's metadata inference trains nothing: no counting then
+            for method in INFERENCE:
+                if hasattr(stage, method):
+                    setattr(stage, method, not_counted(getattr(stage, method)))
+        return stages
 
     def _timed(self, method: Callable) -> Callable:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -145,8 +156,14 @@ class PipelineStep(DataParallelStep):
         first = torch.zeros_like(y, dtype=torch.bool)
         first.view(-1)[0] = True
         y = torch.where(first & (counted == 0), 0, y)
-        loss = self.loss_fn(output, y) * counted / self._denominators[loader_batch]
-        return loss * float("nan") if self.poison else loss  # a fault injected by a test
+        weight = counted / self._denominators[loader_batch]
+        loss = self.loss_fn(output, y) * weight
+        loss = loss * float("nan") if self.poison else loss  # a fault injected by a test
+        aux = last_aux(self.loss_fn)
+        if aux is not None:  # read back from the schedule's losses (_last_stage_sum): those
+            # of its micro-batches only (torch's metadata inference calls this too)
+            loss.aux_part = aux * weight
+        return loss
 
     def _targets(self, y: torch.Tensor) -> torch.Tensor:
         """The targets with each sample's loader micro-batch beside them ([B, T, 2]), and
@@ -173,7 +190,7 @@ class PipelineStep(DataParallelStep):
         wall.add(started, wall.mark())
         clock.mark("last")
         self.stage = "the pipeline's loss and tied gradients"
-        loss = self._last_stage_sum(losses)
+        loss, aux = self._last_stage_sum(losses)
         sync_tied_grads(self.tied_copies(parts), self.tie_group)
         clock.mark("sync")
         norm, finite = self.update(parts)
@@ -181,7 +198,8 @@ class PipelineStep(DataParallelStep):
         # Resolved after the update, whose guard waited for the device anyway.
         bubble = max(0.0, wall.seconds() - self.compute.seconds())
         return StepResult(
-            loss, norm, clock.take(), False, time.perf_counter(), finite, bubble=bubble
+            loss, norm, clock.take(), False, time.perf_counter(), finite, bubble=bubble,
+            aux_loss=aux,
         )
 
     def _batch(self, batches: Iterator[Batch]) -> list[torch.Tensor]:
@@ -189,13 +207,18 @@ class PipelineStep(DataParallelStep):
         micro = [next(batches) for _ in range(self.grad_accum)]
         return [torch.cat(tensors).to(self.device) for tensors in zip(*micro, strict=True)]
 
-    def _last_stage_sum(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The sum of the last stage's losses, on every rank of the pipeline (a SUM over
-        the pp group, where only the last stage's rank adds a value)."""
-        mine = torch.stack(losses).sum().detach().float() if self.last else None
-        total = mine if mine is not None else torch.zeros((), device=self.device)
+    def _last_stage_sum(
+        self, losses: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sum of the last stage's losses and of their auxiliary part (last_aux; None
+        when the loss function adds none, as on every rank), on every rank of the pipeline
+        (one SUM over the pp group, where only the last stage's rank adds values)."""
+        total = torch.zeros(2, device=self.device)
+        if self.last:
+            total[0] = torch.stack(losses).sum().detach().float()
+            total[1] = sum(getattr(loss, "aux_part", 0.0) for loss in losses)
         dist.all_reduce(total, group=self.pp_group)
-        return total
+        return total[0], total[1] if aux_source(self.loss_fn) is not None else None
 
     def grad_norm(self, parts: list[torch.nn.Module]) -> torch.Tensor:
         """The global norm: this rank's stages', completed over the pipeline; a tied head's
@@ -222,7 +245,7 @@ class PipelineStep(DataParallelStep):
                 x, y, *rest = (t.to(self.device) for t in batch)
                 losses: list[torch.Tensor] = []
                 run(self._eval_schedule, self.first, x, y, rest, losses, self.autocast, eval=True)
-                total += self._last_stage_sum(losses)  # one micro-batch: its mean
+                total += self._last_stage_sum(losses)[0]  # one micro-batch: its mean
                 n += 1
         for part in parts:
             part.train()

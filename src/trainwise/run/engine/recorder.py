@@ -126,10 +126,11 @@ class Recorder:
     def flush(self) -> None:
         if not self._pending:
             return
-        losses = mean_over_ranks(torch.stack([pending[1].loss for pending in self._pending]))
+        losses, auxes = mean_losses([pending[1] for pending in self._pending])
         records = [
-            self._record(step, res, loss, lr, eval_loss, ckpt_s)
-            for (step, res, lr, eval_loss, ckpt_s), loss in zip(self._pending, losses, strict=True)
+            self._record(step, res, loss, lr, eval_loss, ckpt_s, aux)
+            for (step, res, lr, eval_loss, ckpt_s), loss, aux in zip(
+                self._pending, losses, auxes, strict=True)
         ]
         self._pending.clear()
         if self.is_main:
@@ -146,6 +147,7 @@ class Recorder:
         lr: float,
         eval_loss: float | None,
         ckpt_s: float,
+        aux_loss: float | None = None,
     ) -> StepRecord:
         spans, probe_sync = res.spans()
         tp_s = spans.get("tp")  # a probe step's tensor-parallel collectives (tp > 1)
@@ -194,7 +196,7 @@ class Recorder:
             mfu=mfu(tps, self.flops_per_token, self.peak) if use_mfu else None,
             mem_bytes=mem, mem_kind=kind, elapsed_s=res.end - self.start, time=time.time(),
             attempt=self.attempt, profiled=profiled,
-            mem_reserved_bytes=peak_reserved(self.device),
+            mem_reserved_bytes=peak_reserved(self.device), aux_loss=aux_loss,
         )
 
     def _check_data_wait(self, step: int) -> None:
@@ -242,6 +244,17 @@ class Recorder:
             figures.update(earlier_figures(self.run_dir, figures))
         figures.update(run_losses(read_metrics(self.run_dir)))
         return figures
+
+
+def mean_losses(results: list[StepResult]) -> tuple[list[float], list[float | None]]:
+    """The steps' losses and their auxiliary parts (None where a step has none: every rank
+    alike), averaged over the ranks in one collective."""
+    stacked = [r.loss for r in results]
+    has_aux = [r.aux_loss is not None for r in results]
+    stacked += [r.aux_loss for r in results if r.aux_loss is not None]
+    means = mean_over_ranks(torch.stack([t.float() for t in stacked]))
+    losses, rest = means[: len(results)], iter(means[len(results) :])
+    return losses, [next(rest) if has else None for has in has_aux]
 
 
 def run_losses(records: list[dict]) -> dict:

@@ -40,6 +40,9 @@ class StepResult:
     # A pipeline step's wait on the other stages inside its compute span ("bubble"); its
     # communication after the schedule is marked "sync", measured on every step.
     bubble: float | None = None
+    # Of `loss`, the auxiliary part its loss function added (a MoE model's balancing
+    # loss: last_aux), summed as the loss; None when the loss function adds none.
+    aux_loss: torch.Tensor | None = None
 
     def spans(self) -> tuple[dict[str, float], float | None]:
         """Stage seconds (data, compute, optim) and, on a probe step, the exposed sync."""
@@ -77,6 +80,21 @@ class TrainStep(Protocol):
     def evaluate(self, parts: list[torch.nn.Module], batches: Iterable[Batch]) -> float:
         """Mean held-out loss over this rank's batches, averaged over ranks."""
         ...
+
+
+def aux_source(loss_fn: object) -> object | None:
+    """The loss function that says which part of its value is auxiliary (a MoE model's,
+    models.moe.MoELoss, has `last_aux`), through wrappers that name it `__wrapped__`;
+    None for one that adds nothing."""
+    while loss_fn is not None and not hasattr(loss_fn, "last_aux"):
+        loss_fn = getattr(loss_fn, "__wrapped__", None)
+    return loss_fn
+
+
+def last_aux(loss_fn: object) -> torch.Tensor | None:
+    """The auxiliary part of the value `loss_fn` last returned (None: it added none)."""
+    source = aux_source(loss_fn)
+    return None if source is None else source.last_aux
 
 
 def grad_params(parts: list[torch.nn.Module]) -> list[torch.Tensor]:
@@ -131,6 +149,7 @@ class DataParallelStep:
         # False: no non-finite check (the doctor's simulation: fake tensors hold no values).
         self.guard = guard
         self.clock = StageClock(device)
+        self.aux: torch.Tensor | None = None  # this step's auxiliary loss so far (last_aux)
         self.poison = False
         self.stage = "the training step"  # where a failed collective was: named in its message
 
@@ -140,16 +159,24 @@ class DataParallelStep:
         x, y, *rest = batch  # rest: what else the model takes (packed examples' ids)
         with set_gradient_sync(model, sync), self.autocast():
             loss = self.loss_fn(model(x, *rest), y) * scale
+            self.add_aux(scale)
             if self.poison:
                 loss = loss * float("nan")  # a fault injected by a test
         with self.backward_context():
             (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss.detach()
 
+    def add_aux(self, scale: float | torch.Tensor) -> None:
+        """Count the auxiliary part of the loss function's last value, scaled as its loss."""
+        aux = last_aux(self.loss_fn)
+        if aux is not None:
+            self.aux = aux * scale if self.aux is None else self.aux + aux * scale
+
     def step(self, parts: list[torch.nn.Module], batches: Iterator[Batch], probe: bool) -> StepResult:
         model = one_part(parts)
         clock = self.clock
         clock.mark("start")
+        self.aux = None
         timer = CollectiveTimer(self.device) if probe and self.time_tp else None
         with timer or contextlib.nullcontext():
             total, last = self._micro_batches(model, batches, probe)
@@ -164,7 +191,9 @@ class DataParallelStep:
                 clock.mark("probe")
         norm, finite = self.update(parts)
         clock.mark("optim")
-        return StepResult(total, norm, clock.take(), probe, time.perf_counter(), finite, timer)
+        return StepResult(
+            total, norm, clock.take(), probe, time.perf_counter(), finite, timer, aux_loss=self.aux
+        )
 
     def update(self, parts: list[torch.nn.Module]) -> tuple[torch.Tensor, bool]:
         """Clip and apply the gradients of every part (or skip a non-finite update), move

@@ -185,6 +185,7 @@ def local_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) ->
         value = loss_fn(output, target)
         return value.to_local() if isinstance(value, DTensor) else value
 
+    loss.__wrapped__ = loss_fn  # what it wraps says which part is auxiliary (step.last_aux)
     return loss
 
 

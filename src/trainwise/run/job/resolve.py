@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from trainwise.config import JobConfig
+from trainwise.config.lineage import moe_keys as lineage_moe_keys
 from trainwise.config.parallel_dims import LayoutRequest, ParallelDims
 from trainwise.data import DataInfo, first_batch, user_data_problems
 from trainwise.errors import ConfigError, ModelError
@@ -28,10 +29,12 @@ from trainwise.models import (
     count_parameters,
     lora_model_problems,
     model_kind,
+    resolve_moe_shape,
     resolve_shape,
     takes_example_ids,
     tp_model_problems,
 )
+from trainwise.models.moe import MoEShape
 from trainwise.models.pipeline import (
     ZERO_BUBBLE,
     default_microbatches,
@@ -97,6 +100,7 @@ class Job:
     # lineage, so a resume onto other base weights is refused. Computed by the launcher
     # and handed to its workers (run.job.lifeline): it may read every weight.
     base_weights: str | None = None
+    moe: MoEShape | None = None  # a Mixture-of-Experts model's shape
 
     @property
     def dp_size(self) -> int:
@@ -133,6 +137,10 @@ class Job:
 
     @property
     def flops_per_token(self) -> float | None:
+        if self.moe is not None:
+            from trainwise.models.moe.cost import moe_flops_per_token
+
+            return moe_flops_per_token(self.moe, self.cfg.data.seq_len)
         if self.shape is None:
             return None
         return flops_per_token(self.shape, self.cfg.data.seq_len, lora_plan(self.cfg))
@@ -270,6 +278,7 @@ def prepare_job(
             "replicate x shard x tp x pp = world"
         )
     data = data_and_model(c, problems)
+    problems += expert_problems(c, data.moe)
     problems += tp_model_problems(data.spec, c.parallel.tp, c.data.seq_len, sequence_parallel(c))
     problems += lora_model_problems(data.spec, c.lora)
     accum, more = batch_problems(c, world, local, request, data.info)
@@ -320,6 +329,7 @@ def prepare_job(
         datasets=data.datasets,
         sharded_accumulation=dims.accumulates_sharded(setup.accumulate, accum),
         base_weights=base_id(data.spec, c.train.seed) if c.lora.rank else None,
+        moe=data.moe,
     )
 
 
@@ -369,6 +379,7 @@ class JobData:
     params: int
     shape: GPTShape | None
     profile: ModelProfile | None = None  # a model without a shape, read from its module
+    moe: MoEShape | None = None  # a Mixture-of-Experts model's shape (priced by its profile)
 
 
 def data_and_model(c: JobConfig, problems: list[str]) -> JobData:
@@ -394,12 +405,12 @@ def data_and_model(c: JobConfig, problems: list[str]) -> JobData:
     try:
         # A model without a formula (your own, a transformers one) is read from its module
         # and measured on the data: its blocks are the FSDP units the plan prices.
-        shape = resolve_shape(spec)
+        shape, moe = resolve_shape(spec), resolve_moe_shape(spec)
         profile = None if shape is not None else job_profile(c, spec, train_ds)
         params = profile.params if profile is not None else count_parameters(spec)
     except ConfigError as err:
         raise ConfigError(problems + err.problems) from None
-    return JobData((train_ds, val_ds), info, spec, params, shape, profile)
+    return JobData((train_ds, val_ds), info, spec, params, shape, profile, moe)
 
 
 def batch_problems(
@@ -499,11 +510,6 @@ def layout_problems(c: JobConfig, world: int, local: int, device: DeviceInfo) ->
             "(pp x data-parallel x tp must be the world size): choose degrees whose product "
             "divides cluster.nproc x cluster.nodes"
         )
-    if p.ep > 1:  # models/moe brings the experts; until a model has them, nothing to split
-        problems.append(
-            f"parallel.ep = {p.ep} splits a Mixture-of-Experts model's experts, but "
-            f"model.name = {c.model.name!r} has none: use parallel.ep = 1"
-        )
     if request.single and world > 1:
         problems.append(
             f"parallel.strategy = 'single' runs one worker but cluster.nproc = {world}: "
@@ -517,6 +523,35 @@ def layout_problems(c: JobConfig, world: int, local: int, device: DeviceInfo) ->
     return problems
 
 
+def expert_problems(c: JobConfig, moe: MoEShape | None) -> list[str]:
+    """What keeps the job's experts from splitting parallel.ep ways, and [moe] settings
+    for a model without experts, one line each."""
+    p, name = c.parallel, c.model.name
+    if moe is None:
+        problems = [
+            f"parallel.ep = {p.ep} splits a Mixture-of-Experts model's experts, but "
+            f"model.name = {name!r} has none: use parallel.ep = 1"
+        ] if p.ep > 1 else []
+        changed = sorted(lineage_moe_keys(c))
+        if changed:
+            problems.append(
+                f"{', '.join(changed)} set, but model.name = {name!r} has no experts to "
+                "balance or drop tokens for: remove them (or train a MoE model)"
+            )
+        return problems
+    if p.ep > 1 and moe.moe.experts % p.ep:
+        return [
+            f"parallel.ep = {p.ep} does not divide the {moe.moe.experts} experts of model.name "
+            f"= {name!r}: choose an ep that divides them"
+        ]
+    if p.ep > 1:  # models.moe is ready for it (GroupedExperts): parallel.ep is not yet run
+        return [
+            f"parallel.ep = {p.ep}: expert parallelism does not run yet; use parallel.ep = 1 "
+            "(every rank holds every expert; FSDP shards them)"
+        ]
+    return []
+
+
 def pipeline_problems(c: JobConfig, data: JobData, accum: int) -> list[str]:
     """What keeps the job from running parallel.pp stages, one line each: a model that
     does not split (models.pipeline cuts the built-in GPT, and your own module that keeps
@@ -528,6 +563,8 @@ def pipeline_problems(c: JobConfig, data: JobData, accum: int) -> list[str]:
     where = f"parallel.pp = {p.pp}: model.name = {c.model.name!r}"
     if data.shape is not None:
         n_layer, model, cut = data.shape.n_layer, None, None
+    elif data.moe is not None:
+        n_layer, model, cut = data.moe.n_layer, None, None
     elif model_kind(c.model.name) == "custom":
         with torch.device("meta"):
             model = build_model(data.spec).module
@@ -538,9 +575,9 @@ def pipeline_problems(c: JobConfig, data: JobData, accum: int) -> list[str]:
         n_layer = len(cut.keys)
     else:
         return [
-            f"{where} cannot be cut into pipeline stages (the built-in GPT presets, hf: Llama "
-            "models with model.impl = 'trainwise' and your own module with its blocks in "
-            "`layers` or `blocks` can): use parallel.pp = 1"
+            f"{where} cannot be cut into pipeline stages (the built-in GPT and MoE presets, "
+            "hf: Llama and MoE models with model.impl = 'trainwise' and your own module with "
+            "its blocks in `layers` or `blocks` can): use parallel.pp = 1"
         ]
     batch = c.data.micro_batch * accum
     microbatches = p.pp_microbatches or default_microbatches(c.data.micro_batch, accum)
@@ -553,10 +590,12 @@ def pipeline_problems(c: JobConfig, data: JobData, accum: int) -> list[str]:
             "zero-bubble schedules split the backward, which compiled blocks do not support; "
             "use 1F1B or Interleaved1F1B, or train.compile = false"
         )
-    if cut is not None and LayoutRequest.of(p).auto:  # its search prices a GPT's stages
+    if (cut is not None or data.moe is not None) and LayoutRequest.of(p).auto:
+        # Its search prices a GPT's stages (a MoE model's: issue 34's planner work).
+        what = "your own module" if cut is not None else "a Mixture-of-Experts model"
         problems.append(
             f"{where}: parallel.strategy = 'auto' lets the planner choose around the stages, "
-            "and it cannot cut your own module yet: set parallel.strategy = 'fsdp' or 'ddp' "
+            f"and it cannot cut {what} yet: set parallel.strategy = 'fsdp' or 'ddp' "
             "(the layout inside each stage)"
         )
     if cut is not None and not problems:  # run on the meta device, stage after stage

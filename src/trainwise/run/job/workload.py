@@ -45,6 +45,8 @@ def job_spec(c: JobConfig, info: DataInfo | None = None) -> ModelSpec:
         init=c.model.init,
         impl=c.model.impl,
         loss=c.model.loss,
+        aux_loss_coef=c.moe.aux_loss_coef,
+        capacity_factor=c.moe.capacity_factor,
     )
 
 
