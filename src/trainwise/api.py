@@ -307,13 +307,19 @@ def plan_job(
 def _plan_inputs(cfg: JobConfig) -> Any:
     """The planner's inputs of the job: a preset, a shape or a bare count from the
     formulas alone (no torch); your own model or hf:DIR read from its module on the meta
-    device and a sample of the job's data (models.profile; imports torch)."""
+    device and a sample of the job's data (models.profile; imports torch), except an hf:
+    Mixture-of-Experts directory built by trainwise (model.impl = 'trainwise'), priced by
+    its shape as a MoE preset is."""
     from trainwise.plan.inputs import profiled, resolve_inputs
 
     if not profiled(cfg):
         return resolve_inputs(cfg)
-    from trainwise.run.job.workload import job_profile
+    from trainwise.models.registry import resolve_moe_shape
+    from trainwise.run.job.workload import job_profile, job_spec
 
+    moe = resolve_moe_shape(job_spec(cfg))
+    if moe is not None:  # an hf: Mixture-of-Experts directory trainwise builds: its shape
+        return resolve_inputs(cfg, moe=moe)
     return resolve_inputs(cfg, job_profile(cfg))
 
 

@@ -195,3 +195,16 @@ def test_the_imbalance_is_a_planner_key_outside_the_lineage():
     assert moe_keys(cfg) == {"moe.aux_loss_coef": 0.01}
     with pytest.raises(ConfigError, match="moe.imbalance"):
         load_config(None, {"moe.imbalance": 0.5})  # the busiest rank has at least the mean
+
+
+def test_an_hf_moe_directory_trainwise_builds_is_planned_by_its_shape(tmp_path, capsys):
+    from helpers import tiny_moe
+
+    folder = tiny_moe(tmp_path / "qwen3moe")
+    args = ["plan", "--model", f"hf:{folder}", "--set", "model.impl=trainwise", "--gpus", "2",
+            "--seq", "16", "--global-batch", "4", "--json"]
+    assert main(args) == 0
+    moe = json.loads(capsys.readouterr().out)["inputs"]["moe"]
+    # tests/helpers.tiny_moe: 2 layers of 4 experts, top 2, heads of 16 on a width of 32
+    assert (moe["layers"], moe["experts"], moe["top_k"], moe["head_dim"]) == (2, 4, 2, 16)
+    assert moe["active_params"] < moe["total_params"]

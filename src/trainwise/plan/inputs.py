@@ -126,20 +126,23 @@ class PlanInputs:
         return replace(self, gpus=gpus)
 
 
-def resolve_inputs(cfg: JobConfig, profile: ModelProfile | None = None) -> PlanInputs:
+def resolve_inputs(
+    cfg: JobConfig, profile: ModelProfile | None = None, moe: MoEShape | None = None
+) -> PlanInputs:
     """PlanInputs from a validated job config; combinations the schema cannot judge alone
     raise ConfigError (one line each). `profile`: the model read from its module
     (models.profile.profile_model), which prices it in place of model.name: as its GPT
-    shape when it has one, else by its blocks, their GEMMs and what its sample measured."""
+    shape when it has one, else by its blocks, their GEMMs and what its sample measured.
+    `moe`: a Mixture-of-Experts model's shape read from an hf: directory (a MoE preset's is
+    the preset's)."""
     p = cfg.plan
     notes: tuple[str, ...] = ()
-    moe = None
-    if profile is not None:
+    if moe is not None or cfg.model.name in MOE_PRESETS:
+        params, moe, model = _moe_model(cfg, moe)
+        shape = None
+    elif profile is not None:
         params, shape, model = _profiled(cfg, profile)
         notes = (*profile.notes, *_unmeasured(cfg, profile))
-    elif cfg.model.name in MOE_PRESETS:
-        params, moe, model = _moe_model(cfg)
-        shape = None
     else:
         params, shape, model = _model(cfg)
     if moe is None and cfg.parallel.ep > 1:
@@ -386,18 +389,19 @@ def _model(cfg: JobConfig) -> tuple[int, GPTShape | None, str]:
     return shape.num_params(), shape, name
 
 
-def _moe_model(cfg: JobConfig) -> tuple[int, MoEShape, str]:
-    """(parameters, shape, name) of a Mixture-of-Experts preset as the job builds it (its
-    vocabulary and sequence). A shape's flags or a bare count beside it are refused, and
-    so are the layouts and settings the planner does not price for one (one line each)."""
+def _moe_model(cfg: JobConfig, shape: MoEShape | None = None) -> tuple[int, MoEShape, str]:
+    """(parameters, shape, name) of a Mixture-of-Experts model as the job builds it: a
+    preset with the job's vocabulary and sequence, or `shape` (read from its directory). A
+    shape's flags or a bare count beside it are refused, and so are the layouts and
+    settings the planner does not price for one (one line each)."""
     p, name = cfg.plan, cfg.model.name
     given = [f"plan.{key}" for key in ("params", *SHAPE_FIELDS) if getattr(p, key) is not None]
     if given:
         raise ConfigError(
-            f"model.name = '{name}' (a Mixture-of-Experts preset) was given with "
-            f"{', '.join(given)}: drop them (the preset is its shape)"
+            f"model.name = '{name}' (a Mixture-of-Experts model) was given with "
+            f"{', '.join(given)}: drop them (the model is its shape)"
         )
-    shape = moe_job_shape(name, cfg.model.vocab_size, cfg.data.seq_len)
+    shape = shape or moe_job_shape(name, cfg.model.vocab_size, cfg.data.seq_len)
     problems = moe_problems(cfg, shape)
     if problems:
         raise ConfigError(problems)
