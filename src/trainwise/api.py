@@ -271,6 +271,7 @@ def plan_job(
     emit: str | Path | None = None,
 ) -> Plan:
     """plan() of a JobSpec (what the CLI gives, its flags named)."""
+    from trainwise.models.moe.shapes import MOE_PRESETS
     from trainwise.models.shapes import PRESETS
     from trainwise.plan.constraints import check_allowed, user_allowed
     from trainwise.plan.inputs import PLAN_DEFAULTS
@@ -282,17 +283,18 @@ def plan_job(
     goal = _goal(spec, inputs.objective, deadline_hours, budget_usd)
     allowed = user_allowed(cfg, given)  # what the user set stays; the rest is searched
     check_allowed(inputs, allowed)
-    if emit and inputs.model not in PRESETS:
+    if emit and inputs.model not in PRESETS and inputs.model not in MOE_PRESETS:
         raise ConfigError(
             f"{spec.name('emit')} {emit}: {inputs.model} is no model `trainwise train` "
-            f"builds; give a preset (model: {', '.join(PRESETS)})"
+            f"builds; give a preset (model: {', '.join([*PRESETS, *MOE_PRESETS])})"
         )
     source = str(calibrate) if calibrate else cfg.plan.calibration
     where = (
         f"{spec.name('calibrate')} {source}" if calibrate else f"plan.calibration = {source!r}"
     )
     inputs, notes = _calibrated(inputs, source, where)
-    if simulate and inputs.workload.shape is None and inputs.workload.profile is None:
+    w = inputs.workload
+    if simulate and w.shape is None and w.profile is None and w.moe is None:
         raise ConfigError(
             f"{spec.name('simulate')} needs a model to build: give a preset (model) or a "
             "shape (layers, hidden, heads, ...) instead of a bare parameter count"

@@ -208,3 +208,9 @@ def test_an_hf_moe_directory_trainwise_builds_is_planned_by_its_shape(tmp_path, 
     # tests/helpers.tiny_moe: 2 layers of 4 experts, top 2, heads of 16 on a width of 32
     assert (moe["layers"], moe["experts"], moe["top_k"], moe["head_dim"]) == (2, 4, 2, 16)
     assert moe["active_params"] < moe["total_params"]
+
+
+def test_the_headline_says_total_and_active(capsys):
+    assert main(["plan", "--model", "moe-tiny", "--gpus", "2", "--gpu", "cpu"]) == 0
+    assert "moe-tiny (169,280 parameters, 95,552 active: 8 experts, top 2, imbalance 1.25)" in (
+        " ".join(capsys.readouterr().out.split()))

@@ -160,9 +160,9 @@ def headline(plan: Plan) -> str:
     if w.lora is not None:
         shape = f"{fmt_params(*param_counts(w.params, w.shape, w.lora))}, LoRA rank {w.lora.rank}"
     if w.moe is not None:
-        m = w.moe.moe
-        shape += (f", {w.moe.active_params() / 1e9:.2f}B active: {m.experts} experts, top "
-                  f"{m.top_k}, imbalance {w.imbalance:g}")
+        m, active = w.moe.moe, w.moe.active_params()
+        count = f"{active / 1e9:.2f}B" if active >= 1e8 else f"{active:,}"
+        shape += f", {count} active: {m.experts} experts, top {m.top_k}, imbalance {w.imbalance:g}"
     batch = f"global batch {i.global_batch}" if i.global_batch else "global batch = micro x GPUs"
     return (
         f"{i.model} ({shape}), seq {w.seq_len}, micro-batch {w.micro_batch}, {batch}, "
