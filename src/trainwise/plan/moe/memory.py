@@ -26,6 +26,7 @@ them), CPU offload, LoRA, the auxiliary loss's few bytes a sequence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
@@ -120,7 +121,7 @@ def moe_activations(w: Workload, autocast: bool, device: str) -> ActivationProfi
                              tokens * below[-2])
 
 
-def _norm_row(residual: int, compute: int, device: str, fsdp_low: bool):
+def _norm_row(residual: int, device: str, fsdp_low: bool) -> Callable[[int], float]:
     """Bytes one RMSNorm over a row of width w keeps, its input included: the input on
     CUDA (the fused kernel); on a CPU also the composite op's fp32 normalised copy (and
     the fp32 input under 16-bit parameters) and the row's rstd (memory.py's GPT rule)."""
@@ -140,7 +141,7 @@ def _layer_bytes(w: Workload, autocast: bool, device: str) -> dict[bool, float]:
     e, low = BYTES[w.precision], w.precision != "fp32"
     casting = autocast and low
     r = MASTER_BYTES if casting else e
-    norm_row = _norm_row(r, e, device, low and not autocast)
+    norm_row = _norm_row(r, device, low and not autocast)
     routed = shape.moe.top_k * (w.imbalance - 1.0) * routed_row_bytes(shape, e)
     out = {}
     for moe in (False, True):
@@ -170,7 +171,7 @@ def _around(w: Workload, autocast: bool, device: str) -> dict[str, float]:
     r = MASTER_BYTES if autocast and low else e
     h, m = shape.d_model, shape.moe
     loss = MASTER_BYTES if (autocast or not low) else e
-    norm_row = _norm_row(r, e, device, low and not autocast)
+    norm_row = _norm_row(r, device, low and not autocast)
     routed = m.top_k * w.imbalance * e * (3 * m.d_expert + h) if shape.moe_layers else 0.0
     return {
         "block_input": r * h,
