@@ -8,6 +8,7 @@ Each round runs, in fresh processes:
 - trainwise plan --json --sweep 1..4096: the default plan with a 13-point sweep (every
   named strategy and the search's best at each count; the issue's bar: under 1 s);
 - the same for llama-70b on 1024 GPUs, 8 a node (the planner-search issue's job);
+- the same for Qwen3-235B-A22B (a Mixture-of-Experts model: expert degrees searched too);
 - python -c "import torch": what the plan avoids.
 
 It prints the median wall time per row, its ratio to the sweep plan, and the median CPU
@@ -56,9 +57,15 @@ ROWS = {
         "--sweep",
         "1..4096",
     ],
+    # A Mixture-of-Experts model: the same search with the expert degrees weighed too.
+    "plan qwen3-235b x 1024 --sweep": [
+        sys.executable, "-m", "trainwise", "plan", "--json", "--model", "qwen3-235b-a22b",
+        "--gpus", "1024", "--gpus-per-node", "8", "--sweep", "1..4096",
+    ],
     "import torch": [sys.executable, "-c", "import torch"],
 }
-TARGETS = ("plan --sweep 1..4096", "plan 70b x 1024 --sweep 1..4096")
+TARGETS = ("plan --sweep 1..4096", "plan 70b x 1024 --sweep 1..4096",
+           "plan qwen3-235b x 1024 --sweep")
 
 
 def timed(cmd: list[str]) -> tuple[float, float]:

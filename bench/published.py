@@ -48,6 +48,28 @@ Needs nothing but the repository (no GPU, no network). The runs, each with its s
     whole, SDPA the repeated k and v of grouped-query attention), so without checkpointing
     the layout needs about 144 GiB a GPU; the row checkpoints every other block
     (selective), the lightest checkpointing trainwise offers short of none.
+
+Mixture-of-Experts runs (MOE_RUNS), each priced on its published layout (plan.moe), their
+mean error printed apart:
+- NVIDIA-NeMo/Automodel, docs/performance-summary.mdx (DGX-H100, BF16; its recipe
+  examples/llm_benchmark/qwen/qwen3_moe_30b_te_deepep.yaml): Qwen3-30B-A3B on 8 H100, FSDP2
+  over the 8 with experts split 8 ways (EP 8), local batch 4 x 16 accumulated (global 512),
+  seq 4096, activation checkpointing of every layer, bf16 parameters reduced in fp32
+  (FSDP2Config's mixed precision), gradients kept unsharded between micro-batches
+  (defer_fsdp_grad_sync), a balanced gate (its note: "Fake balanced gate is enabled",
+  so moe.imbalance = 1), 12,040 tokens/s/GPU. Its kernels are Transformer Engine's
+  (cuDNN attention, fused RMSNorm, the fused permutation) and DeepEP's dispatch: priced with
+  attention = "fused" (FlashAttention-3's rate, plan.model.gemm.FUSED_ATTENTION_SHARE) and
+  routing = "fused"; DeepEP's all-to-all as NCCL's (network.all_to_all). Its optimizer
+  keeps bf16 states, which the planner's fp32 model states do not: the fit verdict is not
+  judged (no memory is published).
+Left out, and why: the same table's DeepSeek-V3 and Kimi K2 rows (multi-head latent
+attention, not modelled by MoEShape, and pipeline stages, which the planner does not price
+for a MoE model), GPT-OSS (attention sinks and sliding windows), Nemotron (Mamba layers);
+Megatron-Core's Qwen3-235B and DeepSeek-V3 tables (yanring/Megatron-MoE-ModelZoo,
+NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md: tensor parallelism or pipeline
+stages, and FP8 for most); DeepSeek-V3's report (MLA, FP8, DualPipe, no per-GPU
+throughput); torchtitan publishes no MoE table (its Llama 4 figure states no layout).
 """
 
 from __future__ import annotations
@@ -213,6 +235,75 @@ def plan_llama3_405b() -> tuple[StrategyPlan, float]:
     return price(replace(inputs, model="Llama 3 405B"), setup), published
 
 
+@dataclass(frozen=True)
+class MoERun:
+    """A published Mixture-of-Experts run: a MoE preset on its layout (ep included) and
+    knobs, and the kernels it ran (memory.Workload's attention and routing)."""
+
+    name: str
+    source: str
+    model: str  # a models.moe preset
+    gpu: str
+    gpus: int
+    dims: ParallelDims
+    micro_batch: int
+    grad_accum: int
+    seq_len: int
+    ac: str
+    tokens_per_s_per_gpu: float
+    imbalance: float = 1.0  # a balanced gate, unless the run routed for real
+    attention: str = "sdpa"
+    routing: str = "eager"
+    accumulate: str = "unsharded"
+    reduce_dtype: str = "fp32"
+    loss: str = "standard"
+
+
+AUTOMODEL = ("NVIDIA-NeMo/Automodel docs/performance-summary.mdx, DGX-H100 BF16 "
+             "(examples/llm_benchmark/qwen/qwen3_moe_30b_te_deepep.yaml)")
+MOE_RUNS = [
+    MoERun("Qwen3-30B-A3B, 8 H100, FSDP 8 x EP 8, full AC", AUTOMODEL, "qwen3-30b-a3b",
+           "H100-SXM", 8, ParallelDims(1, 8, 1, ep=8, fsdp=True), 4, 16, 4096, "full", 12040,
+           attention="fused", routing="fused"),
+]
+
+
+def plan_moe_run(run: MoERun) -> StrategyPlan:
+    """`run` priced on its published layout and knobs."""
+    keys = {
+        **PLAN_DEFAULTS, "model.name": run.model, "cluster.gpu": run.gpu, "plan.gpus": run.gpus,
+        "data.seq_len": run.seq_len, "data.micro_batch": run.micro_batch,
+        "data.global_batch": run.micro_batch * run.grad_accum * run.dims.dp_size,
+        "parallel.ac": run.ac, "precision.dtype": "bf16", "parallel.headroom": 0.0,
+        "moe.imbalance": run.imbalance,
+    }
+    inputs = resolve_inputs(load_config(None, keys))
+    w = replace(inputs.workload, loss=run.loss, reduce_dtype=run.reduce_dtype,
+                attention=run.attention, routing=run.routing)
+    setup = Setup(run.dims, run.ac, run.micro_batch, run.grad_accum, run.accumulate)
+    return price(replace(inputs, workload=w, model=run.name), setup)
+
+
+def print_moe_runs() -> None:
+    """Each MoE run's published and planned tokens/s per GPU, and their mean error."""
+    errors = []
+    print(f"\n{'Mixture-of-Experts run':48} {'published':>9} {'planned':>9} {'error':>7}  "
+          "fits  memory GiB  a2a exposed")
+    for run in MOE_RUNS:
+        plan = plan_moe_run(run)
+        planned = plan.tokens_per_s / plan.gpus
+        errors.append(abs(planned / run.tokens_per_s_per_gpu - 1))
+        a2a = sum(c.seconds for c in plan.collectives if c.name.startswith("ep all-to-all"))
+        print(
+            f"{run.name:48} {run.tokens_per_s_per_gpu:>9,.0f} {planned:>9,.0f} "
+            f"{planned / run.tokens_per_s_per_gpu - 1:>+7.1%}  {'yes' if plan.fits else 'NO ':4}  "
+            f"{plan.memory.total / GIB:.1f} of {plan.budget_bytes / GIB:.1f}  "
+            f"{a2a / plan.step.total:.0%} of the step"
+        )
+    print(f"mean absolute error of tokens/s over the MoE runs: {statistics.mean(errors):.1%} "
+          f"over {len(MOE_RUNS)} run{'s' if len(MOE_RUNS) > 1 else ''}")
+
+
 def main() -> int:
     errors, memory_errors = [], []
     print(f"{'run':48} {'published':>9} {'planned':>9} {'error':>7}  fits  memory GiB")
@@ -245,6 +336,7 @@ def main() -> int:
              ("activations", m.activations or 0.0), ("buffers", m.buffers),
              ("CUDA context and fragmentation", m.overhead)]
     print(f"  its peak, at {m.phase}: " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts) + " GiB")
+    print_moe_runs()
     return 0
 
 

@@ -312,6 +312,7 @@ def plan_job(
     emit: str | Path | None = None,
 ) -> Plan:
     """plan() of a JobSpec (what the CLI gives, its flags named)."""
+    from trainwise.models.moe.shapes import MOE_PRESETS
     from trainwise.models.shapes import PRESETS
     from trainwise.plan.constraints import check_allowed, user_allowed
     from trainwise.plan.inputs import PLAN_DEFAULTS
@@ -323,17 +324,18 @@ def plan_job(
     goal = _goal(spec, inputs.objective, deadline_hours, budget_usd)
     allowed = user_allowed(cfg, given)  # what the user set stays; the rest is searched
     check_allowed(inputs, allowed)
-    if emit and inputs.model not in PRESETS:
+    if emit and inputs.model not in PRESETS and inputs.model not in MOE_PRESETS:
         raise ConfigError(
             f"{spec.name('emit')} {emit}: {inputs.model} is no model `trainwise train` "
-            f"builds; give a preset (model: {', '.join(PRESETS)})"
+            f"builds; give a preset (model: {', '.join([*PRESETS, *MOE_PRESETS])})"
         )
     source = str(calibrate) if calibrate else cfg.plan.calibration
     where = (
         f"{spec.name('calibrate')} {source}" if calibrate else f"plan.calibration = {source!r}"
     )
     inputs, notes = _calibrated(inputs, source, where)
-    if simulate and inputs.workload.shape is None and inputs.workload.profile is None:
+    w = inputs.workload
+    if simulate and w.shape is None and w.profile is None and w.moe is None:
         raise ConfigError(
             f"{spec.name('simulate')} needs a model to build: give a preset (model) or a "
             "shape (layers, hidden, heads, ...) instead of a bare parameter count"
@@ -348,13 +350,19 @@ def plan_job(
 def _plan_inputs(cfg: JobConfig) -> Any:
     """The planner's inputs of the job: a preset, a shape or a bare count from the
     formulas alone (no torch); your own model or hf:DIR read from its module on the meta
-    device and a sample of the job's data (models.profile; imports torch)."""
+    device and a sample of the job's data (models.profile; imports torch), except an hf:
+    Mixture-of-Experts directory built by trainwise (model.impl = 'trainwise'), priced by
+    its shape as a MoE preset is."""
     from trainwise.plan.inputs import profiled, resolve_inputs
 
     if not profiled(cfg):
         return resolve_inputs(cfg)
-    from trainwise.run.job.workload import job_profile
+    from trainwise.models.registry import resolve_moe_shape
+    from trainwise.run.job.workload import job_profile, job_spec
 
+    moe = resolve_moe_shape(job_spec(cfg))
+    if moe is not None:  # an hf: Mixture-of-Experts directory trainwise builds: its shape
+        return resolve_inputs(cfg, moe=moe)
     return resolve_inputs(cfg, job_profile(cfg))
 
 

@@ -393,6 +393,8 @@ class PlanInputsRecord(Record):
     total_params: float | None = None
     lora_rank: int = 0
     shape: dict[str, int] | None = None  # layers, hidden, heads, kv_heads, ffn, vocab
+    # A Mixture-of-Experts model: its shape, total and active parameters, the imbalance
+    moe: dict[str, Any] | None = None
     seq_len: int | None = None
     micro_batch: int | None = None
     global_batch: int | None = None

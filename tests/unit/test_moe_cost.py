@@ -15,6 +15,8 @@ from trainwise.models.moe.cost import (
     layer_activation_bytes,
     moe_flops_per_token,
     param_split,
+    ranks_per_token,
+    routed_row_bytes,
     token_gemms,
 )
 from trainwise.models.moe.model import MoEBlock, MoEModel
@@ -134,3 +136,55 @@ def test_shapes_and_cost_import_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True,
                           text=True, timeout=hang_limit())
     assert proc.returncode == 0, proc.stderr
+
+
+# -- what the planner adds to the description (plan/moe) ------------------------------------
+
+MIXTRAL = MOE_PRESETS["mixtral-8x7b"]
+
+
+@pytest.mark.parametrize(
+    "name, total, active",
+    [("mixtral-8x7b", 46.7e9, 12.9e9), ("qwen3-30b-a3b", 30.5e9, 3.3e9),
+     ("qwen3-235b-a22b", 235e9, 22e9), ("deepseek-moe-16b", 16.4e9, 2.8e9)],
+)
+def test_total_and_active_parameters_match_the_published_figures(name, total, active):
+    shape = MOE_PRESETS[name]
+    assert shape.num_params() == pytest.approx(total, rel=0.005)
+    assert shape.active_params() == pytest.approx(active, rel=0.02)
+
+
+def test_flops_per_token_of_mixtral_by_hand():
+    """Mixtral 8x7B at 4096 tokens: per layer q, k, v, out (4096 x (4096 + 1024 + 1024 +
+    4096)), the router (4096 x 8) and two of the eight experts (3 x 4096 x 14336 each),
+    the head 4096 x 32000; six FLOPs each, and the attention 12 x 32 x 4096 x 4096."""
+    layer = 4096 * (2 * 4096 + 2 * 1024) + 4096 * 8 + 2 * 3 * 4096 * 14336
+    multiplied = 32 * layer + 4096 * 32000
+    assert moe_flops_per_token(MIXTRAL, 4096) == 6 * multiplied + 12 * 32 * 4096 * 4096
+    # 6 x the published 12.9B active, less the embedding lookup and the norms: within 1 %
+    assert moe_flops_per_token(MIXTRAL, 1) == pytest.approx(6 * (12.9e9 - 32000 * 4096),
+                                                            rel=0.01)
+
+
+def test_ranks_a_token_reaches():
+    assert ranks_per_token(MIXTRAL, 1) == 1.0
+    # two of 8 experts, 4 a rank: a rank misses both with 4/8 x 3/7
+    assert ranks_per_token(MIXTRAL, 2) == pytest.approx(2 * (1 - 4 / 8 * 3 / 7))
+    assert ranks_per_token(MIXTRAL, 8) == pytest.approx(2.0)  # one expert a rank
+    assert 1 < ranks_per_token(MOE_PRESETS["qwen3-30b-a3b"], 8) < 8
+
+
+def test_a_routed_copy_is_part_of_the_layer_count():
+    """Doubling the routed experts' width (no shared expert, whose width would follow)
+    adds 4 (gate, up, silu, product) x the extra width a routed copy, as routed_row_bytes
+    and layer_activation_bytes both say."""
+    base = replace(TINY, moe=replace(TINY.moe, shared_experts=0))
+    wide = replace(base, moe=replace(base.moe, d_expert=2 * TINY.moe.d_expert))
+
+    def layer(shape):
+        return layer_activation_bytes(shape, 1, compute_bytes=2, norm_row=cpu_norm_row(2),
+                                      micro_batch=2, seq_len=16)
+
+    extra = 2 * 4 * TINY.moe.d_expert * TINY.moe.top_k
+    assert layer(wide) - layer(base) == extra
+    assert (routed_row_bytes(wide, 2) - routed_row_bytes(base, 2)) * TINY.moe.top_k == extra

@@ -60,6 +60,10 @@ def lineage_keys(
     return keys
 
 
+# [moe] keys only the planner reads: they change no training, so no resume checks them.
+MOE_PLAN_ONLY = ("imbalance",)
+
+
 def moe_keys(cfg: JobConfig) -> dict[str, Any]:
     """The [moe] keys that differ from their defaults: they change what a Mixture-of-
     Experts model trains to (its balancing), so a resume must keep them; left at their
@@ -67,7 +71,8 @@ def moe_keys(cfg: JobConfig) -> dict[str, Any]:
     before [moe] keep their lineage."""
     default = type(cfg.moe)().model_dump(mode="json")
     return {
-        f"moe.{k}": v for k, v in cfg.moe.model_dump(mode="json").items() if v != default[k]
+        f"moe.{k}": v for k, v in cfg.moe.model_dump(mode="json").items()
+        if v != default[k] and k not in MOE_PLAN_ONLY
     }
 
 

@@ -853,6 +853,16 @@ class MoEConfig(Section):
         "it by (its share of their output is zero; the computation still runs). None "
         "(default): no dropping, every token reaches its top_k experts.",
     )
+    imbalance: float = Field(
+        1.25,
+        ge=1.0,
+        description="For the planner: the routed tokens the busiest expert-parallel rank "
+        "gets over the mean (1 = perfectly balanced). It scales the slowest rank's expert "
+        "GEMMs, its all-to-all and its routed activations. Default 1.25, Switch "
+        "Transformer's capacity factor (Fedus et al., 2022, section 2.2: the headroom over "
+        "the mean load at which few tokens overflow with the balancing loss); measured by a "
+        "run's tokens per expert (docs/planner.md). Not part of the lineage.",
+    )
 
 
 class JobConfig(Section):

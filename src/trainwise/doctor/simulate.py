@@ -22,6 +22,7 @@ from functools import partial
 
 from trainwise.config.parallel_dims import PLAN_NAMES, ParallelDims, row_layout
 from trainwise.errors import ConfigError
+from trainwise.models.moe.shapes import MoEShape
 from trainwise.models.shapes import GPTShape, ModelProfile
 from trainwise.plan.estimate import Setup, layout_name
 from trainwise.plan.model.lora import LoraPlan
@@ -404,8 +405,11 @@ def simulate_plan(plan, progress=None, rows: list | None = None) -> list[dict]:
     from trainwise.plan.model.memory import estimate_memory
 
     w = plan.inputs.workload
-    # Your own module is simulated itself (as it trains), on its sample.
+    # Your own module is simulated itself (as it trains), on its sample; a Mixture-of-
+    # Experts model as the runtime reads it, through its profile.
     what = w.profile if w.profile is not None else w.shape
+    if w.moe is not None:
+        what = _moe_profile(w.moe, w.seq_len, w.micro_batch)
     if what is None:
         raise ValueError("a bare parameter count has no model to simulate")
     if w.profile is not None and w.profile.sample is None:
@@ -449,6 +453,16 @@ def simulate_plan(plan, progress=None, rows: list | None = None) -> list[dict]:
     return out
 
 
+def _moe_profile(shape: MoEShape, seq_len: int, micro_batch: int) -> ModelProfile:
+    """The profile of trainwise's MoE model of `shape` (models.moe), on token ids of
+    `seq_len`, for simulate_layout."""
+    from trainwise.models.moe.model import MoEModel
+    from trainwise.models.profile import profile_model
+
+    return profile_model(lambda: MoEModel(shape), seq_len=seq_len, vocab_size=shape.vocab_size,
+                         micro_batch=micro_batch)
+
+
 def simulated(dims: ParallelDims, virtual: int = 1) -> bool:
     """Whether one fake rank can play the layout: single, ddp, FSDP, with tensor
     parallelism or without (not hsdp: FSDP2's replication fails on the fake process group;
@@ -456,7 +470,8 @@ def simulated(dims: ParallelDims, virtual: int = 1) -> bool:
     data or tensor parallelism inside a stage), one stage per rank."""
     if dims.pp > 1:
         return dims.dp_size == 1 and dims.tp == 1 and virtual == 1
-    return not dims.hybrid and not dims.cpu_offload
+    # Not expert parallelism yet: the runtime does not split the experts.
+    return not dims.hybrid and not dims.cpu_offload and dims.ep == 1
 
 
 SIMULATED = tuple(n for n in PLAN_NAMES if simulated(row_layout(n)))  # the planner's rows

@@ -22,7 +22,8 @@ from trainwise.plan.space import EVERYTHING, Allowed
 
 # What the runtime's auto cannot vary: it runs the job's values of these, given or not.
 RUNTIME_FIXED = ("parallel.shard", "parallel.tp", "parallel.ac", "data.micro_batch",
-                 "data.grad_accum", "parallel.pp", "parallel.pp_schedule", "parallel.pp_virtual")
+                 "data.grad_accum", "parallel.pp", "parallel.pp_schedule", "parallel.pp_virtual",
+                 "parallel.ep")
 
 
 def user_allowed(cfg: JobConfig, given: Mapping[str, str] | None = None) -> Allowed:
@@ -66,6 +67,7 @@ def user_allowed(cfg: JobConfig, given: Mapping[str, str] | None = None) -> Allo
         ("parallel.pp_virtual", p.pp_virtual, "pp_virtual"),
         ("parallel.pp_microbatches", runtime_microbatches(cfg) if runtime else p.pp_microbatches,
          "pp_microbatches"),
+        ("parallel.ep", p.ep, "ep_degree"),
         ("parallel.dp_shard", p.dp_shard, "shard_group"),
         ("parallel.replicate", p.replicate, "replicas"),
         ("parallel.accumulate", p.accumulate, "accumulate"),
@@ -129,7 +131,7 @@ def check_allowed(inputs: PlanInputs, allowed: Allowed) -> None:
             f"strategy 'single' runs one GPU but the plan has {inputs.gpus}: give --gpus 1 "
             "or another strategy"
         )
-    problems += pipeline_problems(inputs, allowed)
+    problems += pipeline_problems(inputs, allowed) + expert_problems(inputs, allowed)
     if allowed.replicas is not None and (inputs.gpus // (tp or 1)) % allowed.replicas:
         problems.append(
             f"parallel.replicate = {allowed.replicas} does not divide the data-parallel "
@@ -137,6 +139,20 @@ def check_allowed(inputs: PlanInputs, allowed: Allowed) -> None:
         )
     if problems:
         raise ConfigError(problems)
+
+
+def expert_problems(inputs: PlanInputs, allowed: Allowed) -> list[str]:
+    """What no expert-parallel layout can meet: an ep that does not divide the GPUs'
+    data-parallel ranks (it is borrowed from them; the model's experts are checked with
+    its shape, plan.inputs.moe_problems)."""
+    ep = allowed.ep_degree
+    if ep is None or ep == 1 or inputs.workload.moe is None:
+        return []
+    ranks = inputs.gpus // (allowed.tp_degree or 1)
+    if ranks % ep:
+        return [f"parallel.ep = {ep} does not divide the {ranks} data-parallel ranks of "
+                f"{inputs.gpus} GPUs it is borrowed from: choose a divisor of them"]
+    return []
 
 
 def pipeline_problems(inputs: PlanInputs, allowed: Allowed) -> list[str]:

@@ -55,8 +55,9 @@ def job_keys(
             section, _, name = key.partition(".")
             keys[key] = getattr(getattr(cfg, section), name)
     keys["model.name"] = sized.model
-    if w.shape is not None:  # the planned vocabulary, not the synthetic data's
-        keys["model.vocab_size"] = w.shape.vocab_size
+    shape = w.shape or w.moe
+    if shape is not None:  # the planned vocabulary, not the synthetic data's
+        keys["model.vocab_size"] = shape.vocab_size
     keys.update({
         "data.seq_len": w.seq_len,
         "data.global_batch": global_batch,

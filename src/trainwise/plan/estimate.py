@@ -54,6 +54,7 @@ from trainwise.plan.model.tensor_parallel import (
     tp_collectives,
     tp_exposed_seconds,
 )
+from trainwise.plan.moe.comm import moe_communication
 
 if TYPE_CHECKING:
     from trainwise.plan.model.performance import PerformanceModel
@@ -125,6 +126,8 @@ def candidate_names(inputs: PlanInputs) -> list[str]:
     whole_nodes = inputs.nodes > 1 and inputs.gpus % inputs.node_size == 0
 
     def worth_a_row(dims: ParallelDims) -> bool:
+        if dims.cpu_offload and inputs.workload.moe is not None:
+            return False  # not priced for a Mixture-of-Experts model
         if inputs.gpus == 1:
             return dims.single or dims.cpu_offload
         return whole_nodes or not dims.hybrid  # a full mesh: whole nodes replicate each other
@@ -133,10 +136,11 @@ def candidate_names(inputs: PlanInputs) -> list[str]:
 
 
 def layout_name(dims: ParallelDims) -> str:
-    """The planner's row name of a layout: its data-parallel name, `tpN + ` before it and
-    `ppN + ` before that."""
+    """The planner's row name of a layout: its data-parallel name, `epN + ` (experts split)
+    before it, `tpN + ` before that and `ppN + ` first."""
     stages = f"pp{dims.pp} + " if dims.pp > 1 else ""
-    return stages + (f"tp{dims.tp} + " if dims.tp > 1 else "") + dims.plan_name
+    experts = f"ep{dims.ep} + " if dims.ep > 1 else ""
+    return stages + (f"tp{dims.tp} + " if dims.tp > 1 else "") + experts + dims.plan_name
 
 
 def evaluate(inputs: PlanInputs, name: str) -> StrategyPlan:
@@ -195,7 +199,7 @@ def price(
     host_per_node = memory.host * inputs.gpus_per_node
     host_fits = host_per_node <= hw.host_memory_bytes
 
-    model_flops = model_flops_per_token(w.params, w.shape, w.seq_len, w.lora, w.profile)
+    model_flops = model_flops_per_token(w.params, w.shape, w.seq_len, w.lora, w.profile, w.moe)
     timed, bubble, paced = rank_compute(model, inputs, setup, w, per_rank)
     compute = timed.seconds
 
@@ -332,7 +336,10 @@ def _communication(
 ) -> tuple[list[Collective], float, float]:
     """(the step's collectives and host copies, the seconds they add to the compute: the
     host optimizer's with cpu offload and what NCCL's SMs take from the compute they
-    overlap, the seconds the step waits for them) of `setup`, whose compute is `compute`."""
+    overlap, the seconds the step waits for them) of `setup`, whose compute is `compute`.
+    A Mixture-of-Experts model's are plan.moe.comm's."""
+    if w.moe is not None:
+        return moe_communication(inputs, setup, w, compute)
     dims, hw, accum, tp = setup.dims, inputs.hardware, setup.grad_accum, setup.dims.tp
     layout = Layout(
         inputs.gpus, inputs.gpus_per_node, hw.intra_bps, hw.inter_bps,

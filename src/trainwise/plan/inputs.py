@@ -13,6 +13,7 @@ from trainwise.config.parallel_dims import plan_name
 from trainwise.config.schema import JobConfig
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, TFLOP, GPUSpec, default_catalog, find_gpu
+from trainwise.models.moe.shapes import MOE_PRESETS, MoEShape, moe_job_shape
 from trainwise.models.shapes import PRESETS, GPTShape, ModelProfile, job_shape
 from trainwise.objects import is_object_reference
 from trainwise.plan.model.gemm import GemmTable
@@ -125,18 +126,30 @@ class PlanInputs:
         return replace(self, gpus=gpus)
 
 
-def resolve_inputs(cfg: JobConfig, profile: ModelProfile | None = None) -> PlanInputs:
+def resolve_inputs(
+    cfg: JobConfig, profile: ModelProfile | None = None, moe: MoEShape | None = None
+) -> PlanInputs:
     """PlanInputs from a validated job config; combinations the schema cannot judge alone
     raise ConfigError (one line each). `profile`: the model read from its module
     (models.profile.profile_model), which prices it in place of model.name: as its GPT
-    shape when it has one, else by its blocks, their GEMMs and what its sample measured."""
+    shape when it has one, else by its blocks, their GEMMs and what its sample measured.
+    `moe`: a Mixture-of-Experts model's shape read from an hf: directory (a MoE preset's is
+    the preset's)."""
     p = cfg.plan
     notes: tuple[str, ...] = ()
-    if profile is not None:
+    if moe is not None or cfg.model.name in MOE_PRESETS:
+        params, moe, model = _moe_model(cfg, moe)
+        shape = None
+    elif profile is not None:
         params, shape, model = _profiled(cfg, profile)
         notes = (*profile.notes, *_unmeasured(cfg, profile))
     else:
         params, shape, model = _model(cfg)
+    if moe is None and cfg.parallel.ep > 1:
+        raise ConfigError(
+            f"parallel.ep = {cfg.parallel.ep} splits a Mixture-of-Experts model's experts, "
+            f"but model {model!r} has none: use parallel.ep = 1"
+        )
     lora = lora_plan(cfg)
     if lora is not None and (problems := lora_problems(shape, lora)):
         raise ConfigError(problems)
@@ -148,9 +161,8 @@ def resolve_inputs(cfg: JobConfig, profile: ModelProfile | None = None) -> PlanI
     hardware = resolve_hardware(cfg, spec, per_node)
     micro = cfg.data.micro_batch
     global_batch = cfg.data.global_batch
-    workload = config_workload(
-        cfg, params, shape, units=BARE_COUNT_UNITS if shape is None else None, profile=profile
-    )
+    units = BARE_COUNT_UNITS if shape is None and moe is None else None
+    workload = config_workload(cfg, params, shape, units=units, profile=profile, moe=moe)
     tokens = p.tokens
     if tokens == "chinchilla":
         tokens = TOKENS_PER_PARAM * params
@@ -185,13 +197,14 @@ def resolve_inputs(cfg: JobConfig, profile: ModelProfile | None = None) -> PlanI
 
 def config_workload(
     cfg: JobConfig, params: float, shape: GPTShape | None, units: int | None = None,
-    profile: ModelProfile | None = None,
+    profile: ModelProfile | None = None, moe: MoEShape | None = None,
 ) -> Workload:
     """The workload a job's config describes: the model's size and shape with the config's
     sequence, micro-batch, precision, optimizer, checkpointing, gradient reduction and
     LoRA. With a `profile` (the module read by models.profile), its shape when it has
-    one; else its blocks as the FSDP units and its tokens a sample. One definition for
-    `trainwise plan` and the runtime's decision (run/job/resolve.py)."""
+    one; else its blocks as the FSDP units and its tokens a sample. A Mixture-of-Experts
+    model is its `moe` shape, with the job's moe.imbalance. One definition for `trainwise
+    plan` and the runtime's decision (run/job/resolve.py)."""
     seq = cfg.data.seq_len
     lora = lora_plan(cfg)
     if profile is not None:
@@ -212,6 +225,8 @@ def config_workload(
         units=units,
         lora=lora,
         profile=profile,
+        moe=moe,
+        imbalance=cfg.moe.imbalance if moe is not None else 1.0,
     )
 
 
@@ -372,6 +387,51 @@ def _model(cfg: JobConfig) -> tuple[int, GPTShape | None, str]:
         shape = replace(shape, **given)  # GPTShape checks divisibility (ModelError, exit 2)
         name = "custom shape"
     return shape.num_params(), shape, name
+
+
+def _moe_model(cfg: JobConfig, shape: MoEShape | None = None) -> tuple[int, MoEShape, str]:
+    """(parameters, shape, name) of a Mixture-of-Experts model as the job builds it: a
+    preset with the job's vocabulary and sequence, or `shape` (read from its directory). A
+    shape's flags or a bare count beside it are refused, and so are the layouts and
+    settings the planner does not price for one (one line each)."""
+    p, name = cfg.plan, cfg.model.name
+    given = [f"plan.{key}" for key in ("params", *SHAPE_FIELDS) if getattr(p, key) is not None]
+    if given:
+        raise ConfigError(
+            f"model.name = '{name}' (a Mixture-of-Experts model) was given with "
+            f"{', '.join(given)}: drop them (the model is its shape)"
+        )
+    shape = shape or moe_job_shape(name, cfg.model.vocab_size, cfg.data.seq_len)
+    problems = moe_problems(cfg, shape)
+    if problems:
+        raise ConfigError(problems)
+    return shape.num_params(), shape, name
+
+
+def moe_problems(cfg: JobConfig, shape: MoEShape) -> list[str]:
+    """What the planner cannot price for the MoE model `shape`, one line each: an ep that
+    does not divide its experts, tensor parallelism, pipeline stages, LoRA, CPU offload
+    (not modelled for MoE yet)."""
+    par, name = cfg.parallel, cfg.model.name
+    out = []
+    if shape.moe.experts % par.ep:
+        out.append(
+            f"parallel.ep = {par.ep} does not divide the {shape.moe.experts} experts of "
+            f"{name}: choose a divisor of them"
+        )
+    for key, value in (("parallel.tp", par.tp), ("parallel.pp", par.pp)):
+        if value > 1:
+            out.append(
+                f"{key} = {value}: the planner prices {name} (Mixture-of-Experts) with data "
+                f"and expert parallelism only; use {key} = 1"
+            )
+    if cfg.lora.rank > 0:
+        out.append(f"lora.rank = {cfg.lora.rank}: the planner prices no LoRA on a "
+                   f"Mixture-of-Experts model ({name}); use lora.rank = 0")
+    if par.cpu_offload:
+        out.append(f"parallel.cpu_offload = true: CPU offload is not priced for a "
+                   f"Mixture-of-Experts model ({name}); remove it")
+    return out
 
 
 def profiled(cfg: JobConfig) -> bool:

@@ -3,6 +3,8 @@ Units: bytes, seconds, hours, US dollars; shares in [0, 1]."""
 
 from __future__ import annotations
 
+from trainwise.models.moe.cost import param_split
+from trainwise.models.moe.shapes import MoEShape
 from trainwise.plan.estimate import StrategyPlan
 from trainwise.plan.inputs import SHAPE_FIELDS
 from trainwise.plan.model.lora import param_counts
@@ -80,6 +82,7 @@ def inputs_record(plan: Plan) -> dict:
         "total_params": total,
         "lora_rank": w.lora.rank if w.lora else 0,
         "shape": shape,
+        "moe": moe_record(w.moe, w.imbalance) if w.moe is not None else None,
         "seq_len": w.seq_len,
         "micro_batch": w.micro_batch,
         "global_batch": i.global_batch,
@@ -106,6 +109,21 @@ def inputs_record(plan: Plan) -> dict:
         "headroom": i.headroom,
         "objective": i.objective,
         "calibration": list(plan.calibration),
+    }
+
+
+def moe_record(shape: MoEShape, imbalance: float) -> dict:
+    """A Mixture-of-Experts model's shape and parameters: total and active (a token runs
+    through), dense and routed experts', and the imbalance priced."""
+    m = shape.moe
+    return {
+        "layers": shape.n_layer, "hidden": shape.d_model, "heads": shape.n_head,
+        "kv_heads": shape.n_kv_head, "head_dim": shape.head_dim, "vocab": shape.vocab_size,
+        "experts": m.experts, "top_k": m.top_k, "expert_ffn": m.d_expert,
+        "shared_experts": m.shared_experts, "dense_layers": m.dense_layers,
+        "total_params": shape.num_params(), "active_params": shape.active_params(),
+        "expert_params": shape.expert_total(), "dense_params": param_split(shape).dense,
+        "imbalance": imbalance,
     }
 
 

@@ -152,6 +152,7 @@ def setup_simplicity(setup: Setup) -> tuple:
         SCHEDULE_ORDER.index(setup.schedule),
         setup.virtual,
         dims.tp,
+        dims.ep,
         dims.cpu_offload,
         SIMPLICITY.index(dims.plan_name),
         AC_MODES.index(setup.ac),

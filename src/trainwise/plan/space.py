@@ -47,6 +47,9 @@ class Allowed:
     pp_schedule: str | None = None
     pp_virtual: int | None = None
     pp_microbatches: int | None = None
+    # The expert-parallel degree (parallel.ep) of a Mixture-of-Experts model: the job's
+    # when it sets one, else searched (expert_degrees).
+    ep_degree: int | None = None
     accumulate: str | None = None  # parallel.accumulate when sharded / unsharded
     # What the user set (None: searched; plan.constraints.user_allowed fills them): the
     # data-parallel shortcut (ParallelDims.strategy: single, ddp, fsdp, hsdp), cpu offload,
@@ -92,6 +95,21 @@ def pp_degrees(inputs: PlanInputs, allowed: Allowed, tp: int) -> list[int]:
         p for p in divisors(inputs.gpus // tp)[1:]
         if p <= allowed.max_pp and virtual_degrees(shape.n_layer, p)
     ]
+
+
+def expert_degrees(inputs: PlanInputs, dims: ParallelDims, allowed: Allowed) -> list[int]:
+    """Expert-parallel degrees of a layout of a Mixture-of-Experts model: the job's, else
+    every divisor of its experts that the ranks it is borrowed from divide (torchtitan's
+    rule: FSDP's shard group, or the replicas of a layout without one); 1 for a dense
+    model."""
+    moe = inputs.workload.moe
+    if moe is None:
+        return [1]
+    ranks = dims.dp_shard if dims.fsdp and dims.dp_shard > 1 else dims.dp_size
+    found = divisors(math.gcd(moe.moe.experts, ranks))
+    if allowed.ep_degree is not None:
+        return [allowed.ep_degree] if allowed.ep_degree in found else []
+    return found
 
 
 def virtual_degrees(n_layer: int, p: int) -> list[int]:
@@ -169,8 +187,10 @@ def layouts(inputs: PlanInputs, allowed: Allowed) -> list[ParallelDims]:
     """Every layout of inputs.gpus GPUs: for each tp, no data parallelism (one GPU or pure
     TP), DDP, and FSDP over shard groups of every size dividing the data-parallel ranks
     (ZeRO-3 and ZeRO-2; replicas of them when the group is smaller), plus CPU offload
-    (ZeRO-3 only) where allowed. Simplest first."""
-    offload = allowed.offload and inputs.hardware.device == "cuda"
+    (ZeRO-3 only) where allowed; for a Mixture-of-Experts model each at every expert
+    degree (expert_degrees), without offload. Simplest first."""
+    moe = inputs.workload.moe is not None
+    offload = allowed.offload and inputs.hardware.device == "cuda" and not moe
     resharding = (False, True)
     if allowed.reshard_after_forward is not None:
         resharding = (allowed.reshard_after_forward,)
@@ -197,6 +217,8 @@ def layouts(inputs: PlanInputs, allowed: Allowed) -> list[ParallelDims]:
                     )
             if offload and True in resharding:
                 out.append(ParallelDims(replicas, shard, tp, fsdp=True, cpu_offload=True))
+    if moe:
+        out = [replace(d, ep=ep) for d in out for ep in expert_degrees(inputs, d, allowed)]
     return [dims for dims in out if permitted(dims, allowed)]
 
 
@@ -266,12 +288,14 @@ def exact_batch(inputs: PlanInputs, allowed: Allowed) -> tuple[PlanInputs, str]:
 
 
 def ac_modes(inputs: PlanInputs, allowed: Allowed) -> tuple[str, ...]:
-    """Checkpointing modes: the user's; all three for a model with a shape (without one,
-    recomputing saves no modelled memory); the job's own when the knobs are fixed."""
+    """Checkpointing modes: the user's; all three for a model with a shape or experts
+    (without, recomputing saves no modelled memory); the job's own when the knobs are
+    fixed."""
     if allowed.ac is not None:
         return (allowed.ac,)
-    if not allowed.knobs or inputs.workload.shape is None:
-        return (inputs.workload.ac,)
+    w = inputs.workload
+    if not allowed.knobs or (w.shape is None and w.moe is None):
+        return (w.ac,)
     return AC_MODES
 
 

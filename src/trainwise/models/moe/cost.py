@@ -13,6 +13,9 @@ device.
 - `moe_flops_per_token`: 6 FLOPs per multiplied parameter and row (forward, the input and
   the weight gradients) plus the attention scores' 12 L (n_head x head_dim) T, PaLM's
   count (Chowdhery et al., 2022, appendix B) with the active parameters for N.
+- `ranks_per_token`, `routed_row_bytes`: where the routed copies go under expert
+  parallelism: the ranks a token's experts fall on, and what the experts' rank keeps of
+  each copy it computes (the part of a layer's activations that follows the routing).
 - `layer_activation_bytes`: what autograd keeps of a token in layer i until backward,
   tensor by tensor as the model's code saves them (counted from its autograd graph with
   saved-tensor hooks, and against the doctor's fake-tensor simulation:
@@ -156,3 +159,24 @@ def layer_activation_bytes(
     kept = h if e == 4 or m.shared_experts else 0
     ffn = norm_row(h) + e * (kept + 4 * m.shared_width)
     return attention + ffn + router + dispatch + experts + balance
+
+
+def ranks_per_token(shape: MoEShape, ep: int) -> float:
+    """The ranks of an `ep`-way expert group a token's top_k experts fall on, on average
+    when it routes uniformly (experts / ep on each rank): ep x (1 - the chance that none
+    of its top_k distinct experts is on a given rank). A dispatcher that sends a token
+    once to each rank holding any of its experts (DeepEP's: its dispatch layout counts
+    tokens per rank) moves this many copies, where one a routed expert moves top_k."""
+    m = shape.moe
+    local, missed = m.experts // ep, 1.0
+    for i in range(m.top_k):
+        missed *= max(0, m.experts - local - i) / (m.experts - i)
+    return ep * (1.0 - missed)
+
+
+def routed_row_bytes(shape: MoEShape, compute_bytes: int) -> float:
+    """Of `layer_activation_bytes`'s routed copies, what the rank that computes them keeps
+    of one: its sorted row, the gate and up outputs, the SiLU and the product, the down
+    output (the unsorted copy and its weight are the token's own rank's). Under expert
+    parallelism the busiest rank keeps more of these than the mean."""
+    return compute_bytes * (2 * shape.d_model + 4 * shape.moe.d_expert)

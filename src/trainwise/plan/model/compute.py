@@ -150,7 +150,7 @@ def compute_time(
 ) -> ComputeTime:
     """Compute of `samples` sequences of workload `w` (at its micro-batch and ac) on one of
     `tp` tensor-parallel ranks, in layout `dims` (None: one GPU alone)."""
-    if inputs.efficiency is not None or (w.shape is None and w.profile is None):
+    if inputs.efficiency is not None or (w.shape is None and w.profile is None and w.moe is None):
         return _flat(inputs, w, samples, tp)
     step = _step_seconds(inputs, w, samples, tp, dims)
     one = step if tp == 1 and dims is None else _step_seconds(inputs, w, samples, 1, None)
@@ -164,9 +164,9 @@ def achieved_share(inputs: PlanInputs, plan: StrategyPlan, compute_s: float) -> 
     setup = plan.setup
     assert setup is not None
     w = inputs.workload
-    n_layer = model_layers(w.shape, w.profile)
+    n_layer = model_layers(w.shape, w.profile, w.moe)
     hw_flops = model_flops_per_token(
-        w.params, w.shape, w.seq_len, w.lora, w.profile
+        w.params, w.shape, w.seq_len, w.lora, w.profile, w.moe
     ) * recompute_factor(setup.ac, n_layer, w.lora is not None)
     tokens = setup.micro_batch * setup.grad_accum * w.seq_len
     return tokens * hw_flops / (inputs.hardware.peak_flops * setup.dims.tp * compute_s)
@@ -174,8 +174,8 @@ def achieved_share(inputs: PlanInputs, plan: StrategyPlan, compute_s: float) -> 
 
 def _flat(inputs: PlanInputs, w: Workload, samples: float, tp: int) -> ComputeTime:
     """Model FLOPs x recomputation at one share of the peak (the override, or a bare count)."""
-    n_layer = model_layers(w.shape, w.profile)
-    flops = model_flops_per_token(w.params, w.shape, w.seq_len, w.lora, w.profile)
+    n_layer = model_layers(w.shape, w.profile, w.moe)
+    flops = model_flops_per_token(w.params, w.shape, w.seq_len, w.lora, w.profile, w.moe)
     if w.shape is not None and not w.head:  # a pipeline stage without the head's matmul
         flops -= head_flops_per_token(w.shape, w.lora)
     hw_flops = flops * recompute_factor(w.ac, n_layer, w.lora is not None)
@@ -206,18 +206,25 @@ def _cached_step(
     """The step's seconds (cached: the planner's search prices the same setups often)."""
     fsdp = dims is not None and dims.fsdp
     autocast = not fsdp and w.precision != "fp32"  # FSDP's mixed precision casts once
-    if w.shape is None:
+    micro_batches = samples / w.micro_batch
+    if w.moe is not None:
+        from trainwise.plan.moe.compute import moe_micro_batch, moe_per_step  # (builds on this)
+
+        micro = moe_micro_batch(w, dims.ep if dims is not None else 1, hw, autocast, table)
+        per_step = moe_per_step(hw, w, dims, micro_batches)
+    elif w.shape is None:
         assert w.profile is not None
         micro = _profiled_micro_batch(
             w.profile, w.seq_len * w.micro_batch, hw, w.precision, w.ac, table
         )
+        per_step = _per_step(hw, w, tp, dims, micro_batches)
     else:
         micro = _micro_batch(
             w.shape, w.seq_len, w.micro_batch, tp, hw, w.precision, autocast,
             compiled, w.ac, table, w.loss, w.norm_kernel, w.lora, w.head,
         )
-    micro_batches = samples / w.micro_batch
-    work = micro.times(micro_batches) + _per_step(hw, w, tp, dims, micro_batches)
+        per_step = _per_step(hw, w, tp, dims, micro_batches)
+    work = micro.times(micro_batches) + per_step
     host = work.host_ops * (COMPILED_OP_S if compiled else EAGER_OP_S)
     if hw.device == "cpu":  # the same cores dispatch and compute
         return work.device_s + host

@@ -12,6 +12,8 @@ forward (2) and the input gradient the layers below need (2) remain, so a step d
 
 from __future__ import annotations
 
+from trainwise.models.moe.cost import moe_flops_per_token
+from trainwise.models.moe.shapes import MoEShape
 from trainwise.models.shapes import GPTShape, ModelProfile
 from trainwise.plan.model.lora import LoraPlan, adapter_params, trained_matmul_params
 
@@ -48,11 +50,14 @@ def mfu(tokens_per_s: float, flops_token: float, peak_flops_total: float) -> flo
 
 def model_flops_per_token(
     params: int, shape: GPTShape | None, seq_len: int, lora: LoraPlan | None = None,
-    profile: ModelProfile | None = None,
+    profile: ModelProfile | None = None, moe: MoEShape | None = None,
 ) -> float:
     """Model FLOPs per token (what MFU counts): the GPT formula above (with LoRA's, when
-    `lora`); a profiled model's (profile_flops_per_token); or 6N for a bare parameter
-    count (Kaplan et al., 2020, eq. 2.1: C = 6N)."""
+    `lora`); a Mixture-of-Experts model's, each routed row counted (models.moe.cost); a
+    profiled model's (profile_flops_per_token); or 6N for a bare parameter count (Kaplan
+    et al., 2020, eq. 2.1: C = 6N)."""
+    if moe is not None:
+        return moe_flops_per_token(moe, seq_len)
     if shape is not None:
         return flops_per_token(shape, seq_len, lora)
     if profile is not None:
@@ -69,11 +74,15 @@ def profile_flops_per_token(profile: ModelProfile) -> float:
     return gemms + (profile.run.other_flops if profile.run is not None else 0.0)
 
 
-def model_layers(shape: GPTShape | None, profile: ModelProfile | None = None) -> int:
-    """The blocks activation checkpointing wraps: a GPT's layers, a profiled model's
-    blocks; 1 for a bare count."""
+def model_layers(
+    shape: GPTShape | None, profile: ModelProfile | None = None, moe: MoEShape | None = None
+) -> int:
+    """The blocks activation checkpointing wraps: a GPT's or a MoE model's layers, a
+    profiled model's blocks; 1 for a bare count."""
     if shape is not None:
         return shape.n_layer
+    if moe is not None:
+        return moe.n_layer
     return max(1, profile.blocks) if profile is not None else 1
 
 

@@ -106,6 +106,15 @@ GENERATIONS: dict[str, Generation] = {
 }
 
 
+# Fused attention kernels beyond SDPA's FlashAttention-2: FlashAttention-3 (Shah et al.,
+# 2024) and cuDNN's (what Transformer Engine runs), within 5 % of each other on Hopper
+# (Dao-AILab/flash-attention issue #1310, an H20). On an H100 in bf16, causal, head dim 128,
+# 4096 tokens, batch 4 x 48 heads: forward 1236.9 us, backward 4643.5 us
+# (meta-pytorch/tritonbench PR #1267), 667 and 444 TFLOPS: 0.496 of 989 over a step's
+# forward and 2.5 times it backward. Only Hopper has a published figure.
+FUSED_ATTENTION_SHARE = {"hopper": 0.496}
+
+
 @dataclass(frozen=True)
 class GemmTable:
     """Measured GEMMs of one device and dtype (doctor.gemm.measure_gemm_table): each shape
@@ -191,6 +200,43 @@ def gemm_seconds(
     return max(math_s + epilogue_s, memory)
 
 
+def grouped_gemm_seconds(
+    groups: int,
+    m: float,
+    n: int,
+    k: int,
+    peak_flops: float,
+    hbm_bps: float,
+    element_bytes: int,
+    gen: Generation,
+    table: GemmTable | None = None,
+) -> float:
+    """Seconds of `groups` GEMMs of (m, n, k) run as one grouped GEMM: a Mixture-of-Experts
+    layer's experts, each on the m rows routed to it (torch._grouped_mm; m may be an
+    average, rounded up). One kernel computes every group's tiles (CUTLASS's grouped GEMM,
+    examples/24_gemm_grouped: its thread blocks walk the problems' tiles in turn), so the
+    waves are shared across the groups, while each group pads its own m to whole tiles (or
+    tensor-core steps when narrower than a tile): fewer rows per expert waste more of each
+    tile, and below a tile's rows the experts' weights, read once per group, make it
+    memory-bound. There is no split-K across groups. A measured `table` gives the math
+    rate of the nearest single GEMM instead."""
+    rows = math.ceil(m)
+    if groups <= 0 or min(rows, n, k) <= 0:
+        return 0.0
+    memory = groups * (rows * k + k * n + rows * n) * element_bytes / hbm_bps
+    if table is not None:
+        return max(groups * 2.0 * rows * n * k / table.rate(rows, n, k), memory)
+    mp, np_, kp = _padded(rows, gen.tile), _padded(n, gen.tile), _padded(k, MMA)
+    tiles = groups * math.ceil(rows / gen.tile) * math.ceil(n / gen.tile)
+    waves = math.ceil(tiles / gen.sms)
+    wave_use = tiles / (waves * gen.sms)
+    rate = peak_flops * math_share(gen, peak_flops, hbm_bps, element_bytes)
+    math_s = groups * 2.0 * mp * np_ * kp / (rate * wave_use)
+    tile_bytes = min(mp, gen.tile) * min(np_, gen.tile) * element_bytes
+    epilogue_s = waves * min(tiles, gen.sms) * tile_bytes / hbm_bps
+    return max(math_s + epilogue_s, memory)
+
+
 def epilogue_seconds(gen: Generation, hbm_bps: float, element_bytes: int) -> float:
     """One full wave's epilogue: every SM writes a TILE x TILE output tile."""
     return gen.sms * gen.tile * gen.tile * element_bytes / hbm_bps
@@ -221,6 +267,9 @@ def slowest_pace(gen: Generation, gpus: int) -> float:
     return 1.0 - gen.clock_spread * (0.5 - 1.0 / (gpus + 1))
 
 
-def attention_seconds(flops: float, peak_flops: float, gen: Generation) -> float:
-    """Seconds of `flops` of SDPA's flash attention (forward and backward)."""
-    return flops / (peak_flops * gen.attention_share)
+def attention_seconds(
+    flops: float, peak_flops: float, gen: Generation, share: float | None = None
+) -> float:
+    """Seconds of `flops` of SDPA's flash attention (forward and backward), or of a kernel
+    running at `share` of the peak (FUSED_ATTENTION_SHARE)."""
+    return flops / (peak_flops * (share or gen.attention_share))

@@ -41,6 +41,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from trainwise.config.parallel_dims import ParallelDims
+from trainwise.models.moe.shapes import MoEShape
 from trainwise.models.shapes import GPTShape, ModelProfile
 from trainwise.plan.model.lora import (
     LoraPlan,
@@ -110,6 +111,19 @@ class Workload:
     # A model read from its module (models.profile): its blocks, their GEMMs and what a
     # sample of it measured price it where it has no shape.
     profile: ModelProfile | None = None
+    # A Mixture-of-Experts model (`shape` None): plan.moe prices it from its cost
+    # description (models.moe.cost); `imbalance` is the busiest expert rank's routed
+    # tokens over the mean (moe.imbalance).
+    moe: MoEShape | None = None
+    imbalance: float = 1.0
+    # The kernels a MoE model's compute is priced with (plan.moe.compute; the dense GPT's
+    # path prices SDPA and has no routing): "sdpa" (FlashAttention-2) or "fused"
+    # (FlashAttention-3 / cuDNN, gemm.FUSED_ATTENTION_SHARE); the token routing "eager"
+    # (torchtitan's gathers, fp32 combine and scatter-add, an all-to-all row per routed
+    # expert) or "fused" (one pass each way, Transformer Engine's moe_permute /
+    # moe_unpermute, and DeepEP's dispatch: a row per rank holding any of its experts).
+    attention: str = "sdpa"
+    routing: str = "eager"
 
 
 @dataclass(frozen=True)
@@ -282,6 +296,10 @@ def activation_profile(
     holding what they saved); None for a model without a shape. On one of `tp`
     tensor-parallel ranks, what plan.tensor_parallel keeps of it. (Cached: the planner's
     search asks for the same workload many times.)"""
+    if w.moe is not None:
+        from trainwise.plan.moe.memory import moe_activations  # it builds on this module
+
+        return moe_activations(w, autocast, device)
     if w.shape is None:
         return _measured_activations(w, autocast)
     frozen_emb = w.lora is not None and not w.lora.train_embeddings
@@ -422,7 +440,12 @@ def estimate_memory(
     """
     if (w.micro_batch, w.ac) != (setup.micro_batch, setup.ac):
         w = replace(w, micro_batch=setup.micro_batch, ac=setup.ac)
-    est = (_sharded if setup.dims.fsdp else _replicated)(w, setup, device)
+    if w.moe is not None:
+        from trainwise.plan.moe.memory import moe_memory  # it builds on this module
+
+        est = moe_memory(w, setup, device)
+    else:
+        est = (_sharded if setup.dims.fsdp else _replicated)(w, setup, device)
     return replace(est, overhead=est.overhead + runtime_bytes) if runtime_bytes else est
 
 

@@ -29,6 +29,15 @@ tensor-parallel ranks, HSDP's replicas on their rails) share its NICs: a group w
 the node's G busy GPUs gets g/G of min(nics, G) NICs (a GPU drives one NIC: rail-optimized
 nodes such as DGX H100 have one per GPU).
 
+All-to-all (a Mixture-of-Experts model's dispatch and combine): NCCL posts a send and a
+receive to every peer in one group (nccl-tests src/alltoall.cu: ncclGroupStart, a
+ncclSend/ncclRecv pair per rank, ncclGroupEnd), each rank sending S/n of its S bytes to
+each. nccl-tests reports busbw = algbw x (n-1)/n (doc/PERFORMANCE.md), the share that
+leaves the rank: its bus bytes. Of them (g-1)/n x S go to the g-1 peers in its node over
+its own links and (n-g)/n x S leave the node, g x that per node through the NICs the
+group drives; no ring, no relay. Latency: the base and one step of the slowest link
+class per peer (n-1 steps).
+
 Latency (NCCL's tuning model, src/graph/tuning.cc, Simple protocol): a base per call, then
 per step one hop's latency: a ring takes n-1 steps (all-gather, reduce-scatter) or 2(n-1)
 (all-reduce), k-1 or 2(k-1) of them across nodes; a tree 2((g-1) + log2 k) steps, log2 k
@@ -43,7 +52,7 @@ from dataclasses import dataclass
 # NVIDIA/nccl src/graph/tuning.cc (ncclTunerConstantsDefaults, Simple protocol): the base
 # latency of a ring or tree call, in seconds.
 BASE_LATENCY_S = 8.4e-6
-OPS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv")
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -113,7 +122,7 @@ def bus_factor(op: str, n: int) -> float:
         return 0.0
     if op == "all_reduce":
         return 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
     if op == "send_recv":
         return 1.0
@@ -154,13 +163,27 @@ def tree(size: float, group: Group, fabric: Fabric) -> Cost:
     return Cost("tree", bus, intra, inter, _time(intra, inter, group, fabric), latency)
 
 
+def all_to_all(size: float, group: Group, fabric: Fabric) -> Cost:
+    """An all-to-all of `size` bytes a rank (see the module's docstring)."""
+    n, g, k = group.ranks, group.per_node, group.nodes
+    bus = bus_factor("all_to_all", n) * size
+    intra = size * (g - 1) / n
+    inter = g * size * (n - g) / n if k > 1 else 0.0
+    step = fabric.net_step_s if k > 1 else fabric.intra_step_s
+    latency = fabric.base_s + (n - 1) * step
+    return Cost("alltoall", bus, intra, inter, _time(intra, inter, group, fabric), latency)
+
+
 def collective(op: str, size: float, group: Group, fabric: Fabric) -> Cost:
     """One call of `op` over `group`: `size` is the whole buffer (an all-gather's output, a
-    reduce-scatter's input, an all-reduce's buffer) or, for send_recv, the bytes sent to
-    one peer (in the same node when the group has one node, else across). An all-reduce
-    across nodes takes the faster of ring and tree, as NCCL's tuner does."""
+    reduce-scatter's input, an all-reduce's buffer, what a rank sends in an all-to-all)
+    or, for send_recv, the bytes sent to one peer (in the same node when the group has one
+    node, else across). An all-reduce across nodes takes the faster of ring and tree, as
+    NCCL's tuner does."""
     if group.ranks <= 1 or size <= 0:
         return NOTHING
+    if op == "all_to_all":
+        return all_to_all(size, group, fabric)
     if op == "send_recv":
         across = group.nodes > 1
         bandwidth = fabric.nic_bps if across else fabric.intra_bps

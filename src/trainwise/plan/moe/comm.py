@@ -1,0 +1,131 @@
+"""The communication of a Mixture-of-Experts model's step, per GPU, on the NCCL network
+model (plan/model/network.py) and plan.model.comm's overlap rules.
+
+- Dense parameters: the data-parallel collectives of a dense model of their size
+  (comm.layout_collectives: DDP's all-reduce, FSDP's gathers and reduce-scatter, HSDP's
+  all-reduce across replicas), one FSDP unit a layer and the root.
+- The rank's experts (plan.moe.memory.expert_layout): FSDP gathers them and
+  reduce-scatters their gradients over the efsdp ranks (ep apart: torchtitan's sparse mesh
+  puts ep innermost), and the replica groups all-reduce the shards; DDP all-reduces them
+  over the dp / ep ranks that hold the same slice. With ep equal to the data-parallel
+  ranks no rank shares an expert: nothing to reduce.
+- Dispatch and combine: an all-to-all over the ep consecutive ranks for each, in every MoE
+  layer's forward and again in its backward (their gradients travel back the same way),
+  and once more for a checkpointed layer's recomputed forward; each rank sends its tokens'
+  top_k rows of d_model in the compute dtype (with the fused routing, DeepEP's dispatch,
+  one row per rank holding any of its experts: models.moe.cost.ranks_per_token), the
+  busiest rank `imbalance` times the mean (moe.imbalance). Inside a node they cross NVLink, across nodes the NICs
+  (network.all_to_all). They sit between the router and the experts and between the
+  experts and the next layer, so the step waits for all of them (torchtitan runs them
+  synchronously; DeepEP's and Megatron-Core's overlap of the all-to-all with other
+  micro-batches' compute is not modelled).
+"""
+
+from __future__ import annotations
+
+import math
+
+from trainwise.config.parallel_dims import ParallelDims
+from trainwise.models.moe.cost import ranks_per_token
+from trainwise.plan.inputs import PlanInputs
+from trainwise.plan.model.comm import (
+    DDP_BUCKET_BYTES,
+    GRAD_BYTES,
+    Collective,
+    Layout,
+    contention_seconds,
+    exposed_seconds,
+    layout_collectives,
+)
+from trainwise.plan.model.gemm import GENERATIONS
+from trainwise.plan.model.memory import Workload, checkpointed_blocks
+from trainwise.plan.model.precision import BYTES
+from trainwise.plan.model.setup import Setup
+from trainwise.plan.moe.memory import expert_layout, moe_params
+
+ALL_TO_ALL = "ep all-to-all (dispatch and combine)"
+
+
+def expert_collectives(
+    dims: ParallelDims, experts: float, layout: Layout, precision: str, reduce_dtype: str,
+    grad_accum: int, accumulate: str, units: int,
+) -> list[Collective]:
+    """The collectives of the rank's `experts` parameters (its slice, unsharded) in one
+    step, `units` calls each (one a MoE layer)."""
+    ex = expert_layout(dims)
+    if not dims.fsdp:
+        if ex.replicas == 1:
+            return []
+        grads = experts * GRAD_BYTES
+        calls = max(1, math.ceil(grads / DDP_BUCKET_BYTES))
+        return [layout.collective("all-reduce expert grads", "all_reduce", grads,
+                                  (ex.replicas, ex.ep), calls)]
+    out = []
+    every = grad_accum if accumulate == "sharded" else 1
+    reduce = experts * BYTES[reduce_dtype]
+    if ex.shard > 1:
+        passes = 2 if dims.reshard_after_forward else 1
+        out += [
+            layout.collective(
+                "all-gather expert params", "all_gather",
+                passes * grad_accum * experts * BYTES[precision], (ex.shard, ex.ep),
+                passes * grad_accum * units, per_micro_batch=True,
+            ),
+            layout.collective(
+                "reduce-scatter expert grads", "reduce_scatter", every * reduce,
+                (ex.shard, ex.ep), every * units, per_micro_batch=every > 1,
+            ),
+        ]
+    if ex.replicas > 1:
+        out.append(layout.collective(
+            "all-reduce expert grad shards across replicas", "all_reduce",
+            every * reduce / ex.shard, (ex.replicas, ex.shard * ex.ep), every * units,
+            per_micro_batch=every > 1,
+        ))
+    return out
+
+
+def all_to_all_collective(w: Workload, dims: ParallelDims, layout: Layout,
+                          grad_accum: int) -> list[Collective]:
+    """The step's dispatch and combine all-to-alls of one rank (none without ep)."""
+    shape = w.moe
+    assert shape is not None
+    if dims.ep == 1:
+        return []
+    m = shape.moe
+    copies = ranks_per_token(shape, dims.ep) if w.routing == "fused" else m.top_k
+    one = w.seq_len * w.micro_batch * copies * shape.d_model * BYTES[w.precision]
+    recomputed = sum(1 for i in checkpointed_blocks(w.ac, shape.n_layer) if shape.is_moe_layer(i))
+    calls = grad_accum * (4 * shape.moe_layers + 2 * recomputed)
+    return [layout.collective(ALL_TO_ALL, "all_to_all", calls * one * w.imbalance,
+                              (dims.ep, 1), calls, per_micro_batch=True)]
+
+
+def moe_communication(
+    inputs: PlanInputs, setup: Setup, w: Workload, compute: float
+) -> tuple[list[Collective], float, float]:
+    """estimate._communication for a MoE workload: (the step's collectives, the seconds
+    NCCL's SMs take from the compute they overlap, the seconds the step waits for them)."""
+    shape = w.moe
+    assert shape is not None
+    dims, hw, accum = setup.dims, inputs.hardware, setup.grad_accum
+    layout = Layout(
+        inputs.gpus, inputs.gpus_per_node, hw.intra_bps, hw.inter_bps,
+        hw.nics_per_node, hw.intra_step_s, hw.inter_step_s,
+    )
+    p = moe_params(shape, dims.ep)
+    params = layout_collectives(dims, p.dense, layout, w.precision, w.reduce_dtype, accum,
+                                setup.accumulate, shape.n_layer + 1)
+    params += expert_collectives(dims, p.experts, layout, w.precision, w.reduce_dtype, accum,
+                                 setup.accumulate, shape.moe_layers)
+    waited = exposed_seconds(params, compute, dims, p.block / (p.dense + p.experts), accum)
+    a2a = all_to_all_collective(w, dims, layout, accum)
+    everything = params + a2a
+    exposed = waited + sum(c.seconds for c in a2a)
+    if hw.device == "cpu":  # gloo runs the collectives on the cores that compute
+        exposed = sum(c.seconds for c in everything)
+    hidden = max(0.0, sum(c.seconds for c in params) - waited)
+    slowed = 0.0
+    if inputs.efficiency is None:  # a measured efficiency already ran beside them
+        slowed = contention_seconds(hidden, hw.nccl_channels, GENERATIONS[hw.generation].sms)
+    return everything, slowed, exposed

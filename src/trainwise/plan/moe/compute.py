@@ -1,0 +1,269 @@
+"""The compute of a Mixture-of-Experts model on one rank: plan.model.compute's
+per-operation model, over the GEMMs and bytes of models.moe.cost.
+
+One micro-batch of T tokens on a rank of an `ep`-way expert group:
+- every token's GEMMs (models.moe.cost.layer_gemms: attention, router, shared experts,
+  a leading dense layer's FFN) by shape, forward and backward, and attention as SDPA's
+  flash kernel, as for a dense GPT;
+- the routed experts as grouped GEMMs (plan.gemm.grouped_gemm_seconds): the rank holds
+  experts / ep of each MoE layer, each multiplying the rows routed to it from the ep group,
+  ep x T x top_k / experts on average; the busiest rank gets `imbalance` times that
+  (moe.imbalance), and the step waits for it. Expert parallelism thus makes each expert's
+  GEMM taller (more efficient) as well as fewer;
+- the memory-bound work as bytes at the memory bandwidth: norms and residual adds, rotary,
+  the router's softmax and top-k, the gathers that sort the tokens by expert and return
+  them, the experts' SwiGLU activation, the combine's fp32 scaling and scatter-add;
+- the host's operations (torchtitan's MoE dispatches about MOE_FORWARD_OPS a layer) and,
+  with ep > 1, the device-to-host sync the all-to-all's split sizes need (torchtitan's
+  token dispatcher reads them with .tolist()): the device then waits for the host to
+  dispatch the next SYNC_IDLE_OPS operations.
+Activation checkpointing runs the checkpointed blocks' forward again. torch.compile is not
+modelled for MoE blocks (priced eager).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from trainwise.config.parallel_dims import ParallelDims
+from trainwise.models.moe.cost import TokenGemm, layer_gemms
+from trainwise.models.moe.shapes import MoEShape
+from trainwise.plan.inputs import Hardware
+from trainwise.plan.model.compute import (
+    BACKWARD_OPS_PER_FORWARD_OP,
+    EAGER_OP_S,
+    FSDP_OPS_PER_PARAM,
+    MEMORY_SHARE,
+    OPTIMIZER_BYTES_PER_PARAM,
+    ROTARY_PASSES,
+    STEP_OPS,
+    Work,
+    _gemm,
+    _head,
+    norm_bytes,
+)
+from trainwise.plan.model.gemm import (
+    FUSED_ATTENTION_SHARE,
+    GENERATIONS,
+    GemmTable,
+    attention_seconds,
+    grouped_gemm_seconds,
+)
+from trainwise.plan.model.memory import Workload, checkpointed_blocks
+from trainwise.plan.model.precision import BYTES, MASTER_BYTES
+from trainwise.plan.moe.memory import expert_layout, held_params, moe_params
+
+# Operations eager PyTorch dispatches in one layer's forward (counted from torchtitan's
+# Transformer block and models/common/moe.py, token_dispatcher.py): the attention's
+# (norm, projections, views, rotary, SDPA, residual) and a MoE FFN's (norm; router: gate,
+# its fp32 cast, softmax, top-k, gather, renormalisation; the routing map and counts; the
+# sort and gathers; the grouped GEMMs, silu, product, casts; the combine's upcast, scale,
+# cast and scatter-add; the shared experts; the residual add), and with ep > 1 the
+# all-to-all's own (the counts' exchange, the splits read to the host, the two
+# exchanges, the permutation to and from the local experts' order).
+ATTENTION_OPS = 43
+MOE_FORWARD_OPS = 40
+EP_FORWARD_OPS = 14
+# Assumption: after the split sizes' device-to-host sync the device idles while the host
+# dispatches the operations up to the next GEMM (the exchange, the permutation, offsets).
+SYNC_IDLE_OPS = 5
+# Parameter tensors of a MoE layer FSDP handles (norms, q/k norms, four projections,
+# the router, the shared expert's three, the experts' three 3-D weights).
+MOE_LAYER_TENSORS = 15
+
+
+def moe_micro_batch(w: Workload, ep: int, hw: Hardware, autocast: bool,
+                    table: GemmTable | None) -> Work:
+    """One micro-batch of `w` (a MoE workload) on a rank of an ep-way expert group: every
+    layer forward and backward, the checkpointed ones' forward again, the head."""
+    shape = w.moe
+    assert shape is not None
+    kernels = Kernels(w.norm_kernel, w.attention, w.routing)
+    return _micro_batch(shape, w.seq_len, w.micro_batch, ep, w.imbalance, hw, w.precision,
+                        autocast, w.ac, table, w.loss, kernels, w.head)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernels a step runs (memory.Workload's norm_kernel, attention, routing)."""
+
+    norm: str = "fused"
+    attention: str = "sdpa"
+    routing: str = "eager"
+
+    def attention_share(self, hw: Hardware) -> float | None:
+        """The share of the peak the attention runs at (None: the generation's SDPA)."""
+        if self.attention == "sdpa":
+            return None
+        return FUSED_ATTENTION_SHARE.get(hw.generation)
+
+
+@lru_cache(maxsize=1024)
+def _micro_batch(
+    shape: MoEShape, seq: int, micro_batch: int, ep: int, imbalance: float, hw: Hardware,
+    precision: str, autocast: bool, ac: str, table: GemmTable | None, loss: str,
+    kernels: Kernels, head: bool,
+) -> Work:
+    tokens = seq * micro_batch
+    recomputed = checkpointed_blocks(ac, shape.n_layer)
+    work = Work()
+    for moe in (False, True):  # the layers of a kind are alike: priced once, counted
+        layers = [i for i in range(shape.n_layer) if shape.is_moe_layer(i) == moe]
+        if not layers:
+            continue
+        forward = _layer_forward(shape, moe, tokens, seq, ep, imbalance, hw, precision,
+                                 autocast, table, kernels)
+        backward = _layer_backward(shape, moe, tokens, seq, ep, imbalance, hw, precision,
+                                   autocast, table, kernels)
+        again = sum(1 for i in layers if i in recomputed)
+        work = work + (forward + backward).times(len(layers)) + forward.times(again)
+    if head:
+        work = work + _head(shape, tokens, 1, hw, precision, table, loss)  # type: ignore[arg-type]
+    return work
+
+
+def _gemms(shape: MoEShape, moe: bool) -> list[TokenGemm]:
+    """A layer's GEMMs (models.moe.cost.layer_gemms) of a MoE layer or a dense one."""
+    index = shape.moe.dense_layers if moe else 0
+    return layer_gemms(shape, index)
+
+
+def _plain_gemms(shape: MoEShape, moe: bool, tokens: int, hw: Hardware, precision: str,
+                 table: GemmTable | None, backward: bool) -> float:
+    """Every token's GEMMs of a layer: forward (T, out, in); backward the input gradient
+    (T, in, out) and the weight gradient (out, in, T)."""
+    total = 0.0
+    for g in _gemms(shape, moe):
+        if g.grouped:
+            continue
+        o, i = g.out_features, g.in_features
+        if backward:
+            total += _gemm(tokens, i, o, hw, precision, table) + _gemm(o, i, tokens, hw, precision, table)
+        else:
+            total += _gemm(tokens, o, i, hw, precision, table)
+    return total
+
+
+def _routed_gemms(
+    shape: MoEShape, tokens: int, ep: int, imbalance: float, hw: Hardware, precision: str,
+    table: GemmTable | None, backward: bool,
+) -> float:
+    """The rank's experts of one MoE layer as grouped GEMMs, on the busiest rank's rows
+    (each of its experts / ep experts multiplies ep x T x top_k / experts rows on average,
+    `imbalance` times that): forward (m, out, in); backward the input gradients
+    (m, in, out) and the weight gradients (out, in, m)."""
+    gen, e = GENERATIONS[hw.generation], BYTES[precision]
+
+    def grouped(groups: int, rows: float, n: int, k: float) -> float:
+        return grouped_gemm_seconds(groups, rows, n, math.ceil(k), hw.peak_flops, hw.hbm_bps, e,
+                                    gen, table)
+
+    total = 0.0
+    for g in _gemms(shape, True):
+        if not g.grouped:
+            continue
+        groups = g.grouped // ep
+        m = tokens * ep * g.rows / g.grouped * imbalance
+        o, i = g.out_features, g.in_features
+        if backward:
+            total += grouped(groups, m, i, o) + grouped(groups, o, i, m)
+        else:
+            total += grouped(groups, m, o, i)
+    return total
+
+
+def _layer_bytes(shape: MoEShape, moe: bool, imbalance: float, precision: str,
+                 autocast: bool, kernels: Kernels) -> float:
+    """Bytes per token a layer's forward reads and writes outside its GEMMs and attention
+    (see the module's docstring); the routed rows' share is the busiest rank's."""
+    norm_kernel = kernels.norm
+    e = BYTES[precision]
+    r = MASTER_BYTES if autocast else e
+    h, m = shape.d_model, shape.moe
+    q, kv = shape.n_head * shape.head_dim, shape.n_kv_head * shape.head_dim
+    casts = (r + e) * h if autocast else 0
+    norms = 2 * (norm_bytes(r, e, norm_kernel) * h + casts) + 2 * 3 * r * h  # and residuals
+    attention = ROTARY_PASSES * e * (q + kv) + 2 * e * q
+    if shape.n_kv_head != shape.n_head:
+        attention += 2 * 2 * e * q  # k and v repeated for grouped-query attention
+    if shape.qk_norm:
+        attention += norm_bytes(e, e, norm_kernel) * (q + kv)
+    if not moe:
+        return norms + attention + 5 * e * m.d_dense
+    k = m.top_k * imbalance
+    router = 4 * MASTER_BYTES * m.experts  # logits written, softmax read and written, top-k
+    # Eager: the sort's gather (read and write a row), the combine's upcast, scale, cast
+    # back and scatter-add, per routed row. Fused: the permutation reads and writes each
+    # routed row once, the unpermutation reads it once and writes each token once.
+    if kernels.routing == "fused":
+        routed = m.top_k * h * 3 * e + h * e
+    else:
+        routed = m.top_k * h * (2 * e + (e + MASTER_BYTES) + 3 * MASTER_BYTES
+                                + (MASTER_BYTES + e) + 3 * e)
+    # The experts' SwiGLU activation on the busiest rank's rows.
+    return norms + attention + router + routed + k * 5 * e * m.d_expert + 5 * e * m.shared_width
+
+
+def _layer_forward(
+    shape: MoEShape, moe: bool, tokens: int, seq: int, ep: int, imbalance: float,
+    hw: Hardware, precision: str, autocast: bool, table: GemmTable | None, kernels: Kernels,
+) -> Work:
+    gemms = _plain_gemms(shape, moe, tokens, hw, precision, table, False)
+    if moe:
+        gemms += _routed_gemms(shape, tokens, ep, imbalance, hw, precision, table, False)
+    q = shape.n_head * shape.head_dim
+    attention = attention_seconds(2.0 * tokens * seq * q, hw.peak_flops,
+                                  GENERATIONS[hw.generation], kernels.attention_share(hw))
+    moved = tokens * _layer_bytes(shape, moe, imbalance, precision, autocast, kernels)
+    idle = SYNC_IDLE_OPS * EAGER_OP_S if moe and ep > 1 else 0.0  # the split sizes' sync
+    return Work(gemms + attention + moved / (hw.hbm_bps * MEMORY_SHARE) + idle,
+                _forward_ops(moe, ep))
+
+
+def _forward_ops(moe: bool, ep: int) -> int:
+    """Operations a layer's forward dispatches (a dense layer's FFN: six)."""
+    if not moe:
+        return ATTENTION_OPS + 6
+    return ATTENTION_OPS + MOE_FORWARD_OPS + (EP_FORWARD_OPS if ep > 1 else 0)
+
+
+def _layer_backward(
+    shape: MoEShape, moe: bool, tokens: int, seq: int, ep: int, imbalance: float,
+    hw: Hardware, precision: str, autocast: bool, table: GemmTable | None, kernels: Kernels,
+) -> Work:
+    """Input and weight gradients of every GEMM, attention's backward (2.5 times its
+    forward), the elementwise work twice."""
+    gemms = _plain_gemms(shape, moe, tokens, hw, precision, table, True)
+    if moe:
+        gemms += _routed_gemms(shape, tokens, ep, imbalance, hw, precision, table, True)
+    q = shape.n_head * shape.head_dim
+    attention = attention_seconds(5.0 * tokens * seq * q, hw.peak_flops,
+                                  GENERATIONS[hw.generation], kernels.attention_share(hw))
+    moved = 2 * tokens * _layer_bytes(shape, moe, imbalance, precision, autocast, kernels)
+    return Work(gemms + attention + moved / (hw.hbm_bps * MEMORY_SHARE),
+                BACKWARD_OPS_PER_FORWARD_OP * _forward_ops(moe, ep))
+
+
+def moe_per_step(hw: Hardware, w: Workload, dims: ParallelDims | None,
+                 micro_batches: float) -> Work:
+    """The optimizer step on the rank's shards and, under FSDP, the copies of every
+    gather (the fp32 shard cast to 16 bits, the gathered buffer copied out) and reduction
+    for every micro-batch, dense parameters and the rank's experts alike."""
+    shape = w.moe
+    assert shape is not None
+    dims = dims or ParallelDims()
+    held = held_params(shape, dims)
+    work = Work(held * OPTIMIZER_BYTES_PER_PARAM / (hw.hbm_bps * MEMORY_SHARE), STEP_OPS)
+    if not dims.fsdp:
+        return work
+    p, experts = moe_params(shape, dims.ep), expert_layout(dims)
+    e = BYTES[w.precision]
+    gathers = 1 if dims.shard == "grad_op" else 2
+    moved = 0.0
+    for params, shard in ((p.dense, dims.dp_shard), (p.experts, experts.shard)):
+        moved += params * (gathers * (MASTER_BYTES / shard + 2 * e) + e + MASTER_BYTES)
+    tensors = MOE_LAYER_TENSORS * shape.n_layer + 3
+    return work + Work(micro_batches * moved / (hw.hbm_bps * MEMORY_SHARE),
+                       micro_batches * FSDP_OPS_PER_PARAM * tensors)

@@ -1,0 +1,225 @@
+"""Peak bytes on one device for a Mixture-of-Experts model: plan.model.memory's phases
+(head backward, block backward, end of a block's backward, optimizer step) with the
+parameters split the way torchtitan splits them (torchtitan/distributed/parallel_dims.py,
+models/common/MOE_SHARDING.md).
+
+Parameters. The dense ones (models.moe.cost.dense_params: embeddings, attention, routers,
+shared experts, leading dense FFNs) are laid out as a dense model's: a replica on every
+rank (single, DDP) or sharded over the dp_shard ranks of a group (FSDP, HSDP). The routed
+experts are split over `ep` ranks borrowed from the data-parallel ones (each holds experts
+/ ep of every MoE layer), and the rest of the data parallelism shards each slice (FSDP:
+over dp_shard / ep ranks, torchtitan's efsdp mesh) or replicates it (DDP: dp / ep
+copies). Their gradients and optimizer state follow them. FSDP gathers a block's dense
+parameters over dp_shard and its experts over efsdp (torchtitan wraps the experts as
+their own unit), so a gathered block holds its dense parameters and its rank's experts
+whole.
+
+Activations (models.moe.cost.layer_activation_bytes, counted against the model's
+autograd graph): per layer what the model keeps of a token, its routed copies top_k a
+token on average, the busiest expert rank `imbalance` times that many
+(models.moe.cost.routed_row_bytes a copy; moe.imbalance); around them the GPT's rules for
+the head, a checkpointed block's input and the working set of a block's backward.
+
+Not modelled: tensor parallelism and pipeline stages of a MoE model (the planner refuses
+them), CPU offload, LoRA, the auxiliary loss's few bytes a sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import accumulate
+
+from trainwise.config.parallel_dims import ParallelDims
+from trainwise.models.moe.cost import layer_activation_bytes, param_split, routed_row_bytes
+from trainwise.models.moe.shapes import MoEShape
+from trainwise.plan.model.memory import (
+    ActivationProfile,
+    MemoryEstimate,
+    Workload,
+    _at_peak,
+    _step_temp,
+    checkpointed_blocks,
+)
+from trainwise.plan.model.precision import BYTES, MASTER_BYTES, OPTIMIZER_STATE_BYTES
+from trainwise.plan.model.setup import Setup
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How a layout holds the routed experts: split over `ep` ranks, each slice sharded
+    over `shard` ranks (FSDP's efsdp; 1 without FSDP) and kept in `replicas` copies."""
+
+    ep: int
+    shard: int
+    replicas: int
+
+
+def expert_layout(dims: ParallelDims) -> ExpertLayout:
+    """torchtitan's sparse mesh (pp, dp_replicate, efsdp, ep): under FSDP efsdp = dp_shard
+    / ep and the replica groups replicate; without FSDP (or with ep borrowing replicas
+    too) every data-parallel rank outside the ep group holds a copy."""
+    ep = dims.ep
+    if dims.fsdp and dims.dp_shard % ep == 0:
+        return ExpertLayout(ep, dims.dp_shard // ep, dims.dp_replicate)
+    return ExpertLayout(ep, 1, dims.dp_size // ep)
+
+
+@dataclass(frozen=True)
+class MoEParams:
+    """Parameters of one rank's view of the model (tensor parallelism aside): `dense` in
+    all, `root` of them outside the layers, `dense_block` a layer's on average, `experts`
+    the rank's slice of all the routed experts (experts / ep of every MoE layer, unsharded)
+    and `expert_block` one MoE layer's slice."""
+
+    dense: float
+    root: float
+    dense_block: float
+    experts: float
+    expert_block: float
+
+    @property
+    def block(self) -> float:
+        """A gathered block: its dense parameters and the rank's experts of it."""
+        return self.dense_block + self.expert_block
+
+
+@lru_cache(maxsize=256)
+def moe_params(shape: MoEShape, ep: int) -> MoEParams:
+    """The split of `shape`'s parameters on a rank of an `ep`-way expert group."""
+    dense, root = float(param_split(shape).dense), float(shape.outer_params())
+    experts = shape.expert_total() / ep
+    return MoEParams(dense, root, (dense - root) / shape.n_layer, experts,
+                     experts / shape.moe_layers)
+
+
+def held_params(shape: MoEShape, dims: ParallelDims) -> float:
+    """Parameters one rank keeps between steps (its shards): the dense ones over dp_shard
+    under FSDP, its expert slice over efsdp."""
+    p, experts = moe_params(shape, dims.ep), expert_layout(dims)
+    return p.dense / (dims.dp_shard if dims.fsdp else 1) + p.experts / experts.shard
+
+
+@lru_cache(maxsize=4096)
+def moe_activations(w: Workload, autocast: bool, device: str) -> ActivationProfile:
+    """The activations at each moment of backward (memory.activation_profile's three),
+    the busiest expert rank's: its routed rows `w.imbalance` times the mean."""
+    shape = w.moe
+    assert shape is not None
+    layer, per = _layer_bytes(w, autocast, device), _around(w, autocast, device)
+    ckpt = checkpointed_blocks(w.ac, shape.n_layer)
+    kept = [per["block_input"] if i in ckpt else layer[shape.is_moe_layer(i)]
+            for i in range(shape.n_layer)]
+    below = list(accumulate(kept, initial=0.0))  # what the blocks below block i keep
+    block = below[-1] + per["working"]
+    for i in ckpt:
+        block = max(block, below[i] + layer[shape.is_moe_layer(i)] + per["working"])
+    head = per["head"] if w.head else 0.0
+    tokens = w.seq_len * w.micro_batch
+    return ActivationProfile(tokens * (below[-1] + head), tokens * block,
+                             tokens * below[-2])
+
+
+def _norm_row(residual: int, device: str, fsdp_low: bool) -> Callable[[int], float]:
+    """Bytes one RMSNorm over a row of width w keeps, its input included: the input on
+    CUDA (the fused kernel); on a CPU also the composite op's fp32 normalised copy (and
+    the fp32 input under 16-bit parameters) and the row's rstd (memory.py's GPT rule)."""
+    if device != "cpu":
+        return lambda w: residual * w
+    return lambda w: residual * w + (6 if fsdp_low else 4) * w + 4
+
+
+@lru_cache(maxsize=1024)
+def _layer_bytes(w: Workload, autocast: bool, device: str) -> dict[bool, float]:
+    """Bytes per token a layer keeps (models.moe.cost.layer_activation_bytes), keyed by
+    whether it is a MoE layer, on the busiest expert rank. Under autocast (single, DDP in
+    16 bits) the residual stream and the norms stay fp32 and each Linear after a norm
+    keeps its own 16-bit cast of it: an approximation, not checked against autograd."""
+    shape = w.moe
+    assert shape is not None
+    e, low = BYTES[w.precision], w.precision != "fp32"
+    casting = autocast and low
+    r = MASTER_BYTES if casting else e
+    norm_row = _norm_row(r, device, low and not autocast)
+    routed = shape.moe.top_k * (w.imbalance - 1.0) * routed_row_bytes(shape, e)
+    out = {}
+    for moe in (False, True):
+        layers = [i for i in range(shape.n_layer) if shape.is_moe_layer(i) == moe]
+        if not layers:
+            continue
+        kept = layer_activation_bytes(
+            shape, layers[0], compute_bytes=e, norm_row=norm_row, micro_batch=w.micro_batch,
+            seq_len=w.seq_len, grouped=device == "cuda",
+        )
+        if casting:  # k and v's casts of the attention's norm output, a second FFN reader's
+            second = (not moe and shape.moe.d_dense) or (moe and shape.moe.shared_experts)
+            kept += e * shape.d_model * (2 + (1 if second else 0))
+        out[moe] = kept + (routed if moe else 0.0)
+    return out
+
+
+def _around(w: Workload, autocast: bool, device: str) -> dict[str, float]:
+    """What the planner adds around the layers, per token, as for the dense GPT
+    (memory.activation_bytes_per_token): a checkpointed block's input, the head (the final
+    norm, its output, the loss's fp32 log-softmax and the two vocabulary-sized gradients
+    its backward starts with), and a block's working set in backward (the gradients of
+    its widest intermediates: the busiest rank's routed copies, a shared or dense FFN)."""
+    shape = w.moe
+    assert shape is not None
+    e, low = BYTES[w.precision], w.precision != "fp32"
+    r = MASTER_BYTES if autocast and low else e
+    h, m = shape.d_model, shape.moe
+    loss = MASTER_BYTES if (autocast or not low) else e
+    norm_row = _norm_row(r, device, low and not autocast)
+    routed = m.top_k * w.imbalance * e * (3 * m.d_expert + h) if shape.moe_layers else 0.0
+    return {
+        "block_input": r * h,
+        "head": norm_row(h) + e * h + 3 * loss * shape.vocab_size,
+        "working": routed + 3 * e * max(m.shared_width, m.d_dense) + r * h,
+    }
+
+
+def moe_memory(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
+    """estimate_memory of a MoE workload (`w` at the setup's micro-batch and ac)."""
+    dims = setup.dims
+    shape = w.moe
+    assert shape is not None
+    p = moe_params(shape, dims.ep)
+    c, opt = BYTES[w.precision], OPTIMIZER_STATE_BYTES[w.optimizer]
+    held = held_params(shape, dims)
+    whole = p.dense + p.experts  # the rank's parameters, gathered
+    accumulating = setup.grad_accum > 1
+    if not dims.fsdp:
+        prof = moe_activations(w, True, device)
+        copies = whole * c if w.precision != "fp32" else 0.0  # autocast's weight casts
+        buckets = whole * MASTER_BYTES if dims.dp_size > 1 else 0.0
+        params, grads, states = whole * MASTER_BYTES, whole * MASTER_BYTES, whole * opt
+        g_bwd = grads if accumulating else 0.0
+        phases = {
+            "head backward": (params, g_bwd, states, prof.head, buckets + copies),
+            "block backward": (params, g_bwd, states, prof.block, buckets + copies),
+            "optimizer step": (params, grads, states, 0.0,
+                               buckets + whole * _step_temp(w, device)),
+        }
+        return _at_peak(phases, device, states=params + grads + states)
+    prof = moe_activations(w, False, device)
+    reduce_copy = MASTER_BYTES if w.reduce_dtype == "fp32" and c != MASTER_BYTES else 0
+    blocks = whole - p.root
+    in_flight = min(2, shape.n_layer) * p.block if dims.reshard_after_forward else blocks
+    at_head = 0.0 if dims.reshard_after_forward else blocks * c
+    params, grads, states = held * MASTER_BYTES, held * MASTER_BYTES, held * opt
+    g_bwd = whole * BYTES[w.reduce_dtype] if accumulating else 0.0  # unsharded, kept
+    if accumulating and setup.accumulate == "sharded":
+        g_bwd = grads
+    root = p.root * c
+    phases = {
+        "head backward": (params, g_bwd, states, prof.head, root + at_head),
+        "block backward": (params, g_bwd, states, prof.block, root + in_flight * c),
+        "end of a block's backward": (
+            params, max(grads, g_bwd), states, prof.rest,
+            root + in_flight * c + p.block * (c + reduce_copy),
+        ),
+        "optimizer step": (params, grads, states, 0.0, held * _step_temp(w, device)),
+    }
+    return _at_peak(phases, device, states=params + grads + states)
