@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -121,12 +120,13 @@ print(f"report: {report.headline.tokens_per_s:.0f} tokens/s; "
 # %% [markdown]
 # ## Export the weights and load them into the class
 #
-# (In Jupyter: `!trainwise export {result.run_dir} -o {OUT}/convlm.safetensors`.)
+# `trainwise.export()` is `trainwise export RUN -o OUT` from Python: the checkpoint's
+# weights in one safetensors file the class loads with strict names.
 
 # %%
-weights = OUT / "convlm.safetensors"
-subprocess.run([sys.executable, "-m", "trainwise", "export", str(result.run_dir),
-                "-o", str(weights)], check=True)
+exported = trainwise.export(result.run_dir, OUT / "convlm.safetensors")
+weights = exported.path
+print(f"exported step {exported.step}: {exported.tensors} tensors, {exported.bytes} bytes")
 from safetensors.torch import load_file  # noqa: E402
 
 model = ConvLM()

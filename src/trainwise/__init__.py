@@ -1,7 +1,8 @@
 """trainwise: plan, train, check and report distributed PyTorch training.
 
 As a library (docs/api.md): `trainwise.plan(...)`, `trainwise.train(...)`,
-`trainwise.report(run_dir)` and `trainwise.doctor(...)`, each returning a typed record.
+`trainwise.report(run_dir)`, `trainwise.doctor(...)` and `trainwise.export(run_dir, out)`,
+each returning a typed record.
 Importing trainwise imports no torch; the records of the report and the doctor are
 imported when first named.
 
@@ -18,9 +19,11 @@ from typing import Any
 
 from trainwise.api import (
     DoctorResult,
+    Exported,
     JobSpec,
     RunResult,
     doctor,
+    export,
     plan,
     report,
     train,
@@ -33,6 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DoctorRecord",
     "DoctorResult",
+    "Exported",
     "JobRecord",
     "JobSpec",
     "Plan",
@@ -44,12 +48,13 @@ __all__ = [
     "StopEvent",
     "__version__",
     "doctor",
+    "export",
     "plan",
     "report",
     "train",
     "write_report",
 ]
-VERBS = ("plan", "report", "doctor")  # the functions that share a subpackage's name
+VERBS = ("plan", "report", "doctor", "export")  # the functions that share a subpackage's name
 _LAZY = {  # record types whose modules import more than a record should cost
     "RunReport": "trainwise.report.analysis",
     "DoctorRecord": "trainwise.doctor.result",

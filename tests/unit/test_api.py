@@ -31,7 +31,7 @@ def test_every_public_name_has_a_docstring_and_type_hints():
     from trainwise.config import JobConfig
     from trainwise.config.load import Layer
 
-    # The names api.py imports only for type checking (they cost imports at run time).
+    # The names api/ imports only for type checking (they cost imports at run time).
     names = {"JobConfig": JobConfig, "Layer": Layer, "DoctorRecord": trainwise.DoctorRecord,
              "RunReport": trainwise.RunReport}
     missing = []

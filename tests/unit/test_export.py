@@ -309,6 +309,28 @@ def test_resolve_follows_config_checkpoint_dir(trained: dict, tmp_path: Path):
     assert resolve_checkpoint(run, None) == final_dir(elsewhere, 4)
 
 
+# --- from Python: trainwise.export ------------------------------------------------------------
+
+
+def test_trainwise_export_is_the_commands_export_as_a_record(trained: dict, tmp_path: Path):
+    import trainwise
+    from trainwise.errors import ConfigError
+
+    done = trainwise.export(trained["run"], tmp_path / "w.safetensors", step=2)
+    assert (done.format, done.step, done.path) == ("safetensors", 2, tmp_path / "w.safetensors")
+    assert done.tensors == len(trained["keys"]) and done.bytes == done.path.stat().st_size
+    model = fresh_model()
+    model.load_state_dict(load_file(done.path), strict=True)
+    with torch.no_grad():
+        assert torch.equal(model(batch()), trained["expected"][2])
+    assert main(["export", str(trained["run"]), "--step", "2", "-o", str(tmp_path / "c.safetensors")]) == 0
+    assert load_file(tmp_path / "c.safetensors").keys() == load_file(done.path).keys()
+    with pytest.raises(ConfigError, match="output= .*w.txt: cannot tell the format"):
+        trainwise.export(trained["run"], tmp_path / "w.txt")
+    with pytest.raises(ConfigError, match="format hf writes a directory"):
+        trainwise.export(trained["run"], format="hf")
+
+
 # --- the CLI ---------------------------------------------------------------------------------
 
 
@@ -477,7 +499,7 @@ def test_cli_export_takes_the_newest_valid_checkpoint_and_says_why(
     captured = capsys.readouterr()
     assert "step-00000004 is invalid and skipped" in captured.err
     assert "__0_0.distcp: xxh3 mismatch" in captured.err
-    assert "exporting step-00000002, the newest valid one" in captured.err
+    assert "exported step-00000002, the newest valid one" in captured.err
     assert "from step 2" in captured.out
     exported = load_file(out)
     want = load_model_state(final_dir(root, 2))
