@@ -544,11 +544,6 @@ def expert_problems(c: JobConfig, moe: MoEShape | None) -> list[str]:
             f"parallel.ep = {p.ep} does not divide the {moe.moe.experts} experts of model.name "
             f"= {name!r}: choose an ep that divides them"
         ]
-    if p.ep > 1:  # models.moe is ready for it (GroupedExperts): parallel.ep is not yet run
-        return [
-            f"parallel.ep = {p.ep}: expert parallelism does not run yet; use parallel.ep = 1 "
-            "(every rank holds every expert; FSDP shards them)"
-        ]
     return []
 
 
