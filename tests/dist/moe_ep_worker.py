@@ -2,8 +2,9 @@
 experts split over parallel.ep ranks, the balancing loss and the bias update on) a few
 steps through the engine (build_trainer) inside one process group of 2 or 4, evaluates
 once, and writes per case the losses and their balancing part, the gradient norms, the
-held-out loss, the routers' biases this rank holds, what it holds of the experts and the
-step's all-to-all time and tokens per expert. `case_run` also trains the one-process
+held-out loss, the routers' biases this rank holds, what it holds of the experts, the
+steps' all-to-alls (their spans and seconds on this rank) and tokens per expert (summed
+over the ranks as the recorder sums them). `case_run` also trains the one-process
 reference of a case (without a process group). Not a test."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from trainwise.data import build_eval_loader, build_loader
 from trainwise.hardware import detect_device
 from trainwise.models.moe.balance import routers
 from trainwise.models.moe.layers import GroupedExperts
+from trainwise.run.engine.recorder import reduce_steps
 from trainwise.run.engine.step import mean_over_ranks
 from trainwise.run.engine.trainer import build_trainer
 from trainwise.run.job.distributed import destroy_process_group
@@ -71,7 +73,12 @@ def case_run(name: str, pipeline: bool) -> dict:
         job.datasets[1], micro_batch=cfg.data.micro_batch, max_batches=2,
         dp_rank=trainer.dp_rank, dp_size=trainer.dp_size, seed=cfg.train.seed,
     )
+    _, _, tokens = reduce_steps(results, job.dims.tp)  # the recorder's one collective
     return {
+        "tokens": tokens,
+        # This rank's all-to-all spans a step (none on one process).
+        "a2a_spans": [len(r.a2a.spans) if r.a2a is not None else 0 for r in results],
+        "a2a_s": [r.spans()[0].get("a2a") for r in results],
         "losses": [mean_over_ranks(r.loss)[0] for r in results],
         "aux": [mean_over_ranks(r.aux_loss)[0] for r in results],
         "grad_norms": [float(r.grad_norm) for r in results],

@@ -137,7 +137,7 @@ class _BackwardMark(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, timer: Any, box: list[Any], opens: bool
                 ) -> torch.Tensor:
         ctx.timer, ctx.box, ctx.opens = timer, box, opens
-        return x.view_as(x)
+        return x.detach()  # the same storage, not a view: FSDP's output hooks hold
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

@@ -60,7 +60,11 @@ def build_expert_mesh(dims: ParallelDims, mesh: DeviceMesh | None) -> DeviceMesh
     names = tuple(n for n in mesh.mesh_dim_names if n in DP_DIMS)
     flat = mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("dp")
     replicas, shards = dims.expert_dims()
-    return flat._unflatten(0, (replicas, shards, dims.ep), EXPERT_DIMS)
+    experts = flat._unflatten(0, (replicas, shards, dims.ep), EXPERT_DIMS)
+    # The experts' gradient norm is partial over efsdp and ep: flattened, DTensor
+    # completes it in one all-reduce instead of one per dim.
+    experts["efsdp", "ep"]._flatten("efsdp_ep")
+    return experts
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
