@@ -366,6 +366,9 @@ class RunPlan(StrategyFigures):
     calibration_source: str | None = None
     calibration_step_s: float | None = None  # the calibration run's own step
     calibration_save_s: float | None = None
+    # A Mixture-of-Experts model's load imbalance the plan priced (moe.imbalance); None
+    # where the plan names none.
+    moe_imbalance: float | None = None
     alternatives: list[AlternativeFigures] = field(default_factory=list)
 
 

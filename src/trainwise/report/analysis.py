@@ -255,6 +255,12 @@ def stage_split(run: RunFiles, failures: RetryCost, notes: list[str]) -> StageSp
     total["restart downtime"] = failures.downtime_s
     if any(r.sync_s is None for r in recs) and int(run.job.world or 1) > 1:
         notes.append("exposed sync is measured by probes; steps before the first probe count 0")
+    a2a = [r.a2a_s for r in calm(recs) if r.a2a_s is not None]
+    if a2a:
+        notes.append(
+            f"exposed sync includes expert parallelism's all-to-alls (dispatch and combine, "
+            f"forward and backward: {_median(a2a):.3g} s a step, timed on every step)"
+        )
     tp = [r.tp_s for r in calm(recs) if r.tp_s is not None]
     if tp:
         notes.append(
@@ -384,6 +390,15 @@ def plan_vs_actual(run: RunFiles, stages: StageSplit, notes: list[str]) -> list[
             defaults=defaults,
         ),
     ]
+    # The steady steps' (a checkpoint stall does not change the routing), as summary.json.
+    imbalance = _median([r.ep_imbalance for r in steady(run.records) if r.ep_imbalance])
+    if imbalance is not None:
+        rows.append(_check(
+            "expert load imbalance", "x", plan.moe_imbalance, imbalance,
+            "moe.imbalance (the busiest expert-parallel rank's routed tokens over the mean; "
+            "this run's summary.json ep_imbalance is the figure to calibrate it with)",
+            defaults=defaults,
+        ))
     if mem_kind == "rss_peak":
         notes.append(
             "memory on CPU is the process's peak resident set (Python and torch included), "

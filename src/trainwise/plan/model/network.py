@@ -113,7 +113,7 @@ def bus_factor(op: str, n: int) -> float:
         return 0.0
     if op == "all_reduce":
         return 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
     if op == "send_recv":
         return 1.0
