@@ -37,7 +37,9 @@ MOE = ["moe.aux_loss_coef=0.05", "moe.bias_update_rate=0.01"]
 CASES = {
     "ddp2-ep2": (2, 2, 2, 2, ["parallel.strategy='ddp'"]),
     "fsdp4-ep2": (4, 1, 2, 4, ["parallel.strategy='fsdp'"]),
-    "hsdp2x2-ep2": (4, 2, 1, 4, ["parallel.strategy='hsdp'", "parallel.replicate=2"]),
+    # Every block checkpointed: its recomputed forward exchanges the rows again.
+    "hsdp2x2-ep2": (4, 2, 1, 4, ["parallel.strategy='hsdp'", "parallel.replicate=2",
+                                 "parallel.ac='full'"]),
     "pp2-fsdp2-ep2": (4, 2, 1, 2, ["parallel.strategy='fsdp'", "parallel.pp=2"]),
     "fsdp2-tp2-ep2": (4, 2, 1, 2, ["parallel.strategy='fsdp'", "parallel.tp=2"]),
 }

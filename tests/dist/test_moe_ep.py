@@ -1,7 +1,8 @@
 """Expert parallelism trains one process's Mixture-of-Experts model: two torchrun launches
 of moe_ep_worker.py (2 and 4 gloo workers), the tiny MoE's 8 experts split over ep = 2
 ranks under DDP's replicas (probed on every step, accumulating), FSDP over 4 (each slice
-sharded over 2), HSDP 2 x 2, 2 pipeline stages x FSDP 2 and FSDP 2 x TP 2, each with the
+sharded over 2), HSDP 2 x 2 (every block checkpointed), 2 pipeline stages x FSDP 2 and
+FSDP 2 x TP 2, each with the
 load-balancing loss and the bias update on, compared with one process (trained here,
 without a process group): the losses and their balancing part, the gradient norms, the
 held-out loss, every router's bias and the tokens each expert got in each step.

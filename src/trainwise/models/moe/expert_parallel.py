@@ -94,7 +94,9 @@ class TokenExchange:
         local = received.shape[1]
         # Each received row's local expert, rank-major; sorted stably, expert-major.
         expert = torch.arange(local, device=rows.device).repeat(ep)
-        self.order = expert.repeat_interleave(received.reshape(-1)).argsort(stable=True)
+        self.order = expert.repeat_interleave(
+            received.reshape(-1), output_size=sum(got)  # known on the host: no sync
+        ).argsort(stable=True)
         self._add(start)
         return routed[self.order], received.sum(0)
 
