@@ -77,3 +77,17 @@ def test_the_summary_shows_the_all_to_all_and_the_routing():
     assert "exposed sync 30.0% (all-to-all 20.0%)" in text
     assert "routing    busiest expert 1.30 x the mean, busiest ep rank 1.05" in text
     assert "routing" not in render_summary(RunSummary(world=1))
+
+
+def test_the_load_figures_import_no_torch():
+    """A calibration (plan/) reads them: they import no torch."""
+    import subprocess
+    import sys
+
+    from helpers import cli_env, hang_limit
+
+    code = ("import sys; import trainwise.models.moe.load; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    proc = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True,
+                          text=True, timeout=hang_limit())
+    assert proc.returncode == 0, proc.stderr

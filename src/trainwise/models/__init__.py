@@ -1,5 +1,5 @@
 """Models: GPT shapes and presets and the profile of any other model (plain data, no
-torch), the GPT, the MLP, your own model by import path (and its profile: its blocks, GEMMs
+torch), the GPT, the Mixture-of-Experts family (`models.moe`: its own package), the MLP, your own model by import path (and its profile: its blocks, GEMMs
 and a sample run), Hugging Face configs, and the registry that turns a config into a
 module.
 

@@ -13,7 +13,22 @@ from typing import Any
 
 from trainwise.models.moe.shapes import MOE_PRESETS, MoEShape, MoESpec, moe_job_shape
 
-_LAZY: dict[str, str] = {}
+_LAZY = {
+    "MoEModel": "model",
+    "MoELoss": "model",
+    "MoE": "layers",
+    "Router": "layers",
+    "GroupedExperts": "layers",
+    "moe_tp_plan": "parallel",
+    "split_moe": "parallel",
+    "moe_ep_plan": "parallel",
+    "ExpertParallel": "expert_parallel",
+    "step_load": "load",
+    "token_gemms": "cost",
+    "param_split": "cost",
+    "moe_flops_per_token": "cost",
+    "layer_activation_bytes": "cost",
+}
 
 __all__ = ["MOE_PRESETS", "MoEShape", "MoESpec", "moe_job_shape", *_LAZY]
 

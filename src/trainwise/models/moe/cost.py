@@ -13,10 +13,16 @@ device.
 - `moe_flops_per_token`: 6 FLOPs per multiplied parameter and row (forward, the input and
   the weight gradients) plus the attention scores' 12 L (n_head x head_dim) T, PaLM's
   count (Chowdhery et al., 2022, appendix B) with the active parameters for N.
+- `layer_activation_bytes`: what autograd keeps of a token in layer i until backward,
+  tensor by tensor as the model's code saves them (counted from its autograd graph with
+  saved-tensor hooks, and against the doctor's fake-tensor simulation:
+  tests/unit/test_moe_cost.py). The norms' share depends on the device's kernels, which
+  the planner knows (plan/model/memory.py's rule for the GPT): it is passed in.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainwise.models.moe.shapes import MoEShape
@@ -103,3 +109,50 @@ def moe_flops_per_token(shape: MoEShape, seq_len: int) -> float:
     and row (each routed expert's K rows), plus the attention scores."""
     gemms = sum(3.0 * g.flops for g in token_gemms(shape))
     return gemms + attention_flops_per_token(shape, seq_len)
+
+
+def layer_activation_bytes(
+    shape: MoEShape, i: int, *, compute_bytes: int, norm_row: Callable[[int], float],
+    micro_batch: int, seq_len: int, grouped: bool = False,
+) -> float:
+    """Bytes per token that autograd keeps for layer i of a training micro-batch of
+    `micro_batch` sequences of `seq_len`, the layer's parameters and the residual stream
+    in `compute_bytes` a value (fp32, or FSDP's 16-bit parameter dtype; autocast's extra
+    16-bit casts of the Linears' inputs are not counted here). `norm_row(w)`: the bytes
+    one RMSNorm over a row of width w keeps, its input included (a device's kernels
+    decide: the CPU's composite op keeps an fp32 normalised copy and the per-row rstd).
+    `grouped`: the experts run as torch._grouped_mm (its int32 offsets).
+
+    Attention (as the GPT's, heads of their own width): the norm, the projections' input,
+    what SDPA keeps (the rotated q, and k, v repeated to every head under grouped-query
+    attention, else as projected; its output and fp32 log-sum-exp a head) and the output
+    projection's input; Qwen3's q/k norms, a norm per head. A MoE feed-forward: the norm
+    and its output (the router reads it in fp32, a copy of it in 16-bit); the router's fp32
+    scores and the K chosen ids (renormalised: the K weights and their sum); the dispatch's
+    sort order and token ids (int64); per routed copy the rows (K a token), the gate and
+    up outputs, the SiLU and the product (4 f), the down output and its unsorted copy
+    (weighted on combine: 3 d in all, and the weight); the shared experts' 4 x their width;
+    the balancing loss's [sequences, experts] (fp32). A leading dense layer: the norm, its
+    output and a SwiGLU's 4 x d_dense."""
+    e, h, hd = compute_bytes, shape.d_model, shape.head_dim
+    q, kv, m = shape.n_head * hd, shape.n_kv_head * hd, shape.moe
+    sdpa = 3 * q if shape.n_kv_head != shape.n_head else q + 2 * kv
+    attention = norm_row(h) + e * (h + sdpa + 2 * q) + 4 * shape.n_head
+    if shape.qk_norm:
+        attention += shape.n_head * norm_row(hd) + shape.n_kv_head * norm_row(hd)
+    if not shape.is_moe_layer(i):
+        return attention + norm_row(h) + e * (h + 4 * m.d_dense)
+    tokens, k = micro_batch * seq_len, m.top_k
+    router = 4 * m.experts + 8 * k + (4 * k + 4 if m.renormalize else 0)
+    if m.score == "sigmoid":
+        router += 4  # the balancing loss normalises the scores: their sum
+    if e != 4:  # the router's fp32 copies: of its input, and of its weight a micro-batch
+        router += 4 * h + 4 * m.experts * h / tokens
+    dispatch = 16 * k + (4 * m.experts / tokens if grouped else 0)
+    experts = e * k * (3 * h + 4 * m.d_expert) + e * k
+    balance = 4 * m.experts / seq_len
+    # The norm's output: kept by the router's GEMM in fp32 (which reads a copy in 16-bit)
+    # and by the shared experts'.
+    kept = h if e == 4 or m.shared_experts else 0
+    ffn = norm_row(h) + e * (kept + 4 * m.shared_width)
+    return attention + ffn + router + dispatch + experts + balance

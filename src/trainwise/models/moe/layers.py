@@ -18,6 +18,7 @@ per-expert loop (the CPU fallback of the grouped GEMM) reads the counts on the h
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -105,7 +106,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, d] -> (weights [N, K], experts [N, K], scores [N, E] in fp32)."""
-        logits = F.linear(x.float(), self.gate.weight.float())
+        kind = x.device.type
+        off = contextlib.nullcontext() if kind == "meta" else torch.autocast(kind, enabled=False)
+        with off:  # routing stays in fp32
+            logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         chosen = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, chosen)
