@@ -513,9 +513,12 @@ def advice(
             saving=f"up to {fmt_gpu_hours(hours)} GPU-h ({fmt_usd_exact(hours * price)}) on a run like this "
             "one, if the loader kept up",
         ))
-    sync_share = stages.total_s["exposed sync"] / step_total
+    # Expert parallelism's all-to-alls are in the exposed sync: advised on apart.
+    a2a_s = sum(_figure(r, "a2a_s") for r in run.records)
+    sync_s = stages.total_s["exposed sync"] - a2a_s
+    sync_share = sync_s / step_total
     if sync_share > COMM_BOUND_SHARE:
-        hours = stages.total_s["exposed sync"] * gpus / 3600
+        hours = sync_s * gpus / 3600
         change = (
             "raise data.grad_accum or data.micro_batch (fewer syncs per sample), or compare "
             f"strategies with `trainwise plan --calibrate {run.typed}`"
@@ -536,6 +539,19 @@ def advice(
             f"{COMM_BOUND_SHARE:.0%})" + _doctor_said(doctor, "bandwidth"),
             change=change,
             saving=saving + " on a run like this",
+        ))
+    if a2a_s / step_total > COMM_BOUND_SHARE:
+        hours = a2a_s * gpus / 3600
+        out.append(Advice(
+            title="all-to-all-bound",
+            evidence=f"{a2a_s / step_total:.0%} of the step time waited for expert "
+            f"parallelism's all-to-alls (over {COMM_BOUND_SHARE:.0%})"
+            + _doctor_said(doctor, "bandwidth"),
+            change="a smaller parallel.ep (fewer ranks exchange the tokens; an ep group "
+            "inside one machine), a larger data.micro_batch (fewer exchanges per sample), or "
+            f"compare layouts with `trainwise plan --calibrate {run.typed}`",
+            saving=f"up to {fmt_gpu_hours(hours)} GPU-h ({fmt_usd_exact(hours * price)}) of "
+            "waiting on a run like this",
         ))
     scaling = doctor.get("scaling")
     if scaling and scaling.get("status") == "warn":
