@@ -98,8 +98,7 @@ class ParallelDims:
     stricter "ep divides dp_shard x cp x tp": here the experts are left whole on every
     tensor-parallel rank (every tp rank routes the same tokens: models.moe.parallel), so
     ep cannot borrow tp ranks, and an ep that crosses shard groups or replicas is run with
-    the experts replicated beside it (priced so by the planner, which reads the same
-    `expert_dims`)."""
+    the experts replicated beside it (`expert_dims`: the one statement of that split)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
