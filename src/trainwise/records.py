@@ -181,6 +181,18 @@ class StepRecord(Record):
     # Of `loss`, a Mixture-of-Experts model's load-balancing part (moe.aux_loss_coef x its
     # balancing loss), averaged as the loss; null for a model without one.
     aux_loss: float | None = None
+    # Of sync_s, expert parallelism's all-to-alls on rank 0 (dispatch and combine, forward
+    # and backward, the token counts' exchange included), timed every step; null without
+    # parallel.ep.
+    a2a_s: float | None = None
+    # A Mixture-of-Experts model's routing (models.moe.load): the step's tokens per expert
+    # (each token's top_k copies, over all ranks, summed over the MoE layers); the busiest
+    # expert's tokens over the mean, and the busiest expert-parallel rank's (null at ep
+    # 1): what the planner's moe.imbalance stands for. Both means over the MoE layers;
+    # null for a dense model.
+    expert_tokens: list[int] | None = None
+    expert_imbalance: float | None = None
+    ep_imbalance: float | None = None
 
 
 # -- summary.json and the events a result names ----------------------------------------------
@@ -233,6 +245,12 @@ class RunSummary(Record):
     stage_share: dict[str, float] = field(default_factory=dict)  # data, compute, sync, ...
     sync_measured: bool | None = None
     tp_comm_share: float | None = None
+    # Expert parallelism's all-to-alls' share of the step (inside the exposed sync), and
+    # the steady steps' median load figures (StepRecord's; ep_imbalance is what a
+    # calibration takes for the planner's moe.imbalance).
+    a2a_share: float | None = None
+    expert_imbalance: float | None = None
+    ep_imbalance: float | None = None
     wall_s: float | None = None  # the report's wall time (run.observe.wall)
 
 
@@ -348,6 +366,9 @@ class RunPlan(StrategyFigures):
     calibration_source: str | None = None
     calibration_step_s: float | None = None  # the calibration run's own step
     calibration_save_s: float | None = None
+    # A Mixture-of-Experts model's load imbalance the plan priced (moe.imbalance); None
+    # where the plan names none.
+    moe_imbalance: float | None = None
     alternatives: list[AlternativeFigures] = field(default_factory=list)
 
 

@@ -122,12 +122,13 @@ def test_the_whole_checklist_runs_on_two_workers(runs):
 def test_bandwidth_figures_follow_the_nccl_tests_definitions(runs):
     root, _ = runs
     rows = _check(_record(root, "full"), "bandwidth")["data"]["rows"]
-    assert {r["op"] for r in rows} == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
+    assert {r["op"] for r in rows} == {
+        "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"}
     for r in rows:
         assert r["seconds"] > 0 and math.isfinite(r["algbw"]) and r["algbw"] > 0
         assert r["algbw"] == r["bytes"] / r["seconds"]
         assert r["busbw"] == r["algbw"] * bus_factor(r["op"], 2)
-    for op in ("all_reduce", "broadcast"):
+    for op in ("all_reduce", "broadcast", "all_to_all"):
         mine = sorted((r for r in rows if r["op"] == op), key=lambda r: r["bytes"])
         # Latency-bound at 1 KB, much faster per byte at the largest message.
         assert mine[-1]["busbw"] > 5 * mine[0]["busbw"], mine

@@ -28,8 +28,10 @@ def test_bus_factors_are_nccl_tests_definitions(n: int):
     assert bus_factor("all_gather", n) == pytest.approx((n - 1) / n)
     assert bus_factor("reduce_scatter", n) == pytest.approx((n - 1) / n)
     assert bus_factor("broadcast", n) == 1.0
+    # alltoall: each rank sends (n - 1) / n of its buffer to the others (src/alltoall.cu).
+    assert bus_factor("all_to_all", n) == pytest.approx((n - 1) / n)
     with pytest.raises(ValueError):
-        bus_factor("all_to_all", n)
+        bus_factor("scatter", n)
 
 
 def test_message_sizes_run_from_1k_to_the_bound_in_whole_elements_per_rank():

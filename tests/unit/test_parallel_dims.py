@@ -146,3 +146,32 @@ def test_the_layout_name_says_its_stages_and_tensor_parallelism(dims: ParallelDi
     """What people read: the shortcut alone for a plain layout; pp and tp say so (the
     strategy names only the data-parallel part: pp 2 on 2 workers is `single`)."""
     assert dims.name == name
+
+
+@pytest.mark.parametrize(
+    ("dims", "expert_dims"),
+    [
+        # FSDP over 8 with ep 2: each half of the experts sharded over 4 ranks (efsdp).
+        (ParallelDims.from_strategy("fsdp", 8, ep=2), (1, 4)),
+        # HSDP 2 x 4 with ep 4: sharded over 1, replicated over the 2 replica groups.
+        (ParallelDims.from_strategy("hsdp", 8, replicate=2, ep=4), (2, 1)),
+        # DDP (FSDP2's replication once runnable) with ep 2: replicated over 4 / 2.
+        (ParallelDims.from_strategy("ddp", 4, ep=2), (2, 1)),
+        # ep across shard groups (HSDP 4 x 2 with ep 4): every slice replicated.
+        (ParallelDims.from_strategy("hsdp", 8, replicate=4, ep=4), (2, 1)),
+        (ParallelDims.from_strategy("fsdp", 8, tp=2, pp=2, ep=2), (1, 1)),
+    ],
+)
+def test_the_experts_data_parallelism_beside_ep(dims: ParallelDims, expert_dims: tuple):
+    replicas, shards = dims.expert_dims()
+    assert (replicas, shards) == expert_dims
+    assert replicas * shards * dims.ep == dims.dp_size
+
+
+def test_expert_parallel_replicas_run_as_fsdp2_replication():
+    # DDP cannot hold the experts' DTensor shards: ddp with ep is FSDP2's replication.
+    dims = ParallelDims.from_strategy("ddp", 4, ep=2)
+    assert (dims.fsdp, dims.dp_replicate, dims.dp_shard) == (True, 4, 1)
+    assert dims.name == "ddp 4 x ep 2"
+    with pytest.raises(ConfigError, match=r"parallel.ep = 3 does not divide the 4 data-par"):
+        ParallelDims.from_strategy("fsdp", 8, tp=2, ep=3)

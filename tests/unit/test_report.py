@@ -223,6 +223,28 @@ def test_a_communication_bound_run_is_told_the_planners_faster_strategy(tmp_path
     assert comm.saving.startswith(f"{6.0 * 0.2 * H:.3g} GPU-h")  # 0.000667
 
 
+def test_an_all_to_all_bound_run_is_told_about_its_experts(tmp_path: Path):
+    """Expert parallelism's all-to-alls are part of the exposed sync: advised on apart,
+    not as the gradient sync another data-parallel strategy would shorten; the measured
+    imbalance stands beside the plan's in plan-versus-actual."""
+    run = make_run(tmp_path, failure=False)
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in recs:  # 0.3 s of each step's sync: 0.25 s all-to-all, 0.05 s gradient sync
+        r.update(sync_s=0.3, compute_s=0.3, a2a_s=0.25, ep_imbalance=1.2)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    plan = json.loads((run / "plan.json").read_text())
+    (run / "plan.json").write_text(json.dumps({**plan, "moe_imbalance": 1.25}))
+    report = analyse(load_run(run))
+    advice = {a.title: a for a in report.advice}
+    assert "communication-bound" not in advice  # 6 x 0.05 s of 6.5 s: under 10 %
+    assert "23% of the step time waited for expert parallelism's all-to-alls" in (
+        advice["all-to-all-bound"].evidence)  # 6 x 0.25 = 1.5 s of 6.5 s
+    assert "a smaller parallel.ep" in advice["all-to-all-bound"].change
+    check = {c.name: c for c in report.plan_vs_actual}["expert load imbalance"]
+    assert (check.planned, check.actual) == (1.25, 1.2)
+    assert any("all-to-alls" in note and "0.25 s a step" in note for note in report.notes)
+
+
 def test_an_elastic_run_that_shrank_is_charged_per_attempt(tmp_path: Path):
     run = make_run(tmp_path)
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]

@@ -93,8 +93,12 @@ class ParallelDims:
     and must be 1. `ep` (expert parallelism, a Mixture-of-Experts model's) is borrowed
     from the data-parallel ranks, as torchtitan borrows it: each group of `ep` of them
     holds the experts split `ep` ways and exchanges tokens by all-to-all, the rest of the
-    data parallelism (dp_size / ep) replicating or sharding each slice; it adds no ranks
-    to the world."""
+    data parallelism (dp_size / ep) replicating or sharding each slice (`expert_dims`); it
+    adds no ranks to the world. The rule is that ep divides dp_size, not torchtitan's
+    stricter "ep divides dp_shard x cp x tp": here the experts are left whole on every
+    tensor-parallel rank (every tp rank routes the same tokens: models.moe.parallel), so
+    ep cannot borrow tp ranks, and an ep that crosses shard groups or replicas is run with
+    the experts replicated beside it (`expert_dims`: the one statement of that split)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -146,6 +150,17 @@ class ParallelDims:
     def dp_size(self) -> int:
         """Ranks that read different samples (each tensor-parallel group reads the same)."""
         return self.dp_replicate * self.dp_shard
+
+    def expert_dims(self) -> tuple[int, int]:
+        """The routed experts' own data parallelism beside `ep`: (replicas, shards), with
+        replicas x shards x ep = dp_size. Under FSDP with ep dividing dp_shard, each ep
+        group is ep consecutive ranks of a shard group, and each slice of the experts is
+        sharded over the dp_shard / ep ranks that hold it (torchtitan's efsdp: ep apart)
+        and replicated over the replica groups; otherwise (DDP's replicas, or ep spanning
+        shard groups) every slice is replicated over dp_size / ep ranks."""
+        if self.fsdp and self.dp_shard % self.ep == 0:
+            return self.dp_replicate, self.dp_shard // self.ep
+        return self.dp_size // self.ep, 1
 
     # -- what it is -------------------------------------------------------------------
 
@@ -240,11 +255,13 @@ class ParallelDims:
         return self.reshard_after_forward and self.dp_shard > 1
 
     def runnable(self) -> ParallelDims:
-        """The layout the runtime builds: DDP cannot hold DTensor shards, and its reducer
-        does not follow a pipeline schedule's micro-batches, so replicas of a
-        tensor-parallel or pipelined model are FSDP2's replication (dp_shard 1) on the
-        same mesh, with the same memory and an all-reduce of the same bytes."""
-        if (self.tp > 1 or self.pp > 1) and self.dp_replicate > 1 and not self.fsdp:
+        """The layout the runtime builds: DDP cannot hold DTensor shards (tensor- or
+        expert-parallel ones), and its reducer does not follow a pipeline schedule's
+        micro-batches, so replicas of a tensor-parallel, expert-parallel or pipelined
+        model are FSDP2's replication (dp_shard 1) on the same mesh, with the same memory
+        and an all-reduce of the same bytes."""
+        split = self.tp > 1 or self.pp > 1 or self.ep > 1
+        if split and self.dp_replicate > 1 and not self.fsdp:
             return ParallelDims(self.dp_replicate, 1, self.tp, self.pp, ep=self.ep, fsdp=True)
         return self
 

@@ -2,7 +2,11 @@
 1 KB up to a bound, a warm-up then timed iterations, the slowest rank's time. The
 algorithm bandwidth is size / time; the bus bandwidth scales it by the share of the data
 each rank's link carries in a ring, so that it compares with the link's speed whatever the
-world size (nccl-tests, doc/PERFORMANCE.md)."""
+world size (nccl-tests, doc/PERFORMANCE.md). The all-to-all (a Mixture-of-Experts model's
+dispatch and combine under expert parallelism) is timed as nccl-tests' alltoall: each rank
+sends size / n of its size-byte buffer to every rank, size counting the whole buffer, and
+the bus bandwidth is algbw x (n - 1) / n, the share that leaves the rank (src/alltoall.cu;
+plan.model.network.bus_factor)."""
 
 from __future__ import annotations
 
@@ -15,13 +19,14 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from trainwise.plan.model import network
 from trainwise.plan.model.comm import allreduce_factor, gather_factor
 
 KB = 1024
 FIRST_BYTES = KB
 SIZE_STEP = 4  # message sizes 1 KB, 4 KB, 16 KB, ...
 MAX_BYTES = {"cuda": 256 * 2**20, "cpu": 64 * 2**20}
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 WARMUP = 1
 
 
@@ -33,6 +38,8 @@ def bus_factor(op: str, n: int) -> float:
         return gather_factor(n)
     if op == "broadcast":
         return 1.0
+    if op == "all_to_all":
+        return network.bus_factor(op, n)
     raise ValueError(f"unknown collective {op!r}")
 
 
@@ -73,6 +80,9 @@ def _operation(op: str, size: int, world: int, device: torch.device, group) -> C
         return lambda: dist.all_gather_single(whole, part, group=group)
     if op == "reduce_scatter":
         return lambda: dist.reduce_scatter_single(part, whole, group=group)
+    if op == "all_to_all":  # size / world to each rank, even splits (nccl-tests' alltoall)
+        received = torch.empty(n, device=device)
+        return lambda: dist.all_to_all_single(received, whole, group=group)
     raise ValueError(f"unknown collective {op!r}")
 
 

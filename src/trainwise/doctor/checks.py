@@ -77,14 +77,18 @@ def check_bandwidth(ctx: Context) -> CheckResult:
     rows = bandwidth.sweep_links(nodes, max_bytes, d.iterations, ctx.device, ctx.host)
     inputs = ctx.plan_inputs()
     hw = inputs.hardware
-    measured = {}
+    measured, all_to_all = {}, {}
     for link, assumed in (("intra_node", hw.intra_bps), ("inter_node", hw.inter_bps)):
-        mine = bandwidth.large_message_busbw(rows, link)
         # The slowest group of a link (each rank knows only its own).
-        slowest = ctx.reduce(mine if mine is not None else math.inf, dist.ReduceOp.MIN)
-        if math.isfinite(slowest):
+        slowest = _slowest(ctx, bandwidth.large_message_busbw(rows, link))
+        if slowest is not None:
             measured[link] = (slowest, assumed)
             ctx.measured[f"{link}_busbw_bytes_per_s"] = slowest
+        # The all-to-all of expert parallelism's dispatch and combine, on the same link.
+        slowest = _slowest(ctx, bandwidth.large_message_busbw(rows, link, "all_to_all"))
+        if slowest is not None:
+            all_to_all[link] = slowest
+            ctx.measured[f"{link}_all_to_all_busbw_bytes_per_s"] = slowest
     # The planner's own model, with the measured links: would sharding be comm-bound?
     cal = Calibration(
         source="doctor",
@@ -119,13 +123,21 @@ def check_bandwidth(ctx: Context) -> CheckResult:
         name="bandwidth", title=title, status=status,
         measured=f"all_reduce bus at {fmt_bytes(largest)}: " + ", ".join(
             f"{_gbps(bps)} {WHERE[k]}" for k, (bps, _) in measured.items()
-        ),
+        ) + ("; all_to_all " + ", ".join(
+            f"{_gbps(bps)} {WHERE[k]}" for k, bps in all_to_all.items()) if all_to_all else ""),
         expected=", ".join(f"{_gbps(a)} {WHERE[k]}" for k, (_, a) in measured.items())
         + f" per worker (plan; passes within {PLAN_TOLERANCE:.0%} of it)",
         detail=verdict, fix=fix,
         data={"rows": [r.as_dict() for r in rows], "fsdp_exposed_share": share,
               "gap_cost": cost},
     )
+
+
+def _slowest(ctx: Context, mine: float | None) -> float | None:
+    """The smallest of every rank's figure (a rank without one counts none); every rank
+    calls it together."""
+    slowest = ctx.reduce(mine if mine is not None else math.inf, dist.ReduceOp.MIN)
+    return slowest if math.isfinite(slowest) else None
 
 
 def _resident_bytes() -> float:

@@ -40,12 +40,16 @@ class CheckResult(BaseModel):
 
 
 class Bandwidth(BaseModel):
-    """Large-message bus bandwidth (nccl-tests' definition) per GPU, for the planner."""
+    """Large-message bus bandwidth (nccl-tests' definition) per GPU, for the planner: the
+    all-reduce's (the links' speed) and the all-to-all's."""
 
     model_config = ConfigDict(extra="forbid")
 
     intra_node_busbw_bytes_per_s: float | None = None
     inter_node_busbw_bytes_per_s: float | None = None
+    # The all-to-all's (expert parallelism's dispatch and combine), nccl-tests' alltoall.
+    intra_node_all_to_all_busbw_bytes_per_s: float | None = None
+    inter_node_all_to_all_busbw_bytes_per_s: float | None = None
 
 
 class MachineFigures(BaseModel):

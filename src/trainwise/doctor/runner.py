@@ -63,6 +63,9 @@ def run_doctor(cfg: JobConfig, run_dir: Path | None = None) -> DoctorRecord | No
         bandwidth=Bandwidth(
             intra_node_busbw_bytes_per_s=ctx.measured.get("intra_node_busbw_bytes_per_s"),
             inter_node_busbw_bytes_per_s=ctx.measured.get("inter_node_busbw_bytes_per_s"),
+            **{key: ctx.measured.get(key) for key in (
+                "intra_node_all_to_all_busbw_bytes_per_s",
+                "inter_node_all_to_all_busbw_bytes_per_s")},
         ),
         data_samples_per_s_per_worker=ctx.measured.get("data_samples_per_s"),
         checkpoint_latency_s=ctx.measured.get("checkpoint_latency_s"),

@@ -61,6 +61,9 @@ class ModelBundle:
     # device and initialised shard by shard (None: built whole on the device, as seeded).
     init_parameter: Callable[[str, Tensor, torch.Generator], None] | None = None
     moe: MoEShape | None = None  # set for Mixture-of-Experts models (models.moe)
+    # Expert parallelism: ep_plan(part, timer) -> plan for parallelize_module on the ep mesh
+    # (`timer`: where the all-to-alls' spans go); None: no experts to split (ep must be 1).
+    ep_plan: Callable[[nn.Module, Any], dict[str, Any]] | None = None
 
 
 def cross_entropy_loss(output: Tensor, target: Tensor) -> Tensor:

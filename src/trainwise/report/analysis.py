@@ -255,6 +255,12 @@ def stage_split(run: RunFiles, failures: RetryCost, notes: list[str]) -> StageSp
     total["restart downtime"] = failures.downtime_s
     if any(r.sync_s is None for r in recs) and int(run.job.world or 1) > 1:
         notes.append("exposed sync is measured by probes; steps before the first probe count 0")
+    a2a = [r.a2a_s for r in calm(recs) if r.a2a_s is not None]
+    if a2a:
+        notes.append(
+            f"exposed sync includes expert parallelism's all-to-alls (dispatch and combine, "
+            f"forward and backward: {_median(a2a):.3g} s a step, timed on every step)"
+        )
     tp = [r.tp_s for r in calm(recs) if r.tp_s is not None]
     if tp:
         notes.append(
@@ -384,6 +390,15 @@ def plan_vs_actual(run: RunFiles, stages: StageSplit, notes: list[str]) -> list[
             defaults=defaults,
         ),
     ]
+    # The steady steps' (a checkpoint stall does not change the routing), as summary.json.
+    imbalance = _median([r.ep_imbalance for r in steady(run.records) if r.ep_imbalance])
+    if imbalance is not None:
+        rows.append(_check(
+            "expert load imbalance", "x", plan.moe_imbalance, imbalance,
+            "moe.imbalance (the busiest expert-parallel rank's routed tokens over the mean; "
+            "this run's summary.json ep_imbalance is the figure to calibrate it with)",
+            defaults=defaults,
+        ))
     if mem_kind == "rss_peak":
         notes.append(
             "memory on CPU is the process's peak resident set (Python and torch included), "
@@ -498,9 +513,12 @@ def advice(
             saving=f"up to {fmt_gpu_hours(hours)} GPU-h ({fmt_usd_exact(hours * price)}) on a run like this "
             "one, if the loader kept up",
         ))
-    sync_share = stages.total_s["exposed sync"] / step_total
+    # Expert parallelism's all-to-alls are in the exposed sync: advised on apart.
+    a2a_s = sum(_figure(r, "a2a_s") for r in run.records)
+    sync_s = stages.total_s["exposed sync"] - a2a_s
+    sync_share = sync_s / step_total
     if sync_share > COMM_BOUND_SHARE:
-        hours = stages.total_s["exposed sync"] * gpus / 3600
+        hours = sync_s * gpus / 3600
         change = (
             "raise data.grad_accum or data.micro_batch (fewer syncs per sample), or compare "
             f"strategies with `trainwise plan --calibrate {run.typed}`"
@@ -521,6 +539,19 @@ def advice(
             f"{COMM_BOUND_SHARE:.0%})" + _doctor_said(doctor, "bandwidth"),
             change=change,
             saving=saving + " on a run like this",
+        ))
+    if a2a_s / step_total > COMM_BOUND_SHARE:
+        hours = a2a_s * gpus / 3600
+        out.append(Advice(
+            title="all-to-all-bound",
+            evidence=f"{a2a_s / step_total:.0%} of the step time waited for expert "
+            f"parallelism's all-to-alls (over {COMM_BOUND_SHARE:.0%})"
+            + _doctor_said(doctor, "bandwidth"),
+            change="a smaller parallel.ep (fewer ranks exchange the tokens; an ep group "
+            "inside one machine), a larger data.micro_batch (fewer exchanges per sample), or "
+            f"compare layouts with `trainwise plan --calibrate {run.typed}`",
+            saving=f"up to {fmt_gpu_hours(hours)} GPU-h ({fmt_usd_exact(hours * price)}) of "
+            "waiting on a run like this",
         ))
     scaling = doctor.get("scaling")
     if scaling and scaling.get("status") == "warn":

@@ -23,6 +23,8 @@ def _num(x: float | None, unit: str) -> str:
         return fmt_bytes(x)
     if unit == "s":
         return fmt_seconds(x) + " s"
+    if unit == "x":  # a ratio (the experts' load imbalance)
+        return f"{x:.2f} x"
     return f"{x:,.0f} {unit}"
 
 

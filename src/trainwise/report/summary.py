@@ -26,8 +26,10 @@ def render_summary(summary: RunSummary | dict[str, Any]) -> str:
     """The summary's lines; a dict is read as summary.json's (RunSummary.from_dict)."""
     s = summary if isinstance(summary, RunSummary) else RunSummary.from_dict(summary)
     shares = s.stage_share or {}
-    tp = s.tp_comm_share
-    parts = {"sync": f" (tensor-parallel {fig(tp, '.1f', '%', scale=100)})"} if tp else {}
+    inside = [f"{what} {fig(share, '.1f', '%', scale=100)}"
+              for what, share in (("tensor-parallel", s.tp_comm_share),
+                                  ("all-to-all", s.a2a_share)) if share]
+    parts = {"sync": f" ({', '.join(inside)})"} if inside else {}
     stages = (
         " | ".join(
             f"{name} {fig(shares[key], '.1f', '%', scale=100)}{parts.get(key, '')}"
@@ -70,6 +72,10 @@ def render_summary(summary: RunSummary | dict[str, Any]) -> str:
         f"  step time  {stages}",
         f"  run dir    {_or_missing(s.run_dir)}",
     ]
+    if s.expert_imbalance is not None:  # a MoE model: how evenly its routing spread
+        ranks = f", busiest ep rank {fig(s.ep_imbalance, '.2f')}" if s.ep_imbalance else ""
+        lines.insert(-1, f"  routing    busiest expert {fig(s.expert_imbalance, '.2f')} x the "
+                     f"mean{ranks} (median of the steady steps)")
     if (s.tp or 1) > 1 or (s.pp or 1) > 1:  # every degree, beside the name
         lines.insert(2, f"  layout     {_or_missing(s.layout)}")
     if s.resumed_from is not None:

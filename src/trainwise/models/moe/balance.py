@@ -23,6 +23,7 @@ from torch import nn
 
 from trainwise.models.moe.layers import Router
 from trainwise.models.moe.model import MoEModel
+from trainwise.models.moe.shapes import MoEShape
 
 if TYPE_CHECKING:
     from trainwise.config import JobConfig
@@ -69,6 +70,45 @@ def model_layers(parts: list[nn.Module]) -> int:
     raise ValueError("no MoE model among the parts")
 
 
+def moe_shape(parts: list[nn.Module]) -> MoEShape | None:
+    """The shape of the MoE model the parts belong to (None: not a MoE model)."""
+    for part in parts:
+        for module in part.modules():
+            if isinstance(module, MoEModel):
+                return module.shape
+    return None
+
+
+def load_matrix(held: dict[int, Router], layers: int, experts: int,
+                device: torch.device) -> torch.Tensor:
+    """This rank's routers' loads since the last update as one [layers, experts] tensor
+    (rows of the layers it does not hold, or that routed nothing, zero)."""
+    loads = torch.zeros(layers, experts, device=device)
+    for layer, router in held.items():
+        if router.load is not None:
+            loads[layer] = router.load
+    return loads
+
+
+class LoadCounter:
+    """A step's tokens per expert, for the telemetry: the parts' routers found once;
+    `read` gives this rank's count since the last `clear` ([layers, experts] on the device,
+    nothing synchronised), `clear` starts the next one (after the bias update read it)."""
+
+    def __init__(self, parts: list[nn.Module], shape: MoEShape, device: torch.device):
+        self.held = routers(parts)
+        self.shape = (shape.n_layer, shape.moe.experts)
+        self.device = device
+
+    @torch.no_grad()
+    def read(self) -> torch.Tensor:
+        return load_matrix(self.held, *self.shape, self.device)
+
+    def clear(self) -> None:
+        for router in self.held.values():
+            router.load = None
+
+
 @torch.no_grad()
 def update_biases(parts: list[nn.Module], rate: float) -> None:
     """Move every router's bias by `rate` towards balance, from the loads of every rank,
@@ -77,10 +117,7 @@ def update_biases(parts: list[nn.Module], rate: float) -> None:
     if not held:
         return
     first = next(iter(held.values()))
-    loads = torch.zeros(model_layers(parts), first.experts, device=first.expert_bias.device)
-    for layer, router in held.items():
-        if router.load is not None:
-            loads[layer] = router.load
+    loads = load_matrix(held, model_layers(parts), first.experts, first.expert_bias.device)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(loads)
     for layer, router in held.items():

@@ -1,5 +1,6 @@
 """A MoE model as the runtime takes it (the registry's ModelBundle): the model, its loss
-with the balancing term, its blocks, its tensor-parallel plan and per-parameter init."""
+with the balancing term, its blocks, its tensor- and expert-parallel plans and
+per-parameter init."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from trainwise.models.moe.model import MoELoss, MoEModel
-from trainwise.models.moe.parallel import moe_tp_plan
+from trainwise.models.moe.parallel import moe_ep_plan, moe_tp_plan
 from trainwise.models.moe.shapes import MoEShape
 
 if TYPE_CHECKING:
@@ -27,5 +28,5 @@ def moe_bundle(
     return ModelBundle(
         model, MoELoss(model.box, spec.aux_loss_coef), list(model.blocks), None,
         load_weights=load_weights, tp_plan=partial(moe_tp_plan, model),
-        init_parameter=model.init_parameter, moe=shape,
+        init_parameter=model.init_parameter, moe=shape, ep_plan=moe_ep_plan,
     )

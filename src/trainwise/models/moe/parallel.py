@@ -9,7 +9,8 @@ row-wise). The routed experts and the router are left whole on every tp rank for
 MoE layer takes the whole sequence (gathered under sequence parallelism) and hands back
 its rank's slice, so every tp rank routes and computes the same tokens (duplicated work,
 no collective inside the layer). Expert parallelism (parallel.ep) is what shards them: an
-ExpertParallel style over `moe.experts`, the GroupedExperts module.
+ExpertParallel style (models.moe.expert_parallel) over each `moe.experts`, the
+GroupedExperts module (`moe_ep_plan`), on the ep mesh; the router stays whole.
 
 Pipeline stages: the GPT's split (models.stage_split: the embeddings and the head weigh a
 layer each), each stage keeping the whole model's parameter names; a stage before the last
@@ -32,6 +33,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from trainwise.models.moe.expert_parallel import ExpertParallel
+from trainwise.models.moe.layers import GroupedExperts
 from trainwise.models.moe.model import MoEModel
 from trainwise.models.moe.shapes import MoEShape
 from trainwise.models.stage_split import stage_range
@@ -115,6 +118,14 @@ def moe_tp_plan(model: MoEModel, sequence_parallel: bool) -> list[dict[str, Para
             output_layouts=stream, desired_output_layouts=Replicate(), use_local_output=False
         )
     return [plan, head] if head else [plan]
+
+
+def moe_ep_plan(model: nn.Module, timer: object = None) -> dict[str, ParallelStyle]:
+    """The expert-parallel plan of a MoE model or a pipeline stage of one: an
+    ExpertParallel style over every routed experts module it holds (`timer`: where the
+    all-to-alls' spans go)."""
+    style = ExpertParallel(timer)
+    return {name: style for name, m in model.named_modules() if isinstance(m, GroupedExperts)}
 
 
 def split_moe(model: MoEModel, stage: int, stages: int) -> MoEModel:

@@ -1,7 +1,14 @@
 """The job's device mesh, built once from its ParallelDims and kept (on the Trainer): the
 wrappers shard and replicate over it, and the rest asks it which share of the data this
 rank reads (`dp_rank`, `dp_size`) instead of redoing arithmetic that must match the
-order of its dims."""
+order of its dims.
+
+With expert parallelism a second view of the same ranks holds the routed experts
+(torchtitan's sparse mesh): this rank's data-parallel ranks, replicas outermost as
+`dp_rank` numbers them, unflattened into (edp_replicate, efsdp, ep), ep innermost so that
+an ep group is consecutive ranks (inside a machine, where the all-to-all is cheapest).
+Both views derive from one root mesh, which FSDP2 needs to combine the experts' ep
+sharding with its own over efsdp."""
 
 from __future__ import annotations
 
@@ -14,6 +21,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from trainwise.config.parallel_dims import ParallelDims
 
 DP_DIMS = ("dp_replicate", "dp_shard")  # the dims over which ranks read different samples
+# The experts' view of the data-parallel ranks: ParallelDims.expert_dims' replicas and
+# shards, and the ep group.
+EXPERT_DIMS = ("edp_replicate", "efsdp", "ep")
 
 
 def build_mesh(
@@ -42,6 +52,21 @@ def build_mesh(
     return mesh
 
 
+def build_expert_mesh(dims: ParallelDims, mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The experts' view of `mesh`'s data-parallel ranks (EXPERT_DIMS, sized by
+    ParallelDims.expert_dims), from the same root; None without expert parallelism."""
+    if dims.ep == 1:
+        return None
+    names = tuple(n for n in mesh.mesh_dim_names if n in DP_DIMS)
+    flat = mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("dp")
+    replicas, shards = dims.expert_dims()
+    experts = flat._unflatten(0, (replicas, shards, dims.ep), EXPERT_DIMS)
+    # The experts' gradient norm is partial over efsdp and ep: flattened, DTensor
+    # completes it in one all-reduce instead of one per dim.
+    experts["efsdp", "ep"]._flatten("efsdp_ep")
+    return experts
+
+
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The data-parallel dims of the N-D mesh, which FSDP shards (and replicates) over."""
     names = tuple(n for n in mesh.mesh_dim_names if n in DP_DIMS)
@@ -50,10 +75,12 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 @dataclass(frozen=True)
 class JobMesh:
-    """The layout and its device mesh (None: one rank, no wrapper)."""
+    """The layout and its device mesh (None: one rank, no wrapper); with expert
+    parallelism the experts' view of the same ranks (build_expert_mesh)."""
 
     dims: ParallelDims
     device_mesh: DeviceMesh | None
+    experts: DeviceMesh | None = None
 
     def _dp_axes(self) -> list[int]:
         """Indices of the mesh's data-parallel dims, outermost first."""
@@ -97,6 +124,16 @@ class JobMesh:
     def dp_mesh(self) -> DeviceMesh:
         return dp_mesh(self.device_mesh)
 
+    def ep_mesh(self) -> DeviceMesh:
+        """The ranks that split the experts among them and exchange tokens."""
+        return self.experts["ep"]
+
+    def expert_dp_mesh(self) -> DeviceMesh:
+        """Where FSDP shards (efsdp) and replicates (edp_replicate) each slice of the
+        experts: 1-D without replicas, else 2-D as HSDP's."""
+        replicas, _ = self.dims.expert_dims()
+        return self.experts["efsdp"] if replicas == 1 else self.experts["edp_replicate", "efsdp"]
+
     def dp_group(self) -> dist.ProcessGroup | None:
         """DDP's group: the replicate dim's (None: the default group)."""
         return None if self.device_mesh is None else self.dp_mesh().get_group()
@@ -105,5 +142,8 @@ class JobMesh:
 def job_mesh(
     dims: ParallelDims, device_type: str, group: dist.ProcessGroup | None = None
 ) -> JobMesh:
-    """Build the job's mesh once (see build_mesh)."""
-    return JobMesh(dims, build_mesh(dims, device_type, group))
+    """Build the job's mesh once (see build_mesh), and the experts' view of it."""
+    if group is not None and dims.ep > 1:
+        raise ValueError("a mesh over a process group is 1-D data-parallel (not ep)")
+    mesh = build_mesh(dims, device_type, group)
+    return JobMesh(dims, mesh, build_expert_mesh(dims, mesh))

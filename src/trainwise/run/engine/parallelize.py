@@ -2,14 +2,17 @@
 from the job's ParallelDims, over the job's mesh (run/engine/mesh.py).
 
 Everything here composes PyTorch's own pieces: DTensor's tensor parallelism
-(`parallelize_module` with the model's own plan), activation checkpointing's wrapper,
-torch.compile, DistributedDataParallel and FSDP2's `fully_shard`, all on one N-D
-DeviceMesh (dp_replicate x dp_shard x tp).
+(`parallelize_module` with the model's own plan), expert parallelism (the same with the
+model's ExpertParallel styles, on the experts' view of the mesh), activation
+checkpointing's wrapper, torch.compile, DistributedDataParallel and FSDP2's
+`fully_shard`, all on one N-D DeviceMesh (dp_replicate x dp_shard x tp, and
+edp_replicate x efsdp x ep over the same ranks).
 """
 
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -17,6 +20,7 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
@@ -38,6 +42,15 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plans: list[dict[str, object
     for name, param in model.named_parameters():
         if name in frozen:
             param.requires_grad_(False)
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, plan: dict[str, object]) -> list[nn.Module]:
+    """Expert parallelism: the model's plan (its routed experts modules -> ExpertParallel)
+    on the 1-D ep mesh; each experts module's [E, ...] weights become DTensors sharded on
+    dim 0 over it. After TP, before AC, compile and FSDP (torchtitan's order). Returns the
+    modules split, which FSDP wraps on their own mesh."""
+    parallelize_module(model, ep_mesh, plan)
+    return [model.get_submodule(name) for name in plan]
 
 
 def apply_ac(model: nn.Module, blocks: list[nn.Module], mode: str) -> list[nn.Module]:
@@ -78,16 +91,32 @@ def apply_fsdp(
     param_dtype: str,
     reduce_dtype: str,
     cpu_offload: bool,
+    experts: list[nn.Module] | None = None,
+    expert_mesh: DeviceMesh | None = None,
+    dp_size: int = 1,
 ) -> nn.Module:
     """FSDP2: one `fully_shard` per block (its own all-gather / reduce-scatter unit, so
     communication overlaps the neighbouring block's compute), then one on the root for the
-    rest (embeddings, final norm, head)."""
+    rest (embeddings, final norm, head). Expert-parallel modules (`experts`) first, each
+    a unit of its own over `expert_mesh` (the experts' data parallelism beside ep)."""
     mp = MixedPrecisionPolicy(
         param_dtype=TORCH_DTYPES[param_dtype], reduce_dtype=TORCH_DTYPES[reduce_dtype]
     )
     kwargs = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    for module in experts or []:
+        # Their own unit on their own mesh; their gradients are summed over it (the tokens
+        # of the ep group reached them by all-to-all already) and divided by every
+        # data-parallel rank, as the dense parameters' are averaged (torchtitan's way).
+        fully_shard(module, reshard_after_forward=reshard_after_forward,
+                    **{**kwargs, "mesh": expert_mesh},
+                    shard_placement_fn=partial(_expert_placement, shards=expert_mesh.size(-1)))
+        module.set_gradient_divide_factor(float(dp_size))
+        if expert_mesh.device_type == "cpu" and expert_mesh.size(-1) > 1:
+            # gloo has no PREMUL_SUM: a plain sum, then the division. (Not without a
+            # reduce-scatter: torch 2.13 would then divide twice.)
+            module.set_force_sum_reduction_for_comms(True)
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     # The root's parameters are needed again first in backward: keep them gathered.
@@ -108,17 +137,24 @@ def parallelize(
     group: dist.ProcessGroup | None = None,
     tp_plan: list[dict[str, object]] | None = None,
     mesh: JobMesh | None = None,
+    ep_plan: dict[str, object] | None = None,
 ) -> nn.Module:
     """The one place a layout is applied to a model (or one part of it), in torchtitan's
-    order: tensor parallelism (the model's `tp_plan`), AC, compile, then the data-parallel
-    wrapper (FSDP must see the final modules), over `mesh`: the job's, built once
-    (mesh.job_mesh); built here from `dims` and `group` when not given. `group`: data
-    parallelism over that group's ranks instead of all (not for hsdp or tp)."""
+    order: tensor parallelism (the model's `tp_plan`), expert parallelism (`ep_plan`),
+    AC, compile, then the data-parallel wrapper (FSDP must see the final modules), over
+    `mesh`: the job's, built once (mesh.job_mesh); built here from `dims` and `group`
+    when not given. `group`: data parallelism over that group's ranks instead of all (not
+    for hsdp, tp or ep)."""
     mesh = mesh or job_mesh(dims, device.type, group)
     if dims.tp > 1:
         if tp_plan is None:
             raise ConfigError(f"parallel.tp = {dims.tp} needs a model with a tensor-parallel plan")
         apply_tp(model, mesh.tp_mesh(), tp_plan)
+    experts = []
+    if dims.ep > 1:
+        if ep_plan is None:
+            raise ConfigError(f"parallel.ep = {dims.ep} needs a model with routed experts")
+        experts = apply_ep(model, mesh.ep_mesh(), ep_plan)
     blocks = apply_ac(model, blocks, ac)
     if compile:
         apply_compile(blocks)
@@ -136,7 +172,20 @@ def parallelize(
         param_dtype=precision,
         reduce_dtype=reduce_dtype,
         cpu_offload=dims.cpu_offload,
+        experts=experts,
+        expert_mesh=mesh.experts and mesh.expert_dp_mesh(),
+        dp_size=dims.dp_size,
     )
+
+
+def _expert_placement(param: nn.Parameter, shards: int) -> Shard:
+    """FSDP's dim for an expert weight over `shards` ranks: the experts' (0), unless the
+    rank's experts do not split evenly among them (then the rows, dim 1, where they do),
+    as torchtitan does."""
+    local = param.to_local().shape[0] if isinstance(param, DTensor) else param.shape[0]
+    if local % shards and param.shape[1] % shards == 0:
+        return Shard(1)
+    return Shard(0)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> object:

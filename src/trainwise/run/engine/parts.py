@@ -42,12 +42,14 @@ def build_parts(
     device: torch.device,
     dtype: str,
     converters: list[ModelConverter],
+    a2a_timer: object = None,
 ) -> tuple[ModelBundle, list[nn.Module]]:
     """The job's model as parallelized parts on `mesh`. A model with per-parameter init
     (the GPT) is built on the meta device and materialised shard by shard after
     parallelizing; others are built whole on the device from the seeded RNG (the same
     weights on every rank), and converted there. A converter's own parameters (LoRA's
-    adapters) are filled as the converter says, after any pretrained weights load."""
+    adapters) are filled as the converter says, after any pretrained weights load.
+    `a2a_timer`: where expert parallelism's all-to-alls leave their spans."""
     seed = cfg.train.seed
     bundle = build_unparallelized(job.model_spec, seed, device)
     init, added = convert_built(bundle, converters, seed)
@@ -82,6 +84,10 @@ def build_parts(
                 if tensor_parallel else None
             ),
             mesh=mesh,
+            ep_plan=(
+                bundle.ep_plan(part, a2a_timer)
+                if dims.ep > 1 and bundle.ep_plan is not None else None
+            ),
         )
         for part in parts
     ]

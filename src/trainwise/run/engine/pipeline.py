@@ -184,6 +184,7 @@ class PipelineStep(DataParallelStep):
     ) -> StepResult:
         clock = self.clock
         clock.mark("start")
+        self.begin_a2a()
         self.stage = "data loading"
         x, y, *rest = self._batch(batches)
         clock.mark("data")
@@ -204,7 +205,7 @@ class PipelineStep(DataParallelStep):
         bubble = max(0.0, wall.seconds() - self.compute.seconds())
         return StepResult(
             loss, norm, clock.take(), False, time.perf_counter(), finite, bubble=bubble,
-            aux_loss=aux,
+            aux_loss=aux, **self.moe_results(),
         )
 
     def _batch(self, batches: Iterator[Batch]) -> list[torch.Tensor]:

@@ -11,8 +11,10 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from trainwise.config.schema import LoggingConfig
+from trainwise.models.moe.load import step_load
 from trainwise.plan.advisor import loader_fixes
 from trainwise.plan.model.flops import mfu
 from trainwise.run.engine.step import StepResult, mean_over_ranks
@@ -59,6 +61,8 @@ class Recorder:
         attempt: int = 0,
         num_workers: int = 0,
         trackers: Trackers | None = None,
+        tp: int = 1,
+        ep: int = 1,
     ):
         self.steps = steps
         self.start_step = start_step
@@ -77,6 +81,11 @@ class Recorder:
         self._probes: list[float] = []
         self._tp_probes: list[float] = []  # the TP collectives' part of those probes
         self.tp_total = 0.0  # their seconds over the steady steps (part of the sync)
+        # Expert parallelism: the all-to-alls' seconds over the steady steps (part of the
+        # sync too), and the steady steps' load figures (models.moe.load).
+        self.a2a_total = 0.0
+        self.tp, self.ep = tp, ep  # a tp group routes the same tokens: counted tp times
+        self.imbalances: dict[str, list[float]] = {"expert": [], "ep": []}
         self._pending: list[tuple[int, StepResult, float, float | None, float]] = []
         self.totals = dict.fromkeys(("step_s", *STAGES), 0.0)  # steady steps only
         self.steady_steps = 0
@@ -126,13 +135,13 @@ class Recorder:
     def flush(self) -> None:
         if not self._pending:
             return
-        losses, auxes = mean_losses([pending[1] for pending in self._pending])
+        losses, auxes, tokens = reduce_steps([pending[1] for pending in self._pending], self.tp)
         # The peak memory so far, read once for the records written together.
         memory = (*peak_memory(self.device), peak_reserved(self.device))
         records = [
-            self._record(step, res, loss, lr, eval_loss, ckpt_s, memory, aux)
-            for (step, res, lr, eval_loss, ckpt_s), loss, aux in zip(
-                self._pending, losses, auxes, strict=True)
+            self._record(step, res, loss, lr, eval_loss, ckpt_s, memory, aux, counts)
+            for (step, res, lr, eval_loss, ckpt_s), loss, aux, counts in zip(
+                self._pending, losses, auxes, tokens, strict=True)
         ]
         self._pending.clear()
         if self.is_main:
@@ -151,9 +160,11 @@ class Recorder:
         ckpt_s: float,
         memory: tuple[int, str, int | None],
         aux_loss: float | None = None,
+        tokens: list[list[float]] | None = None,
     ) -> StepRecord:
         spans, probe_sync = res.spans()
         tp_s = spans.get("tp")  # a probe step's tensor-parallel collectives (tp > 1)
+        a2a_s = spans.get("a2a")  # expert parallelism's all-to-alls, every step
         if probe_sync is not None:
             # The exposed communication: the gradient sync the probe found, and the TP
             # collectives inside forward and backward (as the planner counts both).
@@ -171,6 +182,9 @@ class Recorder:
             compute -= sync or 0.0
         # The TP part of `sync`, from the latest probes as the sync itself on other steps.
         tp_part = min(statistics.median(self._tp_probes), sync or 0.0) if self._tp_probes else None
+        if a2a_s is not None:  # out of compute already (StepResult.spans): exposed
+            sync = (sync or 0.0) + a2a_s
+        load = step_load(tokens, self.ep) if tokens is not None else None
         bubble = spans.get("bubble")  # a pipeline step's wait on the other stages
         step_s = data_s + compute + (bubble or 0.0) + (sync or 0.0) + optim_s + ckpt_s
 
@@ -186,6 +200,11 @@ class Recorder:
             for key, value in zip(("step_s", *STAGES), values, strict=True):
                 self.totals[key] += value
             self.tp_total += tp_part or 0.0
+            self.a2a_total += a2a_s or 0.0
+            if load is not None:
+                self.imbalances["expert"].append(load.expert_imbalance)
+                if load.ep_imbalance is not None:
+                    self.imbalances["ep"].append(load.ep_imbalance)
             self._check_data_wait(step)
         mem, kind, reserved = memory
         tps = self.tokens_per_step / step_s if step_s > 0 else 0.0
@@ -199,7 +218,10 @@ class Recorder:
             mfu=mfu(tps, self.flops_per_token, self.peak) if use_mfu else None,
             mem_bytes=mem, mem_kind=kind, elapsed_s=res.end - self.start, time=time.time(),
             attempt=self.attempt, profiled=profiled,
-            mem_reserved_bytes=reserved, aux_loss=aux_loss,
+            mem_reserved_bytes=reserved, aux_loss=aux_loss, a2a_s=a2a_s,
+            expert_tokens=load.tokens if load else None,
+            expert_imbalance=load.expert_imbalance if load else None,
+            ep_imbalance=load.ep_imbalance if load else None,
         )
 
     def _check_data_wait(self, step: int) -> None:
@@ -240,6 +262,12 @@ class Recorder:
             "sync_measured": self.probe_every > 0,
             # The tensor-parallel collectives' share of the step (inside the exposed sync).
             "tp_comm_share": self.tp_total / timed if timed and self._tp_probes else None,
+            # Expert parallelism's all-to-alls' share of the step (inside the exposed sync),
+            # and the steady steps' median load figures (ep_imbalance: the planner's
+            # moe.imbalance, measured; models.moe.load).
+            "a2a_share": self.a2a_total / timed if timed and self.ep > 1 else None,
+            "expert_imbalance": _median(self.imbalances["expert"]),
+            "ep_imbalance": _median(self.imbalances["ep"]),
         }
         if not self.is_main:
             return figures
@@ -249,15 +277,35 @@ class Recorder:
         return figures
 
 
-def mean_losses(results: list[StepResult]) -> tuple[list[float], list[float | None]]:
-    """The steps' losses and their auxiliary parts (None where a step has none: every rank
-    alike), averaged over the ranks in one collective."""
-    stacked = [r.loss for r in results]
+def reduce_steps(
+    results: list[StepResult], tp: int = 1
+) -> tuple[list[float], list[float | None], list[list[list[float]] | None]]:
+    """The steps' losses and their auxiliary parts, averaged over the ranks, and a MoE
+    model's tokens per expert per layer summed over them (each tensor-parallel group
+    routes the same tokens: counted once), in one collective; None where a step has none
+    (every rank alike)."""
+    pieces = [torch.stack([r.loss.float() for r in results])]
     has_aux = [r.aux_loss is not None for r in results]
-    stacked += [r.aux_loss for r in results if r.aux_loss is not None]
-    means = mean_over_ranks(torch.stack([t.float() for t in stacked]))
-    losses, rest = means[: len(results)], iter(means[len(results) :])
-    return losses, [next(rest) if has else None for has in has_aux]
+    pieces += [r.aux_loss.float().reshape(1) for r in results if r.aux_loss is not None]
+    shapes = [r.expert_tokens.shape if r.expert_tokens is not None else None for r in results]
+    pieces += [r.expert_tokens.float().reshape(-1) for r in results if r.expert_tokens is not None]
+    means = mean_over_ranks(torch.cat(pieces))
+    n = len(results)
+    losses, rest = means[:n], iter(means[n:])
+    auxes = [next(rest) if has else None for has in has_aux]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tokens = []
+    for shape in shapes:
+        if shape is None:
+            tokens.append(None)
+            continue
+        flat = [next(rest) * world / tp for _ in range(shape[0] * shape[1])]
+        tokens.append([flat[i * shape[1]:(i + 1) * shape[1]] for i in range(shape[0])])
+    return losses, auxes, tokens
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def run_losses(records: list[dict]) -> dict:

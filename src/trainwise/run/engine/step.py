@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from trainwise.models.moe.balance import LoadCounter, moe_shape
 from trainwise.run.engine.parallelize import set_gradient_sync
 from trainwise.run.observe.comm_timer import CollectiveTimer
-from trainwise.run.observe.telemetry import Marks, StageClock, resolve_spans
+from trainwise.run.observe.telemetry import Marks, Spans, StageClock, resolve_spans
 
 # A micro-batch: (inputs, targets, and what else the model takes: packed examples' ids).
 Batch = tuple[torch.Tensor, ...]
@@ -45,6 +46,12 @@ class StepResult:
     # Of `loss`, the auxiliary part its loss function added (a MoE model's balancing
     # loss: last_aux), summed as the loss; None when the loss function adds none.
     aux_loss: torch.Tensor | None = None
+    # Expert parallelism: the step's all-to-alls on this rank (dispatch and combine,
+    # forward and backward), inside its compute; None without ep.
+    a2a: Spans | None = None
+    # A MoE model: this rank's tokens per expert of the step, [layers, experts] (its
+    # routers' counts, before any all-reduce); None for a dense model.
+    expert_tokens: torch.Tensor | None = None
 
     def spans(self) -> tuple[dict[str, float], float | None]:
         """Stage seconds (data, compute, optim) and, on a probe step, the exposed sync."""
@@ -59,6 +66,10 @@ class StepResult:
             bubble = min(self.bubble, spans["compute"])
             spans["compute"] -= bubble
             spans["bubble"] = bubble
+        if self.a2a is not None:  # communication inside forward and backward, as TP's
+            a2a_s = min(self.a2a.seconds(), spans["compute"])
+            spans["compute"] -= a2a_s
+            spans["a2a"] = a2a_s
         if self.tp_comm is not None:
             # Communication too, though inside forward and backward: the planner counts it
             # with the exposed sync.
@@ -134,6 +145,7 @@ class DataParallelStep:
         time_tp: bool = False,
         after_optimizer: list[Callable[[list[torch.nn.Module]], None]] | None = None,
         guard: bool = True,
+        a2a: Spans | None = None,
     ):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -151,6 +163,12 @@ class DataParallelStep:
         self.after_optimizer = after_optimizer or []  # converters' post-optimizer hooks
         # False: no non-finite check (the doctor's simulation: fake tensors hold no values).
         self.guard = guard
+        # Expert parallelism's all-to-alls leave their spans here (its ExpertParallel
+        # styles were given it); each step takes its own.
+        self.a2a = a2a
+        self.loads: LoadCounter | None = None  # a MoE model's routers, found on first use
+        self.looked_for_loads = False
+        self.tokens: torch.Tensor | None = None  # the last step's tokens per expert
         self.clock = StageClock(device)
         self.aux: torch.Tensor | None = None  # this step's auxiliary loss so far (last_aux)
         self.poison = False
@@ -191,6 +209,7 @@ class DataParallelStep:
         clock = self.clock
         clock.mark("start")
         self.aux = None
+        self.begin_a2a()
         timer = CollectiveTimer(self.device) if probe and self.time_tp else None
         with timer or contextlib.nullcontext():
             total, last = self._micro_batches(model, batches, probe)
@@ -200,14 +219,33 @@ class DataParallelStep:
                     timer.counting = False
                 # Restore the RNG afterwards: the probe must not shift later dropout masks.
                 devices = [self.device] if self.device.type == "cuda" else []
-                with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+                with (torch.random.fork_rng(devices=devices, device_type=self.device.type),
+                      self.a2a_paused()):
                     self._forward_backward(model, last, True, 0.0)
                 clock.mark("probe")
         norm, finite = self.update(parts)
         clock.mark("optim")
         return StepResult(
-            total, norm, clock.take(), probe, time.perf_counter(), finite, timer, aux_loss=self.aux
+            total, norm, clock.take(), probe, time.perf_counter(), finite, timer,
+            aux_loss=self.aux, **self.moe_results(),
         )
+
+    def begin_a2a(self) -> None:
+        """Start the step's all-to-all spans (an evaluation's before it are not its)."""
+        if self.a2a is not None:
+            self.a2a.take()
+
+    def a2a_paused(self) -> AbstractContextManager:
+        """A pass that is not the step's own (the probe's): its all-to-alls not counted."""
+        if self.a2a is None:
+            return contextlib.nullcontext()
+        return _paused(self.a2a)
+
+    def moe_results(self) -> dict[str, object]:
+        """The step's expert telemetry for its StepResult: its all-to-all spans and the
+        tokens per expert read in `update` (None each where there is none)."""
+        return {"a2a": self.a2a.take() if self.a2a is not None else None,
+                "expert_tokens": self.tokens}
 
     def update(self, parts: list[torch.nn.Module]) -> tuple[torch.Tensor, bool]:
         """Clip and apply the gradients of every part (or skip a non-finite update), move
@@ -230,11 +268,23 @@ class DataParallelStep:
         elif finite:
             clip_grads(clipped, self.grad_clip, norm)
             self.optimizer.step()
-        for hook in self.after_optimizer:
+        self.tokens = self.read_loads(parts)
+        for hook in self.after_optimizer:  # the bias update reads the same count
             hook(parts)
+        if self.loads is not None:
+            self.loads.clear()
         self.scheduler.step()  # a skipped step still moves the schedule: lr stays a function of step
         self.optimizer.zero_grad(set_to_none=True)
         return norm, finite
+
+    def read_loads(self, parts: list[torch.nn.Module]) -> torch.Tensor | None:
+        """A MoE model's tokens per expert since the last step on this rank (None for a
+        dense model); the routers are found on the first call."""
+        if not self.looked_for_loads:
+            shape = moe_shape(parts)
+            self.loads = LoadCounter(parts, shape, self.device) if shape else None
+            self.looked_for_loads = True
+        return self.loads.read() if self.loads is not None else None
 
     def grad_norm(self, counted: list[list[torch.Tensor]]) -> torch.Tensor:
         """The global 2-norm of the gradients `counted` (by mesh; identical on every rank)."""
@@ -278,6 +328,15 @@ class DataParallelStep:
             total = loss.float() if total is None else total + loss
             self.clock.mark("last" if last else "compute")
         return total, batch
+
+
+@contextlib.contextmanager
+def _paused(spans: Spans) -> Iterator[None]:
+    spans.paused = True
+    try:
+        yield
+    finally:
+        spans.paused = False
 
 
 def by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -36,6 +36,7 @@ from trainwise.run.engine.precision import autocast_context, build_grad_scaler
 from trainwise.run.engine.step import Batch, DataParallelStep, StepResult, TrainStep
 from trainwise.run.job.distributed import DistEnv
 from trainwise.run.job.resolve import Job
+from trainwise.run.observe.telemetry import Spans
 
 
 @dataclass
@@ -83,7 +84,9 @@ def build_trainer(
     dims = job.dims
     mesh = job_mesh(dims, device.type, group)
     converters = build_converters(cfg)
-    bundle, parts = build_parts(cfg, job, mesh, device, dtype, converters)
+    # Expert parallelism's all-to-alls, timed every step (telemetry; no sync added).
+    a2a = Spans(device) if dims.ep > 1 else None
+    bundle, parts = build_parts(cfg, job, mesh, device, dtype, converters, a2a)
     for part in parts:
         faults.network(part, allreduce_factor)  # slowed only under a test's fault
     # Dropout differs between data-parallel ranks; the ranks of one tensor-parallel group
@@ -97,7 +100,7 @@ def build_trainer(
     if dims.pp > 1:
         step = build_pipeline_step(
             cfg, job, mesh, parts, dtype, device, loss_fn, optimizer, scheduler, scaler,
-            hooks,
+            hooks, a2a,
         )
         return Trainer(parts, mesh, optimizer, scheduler, scaler, step)
     step = build_step(
@@ -107,6 +110,7 @@ def build_trainer(
         # Compiled blocks run their collectives inside the graph: no dispatch to time.
         time_tp=dims.tp > 1 and not c.train.compile,
         after_optimizer=hooks,
+        a2a=a2a,
     )
     return Trainer(parts, mesh, optimizer, scheduler, scaler, step)
 
@@ -123,6 +127,7 @@ def build_pipeline_step(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     scaler: torch.amp.GradScaler | None,
     hooks: list[Callable[[list[torch.nn.Module]], None]],
+    a2a: Spans | None = None,
 ) -> PipelineStep:
     """The pipeline step over this rank's stages (`parts`, from parts.split), with the
     schedule and micro-batches of parallel.pp_*; the forward (and the loss) under the
@@ -137,7 +142,7 @@ def build_pipeline_step(
     return PipelineStep(
         parts, ids, dims.pp * p.pp_virtual, p.pp_schedule, microbatches, mesh,
         loss_fn, optimizer, scheduler, scaler, autocast, job.grad_accum, cfg.train.grad_clip,
-        device, after_optimizer=hooks,
+        device, after_optimizer=hooks, a2a=a2a,
     )
 
 

@@ -126,11 +126,13 @@ class Spans:
     """Time spans on this rank, summed: CUDA events on GPU (recorded on the current
     stream, read once the device has passed them, so timing adds no synchronisation to
     the work), host clocks on CPU. The pipeline's compute and wall time, the
-    tensor-parallel collectives (comm_timer)."""
+    tensor-parallel collectives (comm_timer), the expert all-to-alls (each step's taken
+    with `take`; a pass that is not the step's, the probe's, is left out while `paused`)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.spans: list[tuple[Any, Any]] = []
+        self.paused = False
 
     def mark(self) -> Any:
         if not self.cuda:
@@ -140,7 +142,14 @@ class Spans:
         return event
 
     def add(self, start: Any, end: Any) -> None:
-        self.spans.append((start, end))
+        if not self.paused:
+            self.spans.append((start, end))
+
+    def take(self) -> Spans:
+        """The spans so far in a Spans of their own (resolved later); this one empty."""
+        taken = Spans(torch.device("cuda" if self.cuda else "cpu"))
+        taken.spans, self.spans = self.spans, []
+        return taken
 
     def seconds(self) -> float:
         """The spans' total, in seconds; the list starts again empty."""

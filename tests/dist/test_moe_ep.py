@@ -1,0 +1,111 @@
+"""Expert parallelism trains one process's Mixture-of-Experts model: two torchrun launches
+of moe_ep_worker.py (2 and 4 gloo workers), the tiny MoE's 8 experts split over ep = 2
+ranks under DDP's replicas (probed on every step, accumulating), FSDP over 4 (each slice
+sharded over 2), HSDP 2 x 2 (every block checkpointed), 2 pipeline stages x FSDP 2 and
+FSDP 2 x TP 2, each with the
+load-balancing loss and the bias update on, compared with one process (trained here,
+without a process group): the losses and their balancing part, the gradient norms, the
+held-out loss, every router's bias and the tokens each expert got in each step.
+
+fp32, 1e-5; the biases move by +-rate from the loads' signs, and the routing picks the same
+experts, so both are equal exactly."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import cli_env, hang_limit, max_rel_diff, worker_failure
+
+WORKER = Path(__file__).with_name("moe_ep_worker.py")
+_spec = importlib.util.spec_from_file_location("moe_ep_worker", WORKER)
+moe_ep_worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(moe_ep_worker)
+RTOL = 1e-5
+STEPS = moe_ep_worker.STEPS
+CASES = moe_ep_worker.CASES
+LIMIT = hang_limit(launches=2, steps=len(CASES) * STEPS * 2, procs=4)
+LAYOUTS = {
+    "ddp2-ep2": "dp_replicate 2 x dp_shard 1 x tp 1 x ep 2",
+    "fsdp4-ep2": "dp_replicate 1 x dp_shard 4 x tp 1 x ep 2",
+    "hsdp2x2-ep2": "dp_replicate 2 x dp_shard 2 x tp 1 x ep 2",
+    "pp2-fsdp2-ep2": "pp 2 x dp_replicate 1 x dp_shard 2 x tp 1 x ep 2",
+    "fsdp2-tp2-ep2": "dp_replicate 1 x dp_shard 2 x tp 2 x ep 2",
+}
+# What a rank holds of each [8, ...] experts weight: 4 experts (ep 2), sharded by FSDP
+# over the efsdp ranks beside ep (fsdp 4: 2 of them; otherwise 1).
+HELD_EXPERTS = {"fsdp4-ep2": 2}
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(LIMIT)]
+
+
+def launch(root: Path, nproc: int) -> list[dict]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+         "--standalone", str(WORKER), str(root)],
+        env=cli_env(), capture_output=True, text=True, timeout=LIMIT,
+    )
+    assert proc.returncode == 0, worker_failure(proc.stderr)
+    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """Every case's per-rank results, from one launch of each world size."""
+    out: dict[str, list[dict]] = {}
+    for nproc in sorted({case[0] for case in CASES.values()}):
+        results = launch(tmp_path_factory.mktemp(f"moe_ep{nproc}"), nproc)
+        out.update({name: [r[name] for r in results] for name in results[0]})
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, dict]:
+    """One process's run of each case (computed once, shared by the tests)."""
+    return {name: moe_ep_worker.case_run(name, pipeline=False) for name in CASES}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layout_trains_one_processs_model(ranks, reference, name):
+    got, want = ranks[name][0], reference[name]
+    assert got["layout"] == LAYOUTS[name]
+    assert max_rel_diff(got["losses"], want["losses"], STEPS) <= RTOL
+    assert max_rel_diff(got["aux"], want["aux"], STEPS) <= RTOL
+    assert max_rel_diff(got["grad_norms"], want["grad_norms"], STEPS) <= RTOL
+    assert abs(got["eval"] / want["eval"] - 1) <= RTOL
+    held = {int(k): v for r in ranks[name] for k, v in r["biases"].items()}
+    assert held == {int(k): v for k, v in want["biases"].items()}
+    assert any(b != 0 for bias in held.values() for b in bias)  # the update ran
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_rank_holds_its_experts_only(ranks, name):
+    for rank in ranks[name]:
+        shapes = rank["experts"]
+        assert shapes, "no experts held"  # every stage of the tiny model has MoE layers
+        assert all(shape[0] == HELD_EXPERTS.get(name, 4) for shape in shapes.values()), shapes
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tokens_per_expert_are_one_processs(ranks, reference, name):
+    """The step's tokens per expert, summed over the ranks in the recorder's collective
+    (a tensor-parallel pair counted once), are those one process routes."""
+    got = ranks[name][0]["tokens"]
+    assert got == reference[name]["tokens"]
+    mb, accum, dp = CASES[name][1:4]
+    per_layer = mb * accum * dp * 32 * 2  # samples x seq_len x top_k
+    assert all(sum(layer) == per_layer for step in got for layer in step)
+
+
+def test_every_all_to_all_of_the_step_is_timed(ranks):
+    """Dispatch and combine, forward and backward, in each MoE layer of each micro-batch:
+    4 x 2 layers x 2 micro-batches a step of ddp2-ep2, whose every step is probed: the
+    probe pass's exchanges are not the step's."""
+    for rank in ranks["ddp2-ep2"]:
+        assert rank["a2a_spans"] == [16] * STEPS
+        assert all(s > 0 for s in rank["a2a_s"])

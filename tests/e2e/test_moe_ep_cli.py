@@ -1,0 +1,37 @@
+"""Expert parallelism that cannot run stops before any worker with one line and exit status
+2: an ep that does not divide the data-parallel ranks it is borrowed from (the world, or
+what tensor parallelism leaves of it), under an explicit strategy and under auto. (An ep
+that does not divide the experts, and ep with a dense model: test_moe_cli.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers import QUIET, hang_limit, run_cli
+
+pytestmark = pytest.mark.e2e
+LIMIT = hang_limit(launches=1)
+
+
+def _refused(root: Path, nproc: int, *sets: str) -> str:
+    args = [a for kv in ("model.name='moe-tiny'", *sets) for a in ("--set", kv)]
+    res = run_cli("train", "--nproc", str(nproc), "--steps", "1", "--run-dir", "run", *QUIET,
+                  *args, cwd=root, timeout=LIMIT)
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert not (root / "run").exists()  # nothing started, nothing written
+    return lines[0]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "auto"])
+def test_ep_that_does_not_divide_the_world_is_one_line(tmp_path: Path, strategy: str):
+    line = _refused(tmp_path, 3, "parallel.ep=2", f"parallel.strategy='{strategy}'")
+    assert "parallel.ep = 2 does not divide the 3 data-parallel ranks" in line
+
+
+def test_ep_that_does_not_divide_what_tp_leaves_is_one_line(tmp_path: Path):
+    line = _refused(tmp_path, 4, "parallel.ep=4", "parallel.tp=2", "parallel.strategy='fsdp'")
+    assert "parallel.ep = 4 does not divide the 2 data-parallel ranks" in line
