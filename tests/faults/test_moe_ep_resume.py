@@ -58,7 +58,7 @@ def assert_continues(written: Path, resumed: Path, after: int) -> None:
         assert loss == pytest.approx(before[step], rel=RTOL), f"step {step}"
 
 
-@pytest.mark.timeout(3 * LIMIT)
+@pytest.mark.timeout(hang_limit(launches=6, steps=72))
 def test_sigkill_under_ep_resumes_exactly(workdir: Path, ep_run: Path):
     broken = workdir / "broken"
     proc = start(job_args(broken, 2, "fsdp", *MOE, *EP2), workdir, faults="pause@step=10,rank=1")
@@ -70,7 +70,7 @@ def test_sigkill_under_ep_resumes_exactly(workdir: Path, ep_run: Path):
     assert_identical(final_weights(ep_run, workdir), final_weights(broken, workdir))
 
 
-@pytest.mark.timeout(3 * LIMIT)
+@pytest.mark.timeout(hang_limit(launches=6, steps=72))
 def test_ep_checkpoints_load_into_the_dense_layout_and_back(workdir: Path, ep_run: Path):
     dense = resume(workdir, ep_run / "checkpoints" / "step-00000004", "ep1", 1, "single")
     assert_continues(ep_run, dense, 4)
