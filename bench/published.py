@@ -10,6 +10,7 @@ published, and whether a run that ran fits (and one that ran out of memory does 
 
     python bench/published.py             # every row, the held-out ones apart
     python bench/published.py --tuning    # without the held-out rows (see below)
+    python bench/published.py --compact   # one line a run
 
 Needs nothing but the repository (no GPU, no network). Every line ends in `--calibrate
 none`: the formulas, not a calibration this machine may hold. Prints each command with
@@ -145,9 +146,9 @@ def cmd(*parts: str) -> str:
 
 
 # torchtitan's Grand Teton H100s (96GB HBM2e, 2.4 TB/s, 500 W; see above).
-TITAN_H100 = "--gpu H100-SXM --gpu-mem-gb 96 --gpu-tflops 912 --set cluster.hbm_gbps=2400"
-TITAN_405B_H100 = "--gpu H100-SXM --gpu-mem-gb 94 --gpu-tflops 912 --set cluster.hbm_gbps=2400"
-COMPOSITE = "--set model.norm_impl=composite"
+TITAN_H100 = "--gpu H100-SXM --gpu-mem-gb 96 --gpu-tflops 912 --gpu-hbm-gbps 2400"
+TITAN_405B_H100 = "--gpu H100-SXM --gpu-mem-gb 94 --gpu-tflops 912 --gpu-hbm-gbps 2400"
+COMPOSITE = "--norm composite"
 TITAN_2412 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 TITAN_DOCS = "pytorch/torchtitan docs/performance.md @157a12c56"
 TITAN_405B = "pytorch/torchtitan docs/performance.md @3faaa1a0d"
@@ -362,13 +363,31 @@ def row(p: Planned) -> str:
     return text
 
 
+COMPACT = "--compact" in sys.argv  # one line a run, without its command and source
+
+
+def compact(p: Planned) -> str:
+    published = p.run.tokens_per_s_per_gpu
+    error = f"{p.error:+7.1%}" if p.error is not None else f"{'-':>7}"
+    memory = f"{p.plan.memory.total / GIB:5.1f} of {p.plan.budget_bytes / GIB:5.1f}"
+    if p.memory_error is not None:
+        memory += f" (published {p.run.memory_gib:.1f})"
+    mark = " ~" if p.run.approximate_ac else ""  # checkpointing not priced as it ran
+    shown = f"{published:>8,.0f}" if published else f"{'OOM':>8}"
+    return (f"{p.run.name + mark:52} {shown} {p.tokens:>8,.0f} {error}  "
+            f"{'yes' if p.fits else 'NO ':3}  {memory}")
+
+
 def report(title: str, runs: list[Published]) -> list[Planned]:
     print(f"\n== {title}")
+    if COMPACT:
+        print(f"{'run (~: AC priced as ' + repr(SELECTIVE_OP) + ', memory not judged)':52} "
+              f"{'published':>8} {'planned':>8} {'error':>7}  fits  memory GiB")
     planned = []
     for run in runs:
         p = plan_line(run)
         planned.append(p)
-        print(f"{run.name}  [{run.source}]\n  $ {run.line}\n{row(p)}")
+        print(compact(p) if COMPACT else f"{run.name}  [{run.source}]\n  $ {run.line}\n{row(p)}")
     return planned
 
 
@@ -435,6 +454,10 @@ def main(argv: list[str]) -> int:
     llama3_405b()
     moe = report("Mixture-of-Experts runs (the fit not judged: bf16 optimizer states)",
                  MOE_RUNS)
+    for p in moe:
+        a2a = sum(c.seconds for c in p.plan.collectives if c.name.startswith("ep all-to-all"))
+        print(f"  {p.run.name}: the all-to-all, exposed, is {a2a / p.plan.step.total:.0%} "
+              "of the step")
     summary("Mixture-of-Experts runs", moe)
     return 0
 
