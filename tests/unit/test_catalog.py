@@ -51,7 +51,10 @@ def test_published_figures_dense():
     assert gpus["H100-SXM"].peak("bf16") == 1979 / 2 * TFLOP  # H100 SXM5: 1,979 TFLOPS sparse
     assert gpus["A100-80GB"].peak("bf16") == 312 * TFLOP  # A100: 312 dense (624 sparse)
     assert gpus["A100-80GB"].peak("fp32") == 156 * TFLOP  # TF32 tensor cores
-    assert gpus["H200"].memory_bytes == 141 * GB
+    # Memory as CUDA reports it: the datasheets' binary "141 GB" (143,156 MiB to torch),
+    # not 141e9 bytes.
+    assert gpus["H200"].memory_bytes == pytest.approx(143156 * 2**20, rel=1e-4)
+    assert gpus["H100-SXM"].memory_bytes > 80 * 2**30 * 0.98  # "80GB": 80 GiB, less the driver's
     assert gpus["V100"].peak("bf16") is None and gpus["T4"].peak("bf16") is None
     nvlink4 = gpus["H100-SXM"].intra_node
     assert nvlink4.bytes_per_s == 900 / 2 * GB  # 900 GB/s both directions together

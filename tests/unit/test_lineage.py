@@ -16,7 +16,8 @@ def lineage(*overrides: str, global_batch: int = 32) -> dict:
 @pytest.mark.parametrize(
     "change",
     ["parallel.strategy='fsdp'", "cluster.nproc=4", "train.steps=999", "model.init='random'",
-     "checkpoint.interval=7", "data.micro_batch=4"],
+     "checkpoint.interval=7", "data.micro_batch=4", "model.norm_impl='composite'",
+     "optim.foreach=false"],
 )
 def test_what_a_resume_may_change_keeps_the_lineage(change: str):
     assert lineage_hash(lineage(change)) == lineage_hash(lineage())

@@ -77,6 +77,13 @@ def test_num_params_equals_built_model(shape: GPTShape) -> None:
         ("llama-7b", 6.74e9, 0.01),
         ("llama-13b", 13.0e9, 0.01),
         ("llama-70b", 69.0e9, 0.01),
+        # Llama 3.1 8B and 405B: their safetensors indexes, total_size / 2 bytes (bf16)
+        ("llama3-8b", 8_030_261_248, 0.0),
+        ("llama3-405b", 405_853_388_800, 0.0),
+        # llm-foundry scripts/train/benchmarking/README.md, NumParams at 2,048 tokens
+        ("mpt-1b", 1_315_950_592, 0.0),
+        ("mpt-7b", 6_658_859_008, 0.0),
+        ("mpt-30b", 29_975_214_080, 0.0),
     ],
 )
 def test_preset_counts_match_published(name: str, published: float, tolerance: float) -> None:

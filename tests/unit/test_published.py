@@ -1,15 +1,20 @@
-"""bench/published.py's table: every published run that ran fits its plan, with memory
-within 10 % where the run published it, and the plan's tokens/s within 10 % of the
-published on average (issue 24, Checks). Each row's error is the bench's to print."""
+"""bench/published.py's table (issue 35, Checks): every row is a `trainwise plan` command
+line the CLI's parser takes, planned as published (the search changes nothing the line
+pins); every published run that ran fits its plan at the default headroom and every run
+that ran out of memory does not; the plan's tokens/s are within 10 % of the published on
+average over at least 25 runs. Each row's error is the bench's to print."""
 
 from __future__ import annotations
 
 import importlib.util
+import shlex
 import statistics
 import sys
 from pathlib import Path
 
 import pytest
+
+from trainwise.cli.main import build_parser
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "published.py"
 
@@ -23,30 +28,53 @@ def load_bench():
 
 
 bench = load_bench()
+TABLE = bench.RUNS + bench.FLOAT8_RUNS
+EVERY = [*TABLE, *bench.OUT_OF_MEMORY, bench.LLAMA3_405B, *bench.MOE_RUNS]
 
 
-@pytest.mark.parametrize("run", bench.RUNS, ids=[r.name for r in bench.RUNS])
-def test_every_published_run_fits_its_plan(run):
-    plan = bench.plan_run(run)
-    assert plan.fits, f"{run.name}: {plan.memory.total / 1e9:.1f} GB planned"
-    if run.memory_gib:
-        assert plan.memory.total / bench.GIB == pytest.approx(run.memory_gib, rel=0.10)
+@pytest.fixture(scope="module")
+def planned() -> dict[str, object]:
+    """Every row of the table planned once, by its name."""
+    return {run.name: bench.plan_line(run) for run in [*TABLE, *bench.OUT_OF_MEMORY]}
 
 
-def test_every_run_names_its_source():
-    assert all(r.source and r.tokens_per_s_per_gpu > 0 for r in bench.RUNS)
+@pytest.mark.parametrize("run", EVERY, ids=[r.name for r in EVERY])
+def test_every_row_is_a_command_line_with_its_source(run):
+    words = shlex.split(run.line)
+    assert words[:2] == ["trainwise", "plan"] and run.source
+    args = build_parser().parse_args(words[1:])  # exits (status 2) on a flag it lacks
+    assert args.run is not None and "--headroom" not in words  # the default headroom
 
 
-def test_the_planned_tokens_per_second_are_within_10_percent_on_average():
-    errors = [
-        abs(bench.plan_run(r).tokens_per_s / r.gpus / r.tokens_per_s_per_gpu - 1)
-        for r in bench.RUNS
-    ]
+def test_every_run_that_ran_fits_its_plan(planned):
+    # The held-out runs judge the model: the bench prints their verdict, no test holds it
+    # (a test on them would tune to them).
+    ran = [r for r in TABLE if r.tokens_per_s_per_gpu is not None and not r.approximate_ac
+           and not r.held_out]
+    assert len(ran) >= 20
+    assert [r.name for r in ran if not planned[r.name].fits] == []
+
+
+def test_the_runs_that_ran_out_of_memory_do_not_fit(planned):
+    judged = [r for r in bench.OUT_OF_MEMORY if not r.approximate_ac]
+    assert judged and not any(planned[r.name].fits for r in judged)
+
+
+def test_memory_is_within_10_percent_where_published_and_judged(planned):
+    for run in TABLE:
+        error = planned[run.name].memory_error
+        if error is not None and not run.approximate_ac:
+            assert abs(error) <= bench.MEMORY_WITHIN, (run.name, f"{error:+.1%}")
+
+
+def test_the_planned_tokens_per_second_are_within_10_percent_on_average(planned):
+    errors = [abs(planned[r.name].error) for r in TABLE]
+    assert len(errors) >= 25
     assert statistics.mean(errors) <= 0.10, [f"{e:.1%}" for e in errors]
 
 
 def test_the_llama3_405b_run_fits_its_published_layout():
     # Meta ran it (arXiv 2407.21783, Table 4): the plan of its layout must fit.
-    plan, published = bench.plan_llama3_405b()
-    assert plan.fits, f"{plan.memory.total / bench.GIB:.1f} GiB planned"
-    assert published > 0
+    p = bench.plan_line(bench.LLAMA3_405B)
+    assert p.fits, f"{p.plan.memory.total / bench.GIB:.1f} GiB planned"
+    assert p.plan.setup.dims.pp == 16 and p.plan.setup.dims.tp == 8

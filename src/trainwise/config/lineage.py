@@ -18,9 +18,10 @@ from typing import Any
 from trainwise.config.schema import JobConfig
 
 # Whole sections that decide what training computes, less the keys that only say how a
-# run starts (a resume does not start: model.init is moot once a checkpoint exists).
+# run starts (a resume does not start: model.init is moot once a checkpoint exists) and
+# the kernels that compute the same values (to rounding) another way.
 LINEAGE_SECTIONS = ("model", "optim", "schedule")
-NOT_LINEAGE = ("model.init",)
+NOT_LINEAGE = ("model.init", "model.norm_impl", "optim.foreach")
 # Keys that joined the lineage later: recorded only when set, so that the checkpoints of
 # runs before them keep their lineage.
 WHEN_SET = ("model.loss", "data.collate")

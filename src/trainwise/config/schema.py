@@ -110,6 +110,15 @@ class ModelConfig(Section):
         "(mean over the micro-batch); default: the factory's own (a factory may return "
         "(module, loss_fn)), else cross entropy.",
     )
+    norm_impl: Literal["fused", "composite"] = Field(
+        "fused",
+        description="How trainwise's GPT runs its RMSNorm: 'fused', torch's F.rms_norm (one "
+        "kernel each way on CUDA); 'composite', the fp32 chain torchtitan's RMSNorm of 2024 "
+        "ran (upcast, pow, mean, rsqrt, scale, cast back, weight: each op a kernel that "
+        "keeps its fp32 intermediates for backward). The same weights and, to rounding, the "
+        "same values; the planner prices each. LayerNorm models are one kernel either way "
+        "(composite is refused for them). Not part of the lineage.",
+    )
 
 
 class DataConfig(Section):
@@ -215,6 +224,13 @@ class OptimConfig(Section):
     betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
     eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum.")
+    foreach: bool | None = Field(
+        None,
+        description="torch.optim's foreach step (one kernel over every tensor of a kind, and a "
+        "temporary the size of all of them) or, false, its per-tensor loop (a temporary the "
+        "size of one tensor, more kernel launches), as Composer's DecoupledAdamW runs; "
+        "default: torch's choice (foreach on CUDA). Not part of the lineage.",
+    )
 
 
 class ScheduleConfig(Section):
@@ -309,11 +325,13 @@ class ParallelConfig(Section):
         description="Activation checkpointing: full = every block, selective = every other block.",
     )
     headroom: float = Field(
-        0.1,
+        0.05,
         ge=0.0,
         lt=1.0,
-        description="auto and plan: share of device memory kept free beyond the estimate "
-        "(which already counts the CUDA context and fragmentation).",
+        description="auto and plan: share of device memory kept free beyond the estimate, "
+        "which already counts the CUDA context and 5 % for the allocator's fragmentation: "
+        "the margin for the formula's own error (under 4 % against --simulate). Published "
+        "runs ran at 91-94 % of their GPUs' memory by the estimate (bench/published.py).",
     )
     timeout_s: float = Field(
         600.0,
@@ -477,6 +495,20 @@ class ClusterConfig(Section):
         gt=0.0,
         description="Plan: dense peak TFLOP/s per GPU at precision.dtype, replacing the "
         "catalog's figure (a GPU the catalog lacks).",
+    )
+    hbm_gbps: float | None = Field(
+        None,
+        gt=0.0,
+        description="Plan: device memory bandwidth in GB/s, replacing the catalog's figure "
+        "for cluster.gpu (an HBM2e part of a GPU the catalog lists with HBM3, say).",
+    )
+    sustained_clock_mhz: float | None = Field(
+        None,
+        gt=0.0,
+        description="Plan: the SM clock the GPUs hold under a training load (nvidia-smi's "
+        "clocks.sm during a step; lower under a power cap); the planner scales its GEMM and "
+        "attention rates by it over the clock the catalog's rates were measured at. Default: "
+        "that clock (Hopper 1466 MHz, Blackwell 1319 MHz at 700 W / 1000 W, all 8 GPUs busy).",
     )
     intra_node_gbps: float | None = Field(
         None,
@@ -643,6 +675,25 @@ class PlanConfig(Section):
     )
     data_samples_per_s: float | None = Field(
         None, gt=0.0, description="Samples/s one GPU's loader delivers; default: unlimited."
+    )
+    loss_kernel: Literal["standard", "fused"] = Field(
+        "standard",
+        description="The cross-entropy kernel of the run planned: 'standard' (F.cross_entropy, "
+        "what trainwise runs: an fp32 log-softmax over the vocabulary kept for backward) or "
+        "'fused' (one kernel that writes the gradient into the logits, as flash-attn's "
+        "cross_entropy that llm-foundry runs). A planner key: trainwise trains 'standard'.",
+    )
+    attention_kernel: Literal["sdpa", "fused"] = Field(
+        "sdpa",
+        description="The attention kernel of the run planned: 'sdpa' (PyTorch's flash "
+        "kernel, FlashAttention-2, what trainwise runs) or 'fused' (FlashAttention-3 or "
+        "cuDNN's, as Transformer Engine runs; priced on Hopper only). A planner key.",
+    )
+    routing_kernel: Literal["eager", "fused"] = Field(
+        "eager",
+        description="A Mixture-of-Experts run's token routing: 'eager' (torchtitan's, what "
+        "trainwise runs) or 'fused' (Transformer Engine's permutation and DeepEP's "
+        "dispatch). A planner key.",
     )
     sweep: list[int] | None = Field(None, description="GPU counts to sweep, e.g. [1, 2, 4, 8].")
     calibration: str | None = Field(

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainwise.errors import ModelError
-from trainwise.models.shapes import GPTShape
+from trainwise.models.shapes import GPTShape, norm_impl_problem
 
 INIT_STD = 0.02  # GPT-2's
 
@@ -22,9 +22,24 @@ def _bare(cls: type[nn.Module], *args: object, **kwargs: object) -> nn.Module:
     return cls(*args, device="meta", **kwargs).to_empty(device=torch.get_default_device())
 
 
-def _norm(shape: GPTShape) -> nn.Module:
+class CompositeRMSNorm(nn.RMSNorm):
+    """RMSNorm as a chain of fp32 elementwise operations, each its own kernel (torchtitan's
+    RMSNorm of 2024, torchtitan/models/norms.py at 9dec370): the same weight and, to
+    rounding, the same output as nn.RMSNorm's fused F.rms_norm, but every intermediate goes
+    through memory and autograd keeps the fp32 input and the normalised output
+    (model.norm_impl = "composite")."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        eps = self.eps if self.eps is not None else torch.finfo(h.dtype).eps
+        y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+        return y * self.weight
+
+
+def _norm(shape: GPTShape, impl: str = "fused") -> nn.Module:
     if shape.norm == "rmsnorm":
-        return _bare(nn.RMSNorm, shape.d_model, eps=shape.norm_eps)
+        cls = CompositeRMSNorm if impl == "composite" else nn.RMSNorm
+        return _bare(cls, shape.d_model, eps=shape.norm_eps)
     return _bare(nn.LayerNorm, shape.d_model, eps=shape.norm_eps, bias=shape.bias)
 
 
@@ -131,10 +146,10 @@ class Block(nn.Module):
     """One pre-norm transformer layer, forward(x) -> x; owns everything it needs (rope
     tables included) so FSDP and checkpoint wrappers can take it as a unit."""
 
-    def __init__(self, shape: GPTShape, dropout: float = 0.0):
+    def __init__(self, shape: GPTShape, dropout: float = 0.0, norm_impl: str = "fused"):
         super().__init__()
-        self.norm1, self.attn = _norm(shape), Attention(shape, dropout)
-        self.norm2, self.mlp = _norm(shape), MLP(shape)
+        self.norm1, self.attn = _norm(shape, norm_impl), Attention(shape, dropout)
+        self.norm2, self.mlp = _norm(shape, norm_impl), MLP(shape)
         self.drop = nn.Dropout(dropout)
 
     def forward(
@@ -164,12 +179,15 @@ def packed_layout(doc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class GPT(nn.Module):
-    """Decoder-only language model: forward(idx[B, T]) -> logits[B, T, vocab]."""
+    """Decoder-only language model: forward(idx[B, T]) -> logits[B, T, vocab]. `norm_impl`:
+    its RMSNorms as torch's fused kernel or the composite fp32 chain (model.norm_impl)."""
 
-    def __init__(self, shape: GPTShape, dropout: float = 0.0):
+    def __init__(self, shape: GPTShape, dropout: float = 0.0, norm_impl: str = "fused"):
         super().__init__()
         if not 0.0 <= dropout < 1.0:
             raise ModelError(f"model.dropout = {dropout!r}: must be in [0, 1)")
+        if (problem := norm_impl_problem(shape, norm_impl)) is not None:
+            raise ModelError(problem)
         self.shape = shape
         self.tok_emb = _bare(nn.Embedding, shape.vocab_size, shape.d_model)
         self.pos_emb = (
@@ -181,10 +199,10 @@ class GPT(nn.Module):
         # A pipeline stage (models.pipeline) holds some of them, in a ModuleDict keyed by
         # their index, so that every parameter keeps the whole model's name.
         self.blocks: nn.ModuleList | nn.ModuleDict = nn.ModuleList(
-            Block(shape, dropout) for _ in range(shape.n_layer)
+            Block(shape, dropout, norm_impl) for _ in range(shape.n_layer)
         )
         self.embeds = True  # False on pipeline stages after the first: they take activations
-        self.norm = _norm(shape)
+        self.norm = _norm(shape, norm_impl)
         # Tied: the head reuses tok_emb.weight in forward, so there is one Parameter that
         # survives to_empty/FSDP without re-tying.
         self.lm_head = (

@@ -204,13 +204,16 @@ def _vocab(model_vocab: int, data_vocab: int | None, pretrained: bool, path: str
 
 
 def build_from_dir(
-    path: str, vocab_size: int | None, seq_len: int | None, dropout: float, init: str, impl: str
+    path: str, vocab_size: int | None, seq_len: int | None, dropout: float, init: str, impl: str,
+    norm_impl: str = "fused",
 ) -> HFBuild:
-    """The model of a Hugging Face directory, and how to load its weights once wrapped."""
+    """The model of a Hugging Face directory, and how to load its weights once wrapped
+    (`norm_impl`: the RMSNorm kernels of trainwise's GPT, model.impl = 'trainwise')."""
     where = f"model.name = 'hf:{path}'"
     pretrained = wants_pretrained(path, init)
     if impl == "trainwise":
-        gpt = GPT(hf_shape(path, vocab_size, seq_len, init), dropout=dropout)
+        shape = hf_shape(path, vocab_size, seq_len, init)
+        gpt = GPT(shape, dropout=dropout, norm_impl=norm_impl)
         module, blocks, shape, rename = gpt, list(gpt.blocks), gpt.shape, gpt_to_hf
     else:
         config = read_hf_config(path)

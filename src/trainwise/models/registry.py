@@ -39,6 +39,7 @@ class ModelSpec:
     init: str = "auto"  # hf: "auto" | "pretrained" | "random" (model.init)
     impl: str = "transformers"  # hf: "transformers" | "trainwise" (model.impl)
     loss: str | None = None  # model.loss: "pkg.mod:fn", in place of the model's own loss
+    norm_impl: str = "fused"  # model.norm_impl: trainwise's GPT's RMSNorm kernels
     # Mixture-of-Experts models ([moe]): the balancing loss's weight, token dropping.
     aux_loss_coef: float = 0.001
     capacity_factor: float | None = None
@@ -148,9 +149,16 @@ def _build_model(spec: ModelSpec) -> ModelBundle:
     kind = model_kind(spec.name)
     if not 0.0 <= spec.dropout < 1.0:
         raise ModelError(f"model.dropout = {spec.dropout!r}: must be in [0, 1)")
+    gpt_family = kind == "preset" or (kind == "hf" and spec.impl == "trainwise")
+    if spec.norm_impl != "fused" and (not gpt_family or resolve_moe_shape(spec) is not None):
+        raise ModelError(
+            f"model.norm_impl = {spec.norm_impl!r} applies to trainwise's GPT (a preset, or "
+            f"hf: with model.impl = 'trainwise'); model {spec.name!r} runs its own norms: "
+            "use model.norm_impl = 'fused'"
+        )
     if kind == "preset":
         shape = resolve_shape(spec)
-        gpt = GPT(shape, dropout=spec.dropout)
+        gpt = GPT(shape, dropout=spec.dropout, norm_impl=spec.norm_impl)
         return ModelBundle(
             gpt, cross_entropy_loss, list(gpt.blocks), shape,
             tp_plan=partial(gpt_tp_plan, gpt), init_parameter=gpt.init_parameter,
@@ -176,7 +184,7 @@ def _build_model(spec: ModelSpec) -> ModelBundle:
     if kind == "hf":
         hf = build_from_dir(
             spec.name[len("hf:") :], spec.vocab_size, spec.seq_len, spec.dropout, spec.init,
-            spec.impl,
+            spec.impl, spec.norm_impl,
         )
         bundle = ModelBundle(hf.module, cross_entropy_loss, hf.blocks, hf.shape, hf.load_weights)
         if isinstance(hf.module, GPT):  # model.impl = 'trainwise': the GPT's own hooks

@@ -121,6 +121,14 @@ def _gpt2(n_layer: int, d_model: int, n_head: int) -> GPTShape:
     )
 
 
+def _mpt(n_layer: int, d_model: int, n_head: int) -> GPTShape:
+    """MosaicML's MPT as llm-foundry's pretraining yamls build it: learned positions (no
+    ALiBi), biases and LayerNorm (its no_bias = False default), a GELU MLP of 4 d_model,
+    tied embeddings, vocabulary 50,368; 2,048 tokens. The count is the benchmark tables'
+    NumParams to the parameter (mpt-7b: 6,658,859,008 at 2,048 tokens)."""
+    return replace(_gpt2(n_layer, d_model, n_head), vocab_size=50368, max_seq_len=2048)
+
+
 def _llama(
     n_layer: int,
     d_model: int,
@@ -194,7 +202,32 @@ PRESETS: dict[str, GPTShape] = {
     # meta-llama/Llama-2-70b-hf config.json: 80 layers, hidden 8192, 64 heads, 8 kv heads,
     # intermediate 28672.
     "llama-70b": _llama(80, 8192, 64, 8, 28672, 32000, 4096, tie=False),
+    # meta-llama/Llama-3.1-8B, -70B, -405B config.json: layers, hidden, heads, 8 kv heads,
+    # intermediate, vocab 128256, untied, rope_theta 5e5 (context cut to 8192 for planning).
+    "llama3-8b": _llama(32, 4096, 32, 8, 14336, 128256, 8192, tie=False, rope_theta=5e5),
+    "llama3-70b": _llama(80, 8192, 64, 8, 28672, 128256, 8192, tie=False, rope_theta=5e5),
+    "llama3-405b": _llama(126, 16384, 128, 8, 53248, 128256, 8192, tie=False, rope_theta=5e5),
+    # mosaicml/llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml: n_layers, d_model,
+    # n_heads (d_head 128 for FlashAttention).
+    "mpt-760m": _mpt(24, 1536, 12),
+    "mpt-1b": _mpt(24, 2048, 16),
+    "mpt-3b": _mpt(32, 2560, 20),
+    "mpt-7b": _mpt(32, 4096, 32),
+    "mpt-13b": _mpt(40, 5120, 40),
+    "mpt-30b": _mpt(48, 7168, 56),
+    "mpt-70b": _mpt(80, 8192, 64),
 }
+
+
+def norm_impl_problem(shape: GPTShape, impl: str) -> str | None:
+    """Why `impl` (model.norm_impl) cannot run on `shape`, or None: the composite chain is
+    RMSNorm's; a LayerNorm is one kernel (F.layer_norm) either way."""
+    if impl == "composite" and shape.norm != "rmsnorm":
+        return (
+            "model.norm_impl = 'composite' is RMSNorm's fp32 chain, but this model's norm is "
+            f"{shape.norm} (one kernel either way); use model.norm_impl = 'fused'"
+        )
+    return None
 
 
 def job_shape(name: str, vocab_size: int | None = None, seq_len: int | None = None) -> GPTShape:

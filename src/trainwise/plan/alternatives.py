@@ -93,8 +93,9 @@ def smallest_changes(inputs: PlanInputs, allowed: Allowed, goal: Goal) -> list[s
     nearest = nearest_relaxed(inputs, allowed, goal)
     out = [nearest] if nearest else []
     for factor in MORE_GPUS:
-        more = recommend(inputs.with_gpus(inputs.gpus * factor), allowed, goal)
-        if more.fits:
+        # (None: the settings given run no layout of that many, e.g. a fixed global batch)
+        more = _fitting(inputs.with_gpus(inputs.gpus * factor), allowed, goal)
+        if more is not None:
             out.append(f"With {inputs.gpus * factor} GPUs it fits: {_figures(more)}.")
             break
     larger = []
@@ -111,8 +112,8 @@ def smallest_changes(inputs: PlanInputs, allowed: Allowed, goal: Goal) -> list[s
             intra_bps=spec.intra_node.bytes_per_s if spec.intra_node else hw.intra_bps,
             price_per_gpu_hour=spec.price_per_hour,
         )
-        found = recommend(replace(inputs, hardware=bigger), allowed, goal)
-        if found.fits:
+        found = _fitting(replace(inputs, hardware=bigger), allowed, goal)
+        if found is not None:
             larger.append((found.plan.cost.total_usd, spec.name, found))
     if larger:
         _, name, found = min(larger, key=lambda t: t[0])

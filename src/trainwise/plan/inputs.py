@@ -14,9 +14,9 @@ from trainwise.config.schema import JobConfig
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, TFLOP, GPUSpec, default_catalog, find_gpu
 from trainwise.models.moe.shapes import MOE_PRESETS, MoEShape, moe_job_shape
-from trainwise.models.shapes import PRESETS, GPTShape, ModelProfile, job_shape
+from trainwise.models.shapes import PRESETS, GPTShape, ModelProfile, job_shape, norm_impl_problem
 from trainwise.objects import is_object_reference
-from trainwise.plan.model.gemm import GemmTable
+from trainwise.plan.model.gemm import GENERATIONS, GemmTable
 from trainwise.plan.model.lora import LoraPlan, lora_of, lora_problems
 from trainwise.plan.model.memory import Workload
 
@@ -82,6 +82,15 @@ class Hardware:
     hbm_bps: float = 2e12  # device memory bandwidth, bytes/s (catalog hbm_gbps)
     generation: str = "hopper"  # architecture: picks GEMM and attention efficiencies
     nccl_channels: int = 0  # SMs a collective within a node occupies (catalog link.channels)
+    # The GPUs' sustained clock over the one the generation's rates were measured at
+    # (cluster.sustained_clock_mhz): it scales the tensor cores' rates, not the memory's.
+    clock_scale: float = 1.0
+
+    @property
+    def clocked_flops(self) -> float:
+        """The dense peak the GEMM and attention rates are shares of, at the GPUs' clock
+        (`peak_flops` stays the datasheet's: MFU is counted against it)."""
+        return self.peak_flops * self.clock_scale
 
 
 @dataclass(frozen=True)
@@ -153,6 +162,8 @@ def resolve_inputs(
     lora = lora_plan(cfg)
     if lora is not None and (problems := lora_problems(shape, lora)):
         raise ConfigError(problems)
+    if (problem := _norm_problem(cfg, shape, model)) is not None:
+        raise ConfigError(problem)
     gpu_name = cfg.cluster.gpu or ("cpu" if cfg.cluster.device == "cpu" else DEFAULT_GPU)
     spec = find_gpu(gpu_name)
     assert spec is not None  # the schema checked the name
@@ -227,6 +238,11 @@ def config_workload(
         profile=profile,
         moe=moe,
         imbalance=cfg.moe.imbalance if moe is not None else 1.0,
+        loss=cfg.plan.loss_kernel,
+        norm_kernel=cfg.model.norm_impl,
+        foreach=cfg.optim.foreach,
+        attention=cfg.plan.attention_kernel,
+        routing=cfg.plan.routing_kernel,
     )
 
 
@@ -260,10 +276,9 @@ def resolve_hardware(
     intra_link = spec.intra_node or catalog.links[HOST_LINK]
     inter_link = catalog.links[DEFAULT_INTER_LINK]
     c = cfg.cluster
+    custom = c.gpu_tflops or c.device_memory_gb or c.hbm_gbps or c.sustained_clock_mhz
     return Hardware(
-        gpu=spec.name
-        if not (c.gpu_tflops or c.device_memory_gb)
-        else f"{spec.name} (custom figures)",
+        gpu=spec.name if not custom else f"{spec.name} (custom figures)",
         memory_bytes=float(memory),
         peak_flops=float(peak),
         intra_bps=(c.intra_node_gbps * GB if c.intra_node_gbps else intra_link.nccl_bytes_per_s),
@@ -281,10 +296,29 @@ def resolve_hardware(
             else spec.price_per_hour
         ),
         device="cpu" if spec.name == "cpu" else "cuda",
-        hbm_bps=spec.hbm_bytes_per_s,
+        hbm_bps=c.hbm_gbps * GB if c.hbm_gbps else spec.hbm_bytes_per_s,
         generation=spec.generation,
         nccl_channels=intra_link.channels,
+        clock_scale=clock_scale(c.sustained_clock_mhz, spec),
     )
+
+
+def clock_scale(clock_mhz: float | None, spec: GPUSpec) -> float:
+    """The GPUs' sustained clock (cluster.sustained_clock_mhz) over the clock the
+    generation's GEMM rates were measured at (plan.model.gemm, Generation.clock_mhz): a
+    tensor core does the same work a cycle, so its rate follows the clock (the datasheet's
+    peak is SMs x FLOPs a cycle x clock). 1 when not given; a generation without a
+    measured clock raises ConfigError."""
+    if clock_mhz is None:
+        return 1.0
+    reference = GENERATIONS[spec.generation].clock_mhz
+    if not reference:
+        raise ConfigError(
+            f"cluster.sustained_clock_mhz = {clock_mhz:g}: no clock is known for the "
+            f"{spec.generation} rates of {spec.name}; give cluster.gpu_tflops (its peak at "
+            "your clock) instead"
+        )
+    return clock_mhz / reference
 
 
 def job_tokens(cfg: JobConfig, workload: Workload, gpus: int, grad_accum: int) -> int:
@@ -475,6 +509,19 @@ def _unmeasured(cfg: JobConfig, profile: ModelProfile) -> tuple[str, ...]:
         f"{run.precision} with ac {run.ac}, the job runs {job[0]} with ac {job[1]}; "
         "profile it at the job's (profile_model(..., precision=, ac=))",
     )
+
+
+def _norm_problem(cfg: JobConfig, shape: GPTShape | None, model: str) -> str | None:
+    """Why model.norm_impl cannot be priced for this model (the runtime refuses it too):
+    the composite chain is trainwise's GPT's RMSNorm; None when it can."""
+    if cfg.model.norm_impl == "fused":
+        return None
+    if shape is None:
+        return (
+            f"model.norm_impl = {cfg.model.norm_impl!r} applies to trainwise's GPT (a preset "
+            f"or a shape); {model} runs its own norms: use model.norm_impl = 'fused'"
+        )
+    return norm_impl_problem(shape, cfg.model.norm_impl)
 
 
 def _swiglu_ffn(d_model: int) -> int:

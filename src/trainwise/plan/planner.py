@@ -22,6 +22,7 @@ from trainwise.plan.search import (
     Goal,
     best_only,
     describe_setup,
+    headroom_note,
     recommend,
 )
 from trainwise.plan.space import exact_batch
@@ -205,7 +206,8 @@ def _reasons(
             "it has to be sharded, checkpointed or split."
         )
     if not choice.fits:
-        out.append(f"Nothing fits: {describe_setup(choice.setup)} needs the least memory.")
+        out.append(f"Nothing fits: {describe_setup(choice.setup)} needs the least memory"
+                   f"{headroom_note(inputs, best)}.")
         return out + smallest_changes(inputs, allowed, goal)
     out.append(f"Chosen as {choice.why}.")
     out.append(

@@ -369,7 +369,7 @@ def recommend(
     ordered = rank(fitting, goal)
     if not ordered:
         least = least_memory(inputs, searched, allowed)
-        return Choice(least, False, _reason_unfit(least), batch_note=note)
+        return Choice(least, False, _reason_unfit(inputs, least), batch_note=note)
     best = ordered[0]
     return Choice(best, True, _reason(best, ordered, goal), ordered[1:], note)
 
@@ -388,7 +388,7 @@ def best_only(inputs: PlanInputs, allowed: Allowed = EVERYTHING, goal: Goal | No
     ordered = rank(contenders(inputs, device_fits, goal), goal)
     if not ordered:
         least = least_memory(inputs, searched, allowed)
-        return Choice(least, False, _reason_unfit(least), batch_note=note)
+        return Choice(least, False, _reason_unfit(inputs, least), batch_note=note)
     return Choice(ordered[0], True, "the best by the goal", batch_note=note)
 
 
@@ -463,8 +463,23 @@ def _pipeline_gain(best: StrategyPlan, ordered: list[StrategyPlan], goal: Goal) 
     )
 
 
-def _reason_unfit(least: StrategyPlan) -> str:
-    return (
+def _reason_unfit(inputs: PlanInputs, least: StrategyPlan) -> str:
+    said = (
         f"nothing fits; this needs the least, {fmt_bytes(least.memory.total)} per GPU against "
         f"{fmt_bytes(least.budget_bytes)} usable"
+    )
+    return said + headroom_note(inputs, least)
+
+
+def headroom_note(inputs: PlanInputs, plan: StrategyPlan) -> str:
+    """When the headroom alone decides (the plan fits the GPU's memory, not with the share
+    kept free), what says so and the headroom that admits it; else ""."""
+    memory, total = inputs.hardware.memory_bytes, plan.memory.total
+    if plan.fits or total > memory or total <= plan.budget_bytes:
+        return ""
+    admits = math.floor(100 * (1 - total / memory)) / 100  # in whole percent, rounded down
+    return (
+        f"; it fits in {fmt_bytes(total)} of the GPU's {fmt_bytes(memory)}, but not with the "
+        f"{inputs.headroom:.0%} headroom kept free (parallel.headroom): --headroom "
+        f"{admits:g} admits it"
     )

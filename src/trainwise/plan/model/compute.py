@@ -44,6 +44,7 @@ from trainwise.plan.model.flops import (
     recompute_factor,
 )
 from trainwise.plan.model.gemm import (
+    FUSED_ATTENTION_SHARE,
     GENERATIONS,
     GemmTable,
     attention_seconds,
@@ -112,6 +113,11 @@ COMPOSITE_NORM_OPS = 6
 # addcdiv_ into the parameter (16): 80 bytes a parameter. Clipping (foreach norm, then
 # scale) reads the gradient once and scales it in place: 12.
 OPTIMIZER_BYTES_PER_PARAM = 92
+# torch.optim.AdamW's per-tensor loop (optim.foreach = false; torch/optim/adam.py,
+# _single_tensor_adam, torch 2.13) dispatches per parameter tensor: the step count, weight
+# decay, lerp_ of the first moment, mul_ and addcmul_ of the second, its sqrt, div and add_
+# of eps, addcdiv_ into the parameter: 9 operations (the same bytes as foreach).
+PER_TENSOR_STEP_OPS = 9
 # Operations one LoRA adapter dispatches forward (models.lora's LoRALinear: dropout, lora_A,
 # lora_B, the scaling and the sum): an assumption, as for the block's operations.
 ADAPTER_OPS = 5
@@ -221,7 +227,7 @@ def _cached_step(
     else:
         micro = _micro_batch(
             w.shape, w.seq_len, w.micro_batch, tp, hw, w.precision, autocast,
-            compiled, w.ac, table, w.loss, w.norm_kernel, w.lora, w.head,
+            compiled, w.ac, table, w.loss, w.norm_kernel, w.lora, w.head, w.attention,
         )
         per_step = _per_step(hw, w, tp, dims, micro_batches)
     work = micro.times(micro_batches) + per_step
@@ -249,20 +255,23 @@ def _micro_batch(
     norm_kernel: str = "fused",
     lora: LoraPlan | None = None,
     head: bool = True,
+    attention: str = "sdpa",
 ) -> Work:
     """One micro-batch: every block forward and backward, the recomputed blocks' forward
     again, the head and its loss (`head`: on this worker; a pipeline stage may not);
     with LoRA the frozen layers skip their weight gradients and the adapters' GEMMs
-    run beside them."""
+    run beside them. `attention`: SDPA's flash kernel, or a fused one (FlashAttention-3,
+    cuDNN: gemm.FUSED_ATTENTION_SHARE where the generation has a figure)."""
     tokens = seq * micro_batch
     # Inductor fuses a composite norm's chain into one kernel, as it does the rest.
     norm = "fused" if compiled else norm_kernel
+    share = FUSED_ATTENTION_SHARE.get(hw.generation) if attention == "fused" else None
     forward = _block_forward(
-        shape, tokens, seq, tp, hw, precision, autocast, compiled, table, norm
+        shape, tokens, seq, tp, hw, precision, autocast, compiled, table, norm, share
     )
     backward = _block_backward(
         shape, tokens, seq, tp, hw, precision, autocast, compiled, table, norm,
-        weight_grads=lora is None,
+        weight_grads=lora is None, attention_share=share,
     )
     recomputed = len(checkpointed_blocks(ac, shape.n_layer))
     blocks = (forward + backward).times(shape.n_layer) + forward.times(recomputed)
@@ -306,7 +315,7 @@ def _profiled_micro_batch(
     ops = float(layers * (1 + BACKWARD_OPS_PER_FORWARD_OP))
     if p.run is not None:
         gen = GENERATIONS[hw.generation]
-        device += tokens * p.run.other_flops / (hw.peak_flops * gen.gemm_share)
+        device += tokens * p.run.other_flops / (hw.clocked_flops * gen.gemm_share)
         device += tokens * p.run.moved_bytes / (hw.hbm_bps * MEMORY_SHARE)
         again = recomputed / p.blocks if p.blocks else 0.0  # the forward's share run again
         ops = p.run.forward_ops * (1 + again) + p.run.backward_ops
@@ -320,7 +329,7 @@ def _gemms(shape: GPTShape, tp: int) -> list[tuple[int, int]]:
 
 def _gemm(m: int, n: int, k: int, hw: Hardware, precision: str, table: GemmTable | None) -> float:
     gen = GENERATIONS[hw.generation]
-    return gemm_seconds(m, n, k, hw.peak_flops, hw.hbm_bps, BYTES[precision], gen, table)
+    return gemm_seconds(m, n, k, hw.clocked_flops, hw.hbm_bps, BYTES[precision], gen, table)
 
 
 def norm_bytes(residual: int, element: int, kernel: str) -> int:
@@ -374,11 +383,12 @@ def _forward_ops(shape: GPTShape, autocast: bool, norm_kernel: str = "fused") ->
 def _block_forward(
     shape: GPTShape, tokens: int, seq: int, tp: int, hw: Hardware, precision: str,
     autocast: bool, compiled: bool, table: GemmTable | None, norm_kernel: str = "fused",
+    attention_share: float | None = None,
 ) -> Work:
     gemms = sum(_gemm(tokens, o, i, hw, precision, table) for o, i in _gemms(shape, tp))
     q = shape.n_head * shape.head_dim // tp
     attention = attention_seconds(
-        2.0 * tokens * seq * q, hw.peak_flops, GENERATIONS[hw.generation]
+        2.0 * tokens * seq * q, hw.clocked_flops, GENERATIONS[hw.generation], attention_share
     )
     moved = tokens * _elementwise_bytes(shape, tp, precision, autocast, norm_kernel)
     if autocast:  # each weight cast to 16 bits for its matmul (read fp32, write 16-bit)
@@ -395,7 +405,7 @@ def _block_forward(
 def _block_backward(
     shape: GPTShape, tokens: int, seq: int, tp: int, hw: Hardware, precision: str,
     autocast: bool, compiled: bool, table: GemmTable | None, norm_kernel: str = "fused",
-    weight_grads: bool = True,
+    weight_grads: bool = True, attention_share: float | None = None,
 ) -> Work:
     """Input and weight gradients of every projection (LoRA's frozen ones: input gradients
     only), attention's backward (2.5 times its forward), the elementwise work twice (each
@@ -407,7 +417,7 @@ def _block_backward(
     )
     q = shape.n_head * shape.head_dim // tp
     attention = attention_seconds(
-        5.0 * tokens * seq * q, hw.peak_flops, GENERATIONS[hw.generation]
+        5.0 * tokens * seq * q, hw.clocked_flops, GENERATIONS[hw.generation], attention_share
     )
     moved = 2 * tokens * _elementwise_bytes(shape, tp, precision, autocast, norm_kernel)
     if compiled:
@@ -470,7 +480,12 @@ def _per_step(
     frozen, trained = rank_split(w.params, w.shape, w.lora, tp)
     rank_params = frozen + trained
     shard = dims.dp_shard if dims is not None and dims.fsdp else 1
-    work = Work(host_ops=STEP_OPS)
+    tensors = (
+        _param_tensors(w.shape) * w.shape.n_layer + 3 if w.shape is not None
+        else w.profile.param_tensors if w.profile is not None else 1
+    )
+    foreach = w.foreach if w.foreach is not None else hw.device == "cuda"
+    work = Work(host_ops=STEP_OPS + (0 if foreach else PER_TENSOR_STEP_OPS * tensors))
     if not (dims is not None and dims.cpu_offload):
         optimizer = trained / shard * OPTIMIZER_BYTES_PER_PARAM
         work += Work(optimizer / (hw.hbm_bps * MEMORY_SHARE))
@@ -480,10 +495,6 @@ def _per_step(
         # Each gather casts the fp32 shard to 16 bits and copies the gathered buffer out
         # into the parameters; the reduction copies the gradients in (upcast to fp32).
         moved = rank_params * (gathers * (MASTER_BYTES / shard + 2 * e) + e + MASTER_BYTES)
-        tensors = (
-            _param_tensors(w.shape) * w.shape.n_layer + 3 if w.shape is not None
-            else w.profile.param_tensors if w.profile is not None else 1
-        )
         work += Work(
             micro_batches * moved / (hw.hbm_bps * MEMORY_SHARE),
             micro_batches * FSDP_OPS_PER_PARAM * tensors,

@@ -63,6 +63,9 @@ class Generation:
     # The spread (max - min over the mean) of the sustained rate across a node's GPUs, all
     # busy at once (0: none published); gemm_share is their mean.
     clock_spread: float = 0.0
+    # The SM clock (MHz) `gemm_share` was measured at, the middle of the node's range (0:
+    # not published): cluster.sustained_clock_mhz scales the rates by its ratio to it.
+    clock_mhz: float = 0.0
 
 
 GENERATIONS: dict[str, Generation] = {
@@ -82,6 +85,7 @@ GENERATIONS: dict[str, Generation] = {
         "FlashAttention-3 paper's 35 % is FA2's best, non-causal); H100 SXM5: 132 SMs",
         reference_k=20480,  # the MSMF shape 8192 x 8448 x 20480
         clock_spread=0.045,  # H200, all 8 busy: MSMF range 4.5 % (1405-1527 MHz)
+        clock_mhz=1466.0,  # the middle of 1405-1527 MHz
     ),
     "blackwell": Generation(
         0.634, 0.29, 148,
@@ -89,6 +93,7 @@ GENERATIONS: dict[str, Generation] = {
         "FlashAttention-2 share (no published SDPA figure); B200: 148 SMs",
         reference_k=20480,  # the MSMF shape 9472 x 8192 x 20480
         clock_spread=0.104,  # B200, all 8 busy: MSMF range 10.4 % (1228-1410 MHz)
+        clock_mhz=1319.0,  # the middle of 1228-1410 MHz
     ),
     "cdna3": Generation(
         0.601, 0.3, 304,

@@ -88,11 +88,15 @@ class Workload:
     # log-softmax over the vocabulary) or "fused" (a fused kernel, e.g. flash-attn's
     # cross_entropy, as llm-foundry uses: writes the gradient into the logits in place).
     loss: str = "standard"
-    # The norm's kernels (plan.compute prices them): "fused", one kernel each way (torch's
+    # The norm's kernels (model.norm_impl): "fused", one kernel each way (torch's
     # F.layer_norm; F.rms_norm since torch 2.9, which trainwise requires), or "composite",
     # RMSNorm as a chain of fp32 elementwise ops (F.rms_norm before torch 2.9, and
-    # torchtitan's own RMSNorm of 2024). Memory is modelled alike for both.
+    # torchtitan's own RMSNorm of 2024): plan.compute prices its bytes and dispatches, and
+    # its saved fp32 intermediates count as a CPU's composite RMSNorm's do.
     norm_kernel: str = "fused"
+    # The optimizer step (optim.foreach): torch's foreach kernels, with a temporary the size
+    # of every parameter, or its per-tensor loop; None: torch's default, foreach on CUDA.
+    foreach: bool | None = None
     # LoRA (plan.model.lora): the base frozen in the compute dtype, adapters train; None:
     # every parameter trains. `params` counts the base model, without the adapters.
     lora: LoraPlan | None = None
@@ -158,9 +162,15 @@ class MemoryEstimate:
         return self.peak + self.overhead
 
 
+def composite_norm(shape: GPTShape, device: str, norm_kernel: str = "fused") -> bool:
+    """Whether the model's RMSNorm runs as a chain of ops that each keep their fp32 input:
+    on a CPU (no fused kernel there) or by choice (model.norm_impl = "composite")."""
+    return shape.norm == "rmsnorm" and (device == "cpu" or norm_kernel == "composite")
+
+
 def activation_bytes_per_token(
     shape: GPTShape, precision: str, autocast: bool, device: str = "cuda", loss: str = "standard",
-    frozen_embeddings: bool = False,
+    frozen_embeddings: bool = False, norm_kernel: str = "fused",
 ) -> dict:
     """Bytes per token that autograd keeps for one transformer block (`layer`), for a
     checkpointed block (`block_input`), for the head and its loss at the start of backward
@@ -185,9 +195,10 @@ def activation_bytes_per_token(
     # its own 16-bit cast (autocast caches casts of weights only: leaf tensors that
     # require grad, autocast_mode.cpp cached_cast): three after the attention's norm.
     own = res * h
-    if device == "cpu" and shape.norm == "rmsnorm":
-        # CPU runs RMSNorm as composite ops that also keep an fp32 upcast / normalised copy
-        # and the per-token rstd (CUDA has a fused kernel); measured with --simulate.
+    if composite_norm(shape, device, norm_kernel):
+        # Composite RMSNorm ops also keep an fp32 upcast / normalised copy and the per-token
+        # rstd (CUDA's fused kernel does not); measured with --simulate on a CPU, whose
+        # F.rms_norm is that chain.
         own = r * h + ((6 * h + 4) if (low and not autocast) else (4 * h + 4))
     casts = {k: len(v) if autocast and low else 1 for k, v in norm_readers(shape).items()}
     norm = own + e * h  # the final norm's (the head reads it)
@@ -227,7 +238,7 @@ def activation_bytes_per_token(
 
 def weight_grad_bytes_per_token(
     shape: GPTShape, precision: str, autocast: bool, tp: int = 1,
-    sequence_parallel: bool = True, device: str = "cuda",
+    sequence_parallel: bool = True, device: str = "cuda", norm_kernel: str = "fused",
 ) -> dict:
     """Bytes per token a micro-batch keeps between its input-gradient pass I and its
     weight-gradient pass W on one of `tp` ranks: torch's stage_backward_input
@@ -247,7 +258,7 @@ def weight_grad_bytes_per_token(
     twice (e·h a token, a small over-count)."""
     e = BYTES[precision]
     r = MASTER_BYTES if autocast and precision != "fp32" else e  # norms, residual stream
-    n = MASTER_BYTES if device == "cpu" and shape.norm == "rmsnorm" else r  # norm outputs
+    n = MASTER_BYTES if composite_norm(shape, device, norm_kernel) else r  # norm outputs
     h, f, v = shape.d_model, shape.d_ff, shape.vocab_size
     q, kv = shape.n_head * shape.head_dim, shape.n_kv_head * shape.head_dim
     seq = tp if sequence_parallel else 1
@@ -303,7 +314,9 @@ def activation_profile(
     if w.shape is None:
         return _measured_activations(w, autocast)
     frozen_emb = w.lora is not None and not w.lora.train_embeddings
-    per = activation_bytes_per_token(w.shape, w.precision, autocast, device, w.loss, frozen_emb)
+    per = activation_bytes_per_token(
+        w.shape, w.precision, autocast, device, w.loss, frozen_emb, w.norm_kernel
+    )
     per = activation_split(per, tp, sequence_parallel)
     first = 0.0  # what the first block keeps less than the others
     if w.lora is not None:
@@ -352,7 +365,7 @@ def _kept_for_w(
         return 0.0
     assert w.shape is not None
     per = weight_grad_bytes_per_token(
-        w.shape, w.precision, autocast, tp, sequence_parallel, device
+        w.shape, w.precision, autocast, tp, sequence_parallel, device, w.norm_kernel
     )
     blocks, heads, outputs = w.past_i
     return blocks * per["layer"] + heads * per["head"] + outputs * per["output"]
@@ -480,8 +493,11 @@ def _replicated(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
 
 
 def _step_temp(w: Workload, device: str) -> float:
-    """Bytes per parameter foreach AdamW allocates in its step (CUDA's default)."""
-    return MASTER_BYTES if w.optimizer == "adamw" and device == "cuda" else 0.0
+    """Bytes per parameter foreach AdamW allocates in its step (`_foreach_sqrt` of every
+    second moment: CUDA's default, optim.foreach). The per-tensor loop's one temporary (a
+    tensor's square root, the largest weight's at most) is not counted."""
+    foreach = w.foreach if w.foreach is not None else device == "cuda"
+    return MASTER_BYTES if w.optimizer == "adamw" and foreach else 0.0
 
 
 def _sharded(w: Workload, setup: Setup, device: str) -> MemoryEstimate:

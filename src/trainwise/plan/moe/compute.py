@@ -157,8 +157,8 @@ def _routed_gemms(
     gen, e = GENERATIONS[hw.generation], BYTES[precision]
 
     def grouped(groups: int, rows: float, n: int, k: float) -> float:
-        return grouped_gemm_seconds(groups, rows, n, math.ceil(k), hw.peak_flops, hw.hbm_bps, e,
-                                    gen, table)
+        return grouped_gemm_seconds(groups, rows, n, math.ceil(k), hw.clocked_flops,
+                                    hw.hbm_bps, e, gen, table)
 
     total = 0.0
     for g in _gemms(shape, True):
@@ -214,7 +214,7 @@ def _layer_forward(
     if moe:
         gemms += _routed_gemms(shape, tokens, ep, imbalance, hw, precision, table, False)
     q = shape.n_head * shape.head_dim
-    attention = attention_seconds(2.0 * tokens * seq * q, hw.peak_flops,
+    attention = attention_seconds(2.0 * tokens * seq * q, hw.clocked_flops,
                                   GENERATIONS[hw.generation], kernels.attention_share(hw))
     moved = tokens * _layer_bytes(shape, moe, imbalance, precision, autocast, kernels)
     idle = SYNC_IDLE_OPS * EAGER_OP_S if moe and ep > 1 else 0.0  # the split sizes' sync
@@ -239,7 +239,7 @@ def _layer_backward(
     if moe:
         gemms += _routed_gemms(shape, tokens, ep, imbalance, hw, precision, table, True)
     q = shape.n_head * shape.head_dim
-    attention = attention_seconds(5.0 * tokens * seq * q, hw.peak_flops,
+    attention = attention_seconds(5.0 * tokens * seq * q, hw.clocked_flops,
                                   GENERATIONS[hw.generation], kernels.attention_share(hw))
     moved = 2 * tokens * _layer_bytes(shape, moe, imbalance, precision, autocast, kernels)
     return Work(gemms + attention + moved / (hw.hbm_bps * MEMORY_SHARE),

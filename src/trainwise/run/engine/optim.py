@@ -15,10 +15,12 @@ def build_optimizer(parts: list[torch.nn.Module], cfg: OptimConfig) -> torch.opt
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
     if cfg.name == "sgd":
         return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+            foreach=cfg.foreach,
         )
     return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
+        foreach=cfg.foreach,
     )
 
 

@@ -45,6 +45,7 @@ def job_spec(c: JobConfig, info: DataInfo | None = None) -> ModelSpec:
         init=c.model.init,
         impl=c.model.impl,
         loss=c.model.loss,
+        norm_impl=c.model.norm_impl,
         aux_loss_coef=c.moe.aux_loss_coef,
         capacity_factor=c.moe.capacity_factor,
     )
