@@ -24,7 +24,10 @@ def saved_steps(run_dir: Path) -> list[int]:
 def test_auto_interval_follows_young_daly(workdir: Path):
     # An MTBF of 3.6 ms makes the optimum shorter than a step: save as often as allowed.
     run_dir = workdir / "run"
-    extra = ("--set", "checkpoint.interval='auto'", "--set", "cluster.mtbf_hours=1e-6")
+    # The ranks agree on a save when they next exchange flags: at every flush (here every
+    # step; by default about once a second of training).
+    extra = ("--set", "checkpoint.interval='auto'", "--set", "cluster.mtbf_hours=1e-6",
+             "--set", "logging.flush_every=1")
     done = run_cli(*job_args(run_dir, 2, "ddp", *extra, steps=16), cwd=workdir)
     assert done.returncode == 0, done.stderr
     assert "checkpoint interval auto = 1 steps" in done.stderr

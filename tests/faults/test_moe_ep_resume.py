@@ -62,12 +62,12 @@ def assert_continues(written: Path, resumed: Path, after: int) -> None:
 def test_sigkill_under_ep_resumes_exactly(workdir: Path, ep_run: Path):
     broken = workdir / "broken"
     proc = start(job_args(broken, 2, "fsdp", *MOE, *EP2), workdir, faults="pause@step=10,rank=1")
-    pid = wait_for_pid(proc, broken / "faults" / "pause-step-10.pid", timeout=LIMIT)
+    pid = wait_for_pid(proc, broken / "faults" / "pause-step-10.pid", LIMIT)
     kill(pid)  # after step 10; the last checkpoint is step 8
-    rc, _, err = finish(proc, timeout=LIMIT)
+    rc, _, err = finish(proc, LIMIT)
     assert rc == 0, err
     assert "resuming from step 8" in err
-    assert_identical(final_weights(ep_run, workdir), final_weights(broken, workdir))
+    assert_identical(final_weights(ep_run), final_weights(broken))
 
 
 @pytest.mark.timeout(hang_limit(launches=6, steps=72))

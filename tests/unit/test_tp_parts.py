@@ -167,14 +167,20 @@ def test_rope_tables_are_rebuilt_after_materialising():
 
 
 class RecordingModel(torch.nn.Linear):
-    """Stands in for an FSDP2 module: records each micro-batch's gradient-sync setting."""
+    """Stands in for an FSDP2 module: a gradient-sync setting that holds until changed
+    (the stepper changes it only when it must), recorded at each micro-batch's forward."""
 
     def __init__(self):
         super().__init__(4, 2)
+        self.sync = True
         self.syncs: list[bool] = []
 
     def set_requires_gradient_sync(self, enabled: bool) -> None:
-        self.syncs.append(enabled)
+        self.sync = enabled
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.syncs.append(self.sync)
+        return super().forward(x)
 
 
 @pytest.mark.parametrize(

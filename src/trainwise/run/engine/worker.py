@@ -39,10 +39,7 @@ from trainwise.run.job.run_files import default_run_dir, write_run_files
 from trainwise.run.job.run_lock import hold_as_worker
 from trainwise.run.job.versions import require_same_versions
 from trainwise.run.observe.events import append_event
-from trainwise.run.observe.peers import (
-    last_line,
-    nested_errors,
-)
+from trainwise.run.observe.peers import classify, last_line, nested_errors
 
 
 def join_job(cfg: JobConfig) -> tuple[DistEnv, logging.Logger, torch.device, Job]:
@@ -177,6 +174,11 @@ def run_worker(target: Callable[[JobConfig, Path], object], argv: list[str] | No
         if launch is None:
             raise
         record_fatal(launch, run_dir, err)
+    except Exception as err:
+        # A peer that recorded a fatal error and exited breaks this rank's next collective
+        # (its last barrier, say): the launcher reports the peer's line, not this traceback.
+        if launch is None or classify(err) is None or not launch.fatal():
+            raise
     return 0
 
 
