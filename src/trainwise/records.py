@@ -366,9 +366,11 @@ class RunPlan(StrategyFigures):
     calibration_source: str | None = None
     calibration_step_s: float | None = None  # the calibration run's own step
     calibration_save_s: float | None = None
-    # A Mixture-of-Experts model's load imbalance the plan priced (moe.imbalance); None
-    # where the plan names none.
+    # A Mixture-of-Experts model's load imbalance the plan priced (moe.imbalance), and
+    # the seconds of a step it waits for expert parallelism's all-to-alls; None where the
+    # plan names none (a dense model; no all-to-all at ep 1).
     moe_imbalance: float | None = None
+    all_to_all_s: float | None = None
     alternatives: list[AlternativeFigures] = field(default_factory=list)
 
 

@@ -35,6 +35,10 @@ SMALL = [
     *("--set", "doctor.data_batches=8"),
 ]
 
+MOE = ["--set", "model.name='moe-tiny'", "--set", "parallel.ep=2",
+       "--set", "plan.calibration='none'"]
+MOE_CHECKS = "versions,bandwidth,scaling,smoke,memory"
+
 JOBS = {
     # name: (args, extra environment)
     "full": (["doctor", "--nproc", "2", "--run-dir", "full", "--html", "doctor.html", *SMALL], {}),
@@ -51,6 +55,12 @@ JOBS = {
     ),
     "no_learning": (
         ["doctor", "--nproc", "1", "--run-dir", "nl", "--only", "smoke", "--set", "optim.lr=1e-9"],
+        {},
+    ),
+    # A Mixture-of-Experts job with its experts split (issue 34): its checks as the
+    # runtime runs the job (ddp 2 x ep 2), planned by the planner's MoE model.
+    "moe": (
+        ["doctor", "--nproc", "2", "--run-dir", "moe", "--only", MOE_CHECKS, *MOE, *SMALL],
         {},
     ),
     "train_slow_data": (
@@ -168,6 +178,33 @@ def test_the_doctor_writes_the_machine_calibration_that_plan_then_uses(runs):
     assert f"figures: calibrated from {path}, measured {cal['measured']}" in cpu.stdout
     h100 = run_cli("plan", "--model", "tiny", "--gpus", "2", cwd=root, env=env)
     assert "figures: uncalibrated defaults" in h100.stdout
+
+
+def test_a_moe_job_with_its_experts_split_is_checked(runs):
+    """The doctor on a MoE job with ep 2: every check it runs passes (its smoke steps
+    train and reload the experts split over the ranks), the all-to-all's bus bandwidth is
+    measured beside the others, the memory it expects is the planner's MoE figure for the
+    job, and the scaling check says why fewer workers cannot run it."""
+    from trainwise.config import load_config
+    from trainwise.hardware.detect import detect_device
+    from trainwise.run.job.resolve import prepare_job
+
+    root, res = runs
+    r = res["moe"]
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "(cpu, ddp 2 x ep 2)" in r.stdout
+    record = _record(root, "moe")
+    by = {c["name"]: c for c in record["checks"]}
+    assert list(by) == MOE_CHECKS.split(",")
+    assert all(by[n]["status"] in ("pass", "warn") for n in ("versions", "bandwidth", "smoke",
+                                                             "memory")), record["checks"]
+    assert by["smoke"]["status"] == "pass"
+    assert record["bandwidth"]["intra_node_all_to_all_busbw_bytes_per_s"] > 0
+    assert by["scaling"]["status"] == "skip" and "expert parallelism" in by["scaling"]["detail"]
+    overrides = [a for a in MOE if a != "--set"]
+    job = prepare_job(load_config(overrides=overrides), 2, detect_device("cpu"))
+    assert job.plan_inputs.workload.moe is not None
+    assert by["memory"]["data"]["plan_bytes"] == job.decision.estimate.total
 
 
 def test_a_version_mismatch_fails_the_check_and_stops_training(runs):

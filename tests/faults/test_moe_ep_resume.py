@@ -6,7 +6,7 @@ run left alone; that run's checkpoint (experts sharded over ep) resumes on one p
 written there resumes under ep 2 again, each continuing the uninterrupted run's losses
 (1e-6). The uninterrupted run's own records show the experts' telemetry: the all-to-all
 time, the tokens per expert and the imbalance, in metrics.jsonl, summary.json and the
-report."""
+report, beside the plan's; and a calibration from the run takes its imbalance."""
 
 from __future__ import annotations
 
@@ -92,3 +92,24 @@ def test_the_run_records_its_experts(workdir: Path, ep_run: Path):
     assert made.returncode == 0, made.stderr
     checks = {c["name"]: c for c in json.loads(made.stdout)["runs"][0]["plan_vs_actual"]}
     assert checks["expert load imbalance"]["actual"] == pytest.approx(summary["ep_imbalance"])
+    # plan.json priced the job as the planner's MoE model does: the imbalance and the
+    # all-to-alls' seconds, which the report sets the measured share beside.
+    plan = json.loads((ep_run / "plan.json").read_text())
+    assert plan["name"] == "ep2 + fsdp-full" and plan["moe_imbalance"] == 1.25
+    assert checks["expert load imbalance"]["planned"] == 1.25
+    share = checks["all-to-all share"]
+    assert share["planned"] == pytest.approx(plan["all_to_all_s"] / plan["step"]["total"])
+    assert 0 < share["actual"] < 1
+
+
+def test_a_calibration_takes_the_runs_expert_imbalance(workdir: Path, ep_run: Path):
+    """`trainwise plan --calibrate RUN` of this MoE run: its measured ep_imbalance becomes
+    the plan's moe.imbalance (the plan says where it came from)."""
+    summary = json.loads((ep_run / "summary.json").read_text())
+    made = run_cli("plan", "--config", str(ep_run / "config.toml"), "--calibrate", str(ep_run),
+                   "--json", cwd=workdir, timeout=LIMIT)
+    assert made.returncode == 0, made.stderr
+    plan = json.loads(made.stdout)
+    assert plan["inputs"]["moe"]["imbalance"] == pytest.approx(summary["ep_imbalance"])
+    assert any("expert load imbalance" in n and "over 2 expert-parallel ranks" in n
+               for n in plan["calibration"])

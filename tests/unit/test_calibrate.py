@@ -10,9 +10,12 @@ from pathlib import Path
 import pytest
 
 from trainwise.config import load_config
+from trainwise.config.parallel_dims import ParallelDims
 from trainwise.errors import ConfigError
 from trainwise.plan.calibrate import apply_calibration, read_calibration
+from trainwise.plan.estimate import Setup, price
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
+from trainwise.plan.moe.comm import ALL_TO_ALL
 from trainwise.plan.planner import make_plan
 
 JOB = {
@@ -175,3 +178,34 @@ def test_a_job_that_sets_its_layout_carries_the_measured_runtime_memory(tmp_path
     assert added == pytest.approx(20e6)
     planned = job_plan(calibrated)["memory_per_gpu"]["total"]
     assert calibrated.summary_dict()["memory_estimate"]["total"] == pytest.approx(planned, abs=1)
+
+
+def test_a_moe_runs_measured_imbalance_replaces_moe_imbalance(tmp_path: Path):
+    """A Mixture-of-Experts run with its experts split: summary.json's ep_imbalance (the
+    steady steps' median) becomes the plan's moe.imbalance, which the busiest rank's
+    all-to-all and expert GEMMs scale with; a dense plan leaves it, and says so."""
+    run = write_run(tmp_path / "moe")
+    (run / "summary.json").write_text(json.dumps({"ep_imbalance": 1.08}))
+    (run / "config.toml").write_text("[parallel]\nep = 2\n")
+    cal = read_calibration(run)
+    assert (cal.moe_imbalance, cal.moe_ep) == (1.08, 2)
+    cfg = load_config(None, {"model.name": "qwen3-30b-a3b", "parallel.ep": 8}, base=PLAN_DEFAULTS)
+    inputs = resolve_inputs(cfg)
+    assert inputs.workload.imbalance == 1.25  # the default the run replaces
+    calibrated, notes = apply_calibration(inputs, cal)
+    assert calibrated.workload.imbalance == 1.08
+    assert any("expert load imbalance 1.08" in n and "over 2 expert-parallel ranks" in n
+               and "assumed moe.imbalance 1.25" in n for n in notes)
+    setup = Setup(ParallelDims(1, 8, ep=8, fsdp=True), "full", 1, 1)
+    (before,) = [c for c in price(inputs, setup).collectives if c.name == ALL_TO_ALL]
+    (after,) = [c for c in price(calibrated, setup).collectives if c.name == ALL_TO_ALL]
+    assert after.wire_bytes == pytest.approx(before.wire_bytes * 1.08 / 1.25)
+    dense, said = apply_calibration(resolve_inputs(load_config(None, base=PLAN_DEFAULTS)), cal)
+    assert dense.workload.imbalance == 1.0
+    assert any("not applied: this plan's model has no experts" in n for n in said)
+
+
+def test_a_run_without_its_experts_split_calibrates_no_imbalance(tmp_path: Path):
+    run = write_run(tmp_path / "ep1")
+    (run / "summary.json").write_text(json.dumps({"ep_imbalance": None, "expert_imbalance": 1.4}))
+    assert read_calibration(run).moe_imbalance is None

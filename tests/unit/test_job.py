@@ -8,11 +8,14 @@ import pytest
 from trainwise.config import load_config
 from trainwise.errors import ConfigError
 from trainwise.hardware import GB, DeviceInfo
+from trainwise.models.moe.cost import param_split
 from trainwise.models.registry import build_model
 from trainwise.models.shapes import PRESETS
 from trainwise.plan import runtime_allowed
-from trainwise.plan.estimate import evaluate
+from trainwise.plan.constraints import user_allowed
+from trainwise.plan.estimate import evaluate, price
 from trainwise.plan.inputs import resolve_inputs
+from trainwise.plan.moe.comm import ALL_TO_ALL
 from trainwise.plan.planner import make_plan
 from trainwise.run.job.resolve import job_plan, prepare_job, resolve_nproc, start_lines
 from trainwise.run.job.run_files import default_run_dir
@@ -338,6 +341,55 @@ def test_a_held_out_split_smaller_than_the_ranks_is_an_error():
         cfg("data.synthetic_tokens=1400", "data.micro_batch=2", "train.eval_every=0"), 2, CPU
     )
     assert job.strategy == "ddp"
+
+
+# --- a Mixture-of-Experts job: priced by its shape, its ep kept ---------------------------
+
+MOE = ("model.name='moe-tiny'", "data.seq_len=64")
+
+
+def test_auto_prices_a_moe_job_by_its_shape_and_keeps_its_ep():
+    """`auto` prices a MoE job with the planner's MoE model (plan/moe: experts over ep, the
+    all-to-all, moe.imbalance), not as a module's profile; the job's parallel.ep
+    constrains the search (plan.constraints: the runtime keeps it), so the layout chosen
+    is the one that runs: the same `trainwise plan` recommends under those constraints."""
+    job = prepare_job(cfg(*MOE, "parallel.ep=2", "moe.imbalance=1.1"), 2, CPU)
+    w = job.plan_inputs.workload
+    assert (w.moe, w.profile, w.imbalance) == (job.moe, None, 1.1)
+    assert job.decision.choice.dims.ep == job.dims.ep == 2
+    assert not job.plan_notes  # nothing put on the layout after the choice
+    plan = make_plan(job.plan_inputs, allowed=user_allowed(job.cfg))
+    assert plan.recommendation.choice.setup == job.decision.choice.setup
+    # Each rank holds the dense parameters and half of the experts (fp32 master weights).
+    dense, experts = param_split(job.moe).dense, job.moe.expert_total()
+    assert job.decision.estimate.params == pytest.approx(4 * (dense + experts / 2))
+    # Without parallel.ep the job's ep is 1: kept, every expert on every rank.
+    dense_job = prepare_job(cfg(*MOE), 2, CPU)
+    assert dense_job.dims.ep == 1
+    assert dense_job.decision.estimate.params == pytest.approx(4 * (dense + experts))
+
+
+def test_a_moe_jobs_plan_carries_the_all_to_all_and_the_imbalance():
+    """plan.json of a MoE job with its experts split: the imbalance priced and the seconds
+    of a step its all-to-alls take (the report sets the run's measured ones beside them)."""
+    job = prepare_job(cfg(*MOE, "parallel.ep=2", "parallel.strategy=fsdp"), 2, CPU)
+    plan = job_plan(job)
+    assert plan["name"] == "ep2 + fsdp-full" and plan["moe_imbalance"] == 1.25
+    setup = job.decision.setup
+    (a2a,) = [c for c in price(job.plan_inputs, setup).collectives if c.name == ALL_TO_ALL]
+    assert plan["all_to_all_s"] == pytest.approx(a2a.seconds) and a2a.seconds > 0
+    assert job_plan(prepare_job(cfg(*MOE), 2, CPU))["all_to_all_s"] is None
+
+
+def test_what_the_moe_planner_leaves_out_is_said_not_refused():
+    """The runtime runs a MoE model in pipeline stages (and with tp); the planner's MoE
+    model prices data and expert parallelism only: the job runs, its plan says so."""
+    job = prepare_job(cfg(*MOE, "parallel.ep=2", "parallel.strategy=fsdp", "parallel.pp=2",
+                          "data.grad_accum=2"), 4, CPU)
+    assert job.dims.name == "pp 2 x fsdp 2 x ep 2"
+    assert job.plan_notes == ["parallel.pp = 2: the planner prices a Mixture-of-Experts "
+                              "model's data and expert parallelism only; its figures for this "
+                              "job leave them out"]
 
 
 # --- the planner counts what training builds ----------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -233,7 +234,8 @@ def test_an_all_to_all_bound_run_is_told_about_its_experts(tmp_path: Path):
         r.update(sync_s=0.3, compute_s=0.3, a2a_s=0.25, ep_imbalance=1.2)
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     plan = json.loads((run / "plan.json").read_text())
-    (run / "plan.json").write_text(json.dumps({**plan, "moe_imbalance": 1.25}))
+    plan.update(moe_imbalance=1.25, all_to_all_s=0.1 * plan["step"]["total"])  # 10 % planned
+    (run / "plan.json").write_text(json.dumps(plan))
     report = analyse(load_run(run))
     advice = {a.title: a for a in report.advice}
     assert "communication-bound" not in advice  # 6 x 0.05 s of 6.5 s: under 10 %
@@ -242,6 +244,11 @@ def test_an_all_to_all_bound_run_is_told_about_its_experts(tmp_path: Path):
     assert "a smaller parallel.ep" in advice["all-to-all-bound"].change
     check = {c.name: c for c in report.plan_vs_actual}["expert load imbalance"]
     assert (check.planned, check.actual) == (1.25, 1.2)
+    # The all-to-alls' share of a step, planned and measured (the median calm step's).
+    share = {c.name: c for c in report.plan_vs_actual}["all-to-all share"]
+    calm_shares = sorted(0.25 / r["step_s"] for r in recs if not r.get("ckpt_s"))
+    assert share.planned == pytest.approx(0.1)
+    assert share.actual == pytest.approx(statistics.median(calm_shares))
     assert any("all-to-alls" in note and "0.25 s a step" in note for note in report.notes)
 
 

@@ -65,6 +65,10 @@ def check_scaling(ctx: Context) -> CheckResult:
     if ctx.world == 1:
         why = "one worker: nothing to compare (run with --nproc 2 or more)"
         return CheckResult.skipped("scaling", title, why)
+    if ctx.job.dims.ep > 1:  # before hsdp: ddp with ep runs as FSDP2's replication
+        why = ("expert parallelism needs its ep workers: fewer workers would be another "
+               "layout")
+        return CheckResult.skipped("scaling", title, why)
     if ctx.job.dims.hybrid:
         why = "hsdp needs whole nodes: fewer workers would be another strategy"
         return CheckResult.skipped("scaling", title, why)

@@ -59,7 +59,7 @@ class Simulation:
 
 
 def simulate_layout(
-    shape: GPTShape | ModelProfile,
+    shape: GPTShape | MoEShape | ModelProfile,
     dims: ParallelDims,
     precision: str = "fp32",
     micro_batch: int = 1,
@@ -70,11 +70,15 @@ def simulate_layout(
     sequence_parallel: bool = True,
     lora: LoraPlan | None = None,
 ) -> Simulation:
-    """The peak of one steady-state training step of a GPT of `shape` (or of the module a
-    ModelProfile was read from, on a micro-batch of its sample) on rank 0 of a layout that
-    `simulated` accepts: its mesh over the fake process group of dims.world ranks, tensor
-    parallelism with the model's own plan (sequence parallel unless told); with `lora`,
-    the model as the LoRA converter (models.lora) turns it."""
+    """The peak of one steady-state training step of a GPT or a Mixture-of-Experts model of
+    `shape` (or of the module a ModelProfile was read from, on a micro-batch of its sample)
+    on rank 0 of a layout that `simulated` accepts, as the runtime runs it
+    (ParallelDims.runnable): its mesh over the fake process group of dims.world ranks,
+    tensor parallelism with the model's own plan (sequence parallel unless told), expert
+    parallelism with the model's ExpertParallel (rank 0's experts; fake tensors carry no
+    routing to exchange, so its rows stay and its experts run an even share of them, as
+    balanced routing would hand it); with `lora`, the model as the LoRA converter
+    (models.lora) turns it."""
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -91,12 +95,16 @@ def simulate_layout(
 
     if not simulated(dims):
         raise ValueError(f"cannot simulate {layout_name(dims)}; simulated: {', '.join(SIMULATED)}")
+    dims = dims.runnable()
     world = dims.world
     device = torch.device("cpu")
     optim_cfg = OptimConfig(name=optimizer)
     # The model is a DTensor one (tracked by FSDPMemTracker) unless it is plain or DDP's.
-    dtensors = dims.fsdp or dims.tp > 1
+    dtensors = dims.fsdp or dims.tp > 1 or dims.ep > 1
     warnings.filterwarnings("ignore", message="DTensor random operators")
+    # The experts' even runs on fake tensors are a view of their output (models/moe/
+    # layers.py _padded), which the layer only reads.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
 
     with _fake_world(dist, FakeStore, world), _ddp_on_fake_tensors():
         # Built on meta outside the fake mode (the model's meta -> to_empty swap fails inside
@@ -111,9 +119,10 @@ def simulate_layout(
             tp_plan = bundle.tp_plan(sequence_parallel) if dims.tp > 1 and bundle.tp_plan else None
             if tp_plan is not None:
                 tp_plan = adapt_tp_plan(model, tp_plan, converters)
+            ep_plan = bundle.ep_plan(model, None) if dims.ep > 1 and bundle.ep_plan else None
             model = parallelize(
                 model, blocks, dims, device=device, precision=precision,
-                reduce_dtype=reduce_dtype, ac=ac, tp_plan=tp_plan, mesh=mesh,
+                reduce_dtype=reduce_dtype, ac=ac, tp_plan=tp_plan, mesh=mesh, ep_plan=ep_plan,
             )
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=device)
@@ -147,25 +156,30 @@ def simulate_layout(
     return Simulation(layout_name(dims), world, peak, parts)
 
 
-def _bundle(what: GPTShape | ModelProfile, seq_len: int | None):
+def _bundle(what: GPTShape | MoEShape | ModelProfile, seq_len: int | None):
     """(the model's bundle, built on the current device, and a function making a
-    micro-batch (x, y)): a GPT of a shape on token ids of `seq_len` (default its own), or
-    the module a profile was read from, on its sample."""
+    micro-batch (x, y)): a GPT or a MoE model (the runtime's bundle, models.moe.build:
+    its loss, tensor- and expert-parallel plans) of a shape on token ids of `seq_len`
+    (default its own), or the module a profile was read from, on its sample."""
     import torch
 
     from trainwise.models.gpt import GPT
     from trainwise.models.gpt_parallel import gpt_tp_plan
-    from trainwise.models.registry import ModelBundle, cross_entropy_loss
+    from trainwise.models.moe.build import moe_bundle
+    from trainwise.models.registry import ModelBundle, ModelSpec, cross_entropy_loss
 
     if isinstance(what, ModelProfile):
         return what.rebuild(), what.sample
     seq = seq_len or what.max_seq_len
-    gpt = GPT(replace(what, max_seq_len=max(seq, what.max_seq_len)))
+    sized = replace(what, max_seq_len=max(seq, what.max_seq_len))
 
     def ids(micro_batch: int):
         shape = (micro_batch, seq)
         return torch.randint(0, what.vocab_size, shape), torch.randint(0, what.vocab_size, shape)
 
+    if isinstance(what, MoEShape):
+        return moe_bundle(sized, ModelSpec(name="moe")), ids
+    gpt = GPT(sized)
     tp = partial(gpt_tp_plan, gpt)
     return ModelBundle(gpt, cross_entropy_loss, list(gpt.blocks), what, tp_plan=tp), ids
 
@@ -406,10 +420,8 @@ def simulate_plan(plan, progress=None, rows: list | None = None) -> list[dict]:
 
     w = plan.inputs.workload
     # Your own module is simulated itself (as it trains), on its sample; a Mixture-of-
-    # Experts model as the runtime reads it, through its profile.
-    what = w.profile if w.profile is not None else w.shape
-    if w.moe is not None:
-        what = _moe_profile(w.moe, w.seq_len, w.micro_batch)
+    # Experts model as the runtime builds it, with its expert-parallel plan.
+    what = w.profile if w.profile is not None else w.moe or w.shape
     if what is None:
         raise ValueError("a bare parameter count has no model to simulate")
     if w.profile is not None and w.profile.sample is None:
@@ -453,25 +465,16 @@ def simulate_plan(plan, progress=None, rows: list | None = None) -> list[dict]:
     return out
 
 
-def _moe_profile(shape: MoEShape, seq_len: int, micro_batch: int) -> ModelProfile:
-    """The profile of trainwise's MoE model of `shape` (models.moe), on token ids of
-    `seq_len`, for simulate_layout."""
-    from trainwise.models.moe.model import MoEModel
-    from trainwise.models.profile import profile_model
-
-    return profile_model(lambda: MoEModel(shape), seq_len=seq_len, vocab_size=shape.vocab_size,
-                         micro_batch=micro_batch)
-
-
 def simulated(dims: ParallelDims, virtual: int = 1) -> bool:
-    """Whether one fake rank can play the layout: single, ddp, FSDP, with tensor
-    parallelism or without (not hsdp: FSDP2's replication fails on the fake process group;
-    not cpu offload: host memory is not tracked); pipeline stages of one rank each (no
-    data or tensor parallelism inside a stage), one stage per rank."""
+    """Whether one fake rank can play the layout as the runtime runs it (runnable): single,
+    ddp, FSDP, with tensor parallelism or without, with the experts split over ep or not
+    (not hsdp, nor ddp with ep, which runs as FSDP2's replication: that fails on the fake
+    process group; not cpu offload: host memory is not tracked); pipeline stages of one
+    rank each (no data or tensor parallelism inside a stage), one stage per rank."""
     if dims.pp > 1:
         return dims.dp_size == 1 and dims.tp == 1 and virtual == 1
-    # Not expert parallelism yet: the runtime does not split the experts.
-    return not dims.hybrid and not dims.cpu_offload and dims.ep == 1
+    runs = dims.runnable()
+    return not runs.hybrid and not runs.cpu_offload
 
 
 SIMULATED = tuple(n for n in PLAN_NAMES if simulated(row_layout(n)))  # the planner's rows

@@ -49,13 +49,16 @@ def describe(m: MemoryEstimate) -> str:
 
 def runtime_allowed(
     shard: str, dp_shard: int | None, tp: int = 1, accumulate: str = "auto", pp: int = 1,
+    ep: int = 1,
 ) -> Allowed:
     """What `auto` may choose: everything the planner prices (the runtime runs all of it),
     with the job's own micro-batch, accumulation steps, checkpointing, parallel.shard,
-    parallel.tp and, when given, parallel.dp_shard and parallel.accumulate: facts of the job
-    the search takes as given. The tensor-parallel degree is the job's because it sets the
-    data-parallel size and so the samples per step; `trainwise plan` recommends one."""
-    parallel = ParallelConfig(shard=shard, dp_shard=dp_shard, tp=tp, accumulate=accumulate, pp=pp)
+    parallel.tp, parallel.ep and, when given, parallel.dp_shard and parallel.accumulate:
+    facts of the job the search takes as given. The tensor-parallel degree is the job's
+    because it sets the data-parallel size and so the samples per step; `trainwise plan`
+    recommends one, and an ep."""
+    parallel = ParallelConfig(shard=shard, dp_shard=dp_shard, tp=tp, accumulate=accumulate, pp=pp,
+                              ep=ep)
     return user_allowed(JobConfig(parallel=parallel))
 
 

@@ -6,7 +6,9 @@ From a `trainwise train` run directory: the achieved compute rate as a share of 
 device's peak, from job.json (FLOPs per token, recomputation, peak) and the steady steps of
 metrics.jsonl (compute and optimizer seconds); and, against the run's own plan.json, the
 link rate its exposed gradient sync achieved, the memory its runtime added beyond the
-planned tensors (CPU), and the fixed latency of its checkpoint saves (events.jsonl). From a
+planned tensors (CPU), and the fixed latency of its checkpoint saves (events.jsonl); from a
+Mixture-of-Experts run with its experts split (parallel.ep > 1), the load imbalance its
+routing measured (summary.json `ep_imbalance`, models.moe.load), for `moe.imbalance`. From a
 `trainwise doctor` run: what doctor.json holds (doctor.result.DoctorRecord): the bus
 bandwidth per link class, the loader's rate, the checkpoint latency and write speed, the
 efficiency of the job's timed steps, the runtime's memory, the launch latency.
@@ -20,12 +22,15 @@ Pure file reading: no torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, find_gpu
@@ -59,6 +64,10 @@ class Calibration:
     step_s: float | None = None  # a train run's median steady step, checkpoints aside
     save_s: float | None = None  # and its median checkpoint save
     launch_s: float | None = None  # the launcher's start to every worker joined
+    # A Mixture-of-Experts run's busiest expert-parallel rank's routed tokens over the
+    # mean (summary.json ep_imbalance), for moe.imbalance, and its ep degree.
+    moe_imbalance: float | None = None
+    moe_ep: int | None = None
     # Achieved efficiency per GEMM shape, measured on CUDA (trainwise.doctor.gemm's
     # measure_gemm_table); None until a doctor on CUDA measured it.
     gemm: GemmTable | None = None
@@ -126,7 +135,7 @@ def read_calibration(run_dir: str | Path, where: str = "") -> Calibration:
     cal = Calibration(source=str(run_dir))
     found = False
     if (path / "job.json").is_file() and (path / "metrics.jsonl").is_file():
-        cal = _from_train(path, where, cal)
+        cal = _moe_load(path, where, _from_train(path, where, cal))
         found = True
     if (path / "doctor.json").is_file():
         cal = _from_doctor(path, where, cal)
@@ -252,6 +261,20 @@ def _save_latency(path: Path, plan: RunPlanFigures, nodes: int) -> float | None:
     )
 
 
+def _moe_load(path: Path, where: str, cal: Calibration) -> Calibration:
+    """A Mixture-of-Experts run's measured load imbalance (summary.json's ep_imbalance: the
+    steady steps' median) and the ep it was measured over (config.toml's parallel.ep);
+    unchanged for a dense run or one without its experts split (no ep_imbalance)."""
+    summary = path / "summary.json"
+    imbalance = _json(summary, where).get("ep_imbalance") if summary.is_file() else None
+    if imbalance is None:
+        return cal
+    ep = None  # unread: the note then names no degree
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        ep = tomllib.loads((path / "config.toml").read_text())["parallel"]["ep"]
+    return replace(cal, moe_imbalance=float(imbalance), moe_ep=ep)
+
+
 def _from_doctor(path: Path, where: str, cal: Calibration) -> Calibration:
     record = _json(path / "doctor.json", where)
     bandwidth = record.get("bandwidth") or {}
@@ -346,6 +369,7 @@ def apply_calibration(inputs: PlanInputs, cal: Calibration) -> tuple[PlanInputs,
     if cal.launch_s is not None:
         said.append(f"starting the workers took {cal.launch_s:.3g} s, measured in {cal.source}")
     inputs, said = _runtime_memory(inputs, cal, said)
+    inputs, said = _expert_load(inputs, cal, said)
     if cal.gemm is not None:
         said.append(
             f"GEMM rates of {len(cal.gemm.shapes)} shapes measured on {cal.gemm.device} in "
@@ -362,6 +386,27 @@ def _assumed(efficiency: float | None) -> str:
 def _same_device(cal: Calibration, gpu: str) -> bool:
     measured_on = find_gpu(cal.device) if cal.device else None
     return measured_on is not None and measured_on.name == gpu.split(" ")[0]
+
+
+def _expert_load(
+    inputs: PlanInputs, cal: Calibration, said: list[str]
+) -> tuple[PlanInputs, list[str]]:
+    """A run's measured expert load imbalance in place of moe.imbalance, for a plan of a
+    Mixture-of-Experts model (its routing, not the machine's: a dense plan ignores it)."""
+    w = inputs.workload
+    if cal.moe_imbalance is None:
+        return inputs, said
+    if w.moe is None:
+        return inputs, said + [
+            f"the expert load imbalance measured in {cal.source} is not applied: this plan's "
+            "model has no experts"
+        ]
+    over = f" over {cal.moe_ep} expert-parallel ranks" if cal.moe_ep else ""
+    said = said + [
+        f"expert load imbalance {cal.moe_imbalance:.3g} (the busiest rank's routed tokens over "
+        f"the mean) measured{over} in {cal.source} (assumed moe.imbalance {w.imbalance:.3g})"
+    ]
+    return replace(inputs, workload=replace(w, imbalance=cal.moe_imbalance)), said
 
 
 def _runtime_memory(

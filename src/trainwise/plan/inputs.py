@@ -442,10 +442,24 @@ def _moe_model(cfg: JobConfig, shape: MoEShape | None = None) -> tuple[int, MoES
     return shape.num_params(), shape, name
 
 
+def moe_unpriced(cfg: JobConfig) -> list[tuple[str, str]]:
+    """The job's settings the planner's MoE model leaves out, each as (`key = value`, the
+    fix): it prices data and expert parallelism, not tensor parallelism, pipeline stages,
+    LoRA or CPU offload of a MoE model yet. `trainwise plan` refuses them (moe_problems);
+    the runtime, which runs them, prices the job without them and says so."""
+    par = cfg.parallel
+    out = [(f"{key} = {value}", f"use {key} = 1")
+           for key, value in (("parallel.tp", par.tp), ("parallel.pp", par.pp)) if value > 1]
+    if cfg.lora.rank > 0:
+        out.append((f"lora.rank = {cfg.lora.rank}", "use lora.rank = 0"))
+    if par.cpu_offload:
+        out.append(("parallel.cpu_offload = true", "remove it"))
+    return out
+
+
 def moe_problems(cfg: JobConfig, shape: MoEShape) -> list[str]:
     """What the planner cannot price for the MoE model `shape`, one line each: an ep that
-    does not divide its experts, tensor parallelism, pipeline stages, LoRA, CPU offload
-    (not modelled for MoE yet)."""
+    does not divide its experts, and what moe_unpriced names."""
     par, name = cfg.parallel, cfg.model.name
     out = []
     if shape.moe.experts % par.ep:
@@ -453,18 +467,8 @@ def moe_problems(cfg: JobConfig, shape: MoEShape) -> list[str]:
             f"parallel.ep = {par.ep} does not divide the {shape.moe.experts} experts of "
             f"{name}: choose a divisor of them"
         )
-    for key, value in (("parallel.tp", par.tp), ("parallel.pp", par.pp)):
-        if value > 1:
-            out.append(
-                f"{key} = {value}: the planner prices {name} (Mixture-of-Experts) with data "
-                f"and expert parallelism only; use {key} = 1"
-            )
-    if cfg.lora.rank > 0:
-        out.append(f"lora.rank = {cfg.lora.rank}: the planner prices no LoRA on a "
-                   f"Mixture-of-Experts model ({name}); use lora.rank = 0")
-    if par.cpu_offload:
-        out.append(f"parallel.cpu_offload = true: CPU offload is not priced for a "
-                   f"Mixture-of-Experts model ({name}); remove it")
+    out += [f"{setting}: the planner prices {name} (Mixture-of-Experts) with data and expert "
+            f"parallelism only; {fix}" for setting, fix in moe_unpriced(cfg)]
     return out
 
 

@@ -390,6 +390,16 @@ def plan_vs_actual(run: RunFiles, stages: StageSplit, notes: list[str]) -> list[
             defaults=defaults,
         ),
     ]
+    # Expert parallelism's all-to-alls, as a share of the step (the plan's share of its
+    # step; the run's median step's).
+    a2a = _median([r.a2a_s / r.step_s for r in calm(run.records) if r.a2a_s and r.step_s])
+    if a2a is not None and plan.all_to_all_s is not None:
+        rows.append(_check(
+            "all-to-all share", "share", plan.all_to_all_s / plan.step.total, a2a,
+            "the all-to-all's link rate (the plan's intra- and inter-node links; trainwise "
+            "doctor times all_to_all_single) and moe.imbalance",
+            defaults=defaults,
+        ))
     # The steady steps' (a checkpoint stall does not change the routing), as summary.json.
     imbalance = _median([r.ep_imbalance for r in steady(run.records) if r.ep_imbalance])
     if imbalance is not None:

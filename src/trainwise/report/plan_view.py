@@ -162,7 +162,7 @@ def headline(plan: Plan) -> str:
     if w.moe is not None:
         m, active = w.moe.moe, w.moe.active_params()
         count = f"{active / 1e9:.2f}B" if active >= 1e8 else f"{active:,}"
-        shape += f", {count} active: {m.experts} experts, top {m.top_k}, imbalance {w.imbalance:g}"
+        shape += f", {count} active: {m.experts} experts, top {m.top_k}, imbalance {w.imbalance:.3g}"
     batch = f"global batch {i.global_batch}" if i.global_batch else "global batch = micro x GPUs"
     return (
         f"{i.model} ({shape}), seq {w.seq_len}, micro-batch {w.micro_batch}, {batch}, "

@@ -25,6 +25,8 @@ def _num(x: float | None, unit: str) -> str:
         return fmt_seconds(x) + " s"
     if unit == "x":  # a ratio (the experts' load imbalance)
         return f"{x:.2f} x"
+    if unit == "share":  # of the step
+        return f"{x:.1%}"
     return f"{x:,.0f} {unit}"
 
 

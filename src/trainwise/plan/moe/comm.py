@@ -101,6 +101,12 @@ def all_to_all_collective(w: Workload, dims: ParallelDims, layout: Layout,
                               (dims.ep, 1), calls, per_micro_batch=True)]
 
 
+def all_to_all_seconds(collectives: list[Collective]) -> float:
+    """The seconds of a step's dispatch and combine among a plan's collectives (the step
+    waits for all of them): what a run's a2a_s measures."""
+    return sum(c.seconds for c in collectives if c.name == ALL_TO_ALL)
+
+
 def moe_communication(
     inputs: PlanInputs, setup: Setup, w: Workload, compute: float
 ) -> tuple[list[Collective], float, float]:

@@ -57,13 +57,12 @@ class ExpertLayout:
 
 
 def expert_layout(dims: ParallelDims) -> ExpertLayout:
-    """torchtitan's sparse mesh (pp, dp_replicate, efsdp, ep): under FSDP efsdp = dp_shard
-    / ep and the replica groups replicate; without FSDP (or with ep borrowing replicas
-    too) every data-parallel rank outside the ep group holds a copy."""
-    ep = dims.ep
-    if dims.fsdp and dims.dp_shard % ep == 0:
-        return ExpertLayout(ep, dims.dp_shard // ep, dims.dp_replicate)
-    return ExpertLayout(ep, 1, dims.dp_size // ep)
+    """The experts' split as the runtime builds its mesh: ParallelDims.expert_dims, the one
+    statement of it (torchtitan's sparse mesh: under FSDP with ep dividing dp_shard, efsdp
+    = dp_shard / ep and the replica groups replicate; otherwise every data-parallel rank
+    outside the ep group holds a copy)."""
+    replicas, shards = dims.expert_dims()
+    return ExpertLayout(dims.ep, shards, replicas)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +66,14 @@ from trainwise.plan.inputs import (
     config_workload,
     job_inputs,
     lora_plan,
+    moe_unpriced,
     unknown_device_inputs,
 )
 from trainwise.plan.model.flops import flops_per_token, recompute_factor
 from trainwise.plan.model.lora import param_counts
 from trainwise.plan.model.memory import replica_memory
 from trainwise.plan.model.performance import CalibratedModel, model_of
+from trainwise.plan.moe.comm import all_to_all_seconds
 from trainwise.plan.record import strategy_record
 from trainwise.records import JobRecord
 from trainwise.run.job.workload import job_datasets, job_profile, job_spec
@@ -147,6 +149,12 @@ class Job:
         return flops_per_token(self.shape, self.cfg.data.seq_len, lora_plan(self.cfg))
 
     @property
+    def n_layer(self) -> int:
+        """The model's blocks (1 when no shape knows them)."""
+        shape = self.shape or self.moe
+        return shape.n_layer if shape else 1
+
+    @property
     def lora_counts(self) -> tuple[int | None, int | None]:
         """(trainable, total) parameters under LoRA, counted from the model's shape;
         (None, None) without LoRA or without a shape."""
@@ -184,8 +192,7 @@ class Job:
             tokens_per_step=self.tokens_per_step,
             flops_per_token=self.flops_per_token,
             recompute_factor=recompute_factor(
-                self.cfg.parallel.ac, self.shape.n_layer if self.shape else 1,
-                self.cfg.lora.rank > 0,
+                self.cfg.parallel.ac, self.n_layer, self.cfg.lora.rank > 0
             ),
             peak_flops_per_device=self.device.peak_flops(self.cfg.precision.dtype),
             precision=self.cfg.precision.dtype,
@@ -293,14 +300,17 @@ def prepare_job(
     if problems + more:  # the data's problems alone: a DataError
         raise (DataError if more == bad_data and not problems else ConfigError)(problems + more)
 
-    workload = config_workload(c, data.params, data.shape, profile=data.profile)
+    # A Mixture-of-Experts model is priced by its shape (plan/moe), as `trainwise plan`
+    # prices it, with the job's moe.imbalance and its parallel.ep kept by the search.
+    workload = config_workload(c, data.params, data.shape, profile=data.profile, moe=data.moe)
     device_bytes = device_budget(c, device, local)
     view = planner_view(c, workload, world, local, device, device_bytes, accum)
-    calibration, plan_notes = None, []
+    calibration, plan_notes = None, moe_pricing_notes(c, data.moe)
     if view is not None:  # the given calibration, or this machine kind's default file
-        calibration, plan_notes = machine_calibration(
+        calibration, found = machine_calibration(
             c.plan.calibration, view.hardware.gpu, f"plan.calibration = {c.plan.calibration!r}"
         )
+        plan_notes += found
     elif c.plan.calibration not in (None, NO_CALIBRATION):
         calibration = read_calibration(c.plan.calibration, where=f"plan.calibration = "
                                        f"{c.plan.calibration!r}")
@@ -313,15 +323,6 @@ def prepare_job(
     setup = decision.setup
     assert setup is not None
     dims = setup.dims.runnable()
-    if dims.ep != c.parallel.ep:
-        # A chooser that does not weigh expert parallelism (auto before the planner prices
-        # it) chose a dense layout: the job's ep runs on it (checked against it here).
-        dims = replace(dims, ep=c.parallel.ep).runnable()
-        plan_notes.append(
-            f"the planner chose the layout without parallel.ep = {c.parallel.ep} (priced as "
-            "its dense layout, every rank holding every expert); the experts run split over "
-            f"{c.parallel.ep} ranks"
-        )
     return Job(
         cfg=c,
         world=world,
@@ -390,7 +391,7 @@ class JobData:
     params: int
     shape: GPTShape | None
     profile: ModelProfile | None = None  # a model without a shape, read from its module
-    moe: MoEShape | None = None  # a Mixture-of-Experts model's shape (priced by its profile)
+    moe: MoEShape | None = None  # a Mixture-of-Experts model's shape (priced by it)
 
 
 def data_and_model(c: JobConfig, problems: list[str]) -> JobData:
@@ -417,7 +418,8 @@ def data_and_model(c: JobConfig, problems: list[str]) -> JobData:
         # A model without a formula (your own, a transformers one) is read from its module
         # and measured on the data: its blocks are the FSDP units the plan prices.
         shape, moe = resolve_shape(spec), resolve_moe_shape(spec)
-        profile = None if shape is not None else job_profile(c, spec, train_ds)
+        known = shape is not None or moe is not None  # priced by its shape
+        profile = None if known else job_profile(c, spec, train_ds)
         params = profile.params if profile is not None else count_parameters(spec)
     except ConfigError as err:
         raise joined(problems, err) from None
@@ -558,6 +560,17 @@ def expert_problems(c: JobConfig, moe: MoEShape | None) -> list[str]:
     return []
 
 
+def moe_pricing_notes(c: JobConfig, moe: MoEShape | None) -> list[str]:
+    """What the planner's figures for the job's MoE model leave out (plan.inputs.
+    moe_unpriced: it runs them, the planner's MoE model does not price them yet), one
+    sentence; none for a dense model."""
+    unpriced = [setting for setting, _ in moe_unpriced(c)] if moe is not None else []
+    if not unpriced:
+        return []
+    return [f"{', '.join(unpriced)}: the planner prices a Mixture-of-Experts model's data and "
+            "expert parallelism only; its figures for this job leave them out"]
+
+
 def pipeline_problems(c: JobConfig, data: JobData, accum: int) -> list[str]:
     """What keeps the job from running parallel.pp stages, one line each: a model that
     does not split (models.pipeline cuts the built-in GPT, and your own module that keeps
@@ -670,8 +683,9 @@ def job_plan(job: Job) -> dict[str, Any] | None:
     c = job.cfg
     # The job's own layout and knobs (its shard groups need not be one per machine).
     setup = job_setup(c, job.dims, job.grad_accum, job.accumulate)
+    priced = price(inputs, setup)
     return {
-        **strategy_record(price(inputs, setup)),  # named as the planner's rows: tp2 + fsdp-full
+        **strategy_record(priced),  # named as the planner's rows: tp2 + fsdp-full
         "layout": job.dims.describe(),
         "accumulate": job.accumulate,
         "efficiency": inputs.efficiency,
@@ -688,9 +702,10 @@ def job_plan(job: Job) -> dict[str, Any] | None:
         "calibration_source": job.calibration.source if job.calibration else None,
         "calibration_step_s": job.calibration.step_s if job.calibration else None,
         "calibration_save_s": job.calibration.save_s if job.calibration else None,
-        # The experts' load imbalance priced (moe.imbalance, the planner's key of issue
-        # 34, where the config has it), which the report sets the run's measured one beside.
-        "moe_imbalance": getattr(c.moe, "imbalance", None) if job.moe is not None else None,
+        # The experts' load imbalance priced (moe.imbalance, or a calibration's) and the
+        # all-to-alls' seconds, which the report sets the run's measured ones beside.
+        "moe_imbalance": inputs.workload.imbalance if job.moe is not None else None,
+        "all_to_all_s": all_to_all_seconds(priced.collectives) if job.dims.ep > 1 else None,
         # The other strategies on the same workers, for the report's advice. Only beside a
         # data-parallel layout: they run more samples a step than a tensor-parallel or
         # pipelined one.
