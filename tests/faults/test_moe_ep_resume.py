@@ -112,4 +112,4 @@ def test_a_calibration_takes_the_runs_expert_imbalance(workdir: Path, ep_run: Pa
     plan = json.loads(made.stdout)
     assert plan["inputs"]["moe"]["imbalance"] == pytest.approx(summary["ep_imbalance"])
     assert any("expert load imbalance" in n and "over 2 expert-parallel ranks" in n
-               for n in plan["calibration"])
+               for n in plan["inputs"]["calibration"])

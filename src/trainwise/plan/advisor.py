@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.config.schema import JobConfig, ParallelConfig
-from trainwise.plan.constraints import user_allowed
+from trainwise.plan.constraints import check_allowed, user_allowed
 from trainwise.plan.estimate import SIMPLER_WITHIN, price
 from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.model.memory import MemoryEstimate, replica_memory
@@ -64,7 +64,9 @@ def runtime_allowed(
 
 def decide_auto(inputs: PlanInputs, allowed: Allowed) -> Decision:
     """`auto`: the planner's search (plan.search.recommend, the one chooser `trainwise plan`
-    prints) over what the runtime can run, as the runtime's Decision with its sentence."""
+    prints) over what the runtime can run, as the runtime's Decision with its sentence. A
+    setting no layout can meet is its own line first, as `trainwise plan` says it."""
+    check_allowed(inputs, allowed)
     choice = recommend(inputs, allowed)
     dims, w, world = choice.dims, inputs.workload, inputs.gpus
     device = inputs.hardware.device
