@@ -9,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-busy lint bench clean finetune
+.PHONY: demo test test-busy slow-checks lint bench clean finetune
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,8 +31,12 @@ finetune: $(STAMP)
 TEST_JOBS ?= 3
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not serial" --durations=15 tests
-	$(BIN)/python -m pytest -q -m serial tests
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not serial and not slow_check" --durations=15 tests
+	$(BIN)/python -m pytest -q -m "serial and not slow_check" tests
+
+# The slow checks make test leaves out (marker slow_check): bench/slow_checks.sh.
+slow-checks: $(STAMP)
+	bench/slow_checks.sh
 
 # The same suite beside two CPU-bound busy loops that tests/busy.sh starts and stops: the
 # tests' time limits follow the machine's measured speed (tests/limits.py), so it passes too.

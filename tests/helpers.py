@@ -4,6 +4,7 @@ hang limits of limits.py, re-exported here), and the small models and corpora of
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,15 @@ from limits import (  # noqa: F401 (re-exported: the tests import them from here
     wait_until,
     worker_failure,
 )
+
+SLOW_CHECKS_ENV = "TRAINWISE_SLOW_CHECKS"  # set by bench/slow_checks.sh
+
+
+def slow_checks() -> bool:
+    """Whether this session runs the checks moved out of `make test` (marker slow_check):
+    their modules' shared launches then train the runs those checks compare too."""
+    return os.environ.get(SLOW_CHECKS_ENV) == "1"
+
 
 # Quiet, fast, loopback-only runs: every test job sets these.
 # The tests run up to 4 CPU workers on 2 cores on purpose (layouts, not speed).
