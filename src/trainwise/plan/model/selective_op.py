@@ -17,13 +17,15 @@ Every block is wrapped. Its forward keeps, until its backward:
   (1/tp of the residual stream each).
 Everything else (norms, rotary, GQA's repeat, the activation, the residual adds, autocast's
 casts, the all-gathers before the projections) runs again in backward, as do the other
-half of the matmuls: the elementwise work of the forward and those GEMMs are the recompute,
+half of the matmuls (but the last Linear's: the recomputation stops before it, as nothing
+saves its output): the elementwise work of the forward and those GEMMs are the recompute,
 SDPA is not. While a block runs its backward it holds what it holds without
 checkpointing, as `full` does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 
 from trainwise.config.schema import lora_target_matches
@@ -51,17 +53,27 @@ def block_matmuls(
     return tuple(out)
 
 
-def kept(matmuls: tuple[tuple[str, int, int], ...]) -> tuple[bool, ...]:
-    """Whether each matmul's output is kept: the 1st, 3rd, 5th ... (the runtime's count)."""
+def kept(matmuls: Sequence[object]) -> tuple[bool, ...]:
+    """Whether each of a block's matmuls, in forward order, keeps its output: the 1st,
+    3rd, 5th ... (the runtime's count)."""
     return tuple(i % 2 == 0 for i in range(len(matmuls)))
 
 
 def recomputed_matmuls(
     shape: GPTShape, tp: int = 1, lora: LoraPlan | None = None, index: int = 0
 ) -> list[tuple[int, int]]:
-    """(out, in) of the matmuls of block `index` that its backward runs again."""
+    """(out, in) of the matmuls of block `index` that its backward runs again: those not
+    kept, less the block's last Linear's own matmul and its lora_B. torch.utils.checkpoint
+    stops the recomputation once it has every tensor the backward saved, and nothing
+    saves their outputs (the residual add and LoRA's scaling save none; a dropout after
+    the MLP would save its mask: model.dropout > 0, not modelled, runs them too)."""
     matmuls = block_matmuls(shape, tp, lora, index)
-    return [(o, i) for (_, o, i), keep in zip(matmuls, kept(matmuls), strict=True) if not keep]
+    last = matmuls[-1][0]
+    unneeded = {last, f"{last}.lora_B"}
+    return [
+        (o, i) for (name, o, i), keep in zip(matmuls, kept(matmuls), strict=True)
+        if not keep and name not in unneeded
+    ]
 
 
 @lru_cache(maxsize=1024)

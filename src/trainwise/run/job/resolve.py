@@ -68,7 +68,7 @@ from trainwise.plan.inputs import (
     lora_plan,
     unknown_device_inputs,
 )
-from trainwise.plan.model.flops import flops_per_token, recompute_factor
+from trainwise.plan.model.flops import flops_per_token, recompute_factor, selective_op_share
 from trainwise.plan.model.lora import param_counts
 from trainwise.plan.model.memory import replica_memory
 from trainwise.plan.model.performance import CalibratedModel, model_of
@@ -186,6 +186,7 @@ class Job:
             recompute_factor=recompute_factor(
                 self.cfg.parallel.ac, self.shape.n_layer if self.shape else 1,
                 self.cfg.lora.rank > 0,
+                selective_op_share(self.shape, self.cfg.data.seq_len, lora_plan(self.cfg)),
             ),
             peak_flops_per_device=self.device.peak_flops(self.cfg.precision.dtype),
             precision=self.cfg.precision.dtype,
