@@ -15,11 +15,11 @@ from torch.utils.checkpoint import (
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models import ModelSpec, build_model
-from trainwise.models.checkpointing import checkpoint_block, op_policy
+from trainwise.models.checkpointing import checkpoint_block, checkpointed, op_policy
 from trainwise.models.shapes import PRESETS
 from trainwise.plan.estimate import Setup
 from trainwise.plan.model.flops import recompute_factor, selective_op_share
-from trainwise.plan.model.memory import Workload, estimate_memory
+from trainwise.plan.model.memory import Workload, checkpointed_blocks, estimate_memory
 from trainwise.plan.model.selective_op import block_matmuls, kept, recomputed_matmuls
 
 aten = torch.ops.aten
@@ -130,3 +130,10 @@ def test_the_planner_prices_selective_op_between_none_and_full(preset, seq):
     factors = [recompute_factor(ac, shape.n_layer, False, share)
                for ac in ("none", "selective-op", "full")]
     assert factors == sorted(factors) and len(set(factors)) == 3
+
+
+@pytest.mark.parametrize("ac", ["none", "selective", "full", "selective-op"])
+def test_the_planner_wraps_the_blocks_the_runtime_wraps(ac):
+    for n_layer in (1, 2, 5):
+        runtime = {i for i in range(n_layer) if checkpointed(ac, i)}
+        assert checkpointed_blocks(ac, n_layer) == runtime
