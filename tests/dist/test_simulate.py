@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import hang_limit
+from helpers import hang_limit, slow_checks
 from trainwise.cli.main import main
 from trainwise.config import load_config
 from trainwise.config.parallel_dims import ParallelDims
@@ -55,11 +55,29 @@ LORA_CASES = [
     ("lora", "small", "dp_shard2 x tp2", "fp32", 0.1),
     ("lora", "tiny", "fsdp-grad-op", "fp32", 0.0),
 ]
+# Selective-op checkpointing (issue 35: within 5 %): (preset, layout, world, precision).
+# fp32 FSDP (the kept matmul outputs and SDPA's); bf16 autocast (the 16-bit weight copies
+# a block casts again when recomputed, freed with its backward); dp_shard 2 x tp 2 (the
+# kept reduce-scatters, a column-parallel matmul's slice).
+SELECTIVE_OP_CASES = [
+    ("selective-op", "small", "fsdp-full", 2, "fp32"),
+    ("selective-op", "small", "single", 1, "bf16"),
+    ("selective-op", "small", "dp_shard2 x tp2", 4, "fp32"),
+]
+# A slow check (bench/slow_checks.sh), out of make test: the 4-rank one.
+SLOW_CASES = {SELECTIVE_OP_CASES[2]}
 
 
 # The module fixture simulates every case, two processes at a time: each case about a
 # launch's work (a spawned process's imports, or a model of the small preset on 8 fake ranks).
-pytestmark = pytest.mark.timeout(hang_limit(launches=len(CASES) + len(TP_CASES) + len(LORA_CASES) + 1))
+pytestmark = pytest.mark.timeout(hang_limit(
+    launches=len(CASES) + len(TP_CASES) + len(LORA_CASES) + len(SELECTIVE_OP_CASES) + 1
+))
+
+
+def named_dims(layout: str, world: int) -> ParallelDims:
+    """A TP layout, or a named strategy on `world` ranks (the planner's row)."""
+    return TP_LAYOUTS.get(layout) or ParallelDims.from_plan_name(layout, world, world)
 
 
 def lora_dims(layout: str) -> ParallelDims:
@@ -90,6 +108,10 @@ def tp_formula(preset: str, layout: str):
 
 
 def _simulate(case: tuple) -> object:
+    if case[0] == "selective-op":
+        _, preset, layout, world, precision = case
+        dims = named_dims(layout, world)
+        return simulate_layout(PRESETS[preset], dims, precision, 4, SEQ[preset], ac=case[0])
     if case[0] == "lora":
         _, preset, layout, precision, dropout = case
         lora = LoraPlan(rank=8, dropout=dropout)
@@ -108,7 +130,8 @@ def simulations() -> dict:
     up its own fake process group)."""
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
-        cases = [*LORA_CASES, BF16, *TP_CASES, *CASES]  # the slowest first
+        cases = [*LORA_CASES, *SELECTIVE_OP_CASES, BF16, *TP_CASES, *CASES]  # the slowest first
+        cases = [c for c in cases if c not in SLOW_CASES or slow_checks()]
         return dict(zip(cases, pool.map(_simulate, cases), strict=True))
 
 
@@ -149,6 +172,21 @@ def test_lora_formula_within_5_percent_of_the_simulated_peak(simulations, case):
     # (A full fine-tune's AdamW state is twice its fp32 parameters; rank 8 on tiny's
     # 64-wide layers is a quarter of its parameters, on small's a twelfth.)
     assert sim.parts["optimizer"] < 0.3 * sim.parts["params"]
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=[pytest.mark.slow_check] if c in SLOW_CASES else [])
+    for c in SELECTIVE_OP_CASES
+])
+def test_selective_op_formula_within_5_percent_of_the_simulated_peak(simulations, case):
+    ac, preset, layout, world, precision = case
+    sim = simulations[case]
+    assert sim.world == world
+    w = replace(workload(preset, precision), ac=ac)
+    dims = named_dims(layout, world)
+    est = estimate_memory(w, Setup.of(dims, w), "cpu")
+    assert est.total == pytest.approx(sim.peak_bytes, rel=0.05)
+    assert est.activations == pytest.approx(sim.parts["activations"], rel=0.05)
 
 
 def test_bf16_mixed_precision_within_10_percent(simulations):

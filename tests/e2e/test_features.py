@@ -1,5 +1,6 @@
 """Features through the CLI: your own token file, torch.compile with activation
-checkpointing, a Hugging Face model sharded with FSDP2."""
+checkpointing, selective-op checkpointing's exact losses, a Hugging Face model sharded
+with FSDP2."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 from helpers import QUIET, hang_limit, read_records, run_cli
 from trainwise.data import build_synthetic_corpus, write_token_file
 
-# The compile test's two runs: one compiles (about a launch's work).
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(hang_limit(launches=3, steps=30))]
+# The compile test's three runs: one compiles (about a launch's work).
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(hang_limit(launches=4, steps=30))]
 
 
 def test_training_on_a_token_file(workdir: Path):
@@ -64,6 +65,14 @@ def test_compile_and_activation_checkpointing_match_eager(workdir: Path):
     a = [r["loss"] for r in read_records(workdir / "eager")]
     b = [r["loss"] for r in read_records(workdir / "compiled")]
     assert b == pytest.approx(a, rel=1e-4)
+    # Selective-op (every block under the per-operation policy), eager: the kept outputs
+    # and the recomputed ones are the same numbers, so the losses are no-AC's.
+    op = run_cli(*common, "--run-dir", "selective-op", "--set", "parallel.ac='selective-op'",
+                 cwd=workdir)
+    assert op.returncode == 0, op.stderr[-3000:]
+    c = [r["loss"] for r in read_records(workdir / "selective-op")]
+    assert len(c) == len(a) == 4
+    assert c == pytest.approx(a, abs=1e-6, rel=0)
 
 
 def test_a_hugging_face_config_trains_sharded(workdir: Path):

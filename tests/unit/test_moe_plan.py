@@ -143,9 +143,10 @@ def test_expert_parallelism_wins_when_each_rank_routes_few_tokens():
 def test_expert_parallelism_does_not_win_with_few_large_experts():
     """Mixtral 8x7B on 64 H100, 8 x 4096 tokens a GPU: each of the 8 experts already sees
     8,192 rows (efficient GEMMs) and FSDP's gathers hide behind the compute, so ep only
-    adds the all-to-all: within 1 % at best, and the simpler layout, ep 1, is chosen (at
-    the same checkpointing, full: ep's smaller expert shards can also buy a lighter one,
-    another question)."""
+    adds the all-to-all: within 1 % at best, and the simpler layout, ep 1, is chosen.
+    Checkpointing is held at full, as both sides choose it without selective-op: with
+    selective-op's larger activations, parameters kept gathered (fsdp-grad-op) fit beside
+    ep's eighth of the experts only, a gain of memory rather than of the all-to-all's."""
     best, flat = best_and_without_ep("full", **{"model.name": "mixtral-8x7b", "plan.gpus": 64,
                                                 "data.seq_len": 4096, "data.global_batch": 512})
     assert best.dims.ep == 1 and best.plan.tokens_per_s == flat.plan.tokens_per_s

@@ -25,7 +25,7 @@ def grads_after_one_step(ac: str, dropout: float) -> list[torch.Tensor]:
 
 def test_checkpointed_blocks_recompute_the_same_dropout_masks():
     eager = grads_after_one_step("none", dropout=0.3)
-    for ac in ("full", "selective"):
+    for ac in ("full", "selective", "selective-op"):
         rerun = grads_after_one_step(ac, dropout=0.3)
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(eager, rerun, strict=True))
 

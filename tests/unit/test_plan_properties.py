@@ -28,7 +28,7 @@ jobs = st.fixed_dictionaries(
         "data.micro_batch": st.integers(1, 8),
         "data.global_batch": st.sampled_from([None, 64, 512, 1024]),
         "precision.dtype": st.sampled_from(["fp32", "bf16"]),
-        "parallel.ac": st.sampled_from(["none", "selective", "full"]),
+        "parallel.ac": st.sampled_from(["none", "selective", "full", "selective-op"]),
         "optim.name": st.sampled_from(["adamw", "sgd"]),
         "plan.gpus": st.sampled_from([1, 2, 4, 8, 16, 64, 256]),
         "cluster.inter_node_gbps": st.floats(0.1, 200),

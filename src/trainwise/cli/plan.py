@@ -30,7 +30,7 @@ FLAGS: list[tuple[str, str, type, str]] = [
     ("--tokens", "plan.tokens", str, "tokens to train in total (e.g. 2e12), or 'chinchilla'"),
     ("--precision", "precision.dtype", str, "fp32, bf16 or fp16"),
     ("--optimizer", "optim.name", str, "adamw or sgd"),
-    ("--ac", "parallel.ac", str, "activation checkpointing: none, selective or full"),
+    ("--ac", "parallel.ac", str, "activation checkpointing: none, selective, full or selective-op"),
     ("--gpu", "cluster.gpu", str, "GPU type from the hardware catalog"),
     ("--gpu-mem-gb", "cluster.device_memory_gb", float, "custom GPU: memory in GB"),
     ("--gpu-tflops", "cluster.gpu_tflops", float, "custom GPU: dense peak TFLOP/s"),

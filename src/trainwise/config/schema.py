@@ -320,9 +320,12 @@ class ParallelConfig(Section):
         "(gradients stay sharded); unsharded = once per step (full gradients between "
         "micro-batches); auto = the planner's choice.",
     )
-    ac: Literal["none", "selective", "full"] = Field(
+    ac: Literal["none", "selective", "full", "selective-op"] = Field(
         "none",
-        description="Activation checkpointing: full = every block, selective = every other block.",
+        description="Activation checkpointing: full = every block recomputed, selective = "
+        "every other block, selective-op = every block keeps the outputs of attention, every "
+        "other matmul and tensor parallelism's reduce-scatters and recomputes the rest "
+        "(torchtitan's per-operation policy).",
     )
     headroom: float = Field(
         0.05,

@@ -387,19 +387,11 @@ def _activation_tracker():
 
 
 def _checkpoint(module: nn.Module, blocks: list[nn.Module], ac: str) -> None:
-    """Wrap the blocks in activation checkpointing as run.engine.parallelize.apply_ac does:
-    `full` every block, `selective` every other one."""
-    if ac == "none":
-        return
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    """Wrap the blocks in activation checkpointing as the runtime does."""
+    if ac != "none":
+        from trainwise.models.checkpointing import checkpoint_blocks
 
-    wrapped = {id(b) for i, b in enumerate(blocks) if ac == "full" or i % 2 == 0}
-    places = [
-        (parent, name, child) for parent in module.modules()
-        for name, child in parent.named_children() if id(child) in wrapped
-    ]
-    for parent, name, child in places:
-        setattr(parent, name, checkpoint_wrapper(child, preserve_rng_state=True))
+        checkpoint_blocks(module, list(blocks), ac)
 
 
 def _autocast(precision: str):

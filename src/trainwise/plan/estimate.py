@@ -30,6 +30,7 @@ from trainwise.plan.model.flops import (
     model_flops_per_token,
     model_layers,
     recompute_factor,
+    selective_op_share,
 )
 from trainwise.plan.model.gemm import GENERATIONS
 from trainwise.plan.model.lora import rank_split
@@ -49,6 +50,7 @@ from trainwise.plan.model.pipeline import (
     zb_passes,
 )
 from trainwise.plan.model.precision import MASTER_BYTES, OPTIMIZER_STATE_BYTES
+from trainwise.plan.model.selective_op import SELECTIVE_OP, recomputed_collectives
 from trainwise.plan.model.setup import Setup
 from trainwise.plan.model.tensor_parallel import (
     tp_collectives,
@@ -384,9 +386,12 @@ def _communication(
         exposed = sum(c.seconds for c in collectives)
     n_layer = model_layers(w.shape, w.profile)
     recomputed = len(checkpointed_blocks(w.ac, n_layer)) if w.shape else 0
+    if w.ac == SELECTIVE_OP and w.shape:  # the all-gathers again, not the reduce-scatters
+        recomputed = recomputed_collectives(n_layer)
     tp_comm = tp_collectives(w.shape, w.seq_len, w.micro_batch, w.precision, tp, recomputed,
                              accum, layout)
-    exposed += tp_exposed_seconds(tp_comm, busy, recompute_factor(w.ac, n_layer))
+    share = selective_op_share(w.shape, w.seq_len, w.lora)
+    exposed += tp_exposed_seconds(tp_comm, busy, recompute_factor(w.ac, n_layer, False, share))
     everything = collectives + tp_comm
     total = sum(c.seconds for c in everything)
     hidden = 1.0 - exposed / total if total else 0.0  # the share that overlaps compute

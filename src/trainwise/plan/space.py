@@ -18,7 +18,10 @@ from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.stage_split import SCHEDULE_VIRTUAL, stage_blocks
 from trainwise.plan.inputs import PlanInputs
 
-AC_MODES = ("none", "selective", "full")  # fastest first, least memory last
+# Checkpointing modes, simplest first (a tie within plan.search's SIMPLER_WITHIN goes to
+# the earlier): none; the whole-block wrappers, every other block then every block;
+# selective-op's per-operation policy.
+AC_MODES = ("none", "selective", "full", "selective-op")
 
 
 @dataclass(frozen=True)
@@ -288,7 +291,7 @@ def exact_batch(inputs: PlanInputs, allowed: Allowed) -> tuple[PlanInputs, str]:
 
 
 def ac_modes(inputs: PlanInputs, allowed: Allowed) -> tuple[str, ...]:
-    """Checkpointing modes: the user's; all three for a model with a shape or experts
+    """Checkpointing modes: the user's; all four for a model with a shape or experts
     (without, recomputing saves no modelled memory); the job's own when the knobs are
     fixed."""
     if allowed.ac is not None:

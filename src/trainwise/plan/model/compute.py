@@ -17,7 +17,9 @@ A per-operation model of trainwise's GPT (models.gpt), one micro-batch of T toke
   behind the host, so a step takes the longer of the two (on a CPU device, which computes
   on the same cores, their sum).
 Activation checkpointing adds the forward of each checkpointed block again (full: every
-block; selective: every other one, as run.parallelize wraps them).
+block; selective: every other one, as models.checkpointing wraps them); selective-op adds
+every block's elementwise work and the matmuls its policy did not keep
+(plan.model.selective_op), not attention.
 
 A model read from its module (models.profile) without a GPT shape is priced the same way
 from what the profile holds: its Linears' GEMMs by shape, its other matmuls' FLOPs, its
@@ -42,6 +44,7 @@ from trainwise.plan.model.flops import (
     model_flops_per_token,
     model_layers,
     recompute_factor,
+    selective_op_share,
 )
 from trainwise.plan.model.gemm import (
     FUSED_ATTENTION_SHARE,
@@ -60,6 +63,7 @@ from trainwise.plan.model.lora import (
 )
 from trainwise.plan.model.memory import Workload, checkpointed_blocks
 from trainwise.plan.model.precision import BYTES, MASTER_BYTES
+from trainwise.plan.model.selective_op import SELECTIVE_OP, kept, recomputed_matmuls
 
 if TYPE_CHECKING:
     from trainwise.plan.estimate import StrategyPlan
@@ -118,6 +122,11 @@ OPTIMIZER_BYTES_PER_PARAM = 92
 # decay, lerp_ of the first moment, mul_ and addcmul_ of the second, its sqrt, div and add_
 # of eps, addcdiv_ into the parameter: 9 operations (the same bytes as foreach).
 PER_TENSOR_STEP_OPS = 9
+# Selective-op's policy runs as a Python TorchDispatchMode around every operation of a
+# checkpointed block, in its forward and in its recomputation (torch.utils.checkpoint's
+# _CachingTorchDispatchMode and _CachedTorchDispatchMode): an assumption, one more eager
+# operation's host time for each.
+SAC_MODE_OPS = 1
 # Operations one LoRA adapter dispatches forward (models.lora's LoRALinear: dropout, lora_A,
 # lora_B, the scaling and the sum): an assumption, as for the block's operations.
 ADAPTER_OPS = 5
@@ -173,7 +182,8 @@ def achieved_share(inputs: PlanInputs, plan: StrategyPlan, compute_s: float) -> 
     n_layer = model_layers(w.shape, w.profile, w.moe)
     hw_flops = model_flops_per_token(
         w.params, w.shape, w.seq_len, w.lora, w.profile, w.moe
-    ) * recompute_factor(setup.ac, n_layer, w.lora is not None)
+    ) * recompute_factor(setup.ac, n_layer, w.lora is not None,
+                         selective_op_share(w.shape, w.seq_len, w.lora))
     tokens = setup.micro_batch * setup.grad_accum * w.seq_len
     return tokens * hw_flops / (inputs.hardware.peak_flops * setup.dims.tp * compute_s)
 
@@ -184,7 +194,9 @@ def _flat(inputs: PlanInputs, w: Workload, samples: float, tp: int) -> ComputeTi
     flops = model_flops_per_token(w.params, w.shape, w.seq_len, w.lora, w.profile, w.moe)
     if w.shape is not None and not w.head:  # a pipeline stage without the head's matmul
         flops -= head_flops_per_token(w.shape, w.lora)
-    hw_flops = flops * recompute_factor(w.ac, n_layer, w.lora is not None)
+    hw_flops = flops * recompute_factor(
+        w.ac, n_layer, w.lora is not None, selective_op_share(w.shape, w.seq_len, w.lora)
+    )
     share = inputs.efficiency if inputs.efficiency is not None else BARE_EFFICIENCY
     rate = inputs.hardware.peak_flops * share
     seconds = samples * w.seq_len * hw_flops / (rate * tp)
@@ -274,7 +286,16 @@ def _micro_batch(
         weight_grads=lora is None, attention_share=share,
     )
     recomputed = len(checkpointed_blocks(ac, shape.n_layer))
-    blocks = (forward + backward).times(shape.n_layer) + forward.times(recomputed)
+    blocks = (forward + backward).times(shape.n_layer)
+    if ac == SELECTIVE_OP:  # every block runs its elementwise work and half its matmuls again
+        blocks = blocks + sum(
+            (_block_recompute(shape, tokens, tp, hw, precision, autocast, compiled, table,
+                              norm, lora, i) for i in range(shape.n_layer)),
+            Work(),
+        )
+        recomputed = 0  # the adapters' recomputed matmuls are counted among the block's
+    else:
+        blocks = blocks + forward.times(recomputed)
     head_trains = lora is None or trained_matmul_params(shape, lora) > 0
     work = blocks
     if head:
@@ -310,7 +331,12 @@ def _profiled_micro_batch(
     block_fw, block_bw = passes(p.block_linears)
     outer_fw, outer_bw = passes(p.outer_linears)
     recomputed = len(checkpointed_blocks(ac, p.blocks)) if p.blocks else 0
-    device = p.blocks * (block_fw + block_bw) + recomputed * block_fw + outer_fw + outer_bw
+    again = block_fw
+    if ac == SELECTIVE_OP:  # every other Linear, taken in the order the module lists them
+        linears = p.block_linears
+        again = passes(tuple(s for s, keep in zip(linears, kept(linears), strict=True)
+                             if not keep))[0]
+    device = p.blocks * (block_fw + block_bw) + recomputed * again + outer_fw + outer_bw
     layers = len(p.block_linears) * p.blocks + len(p.outer_linears)
     ops = float(layers * (1 + BACKWARD_OPS_PER_FORWARD_OP))
     if p.run is not None:
@@ -400,6 +426,33 @@ def _block_forward(
         shape, autocast, norm_kernel
     )
     return Work(gemms + attention + memory, ops)
+
+
+def _block_recompute(
+    shape: GPTShape, tokens: int, tp: int, hw: Hardware, precision: str, autocast: bool,
+    compiled: bool, table: GemmTable | None, norm_kernel: str, lora: LoraPlan | None,
+    index: int,
+) -> Work:
+    """What block `index`'s backward runs again under selective-op (plan.model.selective_op):
+    the matmuls whose outputs were not kept, priced by shape as the forward's, and its
+    elementwise work (norms, rotary, the activation, the residual adds, autocast's casts);
+    not attention. Eager, every operation of the forward is dispatched again (the kept
+    ones return their saved outputs) and each of them, in the forward and again, through
+    the policy's Python dispatch mode (SAC_MODE_OPS); compiled, the recomputation is part
+    of the backward's graph."""
+    gemms = sum(
+        _gemm(tokens, o, i, hw, precision, table)
+        for o, i in recomputed_matmuls(shape, tp, lora, index)
+    )
+    moved = tokens * _elementwise_bytes(shape, tp, precision, autocast, norm_kernel)
+    if autocast:
+        moved += sum(o * i for o, i in _gemms(shape, tp)) * (MASTER_BYTES + BYTES[precision])
+    if compiled:
+        moved *= COMPILED_MEMORY_SHARE
+        ops = FUSED_KERNELS_PER_BLOCK + len(recomputed_matmuls(shape, 1, lora, index))
+    else:
+        ops = _forward_ops(shape, autocast, norm_kernel) * (1 + 2 * SAC_MODE_OPS)
+    return Work(gemms + moved / (hw.hbm_bps * MEMORY_SHARE), ops)
 
 
 def _block_backward(

@@ -16,6 +16,7 @@ from trainwise.models.moe.cost import moe_flops_per_token
 from trainwise.models.moe.shapes import MoEShape
 from trainwise.models.shapes import GPTShape, ModelProfile
 from trainwise.plan.model.lora import LoraPlan, adapter_params, trained_matmul_params
+from trainwise.plan.model.selective_op import SELECTIVE_OP, recompute_flops_per_token
 
 
 def matmul_params(shape: GPTShape) -> int:
@@ -86,15 +87,32 @@ def model_layers(
     return max(1, profile.blocks) if profile is not None else 1
 
 
-def recompute_factor(ac: str, n_layer: int, lora: bool = False) -> float:
+def recompute_factor(ac: str, n_layer: int, lora: bool = False,
+                     op_share: float | None = None) -> float:
     """Hardware FLOPs over model FLOPs: activation checkpointing runs the forward of a
     checkpointed block again in backward, 2N of the 6N (Korthikanti et al., 2022, section
-    5: full recomputation costs 33 % more); `selective` checkpoints every other block.
-    With LoRA the step is about 4N (frozen weights: no weight gradient), so the forward
-    again costs 50 % more."""
+    5: full recomputation costs 33 % more); `selective` checkpoints every other block;
+    `selective-op` runs again the share `op_share` of the forward's FLOPs
+    (selective_op_share: its recomputed matmuls; without a shape half, every other
+    matmul). With LoRA the step is about 4N (frozen weights: no weight gradient), so the
+    forward again costs 50 % more."""
     again = 2.0 / (4.0 if lora else 6.0)  # the forward's share of a step
     if ac == "full":
         return 1.0 + again
     if ac == "selective":
         return 1.0 + ((n_layer + 1) // 2) / n_layer * again
+    if ac == SELECTIVE_OP:
+        return 1.0 + (0.5 if op_share is None else op_share) * again
     return 1.0
+
+
+def selective_op_share(
+    shape: GPTShape | None, seq_len: int, lora: LoraPlan | None = None
+) -> float | None:
+    """The share of the forward's FLOPs that selective-op runs again (recompute_factor's
+    `op_share`): a GPT's recomputed matmuls (plan.model.selective_op) over the forward's
+    model FLOPs; None without a shape."""
+    if shape is None:
+        return None
+    again = 2.0 / (4.0 if lora is not None else 6.0)
+    return recompute_flops_per_token(shape, lora) / (again * flops_per_token(shape, seq_len, lora))

@@ -54,6 +54,11 @@ from trainwise.plan.model.lora import (
     rank_split,
 )
 from trainwise.plan.model.precision import BYTES, MASTER_BYTES, OPTIMIZER_STATE_BYTES
+from trainwise.plan.model.selective_op import (
+    SELECTIVE_OP,
+    kept_bytes_per_token,
+    recompute_working_bytes,
+)
 from trainwise.plan.model.setup import Setup
 from trainwise.plan.model.tensor_parallel import activation_split, block_replicated, params_per_rank
 
@@ -272,8 +277,8 @@ def weight_grad_bytes_per_token(
 
 
 def checkpointed_blocks(ac: str, n_layer: int) -> set[int]:
-    """The blocks run.parallelize wraps in activation checkpointing."""
-    if ac == "full":
+    """The blocks the runtime wraps in activation checkpointing (models.checkpointing)."""
+    if ac in ("full", SELECTIVE_OP):
         return set(range(n_layer))
     if ac == "selective":
         return set(range(0, n_layer, 2))
@@ -323,11 +328,21 @@ def activation_profile(
         per, first = _lora_activations(w, per, autocast, device, tp, sequence_parallel)
     ckpt = checkpointed_blocks(w.ac, w.shape.n_layer)
     kept = [per["block_input"] if i in ckpt else per["layer"] for i in range(w.shape.n_layer)]
+    working = per["working_set"]
+    if w.ac == SELECTIVE_OP:  # what the per-operation policy keeps, counted op by op
+        kept = [
+            kept_bytes_per_token(w.shape, w.precision, autocast, tp, sequence_parallel, w.lora,
+                                 frozen_emb, i)
+            for i in range(w.shape.n_layer)
+        ]
+        working = recompute_working_bytes(
+            w.shape, w.precision, autocast, tp, sequence_parallel, w.lora, frozen_emb
+        )
     if 0 not in ckpt:
         kept[0] -= first
-    block = sum(kept) + per["working_set"]
+    block = sum(kept) + working
     for i in ckpt:
-        block = max(block, sum(kept[:i]) + per["layer"] + per["working_set"])
+        block = max(block, sum(kept[:i]) + per["layer"] + working)
     tokens = w.seq_len * w.micro_batch
     head = per["head"] if w.head else 0.0
     # A pipeline stage's other micro-batches in flight hold what they saved meanwhile: the
@@ -479,7 +494,7 @@ def _replicated(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
     # autocast's 16-bit copies of the fp32 weights (a frozen base is in 16 bits already;
     # a profiled model's sample run counted them among its activations)
     measured = w.shape is None and w.profile is not None and w.profile.run is not None
-    copies = n * c if w.precision != "fp32" and not measured else 0.0
+    copies = _autocast_copies(w, n, dims.tp) if w.precision != "fp32" and not measured else 0.0
     buckets = n * MASTER_BYTES if dims.dp_replicate > 1 else 0.0
     p, g = frozen * c + n * MASTER_BYTES, n * MASTER_BYTES
     o = n * OPTIMIZER_STATE_BYTES[w.optimizer]
@@ -490,6 +505,19 @@ def _replicated(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
         "optimizer step": (p, g, o, prof and 0.0, buckets + n * _step_temp(w, device)),
     }
     return _at_peak(phases, device, states=p + g + o)
+
+
+def _autocast_copies(w: Workload, trained: float, tp: int) -> float:
+    """Bytes of autocast's 16-bit copies of the `trained` fp32 weights that a step holds:
+    all of them, saved by the matmuls for backward; under selective-op the root's and the
+    one block's being recomputed (a checkpointed block's forward saves none, and its
+    recomputation casts its own again, freed with its backward)."""
+    c = BYTES[w.precision]
+    if w.ac != SELECTIVE_OP or w.shape is None:
+        return trained * c
+    block = (adapter_params(w.shape, w.lora, tp) / w.shape.n_layer if w.lora is not None
+             else block_params(w, tp)[0])
+    return (trained - (w.shape.n_layer - 1) * block) * c
 
 
 def _step_temp(w: Workload, device: str) -> float:

@@ -105,7 +105,7 @@ def tp_collectives(
     micro_batch: int,
     precision: str,
     tp: int,
-    recomputed_blocks: int,
+    recomputed_blocks: float,
     grad_accum: int,
     layout: Layout,
 ) -> list[Collective]:
@@ -113,7 +113,8 @@ def tp_collectives(
     micro-batch and block, two collectives forward (two more for a recomputed block) and two
     backward, each an all-reduce of s·b·h elements in the compute dtype (moving 2(t-1)/t of
     it; an all-gather and a reduce-scatter with sequence parallelism move the same) over
-    `tp` consecutive ranks of `layout`."""
+    `tp` consecutive ranks of `layout`. `recomputed_blocks`: blocks' worth of forward
+    collectives run again (selective-op's half a block's each: plan.model.selective_op)."""
     if tp == 1 or shape is None:
         return []
     one = seq_len * micro_batch * shape.d_model * BYTES[precision]

@@ -40,6 +40,7 @@ from trainwise.plan.model.comm import (
 from trainwise.plan.model.gemm import GENERATIONS
 from trainwise.plan.model.memory import Workload, checkpointed_blocks
 from trainwise.plan.model.precision import BYTES
+from trainwise.plan.model.selective_op import SELECTIVE_OP
 from trainwise.plan.model.setup import Setup
 from trainwise.plan.moe.memory import expert_layout, moe_params
 
@@ -96,6 +97,8 @@ def all_to_all_collective(w: Workload, dims: ParallelDims, layout: Layout,
     copies = ranks_per_token(shape, dims.ep) if w.routing == "fused" else m.top_k
     one = w.seq_len * w.micro_batch * copies * shape.d_model * BYTES[w.precision]
     recomputed = sum(1 for i in checkpointed_blocks(w.ac, shape.n_layer) if shape.is_moe_layer(i))
+    if w.ac == SELECTIVE_OP:  # its policy keeps the all-to-alls' outputs
+        recomputed = 0
     calls = grad_accum * (4 * shape.moe_layers + 2 * recomputed)
     return [layout.collective(ALL_TO_ALL, "all_to_all", calls * one * w.imbalance,
                               (dims.ep, 1), calls, per_micro_batch=True)]

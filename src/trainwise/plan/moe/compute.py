@@ -17,8 +17,9 @@ One micro-batch of T tokens on a rank of an `ep`-way expert group:
   with ep > 1, the device-to-host sync the all-to-all's split sizes need (torchtitan's
   token dispatcher reads them with .tolist()): the device then waits for the host to
   dispatch the next SYNC_IDLE_OPS operations.
-Activation checkpointing runs the checkpointed blocks' forward again. torch.compile is not
-modelled for MoE blocks (priced eager).
+Activation checkpointing runs the checkpointed blocks' forward again; selective-op every
+layer's forward less attention and the GEMMs its policy kept (_layer_recompute).
+torch.compile is not modelled for MoE blocks (priced eager).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from trainwise.plan.model.compute import (
     MEMORY_SHARE,
     OPTIMIZER_BYTES_PER_PARAM,
     ROTARY_PASSES,
+    SAC_MODE_OPS,
     STEP_OPS,
     Work,
     _gemm,
@@ -53,6 +55,7 @@ from trainwise.plan.model.gemm import (
 )
 from trainwise.plan.model.memory import Workload, checkpointed_blocks
 from trainwise.plan.model.precision import BYTES, MASTER_BYTES
+from trainwise.plan.model.selective_op import SELECTIVE_OP, kept
 from trainwise.plan.moe.memory import expert_layout, held_params, moe_params
 
 # Operations eager PyTorch dispatches in one layer's forward (counted from torchtitan's
@@ -118,10 +121,36 @@ def _micro_batch(
         backward = _layer_backward(shape, moe, tokens, seq, ep, imbalance, hw, precision,
                                    autocast, table, kernels)
         again = sum(1 for i in layers if i in recomputed)
-        work = work + (forward + backward).times(len(layers)) + forward.times(again)
+        work = work + (forward + backward).times(len(layers))
+        if ac == SELECTIVE_OP:  # what the policy did not keep runs again, in every layer
+            forward = _layer_recompute(shape, moe, layers[0], forward, tokens, seq, ep,
+                                       imbalance, hw, precision, table, kernels)
+        work = work + forward.times(again)
     if head:
         work = work + _head(shape, tokens, 1, hw, precision, table, loss)  # type: ignore[arg-type]
     return work
+
+
+def _layer_recompute(
+    shape: MoEShape, moe: bool, index: int, forward: Work, tokens: int, seq: int, ep: int,
+    imbalance: float, hw: Hardware, precision: str, table: GemmTable | None,
+    kernels: Kernels,
+) -> Work:
+    """What a layer's backward runs again under selective-op: its `forward` less attention
+    and the GEMMs whose outputs the policy kept (plan.moe.memory._kept_by_policy's rule);
+    the split sizes' sync is not repeated (the copy to the host is kept). Every operation
+    is dispatched again, and twice through the policy's dispatch mode (SAC_MODE_OPS)."""
+    gemms = [g for g in layer_gemms(shape, index) if g.kind != "router"]
+    names = frozenset(g.name for g, keep in zip(gemms, kept(gemms), strict=True) if keep)
+    saved = _plain_gemms(shape, moe, tokens, hw, precision, table, False, names)
+    if moe:
+        saved += _routed_gemms(shape, tokens, ep, imbalance, hw, precision, table, False, names)
+    q = shape.n_head * shape.head_dim
+    attention = attention_seconds(2.0 * tokens * seq * q, hw.peak_flops,
+                                  GENERATIONS[hw.generation], kernels.attention_share(hw))
+    idle = SYNC_IDLE_OPS * EAGER_OP_S if moe and ep > 1 else 0.0
+    return Work(forward.device_s - saved - attention - idle,
+                forward.host_ops * (1 + 2 * SAC_MODE_OPS))
 
 
 def _gemms(shape: MoEShape, moe: bool) -> list[TokenGemm]:
@@ -131,12 +160,13 @@ def _gemms(shape: MoEShape, moe: bool) -> list[TokenGemm]:
 
 
 def _plain_gemms(shape: MoEShape, moe: bool, tokens: int, hw: Hardware, precision: str,
-                 table: GemmTable | None, backward: bool) -> float:
-    """Every token's GEMMs of a layer: forward (T, out, in); backward the input gradient
-    (T, in, out) and the weight gradient (out, in, T)."""
+                 table: GemmTable | None, backward: bool,
+                 names: frozenset[str] | None = None) -> float:
+    """Every token's GEMMs of a layer (those in `names`, when given): forward (T, out, in);
+    backward the input gradient (T, in, out) and the weight gradient (out, in, T)."""
     total = 0.0
     for g in _gemms(shape, moe):
-        if g.grouped:
+        if g.grouped or (names is not None and g.name not in names):
             continue
         o, i = g.out_features, g.in_features
         if backward:
@@ -148,12 +178,12 @@ def _plain_gemms(shape: MoEShape, moe: bool, tokens: int, hw: Hardware, precisio
 
 def _routed_gemms(
     shape: MoEShape, tokens: int, ep: int, imbalance: float, hw: Hardware, precision: str,
-    table: GemmTable | None, backward: bool,
+    table: GemmTable | None, backward: bool, names: frozenset[str] | None = None,
 ) -> float:
-    """The rank's experts of one MoE layer as grouped GEMMs, on the busiest rank's rows
-    (each of its experts / ep experts multiplies ep x T x top_k / experts rows on average,
-    `imbalance` times that): forward (m, out, in); backward the input gradients
-    (m, in, out) and the weight gradients (out, in, m)."""
+    """The rank's experts of one MoE layer as grouped GEMMs (those in `names`, when
+    given), on the busiest rank's rows (each of its experts / ep experts multiplies ep x T
+    x top_k / experts rows on average, `imbalance` times that): forward (m, out, in);
+    backward the input gradients (m, in, out) and the weight gradients (out, in, m)."""
     gen, e = GENERATIONS[hw.generation], BYTES[precision]
 
     def grouped(groups: int, rows: float, n: int, k: float) -> float:
@@ -162,7 +192,7 @@ def _routed_gemms(
 
     total = 0.0
     for g in _gemms(shape, True):
-        if not g.grouped:
+        if not g.grouped or (names is not None and g.name not in names):
             continue
         groups = g.grouped // ep
         m = tokens * ep * g.rows / g.grouped * imbalance

@@ -32,7 +32,12 @@ from functools import lru_cache
 from itertools import accumulate
 
 from trainwise.config.parallel_dims import ParallelDims
-from trainwise.models.moe.cost import layer_activation_bytes, param_split, routed_row_bytes
+from trainwise.models.moe.cost import (
+    layer_activation_bytes,
+    layer_gemms,
+    param_split,
+    routed_row_bytes,
+)
 from trainwise.models.moe.shapes import MoEShape
 from trainwise.plan.model.memory import (
     ActivationProfile,
@@ -43,6 +48,7 @@ from trainwise.plan.model.memory import (
     checkpointed_blocks,
 )
 from trainwise.plan.model.precision import BYTES, MASTER_BYTES, OPTIMIZER_STATE_BYTES
+from trainwise.plan.model.selective_op import SELECTIVE_OP, kept
 from trainwise.plan.model.setup import Setup
 
 
@@ -110,6 +116,8 @@ def moe_activations(w: Workload, autocast: bool, device: str) -> ActivationProfi
     ckpt = checkpointed_blocks(w.ac, shape.n_layer)
     kept = [per["block_input"] if i in ckpt else layer[shape.is_moe_layer(i)]
             for i in range(shape.n_layer)]
+    if w.ac == SELECTIVE_OP:
+        kept = [per["block_input"] + _kept_by_policy(w, i) for i in range(shape.n_layer)]
     below = list(accumulate(kept, initial=0.0))  # what the blocks below block i keep
     block = below[-1] + per["working"]
     for i in ckpt:
@@ -118,6 +126,26 @@ def moe_activations(w: Workload, autocast: bool, device: str) -> ActivationProfi
     tokens = w.seq_len * w.micro_batch
     return ActivationProfile(tokens * (below[-1] + head), tokens * block,
                              tokens * below[-2])
+
+
+def _kept_by_policy(w: Workload, i: int) -> float:
+    """Bytes per token that selective-op's policy keeps of layer i besides its input
+    (plan.model.selective_op's rule on models.moe.cost.layer_gemms, in forward order): the
+    outputs of every other GEMM, the router's left out (torchtitan recomputes it and does
+    not count it), the routed ones on the busiest rank's rows; SDPA's output and
+    log-sum-exp; the router's top-k (fp32 scores and int64 ids). The experts counted as
+    grouped GEMMs, three in all (CUDA's torch._grouped_mm, and the even runs on tensors
+    without values); the CPU's loop over the experts alternates within them instead."""
+    shape, e = w.moe, BYTES[w.precision]
+    assert shape is not None
+    gemms = [g for g in layer_gemms(shape, i) if g.kind != "router"]
+    outputs = sum(
+        g.out_features * (g.rows * w.imbalance if g.grouped else g.rows)
+        for g, keep in zip(gemms, kept(gemms), strict=True) if keep
+    )
+    attention = e * shape.n_head * shape.head_dim + MASTER_BYTES * shape.n_head
+    top_k = (MASTER_BYTES + 8) * shape.moe.top_k if shape.is_moe_layer(i) else 0
+    return e * outputs + attention + top_k
 
 
 def _norm_row(residual: int, device: str, fsdp_low: bool) -> Callable[[int], float]:
@@ -191,7 +219,10 @@ def moe_memory(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
     accumulating = setup.grad_accum > 1
     if not dims.fsdp:
         prof = moe_activations(w, True, device)
-        copies = whole * c if w.precision != "fp32" else 0.0  # autocast's weight casts
+        # autocast's weight casts: all saved, or under selective-op the root's and the one
+        # block's being recomputed (plan.model.memory._autocast_copies)
+        held_copies = p.root + p.block if w.ac == SELECTIVE_OP else whole
+        copies = held_copies * c if w.precision != "fp32" else 0.0
         buckets = whole * MASTER_BYTES if dims.dp_size > 1 else 0.0
         params, grads, states = whole * MASTER_BYTES, whole * MASTER_BYTES, whole * opt
         g_bwd = grads if accumulating else 0.0

@@ -17,7 +17,6 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -26,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.errors import ConfigError
+from trainwise.models.checkpointing import checkpoint_blocks
 from trainwise.run.engine.mesh import JobMesh, job_mesh
 from trainwise.run.engine.precision import TORCH_DTYPES
 
@@ -54,20 +54,12 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, plan: dict[str, object]) -> 
 
 
 def apply_ac(model: nn.Module, blocks: list[nn.Module], mode: str) -> list[nn.Module]:
-    """Wrap blocks in activation checkpointing: `full` every block, `selective` every other
-    one (layer-wise selective AC). Returns the new block list."""
+    """Wrap blocks in activation checkpointing (models.checkpointing): `full` every block,
+    `selective` every other one (layer-wise), `selective-op` every block under torchtitan's
+    per-operation policy. Returns the new block list."""
     if mode == "none" or not blocks:
         return blocks
-    wrapped = []
-    for i, block in enumerate(blocks):
-        if mode == "full" or i % 2 == 0:
-            # Recomputation must draw the same dropout masks as the forward did.
-            new = checkpoint_wrapper(block, preserve_rng_state=True)
-            _replace_child(model, block, new)
-            wrapped.append(new)
-        else:
-            wrapped.append(block)
-    return wrapped
+    return checkpoint_blocks(model, blocks, mode)
 
 
 def apply_compile(blocks: list[nn.Module]) -> None:
@@ -195,12 +187,3 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> object:
     if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
         model.set_requires_gradient_sync(enabled)
     return contextlib.nullcontext()
-
-
-def _replace_child(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
-    for parent in root.modules():
-        for name, child in parent.named_children():
-            if child is old:
-                setattr(parent, name, new)  # ModuleList children are named "0", "1", ...
-                return
-    raise ValueError("block to wrap is not part of the model")

@@ -69,7 +69,7 @@ from trainwise.plan.inputs import (
     moe_unpriced,
     unknown_device_inputs,
 )
-from trainwise.plan.model.flops import flops_per_token, recompute_factor
+from trainwise.plan.model.flops import flops_per_token, recompute_factor, selective_op_share
 from trainwise.plan.model.lora import param_counts
 from trainwise.plan.model.memory import replica_memory
 from trainwise.plan.model.performance import CalibratedModel, model_of
@@ -192,7 +192,8 @@ class Job:
             tokens_per_step=self.tokens_per_step,
             flops_per_token=self.flops_per_token,
             recompute_factor=recompute_factor(
-                self.cfg.parallel.ac, self.n_layer, self.cfg.lora.rank > 0
+                self.cfg.parallel.ac, self.n_layer, self.cfg.lora.rank > 0,
+                selective_op_share(self.shape, self.cfg.data.seq_len, lora_plan(self.cfg)),
             ),
             peak_flops_per_device=self.device.peak_flops(self.cfg.precision.dtype),
             precision=self.cfg.precision.dtype,
