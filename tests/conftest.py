@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import SLOW_CHECKS_ENV, slow_checks
 from limits import SHARED_DIR_ENV, hang_limit
 
 CALIBRATION_DIR_ENV = "TRAINWISE_CALIBRATION_DIR"  # trainwise.plan.calibrate's
@@ -29,6 +30,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test without its own timeout mark gets one launch's hang limit. A module whose
     fixture launches more marks its tests with hang_limit of that work (pytest-timeout
     counts a fixture's setup against the first test that uses it)."""
+    if not slow_checks():  # their modules' launches leave out the runs they compare
+        why = pytest.mark.skip(reason=f"a slow check: bench/slow_checks.sh runs it ({SLOW_CHECKS_ENV}=1)")
+        for item in items:
+            if item.get_closest_marker("slow_check") is not None:
+                item.add_marker(why)
     unmarked = [item for item in items if item.get_closest_marker("timeout") is None]
     if unmarked:
         try:
