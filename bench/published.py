@@ -80,22 +80,6 @@ The runs, each with its source:
   Transformer Engine's attention and DeepEP's dispatch (plan.attention_kernel and
   plan.routing_kernel = fused): 12,040 tokens/s/GPU. Its optimizer keeps bf16 states, the
   planner fp32: the fit verdict is not judged (no memory is published).
-  yanring/Megatron-MoE-ModelZoo (NVIDIA's Megatron-Core MoE benchmarks),
-  best_practice/Qwen3/readme.md at c1ad0b5c8, "Performance Results", 256 H100 ("NVLink 4th
-  Generation", "InfiniBand 8x50 GB/s": the planner's default NDR), BF16, seq 4096, GBS
-  2048, DeepEP's dispatch (plan.routing_kernel = fused) and Transformer Engine's attention
-  (plan.attention_kernel = fused); the table gives the step time, and GBS x seq / (step x
-  256) is the published tokens/s per GPU (its "Per GPU TF" agrees within the FLOPs
-  conventions). The gate is not forced balanced there (the readme adds
-  --moe-router-force-load-balancing only "to test" it): the planner's default imbalance.
-  Qwen3-235B-A22B, "Intra-node EP strategy": (1) Megatron-FSDP on ("FSDP On"; its sharding
-  strategy is not in the table: optim_grads_params, ZeRO-3, assumed: fsdp-full), TP 2 x
-  DP 128, EP 8 (ETP 1: the experts whole on each tensor-parallel rank, as trainwise keeps
-  them), MBS 4 x GA 4, full recompute, 17.6 s: 1,862 tokens/s/GPU
-  (276 TF); (2) TP 4 x PP 8 x DP 8, VPP 4 (Interleaved1F1B, 4 stages a rank), EP 8, MBS 1 x
-  GA 256, no recompute, Megatron's distributed optimizer (gradients accumulated whole,
-  reduce-scattered once a step, parameters whole: fsdp grad_op, accumulate unsharded),
-  29.0 s: 1,130 tokens/s/GPU (167 TF).
   pytorch/torchtitan, torchtitan/distributed/deepep/README.md at 022f885f3, "Strong
   Scaling", 1 node: Qwen3-30B-A3B on 8 B200 (its 167.93 GiB are "94.15%" of 178.4: the
   B200), DeepEP (plan.routing_kernel = fused), 14,796 tokens/s/GPU and 167.93 GiB. The
@@ -116,14 +100,19 @@ dense Llama row, most with context parallelism; their B200 rows (Llama 3 8B on 8
 inputs was found (the catalog's B200 memory was fixed meanwhile: 191.5 GB as CUDA
 reports it, not 180); IBM's FSDP blog (its own selective checkpointing, not expressible);
 the same Automodel table's DeepSeek-V3, Kimi K2 (multi-head latent attention, pipeline
-stages), GPT-OSS (attention sinks) and Nemotron (Mamba) rows. MoE: the ModelZoo table's
-other Qwen3-235B rows (recompute of "norm, act": Megatron's per-module recompute of the
-norms and the expert activation, not expressible; one also overlaps the all-to-all with
-another micro-batch's compute, "1f1b overlap", not modelled), its long-context rows
-(context parallelism) and Qwen3-Next (gated delta-net attention, no preset); its GB200 and
-GB300 rows (HybridEP over a 72-GPU NVLink domain, CUDA graphs, MXFP8; no GB200 in the
-catalog); Megatron-LM's megatron/core/transformer/moe/README.md ("438" and "468 TFLOPS"
-for Mixtral 8x7B bf16 without the layout, batch or recompute that ran them); NeMo's and
+stages), GPT-OSS (attention sinks) and Nemotron (Mamba) rows. MoE: Megatron-Core's MoE
+benchmarks, yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md (c1ad0b5c8), 256
+H100, BF16, DeepEP, seq 4096, GBS 2048, complete inputs and the step time: Qwen3-235B-A22B
+at Megatron-FSDP x TP 2, EP 8, MBS 4, full recompute, 17.6 s (1,862 tokens/s/GPU), and at
+TP 4 x PP 8 (VPP 4), EP 8, MBS 1, no recompute, 29.0 s (1,130): every row of the table
+has TP 2 or 4, some PP, and the planner prices a Mixture-of-Experts model with data and
+expert parallelism only (parallel.tp = parallel.pp = 1: plan.inputs.moe_unpriced); its
+other rows also recompute "norm, act" (Megatron's per-module recompute, not expressible)
+or overlap the all-to-all with another micro-batch ("1f1b overlap"), its long-context rows
+use context parallelism, Qwen3-Next has no preset; its GB200 and GB300 rows (HybridEP
+over a 72-GPU NVLink domain, CUDA graphs, MXFP8; no GB200 in the catalog); Megatron-LM's
+megatron/core/transformer/moe/README.md ("438" and "468 TFLOPS" for Mixtral 8x7B bf16
+without the layout, batch or recompute that ran them; TP or PP besides); NeMo's and
 Megatron-Bridge's performance summaries (Mixtral 8x7B and 8x22B, Qwen3-30B-A3B and
 Qwen3-235B-A22B on H100: FP8 in the releases read, NeMo 25.04 and 25.07, Megatron-Bridge
 25.11; its BF16 Qwen3-235B rows are GB200/GB300, their recompute not in the table;
@@ -326,26 +315,12 @@ LLAMA3_405B_TFLOPS_PER_GPU = 400.0  # arXiv 2407.21783, Table 4, 16,384 GPUs
 
 AUTOMODEL = ("NVIDIA-NeMo/Automodel docs/performance-summary.mdx, DGX-H100 BF16 "
              "(examples/llm_benchmark/qwen/qwen3_moe_30b_te_deepep.yaml)")
-# Megatron-Core's MoE benchmarks (see above): the step time of GBS 2048 x seq 4096 on 256.
-MOE_ZOO = ("yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md @c1ad0b5c8, "
-           "Performance Results, H100 BF16 DeepEP")
-MEGATRON_KERNELS = "--set plan.attention_kernel=fused --set plan.routing_kernel=fused"
 MOE_RUNS = [
     Published("Qwen3-30B-A3B, 8 H100, FSDP 8 x EP 8, full AC", AUTOMODEL,
               cmd("--model qwen3-30b-a3b --gpus 8 --seq 4096 --micro-batch 4 --global-batch 512 "
                   "--ac full --strategy fsdp-full --set parallel.ep=8 --set moe.imbalance=1 "
                   "--set parallel.accumulate=unsharded --set plan.attention_kernel=fused "
                   "--set plan.routing_kernel=fused"), 12040),
-    Published("Qwen3-235B-A22B, 256 H100, FSDP x TP 2, EP 8, full AC", MOE_ZOO,
-              cmd("--model qwen3-235b-a22b --gpus 256 --gpu H100-SXM --seq 4096 --micro-batch 4 "
-                  "--global-batch 2048 --ac full --strategy fsdp-full --set parallel.tp=2 "
-                  "--set parallel.ep=8", MEGATRON_KERNELS), 2048 * 4096 / (17.6 * 256)),
-    Published("Qwen3-235B-A22B, 256 H100, TP 4 x PP 8 (VPP 4), EP 8, no AC", MOE_ZOO,
-              cmd("--model qwen3-235b-a22b --gpus 256 --gpu H100-SXM --seq 4096 --micro-batch 1 "
-                  "--global-batch 2048 --ac none --strategy fsdp --set parallel.shard=grad_op "
-                  "--set parallel.accumulate=unsharded --set parallel.tp=4 --set parallel.pp=8 "
-                  "--set parallel.pp_schedule=Interleaved1F1B --set parallel.pp_virtual=4 "
-                  "--set parallel.ep=8", MEGATRON_KERNELS), 2048 * 4096 / (29.0 * 256)),
     Published("Qwen3-30B-A3B, 8 B200, FSDP 8 x EP 8, full AC, compile",
               "pytorch/torchtitan torchtitan/distributed/deepep/README.md @022f885f3, Strong "
               "Scaling, 1 node (train_configs/qwen3_30b_a3b_with_deepep.toml @a8560ae35)",
