@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import QUIET, hang_limit, run_cli, run_limited, tiny_llama, worker_failure
+from helpers import (
+    QUIET,
+    hang_limit,
+    run_cli,
+    run_limited,
+    slow_checks,
+    tiny_llama,
+    worker_failure,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -137,6 +145,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tiny_llama(root / "llama-tp", tie=True, vocab=258)  # one that 2-way TP divides
     exports = {}
     for name, (impl, nproc, layout) in TRAINED.items():
+        if name in SLOW_TRAINED and not slow_checks():
+            continue
         res = run_cli(
             "train", "--nproc", str(nproc), *layout, "--steps", "3", "--run-dir", name,
             "--set", f"model.name='hf:{_llama(name)}'", "--set", f"model.impl={impl}",
@@ -162,11 +172,18 @@ TRAINED = {
 }
 
 
+# A slow check (bench/slow_checks.sh), out of make test: 2-way TP alone (fsdp_tp trains
+# and exports through the same TP plan).
+SLOW_TRAINED = {"tp"}
+
+
 def _llama(name: str) -> str:
     return "llama-tp" if "tp" in name else "llama"
 
 
-@pytest.mark.parametrize("name", list(TRAINED))
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=[pytest.mark.slow_check] if n in SLOW_TRAINED else []) for n in TRAINED
+])
 def test_export_loads_in_transformers_with_the_trained_logits(trained, name):
     from trainwise.export.weights import load_model_state, resolve_checkpoint
     from trainwise.models import ModelSpec, build_model

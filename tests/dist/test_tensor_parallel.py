@@ -55,8 +55,9 @@ RUNS = {
 
 # Checks moved out of `make test` (bench/slow_checks.sh runs them: marker slow_check): bf16
 # at 2e-2 and the unsharded accumulation, which tests/unit/test_tp_parts.py's stepper test
-# covers without a launch, prove little for three launches (two of four workers).
-SLOW_RUNS = {"single_bf16", "fsdp2_tp2_bf16", "accum_unsharded"}
+# covers without a launch, prove little for three launches (two of four workers); TP with
+# compile, whose compilation is a launch's work again (compile alone: tests/e2e/test_features).
+SLOW_RUNS = {"single_bf16", "fsdp2_tp2_bf16", "accum_unsharded", "tp2_compile"}
 TRAINED = [n for n in RUNS if n not in SLOW_RUNS or slow_checks()]
 
 
@@ -106,7 +107,10 @@ def losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
 
 
 
-@pytest.mark.parametrize("name", [n for n in RUNS if n != "single" and n not in SLOW_RUNS])
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=[pytest.mark.slow_check] if n in SLOW_RUNS else [])
+    for n in RUNS if n != "single" and "bf16" not in n
+])
 def test_tensor_parallel_layouts_match_single_process(losses, name):
     assert max_rel_diff(losses[name], losses["single"], int(STEPS)) <= FP32_RTOL
 
