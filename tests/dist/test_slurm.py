@@ -323,6 +323,9 @@ def test_job_trains_like_plain_train(cluster: Cluster, reference, tmp_path: Path
     assert_same_losses(run_dir, reference)
 
 
+# Their limits: the wait for the pause, then the requeued job's end (one launch's limit,
+# the default, is less than Slurm's own clock: the requeue, the time limit's signal).
+@pytest.mark.timeout(hang_limit(steps=PAUSE) + hang_limit(launches=2, steps=STEPS, waits=REQUEUE_S))
 def test_usr1_checkpoints_requeues_and_resumes_exactly(cluster: Cluster, reference, tmp_path):
     job_id, run_dir = submit(cluster, tmp_path, [], faults=f"pause@step={PAUSE},rank=0")
     wait_for_pause(cluster, job_id, run_dir)
@@ -332,6 +335,9 @@ def test_usr1_checkpoints_requeues_and_resumes_exactly(cluster: Cluster, referen
     assert_same_losses(run_dir, reference)
 
 
+@pytest.mark.timeout(
+    hang_limit() + hang_limit(launches=2, steps=STEPS, waits=TIME_LIMIT_S + REQUEUE_S)
+)
 def test_time_limit_signal_requeues_by_itself(cluster: Cluster, reference, tmp_path: Path):
     """A 1-minute limit with the warning 15 s before it (on the sbatch command line, over
     the script's 180 s). Slurm checks time limits every 30 s, so USR1 comes 15 to 45 s
