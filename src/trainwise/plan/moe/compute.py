@@ -145,9 +145,7 @@ def _layer_recompute(
     saved = _plain_gemms(shape, moe, tokens, hw, precision, table, False, names)
     if moe:
         saved += _routed_gemms(shape, tokens, ep, imbalance, hw, precision, table, False, names)
-    q = shape.n_head * shape.head_dim
-    attention = attention_seconds(2.0 * tokens * seq * q, hw.peak_flops,
-                                  GENERATIONS[hw.generation], kernels.attention_share(hw))
+    attention = _attention(shape, tokens, seq, hw, kernels, FORWARD_ATTENTION_PASSES)
     idle = SYNC_IDLE_OPS * EAGER_OP_S if moe and ep > 1 else 0.0
     return Work(forward.device_s - saved - attention - idle,
                 forward.host_ops * (1 + 2 * SAC_MODE_OPS))
@@ -243,13 +241,26 @@ def _layer_forward(
     gemms = _plain_gemms(shape, moe, tokens, hw, precision, table, False)
     if moe:
         gemms += _routed_gemms(shape, tokens, ep, imbalance, hw, precision, table, False)
-    q = shape.n_head * shape.head_dim
-    attention = attention_seconds(2.0 * tokens * seq * q, hw.clocked_flops,
-                                  GENERATIONS[hw.generation], kernels.attention_share(hw))
+    attention = _attention(shape, tokens, seq, hw, kernels, FORWARD_ATTENTION_PASSES)
     moved = tokens * _layer_bytes(shape, moe, imbalance, precision, autocast, kernels)
     idle = SYNC_IDLE_OPS * EAGER_OP_S if moe and ep > 1 else 0.0  # the split sizes' sync
     return Work(gemms + attention + moved / (hw.hbm_bps * MEMORY_SHARE) + idle,
                 _forward_ops(moe, ep))
+
+
+# Attention's FLOPs a token, over seq x (heads x head_dim): forward 2; backward 5, 2.5
+# times the forward.
+FORWARD_ATTENTION_PASSES = 2.0
+BACKWARD_ATTENTION_PASSES = 5.0
+
+
+def _attention(shape: MoEShape, tokens: int, seq: int, hw: Hardware, kernels: Kernels,
+               passes: float) -> float:
+    """Seconds of a layer's attention (its forward, its backward, or the forward that
+    selective-op subtracts from a recomputation: one price for all three)."""
+    flops = passes * tokens * seq * shape.n_head * shape.head_dim
+    return attention_seconds(flops, hw.clocked_flops, GENERATIONS[hw.generation],
+                             kernels.attention_share(hw))
 
 
 def _forward_ops(moe: bool, ep: int) -> int:
@@ -268,9 +279,7 @@ def _layer_backward(
     gemms = _plain_gemms(shape, moe, tokens, hw, precision, table, True)
     if moe:
         gemms += _routed_gemms(shape, tokens, ep, imbalance, hw, precision, table, True)
-    q = shape.n_head * shape.head_dim
-    attention = attention_seconds(5.0 * tokens * seq * q, hw.clocked_flops,
-                                  GENERATIONS[hw.generation], kernels.attention_share(hw))
+    attention = _attention(shape, tokens, seq, hw, kernels, BACKWARD_ATTENTION_PASSES)
     moved = 2 * tokens * _layer_bytes(shape, moe, imbalance, precision, autocast, kernels)
     return Work(gemms + attention + moved / (hw.hbm_bps * MEMORY_SHARE),
                 BACKWARD_OPS_PER_FORWARD_OP * _forward_ops(moe, ep))
