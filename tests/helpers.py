@@ -7,7 +7,11 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Container, Iterable
 from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
 
 from limits import (  # noqa: F401 (re-exported: the tests import them from here)
     Hung,
@@ -22,6 +26,7 @@ from limits import (  # noqa: F401 (re-exported: the tests import them from here
     worker_failure,
 )
 
+T = TypeVar("T")
 SLOW_CHECKS_ENV = "TRAINWISE_SLOW_CHECKS"  # set by bench/slow_checks.sh
 
 
@@ -29,6 +34,19 @@ def slow_checks() -> bool:
     """Whether this session runs the checks moved out of `make test` (marker slow_check):
     their modules' shared launches then train the runs those checks compare too."""
     return os.environ.get(SLOW_CHECKS_ENV) == "1"
+
+
+def runnable(values: Iterable[T], slow: Container[T]) -> list[T]:
+    """`values` that this session runs: those in `slow` only under slow_checks()."""
+    return [v for v in values if v not in slow or slow_checks()]
+
+
+def params_marking_slow(values: Iterable[Any], slow: Container[Any]) -> list:
+    """pytest params of `values` (a tuple: one argument each), those in `slow` marked
+    slow_check."""
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)),
+                         marks=[pytest.mark.slow_check] if v in slow else [])
+            for v in values]
 
 
 # Quiet, fast, loopback-only runs: every test job sets these.

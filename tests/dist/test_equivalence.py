@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import QUIET, hang_limit, max_rel_diff, read_records, run_cli, slow_checks
+from helpers import QUIET, hang_limit, max_rel_diff, read_records, run_cli, runnable
 
 FP32_RTOL = 1e-5
 BF16_RTOL = 1e-2
@@ -44,7 +44,7 @@ RUNS = {
 # precision, the more involved path, stays), and the probe's invariance with accumulation
 # and dropout under fsdp (under ddp it stays).
 SLOW_RUNS = {"ddp_bf16", "fsdp_probe_never", "fsdp_probe_always"}
-TRAINED = [n for n in RUNS if n not in SLOW_RUNS or slow_checks()]
+TRAINED = runnable(RUNS, SLOW_RUNS)
 
 
 def _limit(name: str, launches: int = 1) -> float:

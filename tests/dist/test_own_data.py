@@ -36,9 +36,10 @@ from helpers import (
     cli_env,
     hang_limit,
     max_rel_diff,
+    params_marking_slow,
     read_records,
     run_cli,
-    slow_checks,
+    runnable,
     wait_until,
 )
 from trainwise.data import ShardedBatchSampler
@@ -70,8 +71,7 @@ DATASETS = {"hf": "user_job:hf_data", "stream": "user_job:hf_stream"}
 # The stream under fsdp reads its share as under ddp (the sampler does not see the layout):
 # a slow check (bench/slow_checks.sh), out of make test.
 SLOW_RUNS = {("stream", "fsdp")}
-RUNS = [(data, layout) for data in DATASETS for layout in LAYOUTS
-        if (data, layout) not in SLOW_RUNS or slow_checks()]
+RUNS = runnable([(data, layout) for data in DATASETS for layout in LAYOUTS], SLOW_RUNS)
 # The fixture's launches, two at a time, then this module's own: kills, exports, counts.
 pytestmark = [
     pytest.mark.dist,
@@ -140,10 +140,9 @@ def eval_loss(run_dir: Path) -> float:
 # --- the layouts ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("data", "layout"), [
-    pytest.param(data, layout, marks=[pytest.mark.slow_check] if (data, layout) in SLOW_RUNS else [])
-    for data in DATASETS for layout in LAYOUTS if layout != "single"
-])
+@pytest.mark.parametrize(("data", "layout"), params_marking_slow(
+    [(data, layout) for data in DATASETS for layout in LAYOUTS if layout != "single"], SLOW_RUNS
+))
 def test_a_layout_trains_as_one_process(runs, data: str, layout: str):
     job = json.loads((runs[data, layout] / "job.json").read_text())
     assert (job["world"], job["layout_name"]) == (LAYOUTS[layout].nproc, LAYOUTS[layout].runs_as)

@@ -19,9 +19,10 @@ import torch
 from helpers import (
     QUIET,
     hang_limit,
+    params_marking_slow,
     run_cli,
     run_limited,
-    slow_checks,
+    runnable,
     tiny_llama,
     worker_failure,
 )
@@ -144,9 +145,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tiny_llama(root / "llama", tie=True, vocab=257)  # the byte tokenizer's vocabulary
     tiny_llama(root / "llama-tp", tie=True, vocab=258)  # one that 2-way TP divides
     exports = {}
-    for name, (impl, nproc, layout) in TRAINED.items():
-        if name in SLOW_TRAINED and not slow_checks():
-            continue
+    for name in runnable(TRAINED, SLOW_TRAINED):
+        impl, nproc, layout = TRAINED[name]
         res = run_cli(
             "train", "--nproc", str(nproc), *layout, "--steps", "3", "--run-dir", name,
             "--set", f"model.name='hf:{_llama(name)}'", "--set", f"model.impl={impl}",
@@ -181,9 +181,7 @@ def _llama(name: str) -> str:
     return "llama-tp" if "tp" in name else "llama"
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=[pytest.mark.slow_check] if n in SLOW_TRAINED else []) for n in TRAINED
-])
+@pytest.mark.parametrize("name", params_marking_slow(TRAINED, SLOW_TRAINED))
 def test_export_loads_in_transformers_with_the_trained_logits(trained, name):
     from trainwise.export.weights import load_model_state, resolve_checkpoint
     from trainwise.models import ModelSpec, build_model

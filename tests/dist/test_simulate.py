@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import hang_limit, slow_checks
+from helpers import hang_limit, runnable
 from trainwise.cli.main import main
 from trainwise.config import load_config
 from trainwise.config.parallel_dims import ParallelDims
@@ -131,7 +131,7 @@ def simulations() -> dict:
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
         cases = [*LORA_CASES, *SELECTIVE_OP_CASES, BF16, *TP_CASES, *CASES]  # the slowest first
-        cases = [c for c in cases if c not in SLOW_CASES or slow_checks()]
+        cases = runnable(cases, SLOW_CASES)
         return dict(zip(cases, pool.map(_simulate, cases), strict=True))
 
 
@@ -176,7 +176,7 @@ def test_lora_formula_within_5_percent_of_the_simulated_peak(simulations, case):
 
 @pytest.mark.parametrize("case", [
     pytest.param(c, marks=[pytest.mark.slow_check] if c in SLOW_CASES else [])
-    for c in SELECTIVE_OP_CASES
+    for c in SELECTIVE_OP_CASES  # a case (a tuple) is one argument: not params_marking_slow
 ])
 def test_selective_op_formula_within_5_percent_of_the_simulated_peak(simulations, case):
     ac, preset, layout, world, precision = case

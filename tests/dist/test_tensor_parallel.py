@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from helpers import QUIET, hang_limit, max_rel_diff, read_records, run_cli, slow_checks
+from helpers import (
+    QUIET,
+    hang_limit,
+    max_rel_diff,
+    params_marking_slow,
+    read_records,
+    run_cli,
+    runnable,
+)
 
 FP32_RTOL = 1e-5
 BF16_RTOL = 2e-2  # bf16 keeps 8 bits of mantissa: sums in another order differ by ~0.4 % each
@@ -58,7 +66,7 @@ RUNS = {
 # covers without a launch, prove little for three launches (two of four workers); TP with
 # compile, whose compilation is a launch's work again (compile alone: tests/e2e/test_features).
 SLOW_RUNS = {"single_bf16", "fsdp2_tp2_bf16", "accum_unsharded", "tp2_compile"}
-TRAINED = [n for n in RUNS if n not in SLOW_RUNS or slow_checks()]
+TRAINED = runnable(RUNS, SLOW_RUNS)
 
 
 def _limit(name: str, launches: int = 1) -> float:
@@ -107,10 +115,9 @@ def losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
 
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=[pytest.mark.slow_check] if n in SLOW_RUNS else [])
-    for n in RUNS if n != "single" and "bf16" not in n
-])
+@pytest.mark.parametrize("name", params_marking_slow(
+    [n for n in RUNS if n != "single" and "bf16" not in n], SLOW_RUNS
+))
 def test_tensor_parallel_layouts_match_single_process(losses, name):
     assert max_rel_diff(losses[name], losses["single"], int(STEPS)) <= FP32_RTOL
 
