@@ -314,6 +314,12 @@ def wait_for_pause(cluster: Cluster, job_id: str, run_dir: Path) -> None:
     wait_until(paused, limit=hang_limit(steps=PAUSE), what=f"{marker.name} of job {job_id}")
 
 
+# Every test's limit counts the module's fixtures (pytest-timeout charges them to the first
+# test): the cluster's start-up, a few lone processes, and the reference launch.
+FIXTURES_S = hang_limit(procs=0) * 3 + hang_limit(steps=STEPS)
+
+
+@pytest.mark.timeout(FIXTURES_S + hang_limit(procs=0) + hang_limit(steps=STEPS))
 def test_job_trains_like_plain_train(cluster: Cluster, reference, tmp_path: Path):
     job_id, run_dir = submit(cluster, tmp_path, [])
     job = cluster.wait_end(job_id, tmp_path, hang_limit(steps=STEPS))
@@ -325,7 +331,8 @@ def test_job_trains_like_plain_train(cluster: Cluster, reference, tmp_path: Path
 
 # Their limits: the wait for the pause, then the requeued job's end (one launch's limit,
 # the default, is less than Slurm's own clock: the requeue, the time limit's signal).
-@pytest.mark.timeout(hang_limit(steps=PAUSE) + hang_limit(launches=2, steps=STEPS, waits=REQUEUE_S))
+@pytest.mark.timeout(FIXTURES_S + hang_limit(steps=PAUSE)
+                     + hang_limit(launches=2, steps=STEPS, waits=REQUEUE_S))
 def test_usr1_checkpoints_requeues_and_resumes_exactly(cluster: Cluster, reference, tmp_path):
     job_id, run_dir = submit(cluster, tmp_path, [], faults=f"pause@step={PAUSE},rank=0")
     wait_for_pause(cluster, job_id, run_dir)
@@ -336,7 +343,7 @@ def test_usr1_checkpoints_requeues_and_resumes_exactly(cluster: Cluster, referen
 
 
 @pytest.mark.timeout(
-    hang_limit() + hang_limit(launches=2, steps=STEPS, waits=TIME_LIMIT_S + REQUEUE_S)
+    FIXTURES_S + hang_limit() + hang_limit(launches=2, steps=STEPS, waits=TIME_LIMIT_S + REQUEUE_S)
 )
 def test_time_limit_signal_requeues_by_itself(cluster: Cluster, reference, tmp_path: Path):
     """A 1-minute limit with the warning 15 s before it (on the sbatch command line, over
@@ -352,6 +359,7 @@ def test_time_limit_signal_requeues_by_itself(cluster: Cluster, reference, tmp_p
     assert_same_losses(run_dir, reference)
 
 
+@pytest.mark.timeout(FIXTURES_S + hang_limit(procs=0) * 2)
 def test_elastic_script_is_accepted(cluster: Cluster, tmp_path: Path):
     """--min-nodes 1 --nodes 2 on a one-node cluster: Slurm may start it on one node."""
     made = run_cli("launch", "slurm", "--config", str(TINY), "--nodes", "2", "--min-nodes",
