@@ -316,7 +316,7 @@ def wait_for_pause(cluster: Cluster, job_id: str, run_dir: Path) -> None:
 
 # Every test's limit counts the module's fixtures (pytest-timeout charges them to the first
 # test): the cluster's start-up, a few lone processes, and the reference launch.
-FIXTURES_S = hang_limit(procs=0) * 3 + hang_limit(steps=STEPS)
+FIXTURES_S = hang_limit(launches=3, procs=0) + hang_limit(steps=STEPS)
 
 
 @pytest.mark.timeout(FIXTURES_S + hang_limit(procs=0) + hang_limit(steps=STEPS))
@@ -359,7 +359,7 @@ def test_time_limit_signal_requeues_by_itself(cluster: Cluster, reference, tmp_p
     assert_same_losses(run_dir, reference)
 
 
-@pytest.mark.timeout(FIXTURES_S + hang_limit(procs=0) * 2)
+@pytest.mark.timeout(FIXTURES_S + hang_limit(launches=2, procs=0))
 def test_elastic_script_is_accepted(cluster: Cluster, tmp_path: Path):
     """--min-nodes 1 --nodes 2 on a one-node cluster: Slurm may start it on one node."""
     made = run_cli("launch", "slurm", "--config", str(TINY), "--nodes", "2", "--min-nodes",
