@@ -378,9 +378,9 @@ class PrecisionConfig(Section):
         description="Float8 training (torchao's convert_to_float8_training): the Linears whose "
         "dimensions are multiples of 16, the output head excepted, run their three GEMMs in "
         "float8 with dynamic scales, one per tensor (tensorwise) or per row (rowwise); the "
-        "weights stay in high precision. Needs an NVIDIA GPU of compute capability 8.9+ "
-        "(Ada, Hopper, Blackwell); on CPU torchao emulates it. With precision.dtype bf16 "
-        "or fp32, not fp16.",
+        "weights stay in high precision. With precision.dtype bf16 or fp32, not fp16. "
+        "`trainwise plan` prices it (a GPU with an fp8 peak in the catalog); `trainwise "
+        "train` refuses it in this version (not trained yet).",
     )
     float8_all_gather: bool = Field(
         True,
