@@ -14,6 +14,7 @@ from trainwise.cli.main import main
 from trainwise.config import load_config
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import find_gpu
+from trainwise.plan.emit import job_config
 from trainwise.plan.estimate import evaluate
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 from trainwise.plan.model import compute
@@ -26,6 +27,8 @@ from trainwise.plan.model.float8 import (
 )
 from trainwise.plan.model.gemm import GENERATIONS, float8_generation, gemm_seconds
 from trainwise.plan.model.precision import BYTES, FLOAT8_BYTES
+from trainwise.plan.planner import make_plan
+from trainwise.report.plan_view import headline
 
 
 def job(**keys):
@@ -180,3 +183,13 @@ def test_what_the_planner_cannot_price_in_float8_is_one_line(keys, words):
     (line,) = info.value.problems
     assert line.startswith("precision.float8 = 'tensorwise'") and words in line
 
+
+
+def test_the_headline_and_the_emitted_job_keep_float8():
+    keys = {"model.name": "llama3-8b", "plan.gpus": 8, "precision.float8": "rowwise"}
+    cfg = load_config(None, keys, base=PLAN_DEFAULTS)
+    inputs = resolve_inputs(cfg)
+    plan = make_plan(inputs)
+    assert "bf16 + float8 rowwise" in headline(plan)
+    emitted = job_config(cfg, plan.recommendation.choice, inputs)
+    assert (emitted.precision.float8, emitted.precision.float8_all_gather) == ("rowwise", False)
