@@ -423,6 +423,8 @@ class PlanInputsRecord(Record):
     global_batch: int | None = None
     tokens: float | None = None
     precision: str | None = None
+    float8: str = "none"  # precision.float8: "none", "tensorwise" or "rowwise"
+    float8_all_gather: bool = False  # FSDP gathered the float8 weights in float8
     optimizer: str | None = None
     ac: str | None = None
     gpu: str | None = None
@@ -431,6 +433,7 @@ class PlanInputsRecord(Record):
     nodes: int | None = None
     gpu_memory_bytes: int | None = None
     gpu_peak_flops: float | None = None
+    gpu_fp8_peak_flops: float | None = None  # dense fp8 peak, with float8 training
     efficiency: float | None = None
     intra_node_bytes_per_s: float | None = None
     inter_node_bytes_per_s: float | None = None

@@ -63,7 +63,7 @@ def test_the_runs_that_ran_out_of_memory_do_not_fit(planned):
 def test_memory_is_within_10_percent_where_published_and_judged(planned):
     for run in TABLE:
         error = planned[run.name].memory_error
-        if error is not None and not run.approximate_ac:
+        if error is not None and not run.approximate_ac and not run.memory_unjudged:
             assert abs(error) <= bench.MEMORY_WITHIN, (run.name, f"{error:+.1%}")
 
 

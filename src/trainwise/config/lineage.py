@@ -40,7 +40,9 @@ def lineage_keys(
     """The job's lineage as flat `section.key` -> value (JSON types). With LoRA, the
     [lora] keys and what the frozen base's weights come from (`base_weights`: it is
     rebuilt from there on resume, not saved); without, no lora keys at all, so that
-    checkpoints of runs before LoRA keep their lineage."""
+    checkpoints of runs before LoRA keep their lineage. Float8 training computes other
+    values than the same precision without it: precision.float8 when on (its all-gather
+    only moves the same values: not lineage)."""
     dumped = cfg.model_dump(mode="json")
     keys: dict[str, Any] = {}
     for section in LINEAGE_SECTIONS:
@@ -58,6 +60,8 @@ def lineage_keys(
         keys.update({f"lora.{k}": v for k, v in dumped["lora"].items()})
         keys["lora.base_weights"] = base_weights
     keys.update(moe_keys(cfg))
+    if cfg.precision.float8 != "none":  # off: not recorded (the checkpoints before it)
+        keys["precision.float8"] = cfg.precision.float8
     return keys
 
 

@@ -373,6 +373,44 @@ class PrecisionConfig(Section):
         "fp32", description="fsdp: dtype of the gradient reduce-scatter."
     )
     init_scale: float = Field(65536.0, gt=0.0, description="fp16: initial loss scale.")
+    float8: Literal["none", "tensorwise", "rowwise"] = Field(
+        "none",
+        description="Float8 training (torchao's convert_to_float8_training): the Linears whose "
+        "dimensions are multiples of 16, the output head excepted, run their three GEMMs in "
+        "float8 with dynamic scales, one per tensor (tensorwise) or per row (rowwise); the "
+        "weights stay in high precision. With precision.dtype bf16 or fp32, not fp16. "
+        "`trainwise plan` prices it (a GPU with an fp8 peak in the catalog); `trainwise "
+        "train` refuses it in this version (not trained yet).",
+    )
+    float8_all_gather: bool = Field(
+        True,
+        description="precision.float8 = 'tensorwise' under FSDP: all-gather the weights in "
+        "float8 (1 byte a parameter instead of 2), their scales computed once after each "
+        "optimizer step; with tensor parallelism the activations are gathered in float8 too. "
+        "Rowwise gathers in high precision (true is refused with it, false is implied).",
+    )
+
+    @model_validator(mode="after")
+    def _float8(self) -> PrecisionConfig:
+        """float8 with fp16 and rowwise with float8_all_gather set true are refused; rowwise
+        leaves the default all-gather off (so the resolved config says what runs)."""
+        if self.float8 == "none":
+            return self
+        if self.dtype == "fp16":
+            raise ValueError(
+                f"precision.float8 = '{self.float8}' with precision.dtype = 'fp16': float8 "
+                "training keeps bf16 or fp32 weights and outputs (torchao has no fp16 "
+                "scaling path); use precision.dtype = 'bf16'"
+            )
+        if self.float8 == "rowwise" and self.float8_all_gather:
+            if "float8_all_gather" in self.model_fields_set:
+                raise ValueError(
+                    "precision.float8_all_gather = true with precision.float8 = 'rowwise': "
+                    "FSDP's float8 all-gather takes one scale per tensor (tensorwise only); "
+                    "set precision.float8 = 'tensorwise' or float8_all_gather = false"
+                )
+            object.__setattr__(self, "float8_all_gather", False)  # (no re-validation)
+        return self
 
 
 class CheckpointConfig(Section):

@@ -25,6 +25,7 @@ from trainwise.plan.model.comm import (
 )
 from trainwise.plan.model.compute import ComputeTime
 from trainwise.plan.model.cost import CheckpointPlan, Cost, checkpoint_plan, job_cost
+from trainwise.plan.model.float8 import gathered_float8_params
 from trainwise.plan.model.flops import (
     mfu,
     model_flops_per_token,
@@ -358,6 +359,7 @@ def _communication(
     collectives = layout_collectives(
         dims, rank_params, stage_layout, w.precision, w.reduce_dtype, dp_accum,
         setup.accumulate, units, trained,
+        gathered_float8_params(w.shape, tp, w.float8, w.float8_all_gather),
     )
     nccl = list(collectives)  # the host copies below run on copy engines, not SMs
     host_s = 0.0

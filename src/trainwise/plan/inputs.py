@@ -85,6 +85,8 @@ class Hardware:
     # The GPUs' sustained clock over the one the generation's rates were measured at
     # (cluster.sustained_clock_mhz): it scales the tensor cores' rates, not the memory's.
     clock_scale: float = 1.0
+    # The dense fp8 peak (float8 GEMMs: plan.model.float8), per GPU; 0: none known.
+    fp8_flops: float = 0.0
 
     @property
     def clocked_flops(self) -> float:
@@ -163,6 +165,8 @@ def resolve_inputs(
     if lora is not None and (problems := lora_problems(shape, lora)):
         raise ConfigError(problems)
     if (problem := _norm_problem(cfg, shape, model)) is not None:
+        raise ConfigError(problem)
+    if (problem := _float8_problem(cfg, shape, model)) is not None:
         raise ConfigError(problem)
     gpu_name = cfg.cluster.gpu or ("cpu" if cfg.cluster.device == "cpu" else DEFAULT_GPU)
     spec = find_gpu(gpu_name)
@@ -243,6 +247,8 @@ def config_workload(
         foreach=cfg.optim.foreach,
         attention=cfg.plan.attention_kernel,
         routing=cfg.plan.routing_kernel,
+        float8=cfg.precision.float8,
+        float8_all_gather=cfg.precision.float8_all_gather,
     )
 
 
@@ -265,6 +271,7 @@ def resolve_hardware(
             f"precision.dtype = '{precision}': the catalog has no {precision} peak for "
             f"{spec.name}; choose another precision or set cluster.gpu_tflops (--gpu-tflops)"
         )
+    fp8 = float8_peak(cfg, spec, peak)
     if cfg.cluster.device_memory_gb:
         memory = cfg.cluster.device_memory_gb * GB
     elif memory is None:
@@ -300,7 +307,25 @@ def resolve_hardware(
         generation=spec.generation,
         nccl_channels=intra_link.channels,
         clock_scale=clock_scale(c.sustained_clock_mhz, spec),
+        fp8_flops=fp8,
     )
+
+
+def float8_peak(cfg: JobConfig, spec: GPUSpec, peak: float) -> float:
+    """The dense fp8 peak float8 training's GEMMs run at: the catalog's, scaled as the
+    job's peak is when cluster.gpu_tflops replaces the catalog's (the same clock drives both
+    tensor-core rates); 0 without float8. Float8 on a GPU without an fp8 peak raises
+    ConfigError."""
+    if cfg.precision.float8 == "none":
+        return 0.0
+    fp8, own = spec.peak("fp8"), spec.peak(cfg.precision.dtype)
+    if fp8 is None or own is None:
+        raise ConfigError(
+            f"precision.float8 = '{cfg.precision.float8}': the catalog has no fp8 peak for "
+            f"{spec.name} (float8 tensor cores: Ada, Hopper, Blackwell, MI300X); set "
+            "precision.float8 = 'none'"
+        )
+    return fp8 * peak / own
 
 
 def clock_scale(clock_mhz: float | None, spec: GPUSpec) -> float:
@@ -526,6 +551,25 @@ def _norm_problem(cfg: JobConfig, shape: GPTShape | None, model: str) -> str | N
             f"or a shape); {model} runs its own norms: use model.norm_impl = 'fused'"
         )
     return norm_impl_problem(shape, cfg.model.norm_impl)
+
+
+def _float8_problem(cfg: JobConfig, shape: GPTShape | None, model: str) -> str | None:
+    """Why precision.float8 cannot be priced for this job: the planner prices float8 on
+    trainwise's GPT's block Linears (a preset or a shape), without LoRA; None when it can."""
+    f8 = cfg.precision.float8
+    if f8 == "none":
+        return None
+    if shape is None:
+        return (
+            f"precision.float8 = '{f8}': the planner prices float8 on trainwise's GPT (a "
+            f"preset or a shape); {model} is not one: use precision.float8 = 'none'"
+        )
+    if cfg.lora.rank:
+        return (
+            f"precision.float8 = '{f8}' with lora.rank = {cfg.lora.rank}: the planner prices "
+            "float8 for full training; use precision.float8 = 'none' or lora.rank = 0"
+        )
+    return None
 
 
 def _swiglu_ffn(d_model: int) -> int:

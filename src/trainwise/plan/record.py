@@ -88,6 +88,10 @@ def inputs_record(plan: Plan) -> dict:
         "global_batch": i.global_batch,
         "tokens": i.tokens,
         "precision": w.precision,
+        # Float8 training (plan.model.float8): the recipe, and whether FSDP's all-gather
+        # moves the float8 weights (asked, and possible: tensorwise).
+        "float8": w.float8,
+        "float8_all_gather": w.float8 == "tensorwise" and w.float8_all_gather,
         "optimizer": w.optimizer,
         "ac": w.ac,
         "gpu": hw.gpu,
@@ -96,6 +100,7 @@ def inputs_record(plan: Plan) -> dict:
         "nodes": i.nodes,
         "gpu_memory_bytes": _int(hw.memory_bytes),
         "gpu_peak_flops": hw.peak_flops,
+        "gpu_fp8_peak_flops": hw.fp8_flops or None,
         "efficiency": i.efficiency,
         "intra_node_bytes_per_s": hw.intra_bps,
         "inter_node_bytes_per_s": hw.inter_bps,

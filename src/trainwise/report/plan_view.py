@@ -164,9 +164,10 @@ def headline(plan: Plan) -> str:
         count = f"{active / 1e9:.2f}B" if active >= 1e8 else f"{active:,}"
         shape += f", {count} active: {m.experts} experts, top {m.top_k}, imbalance {w.imbalance:.3g}"
     batch = f"global batch {i.global_batch}" if i.global_batch else "global batch = micro x GPUs"
+    precision = w.precision if w.float8 == "none" else f"{w.precision} + float8 {w.float8}"
     return (
         f"{i.model} ({shape}), seq {w.seq_len}, micro-batch {w.micro_batch}, {batch}, "
-        f"{w.precision}, {w.optimizer}, ac {w.ac}; {i.gpus} x {i.hardware.gpu} on "
+        f"{precision}, {w.optimizer}, ac {w.ac}; {i.gpus} x {i.hardware.gpu} on "
         f"{i.nodes} node{'s' if i.nodes > 1 else ''}; {i.tokens:.3g} tokens to train"
     )
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.plan.model.network import Fabric, collective, group_of
-from trainwise.plan.model.precision import BYTES, MASTER_BYTES
+from trainwise.plan.model.precision import BYTES, FLOAT8_BYTES, MASTER_BYTES
 
 GRAD_BYTES = MASTER_BYTES  # DDP reduces the fp32 gradients (autocast leaves them fp32)
 DDP_BUCKET_BYTES = 25e6  # DDP's default bucket_cap_mb: the last bucket's all-reduce is exposed
@@ -120,6 +120,7 @@ def layout_collectives(
     accumulate: str = "unsharded",
     units: int = 1,
     trained: float | None = None,
+    float8_params: float = 0.0,
 ) -> list[Collective]:
     """The data-parallel collectives of one optimizer step, per GPU, for the layout `dims`
     (`params`: what one tensor-parallel rank holds, in `units` FSDP units, each its own
@@ -128,7 +129,8 @@ def layout_collectives(
     `accumulate` = "sharded" reduce-scatters (and, hybrid, all-reduces) on every
     micro-batch instead of once per step. `trained`: the parameters of those that have
     gradients (LoRA: the adapters; None: all): only theirs are reduced, while FSDP gathers
-    every parameter, frozen or not, forward and backward."""
+    every parameter, frozen or not, forward and backward. `float8_params`: those gathered in
+float8 (1 byte each)."""
     if dims.dp_size == 1:
         return []
     trained = params if trained is None else trained
@@ -137,7 +139,9 @@ def layout_collectives(
         buckets = max(1, math.ceil(grads / DDP_BUCKET_BYTES))
         group = (dims.dp_replicate, dims.tp)
         return [layout.collective("all-reduce grads", "all_reduce", grads, group, buckets)]
-    gather = params * BYTES[precision]  # FSDP all-gathers param_dtype copies
+    # FSDP all-gathers param_dtype copies; float8 Linears' weights in float8 when asked
+    # (`float8_params`: plan.model.float8.gathered_float8_params).
+    gather = params * BYTES[precision] - float8_params * (BYTES[precision] - FLOAT8_BYTES)
     reduce = trained * BYTES[reduce_dtype]
     d = dims.dp_shard
     every = grad_accum if accumulate == "sharded" else 1

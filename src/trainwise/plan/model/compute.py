@@ -20,6 +20,8 @@ Activation checkpointing adds the forward of each checkpointed block again (full
 block; selective: every other one, as models.checkpointing wraps them); selective-op adds
 every block's elementwise work and the matmuls its policy did not keep
 (plan.model.selective_op), not attention.
+Float8 training (precision.float8) runs the block Linears' GEMMs in float8 and adds their
+casts as memory-bound work (plan.model.float8); the head and attention stay 16-bit.
 
 A model read from its module (models.profile) without a GPT shape is priced the same way
 from what the profile holds: its Linears' GEMMs by shape, its other matmuls' FLOPs, its
@@ -39,6 +41,14 @@ from typing import TYPE_CHECKING
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import GPTShape, LinearShape, ModelProfile
 from trainwise.plan.inputs import Hardware, PlanInputs
+from trainwise.plan.model.float8 import (
+    Float8,
+    cast_bytes,
+    cast_ops,
+    float8_linears,
+    float8_of,
+    gathered_float8_params,
+)
 from trainwise.plan.model.flops import (
     head_flops_per_token,
     model_flops_per_token,
@@ -51,6 +61,7 @@ from trainwise.plan.model.gemm import (
     GENERATIONS,
     GemmTable,
     attention_seconds,
+    float8_generation,
     gemm_seconds,
     slowest_pace,
 )
@@ -62,7 +73,7 @@ from trainwise.plan.model.lora import (
     trained_matmul_params,
 )
 from trainwise.plan.model.memory import Workload, checkpointed_blocks
-from trainwise.plan.model.precision import BYTES, MASTER_BYTES
+from trainwise.plan.model.precision import BYTES, FLOAT8_BYTES, MASTER_BYTES
 from trainwise.plan.model.selective_op import SELECTIVE_OP, kept, recomputed_matmuls
 
 if TYPE_CHECKING:
@@ -240,6 +251,7 @@ def _cached_step(
         micro = _micro_batch(
             w.shape, w.seq_len, w.micro_batch, tp, hw, w.precision, autocast,
             compiled, w.ac, table, w.loss, w.norm_kernel, w.lora, w.head, w.attention,
+            float8_of(w.float8, w.float8_all_gather, fsdp),
         )
         per_step = _per_step(hw, w, tp, dims, micro_batches)
     work = micro.times(micro_batches) + per_step
@@ -268,29 +280,31 @@ def _micro_batch(
     lora: LoraPlan | None = None,
     head: bool = True,
     attention: str = "sdpa",
+    float8: Float8 | None = None,
 ) -> Work:
     """One micro-batch: every block forward and backward, the recomputed blocks' forward
     again, the head and its loss (`head`: on this worker; a pipeline stage may not);
     with LoRA the frozen layers skip their weight gradients and the adapters' GEMMs
     run beside them. `attention`: SDPA's flash kernel, or a fused one (FlashAttention-3,
-    cuDNN: gemm.FUSED_ATTENTION_SHARE where the generation has a figure)."""
+    cuDNN: gemm.FUSED_ATTENTION_SHARE where the generation has a figure). `float8`: the
+    block Linears' GEMMs in float8, with their casts (plan.model.float8)."""
     tokens = seq * micro_batch
     # Inductor fuses a composite norm's chain into one kernel, as it does the rest.
     norm = "fused" if compiled else norm_kernel
     share = FUSED_ATTENTION_SHARE.get(hw.generation) if attention == "fused" else None
     forward = _block_forward(
-        shape, tokens, seq, tp, hw, precision, autocast, compiled, table, norm, share
+        shape, tokens, seq, tp, hw, precision, autocast, compiled, table, norm, share, float8
     )
     backward = _block_backward(
         shape, tokens, seq, tp, hw, precision, autocast, compiled, table, norm,
-        weight_grads=lora is None, attention_share=share,
+        weight_grads=lora is None, attention_share=share, float8=float8,
     )
     recomputed = len(checkpointed_blocks(ac, shape.n_layer))
     blocks = (forward + backward).times(shape.n_layer)
     if ac == SELECTIVE_OP:  # every block runs its elementwise work and half its matmuls again
         blocks = blocks + sum(
             (_block_recompute(shape, tokens, tp, hw, precision, autocast, compiled, table,
-                              norm, lora, i) for i in range(shape.n_layer)),
+                              norm, lora, i, float8) for i in range(shape.n_layer)),
             Work(),
         )
         recomputed = 0  # the adapters' recomputed matmuls are counted among the block's
@@ -358,6 +372,25 @@ def _gemm(m: int, n: int, k: int, hw: Hardware, precision: str, table: GemmTable
     return gemm_seconds(m, n, k, hw.clocked_flops, hw.hbm_bps, BYTES[precision], gen, table)
 
 
+def _linear_gemm(
+    m: int, n: int, k: int, hw: Hardware, precision: str, table: GemmTable | None, f8: bool
+) -> float:
+    """A block Linear's GEMM: 16-bit, or (`f8`) float8 at the generation's fp8 share of the
+    fp8 peak with 1-byte inputs (a measured table holds 16-bit rates: not used for it)."""
+    if not f8:
+        return _gemm(m, n, k, hw, precision, table)
+    gen = float8_generation(GENERATIONS[hw.generation])
+    return gemm_seconds(m, n, k, hw.fp8_flops * hw.clock_scale, hw.hbm_bps, BYTES[precision],
+                        gen, input_bytes=FLOAT8_BYTES)
+
+
+def _linears(shape: GPTShape, tp: int, float8: Float8 | None) -> list[tuple[int, int, bool]]:
+    """(out, in, float8) of a block's projections on one of `tp` ranks."""
+    if float8 is None:
+        return [(o, i, False) for o, i in _gemms(shape, tp)]
+    return float8_linears(shape, tp)
+
+
 def norm_bytes(residual: int, element: int, kernel: str) -> int:
     """Bytes per element one norm's forward reads and writes: the fused kernel reads the
     residual stream and writes its output; the composite chain (COMPOSITE_NORM_OPS) moves
@@ -409,9 +442,10 @@ def _forward_ops(shape: GPTShape, autocast: bool, norm_kernel: str = "fused") ->
 def _block_forward(
     shape: GPTShape, tokens: int, seq: int, tp: int, hw: Hardware, precision: str,
     autocast: bool, compiled: bool, table: GemmTable | None, norm_kernel: str = "fused",
-    attention_share: float | None = None,
+    attention_share: float | None = None, float8: Float8 | None = None,
 ) -> Work:
-    gemms = sum(_gemm(tokens, o, i, hw, precision, table) for o, i in _gemms(shape, tp))
+    gemms = sum(_linear_gemm(tokens, o, i, hw, precision, table, f8)
+                for o, i, f8 in _linears(shape, tp, float8))
     q = shape.n_head * shape.head_dim // tp
     attention = attention_seconds(
         2.0 * tokens * seq * q, hw.clocked_flops, GENERATIONS[hw.generation], attention_share
@@ -419,19 +453,21 @@ def _block_forward(
     moved = tokens * _elementwise_bytes(shape, tp, precision, autocast, norm_kernel)
     if autocast:  # each weight cast to 16 bits for its matmul (read fp32, write 16-bit)
         moved += sum(o * i for o, i in _gemms(shape, tp)) * (MASTER_BYTES + BYTES[precision])
+    if float8 is not None:
+        moved += cast_bytes(shape, tp, tokens, precision, float8.gathered)[0]
     if compiled:
         moved *= COMPILED_MEMORY_SHARE
     memory = moved / (hw.hbm_bps * MEMORY_SHARE)
     ops = len(_gemms(shape, 1)) + 1 + FUSED_KERNELS_PER_BLOCK if compiled else _forward_ops(
         shape, autocast, norm_kernel
-    )
+    ) + (cast_ops(shape)[0] if float8 is not None else 0)
     return Work(gemms + attention + memory, ops)
 
 
 def _block_recompute(
     shape: GPTShape, tokens: int, tp: int, hw: Hardware, precision: str, autocast: bool,
     compiled: bool, table: GemmTable | None, norm_kernel: str, lora: LoraPlan | None,
-    index: int,
+    index: int, float8: Float8 | None = None,
 ) -> Work:
     """What block `index`'s backward runs again under selective-op (plan.model.selective_op):
     the matmuls whose outputs were not kept, priced by shape as the forward's, and its
@@ -440,13 +476,15 @@ def _block_recompute(
     ones return their saved outputs) and each of them, in the forward and again, through
     the policy's Python dispatch mode (SAC_MODE_OPS); compiled, the recomputation is part
     of the backward's graph."""
-    gemms = sum(
-        _gemm(tokens, o, i, hw, precision, table)
-        for o, i in recomputed_matmuls(shape, tp, lora, index)
-    )
+    again = recomputed_matmuls(shape, tp, lora, index)
+    f8 = {(o, i) for o, i, f in _linears(shape, tp, float8) if f}
+    gemms = sum(_linear_gemm(tokens, o, i, hw, precision, table, (o, i) in f8) for o, i in again)
     moved = tokens * _elementwise_bytes(shape, tp, precision, autocast, norm_kernel)
     if autocast:
         moved += sum(o * i for o, i in _gemms(shape, tp)) * (MASTER_BYTES + BYTES[precision])
+    if float8 is not None and f8:  # the recomputed float8 matmuls' forward casts, pro rata
+        share = sum((o, i) in f8 for o, i in again) / len(f8)
+        moved += share * cast_bytes(shape, tp, tokens, precision, float8.gathered)[0]
     if compiled:
         moved *= COMPILED_MEMORY_SHARE
         ops = FUSED_KERNELS_PER_BLOCK + len(recomputed_matmuls(shape, 1, lora, index))
@@ -459,20 +497,23 @@ def _block_backward(
     shape: GPTShape, tokens: int, seq: int, tp: int, hw: Hardware, precision: str,
     autocast: bool, compiled: bool, table: GemmTable | None, norm_kernel: str = "fused",
     weight_grads: bool = True, attention_share: float | None = None,
+    float8: Float8 | None = None,
 ) -> Work:
     """Input and weight gradients of every projection (LoRA's frozen ones: input gradients
     only), attention's backward (2.5 times its forward), the elementwise work twice (each
     op reads its saved input and the output gradient and writes the input gradient)."""
     gemms = sum(
-        _gemm(tokens, i, o, hw, precision, table)
-        + (_gemm(o, i, tokens, hw, precision, table) if weight_grads else 0.0)
-        for o, i in _gemms(shape, tp)
+        _linear_gemm(tokens, i, o, hw, precision, table, f8)
+        + (_linear_gemm(o, i, tokens, hw, precision, table, f8) if weight_grads else 0.0)
+        for o, i, f8 in _linears(shape, tp, float8)
     )
     q = shape.n_head * shape.head_dim // tp
     attention = attention_seconds(
         5.0 * tokens * seq * q, hw.clocked_flops, GENERATIONS[hw.generation], attention_share
     )
     moved = 2 * tokens * _elementwise_bytes(shape, tp, precision, autocast, norm_kernel)
+    if float8 is not None:
+        moved += cast_bytes(shape, tp, tokens, precision, float8.gathered)[1]
     if compiled:
         moved *= COMPILED_MEMORY_SHARE
     memory = moved / (hw.hbm_bps * MEMORY_SHARE)
@@ -480,7 +521,8 @@ def _block_backward(
         len(_gemms(shape, 1)) + 1 + FUSED_KERNELS_PER_BLOCK if compiled
         else _forward_ops(shape, autocast, norm_kernel)
     )
-    return Work(gemms + attention + memory, BACKWARD_OPS_PER_FORWARD_OP * forward_ops)
+    casts = cast_ops(shape)[1] if float8 is not None and not compiled else 0
+    return Work(gemms + attention + memory, BACKWARD_OPS_PER_FORWARD_OP * forward_ops + casts)
 
 
 def _head(
@@ -548,6 +590,9 @@ def _per_step(
         # Each gather casts the fp32 shard to 16 bits and copies the gathered buffer out
         # into the parameters; the reduction copies the gradients in (upcast to fp32).
         moved = rank_params * (gathers * (MASTER_BYTES / shard + 2 * e) + e + MASTER_BYTES)
+        # the float8 Linears' weights gathered in float8 are copied out in 1 byte
+        f8 = gathered_float8_params(w.shape, tp, w.float8, w.float8_all_gather)
+        moved -= f8 * gathers * 2 * (e - FLOAT8_BYTES)
         work += Work(
             micro_batches * moved / (hw.hbm_bps * MEMORY_SHARE),
             micro_batches * FSDP_OPS_PER_PARAM * tensors,

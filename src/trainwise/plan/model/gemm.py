@@ -31,12 +31,22 @@ forward and backward (Dao, 2023, "FlashAttention-2", abstract and section 4.1) a
 PR #1791: hopper/benchmark_attn.py, FlashAttention-3's benchmark, which runs on Hopper
 GPUs only; the GPU's model is not stated): 0.29 of the H100's peak.
 PyTorch's SDPA flash backend is FlashAttention-2.
+
+Float8 GEMMs (torch._scaled_mm, what torchao's float8 training runs: plan.model.float8)
+run at `fp8_gemm_share` of the dense fp8 peak, with fp8 inputs (1 byte an element) and a
+16-bit output. Hopper's share: 8192 x 8192 x 16384 in fp8 reached 1,541 TFLOPS on an H800
+SXM (the H100 SXM's SMs, clocks and fp8 peak, 1,979 dense; xwhzz/tilelang
+benchmark/matmul_fp8/README.md at 6b1faf71: a TileLang kernel on one GPU alone, a burst
+like MAMF), 0.779 of the peak, at the sustained/burst ratio of H200 bf16 (698.6 / 823.9,
+all 8 busy vs alone: the assumption Ampere's share makes too): 0.660. A generation without
+a published fp8 figure keeps Hopper's fp8/bf16 ratio to its own bf16 share (an
+assumption: FP8_SHARE_RATIO).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Assumption: cuBLAS's large bf16 kernels write 128 x 128 output tiles (the guide's
 # examples; Hopper's also run 128 x 256).
@@ -66,6 +76,10 @@ class Generation:
     # The SM clock (MHz) `gemm_share` was measured at, the middle of the node's range (0:
     # not published): cluster.sustained_clock_mhz scales the rates by its ratio to it.
     clock_mhz: float = 0.0
+    # Float8 GEMMs (module docstring): the share of the dense fp8 peak on large shapes and
+    # the K it was measured at (0: none published; float8_generation derives them).
+    fp8_gemm_share: float = 0.0
+    fp8_reference_k: int = 0
 
 
 GENERATIONS: dict[str, Generation] = {
@@ -86,6 +100,8 @@ GENERATIONS: dict[str, Generation] = {
         reference_k=20480,  # the MSMF shape 8192 x 8448 x 20480
         clock_spread=0.045,  # H200, all 8 busy: MSMF range 4.5 % (1405-1527 MHz)
         clock_mhz=1466.0,  # the middle of 1405-1527 MHz
+        fp8_gemm_share=0.660,  # 1,541 of 1,979 TFLOPS (H800 SXM) x 698.6 / 823.9
+        fp8_reference_k=16384,  # the shape 8192 x 8192 x 16384
     ),
     "blackwell": Generation(
         0.634, 0.29, 148,
@@ -109,6 +125,17 @@ GENERATIONS: dict[str, Generation] = {
     # assumed peak), no tiles, no waves.
     "cpu": Generation(0.4, 0.4, 1, "assumption: 0.4 of the catalog's assumed CPU peak", tile=1),
 }
+
+# A generation without a published fp8 share: Hopper's fp8 share over its bf16 share times
+# its own bf16 share (an assumption).
+FP8_SHARE_RATIO = GENERATIONS["hopper"].fp8_gemm_share / GENERATIONS["hopper"].gemm_share
+
+
+def float8_generation(gen: Generation) -> Generation:
+    """`gen` as its float8 GEMMs run: the fp8 share of the fp8 peak (and the K it was
+    measured at) in place of the bf16 one; the tiles, waves and epilogues as before."""
+    share = gen.fp8_gemm_share or gen.gemm_share * FP8_SHARE_RATIO
+    return replace(gen, gemm_share=share, reference_k=gen.fp8_reference_k or gen.reference_k)
 
 
 # Fused attention kernels beyond SDPA's FlashAttention-2: FlashAttention-3 (Shah et al.,
@@ -182,12 +209,16 @@ def gemm_seconds(
     element_bytes: int,
     gen: Generation,
     table: GemmTable | None = None,
+    input_bytes: int | None = None,
 ) -> float:
     """Seconds of one (m, n, k) GEMM: the larger of its math and its memory time (module
-    docstring); a measured `table` gives the math rate instead of the generation."""
+    docstring); a measured `table` gives the math rate instead of the generation.
+    `element_bytes`: of its output (and inputs, unless `input_bytes` says otherwise: a
+    float8 GEMM reads 1-byte inputs and writes 16-bit outputs)."""
     if min(m, n, k) <= 0:
         return 0.0
-    memory = (m * k + k * n + m * n) * element_bytes / hbm_bps
+    inputs = element_bytes if input_bytes is None else input_bytes
+    memory = ((m * k + k * n) * inputs + m * n * element_bytes) / hbm_bps
     if table is not None:
         return max(2.0 * m * n * k / table.rate(m, n, k), memory)
     mp, np_, kp = _padded(m, gen.tile), _padded(n, gen.tile), _padded(k, MMA)

@@ -43,6 +43,7 @@ from functools import lru_cache
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.moe.shapes import MoEShape
 from trainwise.models.shapes import GPTShape, ModelProfile
+from trainwise.plan.model.float8 import gathered_bytes_per_param, gathered_float8_params
 from trainwise.plan.model.lora import (
     LoraPlan,
     adapter_activation_bytes,
@@ -133,6 +134,10 @@ class Workload:
     # moe_unpermute, and DeepEP's dispatch: a row per rank holding any of its experts).
     attention: str = "sdpa"
     routing: str = "eager"
+    # Float8 training (precision.float8, plan.model.float8): "none", "tensorwise" or
+    # "rowwise", and whether FSDP gathers the float8 Linears' weights in float8 (tensorwise).
+    float8: str = "none"
+    float8_all_gather: bool = False
 
 
 @dataclass(frozen=True)
@@ -548,11 +553,15 @@ def _sharded(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
     units = w.shape.n_layer if w.shape is not None else (
         w.profile.blocks if w.profile is not None and w.profile.blocks else (w.units or 1)
     )
+    # A gathered block parameter's bytes: 1 for float8 weights gathered in float8.
+    cg = c if w.shape is None else gathered_bytes_per_param(
+        w.shape, tp, block, c, gathered_float8_params(w.shape, tp, w.float8, w.float8_all_gather) > 0
+    )
     if not dims.reshard_after_forward:
-        params_in_flight = (n - root) * c  # every block stays gathered until its backward
+        params_in_flight = (n - root) * cg  # every block stays gathered until its backward
     else:
-        params_in_flight = min(2, units) * block * c  # the block in use and the prefetched one
-    at_head = (n - root) * c if not dims.reshard_after_forward else 0.0  # blocks still gathered
+        params_in_flight = min(2, units) * block * cg  # the block in use and the prefetched one
+    at_head = (n - root) * cg if not dims.reshard_after_forward else 0.0  # blocks still gathered
     p, g, o = (frozen * c + t * MASTER_BYTES) / d, t * MASTER_BYTES / d, t * opt / d
     states = p + g + o
     temp = t / d * step_temp

@@ -18,7 +18,7 @@ from trainwise.config import JobConfig
 from trainwise.config.lineage import moe_keys as lineage_moe_keys
 from trainwise.config.parallel_dims import LayoutRequest, ParallelDims
 from trainwise.data import DataInfo, first_batch, user_data_problems
-from trainwise.errors import ConfigError, DataError, ModelError, joined
+from trainwise.errors import ConfigError, DataError, ModelError, NotTrainedError, joined
 from trainwise.hardware import GB, DeviceInfo
 from trainwise.hardware.catalog import find_gpu
 from trainwise.models import (
@@ -271,6 +271,8 @@ def prepare_job(
     With LoRA, `base_id(spec, seed)` says what the frozen base is: by default read from the
     weights (once per process, or free in the hub cache); a worker takes its launcher's."""
     c, local = cfg, local_world or world
+    if (untrained := not_trained(c)) is not None:  # priced by `plan`, not run: nothing to check
+        raise NotTrainedError(untrained)
     backend, problems = machine_problems(c, device, local)
     problems += layout_problems(c, world, local, device)
     # Machines now: torchrun starts `local` workers on each; with an elastic range fewer
@@ -343,6 +345,19 @@ def prepare_job(
         sharded_accumulation=dims.accumulates_sharded(setup.accumulate, accum),
         base_weights=base_id(data.spec, c.train.seed) if c.lora.rank else None,
         moe=data.moe,
+    )
+
+
+def not_trained(c: JobConfig) -> str | None:
+    """Why this version cannot train the job although `trainwise plan` prices it (float8
+    training: the planner prices its GEMMs, casts and all-gathers; the runtime converter is
+    not in this version); None when it can."""
+    if c.precision.float8 == "none":
+        return None
+    return (
+        f"precision.float8 = '{c.precision.float8}': float8 training is priced by `trainwise "
+        "plan` but not trained by this version of trainwise; set precision.float8 = 'none' "
+        "to train in precision.dtype"
     )
 
 
