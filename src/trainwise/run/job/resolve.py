@@ -568,8 +568,8 @@ def moe_pricing_notes(c: JobConfig, moe: MoEShape | None) -> list[str]:
     unpriced = [setting for setting, _ in moe_unpriced(c)] if moe is not None else []
     if not unpriced:
         return []
-    return [f"{', '.join(unpriced)}: the planner prices a Mixture-of-Experts model's data and "
-            "expert parallelism only; its figures for this job leave them out"]
+    return [f"{', '.join(unpriced)}: the planner does not price them for a Mixture-of-Experts "
+            "model yet; its figures for this job leave them out"]
 
 
 def pipeline_problems(c: JobConfig, data: JobData, accum: int) -> list[str]:
