@@ -390,6 +390,9 @@ def test_a_moe_job_in_pipeline_stages_is_priced_with_them():
     assert job.plan_notes == []
     plan = job_plan(job)
     assert plan["name"].startswith("pp2 + ep2 + ") and plan["all_to_all_s"] > 0
+    # auto chooses the layout inside the stages, as for the GPT (the planner cuts it now)
+    auto = prepare_job(cfg(*MOE, "parallel.pp=2", "data.grad_accum=2"), 4, CPU)
+    assert auto.dims.pp == 2 and auto.decision.setup.dims.pp == 2
 
 
 # --- the planner counts what training builds ----------------------------------------------
