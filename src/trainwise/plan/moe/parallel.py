@@ -65,8 +65,10 @@ def rank_shape(shape: MoEShape, tp: int) -> MoEShape:
     )
 
 
+@lru_cache(maxsize=1024)
 def layers_params(shape: MoEShape) -> int:
-    """Parameters of all the layers of `shape` (every expert counted)."""
+    """Parameters of all the layers of `shape` (every expert counted; cached: the
+    search's pipeline moments ask for it often)."""
     return sum(shape.layer_params(i) for i in range(shape.n_layer))
 
 
