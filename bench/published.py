@@ -103,6 +103,21 @@ The runs, each with its source:
   assumed to be the run: local batch 8 (the weak-scaling table's LBS 8 row on 16 nodes is
   the strong-scaling 16-node row, 13,856), seq 4096, FSDP over the 8, EP 8, full AC,
   compile on, the gate forced balanced (moe.imbalance = 1), AdamW, reduced in fp32.
+  Megatron-Core's MoE benchmarks, yanring/Megatron-MoE-ModelZoo
+  best_practice/Qwen3/readme.md (c1ad0b5c8), "Intra-node EP strategy": Qwen3-235B-A22B on
+  256 H100 (InfiniBand 8 x 50 GB/s a node), BF16, DeepEP (plan.routing_kernel = fused),
+  Transformer Engine's attention (plan.attention_kernel = fused), seq 4096, GBS 2048,
+  ETP 1 (the experts split by EP alone, as trainwise's runtime leaves them whole under
+  tp): Megatron-FSDP x TP 2, EP 8, MBS 4 (4 accumulated), full recompute, 17.6 s a step
+  (1,862 tokens/s/GPU); TP 4 x PP 8 (VPP 4: Interleaved1F1B, 4 stages a rank), EP 8, DP 8,
+  MBS 1 (256 micro-batches), no recompute, 29.0 s (1,130). Megatron's distributed
+  optimizer (ZeRO-1) beside pipeline stages is written as FSDP without resharding
+  (parallel.shard = grad_op), as the Llama 3 405B row. The table does not say whether the
+  gate was forced balanced: moe.imbalance is left at its default. Megatron-Core folds tp
+  into the expert group and splits the tokens over it; trainwise's runtime runs the MoE
+  layer on the whole sequence on every tp rank (plan.moe.parallel), with its ep group's
+  ranks tp apart, and the planner prices the runtime: these two rows measure that gap
+  as much as the planner's error.
 
 Left out, and why: torchtitan's context-parallel rows (Tables 2 and 6 of the December 2024
 benchmarks: not modelled), its rows with async TP (Table 4's "2D + AsyncTP", 876; Table 5,
@@ -118,14 +133,9 @@ dense Llama row, most with context parallelism; their B200 rows (Llama 3 8B on 8
 inputs was found (the catalog's B200 memory was fixed meanwhile: 191.5 GB as CUDA
 reports it, not 180); IBM's FSDP blog (its own selective checkpointing, not expressible);
 the same Automodel table's DeepSeek-V3, Kimi K2 (multi-head latent attention, pipeline
-stages), GPT-OSS (attention sinks) and Nemotron (Mamba) rows. MoE: Megatron-Core's MoE
-benchmarks, yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md (c1ad0b5c8), 256
-H100, BF16, DeepEP, seq 4096, GBS 2048, complete inputs and the step time: Qwen3-235B-A22B
-at Megatron-FSDP x TP 2, EP 8, MBS 4, full recompute, 17.6 s (1,862 tokens/s/GPU), and at
-TP 4 x PP 8 (VPP 4), EP 8, MBS 1, no recompute, 29.0 s (1,130): every row of the table
-has TP 2 or 4, some PP, and the planner prices a Mixture-of-Experts model with data and
-expert parallelism only (parallel.tp = parallel.pp = 1: plan.inputs.moe_unpriced); its
-other rows also recompute "norm, act" (Megatron's per-module recompute, not expressible)
+stages), GPT-OSS (attention sinks) and Nemotron (Mamba) rows. MoE: the Megatron MoE
+ModelZoo table's other Qwen3 rows (priced above: its two with complete inputs): they
+recompute "norm, act" (Megatron's per-module recompute, not expressible)
 or overlap the all-to-all with another micro-batch ("1f1b overlap"), its long-context rows
 use context parallelism, Qwen3-Next has no preset; its GB200 and GB300 rows (HybridEP
 over a 72-GPU NVLink domain, CUDA graphs, MXFP8; no GB200 in the catalog); Megatron-LM's
@@ -367,6 +377,8 @@ LLAMA3_405B = Published(
 )
 LLAMA3_405B_TFLOPS_PER_GPU = 400.0  # arXiv 2407.21783, Table 4, 16,384 GPUs
 
+MOE_ZOO = ("yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md @c1ad0b5c8, "
+           "Intra-node EP strategy")
 AUTOMODEL = ("NVIDIA-NeMo/Automodel docs/performance-summary.mdx, DGX-H100 BF16 "
              "(examples/llm_benchmark/qwen/qwen3_moe_30b_te_deepep.yaml)")
 MOE_RUNS = [
@@ -382,6 +394,18 @@ MOE_RUNS = [
                   "--global-batch 64 --ac full --strategy fsdp-full --set parallel.ep=8 "
                   "--set moe.imbalance=1 --set train.compile=true --set plan.routing_kernel=fused"),
               14796, 167.93),
+    Published("Qwen3-235B-A22B, 256 H100, FSDP x TP 2 x EP 8, full AC", MOE_ZOO,
+              cmd("--model qwen3-235b-a22b --gpus 256 --seq 4096 --micro-batch 4 "
+                  "--global-batch 2048 --ac full --strategy fsdp-full --set parallel.tp=2 "
+                  "--set parallel.ep=8 --set plan.attention_kernel=fused "
+                  "--set plan.routing_kernel=fused"), 1862),
+    Published("Qwen3-235B-A22B, 256 H100, TP 4 x PP 8 (VPP 4) x EP 8, no AC", MOE_ZOO,
+              cmd("--model qwen3-235b-a22b --gpus 256 --seq 4096 --micro-batch 1 "
+                  "--global-batch 2048 --ac none --strategy fsdp --set parallel.shard=grad_op "
+                  "--set parallel.tp=4 --set parallel.pp=8 "
+                  "--set parallel.pp_schedule=Interleaved1F1B --set parallel.pp_virtual=4 "
+                  "--set parallel.pp_microbatches=256 --set parallel.ep=8 "
+                  "--set plan.attention_kernel=fused --set plan.routing_kernel=fused"), 1130),
 ]
 
 

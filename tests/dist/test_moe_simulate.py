@@ -3,7 +3,9 @@ trainwise's MoE model (models/moe) as the runtime builds and parallelizes it, on
 tensors under PyTorch's memory trackers (trainwise.doctor.simulate). The issue's bar:
 within 5 % of the per-rank peak, for single, DDP over 2, FSDP over 2 (fp32 and bf16), and
 with the experts split by the runtime's ExpertParallel: FSDP over 2 x ep 2 and FSDP over
-4 x ep 2 (each half of the experts sharded again over efsdp = 2). Fake tensors route every
+4 x ep 2 (each half of the experts sharded again over efsdp = 2); with tensor parallelism
+(sequence parallel, the runtime's default), tp 2 and FSDP over 2 x tp 2 x ep 2 (the
+router and the experts whole on each tp rank: plan/moe/parallel.py). Fake tensors route every
 expert an even share (models/moe/layers.py) and the dispatch passes a rank's rows through
 unexchanged (as many as balanced routing sends it), so the formula is priced at
 moe.imbalance 1."""
@@ -33,6 +35,8 @@ CASES = {
     "fsdp 2 bf16": (ParallelDims(1, 2, fsdp=True), "bf16"),
     "fsdp 2 x ep 2": (ParallelDims(1, 2, ep=2, fsdp=True), "fp32"),
     "fsdp 4 x ep 2": (ParallelDims(1, 4, ep=2, fsdp=True), "fp32"),
+    "tp 2": (ParallelDims(tp=2), "fp32"),
+    "fsdp 2 x tp 2 x ep 2": (ParallelDims(1, 2, 2, ep=2, fsdp=True), "fp32"),
 }
 
 

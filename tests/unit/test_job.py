@@ -381,15 +381,18 @@ def test_a_moe_jobs_plan_carries_the_all_to_all_and_the_imbalance():
     assert job_plan(prepare_job(cfg(*MOE), 2, CPU))["all_to_all_s"] is None
 
 
-def test_what_the_moe_planner_leaves_out_is_said_not_refused():
-    """The runtime runs a MoE model in pipeline stages (and with tp); the planner's MoE
-    model prices data and expert parallelism only: the job runs, its plan says so."""
+def test_a_moe_job_in_pipeline_stages_is_priced_with_them():
+    """The runtime runs a MoE model in pipeline stages; the planner's MoE model prices
+    them (plan.moe.parallel): the job's plan is its stages', with nothing left out."""
     job = prepare_job(cfg(*MOE, "parallel.ep=2", "parallel.strategy=fsdp", "parallel.pp=2",
                           "data.grad_accum=2"), 4, CPU)
     assert job.dims.name == "pp 2 x fsdp 2 x ep 2"
-    assert job.plan_notes == ["parallel.pp = 2: the planner prices a Mixture-of-Experts "
-                              "model's data and expert parallelism only; its figures for this "
-                              "job leave them out"]
+    assert job.plan_notes == []
+    plan = job_plan(job)
+    assert plan["name"].startswith("pp2 + ep2 + ") and plan["all_to_all_s"] > 0
+    # auto chooses the layout inside the stages, as for the GPT (the planner cuts it now)
+    auto = prepare_job(cfg(*MOE, "parallel.pp=2", "data.grad_accum=2"), 4, CPU)
+    assert auto.dims.pp == 2 and auto.decision.setup.dims.pp == 2
 
 
 # --- the planner counts what training builds ----------------------------------------------

@@ -174,7 +174,8 @@ def test_plan_json_gives_total_and_active_parameters(capsys):
         (["--model", "qwen3-30b-a3b", "--set", "parallel.ep=16", "--gpus", "8"],
          "parallel.ep = 16 does not divide the 8 data-parallel ranks"),
         (["--model", "llama-7b", "--set", "parallel.ep=2"], "has none: use parallel.ep = 1"),
-        (["--model", "qwen3-30b-a3b", "--set", "parallel.tp=2"], "use parallel.tp = 1"),
+        (["--model", "qwen3-30b-a3b", "--gpus", "8", "--set", "parallel.tp=8"],
+         "parallel.tp = 8 does not divide the key/value heads (n_kv_head) = 4"),
         (["--model", "qwen3-30b-a3b", "--layers", "4"], "drop them"),
     ],
 )

@@ -235,7 +235,7 @@ def tp_model_problems(spec: ModelSpec, tp: int, seq_len: int, sequence_parallel:
             "use parallel.tp = 1"
         ]
     if bundle.moe is not None:
-        from trainwise.models.moe.parallel import moe_tp_problems
+        from trainwise.models.moe.shapes import moe_tp_problems
 
         return moe_tp_problems(bundle.moe, tp, seq_len, sequence_parallel)
     shape = bundle.shape

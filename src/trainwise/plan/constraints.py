@@ -106,7 +106,8 @@ def _asked(cfg: JobConfig, key: str, given: Mapping[str, str]) -> bool:
 
 def check_allowed(inputs: PlanInputs, allowed: Allowed) -> None:
     """A setting no layout of these GPUs can meet: one line (ConfigError, exit 2)."""
-    tp, shape, profile = allowed.tp_degree, inputs.workload.shape, inputs.workload.profile
+    tp, profile = allowed.tp_degree, inputs.workload.profile
+    shape = inputs.workload.shape or inputs.workload.moe  # a MoE model's: its layers' shape
     problems = []
     if tp is not None and tp > 1:
         if profile is not None and not profile.tp_plan:
@@ -159,7 +160,7 @@ def pipeline_problems(inputs: PlanInputs, allowed: Allowed) -> list[str]:
     """What no pipeline layout can meet: stages that do not divide the GPUs or split the
     blocks, a schedule at virtual stages it does not run, fewer micro-batches than stages."""
     pp, v, name = allowed.pp_degree or 1, allowed.pp_virtual, allowed.pp_schedule
-    shape, tp = inputs.workload.shape, allowed.tp_degree or 1
+    shape, tp = inputs.workload.shape or inputs.workload.moe, allowed.tp_degree or 1
     if pp == 1:
         return []
     profile = inputs.workload.profile

@@ -182,7 +182,7 @@ def price(
     from trainwise.plan.model.performance import model_of  # it delegates back to this module
 
     model = model or model_of(inputs)
-    if setup.dims.pp > 1 and inputs.workload.shape is None:
+    if setup.dims.pp > 1 and inputs.workload.shape is None and inputs.workload.moe is None:
         return stageless(inputs, setup, name, model)
     dims, hw = setup.dims, inputs.hardware
     w = knob_workload(inputs.workload, setup.micro_batch, setup.ac)
@@ -280,7 +280,8 @@ def rank_compute(
     slowest, paced = max(timed, key=lambda t: t[0].seconds)
     whole = model.compute(inputs, w, per_rank, 1, None)  # the scaling's reference
     share = bubble_fraction(
-        setup.schedule, dims.pp, setup.virtual, setup.grad_accum, zb_passes(w.shape, w.seq_len)
+        setup.schedule, dims.pp, setup.virtual, setup.grad_accum,
+        zb_passes(w.shape or w.moe, w.seq_len),
     )
     one = ComputeTime(slowest.seconds, whole.one_gpu_tokens_per_s)
     return one, share * slowest.seconds, paced

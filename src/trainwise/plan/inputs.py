@@ -13,7 +13,7 @@ from trainwise.config.parallel_dims import plan_name
 from trainwise.config.schema import JobConfig
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import GB, TFLOP, GPUSpec, default_catalog, find_gpu
-from trainwise.models.moe.shapes import MOE_PRESETS, MoEShape, moe_job_shape
+from trainwise.models.moe.shapes import MOE_PRESETS, MoEShape, moe_job_shape, moe_tp_problems
 from trainwise.models.shapes import PRESETS, GPTShape, ModelProfile, job_shape, norm_impl_problem
 from trainwise.objects import is_object_reference
 from trainwise.plan.model.gemm import GENERATIONS, GemmTable
@@ -469,12 +469,11 @@ def _moe_model(cfg: JobConfig, shape: MoEShape | None = None) -> tuple[int, MoES
 
 def moe_unpriced(cfg: JobConfig) -> list[tuple[str, str]]:
     """The job's settings the planner's MoE model leaves out, each as (`key = value`, the
-    fix): it prices data and expert parallelism, not tensor parallelism, pipeline stages,
-    LoRA or CPU offload of a MoE model yet. `trainwise plan` refuses them (moe_problems);
-    the runtime, which runs them, prices the job without them and says so."""
+    fix): it prices data, expert and tensor parallelism and pipeline stages, not LoRA or
+    CPU offload of a MoE model yet. `trainwise plan` refuses them (moe_problems); the
+    runtime, which runs them, prices the job without them and says so."""
     par = cfg.parallel
-    out = [(f"{key} = {value}", f"use {key} = 1")
-           for key, value in (("parallel.tp", par.tp), ("parallel.pp", par.pp)) if value > 1]
+    out = []
     if cfg.lora.rank > 0:
         out.append((f"lora.rank = {cfg.lora.rank}", "use lora.rank = 0"))
     if par.cpu_offload:
@@ -484,7 +483,8 @@ def moe_unpriced(cfg: JobConfig) -> list[tuple[str, str]]:
 
 def moe_problems(cfg: JobConfig, shape: MoEShape) -> list[str]:
     """What the planner cannot price for the MoE model `shape`, one line each: an ep that
-    does not divide its experts, and what moe_unpriced names."""
+    does not divide its experts, a tp that does not split it (the runtime's rule,
+    models.moe.shapes.moe_tp_problems), and what moe_unpriced names."""
     par, name = cfg.parallel, cfg.model.name
     out = []
     if shape.moe.experts % par.ep:
@@ -492,8 +492,10 @@ def moe_problems(cfg: JobConfig, shape: MoEShape) -> list[str]:
             f"parallel.ep = {par.ep} does not divide the {shape.moe.experts} experts of "
             f"{name}: choose a divisor of them"
         )
-    out += [f"{setting}: the planner prices {name} (Mixture-of-Experts) with data and expert "
-            f"parallelism only; {fix}" for setting, fix in moe_unpriced(cfg)]
+    if par.tp > 1:
+        out += moe_tp_problems(shape, par.tp, cfg.data.seq_len, par.sequence_parallel is not False)
+    out += [f"{setting}: the planner does not price it for {name} (Mixture-of-Experts) yet; "
+            f"{fix}" for setting, fix in moe_unpriced(cfg)]
     return out
 
 

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, replace
 
 from trainwise.config.parallel_dims import ParallelDims
+from trainwise.models.moe.shapes import moe_tp_problems
 from trainwise.models.stage_split import SCHEDULE_VIRTUAL, stage_blocks
 from trainwise.plan.inputs import PlanInputs
 
@@ -75,12 +76,15 @@ def tp_degrees(inputs: PlanInputs, allowed: Allowed) -> list[int]:
     """Tensor-parallel degrees: divisors of the heads (and key/value heads), of the GPUs
     a node holds and of the GPUs; 1 alone for a model without a shape or a user's module
     without a tensor-parallel plan."""
-    shape, profile = inputs.workload.shape, inputs.workload.profile
+    w = inputs.workload
+    shape, profile = w.shape or w.moe, w.profile
     if allowed.tp_degree is not None:
         return [allowed.tp_degree]  # checked against the model by the job
     if not allowed.tp or shape is None or (profile is not None and not profile.tp_plan):
         return [1]
     limit = math.gcd(shape.n_head, shape.n_kv_head, inputs.gpus_per_node, inputs.gpus)
+    if w.moe is not None:  # and its vocabulary, dense and shared FFNs (the runtime's rule)
+        return [t for t in divisors(limit) if not moe_tp_problems(w.moe, t, w.seq_len, False)]
     return divisors(limit)
 
 
@@ -91,7 +95,7 @@ def pp_degrees(inputs: PlanInputs, allowed: Allowed, tp: int) -> list[int]:
     cannot cut (a user's module: models.pipeline cuts trainwise's GPT)."""
     if allowed.pp_degree is not None:
         return [allowed.pp_degree]
-    shape, profile = inputs.workload.shape, inputs.workload.profile
+    shape, profile = inputs.workload.shape or inputs.workload.moe, inputs.workload.profile
     if allowed.max_pp == 1 or shape is None or (profile is not None and not profile.stages):
         return [1]
     return [1] + [
@@ -134,7 +138,7 @@ SCHEDULE_ORDER = ("1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBu
 def schedules(inputs: PlanInputs, dims: ParallelDims, allowed: Allowed) -> list[tuple[str, int]]:
     """(schedule, virtual stages per rank) for a layout with pipeline stages: the job's,
     else SEARCHED_SCHEDULES at every virtual degree that splits the blocks."""
-    shape = inputs.workload.shape
+    shape = inputs.workload.shape or inputs.workload.moe
     assert shape is not None
     names = (allowed.pp_schedule,) if allowed.pp_schedule else SEARCHED_SCHEDULES
     out = []

@@ -36,28 +36,7 @@ from torch.distributed.tensor.parallel import (
 from trainwise.models.moe.expert_parallel import ExpertParallel
 from trainwise.models.moe.layers import GroupedExperts
 from trainwise.models.moe.model import MoEModel
-from trainwise.models.moe.shapes import MoEShape
 from trainwise.models.stage_split import stage_range
-
-
-def moe_tp_problems(s: MoEShape, tp: int, seq_len: int, sequence_parallel: bool) -> list[str]:
-    """What keeps a MoE shape from splitting `tp` ways, one line each (empty: it splits)."""
-    sizes = {
-        "model heads (n_head)": s.n_head,
-        "key/value heads (n_kv_head)": s.n_kv_head,
-        "vocabulary (vocab_size)": s.vocab_size,
-    }
-    if s.moe.shared_experts:
-        sizes["shared experts' width (moe.shared_experts x d_shared)"] = s.moe.shared_width
-    if s.moe.dense_layers:
-        sizes["dense layers' FFN width (moe.d_dense)"] = s.moe.d_dense
-    if sequence_parallel:
-        sizes["sequence length (data.seq_len)"] = seq_len
-    return [
-        f"parallel.tp = {tp} does not divide the {what} = {n}: choose a tp that divides it"
-        for what, n in sizes.items()
-        if n % tp
-    ]
 
 
 def _feed_forward(prefix: str, output: object) -> dict[str, ParallelStyle]:

@@ -239,7 +239,7 @@ def _cached_step(
     if w.moe is not None:
         from trainwise.plan.moe.compute import moe_micro_batch, moe_per_step  # (builds on this)
 
-        micro = moe_micro_batch(w, dims.ep if dims is not None else 1, hw, autocast, table)
+        micro = moe_micro_batch(w, dims.ep if dims is not None else 1, tp, hw, autocast, table)
         per_step = moe_per_step(hw, w, dims, micro_batches)
     elif w.shape is None:
         assert w.profile is not None

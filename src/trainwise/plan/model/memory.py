@@ -320,7 +320,7 @@ def activation_profile(
     if w.moe is not None:
         from trainwise.plan.moe.memory import moe_activations  # it builds on this module
 
-        return moe_activations(w, autocast, device)
+        return moe_activations(w, autocast, device, tp, sequence_parallel)
     if w.shape is None:
         return _measured_activations(w, autocast)
     frozen_emb = w.lora is not None and not w.lora.train_embeddings

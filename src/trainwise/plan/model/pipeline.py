@@ -53,6 +53,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from trainwise.config.parallel_dims import ParallelDims
+from trainwise.models.moe.shapes import MoEShape
 from trainwise.models.shapes import GPTShape
 from trainwise.models.stage_split import rank_stages, stage_blocks
 from trainwise.plan.model.comm import Collective, Layout
@@ -61,12 +62,17 @@ from trainwise.plan.model.precision import BYTES
 from trainwise.plan.model.setup import Setup
 
 
-def zb_passes(shape: GPTShape | None, seq_len: int) -> tuple[float, float, float]:
+def zb_passes(shape: GPTShape | MoEShape | None, seq_len: int) -> tuple[float, float, float]:
     """(T_F, T_B, T_W) of a block in FLOPs per token: 2N forward, the input gradient 2N
     and the weight gradient 2N (Qi et al., Table 1), attention's score and value matmuls
-    4 s h forward and 2.5 times that backward (FlashAttention-2, section 3) in T_B."""
+    4 s h forward and 2.5 times that backward (FlashAttention-2, section 3) in T_B. A
+    Mixture-of-Experts layer's N: its active parameters (plan.moe.parallel.zb_passes)."""
     if shape is None:
         return 1.0, 1.0, 1.0
+    if isinstance(shape, MoEShape):
+        from trainwise.plan.moe.parallel import zb_passes as moe_passes  # builds on this
+
+        return moe_passes(shape, seq_len)
     n, _ = block_params(Workload(shape.num_params(), shape, seq_len, 1))
     attention = 4.0 * seq_len * shape.n_head * shape.head_dim
     return 2 * n + attention, 2 * n + 2.5 * attention, 2 * n
@@ -240,10 +246,12 @@ class Stage:
 
 
 def rank_stage(w: Workload, dims: ParallelDims, schedule: str, v: int, m: int, rank: int) -> Stage:
-    """Rank `rank`'s Stage (`w`'s shape split by stage_blocks; valid degrees assumed)."""
-    assert w.shape is not None
+    """Rank `rank`'s Stage (`w`'s shape, or its MoE model's, split by stage_blocks; valid
+    degrees assumed)."""
+    shape = w.shape or w.moe
+    assert shape is not None
     p = dims.pp
-    split = stage_blocks(w.shape.n_layer, p * v)
+    split = stage_blocks(shape.n_layer, p * v)
     assert split is not None, "pipeline degrees checked by the caller"
     mine = rank_stages(rank, p, v, schedule)
     name = "the first stage" if rank == 0 else "the last stage" if rank == p - 1 else f"stage {rank}"
@@ -265,7 +273,12 @@ def _weighted(chunks: tuple[int, ...], held: tuple[float, ...]) -> float:
 def stage_workload(w: Workload, stage: Stage) -> Workload:
     """`w` as one pipeline rank trains it: its blocks, the embeddings and head it holds
     (their parameters), the loss only on the head's rank, its micro-batches in flight.
-    (Cached: the search asks for the same stages often.)"""
+    (Cached: the search asks for the same stages often.) A Mixture-of-Experts model's:
+    plan.moe.parallel.stage_workload."""
+    if w.moe is not None:
+        from trainwise.plan.moe.parallel import stage_workload as moe_stage  # builds on this
+
+        return moe_stage(w, stage)
     assert w.shape is not None
     shape = w.shape
     block, embeddings, head = _parts(w)
@@ -280,6 +293,10 @@ def stage_workload(w: Workload, stage: Stage) -> Workload:
 def _parts(w: Workload) -> tuple[float, float, float]:
     """Parameters of (a block, the embeddings' stage's extra, the head's stage's extra:
     the head and final norm, and a tied head's copy of the embeddings)."""
+    if w.moe is not None:
+        from trainwise.plan.moe.parallel import parts  # builds on this module
+
+        return parts(w)
     assert w.shape is not None
     shape = w.shape
     block, root = block_params(w)
@@ -301,8 +318,9 @@ def pipeline_stages(
 
 def activation_message_bytes(w: Workload, tp: int, sequence_parallel: bool) -> float:
     """Bytes of one stage's output for one micro-batch, as one rank sends it."""
-    assert w.shape is not None
-    size = w.micro_batch * w.seq_len * w.shape.d_model * BYTES[w.precision]
+    shape = w.shape or w.moe
+    assert shape is not None
+    size = w.micro_batch * w.seq_len * shape.d_model * BYTES[w.precision]
     return size / tp if sequence_parallel and tp > 1 else size
 
 

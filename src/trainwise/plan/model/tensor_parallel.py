@@ -38,6 +38,7 @@ their shape (plan.gemm).
 
 from __future__ import annotations
 
+from trainwise.models.moe.shapes import MoEShape
 from trainwise.models.shapes import GPTShape
 from trainwise.plan.model.comm import Collective, Layout
 from trainwise.plan.model.precision import BYTES
@@ -100,7 +101,7 @@ def activation_split(per: dict, tp: int, sequence_parallel: bool) -> dict:
 
 
 def tp_collectives(
-    shape: GPTShape | None,
+    shape: GPTShape | MoEShape | None,
     seq_len: int,
     micro_batch: int,
     precision: str,
@@ -108,18 +109,21 @@ def tp_collectives(
     recomputed_blocks: float,
     grad_accum: int,
     layout: Layout,
+    per_block: float = 2.0,
 ) -> list[Collective]:
     """The TP traffic of one step through one rank's link, forward and backward: per
     micro-batch and block, two collectives forward (two more for a recomputed block) and two
     backward, each an all-reduce of s·b·h elements in the compute dtype (moving 2(t-1)/t of
     it; an all-gather and a reduce-scatter with sequence parallelism move the same) over
     `tp` consecutive ranks of `layout`. `recomputed_blocks`: blocks' worth of forward
-    collectives run again (selective-op's half a block's each: plan.model.selective_op)."""
+    collectives run again (selective-op's half a block's each: plan.model.selective_op).
+    `per_block`: the collectives a block runs each way where not the GPT's two (a
+    Mixture-of-Experts layer's: plan.moe.parallel.tp_per_layer)."""
     if tp == 1 or shape is None:
         return []
     one = seq_len * micro_batch * shape.d_model * BYTES[precision]
-    forward = grad_accum * (2 * shape.n_layer + 2 * recomputed_blocks)
-    backward = grad_accum * 2 * shape.n_layer
+    forward = grad_accum * per_block * (shape.n_layer + recomputed_blocks)
+    backward = grad_accum * per_block * shape.n_layer
     group = (tp, 1)
     return [
         layout.collective(TP_FORWARD, "all_reduce", forward * one, group, forward, True),

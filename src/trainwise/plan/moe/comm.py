@@ -9,7 +9,7 @@ model (plan/model/network.py) and plan.model.comm's overlap rules.
   puts ep innermost), and the replica groups all-reduce the shards; DDP all-reduces them
   over the dp / ep ranks that hold the same slice. With ep equal to the data-parallel
   ranks no rank shares an expert: nothing to reduce.
-- Dispatch and combine: an all-to-all over the ep consecutive ranks for each, in every MoE
+- Dispatch and combine: an all-to-all over the ep ranks (tp apart) for each, in every MoE
   layer's forward and again in its backward (their gradients travel back the same way),
   and once more for a checkpointed layer's recomputed forward; each rank sends its tokens'
   top_k rows of d_model in the compute dtype (with the fused routing, DeepEP's dispatch,
@@ -19,11 +19,19 @@ model (plan/model/network.py) and plan.model.comm's overlap rules.
   experts and the next layer, so the step waits for all of them (torchtitan runs them
   synchronously; DeepEP's and Megatron-Core's overlap of the all-to-all with other
   micro-batches' compute is not modelled).
+- Tensor parallelism (plan.moe.parallel): TP's collectives of its attention, dense and
+  shared FFNs (plan.model.tensor_parallel's, `tp_per_layer` a layer), exposed as the
+  GPT's; the data-parallel and expert groups' ranks tp apart, so an ep group spans ep x
+  tp ranks; every tp rank exchanges the same tokens (the runtime's MoE layer takes the
+  whole sequence on each).
+- Pipeline stages: the stage's layers' collectives over its world / pp ranks, FSDP's once
+  a step, and the stages' sends (plan.model.pipeline.p2p_collective), as the GPT's.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.moe.cost import ranks_per_token
@@ -37,12 +45,16 @@ from trainwise.plan.model.comm import (
     exposed_seconds,
     layout_collectives,
 )
+from trainwise.plan.model.flops import recompute_factor
 from trainwise.plan.model.gemm import GENERATIONS
 from trainwise.plan.model.memory import Workload, checkpointed_blocks
+from trainwise.plan.model.pipeline import p2p_collective, p2p_exposed_seconds
 from trainwise.plan.model.precision import BYTES
-from trainwise.plan.model.selective_op import SELECTIVE_OP
+from trainwise.plan.model.selective_op import SELECTIVE_OP, recomputed_collectives
 from trainwise.plan.model.setup import Setup
+from trainwise.plan.model.tensor_parallel import tp_exposed_seconds
 from trainwise.plan.moe.memory import expert_layout, moe_params
+from trainwise.plan.moe.parallel import moe_tp_collectives
 
 ALL_TO_ALL = "ep all-to-all (dispatch and combine)"
 
@@ -53,14 +65,14 @@ def expert_collectives(
 ) -> list[Collective]:
     """The collectives of the rank's `experts` parameters (its slice, unsharded) in one
     step, `units` calls each (one a MoE layer)."""
-    ex = expert_layout(dims)
+    ex, tp = expert_layout(dims), dims.tp  # the data-parallel ranks are tp apart
     if not dims.fsdp:
         if ex.replicas == 1:
             return []
         grads = experts * GRAD_BYTES
         calls = max(1, math.ceil(grads / DDP_BUCKET_BYTES))
         return [layout.collective("all-reduce expert grads", "all_reduce", grads,
-                                  (ex.replicas, ex.ep), calls)]
+                                  (ex.replicas, ex.ep * tp), calls)]
     out = []
     every = grad_accum if accumulate == "sharded" else 1
     reduce = experts * BYTES[reduce_dtype]
@@ -69,18 +81,18 @@ def expert_collectives(
         out += [
             layout.collective(
                 "all-gather expert params", "all_gather",
-                passes * grad_accum * experts * BYTES[precision], (ex.shard, ex.ep),
+                passes * grad_accum * experts * BYTES[precision], (ex.shard, ex.ep * tp),
                 passes * grad_accum * units, per_micro_batch=True,
             ),
             layout.collective(
                 "reduce-scatter expert grads", "reduce_scatter", every * reduce,
-                (ex.shard, ex.ep), every * units, per_micro_batch=every > 1,
+                (ex.shard, ex.ep * tp), every * units, per_micro_batch=every > 1,
             ),
         ]
     if ex.replicas > 1:
         out.append(layout.collective(
             "all-reduce expert grad shards across replicas", "all_reduce",
-            every * reduce / ex.shard, (ex.replicas, ex.shard * ex.ep), every * units,
+            every * reduce / ex.shard, (ex.replicas, ex.shard * ex.ep * tp), every * units,
             per_micro_batch=every > 1,
         ))
     return out
@@ -101,7 +113,7 @@ def all_to_all_collective(w: Workload, dims: ParallelDims, layout: Layout,
         recomputed = 0
     calls = grad_accum * (4 * shape.moe_layers + 2 * recomputed)
     return [layout.collective(ALL_TO_ALL, "all_to_all", calls * one * w.imbalance,
-                              (dims.ep, 1), calls, per_micro_batch=True)]
+                              (dims.ep, dims.tp), calls, per_micro_batch=True)]
 
 
 def all_to_all_seconds(collectives: list[Collective]) -> float:
@@ -122,19 +134,40 @@ def moe_communication(
         inputs.gpus, inputs.gpus_per_node, hw.intra_bps, hw.inter_bps,
         hw.nics_per_node, hw.intra_step_s, hw.inter_step_s,
     )
-    p = moe_params(shape, dims.ep)
-    params = layout_collectives(dims, p.dense, layout, w.precision, w.reduce_dtype, accum,
-                                setup.accumulate, shape.n_layer + 1)
-    params += expert_collectives(dims, p.experts, layout, w.precision, w.reduce_dtype, accum,
-                                 setup.accumulate, shape.moe_layers)
-    waited = exposed_seconds(params, compute, dims, p.block / (p.dense + p.experts), accum)
-    a2a = all_to_all_collective(w, dims, layout, accum)
-    everything = params + a2a
-    exposed = waited + sum(c.seconds for c in a2a)
+    # A pipeline stage's ranks, and its FSDP parameters gathered and gradients unreduced
+    # until the step's last backward (estimate._communication's rule for the GPT).
+    stage_layout = replace(layout, gpus=inputs.gpus // dims.pp)
+    dp_accum = 1 if dims.pp > 1 else accum
+    p = moe_params(w, dims.ep, dims.tp)
+    params = layout_collectives(dims, p.dense, stage_layout, w.precision, w.reduce_dtype,
+                                dp_accum, setup.accumulate, shape.n_layer + 1)
+    params += expert_collectives(dims, p.experts, stage_layout, w.precision, w.reduce_dtype,
+                                 dp_accum, setup.accumulate, shape.moe_layers)
+    waited = exposed_seconds(params, compute, dims, p.block / (p.dense + p.experts), dp_accum)
+    a2a = all_to_all_collective(w, dims, stage_layout, accum)
+    tp_comm = moe_tp_collectives(w, dims.tp, _tp_recomputed(w), accum, stage_layout,
+                                 setup.sequence_parallel)
+    tp_waited = tp_exposed_seconds(tp_comm, compute, recompute_factor(w.ac, shape.n_layer))
+    everything = params + a2a + tp_comm
+    exposed = waited + sum(c.seconds for c in a2a) + tp_waited
+    if dims.pp > 1:
+        p2p = p2p_collective(w, dims, layout, setup.virtual, accum, setup.sequence_parallel)
+        everything.append(p2p)
+        exposed += p2p_exposed_seconds(p2p, dims.pp, setup.virtual, accum, compute)
     if hw.device == "cpu":  # gloo runs the collectives on the cores that compute
         exposed = sum(c.seconds for c in everything)
     hidden = max(0.0, sum(c.seconds for c in params) - waited)
+    hidden += max(0.0, sum(c.seconds for c in tp_comm) - tp_waited)
     slowed = 0.0
     if inputs.efficiency is None:  # a measured efficiency already ran beside them
         slowed = contention_seconds(hidden, hw.nccl_channels, GENERATIONS[hw.generation].sms)
     return everything, slowed, exposed
+
+
+def _tp_recomputed(w: Workload) -> float:
+    """Layers' worth of TP forward collectives a step runs again: the checkpointed
+    layers', or selective-op's (plan.model.selective_op.recomputed_collectives)."""
+    assert w.moe is not None
+    if w.ac == SELECTIVE_OP:
+        return recomputed_collectives(w.moe.n_layer)
+    return len(checkpointed_blocks(w.ac, w.moe.n_layer))

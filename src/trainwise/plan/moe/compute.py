@@ -17,6 +17,10 @@ One micro-batch of T tokens on a rank of an `ep`-way expert group:
   with ep > 1, the device-to-host sync the all-to-all's split sizes need (torchtitan's
   token dispatcher reads them with .tolist()): the device then waits for the host to
   dispatch the next SYNC_IDLE_OPS operations.
+On one of `tp` tensor-parallel ranks, the MoE model of its share (plan.moe.parallel.
+rank_shape): attention's heads, the dense and shared FFNs and the head's vocabulary
+split, the router and the routed experts whole (every tp rank routes and computes the
+same tokens, as the runtime runs them).
 Activation checkpointing runs the checkpointed blocks' forward again; selective-op every
 layer's forward less attention and the GEMMs its policy kept (_layer_recompute).
 torch.compile is not modelled for MoE blocks (priced eager).
@@ -57,6 +61,7 @@ from trainwise.plan.model.memory import Workload, checkpointed_blocks
 from trainwise.plan.model.precision import BYTES, MASTER_BYTES
 from trainwise.plan.model.selective_op import SELECTIVE_OP, kept
 from trainwise.plan.moe.memory import expert_layout, held_params, moe_params
+from trainwise.plan.moe.parallel import rank_shape
 
 # Operations eager PyTorch dispatches in one layer's forward (counted from torchtitan's
 # Transformer block and models/common/moe.py, token_dispatcher.py): the attention's
@@ -77,12 +82,13 @@ SYNC_IDLE_OPS = 5
 MOE_LAYER_TENSORS = 15
 
 
-def moe_micro_batch(w: Workload, ep: int, hw: Hardware, autocast: bool,
+def moe_micro_batch(w: Workload, ep: int, tp: int, hw: Hardware, autocast: bool,
                     table: GemmTable | None) -> Work:
-    """One micro-batch of `w` (a MoE workload) on a rank of an ep-way expert group: every
+    """One micro-batch of `w` (a MoE workload) on a rank of an ep-way expert group and
+    of a tp-way tensor-parallel one (its share: plan.moe.parallel.rank_shape): every
     layer forward and backward, the checkpointed ones' forward again, the head."""
-    shape = w.moe
-    assert shape is not None
+    assert w.moe is not None
+    shape = rank_shape(w.moe, tp)
     kernels = Kernels(w.norm_kernel, w.attention, w.routing)
     return _micro_batch(shape, w.seq_len, w.micro_batch, ep, w.imbalance, hw, w.precision,
                         autocast, w.ac, table, w.loss, kernels, w.head)
@@ -293,11 +299,11 @@ def moe_per_step(hw: Hardware, w: Workload, dims: ParallelDims | None,
     shape = w.moe
     assert shape is not None
     dims = dims or ParallelDims()
-    held = held_params(shape, dims)
+    held = held_params(w, dims)
     work = Work(held * OPTIMIZER_BYTES_PER_PARAM / (hw.hbm_bps * MEMORY_SHARE), STEP_OPS)
     if not dims.fsdp:
         return work
-    p, experts = moe_params(shape, dims.ep), expert_layout(dims)
+    p, experts = moe_params(w, dims.ep, dims.tp), expert_layout(dims)
     e = BYTES[w.precision]
     gathers = 1 if dims.shard == "grad_op" else 2
     moved = 0.0

@@ -583,8 +583,8 @@ def moe_pricing_notes(c: JobConfig, moe: MoEShape | None) -> list[str]:
     unpriced = [setting for setting, _ in moe_unpriced(c)] if moe is not None else []
     if not unpriced:
         return []
-    return [f"{', '.join(unpriced)}: the planner prices a Mixture-of-Experts model's data and "
-            "expert parallelism only; its figures for this job leave them out"]
+    return [f"{', '.join(unpriced)}: the planner does not price them for a Mixture-of-Experts "
+            "model yet; its figures for this job leave them out"]
 
 
 def pipeline_problems(c: JobConfig, data: JobData, accum: int) -> list[str]:
@@ -625,12 +625,11 @@ def pipeline_problems(c: JobConfig, data: JobData, accum: int) -> list[str]:
             "zero-bubble schedules split the backward, which compiled blocks do not support; "
             "use 1F1B or Interleaved1F1B, or train.compile = false"
         )
-    if (cut is not None or data.moe is not None) and LayoutRequest.of(p).auto:
-        # Its search prices a GPT's stages (a MoE model's: issue 34's planner work).
-        what = "your own module" if cut is not None else "a Mixture-of-Experts model"
+    if cut is not None and LayoutRequest.of(p).auto:
+        # Its search prices a GPT's stages and a MoE model's (plan/moe/parallel.py).
         problems.append(
             f"{where}: parallel.strategy = 'auto' lets the planner choose around the stages, "
-            f"and it cannot cut {what} yet: set parallel.strategy = 'fsdp' or 'ddp' "
+            "and it cannot cut your own module yet: set parallel.strategy = 'fsdp' or 'ddp' "
             "(the layout inside each stage)"
         )
     if cut is not None and not problems:  # run on the meta device, stage after stage
