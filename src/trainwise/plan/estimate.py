@@ -45,8 +45,8 @@ from trainwise.plan.model.pipeline import (
     bubble_fraction,
     p2p_collective,
     p2p_exposed_seconds,
-    pipeline_stages,
     stage_part,
+    stage_parts,
     zb_passes,
 )
 from trainwise.plan.model.precision import MASTER_BYTES, OPTIMIZER_STATE_BYTES
@@ -275,8 +275,9 @@ def rank_compute(
     dims = setup.dims
     if dims.pp == 1:
         return model.compute(inputs, w, per_rank, dims.tp, dims, reference), 0.0, w
-    stages = pipeline_stages(w, dims, setup.schedule, setup.virtual, setup.grad_accum)
-    parts = (stage_part(w, s.blocks, s.embeddings, s.head) for s in stages)
+    assert w.shape is not None
+    stages = stage_parts(w.shape.n_layer, dims.pp, setup.virtual, setup.schedule)
+    parts = (stage_part(w, *stage) for stage in stages)
     timed = [(model.compute(inputs, sw, per_rank, dims.tp, dims, reference=False), sw)
              for sw in parts]
     slowest, paced = max(timed, key=lambda t: t[0].seconds)

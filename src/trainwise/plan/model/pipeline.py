@@ -324,6 +324,19 @@ def _parts(w: Workload) -> tuple[float, float, float]:
 
 
 @lru_cache(maxsize=4096)
+def stage_parts(n_layer: int, p: int, v: int, schedule: str) -> tuple[tuple[int, bool, bool], ...]:
+    """(blocks, the embeddings, the head) of pipeline_stages' ranks, the first and the
+    last: all their compute depends on, whatever they hold in flight (rank_stage's)."""
+    split = stage_blocks(n_layer, p * v)
+    assert split is not None, "pipeline degrees checked by the caller"
+    out = []
+    for rank in (0, p - 1):
+        mine = rank_stages(rank, p, v, schedule)
+        out.append((sum(split[s] for s in mine), 0 in mine, p * v - 1 in mine))
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
 def pipeline_stages(
     w: Workload, dims: ParallelDims, schedule: str, v: int, m: int
 ) -> tuple[Stage, Stage]:
