@@ -159,14 +159,26 @@ def floor_fits(inputs: PlanInputs, setup: Setup, budget: float) -> bool:
 
 
 def least_memory(
-    inputs: PlanInputs, layouts: list[ParallelDims], allowed: Allowed
+    inputs: PlanInputs, layouts: list[ParallelDims], allowed: Allowed, below: float = math.inf
 ) -> list[Candidate]:
-    """The candidates of the pipeline `layouts` that can need the least memory: each knob's
-    smallest micro-batch (a larger one never needs less, as above), with its memory."""
-    out = []
+    """The candidates of the pipeline `layouts` that can need the least memory, with their
+    memory: of each knob's smallest micro-batch (a larger one never needs less, as above),
+    those whose memory floor (pipeline.memory_floor) is at most the least found, in the
+    order of their floors, and at most `below` (the least of the plans without stages):
+    every other one needs more."""
+    device, overhead = inputs.hardware.device, inputs.memory_overhead_bytes
+    floors = []
     for dims in layouts:
         batch = replica_batch(inputs, dims)
         for knob in layout_knobs(inputs, dims, allowed):
             setup = knob.setup(dims, knob.micros[0], batch)
-            out.append((setup, knob_memory(inputs, setup)))
+            w = knob_workload(inputs.workload, setup.micro_batch, setup.ac)
+            floors.append((memory_floor(w, setup, device, overhead), len(floors), setup))
+    out: list[Candidate] = []
+    for floor, _, setup in sorted(floors):
+        if floor > below:
+            break
+        memory = knob_memory(inputs, setup)
+        out.append((setup, memory))
+        below = min(below, memory.total)
     return out

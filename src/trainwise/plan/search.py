@@ -208,7 +208,7 @@ def least_memory(
 ) -> StrategyPlan:
     """The setting of the `searched` layouts that needs the least device memory (the
     simplest of equals), priced: what a plan shows when nothing fits (of the pipeline
-    layouts, found by pipeline_search.least_memory)."""
+    layouts, those pipeline_search.least_memory cannot rule out)."""
     every = [
         (setup, knob_memory(inputs, setup))
         for dims in searched if dims.pp == 1
@@ -216,7 +216,8 @@ def least_memory(
         for setup in (knob.setup(dims, m, replica_batch(inputs, dims)) for m in knob.micros)
     ]
     stages = [dims for dims in searched if dims.pp > 1]
-    every += staged_least_memory(inputs, stages, allowed)
+    flat = min((memory.total for _, memory in every), default=math.inf)
+    every += staged_least_memory(inputs, stages, allowed, flat)
     least, _ = min(every, key=lambda c: (c[1].total, setup_simplicity(c[0])))
     return price(inputs, least)
 
