@@ -123,8 +123,11 @@ def test_imbalance_slows_the_step_and_the_all_to_all():
 
 
 def best_and_without_ep(ac: str | None = None, **keys):
+    """The best plan and the best without ep, both without pipeline stages (what ep does
+    to a layout's data-parallel ranks, not whether stages would serve better)."""
     inputs = plan_inputs(**keys)
-    allowed = replace(EVERYTHING, ac=ac) if ac else EVERYTHING
+    allowed = replace(EVERYTHING, pp_degree=1)
+    allowed = replace(allowed, ac=ac) if ac else allowed
     return recommend(inputs, allowed), recommend(inputs, replace(allowed, ep_degree=1))
 
 

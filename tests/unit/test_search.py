@@ -4,7 +4,7 @@ the goal's limits, the job file it writes, and properties against a brute force.
 
 from __future__ import annotations
 
-import itertools
+import math
 from dataclasses import replace
 
 import pytest
@@ -19,6 +19,7 @@ from trainwise.models.shapes import GPTShape
 from trainwise.plan.emit import job_config, job_toml
 from trainwise.plan.estimate import SIMPLER_WITHIN, Setup, evaluate, price
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
+from trainwise.plan.knobs import largest_fitting, layout_knobs
 from trainwise.plan.model.comm import Layout, layout_collectives
 from trainwise.plan.model.memory import (
     Workload,
@@ -40,13 +41,12 @@ from trainwise.plan.search import (
     best_only,
     candidates,
     contenders,
-    largest_fitting,
-    layout_knobs,
     limit_counts,
     rank,
     recommend,
     score,
     search,
+    staged,
 )
 from trainwise.plan.space import (
     Allowed,
@@ -56,7 +56,9 @@ from trainwise.plan.space import (
     exact_batch,
     layouts,
     micro_batches,
+    pipeline_micro_batches,
     replica_batch,
+    schedules,
     tp_degrees,
 )
 
@@ -306,20 +308,24 @@ small = st.fixed_dictionaries(
 
 def brute_force(inputs, allowed) -> list:
     """Every option of the space priced, no pruning: those that fit (among the layouts that
-    run the global batch exactly, as a job must)."""
+    run the global batch exactly, as a job must); with pipeline stages every schedule,
+    virtual degree and micro-batch count."""
     out = []
     for dims in layouts(inputs, allowed):
         if not exact(inputs, dims, allowed):
             continue
         batch = replica_batch(inputs, dims)
-        for ac, micro in itertools.product(
-            ac_modes(inputs, allowed), micro_batches(inputs, batch, allowed)
-        ):
-            accum = -(-batch // micro)
-            for accumulate in accumulations(dims, accum, allowed):
-                s = price(inputs, Setup(dims, ac, micro, accum, accumulate))
-                if s.fits:
-                    out.append(s)
+        micros = micro_batches(inputs, batch, allowed)
+        for ac in ac_modes(inputs, allowed):
+            setups = (
+                [Setup(dims, ac, m, batch // m, schedule=name, virtual=v)
+                 for name, v in schedules(inputs, dims, allowed)
+                 for m in pipeline_micro_batches(dims, batch, name, micros, allowed)]
+                if dims.pp > 1 else
+                [Setup(dims, ac, m, -(-batch // m), accumulate)
+                 for m in micros for accumulate in accumulations(dims, -(-batch // m), allowed)]
+            )
+            out += [s for s in (price(inputs, setup) for setup in setups) if s.fits]
     return out
 
 
@@ -393,13 +399,21 @@ def test_the_sweeps_pruned_search_answers_as_recommend(job, per_op):
     full, pruned = recommend(inputs), best_only(inputs)
     assert (pruned.fits, pruned.setup) == (full.fits, full.setup)
     assert pruned.plan == full.plan
-    # Every plan within reach of the best (the simpler one may lead) was priced.
+    # Every plan within reach of the best (the simpler one may lead) was priced; with
+    # pipeline stages, those that also beat every plan without (which are simpler).
     inputs, _ = exact_batch(inputs, EVERYTHING)
     goal = Goal(inputs.objective)
+    device_fits, searched = candidates(inputs, EVERYTHING)
+    flat = contenders(inputs, device_fits, goal)
+    priced = {s.setup for s in flat + staged(inputs, searched, EVERYTHING, goal, flat)}
     fitting, _ = search(inputs)
-    priced = {s.setup for s in contenders(inputs, candidates(inputs, EVERYTHING)[0], goal)}
     reach = (best_score(fitting, goal) or 0.0) * (1 + SIMPLER_WITHIN)
-    assert {s.setup for s in fitting if score(s, goal) <= reach} <= priced
+    flat_best = best_score([s for s in fitting if s.setup.dims.pp == 1], goal) or math.inf
+    can_lead = {
+        s.setup for s in fitting
+        if score(s, goal) <= reach and (s.setup.dims.pp == 1 or score(s, goal) < flat_best)
+    }
+    assert can_lead <= priced
 
 
 @settings(max_examples=25, deadline=None)

@@ -53,7 +53,8 @@ FLAGS: list[tuple[str, str, type, str]] = [
     ("--strategy", "plan.strategy", str, "search only this strategy's layouts: single, ddp, "
      "fsdp, hsdp, auto (or fsdp-full, fsdp-grad-op, fsdp-offload)"),
     ("--objective", "plan.objective", str, "cost or time"),
-    ("--max-pp", "plan.max_pp", int, "the most pipeline stages to weigh (default 1: none)"),
+    ("--max-pp", "plan.max_pp", int,
+     "the most pipeline stages to weigh (1: none; default: as many as split the blocks)"),
 ]
 # How the API's messages name plan's options here: by their flags.
 OPTION_FLAGS = {

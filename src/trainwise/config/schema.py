@@ -694,11 +694,12 @@ class PlanConfig(Section):
     objective: Literal["cost", "time"] = Field(
         "cost", description="Recommend the cheapest or the fastest strategy that fits."
     )
-    max_pp: int = Field(
-        1,
+    max_pp: int | None = Field(
+        None,
         gt=0,
         description="The most pipeline stages the search weighs when parallel.pp is not set "
-        "(with their schedules, virtual stages and micro-batch counts); 1: none.",
+        "(with their schedules, virtual stages and micro-batch counts); 1: none; default: "
+        "every degree whose stages split the model's blocks.",
     )
     strategy: Strategy | None = Field(
         None,

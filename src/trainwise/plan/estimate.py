@@ -46,8 +46,8 @@ from trainwise.plan.model.pipeline import (
     bubble_fraction,
     p2p_collective,
     p2p_exposed_seconds,
-    pipeline_stages,
-    stage_workload,
+    stage_part,
+    stage_parts,
     zb_passes,
 )
 from trainwise.plan.model.precision import MASTER_BYTES, OPTIMIZER_STATE_BYTES
@@ -265,26 +265,32 @@ def stageless(
 
 
 def rank_compute(
-    model: PerformanceModel, inputs: PlanInputs, setup: Setup, w: Workload, per_rank: float
+    model: PerformanceModel, inputs: PlanInputs, setup: Setup, w: Workload, per_rank: float,
+    reference: bool = True,
 ) -> tuple[ComputeTime, float, Workload]:
     """(one rank's compute for its samples of a step, the seconds it idles in the
     pipeline's bubble, the workload that paces the step). With pipeline stages the
     slowest of the first and last stage sets the pace (plan.model.pipeline); the bubble is
-    its schedule's share of that."""
+    its schedule's share of that. `reference`: with the scaling's reference (one GPU that
+    only computes; else nan)."""
     dims = setup.dims
     if dims.pp == 1:
-        return model.compute(inputs, w, per_rank, dims.tp, dims), 0.0, w
-    stages = pipeline_stages(w, dims, setup.schedule, setup.virtual, setup.grad_accum)
-    timed = [(model.compute(inputs, sw, per_rank, dims.tp, dims), sw)
-             for sw in (stage_workload(w, stage) for stage in stages)]
+        return model.compute(inputs, w, per_rank, dims.tp, dims, reference), 0.0, w
+    shape = w.shape or w.moe
+    assert shape is not None
+    stages = stage_parts(shape.n_layer, dims.pp, setup.virtual, setup.schedule)
+    parts = (stage_part(w, *stage) for stage in stages)
+    timed = [(model.compute(inputs, sw, per_rank, dims.tp, dims, reference=False), sw)
+             for sw in parts]
     slowest, paced = max(timed, key=lambda t: t[0].seconds)
-    whole = model.compute(inputs, w, per_rank, 1, None)  # the scaling's reference
+    one = math.nan  # the scaling's reference: the whole model on one GPU
+    if reference:
+        one = model.compute(inputs, w, per_rank, 1, None).one_gpu_tokens_per_s
     share = bubble_fraction(
         setup.schedule, dims.pp, setup.virtual, setup.grad_accum,
         zb_passes(w.shape or w.moe, w.seq_len),
     )
-    one = ComputeTime(slowest.seconds, whole.one_gpu_tokens_per_s)
-    return one, share * slowest.seconds, paced
+    return ComputeTime(slowest.seconds, one), share * slowest.seconds, paced
 
 
 def rank_batch(inputs: PlanInputs, setup: Setup) -> tuple[int, float]:
@@ -331,8 +337,29 @@ def step_floor(
     model = model or model_of(inputs)
     w = knob_workload(inputs.workload, setup.micro_batch, setup.ac)
     global_batch, per_rank = rank_batch(inputs, setup)
-    timed, bubble, _ = rank_compute(model, inputs, setup, w, per_rank)
+    timed, bubble, _ = rank_compute(model, inputs, setup, w, per_rank, reference=False)
     return global_batch * w.seq_len, timed.seconds + bubble
+
+
+def micro_batch_floor(
+    inputs: PlanInputs, largest: Setup, most: Setup, model: PerformanceModel | None = None
+) -> tuple[float, float]:
+    """(the tokens a step trains, seconds) under step_floor of every pipeline setup that
+    differs from `largest` only in a smaller micro-batch, `most` the one that runs the most
+    micro-batches: the largest's compute (a larger micro-batch never computes longer in the
+    models, plan.space) with the bubble's share at the most micro-batches (it only shrinks
+    with more)."""
+    from trainwise.plan.model.performance import model_of
+
+    model = model or model_of(inputs)
+    w = knob_workload(inputs.workload, largest.micro_batch, largest.ac)
+    global_batch, per_rank = rank_batch(inputs, largest)
+    timed, _, _ = rank_compute(model, inputs, largest, w, per_rank, reference=False)
+    dims = most.dims
+    share = bubble_fraction(
+        most.schedule, dims.pp, most.virtual, most.grad_accum, zb_passes(w.shape, w.seq_len)
+    )
+    return global_batch * w.seq_len, timed.seconds * (1 + share)
 
 
 def _communication(

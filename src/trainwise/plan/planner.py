@@ -13,6 +13,7 @@ from trainwise.plan.alternatives import distinct, smallest_changes, why_it_loses
 from trainwise.plan.estimate import Setup, StrategyPlan, candidate_names, evaluate, price
 from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.model.lora import param_counts
+from trainwise.plan.model.memory import MemoryEstimate
 from trainwise.plan.model.precision import BYTES, MASTER_BYTES, OPTIMIZER_STATE_BYTES
 from trainwise.plan.model.reliability import SECONDS_PER_HOUR, system_mtbf_s
 from trainwise.plan.search import (
@@ -262,23 +263,34 @@ def _with_bandwidth(inputs: PlanInputs, bps: float) -> PlanInputs:
     return replace(inputs, hardware=hw)
 
 
-def _priced(inputs: PlanInputs, subject: str | Setup) -> StrategyPlan:
-    """A named strategy at the job's knobs, or a searched configuration."""
-    return evaluate(inputs, subject) if isinstance(subject, str) else price(inputs, subject)
+def _priced(
+    inputs: PlanInputs, subject: str | Setup, memory: MemoryEstimate | None = None
+) -> StrategyPlan:
+    """A named strategy at the job's knobs, or a searched configuration (`memory`: its
+    estimate, when the caller has it)."""
+    if isinstance(subject, str):
+        return evaluate(inputs, subject)
+    return price(inputs, subject, memory=memory)
 
 
 def bandwidth_where(inputs: PlanInputs, subject: str | Setup, holds) -> float | None:
     """The lowest link bandwidth (bytes/s) at which `holds(plan)` is true, by bisection on a
     log scale between 1 MB/s and 10 TB/s; more bandwidth never slows a step, so `holds` is
-    monotone. None when it does not hold even at 10 TB/s."""
+    monotone. None when it does not hold even at 10 TB/s. (The links do not change a
+    configuration's memory: it is estimated once.)"""
+    memory = None if isinstance(subject, str) else _priced(inputs, subject).memory
+
+    def priced(bps: float) -> StrategyPlan:
+        return _priced(_with_bandwidth(inputs, bps), subject, memory)
+
     lo, hi = math.log(1e6), math.log(1e13)
-    if not holds(_priced(_with_bandwidth(inputs, math.exp(hi)), subject)):
+    if not holds(priced(math.exp(hi))):
         return None
-    if holds(_priced(_with_bandwidth(inputs, math.exp(lo)), subject)):
+    if holds(priced(math.exp(lo))):
         return math.exp(lo)
     for _ in range(40):
         mid = (lo + hi) / 2
-        if holds(_priced(_with_bandwidth(inputs, math.exp(mid)), subject)):
+        if holds(priced(math.exp(mid))):
             hi = mid
         else:
             lo = mid

@@ -1,7 +1,8 @@
 """The planner's decision: search the space (plan.space) for the configuration to run,
 price each candidate with the same models (plan.estimate.price), keep those that fit, and
 rank them. The one chooser: `trainwise plan` prints it and the runtime's `auto` runs it
-(narrowed to the job's own choices: plan.advisor.runtime_allowed).
+(narrowed to the job's own choices: plan.advisor.runtime_allowed). A layout's knobs and
+which of them are priced: plan.knobs; the pipeline layouts' candidates: plan.pipeline_search.
 
 Ranking: the objective (cost or time); with a deadline the cheapest that finishes in time;
 with a budget the fastest within it. Within SIMPLER_WITHIN of the best, the simplest wins
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.errors import ConfigError
@@ -24,30 +24,24 @@ from trainwise.plan.estimate import (
     Setup,
     StrategyPlan,
     job_figures,
-    knob_workload,
     layout_name,
     price,
     step_floor,
 )
 from trainwise.plan.inputs import PlanInputs
+from trainwise.plan.knobs import Candidate, knob_memory, layout_candidates, layout_knobs
 from trainwise.plan.model.cost import Cost
-from trainwise.plan.model.memory import MemoryEstimate
-from trainwise.plan.model.pipeline import setup_memory
+from trainwise.plan.pipeline_search import FLOOR_SLACK, pipeline_plans
+from trainwise.plan.pipeline_search import least_memory as staged_least_memory
 from trainwise.plan.space import (
     AC_MODES,
     EVERYTHING,
     SCHEDULE_ORDER,
     Allowed,
-    ac_modes,
-    accumulations,
-    divisors,
     exact,
     exact_batch,
     layouts,
-    micro_batches,
-    pipeline_micro_batches,
     replica_batch,
-    schedules,
 )
 from trainwise.plan.units import fmt_bytes, fmt_hours, fmt_usd
 
@@ -162,142 +156,78 @@ def setup_simplicity(setup: Setup) -> tuple:
     )
 
 
-# A candidate the device's memory admits, with that memory.
-Candidate = tuple[Setup, MemoryEstimate]
-
-
-class Knob(NamedTuple):
-    """One setting of a layout's knobs: checkpointing, accumulation mode, the micro-batch
-    sizes it runs (ascending), and with pipeline stages the schedule and virtual stages."""
-
-    ac: str
-    accumulate: str
-    micros: list[int]
-    schedule: str = "1F1B"
-    virtual: int = 1
-
-    def setup(self, dims: ParallelDims, micro: int, batch: int) -> Setup:
-        """The Setup of micro-batch size `micro` for a rank's `batch` samples."""
-        return Setup(
-            dims, self.ac, micro, -(-batch // micro), self.accumulate,
-            schedule=self.schedule, virtual=self.virtual,
-        )
-
-
-def layout_knobs(inputs: PlanInputs, dims: ParallelDims, allowed: Allowed) -> list[Knob]:
-    """The knobs of one layout, as Knobs; empty when no micro-batch the user allows splits
-    the batch. With pipeline stages, one per schedule and virtual degree, unsharded
-    (plan.space.pipeline_layouts)."""
-    batch = replica_batch(inputs, dims)
-    micros = micro_batches(inputs, batch, allowed)
-    if dims.pp > 1 and not allowed.knobs:  # the runtime's: its parallel.pp_microbatches
-        micros = divisors(batch)
-    out = []
-    for ac in ac_modes(inputs, allowed):
-        if dims.pp > 1:
-            for name, v in schedules(inputs, dims, allowed):
-                runs = pipeline_micro_batches(dims, batch, name, micros, allowed)
-                if runs:
-                    out.append(Knob(ac, "unsharded", runs, name, v))
-            continue
-        for accumulate in ("unsharded", "sharded"):
-            runs = [m for m in micros if accumulate in accumulations(dims, -(-batch // m), allowed)]
-            if runs:
-                out.append(Knob(ac, accumulate, runs))
-    return out
-
-
-def layout_candidates(
-    inputs: PlanInputs, dims: ParallelDims, knobs: list[Knob]
-) -> list[Candidate]:
-    """The candidates worth pricing for one layout, of its `knobs` (layout_knobs): for each
-    checkpointing and accumulation mode, the largest micro-batch whose memory fits the
-    device (larger is never slower, plan.space); with pipeline stages every one that fits
-    (a larger micro-batch runs fewer of them: a larger bubble)."""
-    out: list[Candidate] = []
-    for knob in knobs:
-        found = largest_fitting(inputs, dims, knob)
-        if found is not None and dims.pp > 1:
-            batch = replica_batch(inputs, dims)
-            smaller = knob.micros[: knob.micros.index(found[0].micro_batch)]
-            out += [(s, knob_memory(inputs, s)) for s in (knob.setup(dims, m, batch) for m in smaller)]
-        if found is not None:
-            out.append(found)
-    return out
-
-
-def largest_fitting(inputs: PlanInputs, dims: ParallelDims, knob: Knob) -> Candidate | None:
-    """The largest of the knob's micro-batches whose memory fits the device, or None. A
-    smaller micro-batch never needs more memory while micro-batches accumulate (only the
-    activations shrink), so it is found by bisection, after the whole batch in one
-    micro-batch (which keeps no gradients between micro-batches)."""
-    batch = replica_batch(inputs, dims)
-    budget = inputs.hardware.memory_bytes * (1.0 - inputs.headroom)
-    micros = knob.micros
-
-    def priced(micro: int) -> Candidate:
-        setup = knob.setup(dims, micro, batch)
-        return setup, knob_memory(inputs, setup)
-
-    whole = micros[-1] >= batch
-    if whole and (candidate := priced(micros[-1]))[1].total <= budget:
-        return candidate
-    found = None
-    lo, hi = 0, len(micros) - int(whole)  # micros[:lo] fit, micros[hi:] do not
-    while lo < hi:
-        mid = (lo + hi) // 2
-        candidate = priced(micros[mid])
-        if candidate[1].total <= budget:
-            found, lo = candidate, mid + 1
-        else:
-            hi = mid
-    return found
-
-
-def knob_memory(inputs: PlanInputs, setup: Setup) -> MemoryEstimate:
-    """estimate_memory of `setup` on the inputs' device, with the runtime's measured bytes."""
-    w = knob_workload(inputs.workload, setup.micro_batch, setup.ac)
-    return setup_memory(w, setup, inputs.hardware.device, inputs.memory_overhead_bytes)
-
-
 def candidates(
     inputs: PlanInputs, allowed: Allowed
 ) -> tuple[list[Candidate], list[ParallelDims]]:
-    """layout_candidates over every layout that runs the global batch exactly, and those
-    layouts (none: no layout runs it with the user's settings)."""
+    """layout_candidates over every layout without pipeline stages that runs the global
+    batch exactly, and every layout that does (none: no layout runs it with the user's
+    settings): the pipeline ones' candidates are plan.pipeline_search's."""
     fitting: list[Candidate] = []
     searched: list[ParallelDims] = []
     for dims in layouts(inputs, allowed):
         knobs = layout_knobs(inputs, dims, allowed) if exact(inputs, dims, allowed) else []
         if knobs:
-            fitting += layout_candidates(inputs, dims, knobs)
+            if dims.pp == 1:
+                fitting += layout_candidates(inputs, dims, knobs)
             searched.append(dims)
     return fitting, searched
 
 
 def search(
-    inputs: PlanInputs, allowed: Allowed = EVERYTHING
+    inputs: PlanInputs, allowed: Allowed = EVERYTHING, goal: Goal | None = None
 ) -> tuple[list[StrategyPlan], list[ParallelDims]]:
-    """(every fitting candidate priced, the layouts searched: those that run the global
-    batch exactly)."""
+    """(the fitting candidates priced: every one without pipeline stages, and those with
+    stages that could be chosen by `goal` (default: the inputs' objective;
+    plan.pipeline_search); the layouts searched: those that run the global batch
+    exactly)."""
+    goal = goal or Goal(inputs.objective)
     device_fits, searched = candidates(inputs, allowed)
     priced = (price(inputs, setup, memory=mem) for setup, mem in device_fits)
-    return [plan for plan in priced if plan.fits], searched  # fits: the host's memory too
+    fitting = [plan for plan in priced if plan.fits]  # fits: the host's memory too
+    return fitting + staged(inputs, searched, allowed, goal, fitting), searched
+
+
+def staged(
+    inputs: PlanInputs, searched: list[ParallelDims], allowed: Allowed, goal: Goal,
+    flat: list[StrategyPlan],
+) -> list[StrategyPlan]:
+    """The fitting plans of the pipeline layouts among `searched` that could be chosen
+    beside the plans without stages `flat` (pipeline_search.pipeline_plans)."""
+    stages = [dims for dims in searched if dims.pp > 1]
+    if not stages:
+        return []
+    best = min((score(s, goal) for s in flat if meets(s, goal)), default=math.inf)
+    return pipeline_plans(
+        inputs, stages, allowed, lambda cost: cost_score(cost, goal),
+        lambda s: meets(s, goal), best,
+    )
 
 
 def least_memory(
     inputs: PlanInputs, searched: list[ParallelDims], allowed: Allowed
 ) -> StrategyPlan:
     """The setting of the `searched` layouts that needs the least device memory (the
-    simplest of equals), priced: what a plan shows when nothing fits."""
-    every = (
-        knob.setup(dims, micro, replica_batch(inputs, dims))
-        for dims in searched
+    simplest of equals), priced: what a plan shows when nothing fits (of the pipeline
+    layouts, those pipeline_search.least_memory cannot rule out)."""
+    every = [
+        (setup, knob_memory(inputs, setup))
+        for dims in searched if dims.pp == 1
         for knob in layout_knobs(inputs, dims, allowed)
-        for micro in knob.micros
-    )
-    least = min(every, key=lambda s: (knob_memory(inputs, s).total, setup_simplicity(s)))
+        for setup in (knob.setup(dims, m, replica_batch(inputs, dims)) for m in knob.micros)
+    ]
+    stages = [dims for dims in searched if dims.pp > 1]
+    flat = min((memory.total for _, memory in every), default=math.inf)
+    every += staged_least_memory(inputs, stages, allowed, flat)
+    least, _ = min(every, key=lambda c: (c[1].total, setup_simplicity(c[0])))
     return price(inputs, least)
+
+
+def meets(s: StrategyPlan, goal: Goal) -> bool:
+    """Whether `s` meets the goal's limits, its deadline and its budget when given (rank's
+    pool)."""
+    if goal.deadline_hours is not None and s.cost.wall_hours > goal.deadline_hours:
+        return False
+    return goal.budget_usd is None or s.cost.total_usd <= goal.budget_usd
 
 
 def score(s: StrategyPlan, goal: Goal) -> float:
@@ -360,12 +290,12 @@ def recommend(
     With a deadline or a budget, on inputs.gpus or fewer (limit_counts)."""
     goal = goal or Goal(inputs.objective)
     inputs, note = exact_batch(inputs, allowed)
-    fitting, searched = search(inputs, allowed)
+    fitting, searched = search(inputs, allowed, goal)
     if not searched:
         raise ConfigError(_unmeetable(inputs, allowed))
     if goal.deadline_hours is not None or goal.budget_usd is not None:
         for n in limit_counts(inputs.gpus)[1:]:
-            fitting += search(inputs.with_gpus(n), allowed)[0]
+            fitting += search(inputs.with_gpus(n), allowed, goal)[0]
     ordered = rank(fitting, goal)
     if not ordered:
         least = least_memory(inputs, searched, allowed)
@@ -385,15 +315,12 @@ def best_only(inputs: PlanInputs, allowed: Allowed = EVERYTHING, goal: Goal | No
     device_fits, searched = candidates(inputs, allowed)
     if not searched:
         raise ConfigError(_unmeetable(inputs, allowed))
-    ordered = rank(contenders(inputs, device_fits, goal), goal)
+    flat = contenders(inputs, device_fits, goal)
+    ordered = rank(flat + staged(inputs, searched, allowed, goal, flat), goal)
     if not ordered:
         least = least_memory(inputs, searched, allowed)
         return Choice(least, False, _reason_unfit(inputs, least), batch_note=note)
     return Choice(ordered[0], True, "the best by the goal", batch_note=note)
-
-
-# Rounding between a floor and the price it bounds (the same formulas, summed differently).
-FLOOR_SLACK = 1e-9
 
 
 def contenders(inputs: PlanInputs, device_fits: list[Candidate], goal: Goal) -> list:

@@ -45,8 +45,9 @@ class Allowed:
     # read different samples and so the samples per step.
     tp_degree: int | None = None
     # Pipeline stages (parallel.pp and its schedule, virtual stages and micro-batches): the
-    # job keeps those it sets; `max_pp` bounds the degrees searched (plan.max_pp; 1: none).
-    max_pp: int = 1
+    # job keeps those it sets; `max_pp` bounds the degrees searched (plan.max_pp; 1: none;
+    # None: every degree that splits the blocks, plan.pipeline_search prices what can win).
+    max_pp: int | None = None
     pp_degree: int | None = None
     pp_schedule: str | None = None
     pp_virtual: int | None = None
@@ -89,18 +90,20 @@ def tp_degrees(inputs: PlanInputs, allowed: Allowed) -> list[int]:
 
 
 def pp_degrees(inputs: PlanInputs, allowed: Allowed, tp: int) -> list[int]:
-    """Pipeline degrees: the job's; else 1 and every divisor of the GPUs over tp up to
-    allowed.max_pp whose stages split the model's blocks for some schedule
-    (pipeline.stage_blocks); 1 alone for a model without a shape or one the runtime
-    cannot cut (a user's module: models.pipeline cuts trainwise's GPT)."""
+    """Pipeline degrees: the job's; else 1 and every divisor of the GPUs over tp (up to
+    allowed.max_pp when set) whose stages split the model's blocks for some schedule
+    (pipeline.stage_blocks: a block a stage at least); 1 alone for a model without a shape
+    (a bare count, a Mixture-of-Experts model: neither is priced by stage) or one the
+    runtime cannot cut (a user's module: models.pipeline cuts trainwise's GPT)."""
     if allowed.pp_degree is not None:
         return [allowed.pp_degree]
     shape, profile = inputs.workload.shape or inputs.workload.moe, inputs.workload.profile
     if allowed.max_pp == 1 or shape is None or (profile is not None and not profile.stages):
         return [1]
+    limit = allowed.max_pp or inputs.gpus
     return [1] + [
         p for p in divisors(inputs.gpus // tp)[1:]
-        if p <= allowed.max_pp and virtual_degrees(shape.n_layer, p)
+        if p <= limit and virtual_degrees(shape.n_layer, p)
     ]
 
 
@@ -271,9 +274,26 @@ def exact(inputs: PlanInputs, dims: ParallelDims, allowed: Allowed) -> bool:
     batch = inputs.global_batch
     if batch is None:
         return True
-    return batch % dims.dp_size == 0 and bool(
-        micro_batches(inputs, batch // dims.dp_size, allowed)
+    if batch % dims.dp_size:
+        return False
+    micros = layout_micro_batches(inputs, dims, batch // dims.dp_size, allowed)
+    if dims.pp == 1:
+        return bool(micros)
+    return any(  # with stages, as many micro-batches as some schedule runs
+        pipeline_micro_batches(dims, batch // dims.dp_size, name, micros, allowed)
+        for name, _ in schedules(inputs, dims, allowed)
     )
+
+
+def layout_micro_batches(
+    inputs: PlanInputs, dims: ParallelDims, batch: int, allowed: Allowed
+) -> list[int]:
+    """The micro-batch sizes of a layout's rank of `batch` samples: micro_batches; with
+    pipeline stages under the runtime's knobs, every divisor of the batch (the job's
+    parallel.pp_microbatches picks one)."""
+    if dims.pp > 1 and not allowed.knobs:
+        return divisors(batch)
+    return micro_batches(inputs, batch, allowed)
 
 
 def exact_batch(inputs: PlanInputs, allowed: Allowed) -> tuple[PlanInputs, str]:

@@ -34,6 +34,7 @@ a token at BARE_EFFICIENCY.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -173,12 +174,16 @@ def compute_time(
     samples: float,
     tp: int,
     dims: ParallelDims | None = None,
+    reference: bool = True,
 ) -> ComputeTime:
     """Compute of `samples` sequences of workload `w` (at its micro-batch and ac) on one of
-    `tp` tensor-parallel ranks, in layout `dims` (None: one GPU alone)."""
+    `tp` tensor-parallel ranks, in layout `dims` (None: one GPU alone); `reference`: with
+    what one GPU alone achieves (else nan: a caller that needs only the seconds)."""
     if inputs.efficiency is not None or (w.shape is None and w.profile is None and w.moe is None):
         return _flat(inputs, w, samples, tp)
     step = _step_seconds(inputs, w, samples, tp, dims)
+    if not reference:
+        return ComputeTime(step, math.nan)
     one = step if tp == 1 and dims is None else _step_seconds(inputs, w, samples, 1, None)
     return ComputeTime(step, samples * w.seq_len / one)
 

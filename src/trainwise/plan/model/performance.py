@@ -37,7 +37,7 @@ class PerformanceModel(Protocol):
 
     def compute(
         self, inputs: PlanInputs, w: Workload, samples: float, tp: int,
-        dims: ParallelDims | None = None,
+        dims: ParallelDims | None = None, reference: bool = True,
     ) -> ComputeTime: ...
 
     def communication(
@@ -61,9 +61,9 @@ class AnalyticModel:
 
     def compute(
         self, inputs: PlanInputs, w: Workload, samples: float, tp: int,
-        dims: ParallelDims | None = None,
+        dims: ParallelDims | None = None, reference: bool = True,
     ) -> ComputeTime:
-        return compute_time(inputs, w, samples, tp, dims)
+        return compute_time(inputs, w, samples, tp, dims, reference)
 
     def communication(
         self, inputs: PlanInputs, setup: Setup, w: Workload, compute: float

@@ -51,6 +51,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from operator import ge
 
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.moe.shapes import MoEShape
@@ -62,6 +63,7 @@ from trainwise.plan.model.precision import BYTES
 from trainwise.plan.model.setup import Setup
 
 
+@lru_cache(maxsize=256)
 def zb_passes(shape: GPTShape | MoEShape | None, seq_len: int) -> tuple[float, float, float]:
     """(T_F, T_B, T_W) of a block in FLOPs per token: 2N forward, the input gradient 2N
     and the weight gradient 2N (Qi et al., Table 1), attention's score and value matmuls
@@ -128,6 +130,7 @@ ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
 Moment = tuple[tuple[float, ...], int, tuple[float, ...]]
 
 
+@lru_cache(maxsize=4096)
 def zb_held(schedule: str, p: int, v: int, m: int, rank: int) -> tuple[float, ...]:
     """Micro-batches each of the rank's stages (in order) holds at its first W (one of
     zb_moments): a micro-batch's activations live from its forward F to its weight-gradient
@@ -153,15 +156,14 @@ def _zb_window(p: int, v: int, m: int, s: int, rank: int) -> Moment:
     Is r + 1 ahead of the Ws on rank r (its own W's included); per stage, forwards run - Ws
     done, and Is done - Ws done."""
     n = round_size(p, m)
-
-    def count(ops: int, stage: int) -> int:
-        return _dealt(ops, stage, v, n)
-
     forwards = min(m * v, _zb_forwards(p, v, m) + s)
-    held = tuple(float(count(forwards, j) - count(s, v - 1 - j)) for j in range(v))
-    first = v - 1 - min(v - 1, s // n)  # the stage of W number s has its gradients too
     inputs = min(m * v, s + rank + 1)
-    past = tuple(float(count(inputs, v - 1 - j) - count(s, v - 1 - j)) for j in range(v))
+    done = _dealt_all(s, v, n)[::-1]  # Ws and Is from the last stage down
+    held = tuple(float(f - w) for f, w in zip(_dealt_all(forwards, v, n), done, strict=True))
+    past = tuple(
+        float(i - w) for i, w in zip(_dealt_all(inputs, v, n)[::-1], done, strict=True)
+    )
+    first = v - 1 - min(v - 1, s // n)  # the stage of W number s has its gradients too
     return held, first, past
 
 
@@ -172,7 +174,20 @@ def zb_moments(schedule: str, p: int, v: int, m: int, rank: int) -> tuple[Moment
     another. InterleavedZeroBubble: at each of its Ws."""
     if schedule == "ZBVZeroBubble":
         return _zbv_moments(p, m, rank)
-    return _frontier([_zb_window(p, v, m, s, rank) for s in range(m * v)])
+    return _frontier([_zb_window(p, v, m, s, rank) for s in _zb_passes(p, v, m, rank)])
+
+
+def _zb_passes(p: int, v: int, m: int, rank: int) -> list[int]:
+    """The W numbers whose windows (_zb_window) are all of a rank's: once every stage has
+    its gradients (s >= (v - 1) N) and while neither its forwards nor its Is have run out,
+    W number s + v N holds what W number s held (each count grows by N a round of v N),
+    so the windows repeat and one round of them stands for all."""
+    n = round_size(p, m)
+    start = (v - 1) * n  # from here every stage has gradients
+    end = m * v - max(_zb_forwards(p, v, m), rank + 1)  # the last s with s + v N uncapped
+    if end - start < v * n:
+        return list(range(m * v))
+    return [*range(start + v * n), *range(end + 1, m * v)]
 
 
 def _zbv_moments(p: int, m: int, rank: int) -> tuple[Moment, ...]:
@@ -199,12 +214,17 @@ def _frontier(moments: list[Moment]) -> tuple[Moment, ...]:
     """The moments no other one covers (as many micro-batches held and past I on every
     stage, and the gradients of as many stages)."""
     unique = list(dict.fromkeys(moments))
-
-    def covers(a: Moment, b: Moment) -> bool:
-        more = zip(a[0] + a[2], b[0] + b[2], strict=True)
-        return a != b and a[1] <= b[1] and all(x >= y for x, y in more)
-
-    return tuple(x for x in unique if not any(covers(y, x) for y in unique))
+    counts = {x: x[0] + x[2] for x in unique}
+    # A moment that covers another holds as much or more in all, so it comes first in
+    # this order; what it covers is covered by a kept one: only those need comparing.
+    kept: list[tuple[tuple[float, ...], int]] = []
+    frontier = set()
+    for x in sorted(unique, key=lambda x: (-sum(counts[x]), x[1])):
+        mine, first = counts[x], x[1]
+        if not any(k <= first and all(map(ge, more, mine)) for more, k in kept):
+            kept.append((mine, first))
+            frontier.add(x)
+    return tuple(x for x in unique if x in frontier)
 
 
 def chunk_held(schedule: str, p: int, v: int, m: int, rank: int) -> tuple[float, ...]:
@@ -218,6 +238,12 @@ def chunk_held(schedule: str, p: int, v: int, m: int, rank: int) -> tuple[float,
         return (held,) * v
     total, size = round(held * v), round_size(p, m)
     return tuple(float(_dealt(total, j, v, size)) for j in range(v))
+
+
+def _dealt_all(ops: int, v: int, size: int) -> list[int]:
+    """_dealt of each of the v stages, in order."""
+    rounds, rest = divmod(ops, v * size)
+    return [rounds * size + min(max(rest - j * size, 0), size) for j in range(v)]
 
 
 def _dealt(ops: int, stage: int, v: int, size: int) -> int:
@@ -273,20 +299,27 @@ def _weighted(chunks: tuple[int, ...], held: tuple[float, ...]) -> float:
 def stage_workload(w: Workload, stage: Stage) -> Workload:
     """`w` as one pipeline rank trains it: its blocks, the embeddings and head it holds
     (their parameters), the loss only on the head's rank, its micro-batches in flight.
-    (Cached: the search asks for the same stages often.) A Mixture-of-Experts model's:
-    plan.moe.parallel.stage_workload."""
-    if w.moe is not None:
-        from trainwise.plan.moe.parallel import stage_workload as moe_stage  # builds on this
+    (Cached: the search asks for the same stages often.)"""
+    part = stage_part(w, stage.blocks, stage.embeddings, stage.head)
+    return replace(part, in_flight=stage.in_flight, head_in_flight=stage.head_in_flight)
 
-        return moe_stage(w, stage)
+
+@lru_cache(maxsize=4096)
+def stage_part(w: Workload, blocks: int, embeddings: bool, head: bool) -> Workload:
+    """`w` as a pipeline rank that holds `blocks` blocks (and the embeddings, the head)
+    computes it, whatever it holds in flight: what its compute depends on, so the
+    schedules that split the blocks alike share it. A Mixture-of-Experts model's:
+    plan.moe.parallel.stage_part."""
+    if w.moe is not None:
+        from trainwise.plan.moe.parallel import stage_part as moe_part  # builds on this
+
+        return moe_part(w, blocks, embeddings, head)
     assert w.shape is not None
-    shape = w.shape
-    block, embeddings, head = _parts(w)
-    params = stage.blocks * block
-    params += (embeddings if stage.embeddings else 0) + (head if stage.head else 0)
+    block, embedding_params, head_params = _parts(w)
+    params = blocks * block + (embedding_params if embeddings else 0)
+    params += head_params if head else 0
     return replace(
-        w, params=int(params), shape=replace(shape, n_layer=max(1, stage.blocks)),
-        head=stage.head, in_flight=stage.in_flight, head_in_flight=stage.head_in_flight,
+        w, params=int(params), shape=replace(w.shape, n_layer=max(1, blocks)), head=head
     )
 
 
@@ -305,6 +338,19 @@ def _parts(w: Workload) -> tuple[float, float, float]:
     embeddings = root - head  # tied: the one matrix, which the head's rank holds too
     tied = shape.vocab_size * shape.d_model if shape.tie_embeddings else 0
     return block, embeddings, head + tied
+
+
+@lru_cache(maxsize=4096)
+def stage_parts(n_layer: int, p: int, v: int, schedule: str) -> tuple[tuple[int, bool, bool], ...]:
+    """(blocks, the embeddings, the head) of pipeline_stages' ranks, the first and the
+    last: all their compute depends on, whatever they hold in flight (rank_stage's)."""
+    split = stage_blocks(n_layer, p * v)
+    assert split is not None, "pipeline degrees checked by the caller"
+    out = []
+    for rank in (0, p - 1):
+        mine = rank_stages(rank, p, v, schedule)
+        out.append((sum(split[s] for s in mine), 0 in mine, p * v - 1 in mine))
+    return tuple(out)
 
 
 @lru_cache(maxsize=4096)
@@ -393,6 +439,33 @@ def stage_memory(
     second = replace(stage, in_flight=stage.in_flight - 1)
     later = estimate_memory(stage_workload(w, second), setup, device, runtime_bytes)
     return max(first, later, key=lambda e: e.total)
+
+
+def memory_floor(w: Workload, setup: Setup, device: str, runtime_bytes: float = 0.0) -> float:
+    """Bytes at most setup_memory's total, for a fraction of its work: an
+    InterleavedZeroBubble rank at one of its moments (floor_window) instead of the largest
+    of all (zb_moments walks the step's weight-gradient passes to find them); setup_memory's
+    own for the other schedules, which have a few. The search asks it first whether a
+    setup can fit."""
+    if setup.dims.pp == 1 or setup.schedule != "InterleavedZeroBubble":
+        return setup_memory(w, setup, device, runtime_bytes).total
+    if (w.micro_batch, w.ac) != (setup.micro_batch, setup.ac):
+        w = replace(w, micro_batch=setup.micro_batch, ac=setup.ac)
+    p, v, m = setup.dims.pp, setup.virtual, setup.grad_accum
+    most = 0.0
+    for stage in pipeline_stages(w, setup.dims, setup.schedule, v, m):
+        moment = [floor_window(p, v, m, stage.rank)]
+        most = max(most, _moments_memory(w, stage, moment, setup, device, runtime_bytes).total)
+    return most
+
+
+@lru_cache(maxsize=4096)
+def floor_window(p: int, v: int, m: int, rank: int) -> Moment:
+    """One of an InterleavedZeroBubble rank's moments (_zb_window; zb_moments keeps those
+    no other covers, and a covered one needs no more memory), its likeliest peak: at the W
+    by which its last forward has run, holding as many stage micro-batches as at its
+    first, with more stages' gradients."""
+    return _zb_window(p, v, m, min(m * v - 1, max(0, m * v - _zb_forwards(p, v, m))), rank)
 
 
 def interleaved_moments(held: tuple[float, ...], p: int, m: int) -> list[Moment]:

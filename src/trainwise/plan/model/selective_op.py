@@ -133,9 +133,11 @@ def recompute_working_bytes(
     return mlp + res * h / split
 
 
+@lru_cache(maxsize=256)
 def recompute_flops_per_token(shape: GPTShape, lora: LoraPlan | None = None) -> float:
     """The matmul FLOPs per token that the model's blocks run again: 2 a multiplied
-    weight of every recomputed matmul (plan.flops counts the rest of the step)."""
+    weight of every recomputed matmul (plan.flops counts the rest of the step). (Cached:
+    the search prices selective-op often, and a pipeline stage is a shape of its own.)"""
     return sum(
         2.0 * o * i
         for index in range(shape.n_layer)

@@ -25,8 +25,8 @@ more (an all-reduce of their output forward, of their input's gradient backward)
 layer without shared experts none without sequence parallelism, and with it the
 all-gather of its input (half an all-reduce's bytes) each way.
 
-Pipeline stages: the GPT's split (models.stage_split), stage_workload's rule on the
-stage's layers (`stage_workload`): a stage is a MoE model of its blocks, the leading
+Pipeline stages: the GPT's split (models.stage_split), plan.model.pipeline's stage_part
+rule on the stage's layers (`stage_part`): a stage is a MoE model of its blocks, the leading
 dense layers on the first stage, its embeddings and head by where they live; the
 schedules' bubble, micro-batches in flight and the stages' memory are the dense model's
 formulas (plan.model.pipeline) over it. The zero-bubble schedules' passes count a
@@ -46,7 +46,6 @@ from trainwise.plan.model.tensor_parallel import tp_collectives
 
 if TYPE_CHECKING:
     from trainwise.plan.model.memory import Workload
-    from trainwise.plan.model.pipeline import Stage
 
 
 @lru_cache(maxsize=256)
@@ -107,17 +106,17 @@ def outer_parts(shape: MoEShape) -> tuple[float, float]:
     return float(v * d), float(d + v * d)
 
 
-def stage_workload(w: Workload, stage: Stage) -> Workload:
-    """`w` (a MoE workload) as one pipeline rank trains it: the MoE model of its blocks,
-    the embeddings and head it holds (their parameters), the loss only on the head's
-    rank, its micro-batches in flight (plan.model.pipeline.stage_workload's rule)."""
+def stage_part(w: Workload, blocks: int, embeddings: bool, head: bool) -> Workload:
+    """`w` (a MoE workload) as a pipeline rank that holds `blocks` layers (and the
+    embeddings, the head) computes it: the MoE model of its layers, the embeddings and head
+    it holds (their parameters), the loss only on the head's rank
+    (plan.model.pipeline.stage_part's rule; stage_workload adds what it holds in flight)."""
     assert w.moe is not None
-    shape = stage_shape(w.moe, max(1, stage.blocks), stage.embeddings)
-    embeddings, head = outer_parts(w.moe)
-    params = layers_params(shape) + (embeddings if stage.embeddings else 0.0)
-    params += head if stage.head else 0.0
-    return replace(w, params=int(params), moe=shape, head=stage.head,
-                   in_flight=stage.in_flight, head_in_flight=stage.head_in_flight)
+    shape = stage_shape(w.moe, max(1, blocks), embeddings)
+    embedding_params, head_params = outer_parts(w.moe)
+    params = layers_params(shape) + (embedding_params if embeddings else 0.0)
+    params += head_params if head else 0.0
+    return replace(w, params=int(params), moe=shape, head=head)
 
 
 def parts(w: Workload) -> tuple[float, float, float]:
