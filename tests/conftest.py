@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import SLOW_CHECKS_ENV, slow_checks
-from limits import SHARED_DIR_ENV, hang_limit
+from limits import SHARED_DIR_ENV, grown, hang_limit
 
 CALIBRATION_DIR_ENV = "TRAINWISE_CALIBRATION_DIR"  # trainwise.plan.calibrate's
 OBJECTS_DIR_ENV = "TRAINWISE_OBJECTS_DIR"  # trainwise.objects': Python objects by value
@@ -43,6 +43,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             raise pytest.UsageError(f"cannot size the tests' time limits: {err}") from err
         for item in unmarked:
             item.add_marker(pytest.mark.timeout(limit))
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item):
+    """pytest-timeout reads a test's limit as the test starts: the mark, sized at
+    collection, grown first with the machine's crowding since (limits.grown)."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        item.add_marker(pytest.mark.timeout(grown(float(marker.args[0]))), append=False)
+    yield
 
 
 @pytest.fixture

@@ -34,7 +34,8 @@ def cli_env() -> dict[str, str]:
 
 # Time limits. A limit only catches a hang: it is the work's expected time on this machine,
 # here and now (a standard tiny launch timed once per test session), times HANG_FACTOR, times
-# the test processes sharing the machine. A slow or busy machine raises every limit with it.
+# the test processes sharing the machine, times how much more crowded the machine is than
+# when the launch was timed (its load now). A slow or busy machine raises every limit with it.
 SHARED_DIR_ENV = "TRAINWISE_TEST_SHARED_DIR"  # the session's folder (tests/conftest.py)
 SPEED_FILE_ENV = "TRAINWISE_TEST_SPEED_FILE"  # a measurement to keep (default: the folder's)
 SPEED_WORKER = Path(__file__).with_name("speed_worker.py")
@@ -58,10 +59,12 @@ class Speed:
     launch_s: float
     step_s: float
     sharers: int
+    load: float = 0.0  # the machine's 1-minute load average when the launch was timed
 
     def __str__(self) -> str:
-        return (f"a standard tiny launch took {self.launch_s:.1f} s here this session, a step "
-                f"{self.step_s:.3f} s, with {self.sharers} test process(es) at once")
+        return (f"a standard tiny launch took {self.launch_s:.1f} s here this session (load "
+                f"{self.load:.1f}), a step {self.step_s:.3f} s, with {self.sharers} test "
+                f"process(es) at once; the machine is {crowding():.1f}x as crowded now")
 
 
 _speed: Speed | None = None
@@ -123,7 +126,8 @@ def _measure(folder: Path) -> dict[str, float]:
         done = run_limited(cmd, what="the calibration launch (tests/speed_worker.py)",
                            limit=CALIBRATION_LIMIT_S, cwd=folder, basis="its fixed ceiling")
         if done.returncode == 0:
-            return {"launch_s": time.monotonic() - start, **json.loads(out.read_text())}
+            return {"launch_s": time.monotonic() - start, "load": load_average(),
+                    **json.loads(out.read_text())}
     raise RuntimeError(
         "the calibration launch that sizes the tests' time limits failed twice (torch's own "
         f"launcher and gloo, no trainwise):\n{worker_failure(done.stderr)}"
@@ -141,11 +145,42 @@ def hang_limit(
     machine. `waits`: seconds of fixed waiting the work includes (a timeout it runs into on
     purpose, a scheduler's clock), added as they are. Every time limit in tests/ comes
     from here (tests/unit/test_limits.py holds it)."""
-    speed = machine_speed()
+    global _first_crowding
+    speed, now = machine_speed(), crowding()
+    if _first_crowding is None:  # this process's collection: where the marks are sized
+        _first_crowding = now
     crowd = max(1.0, (1 + procs) / 3)  # its processes against the standard launch's three
     expected = (max(1, launches) * speed.launch_s * crowd
                 + steps * speed.step_s * max(1.0, procs / 2))
-    return round(factor * speed.sharers * expected + waits, 1)
+    return round(factor * speed.sharers * expected * now + waits, 1)
+
+
+_first_crowding: float | None = None  # crowding() at this process's first hang_limit
+
+
+def load_average() -> float:
+    """The machine's 1-minute load average: the processes running or waiting for a core."""
+    return os.getloadavg()[0]
+
+
+def crowding() -> float:
+    """How many times more crowded the machine is now than when the standard launch was
+    timed: its load per core now over then, each at least 1 (below one load a core, a
+    process has a core to itself). A session is long and other work comes and goes: a
+    limit sized while the load was low grows when it rises."""
+    cores = len(os.sched_getaffinity(0))
+
+    def per_core(load: float) -> float:
+        return max(1.0, load / cores)
+
+    return max(1.0, per_core(load_average()) / per_core(machine_speed().load))
+
+
+def grown(limit: float) -> float:
+    """`limit`, sized earlier in this process by hang_limit (a pytest-timeout mark, at
+    collection), grown with the crowding since (tests/conftest.py applies it as a test
+    starts)."""
+    return round(limit * max(1.0, crowding() / (_first_crowding or 1.0)), 1)
 
 
 def wait_until(

@@ -6,14 +6,16 @@ limit helpers themselves on a machine speed given, not measured."""
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 import limits
-from limits import Hung, Speed, communicate, hang_limit, wait_until
+from limits import Hung, Speed, communicate, grown, hang_limit, wait_until
 
 TESTS = Path(__file__).parents[1]
 PYPROJECT = TESTS.parent / "pyproject.toml"
@@ -229,8 +231,10 @@ def test_pytest_has_no_fixed_default_timeout():
 
 @pytest.fixture
 def speed(monkeypatch: pytest.MonkeyPatch) -> Speed:
-    given = Speed(launch_s=10.0, step_s=0.1, sharers=3)
+    given = Speed(launch_s=10.0, step_s=0.1, sharers=3, load=1.0)
     monkeypatch.setattr(limits, "_speed", given)
+    monkeypatch.setattr(limits, "load_average", lambda: 1.0)  # as crowded as then
+    monkeypatch.setattr(limits, "_first_crowding", None)
     return given
 
 
@@ -247,6 +251,20 @@ def test_a_limit_follows_the_measured_speed_and_the_work(speed: Speed, monkeypat
     assert hang_limit(launches=2, steps=20) == pytest.approx(3 * before)  # 3x slower: 3x
     monkeypatch.setattr(limits, "_speed", Speed(launch_s=30.0, step_s=0.3, sharers=1))
     assert hang_limit(launches=2, steps=20) == pytest.approx(before)  # alone on the machine
+
+
+def test_a_limit_grows_with_the_load_since_the_measurement(speed: Speed, monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(limits, "_speed", replace(speed, load=2.0 * cores))  # 2 a core then
+    monkeypatch.setattr(limits, "load_average", lambda: 2.0 * cores)
+    then = hang_limit(launches=2)  # sized at collection, say
+    assert then == 2 * limits.HANG_FACTOR * 3 * 10.0 and grown(then) == then
+    monkeypatch.setattr(limits, "load_average", lambda: 6.0 * cores)  # 3x as crowded now
+    assert hang_limit(launches=2) == pytest.approx(3 * then)
+    assert grown(then) == pytest.approx(3 * then)  # a mark sized then, as its test starts
+    assert "3.0x as crowded now" in str(limits.machine_speed())  # a Hung message says so
+    monkeypatch.setattr(limits, "load_average", lambda: 0.5)  # quieter: never less
+    assert hang_limit(launches=2) == then and grown(then) == then
 
 
 def test_wait_until_returns_the_condition_or_names_what_did_not_happen(speed: Speed):
