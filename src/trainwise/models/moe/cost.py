@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 from trainwise.models.moe.shapes import MoEShape
 
@@ -51,6 +52,13 @@ class TokenGemm:
 
 def layer_gemms(shape: MoEShape, i: int) -> list[TokenGemm]:
     """Layer i's GEMMs a token runs through."""
+    return list(_layer_gemms(shape, i))
+
+
+@lru_cache(maxsize=4096)
+def _layer_gemms(shape: MoEShape, i: int) -> tuple[TokenGemm, ...]:
+    """layer_gemms, cached (the planner asks of every layer for every candidate it
+    prices; a TokenGemm is frozen, so the tuple is shared)."""
     d, hd = shape.d_model, shape.head_dim
     q, kv, m = shape.n_head * hd, shape.n_kv_head * hd, shape.moe
     out = [
@@ -61,8 +69,8 @@ def layer_gemms(shape: MoEShape, i: int) -> list[TokenGemm]:
     ]
     if not shape.is_moe_layer(i):
         f = m.d_dense
-        return out + [TokenGemm("mlp.gate", "dense", d, f), TokenGemm("mlp.up", "dense", d, f),
-                      TokenGemm("mlp.down", "dense", f, d)]
+        return (*out, TokenGemm("mlp.gate", "dense", d, f), TokenGemm("mlp.up", "dense", d, f),
+                TokenGemm("mlp.down", "dense", f, d))
     k, e, f = m.top_k, m.experts, m.d_expert
     out += [
         TokenGemm("moe.router.gate", "router", d, e),
@@ -74,7 +82,7 @@ def layer_gemms(shape: MoEShape, i: int) -> list[TokenGemm]:
         s = m.shared_width
         out += [TokenGemm("moe.shared.gate", "shared", d, s), TokenGemm("moe.shared.up", "shared", d, s),
                 TokenGemm("moe.shared.down", "shared", s, d)]
-    return out
+    return tuple(out)
 
 
 def token_gemms(shape: MoEShape) -> list[TokenGemm]:
@@ -107,9 +115,11 @@ def attention_flops_per_token(shape: MoEShape, seq_len: int) -> float:
     return 12.0 * shape.n_layer * shape.n_head * shape.head_dim * seq_len
 
 
+@lru_cache(maxsize=256)
 def moe_flops_per_token(shape: MoEShape, seq_len: int) -> float:
     """Model FLOPs per token of training (what MFU counts): 6 per multiplied parameter
-    and row (each routed expert's K rows), plus the attention scores."""
+    and row (each routed expert's K rows), plus the attention scores (cached: the planner
+    asks for every candidate it prices)."""
     gemms = sum(3.0 * g.flops for g in token_gemms(shape))
     return gemms + attention_flops_per_token(shape, seq_len)
 
