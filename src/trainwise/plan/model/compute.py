@@ -227,7 +227,7 @@ def _step_seconds(
     )
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=65536)
 def _cached_step(
     hw: Hardware,
     compiled: bool,

@@ -353,7 +353,7 @@ def stage_parts(n_layer: int, p: int, v: int, schedule: str) -> tuple[tuple[int,
     return tuple(out)
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=65536)
 def pipeline_stages(
     w: Workload, dims: ParallelDims, schedule: str, v: int, m: int
 ) -> tuple[Stage, Stage]:

@@ -109,7 +109,7 @@ class Kernels:
         return FUSED_ATTENTION_SHARE.get(hw.generation)
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=16384)
 def _micro_batch(
     shape: MoEShape, seq: int, micro_batch: int, ep: int, imbalance: float, hw: Hardware,
     precision: str, autocast: bool, ac: str, table: GemmTable | None, loss: str,

@@ -42,6 +42,7 @@ from trainwise.models.moe.cost import (
     layer_gemms,
     routed_row_bytes,
 )
+from trainwise.models.moe.shapes import MoEShape
 from trainwise.plan.model.memory import (
     ActivationProfile,
     MemoryEstimate,
@@ -96,17 +97,23 @@ class MoEParams:
         return self.dense_block + self.expert_block
 
 
-@lru_cache(maxsize=1024)
 def moe_params(w: Workload, ep: int, tp: int = 1) -> MoEParams:
     """The split of `w`'s parameters (w.moe's layers, and what w.params holds besides:
     the embeddings, final norm and head of the model or of its pipeline stage) on a rank
     of an `ep`-way expert group and a `tp`-way tensor-parallel one (the embedding and head
     over the vocabulary, the final norm whole)."""
     assert w.moe is not None
-    shape = rank_shape(w.moe, tp)
+    return _moe_params(w.moe, w.params, w.head, ep, tp)
+
+
+@lru_cache(maxsize=4096)
+def _moe_params(moe: MoEShape, params: int, head: bool, ep: int, tp: int) -> MoEParams:
+    """moe_params, cached by what it reads (a workload's moments of a pipeline step differ
+    in what it does not)."""
+    shape = rank_shape(moe, tp)
     layers = layers_params(shape)
-    norm = w.moe.d_model if w.head else 0
-    root = (w.params - layers_params(w.moe) - norm) / tp + norm
+    norm = moe.d_model if head else 0
+    root = (params - layers_params(moe) - norm) / tp + norm
     experts = shape.expert_total()  # tensor parallelism leaves them whole
     dense_layers = layers - experts
     return MoEParams(dense_layers + root, root, dense_layers / shape.n_layer, experts / ep,
