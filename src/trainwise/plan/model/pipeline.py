@@ -441,12 +441,13 @@ def stage_memory(
     return max(first, later, key=lambda e: e.total)
 
 
+@lru_cache(maxsize=65536)
 def memory_floor(w: Workload, setup: Setup, device: str, runtime_bytes: float = 0.0) -> float:
     """Bytes at most setup_memory's total, for a fraction of its work: an
     InterleavedZeroBubble rank at one of its moments (floor_window) instead of the largest
     of all (zb_moments walks the step's weight-gradient passes to find them); setup_memory's
     own for the other schedules, which have a few. The search asks it first whether a
-    setup can fit."""
+    setup can fit (cached: it asks again of a knob's smallest micro-batch as a candidate)."""
     if setup.dims.pp == 1 or setup.schedule != "InterleavedZeroBubble":
         return setup_memory(w, setup, device, runtime_bytes).total
     if (w.micro_batch, w.ac) != (setup.micro_batch, setup.ac):
