@@ -29,7 +29,7 @@ torch.compile is not modelled for MoE blocks (priced eager).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from trainwise.config.parallel_dims import ParallelDims
@@ -117,14 +117,15 @@ def _micro_batch(
 ) -> Work:
     tokens = seq * micro_batch
     recomputed = checkpointed_blocks(ac, shape.n_layer)
+    one = _one_layer(shape)
     work = Work()
     for moe in (False, True):  # the layers of a kind are alike: priced once, counted
         layers = [i for i in range(shape.n_layer) if shape.is_moe_layer(i) == moe]
         if not layers:
             continue
-        forward = _layer_forward(shape, moe, tokens, seq, ep, imbalance, hw, precision,
+        forward = _layer_forward(one, moe, tokens, seq, ep, imbalance, hw, precision,
                                  autocast, table, kernels)
-        backward = _layer_backward(shape, moe, tokens, seq, ep, imbalance, hw, precision,
+        backward = _layer_backward(one, moe, tokens, seq, ep, imbalance, hw, precision,
                                    autocast, table, kernels)
         again = sum(1 for i in layers if i in recomputed)
         work = work + (forward + backward).times(len(layers))
@@ -135,6 +136,14 @@ def _micro_batch(
     if head:
         work = work + _head(shape, tokens, 1, hw, precision, table, loss)  # type: ignore[arg-type]
     return work
+
+
+@lru_cache(maxsize=1024)
+def _one_layer(shape: MoEShape) -> MoEShape:
+    """`shape` with as few layers as keep its kinds (a layer's price reads its kind, never
+    how many there are): the key under which a pipeline stage's layers, whatever its
+    blocks, share their price."""
+    return replace(shape, n_layer=shape.moe.dense_layers + 1)
 
 
 def _layer_recompute(
@@ -240,6 +249,7 @@ def _layer_bytes(shape: MoEShape, moe: bool, imbalance: float, precision: str,
     return norms + attention + router + routed + k * 5 * e * m.d_expert + 5 * e * m.shared_width
 
 
+@lru_cache(maxsize=16384)  # a stage's layers are alike whatever its micro-batch's knobs
 def _layer_forward(
     shape: MoEShape, moe: bool, tokens: int, seq: int, ep: int, imbalance: float,
     hw: Hardware, precision: str, autocast: bool, table: GemmTable | None, kernels: Kernels,
@@ -276,6 +286,7 @@ def _forward_ops(moe: bool, ep: int) -> int:
     return ATTENTION_OPS + MOE_FORWARD_OPS + (EP_FORWARD_OPS if ep > 1 else 0)
 
 
+@lru_cache(maxsize=16384)  # a stage's layers are alike whatever its micro-batch's knobs
 def _layer_backward(
     shape: MoEShape, moe: bool, tokens: int, seq: int, ep: int, imbalance: float,
     hw: Hardware, precision: str, autocast: bool, table: GemmTable | None, kernels: Kernels,
