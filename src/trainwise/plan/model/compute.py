@@ -268,7 +268,7 @@ def _cached_step(
     return max(work.device_s / pace, host)
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=16384)
 def _micro_batch(
     shape: GPTShape,
     seq: int,
@@ -444,6 +444,7 @@ def _forward_ops(shape: GPTShape, autocast: bool, norm_kernel: str = "fused") ->
     return ops
 
 
+@lru_cache(maxsize=16384)  # alike for every checkpointing mode and head
 def _block_forward(
     shape: GPTShape, tokens: int, seq: int, tp: int, hw: Hardware, precision: str,
     autocast: bool, compiled: bool, table: GemmTable | None, norm_kernel: str = "fused",
@@ -498,6 +499,7 @@ def _block_recompute(
     return Work(gemms + moved / (hw.hbm_bps * MEMORY_SHARE), ops)
 
 
+@lru_cache(maxsize=16384)  # alike for every checkpointing mode and head
 def _block_backward(
     shape: GPTShape, tokens: int, seq: int, tp: int, hw: Hardware, precision: str,
     autocast: bool, compiled: bool, table: GemmTable | None, norm_kernel: str = "fused",

@@ -37,7 +37,7 @@ SELECTIVE_OP = "selective-op"
 SDPA_LSE_BYTES = MASTER_BYTES  # SDPA's log-sum-exp: fp32, one a head and token
 
 
-@lru_cache(maxsize=512)
+@lru_cache(maxsize=8192)
 def block_matmuls(
     shape: GPTShape, tp: int = 1, lora: LoraPlan | None = None, index: int = 0
 ) -> tuple[tuple[str, int, int], ...]:
@@ -76,7 +76,7 @@ def recomputed_matmuls(
     ]
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=8192)
 def kept_bytes_per_token(
     shape: GPTShape, precision: str, autocast: bool, tp: int = 1,
     sequence_parallel: bool = True, lora: LoraPlan | None = None,
