@@ -532,6 +532,7 @@ def _block_backward(
     return Work(gemms + attention + memory, BACKWARD_OPS_PER_FORWARD_OP * forward_ops + casts)
 
 
+@lru_cache(maxsize=4096)  # alike for every checkpointing mode and layout of a stage
 def _head(
     shape: GPTShape, tokens: int, tp: int, hw: Hardware, precision: str,
     table: GemmTable | None, loss: str = "standard", weight_grad: bool = True,
