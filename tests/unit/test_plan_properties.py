@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import hang_limit
 from trainwise.config import load_config
 from trainwise.errors import ConfigError
 from trainwise.hardware.catalog import gpu_names
@@ -71,6 +73,8 @@ def test_full_never_uses_more_memory_than_grad_op(job):
     assert full.total <= grad_op.total
 
 
+# Sixty whole searches, stages weighed: about two launches' CPU (20 s quiet on 2 cores).
+@pytest.mark.timeout(hang_limit(launches=4, procs=0))
 @settings(max_examples=60, deadline=None)
 @given(jobs)
 def test_the_recommendation_fits_whenever_something_fits(job):
@@ -92,6 +96,7 @@ TIGHTENINGS = st.one_of(
 )
 
 
+@pytest.mark.timeout(hang_limit(launches=2, procs=0))  # thirty searches and their tightenings
 @settings(max_examples=30, deadline=None)
 @given(jobs, TIGHTENINGS)
 def test_tightening_a_setting_never_yields_a_cheaper_plan(job, tightening):
