@@ -286,11 +286,13 @@ def rank_compute(
     one = math.nan  # the scaling's reference: the whole model on one GPU
     if reference:
         one = model.compute(inputs, w, per_rank, 1, None).one_gpu_tokens_per_s
-    share = bubble_fraction(
-        setup.schedule, dims.pp, setup.virtual, setup.grad_accum,
-        zb_passes(w.shape or w.moe, w.seq_len),
-    )
+    share = bubble_fraction(setup.schedule, dims.pp, setup.virtual, setup.grad_accum, passes(w))
     return ComputeTime(slowest.seconds, one), share * slowest.seconds, paced
+
+
+def passes(w: Workload) -> tuple[float, float, float]:
+    """A block's zero-bubble passes (zb_passes) of `w`'s model, GPT or Mixture-of-Experts."""
+    return zb_passes(w.shape or w.moe, w.seq_len)
 
 
 def rank_batch(inputs: PlanInputs, setup: Setup) -> tuple[int, float]:
@@ -356,9 +358,7 @@ def micro_batch_floor(
     global_batch, per_rank = rank_batch(inputs, largest)
     timed, _, _ = rank_compute(model, inputs, largest, w, per_rank, reference=False)
     dims = most.dims
-    share = bubble_fraction(
-        most.schedule, dims.pp, most.virtual, most.grad_accum, zb_passes(w.shape, w.seq_len)
-    )
+    share = bubble_fraction(most.schedule, dims.pp, most.virtual, most.grad_accum, passes(w))
     return global_batch * w.seq_len, timed.seconds * (1 + share)
 
 

@@ -242,8 +242,7 @@ def chunk_held(schedule: str, p: int, v: int, m: int, rank: int) -> tuple[float,
 
 def _dealt_all(ops: int, v: int, size: int) -> list[int]:
     """_dealt of each of the v stages, in order."""
-    rounds, rest = divmod(ops, v * size)
-    return [rounds * size + min(max(rest - j * size, 0), size) for j in range(v)]
+    return [_dealt(ops, j, v, size) for j in range(v)]
 
 
 def _dealt(ops: int, stage: int, v: int, size: int) -> int:
