@@ -157,23 +157,6 @@ def test_a_stage_holds_the_activations_of_its_micro_batches_in_flight():
     assert alone.head < held.head < 2 * alone.head
 
 
-@pytest.mark.parametrize(
-    "flags, words",
-    [
-        (["--model", "qwen3-235b-a22b", "--gpus", "16", "--set", "parallel.tp=8"],
-         "parallel.tp = 8 does not divide the key/value heads (n_kv_head) = 4"),
-        (["--model", "moe-tiny", "--gpus", "6", "--set", "parallel.pp=3"],
-         "do not split the 2 blocks"),
-        (["--model", "qwen3-30b-a3b", "--gpus", "16", "--set", "parallel.tp=2",
-          "--set", "parallel.ep=16"], "parallel.ep = 16 does not divide the 8 data-parallel"),
-    ],
-)
-def test_a_moe_layout_still_refused_is_one_line_and_exit_2(flags, words, capsys):
-    assert main(["plan", *flags]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and words in err[0]
-
-
 def test_the_tp_rule_matches_the_gpts_with_a_shared_expert_on_every_layer():
     """moe-tiny (a shared expert on each layer): its TP traffic is the dense rule's."""
     from trainwise.plan.model.comm import Layout

@@ -180,6 +180,13 @@ def test_plan_json_gives_total_and_active_parameters(capsys):
         (["--model", "qwen3-30b-a3b", "--gpus", "8", "--set", "parallel.tp=8"],
          "parallel.tp = 8 does not divide the key/value heads (n_kv_head) = 4"),
         (["--model", "qwen3-30b-a3b", "--layers", "4"], "drop them"),
+        # Under tp and pp too (plan.moe.parallel): what the runtime cannot split.
+        (["--model", "qwen3-235b-a22b", "--gpus", "16", "--set", "parallel.tp=8"],
+         "parallel.tp = 8 does not divide the key/value heads (n_kv_head) = 4"),
+        (["--model", "moe-tiny", "--gpus", "6", "--set", "parallel.pp=3"],
+         "do not split the 2 blocks"),
+        (["--model", "qwen3-30b-a3b", "--gpus", "16", "--set", "parallel.tp=2",
+          "--set", "parallel.ep=16"], "parallel.ep = 16 does not divide the 8 data-parallel"),
     ],
 )
 def test_what_the_planner_refuses_of_a_moe_is_one_line_and_exit_2(flags, words, capsys):

@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from trainwise.models.gpt import GPT
-from trainwise.models.shapes import GPTShape
+from trainwise.models.shapes import GPTShape, indivisible_by_tp
 
 
 def tp_problems(s: GPTShape, tp: int, seq_len: int, sequence_parallel: bool) -> list[str]:
@@ -44,11 +44,7 @@ def tp_problems(s: GPTShape, tp: int, seq_len: int, sequence_parallel: bool) -> 
     }
     if sequence_parallel:
         sizes["sequence length (data.seq_len)"] = seq_len
-    return [
-        f"parallel.tp = {tp} does not divide the {what} = {n}: choose a tp that divides it"
-        for what, n in sizes.items()
-        if n % tp
-    ]
+    return indivisible_by_tp(sizes, tp)
 
 
 def gpt_tp_plan(model: GPT, sequence_parallel: bool) -> list[dict[str, ParallelStyle]]:

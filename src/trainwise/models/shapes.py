@@ -320,3 +320,13 @@ class ModelProfile:
     def outer_params(self) -> int:
         """Parameters outside the blocks (embeddings, stem, head, final norm)."""
         return self.params - self.in_blocks
+
+
+def indivisible_by_tp(sizes: dict[str, int], tp: int) -> list[str]:
+    """One line for each of `sizes` (what, its size) that `tp` does not divide: what keeps
+    a model from splitting `tp` ways (models.gpt_parallel.tp_problems, the MoE family's)."""
+    return [
+        f"parallel.tp = {tp} does not divide the {what} = {n}: choose a tp that divides it"
+        for what, n in sizes.items()
+        if n % tp
+    ]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from trainwise.errors import ModelError
+from trainwise.models.shapes import indivisible_by_tp
 
 ScoreFunction = Literal["softmax", "sigmoid"]
 _SCORES = ("softmax", "sigmoid")
@@ -282,8 +283,4 @@ def moe_tp_problems(s: MoEShape, tp: int, seq_len: int, sequence_parallel: bool)
         sizes["dense layers' FFN width (moe.d_dense)"] = s.moe.d_dense
     if sequence_parallel:
         sizes["sequence length (data.seq_len)"] = seq_len
-    return [
-        f"parallel.tp = {tp} does not divide the {what} = {n}: choose a tp that divides it"
-        for what, n in sizes.items()
-        if n % tp
-    ]
+    return indivisible_by_tp(sizes, tp)
