@@ -49,21 +49,20 @@ def test_every_row_is_a_command_line_with_its_source(run):
 def test_every_run_that_ran_fits_its_plan(planned):
     # The held-out runs judge the model: the bench prints their verdict, no test holds it
     # (a test on them would tune to them).
-    ran = [r for r in TABLE if r.tokens_per_s_per_gpu is not None and not r.approximate_ac
+    ran = [r for r in TABLE if r.tokens_per_s_per_gpu is not None
            and not r.held_out]
     assert len(ran) >= 20
     assert [r.name for r in ran if not planned[r.name].fits] == []
 
 
 def test_the_runs_that_ran_out_of_memory_do_not_fit(planned):
-    judged = [r for r in bench.OUT_OF_MEMORY if not r.approximate_ac]
-    assert judged and not any(planned[r.name].fits for r in judged)
+    assert bench.OUT_OF_MEMORY and not any(planned[r.name].fits for r in bench.OUT_OF_MEMORY)
 
 
 def test_memory_is_within_10_percent_where_published_and_judged(planned):
     for run in TABLE:
         error = planned[run.name].memory_error
-        if error is not None and not run.approximate_ac and not run.memory_unjudged:
+        if error is not None and not run.memory_unjudged:
             assert abs(error) <= bench.MEMORY_WITHIN, (run.name, f"{error:+.1%}")
 
 
