@@ -74,9 +74,10 @@ def layers_params(shape: MoEShape) -> int:
 def tp_per_layer(shape: MoEShape, sequence_parallel: bool) -> float:
     """TP's collectives a layer runs each way, on average over the layers, in all-reduces
     of the residual stream (see the module's docstring)."""
-    routed_only = 0.5 if sequence_parallel else 0.0
-    ffn = [1.0 if not shape.is_moe_layer(i) or shape.moe.shared_experts else routed_only
-           for i in range(shape.n_layer)]
+    # A MoE layer: its shared experts' gather and reduce-scatter (one all-reduce), and
+    # without sequence parallelism the all-gather of the routed output (half of one).
+    moe = (1.0 if shape.moe.shared_experts else 0.0) + (0.0 if sequence_parallel else 0.5)
+    ffn = [moe if shape.is_moe_layer(i) else 1.0 for i in range(shape.n_layer)]
     return 1.0 + sum(ffn) / shape.n_layer
 
 
