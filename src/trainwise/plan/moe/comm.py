@@ -9,7 +9,7 @@ model (plan/model/network.py) and plan.model.comm's overlap rules.
   puts ep innermost), and the replica groups all-reduce the shards; DDP all-reduces them
   over the dp / ep ranks that hold the same slice. With ep equal to the data-parallel
   ranks no rank shares an expert: nothing to reduce.
-- Dispatch and combine: an all-to-all over the ep ranks (tp apart) for each, in every MoE
+- Dispatch and combine: an all-to-all over the ep ranks (consecutive) for each, in every MoE
   layer's forward and again in its backward (their gradients travel back the same way),
   and once more for a checkpointed layer's recomputed forward; each rank sends its tokens'
   top_k rows of d_model in the compute dtype (with the fused routing, DeepEP's dispatch,
@@ -21,9 +21,9 @@ model (plan/model/network.py) and plan.model.comm's overlap rules.
   micro-batches' compute is not modelled).
 - Tensor parallelism (plan.moe.parallel): TP's collectives of its attention, dense and
   shared FFNs (plan.model.tensor_parallel's, `tp_per_layer` a layer), exposed as the
-  GPT's; the data-parallel and expert groups' ranks tp apart, so an ep group spans ep x
-  tp ranks; every tp rank exchanges the same tokens (the runtime's MoE layer takes the
-  whole sequence on each).
+  GPT's; ep borrowed from the data- and tensor-parallel ranks, tp innermost, so an ep
+  group is ep consecutive ranks; each tp rank exchanges its 1 / tp of the tokens (the
+  runtime's MoE layer splits them: models.moe.parallel).
 - Pipeline stages: the stage's layers' collectives over its world / pp ranks, FSDP's once
   a step, and the stages' sends (plan.model.pipeline.p2p_collective), as the GPT's.
 """

@@ -19,8 +19,8 @@ One micro-batch of T tokens on a rank of an `ep`-way expert group:
   dispatch the next SYNC_IDLE_OPS operations.
 On one of `tp` tensor-parallel ranks, the MoE model of its share (plan.moe.parallel.
 rank_shape): attention's heads, the dense and shared FFNs and the head's vocabulary
-split, the router and the routed experts whole (every tp rank routes and computes the
-same tokens, as the runtime runs them).
+split, the router and the routed experts whole, on the rank's 1 / tp of the tokens (the
+runtime's token split: the router's and routed GEMMs, the routing's bytes).
 Activation checkpointing runs the checkpointed blocks' forward again; selective-op every
 layer's forward less attention and the GEMMs its policy kept (_layer_recompute).
 torch.compile is not modelled for MoE blocks (priced eager).
