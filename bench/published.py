@@ -114,10 +114,8 @@ The runs, each with its source:
   optimizer (ZeRO-1) beside pipeline stages is written as FSDP without resharding
   (parallel.shard = grad_op), as the Llama 3 405B row. The table does not say whether the
   gate was forced balanced: moe.imbalance is left at its default. Megatron-Core folds tp
-  into the expert group and splits the tokens over it; trainwise's runtime runs the MoE
-  layer on the whole sequence on every tp rank (plan.moe.parallel), with its ep group's
-  ranks tp apart, and the planner prices the runtime: these two rows measure that gap
-  as much as the planner's error.
+  into the expert group and splits the tokens over it, and so does trainwise's runtime
+  (models.moe.parallel, priced by plan.moe.parallel).
 
 Left out, and why: torchtitan's context-parallel rows (Tables 2 and 6 of the December 2024
 benchmarks: not modelled), its rows with async TP (Table 4's "2D + AsyncTP", 876; Table 5,

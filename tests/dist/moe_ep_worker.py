@@ -75,9 +75,11 @@ def case_run(name: str, pipeline: bool) -> dict:
         job.datasets[1], micro_batch=cfg.data.micro_batch, max_batches=2,
         dp_rank=trainer.dp_rank, dp_size=trainer.dp_size, seed=cfg.train.seed,
     )
-    _, _, tokens = reduce_steps(results, job.dims.tp)  # the recorder's one collective
+    _, _, tokens = reduce_steps(results)  # the recorder's one collective
     return {
         "tokens": tokens,
+        # The token copies this rank's routers routed each step (its own share).
+        "routed": [float(r.expert_tokens.sum()) for r in results],
         # This rank's all-to-all spans a step (none on one process).
         "a2a_spans": [len(r.a2a.spans) if r.a2a is not None else 0 for r in results],
         "a2a_s": [r.spans()[0].get("a2a") for r in results],

@@ -38,8 +38,9 @@ LAYOUTS = {
     "fsdp2-tp2-ep2": "dp_replicate 1 x dp_shard 2 x tp 2 x ep 2",
 }
 # What a rank holds of each [8, ...] experts weight: 4 experts (ep 2), sharded by FSDP
-# over the efsdp ranks beside ep (fsdp 4: 2 of them; otherwise 1).
-HELD_EXPERTS = {"fsdp4-ep2": 2}
+# over the efsdp ranks beside ep (fsdp 4: 2 of them; fsdp 2 x tp 2: ep borrows the tp
+# pair, the 2 shard groups' ranks are efsdp; otherwise 1).
+HELD_EXPERTS = {"fsdp4-ep2": 2, "fsdp2-tp2-ep2": 2}
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(LIMIT)]
 
@@ -94,12 +95,24 @@ def test_each_rank_holds_its_experts_only(ranks, name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_tokens_per_expert_are_one_processs(ranks, reference, name):
     """The step's tokens per expert, summed over the ranks in the recorder's collective
-    (a tensor-parallel pair counted once), are those one process routes."""
+    (a tensor-parallel pair's halves added), are those one process routes."""
     got = ranks[name][0]["tokens"]
     assert got == reference[name]["tokens"]
     mb, accum, dp = CASES[name][1:4]
     per_layer = mb * accum * dp * 32 * 2  # samples x seq_len x top_k
     assert all(sum(layer) == per_layer for step in got for layer in step)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_rank_routes_its_share_of_the_tokens(ranks, name):
+    """Every rank's routers count their own tokens only: a data-parallel rank its
+    samples', a tensor-parallel rank 1 / tp of its group's (the token split), a pipeline
+    stage its layers' (of the 2, one each)."""
+    mb, accum, dp = CASES[name][1:4]
+    tp, pp = (2 if "tp2" in name else 1), (2 if "pp2" in name else 1)
+    share = mb * accum * 32 * 2 * (2 // pp) / tp  # samples x seq_len x top_k x layers
+    for rank in ranks[name]:
+        assert rank["routed"] == [share] * STEPS
 
 
 def test_every_all_to_all_of_the_step_is_timed(ranks):

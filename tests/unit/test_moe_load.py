@@ -49,11 +49,9 @@ def _result(loss: float, tokens: list[list[float]] | None) -> StepResult:
 
 def test_the_flush_reduces_losses_and_tokens_together():
     results = [_result(2.0, [[6, 2], [4, 4]]), _result(1.0, [[1, 3], [2, 2]])]
-    losses, auxes, tokens = reduce_steps(results, tp=1)
+    losses, auxes, tokens = reduce_steps(results)
     assert losses == [2.0, 1.0] and auxes == pytest.approx([0.2, 0.1])
     assert tokens == [[[6, 2], [4, 4]], [[1, 3], [2, 2]]]
-    # A tensor-parallel pair counts its tokens twice: the sum is halved.
-    assert reduce_steps(results, tp=2)[2][0] == [[3, 1], [2, 2]]
     # A dense model's steps have none.
     assert reduce_steps([_result(1.0, None)])[2] == [None]
 

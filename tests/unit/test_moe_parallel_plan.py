@@ -73,11 +73,12 @@ def test_tp_divides_the_expert_free_gemms_and_leaves_the_routed_ones():
 
 
 def test_tp_collectives_a_layer_follow_what_the_runtime_splits():
-    """Attention's one each way, a shared expert's one more; a MoE layer without one has
-    none without sequence parallelism and its input's gather with it (half an
-    all-reduce); with a shared expert on every layer, the GPT's two."""
-    assert tp_per_layer(TINY, True) == tp_per_layer(TINY, False) == 2.0
-    assert (tp_per_layer(QWEN, False), tp_per_layer(QWEN, True)) == (1.0, 1.5)
+    """Attention's one each way; a MoE layer's token split: its shared experts' gather and
+    reduce-scatter (one more), and without sequence parallelism the all-gather of its
+    routed output (half an all-reduce); a MoE layer without shared experts under sequence
+    parallelism none (it routes the stream's own shard)."""
+    assert (tp_per_layer(TINY, True), tp_per_layer(TINY, False)) == (2.0, 2.5)
+    assert (tp_per_layer(QWEN, False), tp_per_layer(QWEN, True)) == (1.5, 1.0)
     inputs = plan_inputs(**{"model.name": "qwen3-30b-a3b", "plan.gpus": 8,
                             "data.seq_len": 4096, "data.global_batch": 32})
     forward = {}
@@ -86,7 +87,7 @@ def test_tp_collectives_a_layer_follow_what_the_runtime_splits():
                       sequence_parallel=sp)
         (c,) = [c for c in price(inputs, setup).collectives if c.name == TP_FORWARD]
         forward[sp] = c.wire_bytes
-    assert forward[True] == pytest.approx(1.5 * forward[False])
+    assert forward[True] == pytest.approx(forward[False] / 1.5)
 
 
 def test_the_search_weighs_tp_and_pp_with_ep_for_a_moe():

@@ -175,7 +175,7 @@ def test_plan_json_gives_total_and_active_parameters(capsys):
         (["--model", "mixtral-8x7b", "--set", "parallel.ep=3", "--gpus", "6"],
          "parallel.ep = 3 does not divide the 8 experts"),
         (["--model", "qwen3-30b-a3b", "--set", "parallel.ep=16", "--gpus", "8"],
-         "parallel.ep = 16 does not divide the 8 data-parallel ranks"),
+         "parallel.ep = 16 does not divide the 8 data- and tensor-parallel ranks"),
         (["--model", "llama-7b", "--set", "parallel.ep=2"], "has none: use parallel.ep = 1"),
         (["--model", "qwen3-30b-a3b", "--gpus", "8", "--set", "parallel.tp=8"],
          "parallel.tp = 8 does not divide the key/value heads (n_kv_head) = 4"),
@@ -186,7 +186,8 @@ def test_plan_json_gives_total_and_active_parameters(capsys):
         (["--model", "moe-tiny", "--gpus", "6", "--set", "parallel.pp=3"],
          "do not split the 2 blocks"),
         (["--model", "qwen3-30b-a3b", "--gpus", "16", "--set", "parallel.tp=2",
-          "--set", "parallel.ep=16"], "parallel.ep = 16 does not divide the 8 data-parallel"),
+          "--set", "parallel.pp=2", "--set", "parallel.ep=16"],
+         "parallel.ep = 16 does not divide the 8 data- and tensor-parallel"),
     ],
 )
 def test_what_the_planner_refuses_of_a_moe_is_one_line_and_exit_2(flags, words, capsys):

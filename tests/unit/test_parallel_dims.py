@@ -159,13 +159,25 @@ def test_the_layout_name_says_its_stages_and_tensor_parallelism(dims: ParallelDi
         (ParallelDims.from_strategy("ddp", 4, ep=2), (2, 1)),
         # ep across shard groups (HSDP 4 x 2 with ep 4): every slice replicated.
         (ParallelDims.from_strategy("hsdp", 8, replicate=4, ep=4), (2, 1)),
-        (ParallelDims.from_strategy("fsdp", 8, tp=2, pp=2, ep=2), (1, 1)),
+        # Under tp each tp rank routes its own tokens: ep borrows from dp x tp (a stage's
+        # 4 ranks): ep 2 is the tp pair, each half sharded over the 2 shard groups.
+        (ParallelDims.from_strategy("fsdp", 8, tp=2, pp=2, ep=2), (1, 2)),
+        (ParallelDims.from_strategy("fsdp", 4, tp=2, ep=4), (1, 1)),
+        (ParallelDims.from_strategy("single", 2, tp=2, ep=2), (1, 1)),
     ],
 )
 def test_the_experts_data_parallelism_beside_ep(dims: ParallelDims, expert_dims: tuple):
     replicas, shards = dims.expert_dims()
     assert (replicas, shards) == expert_dims
-    assert replicas * shards * dims.ep == dims.dp_size
+    assert replicas * shards * dims.ep == dims.dp_size * dims.tp
+
+
+def test_ep_replicated_over_tp_without_a_wrapper_is_refused():
+    # tp 4 with ep 2 and no data parallelism: nothing would sum the replicas' gradients.
+    with pytest.raises(ConfigError, match="parallel.ep = 2 leaves the experts replicated"):
+        ParallelDims.from_strategy("single", 4, tp=4, ep=2)
+    with pytest.raises(ConfigError, match="ep = 4 does not divide the 2 data- and tensor"):
+        ParallelDims.from_strategy("single", 2, tp=2, ep=4)
 
 
 def test_expert_parallel_replicas_run_as_fsdp2_replication():
@@ -173,5 +185,5 @@ def test_expert_parallel_replicas_run_as_fsdp2_replication():
     dims = ParallelDims.from_strategy("ddp", 4, ep=2)
     assert (dims.fsdp, dims.dp_replicate, dims.dp_shard) == (True, 4, 1)
     assert dims.name == "ddp 4 x ep 2"
-    with pytest.raises(ConfigError, match=r"parallel.ep = 3 does not divide the 4 data-par"):
+    with pytest.raises(ConfigError, match=r"parallel.ep = 3 does not divide the 8 data- and"):
         ParallelDims.from_strategy("fsdp", 8, tp=2, ep=3)

@@ -94,11 +94,12 @@ class ParallelDims:
     from the data-parallel ranks, as torchtitan borrows it: each group of `ep` of them
     holds the experts split `ep` ways and exchanges tokens by all-to-all, the rest of the
     data parallelism (dp_size / ep) replicating or sharding each slice (`expert_dims`); it
-    adds no ranks to the world. The rule is that ep divides dp_size, not torchtitan's
-    stricter "ep divides dp_shard x cp x tp": here the experts are left whole on every
-    tensor-parallel rank (every tp rank routes the same tokens: models.moe.parallel), so
-    ep cannot borrow tp ranks, and an ep that crosses shard groups or replicas is run with
-    the experts replicated beside it (`expert_dims`: the one statement of that split)."""
+    adds no ranks to the world. Under tensor parallelism each tp rank routes 1 / tp of
+    its group's tokens (models.moe.parallel), so the MoE layer sees dp_size x tp ranks of
+    different tokens (`expert_ranks`) and ep is borrowed from them all, tp innermost
+    (Megatron's expert group over tp x dp; torchtitan's "ETP 1"): the rule is that ep
+    divides dp_size x tp, and an ep that crosses shard groups or replicas is run with the
+    experts replicated beside it (`expert_dims`: the one statement of that split)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -125,10 +126,17 @@ class ParallelDims:
             problems.append("parallel.cpu_offload = true needs FSDP: use 'fsdp' or 'hsdp'")
         if not self.fsdp and self.dp_shard > 1:
             problems.append(f"parallel.dp_shard = {self.dp_shard} needs FSDP (sharding)")
-        if isinstance(self.ep, int) and self.ep > 1 and self.dp_size % self.ep:
+        if isinstance(self.ep, int) and self.ep > 1 and self.expert_ranks % self.ep:
             problems.append(
-                f"parallel.ep = {self.ep} does not divide the {self.dp_size} data-parallel "
-                "ranks it is borrowed from (world / (tp x pp)): choose a divisor of them"
+                f"parallel.ep = {self.ep} does not divide the {self.expert_ranks} data- and "
+                "tensor-parallel ranks it is borrowed from (world / pp): choose a divisor of them"
+            )
+        elif (isinstance(self.ep, int) and 1 < self.ep < self.expert_ranks and not self.fsdp
+              and self.dp_size == 1):
+            problems.append(
+                f"parallel.ep = {self.ep} leaves the experts replicated over tp / ep ranks "
+                "with no data-parallel wrapper to sum their gradients: use ep = tp, ep = 1, "
+                "or 'fsdp'"
             )
         if problems:
             raise ConfigError(problems)
@@ -151,16 +159,25 @@ class ParallelDims:
         """Ranks that read different samples (each tensor-parallel group reads the same)."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def expert_ranks(self) -> int:
+        """The ranks of one pipeline stage, over which the MoE layer's tokens are split
+        (each tensor-parallel rank routes 1 / tp of its group's: models.moe.parallel) and
+        the experts' ep groups are borrowed from: dp_size x tp."""
+        return self.dp_size * self.tp
+
     def expert_dims(self) -> tuple[int, int]:
         """The routed experts' own data parallelism beside `ep`: (replicas, shards), with
-        replicas x shards x ep = dp_size. Under FSDP with ep dividing dp_shard, each ep
-        group is ep consecutive ranks of a shard group, and each slice of the experts is
-        sharded over the dp_shard / ep ranks that hold it (torchtitan's efsdp: ep apart)
-        and replicated over the replica groups; otherwise (DDP's replicas, or ep spanning
-        shard groups) every slice is replicated over dp_size / ep ranks."""
-        if self.fsdp and self.dp_shard % self.ep == 0:
-            return self.dp_replicate, self.dp_shard // self.ep
-        return self.dp_size // self.ep, 1
+        replicas x shards x ep = expert_ranks (dp_size x tp: every rank of a stage routes
+        its own tokens). Under FSDP with ep dividing dp_shard x tp, each ep group is ep
+        consecutive ranks of a shard group's ranks (tp innermost), and each slice of the
+        experts is sharded over the dp_shard x tp / ep ranks that hold it (torchtitan's
+        efsdp: ep apart) and replicated over the replica groups; otherwise (DDP's
+        replicas, or ep spanning shard groups) every slice is replicated over
+        expert_ranks / ep ranks."""
+        if self.fsdp and (self.dp_shard * self.tp) % self.ep == 0:
+            return self.dp_replicate, self.dp_shard * self.tp // self.ep
+        return self.expert_ranks // self.ep, 1
 
     # -- what it is -------------------------------------------------------------------
 

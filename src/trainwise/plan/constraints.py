@@ -143,16 +143,16 @@ def check_allowed(inputs: PlanInputs, allowed: Allowed) -> None:
 
 
 def expert_problems(inputs: PlanInputs, allowed: Allowed) -> list[str]:
-    """What no expert-parallel layout can meet: an ep that does not divide the GPUs'
-    data-parallel ranks (it is borrowed from them; the model's experts are checked with
-    its shape, plan.inputs.moe_problems)."""
+    """What no expert-parallel layout can meet: an ep that does not divide a pipeline
+    stage's data- and tensor-parallel ranks (it is borrowed from them: ParallelDims.
+    expert_ranks; the model's experts are checked with its shape, plan.inputs.moe_problems)."""
     ep = allowed.ep_degree
     if ep is None or ep == 1 or inputs.workload.moe is None:
         return []
-    ranks = inputs.gpus // (allowed.tp_degree or 1)
+    ranks = inputs.gpus // (allowed.pp_degree or 1)
     if ranks % ep:
-        return [f"parallel.ep = {ep} does not divide the {ranks} data-parallel ranks of "
-                f"{inputs.gpus} GPUs it is borrowed from: choose a divisor of them"]
+        return [f"parallel.ep = {ep} does not divide the {ranks} data- and tensor-parallel "
+                f"ranks of {inputs.gpus} GPUs it is borrowed from: choose a divisor of them"]
     return []
 
 

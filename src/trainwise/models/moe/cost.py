@@ -126,7 +126,7 @@ def moe_flops_per_token(shape: MoEShape, seq_len: int) -> float:
 
 def layer_activation_bytes(
     shape: MoEShape, i: int, *, compute_bytes: int, norm_row: Callable[[int], float],
-    micro_batch: int, seq_len: int, grouped: bool = False,
+    micro_batch: int, seq_len: int, grouped: bool = False, token_split: int = 1,
 ) -> float:
     """Bytes per token that autograd keeps for layer i of a training micro-batch of
     `micro_batch` sequences of `seq_len`, the layer's parameters and the residual stream
@@ -134,7 +134,10 @@ def layer_activation_bytes(
     16-bit casts of the Linears' inputs are not counted here). `norm_row(w)`: the bytes
     one RMSNorm over a row of width w keeps, its input included (a device's kernels
     decide: the CPU's composite op keeps an fp32 normalised copy and the per-row rstd).
-    `grouped`: the experts run as torch._grouped_mm (its int32 offsets).
+    `grouped`: the experts run as torch._grouped_mm (its int32 offsets). `token_split`:
+    tensor parallelism's split of the MoE layer's tokens (models.moe.parallel): a tp rank
+    routes 1 / tp of them, so the router's, the dispatch's and the routed copies' bytes
+    are 1 / tp a token of the whole; the shared experts keep the gathered sequence.
 
     Attention (as the GPT's, heads of their own width): the norm, the projections' input,
     what SDPA keeps (the rotated q, and k, v repeated to every head under grouped-query
@@ -165,10 +168,13 @@ def layer_activation_bytes(
     experts = e * k * (3 * h + 4 * m.d_expert) + e * k
     balance = 4 * m.experts / seq_len
     # The norm's output: kept by the router's GEMM in fp32 (which reads a copy in 16-bit)
-    # and by the shared experts'.
-    kept = h if e == 4 or m.shared_experts else 0
+    # and by the shared experts' (under the tp split, the router's slice and the shared
+    # experts' gathered copy apart).
+    split = token_split
+    kept = (h if m.shared_experts else 0) + (
+        h / split if e == 4 and (split > 1 or not m.shared_experts) else 0)
     ffn = norm_row(h) + e * (kept + 4 * m.shared_width)
-    return attention + ffn + router + dispatch + experts + balance
+    return attention + ffn + (router + dispatch + experts + balance) / split
 
 
 def ranks_per_token(shape: MoEShape, ep: int) -> float:

@@ -40,7 +40,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 
@@ -63,7 +63,8 @@ class ExpertParallel(ParallelStyle):
 def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
     """Every [E, ...] parameter of the experts module, Shard(0): E / ep experts a rank."""
     for key, param in list(module.named_parameters(recurse=False)):
-        sharded = distribute_tensor(param.data, mesh, [Shard(0)])
+        whole = param.data.to_local() if isinstance(param.data, DTensor) else param.data
+        sharded = distribute_tensor(whole, mesh, [Shard(0)])  # a tp replica: whole
         module.register_parameter(key, nn.Parameter(sharded, param.requires_grad))
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import DTensor, Partial
 
 from trainwise.models.moe.shapes import MoEShape
 
@@ -109,7 +110,7 @@ class Router(nn.Module):
         kind = x.device.type
         off = contextlib.nullcontext() if kind == "meta" else torch.autocast(kind, enabled=False)
         with off:  # routing stays in fp32
-            logits = F.linear(x.float(), self.gate.weight.float())
+            logits = F.linear(x.float(), local(self.gate.weight).float())
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         chosen = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, chosen)
@@ -166,7 +167,7 @@ class GroupedExperts(nn.Module):
         self.kernel = "auto"  # KERNELS: "grouped" / "loop" force one (tests compare them)
 
     def forward(self, rows: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        weights = [_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj)]
+        weights = [local(w) for w in (self.gate_proj, self.up_proj, self.down_proj)]
         kernel = self.kernel if self.kernel != "auto" else _kernel(rows, weights[0])
         if is_fake(rows) or rows.device.type == "meta":
             return _padded(rows, *weights)  # no counts to read: the same work in even runs
@@ -175,9 +176,14 @@ class GroupedExperts(nn.Module):
         return _loop(rows, num_tokens_per_expert, *weights)
 
 
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    """A sharded weight's local part (expert parallelism hands each rank its experts)."""
-    return weight.to_local() if hasattr(weight, "to_local") else weight
+def local(weight: torch.Tensor) -> torch.Tensor:
+    """A weight's part on this rank: expert parallelism's shard (its experts), or, under
+    tensor parallelism's token split (models.moe.parallel), a replica whose gradient is
+    this rank's tokens' share: Partial, which DTensor (or FSDP2) sums over the tp ranks."""
+    if not isinstance(weight, DTensor):
+        return weight
+    grads = [Partial() if p.is_replicate() else p for p in weight.placements]
+    return weight.to_local(grad_placements=grads)
 
 
 def _kernel(rows: torch.Tensor, weight: torch.Tensor) -> str:
@@ -242,6 +248,10 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(m.experts, shape.d_model, m.d_expert)
         self.shared = SwiGLU(shape.d_model, m.shared_width) if m.shared_experts else None
         self.aux_loss = aux_loss
+        # Under tensor parallelism, the tp mesh over which the tokens are split (each rank
+        # routes its share: models.moe.parallel); the balancing loss sums its statistics
+        # over it.
+        self.token_split: Any = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, t, d = x.shape
@@ -256,20 +266,23 @@ class MoE(nn.Module):
         # Combine: back in (token, k) order, weighted, summed over the K.
         unsorted = torch.empty_like(routed).index_copy_(0, order, routed)
         out = (unsorted.view(b * t, -1, d) * weights.unsqueeze(-1).to(routed.dtype)).sum(1)
-        out = out.to(x.dtype)
-        if self.shared is not None:
-            out = out + self.shared(tokens)
+        out = out.to(x.dtype).view(b, t, d)
+        if self.shared is not None:  # on [B, T, d]: its tp plan gathers the sequence
+            out = out + self.shared(x)
         if self.training:
             self.router.count_on_backward(out, counts)
         aux = self._balance(scores, chosen, b) if self.training and self.aux_loss else None
-        return out.view(b, t, d), aux
+        return out, aux
 
     def _balance(self, scores: torch.Tensor, chosen: torch.Tensor, b: int) -> torch.Tensor:
         """Each sequence's load-balancing loss: E / (K T) x sum over experts of the tokens
         routed to it x its mean score (scores normalised to sum to 1 a token, as DeepSeek-
         V3's sequence-wise loss takes sigmoid scores): 1 when balanced. Per sequence, so a
         step's loss does not depend on how its sequences are split among ranks and
-        micro-batches."""
+        micro-batches. Under the tp token split each rank holds a slice of every sequence:
+        the sums over it are summed over the tp ranks (Partial -> Replicate, whose backward
+        hands each rank the whole gradient of its slice), so every rank has the loss of
+        the whole sequences."""
         e = self.router.experts
         probs = scores if self.router.score == "softmax" else scores / scores.sum(-1, keepdim=True)
         mean_score = probs.view(b, -1, e).mean(1)  # [B, E]
@@ -277,4 +290,8 @@ class MoE(nn.Module):
         routed = torch.zeros(b, e, device=picks.device).scatter_add_(
             1, picks, torch.ones_like(picks, dtype=torch.float32))
         share = routed * (e / picks.shape[1])  # E / (K T) x tokens routed
+        if self.token_split is not None:  # equal slices: the whole's is their mean
+            both = DTensor.from_local(torch.stack([mean_score, share]), self.token_split,
+                                      [Partial()], run_check=False).full_tensor()
+            mean_score, share = both / self.token_split.size()
         return (share * mean_score).sum(-1)

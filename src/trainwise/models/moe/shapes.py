@@ -281,6 +281,7 @@ def moe_tp_problems(s: MoEShape, tp: int, seq_len: int, sequence_parallel: bool)
         sizes["shared experts' width (moe.shared_experts x d_shared)"] = s.moe.shared_width
     if s.moe.dense_layers:
         sizes["dense layers' FFN width (moe.d_dense)"] = s.moe.d_dense
-    if sequence_parallel:
-        sizes["sequence length (data.seq_len)"] = seq_len
+    # The MoE layer splits the sequence over the tp ranks (models.moe.parallel), with or
+    # without sequence parallelism.
+    sizes["sequence length (data.seq_len)"] = seq_len
     return indivisible_by_tp(sizes, tp)

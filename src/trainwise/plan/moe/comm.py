@@ -9,7 +9,7 @@ model (plan/model/network.py) and plan.model.comm's overlap rules.
   puts ep innermost), and the replica groups all-reduce the shards; DDP all-reduces them
   over the dp / ep ranks that hold the same slice. With ep equal to the data-parallel
   ranks no rank shares an expert: nothing to reduce.
-- Dispatch and combine: an all-to-all over the ep ranks (tp apart) for each, in every MoE
+- Dispatch and combine: an all-to-all over the ep ranks (consecutive) for each, in every MoE
   layer's forward and again in its backward (their gradients travel back the same way),
   and once more for a checkpointed layer's recomputed forward; each rank sends its tokens'
   top_k rows of d_model in the compute dtype (with the fused routing, DeepEP's dispatch,
@@ -21,9 +21,9 @@ model (plan/model/network.py) and plan.model.comm's overlap rules.
   micro-batches' compute is not modelled).
 - Tensor parallelism (plan.moe.parallel): TP's collectives of its attention, dense and
   shared FFNs (plan.model.tensor_parallel's, `tp_per_layer` a layer), exposed as the
-  GPT's; the data-parallel and expert groups' ranks tp apart, so an ep group spans ep x
-  tp ranks; every tp rank exchanges the same tokens (the runtime's MoE layer takes the
-  whole sequence on each).
+  GPT's; ep borrowed from the data- and tensor-parallel ranks, tp innermost, so an ep
+  group is ep consecutive ranks; each tp rank exchanges its 1 / tp of the tokens (the
+  runtime's MoE layer splits them: models.moe.parallel).
 - Pipeline stages: the stage's layers' collectives over its world / pp ranks, FSDP's once
   a step, and the stages' sends (plan.model.pipeline.p2p_collective), as the GPT's.
 """
@@ -65,14 +65,14 @@ def expert_collectives(
 ) -> list[Collective]:
     """The collectives of the rank's `experts` parameters (its slice, unsharded) in one
     step, `units` calls each (one a MoE layer)."""
-    ex, tp = expert_layout(dims), dims.tp  # the data-parallel ranks are tp apart
+    ex = expert_layout(dims)  # ep innermost over dp x tp: its groups consecutive ranks
     if not dims.fsdp:
         if ex.replicas == 1:
             return []
         grads = experts * GRAD_BYTES
         calls = max(1, math.ceil(grads / DDP_BUCKET_BYTES))
         return [layout.collective("all-reduce expert grads", "all_reduce", grads,
-                                  (ex.replicas, ex.ep * tp), calls)]
+                                  (ex.replicas, ex.ep), calls)]
     out = []
     every = grad_accum if accumulate == "sharded" else 1
     reduce = experts * BYTES[reduce_dtype]
@@ -81,18 +81,18 @@ def expert_collectives(
         out += [
             layout.collective(
                 "all-gather expert params", "all_gather",
-                passes * grad_accum * experts * BYTES[precision], (ex.shard, ex.ep * tp),
+                passes * grad_accum * experts * BYTES[precision], (ex.shard, ex.ep),
                 passes * grad_accum * units, per_micro_batch=True,
             ),
             layout.collective(
                 "reduce-scatter expert grads", "reduce_scatter", every * reduce,
-                (ex.shard, ex.ep * tp), every * units, per_micro_batch=every > 1,
+                (ex.shard, ex.ep), every * units, per_micro_batch=every > 1,
             ),
         ]
     if ex.replicas > 1:
         out.append(layout.collective(
             "all-reduce expert grad shards across replicas", "all_reduce",
-            every * reduce / ex.shard, (ex.replicas, ex.shard * ex.ep * tp), every * units,
+            every * reduce / ex.shard, (ex.replicas, ex.shard * ex.ep), every * units,
             per_micro_batch=every > 1,
         ))
     return out
@@ -107,13 +107,14 @@ def all_to_all_collective(w: Workload, dims: ParallelDims, layout: Layout,
         return []
     m = shape.moe
     copies = ranks_per_token(shape, dims.ep) if w.routing == "fused" else m.top_k
-    one = w.seq_len * w.micro_batch * copies * shape.d_model * BYTES[w.precision]
+    # The rank's 1 / tp of the tokens (models.moe.parallel's token split).
+    one = w.seq_len * w.micro_batch / dims.tp * copies * shape.d_model * BYTES[w.precision]
     recomputed = sum(1 for i in checkpointed_blocks(w.ac, shape.n_layer) if shape.is_moe_layer(i))
     if w.ac == SELECTIVE_OP:  # its policy keeps the all-to-alls' outputs
         recomputed = 0
     calls = grad_accum * (4 * shape.moe_layers + 2 * recomputed)
     return [layout.collective(ALL_TO_ALL, "all_to_all", calls * one * w.imbalance,
-                              (dims.ep, dims.tp), calls, per_micro_batch=True)]
+                              (dims.ep, 1), calls, per_micro_batch=True)]
 
 
 def all_to_all_seconds(collectives: list[Collective]) -> float:

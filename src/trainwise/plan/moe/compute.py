@@ -19,8 +19,8 @@ One micro-batch of T tokens on a rank of an `ep`-way expert group:
   dispatch the next SYNC_IDLE_OPS operations.
 On one of `tp` tensor-parallel ranks, the MoE model of its share (plan.moe.parallel.
 rank_shape): attention's heads, the dense and shared FFNs and the head's vocabulary
-split, the router and the routed experts whole (every tp rank routes and computes the
-same tokens, as the runtime runs them).
+split, the router and the routed experts whole, on the rank's 1 / tp of the tokens (the
+runtime's token split: the router's and routed GEMMs, the routing's bytes).
 Activation checkpointing runs the checkpointed blocks' forward again; selective-op every
 layer's forward less attention and the GEMMs its policy kept (_layer_recompute).
 torch.compile is not modelled for MoE blocks (priced eager).
@@ -91,7 +91,7 @@ def moe_micro_batch(w: Workload, ep: int, tp: int, hw: Hardware, autocast: bool,
     shape = rank_shape(w.moe, tp)
     kernels = Kernels(w.norm_kernel, w.attention, w.routing)
     return _micro_batch(shape, w.seq_len, w.micro_batch, ep, w.imbalance, hw, w.precision,
-                        autocast, w.ac, table, w.loss, kernels, w.head)
+                        autocast, w.ac, table, w.loss, kernels, w.head, tp)
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class Kernels:
 def _micro_batch(
     shape: MoEShape, seq: int, micro_batch: int, ep: int, imbalance: float, hw: Hardware,
     precision: str, autocast: bool, ac: str, table: GemmTable | None, loss: str,
-    kernels: Kernels, head: bool,
+    kernels: Kernels, head: bool, tp: int = 1,
 ) -> Work:
     tokens = seq * micro_batch
     recomputed = checkpointed_blocks(ac, shape.n_layer)
@@ -124,14 +124,14 @@ def _micro_batch(
         if not layers:
             continue
         forward = _layer_forward(one, moe, tokens, seq, ep, imbalance, hw, precision,
-                                 autocast, table, kernels)
+                                 autocast, table, kernels, tp)
         backward = _layer_backward(one, moe, tokens, seq, ep, imbalance, hw, precision,
-                                   autocast, table, kernels)
+                                   autocast, table, kernels, tp)
         again = sum(1 for i in layers if i in recomputed)
         work = work + (forward + backward).times(len(layers))
         if ac == SELECTIVE_OP:  # what the policy did not keep runs again, in every layer
             forward = _layer_recompute(shape, moe, layers[0], forward, tokens, seq, ep,
-                                       imbalance, hw, precision, table, kernels)
+                                       imbalance, hw, precision, table, kernels, tp)
         work = work + forward.times(again)
     if head:
         work = work + _head(shape, tokens, 1, hw, precision, table, loss)  # type: ignore[arg-type]
@@ -149,7 +149,7 @@ def _one_layer(shape: MoEShape) -> MoEShape:
 def _layer_recompute(
     shape: MoEShape, moe: bool, index: int, forward: Work, tokens: int, seq: int, ep: int,
     imbalance: float, hw: Hardware, precision: str, table: GemmTable | None,
-    kernels: Kernels,
+    kernels: Kernels, tp: int = 1,
 ) -> Work:
     """What a layer's backward runs again under selective-op: its `forward` less attention
     and the GEMMs whose outputs the policy kept (plan.moe.memory._kept_by_policy's rule);
@@ -157,9 +157,10 @@ def _layer_recompute(
     is dispatched again, and twice through the policy's dispatch mode (SAC_MODE_OPS)."""
     gemms = [g for g in layer_gemms(shape, index) if g.kind != "router"]
     names = frozenset(g.name for g, keep in zip(gemms, kept(gemms), strict=True) if keep)
-    saved = _plain_gemms(shape, moe, tokens, hw, precision, table, False, names)
+    saved = _plain_gemms(shape, moe, tokens, hw, precision, table, False, names, tp)
     if moe:
-        saved += _routed_gemms(shape, tokens, ep, imbalance, hw, precision, table, False, names)
+        saved += _routed_gemms(shape, tokens // tp, ep, imbalance, hw, precision, table, False,
+                               names)
     attention = _attention(shape, tokens, seq, hw, kernels, FORWARD_ATTENTION_PASSES)
     idle = SYNC_IDLE_OPS * EAGER_OP_S if moe and ep > 1 else 0.0
     return Work(forward.device_s - saved - attention - idle,
@@ -174,18 +175,20 @@ def _gemms(shape: MoEShape, moe: bool) -> list[TokenGemm]:
 
 def _plain_gemms(shape: MoEShape, moe: bool, tokens: int, hw: Hardware, precision: str,
                  table: GemmTable | None, backward: bool,
-                 names: frozenset[str] | None = None) -> float:
+                 names: frozenset[str] | None = None, tp: int = 1) -> float:
     """Every token's GEMMs of a layer (those in `names`, when given): forward (T, out, in);
-    backward the input gradient (T, in, out) and the weight gradient (out, in, T)."""
+    backward the input gradient (T, in, out) and the weight gradient (out, in, T). The
+    router's on the rank's 1 / tp of the tokens (models.moe.parallel's token split)."""
     total = 0.0
     for g in _gemms(shape, moe):
         if g.grouped or (names is not None and g.name not in names):
             continue
         o, i = g.out_features, g.in_features
+        t = tokens // tp if g.kind == "router" else tokens
         if backward:
-            total += _gemm(tokens, i, o, hw, precision, table) + _gemm(o, i, tokens, hw, precision, table)
+            total += _gemm(t, i, o, hw, precision, table) + _gemm(o, i, t, hw, precision, table)
         else:
-            total += _gemm(tokens, o, i, hw, precision, table)
+            total += _gemm(t, o, i, hw, precision, table)
     return total
 
 
@@ -218,9 +221,10 @@ def _routed_gemms(
 
 
 def _layer_bytes(shape: MoEShape, moe: bool, imbalance: float, precision: str,
-                 autocast: bool, kernels: Kernels) -> float:
+                 autocast: bool, kernels: Kernels, tp: int = 1) -> float:
     """Bytes per token a layer's forward reads and writes outside its GEMMs and attention
-    (see the module's docstring); the routed rows' share is the busiest rank's."""
+    (see the module's docstring); the routed rows' share is the busiest rank's, the
+    router's and the routed rows' 1 / tp a token under the tp token split."""
     norm_kernel = kernels.norm
     e = BYTES[precision]
     r = MASTER_BYTES if autocast else e
@@ -246,19 +250,21 @@ def _layer_bytes(shape: MoEShape, moe: bool, imbalance: float, precision: str,
         routed = m.top_k * h * (2 * e + (e + MASTER_BYTES) + 3 * MASTER_BYTES
                                 + (MASTER_BYTES + e) + 3 * e)
     # The experts' SwiGLU activation on the busiest rank's rows.
-    return norms + attention + router + routed + k * 5 * e * m.d_expert + 5 * e * m.shared_width
+    split = (router + routed + k * 5 * e * m.d_expert) / tp
+    return norms + attention + split + 5 * e * m.shared_width
 
 
 @lru_cache(maxsize=16384)  # a stage's layers are alike whatever its micro-batch's knobs
 def _layer_forward(
     shape: MoEShape, moe: bool, tokens: int, seq: int, ep: int, imbalance: float,
     hw: Hardware, precision: str, autocast: bool, table: GemmTable | None, kernels: Kernels,
+    tp: int = 1,
 ) -> Work:
-    gemms = _plain_gemms(shape, moe, tokens, hw, precision, table, False)
+    gemms = _plain_gemms(shape, moe, tokens, hw, precision, table, False, None, tp)
     if moe:
-        gemms += _routed_gemms(shape, tokens, ep, imbalance, hw, precision, table, False)
+        gemms += _routed_gemms(shape, tokens // tp, ep, imbalance, hw, precision, table, False)
     attention = _attention(shape, tokens, seq, hw, kernels, FORWARD_ATTENTION_PASSES)
-    moved = tokens * _layer_bytes(shape, moe, imbalance, precision, autocast, kernels)
+    moved = tokens * _layer_bytes(shape, moe, imbalance, precision, autocast, kernels, tp)
     idle = SYNC_IDLE_OPS * EAGER_OP_S if moe and ep > 1 else 0.0  # the split sizes' sync
     return Work(gemms + attention + moved / (hw.hbm_bps * MEMORY_SHARE) + idle,
                 _forward_ops(moe, ep))
@@ -290,14 +296,15 @@ def _forward_ops(moe: bool, ep: int) -> int:
 def _layer_backward(
     shape: MoEShape, moe: bool, tokens: int, seq: int, ep: int, imbalance: float,
     hw: Hardware, precision: str, autocast: bool, table: GemmTable | None, kernels: Kernels,
+    tp: int = 1,
 ) -> Work:
     """Input and weight gradients of every GEMM, attention's backward (2.5 times its
     forward), the elementwise work twice."""
-    gemms = _plain_gemms(shape, moe, tokens, hw, precision, table, True)
+    gemms = _plain_gemms(shape, moe, tokens, hw, precision, table, True, None, tp)
     if moe:
-        gemms += _routed_gemms(shape, tokens, ep, imbalance, hw, precision, table, True)
+        gemms += _routed_gemms(shape, tokens // tp, ep, imbalance, hw, precision, table, True)
     attention = _attention(shape, tokens, seq, hw, kernels, BACKWARD_ATTENTION_PASSES)
-    moved = 2 * tokens * _layer_bytes(shape, moe, imbalance, precision, autocast, kernels)
+    moved = 2 * tokens * _layer_bytes(shape, moe, imbalance, precision, autocast, kernels, tp)
     return Work(gemms + attention + moved / (hw.hbm_bps * MEMORY_SHARE),
                 BACKWARD_OPS_PER_FORWARD_OP * _forward_ops(moe, ep))
 

@@ -141,7 +141,7 @@ def moe_activations(w: Workload, autocast: bool, device: str, tp: int = 1,
     if tp > 1:
         w = replace(w, moe=rank_shape(w.moe, tp))
     shape = w.moe
-    layer = _layer_bytes(w, autocast, device, split)
+    layer = _layer_bytes(w, autocast, device, split, tp)
     per = _around(w, autocast, device, tp, split)
     ckpt = checkpointed_blocks(w.ac, shape.n_layer)
     kept = [per["block_input"] if i in ckpt else layer[shape.is_moe_layer(i)]
@@ -218,10 +218,11 @@ def _norm_row(residual: int, device: str, fsdp_low: bool, stream: int = 0,
 
 
 @lru_cache(maxsize=1024)
-def _layer_bytes(w: Workload, autocast: bool, device: str, split: int = 1) -> dict[bool, float]:
+def _layer_bytes(w: Workload, autocast: bool, device: str, split: int = 1,
+                 tp: int = 1) -> dict[bool, float]:
     """Bytes per token a layer keeps (models.moe.cost.layer_activation_bytes), keyed by
     whether it is a MoE layer, on the busiest expert rank (`split`: sequence parallelism's,
-    _norm_row). Under autocast (single, DDP in 16 bits) the residual stream and the norms
+    _norm_row; `tp`: the MoE layer's token split, 1 / tp of the routed rows a rank). Under autocast (single, DDP in 16 bits) the residual stream and the norms
     stay fp32 and each Linear after a norm keeps its own 16-bit cast of it: an
     approximation, not checked against autograd."""
     shape = w.moe
@@ -238,12 +239,12 @@ def _layer_bytes(w: Workload, autocast: bool, device: str, split: int = 1) -> di
             continue
         kept = layer_activation_bytes(
             shape, layers[0], compute_bytes=e, norm_row=norm_row, micro_batch=w.micro_batch,
-            seq_len=w.seq_len, grouped=device == "cuda",
+            seq_len=w.seq_len, grouped=device == "cuda", token_split=tp,
         )
         if casting:  # k and v's casts of the attention's norm output, a second FFN reader's
             second = (not moe and shape.moe.d_dense) or (moe and shape.moe.shared_experts)
             kept += e * shape.d_model * (2 + (1 if second else 0))
-        out[moe] = kept + (routed if moe else 0.0)
+        out[moe] = kept + (routed / tp if moe else 0.0)
     return out
 
 

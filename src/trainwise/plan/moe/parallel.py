@@ -11,19 +11,19 @@ parallelism 1 (Megatron-Core's expert_tensor_parallel_size = 1, its MoE recipes'
 setting): the experts are split by `ep` only. One tp rank is priced as a MoE model of its
 share (`rank_shape`: 1/tp of the heads, of those FFN widths and of the vocabulary, the
 rest whole), so its GEMMs, attention, bytes, parameters and activations follow from the
-same code as tp = 1. Assumption (the runtime's, not Megatron's): the MoE layer takes the
-whole sequence on every tp rank (gathered under sequence parallelism), so each tp rank
-routes, exchanges and computes the same tokens: the routed experts' work and the
-all-to-all are not divided by tp (Megatron-Core instead folds tp into the expert group
-and splits the tokens). `ep` is borrowed from the data-parallel ranks, which are tp
-apart, so an ep group spans ep x tp consecutive ranks. The norms' activations are
-counted whole (the tp-alone rule; sequence parallelism splits them: an over-count).
+same code as tp = 1. The MoE layer splits the tokens over the tp ranks (the runtime's
+TokenSplit, as Megatron-Core): a tp rank routes, exchanges and computes 1 / tp of them,
+so the router's and the routed experts' GEMMs, the routing's bytes and activations and
+the all-to-all are divided by tp (plan.moe.compute, plan.moe.memory, plan.moe.comm).
+`ep` is borrowed from the data- and tensor-parallel ranks together, tp innermost, so an
+ep group is ep consecutive ranks. The norms' activations are counted whole (the tp-alone
+rule; sequence parallelism splits them: an over-count).
 
 TP's collectives (plan.model.tensor_parallel.tp_collectives, `tp_per_layer` of them each
-way a layer): attention's one; a dense layer's FFN and a MoE layer's shared experts one
-more (an all-reduce of their output forward, of their input's gradient backward); a MoE
-layer without shared experts none without sequence parallelism, and with it the
-all-gather of its input (half an all-reduce's bytes) each way.
+way a layer): attention's one; a dense layer's FFN one more; a MoE layer's shared experts
+one more (the gather of the sequence and the reduce-scatter of their output, forward and
+backward), and without sequence parallelism the all-gather of the routed output (half an
+all-reduce's bytes); a MoE layer without shared experts under sequence parallelism none.
 
 Pipeline stages: the GPT's split (models.stage_split), plan.model.pipeline's stage_part
 rule on the stage's layers (`stage_part`): a stage is a MoE model of its blocks, the leading
@@ -74,9 +74,10 @@ def layers_params(shape: MoEShape) -> int:
 def tp_per_layer(shape: MoEShape, sequence_parallel: bool) -> float:
     """TP's collectives a layer runs each way, on average over the layers, in all-reduces
     of the residual stream (see the module's docstring)."""
-    routed_only = 0.5 if sequence_parallel else 0.0
-    ffn = [1.0 if not shape.is_moe_layer(i) or shape.moe.shared_experts else routed_only
-           for i in range(shape.n_layer)]
+    # A MoE layer: its shared experts' gather and reduce-scatter (one all-reduce), and
+    # without sequence parallelism the all-gather of the routed output (half of one).
+    moe = (1.0 if shape.moe.shared_experts else 0.0) + (0.0 if sequence_parallel else 0.5)
+    ffn = [moe if shape.is_moe_layer(i) else 1.0 for i in range(shape.n_layer)]
     return 1.0 + sum(ffn) / shape.n_layer
 
 

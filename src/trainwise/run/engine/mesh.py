@@ -4,9 +4,10 @@ rank reads (`dp_rank`, `dp_size`) instead of redoing arithmetic that must match 
 order of its dims.
 
 With expert parallelism a second view of the same ranks holds the routed experts
-(torchtitan's sparse mesh): this rank's data-parallel ranks, replicas outermost as
-`dp_rank` numbers them, unflattened into (edp_replicate, efsdp, ep), ep innermost so that
-an ep group is consecutive ranks (inside a machine, where the all-to-all is cheapest).
+(torchtitan's sparse mesh): this stage's data- and tensor-parallel ranks (each routes its
+own tokens: models.moe.parallel), replicas outermost, tp innermost, unflattened into
+(edp_replicate, efsdp, ep), ep innermost so that an ep group is consecutive ranks (a tp
+group's and its neighbours', inside a machine, where the all-to-all is cheapest).
 Both views derive from one root mesh, which FSDP2 needs to combine the experts' ep
 sharding with its own over efsdp."""
 
@@ -53,12 +54,14 @@ def build_mesh(
 
 
 def build_expert_mesh(dims: ParallelDims, mesh: DeviceMesh | None) -> DeviceMesh | None:
-    """The experts' view of `mesh`'s data-parallel ranks (EXPERT_DIMS, sized by
-    ParallelDims.expert_dims), from the same root; None without expert parallelism."""
+    """The experts' view of `mesh`'s data- and tensor-parallel ranks (EXPERT_DIMS, sized
+    by ParallelDims.expert_dims; tp innermost), from the same root; None without expert
+    parallelism."""
     if dims.ep == 1:
         return None
-    names = tuple(n for n in mesh.mesh_dim_names if n in DP_DIMS)
-    flat = mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("dp")
+    names = tuple(n for n in mesh.mesh_dim_names if n in (*DP_DIMS, "tp"))
+    # Named after its dims: dp_shard x tp is the one build_mesh flattened already.
+    flat = mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
     replicas, shards = dims.expert_dims()
     experts = flat._unflatten(0, (replicas, shards, dims.ep), EXPERT_DIMS)
     # The experts' gradient norm is partial over efsdp and ep: flattened, DTensor

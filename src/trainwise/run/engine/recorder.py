@@ -61,7 +61,6 @@ class Recorder:
         attempt: int = 0,
         num_workers: int = 0,
         trackers: Trackers | None = None,
-        tp: int = 1,
         ep: int = 1,
     ):
         self.steps = steps
@@ -84,7 +83,7 @@ class Recorder:
         # Expert parallelism: the all-to-alls' seconds over the steady steps (part of the
         # sync too), and the steady steps' load figures (models.moe.load).
         self.a2a_total = 0.0
-        self.tp, self.ep = tp, ep  # a tp group routes the same tokens: counted tp times
+        self.ep = ep
         self.imbalances: dict[str, list[float]] = {"expert": [], "ep": []}
         self._pending: list[tuple[int, StepResult, float, float | None, float]] = []
         self.totals = dict.fromkeys(("step_s", *STAGES), 0.0)  # steady steps only
@@ -135,7 +134,7 @@ class Recorder:
     def flush(self) -> None:
         if not self._pending:
             return
-        losses, auxes, tokens = reduce_steps([pending[1] for pending in self._pending], self.tp)
+        losses, auxes, tokens = reduce_steps([pending[1] for pending in self._pending])
         # The peak memory so far, read once for the records written together.
         memory = (*peak_memory(self.device), peak_reserved(self.device))
         records = [
@@ -278,12 +277,12 @@ class Recorder:
 
 
 def reduce_steps(
-    results: list[StepResult], tp: int = 1
+    results: list[StepResult],
 ) -> tuple[list[float], list[float | None], list[list[list[float]] | None]]:
     """The steps' losses and their auxiliary parts, averaged over the ranks, and a MoE
-    model's tokens per expert per layer summed over them (each tensor-parallel group
-    routes the same tokens: counted once), in one collective; None where a step has none
-    (every rank alike)."""
+    model's tokens per expert per layer summed over them (each rank routes its own tokens,
+    a tensor-parallel rank its 1 / tp of its group's), in one collective; None where a
+    step has none (every rank alike)."""
     pieces = [torch.stack([r.loss.float() for r in results])]
     has_aux = [r.aux_loss is not None for r in results]
     pieces += [r.aux_loss.float().reshape(1) for r in results if r.aux_loss is not None]
@@ -299,7 +298,7 @@ def reduce_steps(
         if shape is None:
             tokens.append(None)
             continue
-        flat = [next(rest) * world / tp for _ in range(shape[0] * shape[1])]
+        flat = [next(rest) * world for _ in range(shape[0] * shape[1])]
         tokens.append([flat[i * shape[1]:(i + 1) * shape[1]] for i in range(shape[0])])
     return losses, auxes, tokens
 

@@ -361,7 +361,7 @@ class Training:
             tokens_per_sample=job.data.tokens_per_sample, flops_per_token=job.flops_per_token,
             peak_flops_total=peak * env.world if peak else None, device=self.device,
             start_step=self.step, attempt=env.attempt, num_workers=c.data.num_workers,
-            trackers=self.trackers, tp=job.dims.tp, ep=job.dims.ep,
+            trackers=self.trackers, ep=job.dims.ep,
         )
 
     def _build_trackers(self) -> Trackers:
