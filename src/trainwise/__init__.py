@@ -30,6 +30,9 @@ from trainwise.api import (
     write_report,
 )
 from trainwise.records import JobRecord, Plan, RunPlan, RunSummary, StepRecord, StopEvent
+from trainwise.third_party import quiet_torchao
+
+quiet_torchao()
 
 __version__ = "0.1.0"
 
