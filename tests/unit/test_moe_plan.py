@@ -25,7 +25,7 @@ from trainwise.plan.model.network import Fabric, Group, collective
 from trainwise.plan.moe.comm import ALL_TO_ALL
 from trainwise.plan.moe.memory import expert_layout, moe_activations
 from trainwise.plan.search import recommend
-from trainwise.plan.space import EVERYTHING
+from trainwise.plan.space import EVERYTHING, expert_degrees
 
 TINY = MOE_PRESETS["moe-tiny"]
 DENSE, EXPERTS = param_split(TINY).dense, TINY.expert_total()  # 70,976 and 98,304
@@ -230,3 +230,18 @@ def test_the_headline_says_total_and_active(capsys):
     assert main(["plan", "--model", "moe-tiny", "--gpus", "2", "--gpu", "cpu"]) == 0
     assert "moe-tiny (169,280 parameters, 95,552 active: 8 experts, top 2, imbalance 1.25)" in (
         " ".join(capsys.readouterr().out.split()))
+
+
+def test_the_search_borrows_ep_from_tensor_parallel_ranks_as_the_runtime_does():
+    """ep is borrowed from a stage's data- and tensor-parallel ranks (every tp rank routes
+    its share of the tokens): FSDP over 4 x tp 2 offers ep 8 of 8 experts; a tp group with
+    no data-parallel wrapper offers only what the runtime runs (ep 1 and ep = tp)."""
+    inputs = plan_inputs(**{"model.name": "moe-tiny", "plan.gpus": 8})
+    experts = inputs.workload.moe.moe.experts
+    assert experts % 8 == 0
+    assert 8 in expert_degrees(inputs, ParallelDims(1, 4, tp=2, fsdp=True), EVERYTHING)
+    tp_only = ParallelDims(tp=4)
+    offered = expert_degrees(inputs, tp_only, EVERYTHING)
+    assert offered == [1, 4]
+    with pytest.raises(ConfigError):  # the runtime refuses the one left out
+        replace(tp_only, ep=2)

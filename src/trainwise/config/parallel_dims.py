@@ -131,8 +131,7 @@ class ParallelDims:
                 f"parallel.ep = {self.ep} does not divide the {self.expert_ranks} data- and "
                 "tensor-parallel ranks it is borrowed from (world / pp): choose a divisor of them"
             )
-        elif (isinstance(self.ep, int) and 1 < self.ep < self.expert_ranks and not self.fsdp
-              and self.dp_size == 1):
+        elif isinstance(self.ep, int) and not self.experts_summed(self.ep):
             problems.append(
                 f"parallel.ep = {self.ep} leaves the experts replicated over tp / ep ranks "
                 "with no data-parallel wrapper to sum their gradients: use ep = tp, ep = 1, "
@@ -165,6 +164,13 @@ class ParallelDims:
         (each tensor-parallel rank routes 1 / tp of its group's: models.moe.parallel) and
         the experts' ep groups are borrowed from: dp_size x tp."""
         return self.dp_size * self.tp
+
+    def experts_summed(self, ep: int) -> bool:
+        """Whether something sums the gradients of routed experts split `ep` ways: each
+        slice replicated over expert_ranks / ep ranks of different tokens needs a
+        data-parallel wrapper (FSDP, or DDP's replicas) to sum them; a tp group alone has
+        none (ep 1 and ep = tp need none: the slices' tp replicas are summed by DTensor)."""
+        return ep in (1, self.expert_ranks) or self.fsdp or self.dp_size > 1
 
     def expert_dims(self) -> tuple[int, int]:
         """The routed experts' own data parallelism beside `ep`: (replicas, shards), with

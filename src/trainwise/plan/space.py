@@ -109,14 +109,17 @@ def pp_degrees(inputs: PlanInputs, allowed: Allowed, tp: int) -> list[int]:
 
 def expert_degrees(inputs: PlanInputs, dims: ParallelDims, allowed: Allowed) -> list[int]:
     """Expert-parallel degrees of a layout of a Mixture-of-Experts model: the job's, else
-    every divisor of its experts that the ranks it is borrowed from divide (torchtitan's
-    rule: FSDP's shard group, or the replicas of a layout without one); 1 for a dense
-    model."""
+    every divisor of its experts that the ranks it is borrowed from divide (the runtime's
+    rule, ParallelDims.expert_dims: FSDP's shard group with its tensor-parallel ranks, or
+    a stage's data- and tensor-parallel ranks without one), those the runtime refuses
+    left out; 1 for a dense model."""
     moe = inputs.workload.moe
     if moe is None:
         return [1]
-    ranks = dims.dp_shard if dims.fsdp and dims.dp_shard > 1 else dims.dp_size
-    found = divisors(math.gcd(moe.moe.experts, ranks))
+    sharded = dims.fsdp and dims.dp_shard > 1
+    ranks = dims.dp_shard * dims.tp if sharded else dims.expert_ranks
+    found = [ep for ep in divisors(math.gcd(moe.moe.experts, ranks))
+             if dims.experts_summed(ep)]
     if allowed.ep_degree is not None:
         return [allowed.ep_degree] if allowed.ep_degree in found else []
     return found
