@@ -42,6 +42,8 @@ CASES = {
                                  "parallel.ac='full'"]),
     "pp2-fsdp2-ep2": (4, 2, 1, 2, ["parallel.strategy='fsdp'", "parallel.pp=2"]),
     "fsdp2-tp2-ep2": (4, 2, 1, 2, ["parallel.strategy='fsdp'", "parallel.tp=2"]),
+    # ep = tp with no data-parallel wrapper: the tp pair's tokens split, its experts too.
+    "tp2-ep2": (2, 2, 1, 1, ["parallel.strategy='ddp'", "parallel.tp=2"]),
 }
 
 

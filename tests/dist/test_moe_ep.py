@@ -36,6 +36,7 @@ LAYOUTS = {
     "hsdp2x2-ep2": "dp_replicate 2 x dp_shard 2 x tp 1 x ep 2",
     "pp2-fsdp2-ep2": "pp 2 x dp_replicate 1 x dp_shard 2 x tp 1 x ep 2",
     "fsdp2-tp2-ep2": "dp_replicate 1 x dp_shard 2 x tp 2 x ep 2",
+    "tp2-ep2": "dp_replicate 1 x dp_shard 1 x tp 2 x ep 2",
 }
 # What a rank holds of each [8, ...] experts weight: 4 experts (ep 2), sharded by FSDP
 # over the efsdp ranks beside ep (fsdp 4: 2 of them; fsdp 2 x tp 2: ep borrows the tp
