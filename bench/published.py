@@ -383,14 +383,16 @@ AUTOMODEL = ("NVIDIA-NeMo/Automodel docs/performance-summary.mdx, DGX-H100 BF16 
 MOE_RUNS = [
     Published("Qwen3-30B-A3B, 8 H100, FSDP 8 x EP 8, full AC", AUTOMODEL,
               cmd("--model qwen3-30b-a3b --gpus 8 --seq 4096 --micro-batch 4 --global-batch 512 "
-                  "--ac full --strategy fsdp-full --set parallel.ep=8 --set moe.imbalance=1 "
+                  "--ac full --strategy fsdp-full --set parallel.tp=1 --set parallel.ep=8 "
+                  "--set moe.imbalance=1 "
                   "--set parallel.accumulate=unsharded --set plan.attention_kernel=fused "
                   "--set plan.routing_kernel=fused"), 12040),
     Published("Qwen3-30B-A3B, 8 B200, FSDP 8 x EP 8, full AC, compile",
               "pytorch/torchtitan torchtitan/distributed/deepep/README.md @022f885f3, Strong "
               "Scaling, 1 node (train_configs/qwen3_30b_a3b_with_deepep.toml @a8560ae35)",
               cmd("--model qwen3-30b-a3b --gpus 8 --gpu B200 --seq 4096 --micro-batch 8 "
-                  "--global-batch 64 --ac full --strategy fsdp-full --set parallel.ep=8 "
+                  "--global-batch 64 --ac full --strategy fsdp-full --set parallel.tp=1 "
+                  "--set parallel.ep=8 "
                   "--set moe.imbalance=1 --set train.compile=true --set plan.routing_kernel=fused"),
               14796, 167.93),
     Published("Qwen3-235B-A22B, 256 H100, FSDP x TP 2 x EP 8, full AC", MOE_ZOO,
