@@ -77,3 +77,12 @@ def test_the_llama3_405b_run_fits_its_published_layout():
     p = bench.plan_line(bench.LLAMA3_405B)
     assert p.fits, f"{p.plan.memory.total / bench.GIB:.1f} GiB planned"
     assert p.plan.setup.dims.pp == 16 and p.plan.setup.dims.tp == 8
+
+
+@pytest.mark.parametrize("run", bench.MOE_RUNS, ids=[r.name for r in bench.MOE_RUNS])
+def test_each_moe_row_is_planned_on_its_published_layout(run):
+    # plan_line also asserts the search kept every pinned knob; the layout is checked here.
+    p = bench.plan_line(run)
+    pinned = dict(w.split("=") for w in shlex.split(run.line) if w.startswith("parallel."))
+    dims = p.plan.setup.dims
+    assert (dims.tp, dims.ep) == (int(pinned["parallel.tp"]), int(pinned["parallel.ep"]))
