@@ -25,7 +25,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import QUIET, hang_limit, max_rel_diff, read_records, run_cli, tiny_llama
+from helpers import (
+    QUIET,
+    hang_limit,
+    max_rel_diff,
+    params_marking_slow,
+    read_records,
+    run_cli,
+    runnable,
+    tiny_llama,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,19 +48,31 @@ STEPS = 6
 # 1.4e-5 at step 6, where the same layouts without float8 stay within 1.1e-7. Its bound
 # below keeps a margin of 7; step 1 (no update yet) holds 1e-6: a scale computed over a
 # shard instead of the whole tensor would move it by far more.
-RTOL = {"pp": 1e-5, "fsdp_tp": 1e-4}
+RTOL = {"pp": 1e-5, "fsdp_tp": 1e-4, "tp_rowwise": 1e-5}
+REFERENCE = {"pp": "one", "fsdp_tp": "one", "tp_rowwise": "one_rowwise"}
 FIRST_STEP_RTOL = 1e-6
 # name -> (nproc, --set values); global batch 16 in micro-batches of 4 everywhere.
+ONE = ["parallel.strategy='single'", "data.micro_batch=4", "data.grad_accum=4"]
+ROWWISE = "precision.float8='rowwise'"
 RUNS = {
-    "one": (1, ["parallel.strategy='single'", "data.micro_batch=4", "data.grad_accum=4"]),
+    "one": (1, ONE),
+    "plain": (1, [*ONE, "precision.float8='none'"]),  # without float8
     "fsdp_tp": (4, ["parallel.strategy='fsdp'", "parallel.tp=2", "data.micro_batch=4",
                     "data.grad_accum=2"]),
     # The schedule cuts the step's 16 samples into 4 chunks of 4 (one a loader micro-batch).
     "pp": (2, ["parallel.strategy='ddp'", "parallel.pp=2", "data.micro_batch=4",
                "data.grad_accum=4", "parallel.pp_microbatches=4"]),
+    # The rowwise recipe (scales per row, powers of two; torch's TP styles) under tp 2.
+    "one_rowwise": (1, [*ONE, ROWWISE]),
+    "tp_rowwise": (2, ["parallel.strategy='ddp'", "parallel.tp=2", "data.micro_batch=4",
+                       "data.grad_accum=4", ROWWISE]),
 }
+# Slow checks (bench/slow_checks.sh), out of make test: the rowwise pair (measured: tp 2
+# within 1.0e-7 of one rowwise process over the 6 steps).
+SLOW_RUNS = {"one_rowwise", "tp_rowwise"}
+TRAINED = runnable(RUNS, SLOW_RUNS)
 # The runs, the resumed one, the export (two runs at a time, each as slow as two).
-LIMIT = hang_limit(launches=2 * len(RUNS) + 2, procs=4, steps=2 * STEPS)
+LIMIT = hang_limit(launches=2 * len(TRAINED) + 2, procs=4, steps=2 * STEPS)
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(LIMIT)]
 
 
@@ -63,7 +84,7 @@ def _train(root: Path, name: str, run_dir: Path | None = None) -> Path:
         "train", "--nproc", str(nproc), "--steps", str(STEPS), "--run-dir", str(run_dir),
         "--set", f"model.name='hf:{root / 'llama'}'", "--set", "model.impl='trainwise'",
         "--set", "data.vocab_size=98", "--set", "data.seq_len=16",
-        "--set", "data.global_batch=16", "--set", "precision.float8='tensorwise'",
+        "--set", "data.global_batch=16", "--set", "precision.float8='tensorwise'",  # or extra's
         "--set", "checkpoint.interval=3", "--set", "checkpoint.keep_last=2",
         "--set", f"parallel.timeout_s={hang_limit():g}", *QUIET, *sets,
         cwd=root, timeout=hang_limit(launches=2, procs=nproc, steps=STEPS),
@@ -86,7 +107,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("float8")
     tiny_llama(root / "llama", vocab=98)  # tp 2 splits the vocabulary
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(_train, root, name) for name in RUNS}
+        futures = {name: pool.submit(_train, root, name) for name in TRAINED}
         done = {name: future.result() for name, future in futures.items()}
     done["resumed"] = _resume(root)
     done["root"] = root
@@ -97,14 +118,22 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_records(run_dir)]
 
 
-@pytest.mark.parametrize("name", ["fsdp_tp", "pp"])
+@pytest.mark.parametrize("name", params_marking_slow(REFERENCE, SLOW_RUNS))
 def test_layouts_train_the_losses_of_one_float8_process(runs, name):
-    one, losses = _losses(runs["one"]), _losses(runs[name])
+    one, losses = _losses(runs[REFERENCE[name]]), _losses(runs[name])
     assert one[-1] < one[0]
     assert max_rel_diff(losses, one, STEPS) <= RTOL[name]
     assert abs(losses[0] - one[0]) <= FIRST_STEP_RTOL * one[0]
     job = json.loads((runs[name] / "job.json").read_text())
     assert job["world"] == RUNS[name][0]
+
+
+def test_float8_moves_step_one_so_every_layout_ran_it(runs):
+    """Float8 moved one process's first loss by 3.3e-5 (measured): far beyond the 1e-6 that
+    ties each layout's first loss to the float8 process's, so none ran without it."""
+    one, plain = _losses(runs["one"]), _losses(runs["plain"])
+    assert abs(one[0] - plain[0]) > 10 * FIRST_STEP_RTOL * plain[0]
+    assert max_rel_diff(one, plain, STEPS) < 1e-3  # float8, not another model
 
 
 def test_a_float8_checkpoint_resumes_bit_identically(runs):
