@@ -12,10 +12,12 @@ torch's style: the float8 style hands the module a float8 output gradient, from 
 bias's gradient would be summed (one process sums it in high precision: measured on the
 `tiny` preset under tp 2, its biases' gradients 2-7 % off). Rowwise keeps torch's styles.
 
-gloo has no float8 type ("Invalid scalar type"): on a CPU, where torchao emulates float8,
-its all-gather of a Float8TrainingTensor (DTensor's redistributions above) sends the same
-bytes as uint8. FSDP's all-gather needs nothing: a unit that holds other parameters too
-(a block's norms) is gathered as bytes already (torch's FSDP packs mixed dtypes as uint8).
+gloo has no float8 type ("Invalid scalar type", measured: tp 2 fails without this): on a
+CPU, where torchao emulates float8, its own all-gather of a Float8TrainingTensor
+(DTensor's redistributions above, e.g. the sequence gathered before q/k/v) runs with the
+data viewed as uint8, the same bytes. FSDP's all-gather needs nothing: a unit that holds
+other parameters too (a block's norms) is gathered as bytes already (torch's FSDP packs
+mixed dtypes as uint8).
 """
 
 from __future__ import annotations
@@ -86,26 +88,26 @@ _installed = False
 
 
 def gather_float8_as_bytes() -> None:
-    """Route torchao's all-gather of a Float8TrainingTensor through uint8 (the same bytes),
-    which gloo carries; once per process."""
+    """torchao's all-gather of a Float8TrainingTensor, its data moved as uint8 (the same
+    bytes), which gloo carries; once per process."""
     global _installed
     if _installed:
         return
     torchao_float8()
     from torchao.float8 import float8_ops
-    from torchao.float8.float8_training_tensor import Float8TrainingTensor
 
-    def gather(aten_op: Any, args: tuple, kwargs: dict | None = None) -> Float8TrainingTensor:
-        x = args[0]
-        data = x._data.contiguous()
-        out = aten_op(data.view(torch.uint8), *args[1:], **(kwargs or {})).view(data.dtype)
-        return Float8TrainingTensor(
-            out, x._scale, x._orig_dtype, x._linear_mm_config, x._gemm_input_role
-        )
+    def through_bytes(handler: Any) -> Any:
+        def gather(aten_op: Any, args: tuple, kwargs: dict | None = None) -> Any:
+            def as_bytes(data: torch.Tensor, *rest: Any, **options: Any) -> torch.Tensor:
+                return aten_op(data.view(torch.uint8), *rest, **options).view(data.dtype)
+
+            return handler(as_bytes, args, kwargs or {})
+
+        return gather
 
     for op in (
         torch.ops._c10d_functional.all_gather_into_tensor.default,
         torch.ops.c10d_functional.all_gather_into_tensor.default,
     ):
-        float8_ops.FLOAT8_OPS_TABLE[op] = gather
+        float8_ops.FLOAT8_OPS_TABLE[op] = through_bytes(float8_ops.FLOAT8_OPS_TABLE[op])
     _installed = True
