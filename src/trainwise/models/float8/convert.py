@@ -151,7 +151,8 @@ def float8_model_problems(cfg: JobConfig, spec: ModelSpec) -> list[str]:
     if cfg.lora.rank > 0:
         problems.append(
             f"{what} with lora.rank = {cfg.lora.rank}: float8 is not composed with LoRA's "
-            "adapters; set precision.float8 = 'none' or lora.rank = 0"
+            "adapters (torchao's swap would replace each adapted Linear, adapters and all); "
+            "set precision.float8 = 'none' or lora.rank = 0"
         )
     from trainwise.models.registry import build_model
 
