@@ -31,11 +31,6 @@ class DataError(ConfigError):
     """A dataset name or file that cannot be read as configured."""
 
 
-class NotTrainedError(ConfigError):
-    """A setting `trainwise plan` prices but this version does not train (precision.float8):
-    refused before any worker starts."""
-
-
 def joined(before: list[str], err: ConfigError) -> ConfigError:
     """The problems found before `err` and its own, to raise at once: `err` itself when
     it has them all (a DataError stays one), else a ConfigError of them all."""

@@ -380,7 +380,8 @@ class PrecisionConfig(Section):
         "float8 with dynamic scales, one per tensor (tensorwise) or per row (rowwise); the "
         "weights stay in high precision. With precision.dtype bf16 or fp32, not fp16. "
         "`trainwise plan` prices it (a GPU with an fp8 peak in the catalog); `trainwise "
-        "train` refuses it in this version (not trained yet).",
+        "train` runs torchao's kernels on a GPU of compute capability 8.9+ and emulates "
+        "them on a CPU; not with LoRA or a Mixture-of-Experts model.",
     )
     float8_all_gather: bool = Field(
         True,

@@ -9,6 +9,8 @@ import torch
 
 from trainwise.hardware.catalog import GPUSpec, find_gpu
 
+FP8_CAPABILITY = (8, 9)  # Ada; Hopper 9.0, Blackwell 10.0
+
 
 @dataclass(frozen=True)
 class DeviceInfo:
@@ -19,6 +21,12 @@ class DeviceInfo:
     bf16: bool
     fp16: bool
     gpu: GPUSpec | None  # catalog entry when known
+    capability: tuple[int, int] | None = None  # CUDA compute capability (8, 9): Ada
+
+    @property
+    def fp8(self) -> bool:
+        """Float8 tensor cores (torch._scaled_mm): compute capability 8.9 or newer."""
+        return self.capability is not None and self.capability >= FP8_CAPABILITY
 
     def peak_flops(self, precision: str) -> float | None:
         return self.gpu.peak(precision) if self.gpu else None
@@ -48,6 +56,7 @@ def detect_device(kind: str = "auto") -> DeviceInfo:
             bf16=torch.cuda.is_bf16_supported(),
             fp16=True,
             gpu=find_gpu(props.name),
+            capability=(props.major, props.minor),
         )
     if use_cuda:
         return DeviceInfo("cuda", "none", 0, 0.0, False, False, None)

@@ -30,6 +30,7 @@ _LAZY = {
     "count_parameters": "registry",
     "cross_entropy_loss": "registry",
     "lora_model_problems": "registry",
+    "float8_model_problems": "float8.convert",
     "model_kind": "registry",
     "preset_names": "registry",
     "resolve_shape": "registry",

@@ -6,7 +6,11 @@ job's config and returns its converter, or None when the job did not ask for it.
 engine builds the model on the meta device (or whole, for a model without per-parameter
 init), calls every selected converter's `convert` in the order of `CONVERTERS`, then
 splits and parallelizes (run/engine/parts.py). A converter that needs to act after each
-optimizer step (float8's scale update) also has `post_optimizer_hook(parts)`.
+optimizer step (float8's scale update) also has `post_optimizer_hook(parts)`, and one that
+keeps something computed from the weights has `weights_set(parts)`, called after the
+weights are set otherwise (built, loaded from a checkpoint); one whose
+rewrite depends on the layout or the device (float8: FSDP's float8 all-gather, CPU
+emulation) has `place(dims, device_type)`, which the engine calls before `convert`.
 
 Keep parameter names and module types a tensor-parallel plan matches: swap a Linear's
 class for a subclass (as torchtitan's LoRA does) rather than wrap it in a new module, so
@@ -23,6 +27,7 @@ from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from trainwise.config import JobConfig
+    from trainwise.config.parallel_dims import ParallelDims
 
 
 class ModelConverter(Protocol):
@@ -38,6 +43,15 @@ class PostOptimizerHook(Protocol):
     """What a converter that acts after each optimizer step also has (float8's scales)."""
 
     def post_optimizer_hook(self, parts: list[nn.Module]) -> None: ...
+
+
+@runtime_checkable
+class WeightsFollower(Protocol):
+    """What a converter that keeps something computed from the weights also has (float8's
+    scales): `weights_set(parts)`, called when the weights were set otherwise than by an
+    optimizer step (initialised, loaded from pretrained weights or from a checkpoint)."""
+
+    def weights_set(self, parts: list[nn.Module]) -> None: ...
 
 
 @runtime_checkable
@@ -58,6 +72,13 @@ class TPPlanAdapter(Protocol):
     def adapt_tp_plan(self, model: nn.Module, plans: list[dict[str, Any]]) -> list[dict[str, Any]]: ...
 
 
+@runtime_checkable
+class LayoutAware(Protocol):
+    """What a converter whose rewrite depends on the job's layout and device also has."""
+
+    def place(self, dims: ParallelDims, device_type: str) -> None: ...
+
+
 ConverterFactory = Callable[["JobConfig"], ModelConverter | None]  # None: not asked for
 
 
@@ -73,12 +94,26 @@ def _moe_balance(config: JobConfig) -> ModelConverter | None:
     return balance_converter(config)
 
 
-CONVERTERS: list[ConverterFactory] = [_lora, _moe_balance]  # each feature adds its factory
+def _float8(config: JobConfig) -> ModelConverter | None:
+    from trainwise.models.float8.convert import float8_converter
+
+    return float8_converter(config)
+
+
+# each feature adds its factory
+CONVERTERS: list[ConverterFactory] = [_lora, _moe_balance, _float8]
 
 
 def build_converters(config: JobConfig) -> list[ModelConverter]:
     """The converters the job asks for, in the order of CONVERTERS."""
     return [c for factory in CONVERTERS if (c := factory(config)) is not None]
+
+
+def place(converters: list[ModelConverter], dims: ParallelDims, device_type: str) -> None:
+    """Tell the converters that ask (LayoutAware) the layout and device they convert for."""
+    for c in converters:
+        if isinstance(c, LayoutAware):
+            c.place(dims, device_type)
 
 
 def convert(model: nn.Module, converters: list[ModelConverter]) -> None:
@@ -90,6 +125,11 @@ def convert(model: nn.Module, converters: list[ModelConverter]) -> None:
 def post_optimizer_hooks(converters: list[ModelConverter]) -> list[Callable[[list[nn.Module]], None]]:
     """The hooks the step calls after each optimizer step, in the converters' order."""
     return [c.post_optimizer_hook for c in converters if isinstance(c, PostOptimizerHook)]
+
+
+def weights_set_hooks(converters: list[ModelConverter]) -> list[Callable[[list[nn.Module]], None]]:
+    """The hooks to call once the weights were set otherwise than by the optimizer."""
+    return [c.weights_set for c in converters if isinstance(c, WeightsFollower)]
 
 
 InitParameter = Callable[[str, Tensor, torch.Generator], None]

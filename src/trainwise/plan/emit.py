@@ -69,7 +69,7 @@ def job_keys(
         "cluster.nproc": sized.gpus_per_node,
         "cluster.nodes": sized.gpus // sized.gpus_per_node,
     })
-    if w.float8 != "none":  # as planned (`trainwise train` refuses it in this version)
+    if w.float8 != "none":  # as planned: `trainwise train` runs it
         keys["precision.float8"] = w.float8
         keys["precision.float8_all_gather"] = w.float8_all_gather
     if w.lora is not None:  # the planned fine-tune: its [lora] section, whole

@@ -34,12 +34,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainwise.models.float8.rule import float8_dims
 from trainwise.models.shapes import GPTShape
 from trainwise.plan.model.lora import block_linears
 from trainwise.plan.model.precision import BYTES, FLOAT8_BYTES
 
-# torchao's _scaled_mm needs both dimensions of a float8 Linear to be multiples of 16.
-FLOAT8_MULTIPLE = 16
 # Operations one eager dynamic cast dispatches (torchao's hp_tensor_to_float8_dynamic):
 # abs, amax, the scale's clamp and reciprocal, the scaled product, its clamp and the cast
 # (an assumption, counted from its code path).
@@ -48,10 +47,10 @@ CAST_OPS = 7
 
 def float8_linears(shape: GPTShape, tp: int) -> list[tuple[int, int, bool]]:
     """(out, in, float8) of each block Linear on one of `tp` ranks: float8 when the whole
-    Linear's dimensions are multiples of FLOAT8_MULTIPLE."""
+    Linear's dimensions pass the runtime's rule (models.float8.rule)."""
     whole = block_linears(shape, 1).values()
     return [
-        (o, i, o_ % FLOAT8_MULTIPLE == 0 and i_ % FLOAT8_MULTIPLE == 0)
+        (o, i, float8_dims(i_, o_))
         for (o, i), (o_, i_) in zip(block_linears(shape, tp).values(), whole, strict=True)
     ]
 

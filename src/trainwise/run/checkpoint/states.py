@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from trainwise.models.pipeline import stage_info
 
@@ -44,7 +45,7 @@ class ModelState(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            k: v
+            k: plain(v)
             for part in self.parts
             for k, v in get_model_state_dict(part, options=self.options).items()
         }
@@ -56,6 +57,28 @@ class ModelState(Stateful):
         options = StateDictOptions(strict=whole, ignore_frozen_params=self.options.ignore_frozen_params)
         for part in self.parts:
             set_model_state_dict(part, state_dict, options=options)
+
+
+def plain(value: Any) -> Any:
+    """`value`, or the plain tensor a tensor subclass keeps its values in when it wraps one
+    of its own shape and dtype (torchao's float8 weights under FSDP's float8 all-gather,
+    and the optimizer's moments made like them): the same storage, so DCP saves plain
+    tensors that any process reads (no pickled subclass, no torchao to load them) and loads
+    into the parameter itself."""
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    if not isinstance(local, torch.Tensor) or not hasattr(local, "__tensor_flatten__"):
+        return value
+    names, _ = local.__tensor_flatten__()
+    inner = [getattr(local, n) for n in names]
+    same = [t for t in inner if t.shape == local.shape and t.dtype == local.dtype]
+    if len(same) != 1 or type(same[0]) is not torch.Tensor:
+        return value
+    if not isinstance(value, DTensor):
+        return same[0]
+    return DTensor.from_local(
+        same[0], value.device_mesh, value.placements, run_check=False,
+        shape=value.shape, stride=value.stride(),
+    )
 
 
 # DCP's flat optimizer format: one key per parameter and setting ("state.<fqn>.exp_avg",
@@ -82,7 +105,7 @@ class OptimizerState(Stateful):
         for part in self.parts:
             view = _PartView(self.optimizer, part)
             state = get_optimizer_state_dict(part, view.optimizer, options=options)
-            out.update(_renamed(state, _copy_names(part)))
+            out.update(_renamed({k: plain(v) for k, v in state.items()}, _copy_names(part)))
             view.write_back()  # a first save initialises the state: keep it
         return out
 

@@ -20,7 +20,7 @@ from torch import nn
 from trainwise.config import JobConfig
 from trainwise.config.schema import ParallelConfig
 from trainwise.models import ModelBundle
-from trainwise.models.converters import ModelConverter, adapt_tp_plan
+from trainwise.models.converters import ModelConverter, adapt_tp_plan, place
 from trainwise.models.gpt import GPT
 from trainwise.models.gpt_parallel import gpt_tp_plan
 from trainwise.models.pipeline import ZERO_BUBBLE, rank_stages, split_stage, stage_layers
@@ -52,6 +52,7 @@ def build_parts(
     `a2a_timer`: where expert parallelism's all-to-alls leave their spans."""
     seed = cfg.train.seed
     bundle = build_unparallelized(job.model_spec, seed, device)
+    place(converters, job.dims, device.type)
     init, added = convert_built(bundle, converters, seed)
     parts = split(bundle, cfg.parallel, mesh)
     dims = job.dims

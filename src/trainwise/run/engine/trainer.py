@@ -9,7 +9,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,11 @@ from trainwise.config import JobConfig, job_hash
 from trainwise.config.lineage import lineage_keys
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.faults import NO_FAULTS, Faults
-from trainwise.models.converters import build_converters, post_optimizer_hooks
+from trainwise.models.converters import (
+    build_converters,
+    post_optimizer_hooks,
+    weights_set_hooks,
+)
 from trainwise.models.pipeline import default_microbatches, rank_stages
 from trainwise.plan.model.comm import allreduce_factor
 from trainwise.run.checkpoint.dcp import Checkpointer, Place, SaveSchedule
@@ -50,6 +54,13 @@ class Trainer:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler | None
     step: TrainStep
+    # The converters' hooks for weights set otherwise than by the optimizer (float8's scales)
+    on_weights_set: list[Callable[[list[torch.nn.Module]], None]] = field(default_factory=list)
+
+    def weights_set(self) -> None:
+        """The weights were built or loaded (a checkpoint): the converters follow them."""
+        for hook in self.on_weights_set:
+            hook(self.parts)
 
     @property
     def dp_rank(self) -> int:
@@ -87,6 +98,9 @@ def build_trainer(
     # Expert parallelism's all-to-alls, timed every step (telemetry; no sync added).
     a2a = Spans(device) if dims.ep > 1 else None
     bundle, parts = build_parts(cfg, job, mesh, device, dtype, converters, a2a)
+    follow = weights_set_hooks(converters)
+    for hook in follow:  # initialised or pretrained
+        hook(parts)
     for part in parts:
         faults.network(part, allreduce_factor)  # slowed only under a test's fault
     # Dropout differs between data-parallel ranks; the ranks of one tensor-parallel group
@@ -102,7 +116,7 @@ def build_trainer(
             cfg, job, mesh, parts, dtype, device, loss_fn, optimizer, scheduler, scaler,
             hooks, a2a,
         )
-        return Trainer(parts, mesh, optimizer, scheduler, scaler, step)
+        return Trainer(parts, mesh, optimizer, scheduler, scaler, step, follow)
     step = build_step(
         dims, dtype, device, loss_fn, optimizer, scheduler, scaler, job.grad_accum,
         c.train.grad_clip,
@@ -112,7 +126,7 @@ def build_trainer(
         after_optimizer=hooks,
         a2a=a2a,
     )
-    return Trainer(parts, mesh, optimizer, scheduler, scaler, step)
+    return Trainer(parts, mesh, optimizer, scheduler, scaler, step, follow)
 
 
 def build_pipeline_step(

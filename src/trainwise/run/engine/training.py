@@ -138,6 +138,8 @@ class Training:
         c, env = self.cfg, self.env
         path, skipped = self.ckpt.find()
         self.resumed = self.ckpt.load(path) if path else Resumed()
+        if path:
+            self.trainer.weights_set()
         self.resumed.skipped = skipped
         self.log.info("trainwise: %s", self.resumed.line())  # first: where it continues from
         if (stop := self._previous_stop()) is not None:
@@ -387,6 +389,7 @@ class Training:
                 "(checkpoint.interval) or use train.nonfinite = 'skip'"
             )
         resumed = self.ckpt.load(path)
+        self.trainer.weights_set()
         self.log.warning(
             "trainwise: step %d: rolled back to step %d (%s)", step, resumed.step, path
         )

@@ -18,7 +18,7 @@ from trainwise.config import JobConfig
 from trainwise.config.lineage import moe_keys as lineage_moe_keys
 from trainwise.config.parallel_dims import LayoutRequest, ParallelDims
 from trainwise.data import DataInfo, first_batch, user_data_problems
-from trainwise.errors import ConfigError, DataError, ModelError, NotTrainedError, joined
+from trainwise.errors import ConfigError, DataError, ModelError, joined
 from trainwise.hardware import GB, DeviceInfo
 from trainwise.hardware.catalog import find_gpu
 from trainwise.models import (
@@ -27,6 +27,7 @@ from trainwise.models import (
     base_weights_id,
     build_model,
     count_parameters,
+    float8_model_problems,
     lora_model_problems,
     model_kind,
     resolve_moe_shape,
@@ -271,8 +272,6 @@ def prepare_job(
     With LoRA, `base_id(spec, seed)` says what the frozen base is: by default read from the
     weights (once per process, or free in the hub cache); a worker takes its launcher's."""
     c, local = cfg, local_world or world
-    if (untrained := not_trained(c)) is not None:  # priced by `plan`, not run: nothing to check
-        raise NotTrainedError(untrained)
     backend, problems = machine_problems(c, device, local)
     problems += layout_problems(c, world, local, device)
     # Machines now: torchrun starts `local` workers on each; with an elastic range fewer
@@ -292,6 +291,7 @@ def prepare_job(
     problems += expert_problems(c, data.moe)
     problems += tp_model_problems(data.spec, c.parallel.tp, c.data.seq_len, sequence_parallel(c))
     problems += lora_model_problems(data.spec, c.lora)
+    problems += float8_model_problems(c, data.spec)
     accum, more = batch_problems(c, world, local, request, data.info)
     bad_data = []
     if data.info.task == "custom":  # your own dataset: read one global batch of it
@@ -348,19 +348,6 @@ def prepare_job(
     )
 
 
-def not_trained(c: JobConfig) -> str | None:
-    """Why this version cannot train the job although `trainwise plan` prices it (float8
-    training: the planner prices its GEMMs, casts and all-gathers; the runtime converter is
-    not in this version); None when it can."""
-    if c.precision.float8 == "none":
-        return None
-    return (
-        f"precision.float8 = '{c.precision.float8}': float8 training is priced by `trainwise "
-        "plan` but not trained by this version of trainwise; set precision.float8 = 'none' "
-        "to train in precision.dtype"
-    )
-
-
 def machine_problems(c: JobConfig, device: DeviceInfo, local: int) -> tuple[str, list[str]]:
     """The backend for this device, and what the device cannot do as configured."""
     problems = []
@@ -382,6 +369,13 @@ def machine_problems(c: JobConfig, device: DeviceInfo, local: int) -> tuple[str,
     if dtype == "bf16" and not device.bf16:
         problems.append(
             f"precision.dtype = 'bf16' is not supported by {device.name}: use 'fp16' or 'fp32'"
+        )
+    if c.precision.float8 != "none" and device.kind == "cuda" and device.count and not device.fp8:
+        cc = ".".join(map(str, device.capability or ()))
+        problems.append(
+            f"precision.float8 = '{c.precision.float8}' needs float8 tensor cores (compute "
+            f"capability 8.9+: Ada, Hopper, Blackwell); {device.name} has {cc or 'none'}: set "
+            "precision.float8 = 'none'"
         )
     if device.kind == "cuda" and device.count and local > device.count:
         problems.append(
