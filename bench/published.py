@@ -19,8 +19,8 @@ where published, and the runs that ran but would not fit.
 
 HELD-OUT rows (`held_out=True`) judge the model: they were chosen before the model changed
 and not looked at while it did (`--tuning` leaves them out); their error is printed apart.
-The float8 rows are FLOAT8_RUNS (precision.float8: the planner prices float8, this version
-does not train it).
+The float8 rows are FLOAT8_RUNS (precision.float8 = "tensorwise", as torchtitan ran them
+and `trainwise train` runs it).
 
 The runs, each with its source:
 

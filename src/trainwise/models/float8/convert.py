@@ -20,7 +20,6 @@ all-reduce after each optimizer step (this converter's post-optimizer hook).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -34,24 +33,14 @@ if TYPE_CHECKING:
     from trainwise.config.parallel_dims import ParallelDims
     from trainwise.models.registry import ModelSpec
 
-# torchao logs, at import, the CUDA-only libraries it cannot load on a CPU machine, and
-# torch's pytree deprecation of one of its registrations: noise in every worker's log.
-_QUIET_AT_IMPORT = ("torchao", "torch.utils._pytree")
-
 
 def torchao_float8() -> ModuleType:
-    """torchao.float8, imported on first use (only a float8 job pays for it), quietly."""
-    loggers = [logging.getLogger(name) for name in _QUIET_AT_IMPORT]
-    levels = [log.level for log in loggers]
-    for log in loggers:
-        log.setLevel(logging.ERROR)
-    try:
-        import torchao.float8
-        import torchao.float8.float8_linear  # noqa: F401 (Float8Linear)
-        import torchao.float8.float8_tensor_parallel  # noqa: F401 (the TP styles)
-    finally:
-        for log, level in zip(loggers, levels, strict=True):
-            log.setLevel(level)
+    """torchao.float8, imported on first use (only a float8 job pays for it); what torchao
+    says at import that a user cannot act on is filtered by trainwise.third_party."""
+    import torchao.float8
+    import torchao.float8.float8_linear  # noqa: F401 (Float8Linear)
+    import torchao.float8.float8_tensor_parallel  # noqa: F401 (the TP styles)
+
     return torchao.float8
 
 
