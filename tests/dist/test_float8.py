@@ -11,8 +11,8 @@ global batch of 16 in fp32 master weights:
   all-gather takes the scales torchao precomputes for the whole weight);
 - the fsdp 2 x tp 2 run's step-3 checkpoint resumes to its step-6 weights bit for bit (the
   float8 scales follow the loaded weights);
-- `export --format hf` writes plain Linear weights that transformers loads, with the logits
-  of the trained model.
+- `export --format hf --dtype bf16` writes plain Linear weights in bf16 that transformers
+  loads, with the logits of the trained model's weights in bf16.
 One launch of each run, shared by the tests (at most 4 workers a launch).
 """
 
@@ -150,26 +150,33 @@ def test_a_float8_checkpoint_resumes_bit_identically(runs):
     assert _losses(runs["resumed"]) == _losses(runs["fsdp_tp"])[3:]  # steps 4 to 6
 
 
-def test_export_hf_gives_plain_weights_transformers_loads_with_the_trained_logits(runs):
+def test_export_hf_gives_bf16_weights_transformers_loads_with_the_trained_logits(runs):
+    import json
+
     import torch
 
     from trainwise.export.weights import load_model_state, resolve_checkpoint
     from trainwise.models import ModelSpec, build_model
 
     root = runs["root"]
-    done = run_cli("export", str(runs["fsdp_tp"]), "--format", "hf", "-o", "hf", cwd=root,
-                   timeout=hang_limit())
+    done = run_cli("export", str(runs["fsdp_tp"]), "--format", "hf", "--dtype", "bf16",
+                   "-o", "hf", cwd=root, timeout=hang_limit())
     assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((root / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     exported, info = transformers.AutoModelForCausalLM.from_pretrained(
-        root / "hf", output_loading_info=True
+        root / "hf", output_loading_info=True, dtype="auto"
     )
     assert not any(info.values()), info  # no missing, unexpected or mismatched weights
-    # The trained weights in the plain (unconverted) model: the same names, strictly.
+    assert {p.dtype for p in exported.parameters()} == {torch.bfloat16}
+    # The trained weights in the plain (unconverted) model, strictly by name, rounded to
+    # bf16 as the export wrote them; both models then compute in fp32.
     spec = ModelSpec(name=f"hf:{root / 'llama'}", seq_len=16, impl="trainwise", init="random")
     trained = build_model(spec).module.eval()
-    trained.load_state_dict(load_model_state(resolve_checkpoint(runs["fsdp_tp"])), strict=True)
+    state = load_model_state(resolve_checkpoint(runs["fsdp_tp"]))
+    trained.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in state.items()},
+                            strict=True)
     idx = torch.load(root / "llama" / "idx.pt")
     with torch.no_grad():
-        got, want = exported.eval()(input_ids=idx).logits, trained(idx)
+        got, want = exported.float().eval()(input_ids=idx).logits, trained(idx)
     assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
     assert not torch.allclose(got, torch.load(root / "llama" / "logits.pt"), atol=1e-3)

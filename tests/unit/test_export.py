@@ -462,6 +462,30 @@ def test_export_keeps_bf16(tmp_path: Path):
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("dtype, torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_export_dtype_writes_the_weights_rounded_to_it(
+    trained: dict, tmp_path: Path, dtype: str, torch_dtype: torch.dtype
+):
+    ckpt = final_dir(trained["run"] / "checkpoints", 2)
+    export_weights(ckpt, tmp_path / "m.safetensors", "safetensors", dtype=dtype)
+    loaded, state = load_file(tmp_path / "m.safetensors"), load_model_state(ckpt)
+    assert {t.dtype for t in loaded.values()} == {torch_dtype}
+    assert all(torch.equal(loaded[k], v.to(torch_dtype)) for k, v in state.items())
+
+
+def test_cli_export_dtype_is_checked_by_the_parser_and_the_api(
+    trained: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+):
+    from trainwise.api.exporting import export
+
+    with pytest.raises(SystemExit) as parsed:
+        main(["export", str(trained["run"]), "--dtype", "int8", "-o", str(tmp_path / "m.pt")])
+    assert parsed.value.code == 2 and "--dtype" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="is not one an export writes"):
+        export(trained["run"], tmp_path / "m.safetensors", dtype="fp8")  # type: ignore[arg-type]
+    assert not (tmp_path / "m.safetensors").exists()
+
+
 def test_cli_export_of_a_checkpoint_dir_writes_to_the_cwd(
     trained: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ):

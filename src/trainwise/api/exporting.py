@@ -23,6 +23,8 @@ SUFFIX_FORMATS: dict[str, Format] = {
     ".bin": "torch",
 }
 DEFAULT_SUFFIX = {"safetensors": ".safetensors", "torch": ".pt"}
+ExportDtype = Literal["fp32", "bf16", "fp16"]
+EXPORT_DTYPES: tuple[ExportDtype, ...] = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -71,19 +73,24 @@ def export(
     step: int | None = None,
     shard_size: str = "5GB",
     force: bool = False,
+    dtype: ExportDtype | None = None,
 ) -> Exported:
     """Export the newest valid checkpoint of `run_dir` (a run or a checkpoint directory;
     `step`: that checkpoint instead) to `output`. `format`: safetensors or torch (default:
     from the suffix; .safetensors when no output is named: RUN/model-step-N.safetensors),
     hf (a Hugging Face directory; `shard_size` its largest file) or peft (a LoRA run's
     adapters). An existing output is refused unless `force` (replaced once the new one is
-    whole). Bad input is a ConfigError before anything is written."""
+    whole). `dtype`: the floating-point weights' (fp32, bf16 or fp16; default: as trained,
+    the master weights' dtype). Bad input is a ConfigError before anything is written."""
     from trainwise.export.weights import choose_checkpoint
     from trainwise.run.checkpoint.store import CheckpointError
 
     source = Path(run_dir)
     out = Path(output) if output is not None else None
     fmt = output_format(out, format)
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"dtype={dtype!r} is not one an export writes: give one of "
+                          f"{', '.join(EXPORT_DTYPES)} (or None: as trained)")
     if fmt in ("hf", "peft") and out is None:
         raise ConfigError(f"format {fmt} writes a directory: name it, e.g. output='out/model'")
     if not source.is_dir():
@@ -99,14 +106,14 @@ def export(
         lora = lora_run_config(source, checkpoint)
         assert out is not None
         if fmt == "peft":
-            return _peft(lora, source, checkpoint, out, force, tuple(skipped))
-        return _hf(lora, checkpoint, out, shard_size, force, tuple(skipped))
-    return _file(source, checkpoint, out, fmt, force, tuple(skipped))
+            return _peft(lora, source, checkpoint, out, force, tuple(skipped), dtype)
+        return _hf(lora, checkpoint, out, shard_size, force, tuple(skipped), dtype)
+    return _file(source, checkpoint, out, fmt, force, tuple(skipped), dtype)
 
 
 def _file(
     source: Path, checkpoint: Path, out: Path | None, fmt: Format, force: bool,
-    skipped: tuple[str, ...],
+    skipped: tuple[str, ...], dtype: ExportDtype | None,
 ) -> Exported:
     from trainwise.export.weights import checkpoint_step, export_weights
 
@@ -117,14 +124,14 @@ def _file(
         # untouched (an extra file there is not in its manifest), so the cwd gets it.
         base = Path(".") if checkpoint.resolve() == source.resolve() else source
         out = base / (name + DEFAULT_SUFFIX[fmt])
-    result = export_weights(checkpoint, out, fmt, force)  # type: ignore[arg-type]
+    result = export_weights(checkpoint, out, fmt, force, dtype)  # type: ignore[arg-type]
     return Exported(out, fmt, checkpoint, result["step"], int(result["tensors"] or 0),
                     bytes=result["bytes"], skipped=skipped)
 
 
 def _hf(
     lora: JobConfig | None, checkpoint: Path, out: Path, shard_size: str, force: bool,
-    skipped: tuple[str, ...],
+    skipped: tuple[str, ...], dtype: ExportDtype | None,
 ) -> Exported:
     from trainwise.export.adapters import merged_state
     from trainwise.export.hf import export_hf, parse_size
@@ -133,20 +140,20 @@ def _hf(
     size = parse_size(shard_size)
     refuse_existing(out, force)  # before building a LoRA run's model
     state = merged_state(lora, checkpoint) if lora is not None else None
-    result = export_hf(checkpoint, out, size, force, state)
+    result = export_hf(checkpoint, out, size, force, state, dtype)
     return Exported(out, "hf", checkpoint, result["step"], result["tensors"],
                     files=result["files"], merged=lora is not None, skipped=skipped)
 
 
 def _peft(
     lora: JobConfig | None, source: Path, checkpoint: Path, out: Path, force: bool,
-    skipped: tuple[str, ...],
+    skipped: tuple[str, ...], dtype: ExportDtype | None,
 ) -> Exported:
     from trainwise.export.adapters import export_peft, not_lora
 
     if lora is None:
         raise ConfigError(not_lora(source))
-    result = export_peft(lora, checkpoint, out, force)
+    result = export_peft(lora, checkpoint, out, force, dtype)
     return Exported(out, "peft", checkpoint, result["step"], result["tensors"],
                     targets=result["targets"], skipped=skipped)
 

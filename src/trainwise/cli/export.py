@@ -38,6 +38,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="hf: the largest safetensors file, e.g. 500MB (default 5GB)",
     )
     p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        help="the floating-point weights' dtype (default: as trained, the master weights'; "
+        "with --format hf, config.json's torch_dtype follows)",
+    )
+    p.add_argument(
         "-o",
         "--output",
         metavar="OUT",
@@ -61,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if fmt in ("hf", "peft") and out is None:
         raise ConfigError(f"--format {fmt} writes a directory: name it with -o, e.g. -o out/model")
     done = export(args.target, out, format=fmt, step=args.step, shard_size=args.shard_size,
-                  force=args.force)
+                  force=args.force, dtype=args.dtype)
     say_skipped(done)
     where = f"from step {done.step} ({done.checkpoint})"
     if done.format == "hf":

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from trainwise.dtypes import TORCH_DTYPES
 from trainwise.plan.model.gemm import GemmTable
 
 # Shapes (M, N, K) a transformer's projections take: tokens x width x width, and the wide
@@ -18,7 +19,6 @@ SHAPES = tuple(
     for m in (1024, 4096, 16384)
     for n, k in ((2048, 2048), (4096, 4096), (14336, 4096), (4096, 14336))
 )
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WARMUP = 3
 ITERATIONS = 10
 
@@ -30,7 +30,7 @@ def measure_gemm_table(
     iterations: int = ITERATIONS,
 ) -> GemmTable:
     """Time `a @ b` for each (m, n, k) of `shapes` on `device` in `dtype`."""
-    rates = tuple(_rate(m, n, k, device, DTYPES[dtype], iterations) for m, n, k in shapes)
+    rates = tuple(_rate(m, n, k, device, TORCH_DTYPES[dtype], iterations) for m, n, k in shapes)
     name = torch.cuda.get_device_name() if device == "cuda" else device
     return GemmTable(device=name, dtype=dtype, shapes=tuple(shapes), flops_per_s=rates)
 

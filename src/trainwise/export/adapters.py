@@ -112,14 +112,20 @@ def not_lora(where: Path) -> str:
     )
 
 
-def export_peft(cfg: JobConfig, checkpoint: Path, out: Path, force: bool = False) -> dict:
+def export_peft(cfg: JobConfig, checkpoint: Path, out: Path, force: bool = False,
+                dtype: str | None = None) -> dict:
     """Write the adapters of a LoRA run's `checkpoint` (`cfg`: the run's config, from
     lora_run_config) as a PEFT adapter directory `out`, via `out.partial` renamed when
-    complete."""
+    complete; floating-point tensors as `dtype` (None: as trained)."""
     from safetensors.torch import save_file
 
     from trainwise.export.hf import checkpoint_model_spec, hf_target, staged_dir
-    from trainwise.export.weights import checkpoint_step, load_model_state, refuse_existing
+    from trainwise.export.weights import (
+        cast_floats,
+        checkpoint_step,
+        load_model_state,
+        refuse_existing,
+    )
 
     checkpoint, out = Path(checkpoint), Path(out)
     refuse_existing(out, force)
@@ -139,7 +145,7 @@ def export_peft(cfg: JobConfig, checkpoint: Path, out: Path, force: bool = False
     config = lora_config(cfg.lora, targets, full, tied and bool(full), _base_dir(spec.name))
     with staged_dir(out) as partial:  # never half an adapter
         config.save_pretrained(str(partial))
-        contiguous = {k: v.detach().contiguous() for k, v in tensors.items()}
+        contiguous = {k: v.detach().contiguous() for k, v in cast_floats(tensors, dtype).items()}
         save_file(contiguous, str(partial / "adapter_model.safetensors"),
                   metadata={"format": "pt"})
     return {"tensors": len(tensors), "targets": len(targets), "step": checkpoint_step(checkpoint)}

@@ -19,7 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from trainwise.errors import ConfigError
-from trainwise.export.weights import checkpoint_step, publish, refuse_existing, unwritable
+from trainwise.export.weights import (
+    cast_floats,
+    checkpoint_step,
+    publish,
+    refuse_existing,
+    unwritable,
+    written_dtype,
+)
 from trainwise.models import ModelSpec, model_kind, resolve_shape
 from trainwise.models.hf import model_dir, read_hf_config
 from trainwise.models.llama import gpt_to_hf, llama_config
@@ -156,11 +163,14 @@ def export_hf(
     shard_bytes: int = 5 * 10**9,
     force: bool = False,
     state: dict[str, Any] | None = None,
+    dtype: str | None = None,
 ) -> dict[str, Any]:
     """Write ``checkpoint``'s model as a Hugging Face directory ``out`` via ``out.partial``
     renamed at the end. An existing ``out`` is refused unless `force`; then it is replaced
     only once the new directory is complete. `state`: the model's entries to write instead
-    of the checkpoint's (a LoRA run's merged weights). Returns what was written."""
+    of the checkpoint's (a LoRA run's merged weights); `dtype`: the floating-point tensors'
+    (fp32, bf16, fp16; None: as trained), config.json's torch_dtype with them. Returns what
+    was written."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -176,7 +186,8 @@ def export_hf(
 
     def read(names: list[str]) -> dict[str, Any]:
         """Those model entries: from `state`, or read from the checkpoint by DCP."""
-        return _read(checkpoint, names, sizes) if state is None else {n: state[n] for n in names}
+        got = _read(checkpoint, names, sizes) if state is None else {n: state[n] for n in names}
+        return cast_floats(got, dtype)
 
     shapes = {k: s for k, (s, _) in sizes.items()}
     moe = moe_target(spec, shapes)
@@ -187,11 +198,12 @@ def export_hf(
         if config.get("tie_word_embeddings"):
             sizes = {k: v for k, v in sizes.items() if rename(k) != "lm_head.weight"}
         split = _renamed(rename)
-    groups = plan_shards(sizes, shard_bytes)
+    written = {k: (shape, written_dtype(d, dtype)) for k, (shape, d) in sizes.items()}
+    groups = plan_shards(written, shard_bytes)
     try:
         with staged_dir(out) as partial:
             weight_map = _write_shards(read, partial, groups, split, save_file)
-            dtypes = {str(d).removeprefix("torch.") for _, d in sizes.values()}
+            dtypes = {str(d).removeprefix("torch.") for _, d in written.values() if d.is_floating_point}
             config["torch_dtype"] = config["dtype"] = (
                 next(iter(dtypes)) if len(dtypes) == 1 else "float32"
             )

@@ -218,11 +218,31 @@ def _independent(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def written_dtype(trained: Any, dtype: str | None) -> Any:
+    """The torch dtype a tensor of dtype `trained` is written in: `dtype` (fp32, bf16 or
+    fp16) for a floating-point one, else (integer buffers, or dtype None) as trained."""
+    if dtype is None or not trained.is_floating_point:
+        return trained
+    from trainwise.dtypes import TORCH_DTYPES
+
+    return TORCH_DTYPES[dtype]
+
+
+def cast_floats(tensors: dict[str, Any], dtype: str | None) -> dict[str, Any]:
+    """The tensors as written_dtype says (non-tensors as they are)."""
+    if dtype is None:
+        return tensors
+    return {k: v.to(written_dtype(v.dtype, dtype)) if hasattr(v, "dtype") else v
+            for k, v in tensors.items()}
+
+
 def export_weights(
-    checkpoint: Path, out: Path, fmt: ExportFormat, force: bool = False
+    checkpoint: Path, out: Path, fmt: ExportFormat, force: bool = False,
+    dtype: str | None = None,
 ) -> dict[str, int | None]:
     """Write the model weights of ``checkpoint`` to ``out`` as safetensors or a torch.save'd
-    state dict, atomically (``out.part`` then rename). Returns
+    state dict, atomically (``out.part`` then rename), floating-point tensors as `dtype`
+    (None: as trained). Returns
     ``{"tensors": n, "bytes": size of the file written, "step": s}``. An existing ``out`` is
     refused unless `force` (then replaced atomically), and an output that cannot be
     written fails (see unwritable), both before the checkpoint is read."""
@@ -242,7 +262,7 @@ def export_weights(
                 f"{checkpoint}: model entries {', '.join(others[:3])} are not tensors and "
                 "safetensors holds tensors only; export with --format torch"
             )
-        tensors = _independent(tensors)
+        tensors = cast_floats(_independent(tensors), dtype)
         try:
             if fmt == "safetensors":
                 from safetensors.torch import save_file

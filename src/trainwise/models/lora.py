@@ -30,6 +30,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from trainwise.config.schema import LORA_DEFAULT_TARGETS, lora_target_matches
+from trainwise.dtypes import TORCH_DTYPES
 
 if TYPE_CHECKING:
     from trainwise.config import JobConfig
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
 DEFAULT_TARGETS = LORA_DEFAULT_TARGETS  # the config's default (config.schema)
 ADAPTERS = ("lora_A", "lora_B")
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class LoRALinear(nn.Linear):
@@ -175,7 +175,7 @@ class LoRAConverter:
     name = "lora"
 
     def __init__(self, cfg: LoraConfig, dtype: str):
-        self.cfg, self.dtype = cfg, _DTYPES[dtype]
+        self.cfg, self.dtype = cfg, TORCH_DTYPES[dtype]
 
     def convert(self, model: nn.Module) -> None:
         """Swap the targeted Linears, then freeze all but the adapters (and embeddings /

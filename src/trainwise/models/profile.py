@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from trainwise.dtypes import TORCH_DTYPES
 from trainwise.errors import ModelError
 from trainwise.models.blocks import (
     RULE_RUN,
@@ -41,7 +42,6 @@ from trainwise.objects import first_line
 
 # A module that takes token ids and no seq_len was given: its learned positions', else this.
 DEFAULT_SEQ_LEN = 1024
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 Sample = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -339,13 +339,13 @@ def _memory_run(build, batch: Sample, precision: str, ac: str, sharded: bool) ->
         bundle = build()
     module = bundle.module
     if sharded:
-        module.to(DTYPES[precision])
+        module.to(TORCH_DTYPES[precision])
     _checkpoint(module, bundle.blocks, ac)
     with FakeTensorMode(allow_non_fake_inputs=True):
         module.to_empty(device="cpu")
         x, y = batch
         if sharded and x.is_floating_point():  # FSDP2 casts the inputs to param_dtype
-            x = x.to(DTYPES[precision])
+            x = x.to(TORCH_DTYPES[precision])
         tracker = _activation_tracker()
         tracker.track_external(module, x, y)
         with tracker:
@@ -397,4 +397,4 @@ def _checkpoint(module: nn.Module, blocks: list[nn.Module], ac: str) -> None:
 def _autocast(precision: str):
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type="cpu", dtype=DTYPES[precision])
+    return torch.autocast(device_type="cpu", dtype=TORCH_DTYPES[precision])

@@ -24,10 +24,10 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
 from trainwise.config.parallel_dims import ParallelDims
+from trainwise.dtypes import TORCH_DTYPES
 from trainwise.errors import ConfigError
 from trainwise.models.checkpointing import checkpoint_blocks
 from trainwise.run.engine.mesh import JobMesh, job_mesh
-from trainwise.run.engine.precision import TORCH_DTYPES
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plans: list[dict[str, object]]) -> None:

@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from trainwise.dtypes import TORCH_DTYPES
 
 
 def autocast_context(sharded: bool, precision: str, device: torch.device):
