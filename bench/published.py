@@ -517,9 +517,10 @@ def judge_memory(planned: list[Planned]) -> None:
               if p.memory_error is not None and not p.run.memory_unjudged]
     unjudged = [p for p in planned if p.memory_error is not None and p.run.memory_unjudged]
     for reason in dict.fromkeys(p.run.memory_unjudged for p in unjudged):
-        rows = [f"{p.run.name} {p.memory_error:+.1%}" for p in unjudged
-                if p.run.memory_unjudged == reason]
-        print(f"memory not judged ({reason}): " + "; ".join(rows))
+        print(f"memory not judged, {reason}:")
+        for p in unjudged:
+            if p.run.memory_unjudged == reason:
+                print(f"  {p.run.name}: {p.memory_error:+.1%}")
     if memory:
         name, worst = max(memory, key=lambda t: abs(t[1]))
         within = sum(abs(e) <= MEMORY_WITHIN for _, e in memory)
