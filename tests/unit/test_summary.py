@@ -59,20 +59,46 @@ def written(rec: Recorder, closed: bool = False) -> dict[int, float]:
 
 
 def test_every_step_has_a_record_of_its_own_loss_however_they_are_batched(tmp_path: Path):
-    """The losses are reduced over ranks and written every flush_every steps (and at once
-    after a save, and at the end): never a step dropped, nor steps merged into one."""
+    """The losses are reduced over ranks every flush_every steps, the collective completed
+    and the records written at the next step (and at once after a save, and at the end):
+    never a step dropped, nor steps merged into one."""
     steps, losses = 11, {s: 10.0 - 0.5 * s for s in range(1, 12)}
     rec = recorder(tmp_path, 0, steps=steps, flush_every=4)
     for step in range(1, steps + 1):
         rec.add(step, result(losses[step]), lr=1e-3, ckpt_s=0.25 if step == 6 else 0.0)
-        if step == 3:
-            assert written(rec) == {}  # buffered: no collective, no write per step
-        if step == 4:
+        if step in (3, 4):
+            assert written(rec) == {}  # buffered, then reduced beside step 5's work
+        if step == 5:
             assert written(rec) == {s: losses[s] for s in range(1, 5)}
-        if step == 7:  # step 6 saved: its record and 5's were written with it
+        if step == 6:  # step 6 saved: its record and 5's were written with it, at once
             assert written(rec) == {s: losses[s] for s in range(1, 7)}
+        if step == 9:  # 8's reduction completes at step 9
+            assert written(rec) == {s: losses[s] for s in range(1, 9)}
     rec.finish()
     assert written(rec, closed=True) == losses
+
+
+def test_flush_every_one_writes_each_record_at_its_step(tmp_path: Path):
+    """flush_every = 1 asks for every record at its own step (records that outlive a kill):
+    no reduction is left to the next step."""
+    rec = recorder(tmp_path, 0, flush_every=1)
+    for step in range(1, STEPS + 1):
+        rec.add(step, result(LOSSES[step]), lr=1e-3)
+        assert written(rec) == {s: LOSSES[s] for s in range(1, step + 1)}
+    rec.finish()
+
+
+def test_make_durable_completes_the_reduction_in_flight(tmp_path: Path):
+    """Before a checkpoint commits, every record so far is on disk, the one whose
+    reduction was still in flight included."""
+    rec = recorder(tmp_path, 0, flush_every=2)
+    for step in (1, 2, 3):
+        rec.add(step, result(LOSSES[step]), lr=1e-3)
+    rec.add(4, result(LOSSES[4]), lr=1e-3)  # 4's reduction in flight
+    assert written(rec) == {s: LOSSES[s] for s in (1, 2)}
+    rec.make_durable()
+    assert written(rec) == {s: LOSSES[s] for s in (1, 2, 3, 4)}
+    rec.finish()
 
 
 def test_after_a_resume_the_first_loss_is_the_runs(tmp_path: Path):

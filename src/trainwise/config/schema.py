@@ -798,7 +798,8 @@ class LoggingConfig(Section):
         10,
         gt=0,
         description="Average the losses over ranks and write the buffered per-step records "
-        "every N steps (one collective per N steps, none per step); the ranks agree on a "
+        "every N steps (one collective per N steps, none per step, completed beside the "
+        "next step; with 1, each record is written at its step); the ranks agree on a "
         "stop or save at least as often (and about every second of training in between).",
     )
     print_every: int = Field(10, gt=0, description="Plain progress line every N steps.")

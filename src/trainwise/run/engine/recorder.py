@@ -17,7 +17,7 @@ from trainwise.config.schema import LoggingConfig
 from trainwise.models.moe.load import step_load
 from trainwise.plan.advisor import loader_fixes
 from trainwise.plan.model.flops import mfu
-from trainwise.run.engine.step import StepResult, mean_over_ranks
+from trainwise.run.engine.step import StepResult
 from trainwise.run.observe.telemetry import (
     STAGES,
     MetricsWriter,
@@ -86,6 +86,8 @@ class Recorder:
         self.ep = ep
         self.imbalances: dict[str, list[float]] = {"expert": [], "ep": []}
         self._pending: list[tuple[int, StepResult, float, float | None, float]] = []
+        # A flush's reduction in flight: (it, its steps, the peak memory read then).
+        self._reducing: tuple[Reduction, list, tuple] | None = None
         self.totals = dict.fromkeys(("step_s", *STAGES), 0.0)  # steady steps only
         self.steady_steps = 0
         self.data_warned = False
@@ -117,11 +119,14 @@ class Recorder:
         """Keep a step; every `flush_every` steps, at evaluations, saves and the end, average
         the losses over ranks in one collective and write the records. Every rank calls
         this at the same steps."""
+        self.complete()  # the reduction issued after the previous step: this step hid it
         self._pending.append((step, res, lr, eval_loss, ckpt_s))
         # A step that saved (ckpt_s > 0) is written at once: a rerun resumes after it.
         due = step % self.cfg.flush_every == 0 or step == self.steps or ckpt_s > 0
         if due or eval_loss is not None:
-            self.flush()
+            # With flush_every = 1 every record is asked for at its step (records that
+            # outlive a kill); otherwise the collective overlaps the next step.
+            self.flush(wait=ckpt_s > 0 or self.cfg.flush_every == 1)
 
     def make_durable(self) -> None:
         """Every record so far in metrics.jsonl, before a checkpoint commits its step: a
@@ -131,18 +136,33 @@ class Recorder:
         if self.writer:
             self.writer.sync()
 
-    def flush(self) -> None:
+    def flush(self, wait: bool = True) -> None:
+        """Issue the reduction of the kept steps (one collective); `wait`: complete it and
+        write their records now, else at the next `add` or `complete`. Every rank calls
+        this at the same steps."""
+        self.complete()
         if not self._pending:
             return
-        losses, auxes, tokens = reduce_steps([pending[1] for pending in self._pending])
         # The peak memory so far, read once for the records written together.
         memory = (*peak_memory(self.device), peak_reserved(self.device))
+        reduction = Reduction([pending[1] for pending in self._pending])
+        self._reducing = (reduction, self._pending, memory)
+        self._pending = []
+        if wait:
+            self.complete()
+
+    def complete(self) -> None:
+        """Wait for the reduction in flight (if one is) and write its steps' records."""
+        if self._reducing is None:
+            return
+        reduction, pending, memory = self._reducing
+        self._reducing = None
+        losses, auxes, tokens = reduction.result()
         records = [
             self._record(step, res, loss, lr, eval_loss, ckpt_s, memory, aux, counts)
             for (step, res, lr, eval_loss, ckpt_s), loss, aux, counts in zip(
-                self._pending, losses, auxes, tokens, strict=True)
+                pending, losses, auxes, tokens, strict=True)
         ]
-        self._pending.clear()
         if self.is_main:
             self.writer.write(*records)
             if self.progress:
@@ -283,24 +303,44 @@ def reduce_steps(
     model's tokens per expert per layer summed over them (each rank routes its own tokens,
     a tensor-parallel rank its 1 / tp of its group's), in one collective; None where a
     step has none (every rank alike)."""
-    pieces = [torch.stack([r.loss.float() for r in results])]
-    has_aux = [r.aux_loss is not None for r in results]
-    pieces += [r.aux_loss.float().reshape(1) for r in results if r.aux_loss is not None]
-    shapes = [r.expert_tokens.shape if r.expert_tokens is not None else None for r in results]
-    pieces += [r.expert_tokens.float().reshape(-1) for r in results if r.expert_tokens is not None]
-    means = mean_over_ranks(torch.cat(pieces))
-    n = len(results)
-    losses, rest = means[:n], iter(means[n:])
-    auxes = [next(rest) if has else None for has in has_aux]
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    tokens = []
-    for shape in shapes:
-        if shape is None:
-            tokens.append(None)
-            continue
-        flat = [next(rest) * world for _ in range(shape[0] * shape[1])]
-        tokens.append([flat[i * shape[1]:(i + 1) * shape[1]] for i in range(shape[0])])
-    return losses, auxes, tokens
+    return Reduction(results).result()
+
+
+class Reduction:
+    """reduce_steps' collective, issued at construction without waiting (gloo and NCCL
+    run it beside the next step's work); `result` waits for it and reads the values."""
+
+    def __init__(self, results: list[StepResult]):
+        pieces = [torch.stack([r.loss.float() for r in results])]
+        self.has_aux = [r.aux_loss is not None for r in results]
+        pieces += [r.aux_loss.float().reshape(1) for r in results if r.aux_loss is not None]
+        self.shapes = [
+            r.expert_tokens.shape if r.expert_tokens is not None else None for r in results
+        ]
+        pieces += [
+            r.expert_tokens.float().reshape(-1) for r in results if r.expert_tokens is not None
+        ]
+        self.n = len(results)
+        self.values = torch.cat(pieces).detach().float().reshape(-1).clone()
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        # SUM (gloo has no AVG), divided in `result`, as mean_over_ranks does.
+        self.work = dist.all_reduce(self.values, async_op=True) if self.world > 1 else None
+
+    def result(self) -> tuple[list[float], list[float | None], list[list[list[float]] | None]]:
+        if self.work is not None:
+            self.work.wait()
+            self.values /= self.world
+        means = self.values.tolist()
+        losses, rest = means[: self.n], iter(means[self.n:])
+        auxes = [next(rest) if has else None for has in self.has_aux]
+        tokens = []
+        for shape in self.shapes:
+            if shape is None:
+                tokens.append(None)
+                continue
+            flat = [next(rest) * self.world for _ in range(shape[0] * shape[1])]
+            tokens.append([flat[i * shape[1]:(i + 1) * shape[1]] for i in range(shape[0])])
+        return losses, auxes, tokens
 
 
 def _median(values: list[float]) -> float | None:

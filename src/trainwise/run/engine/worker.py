@@ -116,11 +116,7 @@ def train(cfg: JobConfig, run_dir: Path | None = None) -> dict[str, Any] | None:
 def _join_and_train(cfg: JobConfig, run_dir: Path | None) -> dict[str, Any] | None:
     env, log, device, job = join_job(cfg)
     if env.world > 1 and not cfg.cluster.allow_version_mismatch:
-        # Cheap, and it turns a hang in the first collective into one line.
-        # Over gloo: NCCL itself may be what differs.
-        host = side_group(cfg.parallel.timeout_s)
-        require_same_versions(job_hash(cfg), env.local_rank, host)
-        dist.destroy_process_group(host)
+        check_versions(cfg, env.local_rank)
     run_dir = agree_run_dir(env, cfg, job, run_dir)
     summary = Training(cfg, job, env, device, run_dir, log).run()
     # Only after success, and together: destroying the group while a peer is failing or
@@ -128,6 +124,16 @@ def _join_and_train(cfg: JobConfig, run_dir: Path | None) -> dict[str, Any] | No
     # just exits and the agent stops the others.
     destroy_process_group()
     return summary
+
+
+def check_versions(cfg: JobConfig, local_rank: int) -> None:
+    """Every rank runs the same versions (VersionMismatch otherwise): cheap, and it turns a
+    hang in the first collective into one line. Over a gloo group of its own (NCCL itself
+    may be what differs), destroyed and dropped on return: a destroyed group still
+    referenced keeps its gloo thread, which wakes every 10 ms for the whole run."""
+    host = side_group(cfg.parallel.timeout_s)
+    require_same_versions(job_hash(cfg), local_rank, host)
+    dist.destroy_process_group(host)
 
 
 def agree_run_dir(
