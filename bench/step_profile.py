@@ -29,6 +29,7 @@ import runpy
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
@@ -80,13 +81,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # -- in the workers -------------------------------------------------------------------
 
 
-def worker(out: str, start: int, end: int, kind: str, rest: list[str]) -> None:
-    """Profile rank 0 over loader batches [start, end) of trainwise's worker (`kind` tw:
-    `rest` are config overrides) or of the raw loop (`kind` raw: `rest` its arguments)."""
+def run_in_window(kind: str, rest: list[str], start: int, end: int,
+                  on_start: Callable[[], None], on_end: Callable[[], None]) -> None:
+    """Run trainwise's worker (`kind` tw: `rest` are config overrides) or the raw loop
+    (`kind` raw: `rest` its arguments), calling `on_start` as loader batch `start` is drawn
+    and `on_end` as batch `end` is (so the window holds whole loop iterations)."""
     import trainwise.data as data
 
-    rank0 = os.environ.get("RANK", "0") == "0"
-    prof = cProfile.Profile()
     build = data.build_loader
 
     class Drawn:
@@ -98,11 +99,10 @@ def worker(out: str, start: int, end: int, kind: str, rest: list[str]) -> None:
 
         def __next__(self):
             self.n += 1
-            if rank0 and self.n == start:
-                prof.enable()
-            if rank0 and self.n == end:
-                prof.disable()
-                prof.dump_stats(out)
+            if self.n == start:
+                on_start()
+            if self.n == end:
+                on_end()
             return next(self.it)
 
     def counted_loader(*args, **kwargs):
@@ -121,11 +121,27 @@ def worker(out: str, start: int, end: int, kind: str, rest: list[str]) -> None:
     trainwise_worker.train(load_config(None, overrides=rest))
 
 
+def worker(out: str, start: int, end: int, kind: str, rest: list[str]) -> None:
+    """Profile rank 0 over loader batches [start, end) of either loop (run_in_window)."""
+    rank0 = os.environ.get("RANK", "0") == "0"
+    prof = cProfile.Profile()
+
+    def stop() -> None:
+        prof.disable()
+        prof.dump_stats(out)
+
+    run_in_window(kind, rest, start, end, prof.enable if rank0 else lambda: None,
+                  stop if rank0 else lambda: None)
+
+
 # -- the driver -----------------------------------------------------------------------
 
 
-def profile(kind: str, layout: str, args: argparse.Namespace, tmp: Path) -> pstats.Stats:
-    out = tmp / f"{kind}-{layout}.prof"
+def launch(script: Path, kind: str, layout: str, args: argparse.Namespace, tmp: Path,
+           worker_args: list[str]) -> None:
+    """Run `script --worker WORKER_ARGS kind ...` under torchrun on 2 workers: trainwise's
+    worker (`kind` tw) or the raw loop (raw) on `layout`, args.steps steps of args.model at
+    args.micro_batch; exits with the workers' stderr when they fail."""
     if kind == "raw":
         rest = ["--layout", layout, "--model", args.model, "--steps", str(args.steps),
                 "--micro-batch", str(args.micro_batch), "--out", str(tmp / "raw.json")]
@@ -137,11 +153,18 @@ def profile(kind: str, layout: str, args: argparse.Namespace, tmp: Path) -> psta
             f"logging.run_dir={tmp / f'run-{layout}'}", "cluster.nproc=2",
         ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(HERE), "--worker", str(out), str(args.start), str(args.end), kind, *rest]
+           "2", str(script), "--worker", *worker_args, kind, *rest]
     done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=600 + 10 * args.steps)
-    if done.returncode != 0 or not out.exists():
+    if done.returncode != 0:
         sys.exit(f"{kind} {layout} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+
+
+def profile(kind: str, layout: str, args: argparse.Namespace, tmp: Path) -> pstats.Stats:
+    out = tmp / f"{kind}-{layout}.prof"
+    launch(HERE, kind, layout, args, tmp, [str(out), str(args.start), str(args.end)])
+    if not out.exists():
+        sys.exit(f"{kind} {layout}: no profile written ({out})")
     return pstats.Stats(str(out))
 
 

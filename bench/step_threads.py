@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from step_profile import RAW_LOOP, TRAINWISE_FLAGS
+from step_profile import TRAINWISE_FLAGS, launch, run_in_window
 
 HERE = Path(__file__).resolve()
 
@@ -73,57 +72,32 @@ def threads() -> dict[str, tuple[float, float, int]]:
 
 
 def worker(out: str, start: int, end: int, ops: bool, kind: str, rest: list[str]) -> None:
-    """Read rank-local figures over loader batches [start, end) of trainwise's worker
-    (`kind` tw: `rest` are config overrides) or of the raw loop (`kind` raw)."""
-    import runpy
-
+    """Read rank-local figures over loader batches [start, end) of either loop
+    (step_profile.run_in_window)."""
     import torch
 
-    import trainwise.data as data
-
     rank = os.environ.get("RANK", "0")
-    build = data.build_loader
     state: dict = {}
 
-    class Drawn:
-        def __init__(self, loader):
-            self.it, self.n = iter(loader), 0
+    def begin() -> None:
+        if ops and rank == "0":
+            state["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            state["prof"].__enter__()
+        state["t0"] = (time.perf_counter(), threads())
 
-        def __iter__(self):
-            return self
+    def finish() -> None:
+        w0, t0 = state["t0"]
+        wall, t1 = time.perf_counter() - w0, threads()
+        main = f"MainThread/{threading.get_native_id()}"
+        record = {"wall": wall, "main": main, "threads": {
+            k: [b - a for a, b in zip(t0.get(k, (0, 0, 0)), v, strict=True)]
+            for k, v in t1.items()}}
+        if "prof" in state:
+            state["prof"].__exit__(None, None, None)
+            record["ops"] = {e.key: e.count for e in state["prof"].key_averages()}
+        Path(f"{out}.{rank}").write_text(json.dumps(record))
 
-        def __next__(self):
-            self.n += 1
-            if self.n == start:
-                if ops and rank == "0":
-                    state["prof"] = torch.profiler.profile(
-                        activities=[torch.profiler.ProfilerActivity.CPU])
-                    state["prof"].__enter__()
-                state["t0"] = (time.perf_counter(), threads())
-            if self.n == end:
-                w0, t0 = state["t0"]
-                wall, t1 = time.perf_counter() - w0, threads()
-                main = f"MainThread/{threading.get_native_id()}"
-                record = {"wall": wall, "main": main, "threads": {
-                    k: [b - a for a, b in zip(t0.get(k, (0, 0, 0)), v, strict=True)]
-                    for k, v in t1.items()}}
-                if "prof" in state:
-                    state["prof"].__exit__(None, None, None)
-                    record["ops"] = {e.key: e.count for e in state["prof"].key_averages()}
-                Path(f"{out}.{rank}").write_text(json.dumps(record))
-            return next(self.it)
-
-    data.build_loader = lambda *a, **k: Drawn(build(*a, **k))
-    if kind == "raw":
-        sys.argv = [str(RAW_LOOP), *rest]
-        runpy.run_path(str(RAW_LOOP), run_name="__main__")
-        return
-    import trainwise.run.engine.training as training
-    from trainwise.config import load_config
-    from trainwise.run.engine import worker as trainwise_worker
-
-    training.build_loader = data.build_loader
-    trainwise_worker.train(load_config(None, overrides=rest))
+    run_in_window(kind, rest, start, end, begin, finish)
 
 
 # -- the driver -----------------------------------------------------------------------
@@ -131,23 +105,8 @@ def worker(out: str, start: int, end: int, ops: bool, kind: str, rest: list[str]
 
 def run(kind: str, layout: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
     out = tmp / f"{kind}-{layout}"
-    if kind == "raw":
-        rest = ["--layout", layout, "--model", args.model, "--steps", str(args.steps),
-                "--micro-batch", str(args.micro_batch), "--out", str(tmp / "raw.json")]
-    else:
-        rest = [
-            TRAINWISE_FLAGS[layout], f"train.steps={args.steps}", "precision.dtype=fp32",
-            f"model.name={args.model}", f"data.micro_batch={args.micro_batch}",
-            "train.eval_every=0", f"checkpoint.interval={args.steps}",
-            f"logging.run_dir={tmp / f'run-{layout}'}", "cluster.nproc=2",
-        ]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(HERE), "--worker", str(out), str(args.start), str(args.end),
-           str(int(args.ops)), kind, *rest]
-    done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=600 + 10 * args.steps)
-    if done.returncode != 0:
-        sys.exit(f"{kind} {layout} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    launch(HERE, kind, layout, args, tmp,
+           [str(out), str(args.start), str(args.end), str(int(args.ops))])
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
 
 
