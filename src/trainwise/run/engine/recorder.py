@@ -11,13 +11,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from trainwise.config.schema import LoggingConfig
 from trainwise.models.moe.load import step_load
 from trainwise.plan.advisor import loader_fixes
 from trainwise.plan.model.flops import mfu
-from trainwise.run.engine.step import StepResult
+from trainwise.run.engine.step import RankMean, StepResult
 from trainwise.run.observe.telemetry import (
     STAGES,
     MetricsWriter,
@@ -307,8 +306,8 @@ def reduce_steps(
 
 
 class Reduction:
-    """reduce_steps' collective, issued at construction without waiting (gloo and NCCL
-    run it beside the next step's work); `result` waits for it and reads the values."""
+    """reduce_steps' collective (a RankMean), issued at construction without waiting;
+    `result` waits for it and reads the values."""
 
     def __init__(self, results: list[StepResult]):
         pieces = [torch.stack([r.loss.float() for r in results])]
@@ -321,16 +320,10 @@ class Reduction:
             r.expert_tokens.float().reshape(-1) for r in results if r.expert_tokens is not None
         ]
         self.n = len(results)
-        self.values = torch.cat(pieces).detach().float().reshape(-1).clone()
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
-        # SUM (gloo has no AVG), divided in `result`, as mean_over_ranks does.
-        self.work = dist.all_reduce(self.values, async_op=True) if self.world > 1 else None
+        self.mean = RankMean(torch.cat(pieces))
 
     def result(self) -> tuple[list[float], list[float | None], list[list[list[float]] | None]]:
-        if self.work is not None:
-            self.work.wait()
-            self.values /= self.world
-        means = self.values.tolist()
+        means, world = self.mean.result(), self.mean.world
         losses, rest = means[: self.n], iter(means[self.n:])
         auxes = [next(rest) if has else None for has in self.has_aux]
         tokens = []
@@ -338,7 +331,7 @@ class Reduction:
             if shape is None:
                 tokens.append(None)
                 continue
-            flat = [next(rest) * self.world for _ in range(shape[0] * shape[1])]
+            flat = [next(rest) * world for _ in range(shape[0] * shape[1])]
             tokens.append([flat[i * shape[1]:(i + 1) * shape[1]] for i in range(shape[0])])
         return losses, auxes, tokens
 

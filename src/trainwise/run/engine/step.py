@@ -370,13 +370,28 @@ def clip_grads(groups: list[list[torch.Tensor]], max_norm: float, norm: torch.Te
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
 
 
+class RankMean:
+    """The element-wise mean of `values` over all ranks, in one collective issued at
+    construction without waiting (gloo and NCCL run it beside what the caller does next);
+    `result` waits for it and reads the values."""
+
+    def __init__(self, values: torch.Tensor):
+        self.values = values.detach().float().reshape(-1).clone()
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        # SUM (gloo has no AVG), divided in `result`.
+        self.work = dist.all_reduce(self.values, async_op=True) if self.world > 1 else None
+
+    def result(self) -> list[float]:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            self.values /= self.world
+        return self.values.tolist()
+
+
 def mean_over_ranks(values: torch.Tensor) -> list[float]:
     """Element-wise mean over all ranks, in one collective."""
-    values = values.detach().float().reshape(-1).clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values)  # SUM: gloo has no AVG
-        values /= dist.get_world_size()
-    return values.tolist()
+    return RankMean(values).result()
 
 
 @torch.no_grad()
