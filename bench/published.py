@@ -35,7 +35,14 @@ The runs, each with its source:
   norm_type "rmsnorm" (torchtitan/models/norms.py: the composite fp32 chain,
   model.norm_impl = composite), activation_checkpoint mode "selective" with
   selective_ac_option "op" (per-operation: `--ac selective-op`), AdamW foreach,
-  mixed_precision_reduce float32.
+  mixed_precision_reduce float32. Its loss (train.py at 9dec370): F.cross_entropy on the
+  logits upcast to fp32, `pred.flatten(0, 1).float()`, eager: e8977b0 (2024-12-18,
+  "turning off compile on loss function") had commented its compile out, so even the
+  compiled rows keep three fp32 tensors over the vocabulary at the head's backward
+  (plan.loss_kernel = fp32). Its memory column is what train.py logs as memory,
+  torchtitan/metrics.py's max_reserved_gib: the caching allocator's peak reserved bytes
+  (`reserved_bytes.all.peak`), which count no CUDA context; the bench compares it with the
+  plan's estimate less the context (MemoryEstimate.reserved).
 - torchtitan, docs/performance.md at 157a12c56 (April 2024; 3faaa1a0d adds the 405B
   table), FSDP2 on 64 A100 80GB, bf16, reduce fp32, no compile: Llama 2 13B (seq 4096,
   local batch 2; train_configs/llama_13b.toml: norm_type "fused_rmsnorm", a Triton
@@ -49,7 +56,11 @@ The runs, each with its source:
   is not stated: the planner's default (400 Gb/s a GPU). Llama 3.1 405B on 128 H100
   ("94GB", "HBM2e based lower TDP SXM H100", as above: 912 TFLOPS, 2.4 TB/s), FSDP 16 x
   TP 8, local batch 2, full AC, train_configs/llama3_405b.toml at 3faaa1a0d: compile on,
-  norm "rmsnorm", no float8 in the first row: 109 tokens/s/GPU.
+  norm "rmsnorm", no float8 in the first row: 109 tokens/s/GPU. Those models upcast their
+  logits to fp32 in forward (`self.output(h).float()`, models/llama/model.py at 157a12c56
+  and 3faaa1a0d; moved into the loss by e10cb94): plan.loss_kernel = fp32. At 157a12c56
+  train.py also kept the fp32 logits referenced through backward (no `del pred`), 4 bytes
+  an entry the key does not count: only those rows' fit is published.
 - Float8 (FLOAT8_RUNS; torchao's tensorwise recipe, FSDP's float8 all-gather, the output
   head left in bf16): benchmarks/llama3_h100_202412_torchtitan.md, as above, "FSDP +
   torch.compile + Float8": Llama 3.1 8B 8,532 tokens/s/GPU and 76.8 GiB on 8 H100 (Table
@@ -62,11 +73,17 @@ The runs, each with its source:
   between nodes: the planner's default), local batch 2, compile, float8 with FSDP float8
   all-gather, precomputed scales and force_recompute_fp8_weight_in_bwd (its memory effect
   is not modelled), train_configs/llama3_8b.toml at e7c0cae: seq 8192, selective op AC:
-  10,938 tokens/s/GPU and 47.96 GiB on 32, 10,753 and 46.97 on 64.
+  10,938 tokens/s/GPU and 47.96 GiB on 32, 10,753 and 46.97 on 64. At e7c0cae the loss is
+  compiled with training.compile (torchtitan/components/loss.py, build_cross_entropy_loss):
+  the 16-bit logits kept and one gradient written, plan.loss_kernel = fused; the memory is
+  max_reserved_gib as above (components/metrics.py).
 - mosaicml/llm-foundry, scripts/train/benchmarking/README.md at 5e85bd62d (Composer,
   FSDP FULL_SHARD; each row's table named in its source): MPT (the presets mpt-*: their
   counts are the tables' NumParams to the parameter), flash-attn's fused cross-entropy
-  (modeling_mpt.py: loss_fn "fused_crossentropy": plan.loss_kernel = fused), Composer's
+  (modeling_mpt.py: loss_fn "fused_crossentropy", flash-attn's CrossEntropyLoss built
+  without inplace_backward: the 16-bit logits kept and a gradient written, plan.loss_kernel
+  = fused; its Triton attention, attn_impl "triton" in mpt-*.yaml and submit_benchmarks.py,
+  writes its output [B, T, H, D], which the out projection reads as a view), Composer's
   DecoupledAdamW (composer/optim/decoupled_weight_decay.py: a per-parameter loop:
   optim.foreach = false), LayerNorm as one kernel (low_precision_layernorm). Composer
   syncs every micro-batch of a model that is not DDP (composer/trainer/trainer.py), so FSDP

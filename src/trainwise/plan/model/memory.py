@@ -32,7 +32,8 @@ trainwise's GPT block (activation_bytes_per_token below), in the manner of Korth
 al., 2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4.1),
 whose 34·s·b·h + 5·a·s²·b assumes dropout and unfused attention. trainwise's block runs
 SDPA, which saves its output and a log-sum-exp instead of the a·s² score matrices, and no
-dropout by default.
+dropout by default: a GPT-2 block keeps 32·s·b·h (the 34 less the two dropout masks), its
+attention's output being the out projection's input.
 """
 
 from __future__ import annotations
