@@ -35,7 +35,14 @@ The runs, each with its source:
   norm_type "rmsnorm" (torchtitan/models/norms.py: the composite fp32 chain,
   model.norm_impl = composite), activation_checkpoint mode "selective" with
   selective_ac_option "op" (per-operation: `--ac selective-op`), AdamW foreach,
-  mixed_precision_reduce float32.
+  mixed_precision_reduce float32. Its loss (train.py at 9dec370): F.cross_entropy on the
+  logits upcast to fp32, `pred.flatten(0, 1).float()`, eager: e8977b0 (2024-12-18,
+  "turning off compile on loss function") had commented its compile out, so even the
+  compiled rows keep three fp32 tensors over the vocabulary at the head's backward
+  (plan.loss_kernel = fp32). Its memory column is what train.py logs as memory,
+  torchtitan/metrics.py's max_reserved_gib: the caching allocator's peak reserved bytes
+  (`reserved_bytes.all.peak`), which count no CUDA context; the bench compares it with the
+  plan's estimate less the context (MemoryEstimate.reserved).
 - torchtitan, docs/performance.md at 157a12c56 (April 2024; 3faaa1a0d adds the 405B
   table), FSDP2 on 64 A100 80GB, bf16, reduce fp32, no compile: Llama 2 13B (seq 4096,
   local batch 2; train_configs/llama_13b.toml: norm_type "fused_rmsnorm", a Triton
@@ -49,7 +56,11 @@ The runs, each with its source:
   is not stated: the planner's default (400 Gb/s a GPU). Llama 3.1 405B on 128 H100
   ("94GB", "HBM2e based lower TDP SXM H100", as above: 912 TFLOPS, 2.4 TB/s), FSDP 16 x
   TP 8, local batch 2, full AC, train_configs/llama3_405b.toml at 3faaa1a0d: compile on,
-  norm "rmsnorm", no float8 in the first row: 109 tokens/s/GPU.
+  norm "rmsnorm", no float8 in the first row: 109 tokens/s/GPU. Those models upcast their
+  logits to fp32 in forward (`self.output(h).float()`, models/llama/model.py at 157a12c56
+  and 3faaa1a0d; moved into the loss by e10cb94): plan.loss_kernel = fp32. At 157a12c56
+  train.py also kept the fp32 logits referenced through backward (no `del pred`), 4 bytes
+  an entry the key does not count: only those rows' fit is published.
 - Float8 (FLOAT8_RUNS; torchao's tensorwise recipe, FSDP's float8 all-gather, the output
   head left in bf16): benchmarks/llama3_h100_202412_torchtitan.md, as above, "FSDP +
   torch.compile + Float8": Llama 3.1 8B 8,532 tokens/s/GPU and 76.8 GiB on 8 H100 (Table
@@ -62,11 +73,17 @@ The runs, each with its source:
   between nodes: the planner's default), local batch 2, compile, float8 with FSDP float8
   all-gather, precomputed scales and force_recompute_fp8_weight_in_bwd (its memory effect
   is not modelled), train_configs/llama3_8b.toml at e7c0cae: seq 8192, selective op AC:
-  10,938 tokens/s/GPU and 47.96 GiB on 32, 10,753 and 46.97 on 64.
+  10,938 tokens/s/GPU and 47.96 GiB on 32, 10,753 and 46.97 on 64. At e7c0cae the loss is
+  compiled with training.compile (torchtitan/components/loss.py, build_cross_entropy_loss):
+  the 16-bit logits kept and one gradient written, plan.loss_kernel = fused; the memory is
+  max_reserved_gib as above (components/metrics.py).
 - mosaicml/llm-foundry, scripts/train/benchmarking/README.md at 5e85bd62d (Composer,
   FSDP FULL_SHARD; each row's table named in its source): MPT (the presets mpt-*: their
   counts are the tables' NumParams to the parameter), flash-attn's fused cross-entropy
-  (modeling_mpt.py: loss_fn "fused_crossentropy": plan.loss_kernel = fused), Composer's
+  (modeling_mpt.py: loss_fn "fused_crossentropy", flash-attn's CrossEntropyLoss built
+  without inplace_backward: the 16-bit logits kept and a gradient written, plan.loss_kernel
+  = fused; its Triton attention, attn_impl "triton" in mpt-*.yaml and submit_benchmarks.py,
+  writes its output [B, T, H, D], which the out projection reads as a view), Composer's
   DecoupledAdamW (composer/optim/decoupled_weight_decay.py: a per-parameter loop:
   optim.foreach = false), LayerNorm as one kernel (low_precision_layernorm). Composer
   syncs every micro-batch of a model that is not DDP (composer/trainer/trainer.py), so FSDP
@@ -169,16 +186,17 @@ from trainwise.plan.model.flops import model_flops_per_token  # noqa: E402
 
 GIB = 2**30
 MEMORY_WITHIN = 0.10  # the issue's check: memory within 10 % where published
-# torchtitan's December 2024 Llama 3.1 8B rows on H100 report 15-22 GiB more than the plan
-# on every layout, compiled or not, float8 or not, while their differences agree with it:
-# 8 -> 128 GPUs takes 15.4 GiB off, the plan's model states 14.0. The same configuration
-# (float8, compile, per-op AC, local batch 2, seq 8192) on torch of June 2025, the H200
-# rows below, reports 44 GiB beyond its model states where the December rows report 61,
-# and plans within 7 %: what the earlier torch kept is not in the job's inputs. Those rows'
-# memory is printed, not judged.
-TITAN_2412_MEMORY = ("torchtitan's December 2024 8B rows report 17 GiB more beyond their "
-                     "model states than the same configuration on torch of June 2025 (the "
-                     "H200 rows)")
+# torchtitan's eager rows of December 2024 (Tables 1 and 3, FSDP without torch.compile)
+# report 5.4 GiB (8 GPUs) and 5.0 GiB (128) more than their compiled twins of the same
+# tables: the same layout, batch, checkpointing and loss. The plan holds the same tensors
+# for both at their peak (the head's backward, outside the compiled blocks), and what the
+# tables publish is the caching allocator's reserved memory (torchtitan logs the peak of
+# its active memory beside it, not published): what eager adds is not in the job's inputs.
+# Their memory is printed, not judged; their compiled twins are.
+TITAN_EAGER_MEMORY = ("torchtitan's eager rows report 5.4 and 5.0 GiB more than their "
+                      "compiled twins of the same tables, which the plan holds alike (the "
+                      "head's backward peaks outside the compiled blocks); the published "
+                      "figure is the allocator's reserved memory, its active memory unpublished")
 
 
 @dataclass(frozen=True)
@@ -208,6 +226,14 @@ def cmd(*parts: str) -> str:
 TITAN_H100 = "--gpu H100-SXM --gpu-mem-gb 96 --gpu-tflops 912 --gpu-hbm-gbps 2400"
 TITAN_405B_H100 = "--gpu H100-SXM --gpu-mem-gb 94 --gpu-tflops 912 --gpu-hbm-gbps 2400"
 COMPOSITE = "--norm composite"
+# torchtitan's loss in 2024: F.cross_entropy on logits upcast to fp32, eager (the model's
+# `self.output(h).float()` at 157a12c56 and 3faaa1a0d; train.py's loss_fn
+# `pred.flatten(0, 1).float()` from e10cb94, its compile commented out by e8977b0 on
+# 2024-12-18, so at 9dec370): its log-softmax and two gradients in fp32.
+TITAN_LOSS_2024 = "--set plan.loss_kernel=fp32"
+# torchtitan's loss at e7c0cae (June 2025): the same, compiled with training.compile
+# (torchtitan/components/loss.py, build_cross_entropy_loss): the 16-bit logits kept.
+TITAN_LOSS_COMPILED = "--set plan.loss_kernel=fused"
 TITAN_2412 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 TITAN_DOCS = "pytorch/torchtitan docs/performance.md @157a12c56"
 TITAN_405B = "pytorch/torchtitan docs/performance.md @3faaa1a0d"
@@ -223,13 +249,13 @@ def titan_8b(gpus: int, compile_: bool, float8: bool = False) -> str:
                f"--global-batch {2 * gpus} --strategy fsdp-full --set parallel.tp=1 "
                "--ac selective-op",
                TITAN_H100, COMPOSITE, "--set train.compile=true" if compile_ else "",
-               FLOAT8 if float8 else "")
+               FLOAT8 if float8 else "", TITAN_LOSS_2024)
 
 
 def titan_a100(model: str, seq: int, micro: int, ac: str, composite: bool = False) -> str:
     return cmd(f"--model {model} --gpus 64 --gpu A100-80GB --seq {seq} --micro-batch {micro} "
                f"--global-batch {64 * micro} --strategy fsdp-full --set parallel.tp=1 --ac {ac}",
-               COMPOSITE if composite else "")
+               COMPOSITE if composite else "", TITAN_LOSS_2024)
 
 
 def mpt(size: str, gpu: str, gpus: int, seq: int, micro: int, accum: int, ac: bool,
@@ -244,16 +270,14 @@ A100_40_T = ", A100 40GB (1600 Gbps RoCE)"
 RUNS = [
     Published("Llama 3.1 8B, 8 H100, FSDP, sel-op AC", TITAN_2412 + " Table 1",
               titan_8b(8, False), 5762, 82.4,
-              memory_unjudged=TITAN_2412_MEMORY),
+              memory_unjudged=TITAN_EAGER_MEMORY),
     Published("Llama 3.1 8B, 8 H100, FSDP, sel-op AC, compile", TITAN_2412 + " Table 1",
-              titan_8b(8, True), 6667, 77.0,
-              memory_unjudged=TITAN_2412_MEMORY),
+              titan_8b(8, True), 6667, 77.0),
     Published("Llama 3.1 8B, 128 H100, FSDP, sel-op AC", TITAN_2412 + " Table 3",
               titan_8b(128, False), 5605, 67.0,
-              memory_unjudged=TITAN_2412_MEMORY),
+              memory_unjudged=TITAN_EAGER_MEMORY),
     Published("Llama 3.1 8B, 128 H100, FSDP, sel-op AC, compile", TITAN_2412 + " Table 3",
-              titan_8b(128, True), 6514, 62.0,
-              memory_unjudged=TITAN_2412_MEMORY),
+              titan_8b(128, True), 6514, 62.0),
     Published("Llama 2 13B, 64 A100 80GB, FSDP, no AC", TITAN_DOCS,
               titan_a100("llama-13b", 4096, 2, "none"), 2162),
     Published("Llama 2 13B, 64 A100 80GB, FSDP, sel. AC", TITAN_DOCS,
@@ -271,7 +295,7 @@ RUNS = [
     Published("Llama 3.1 405B, 128 H100, FSDP 16 x TP 8, full AC", TITAN_405B,
               cmd("--model llama3-405b --gpus 128 --seq 8192 --micro-batch 2 --global-batch 32 "
                   "--strategy fsdp-full --set parallel.tp=8 --ac full --set train.compile=true",
-                  TITAN_405B_H100, COMPOSITE), 109),
+                  TITAN_405B_H100, COMPOSITE, TITAN_LOSS_2024), 109),
     Published("MPT-7B, 8 H100, no AC, mb 6", FOUNDRY + H100_T,
               mpt("7b", "H100-SXM", 8, 2048, 6, 1, False), 10643),
     Published("MPT-13B, 64 H100, no AC, mb 2", FOUNDRY + H100_T,
@@ -342,26 +366,22 @@ FLOAT8 = "--set precision.float8=tensorwise"
 TRAINY = "pytorch/torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md"
 FLOAT8_RUNS: list[Published] = [
     Published("Llama 3.1 8B, 8 H100, FSDP, sel-op AC, compile, float8", TITAN_2412 + " Table 1",
-              titan_8b(8, True, float8=True), 8532, 76.8,
-              memory_unjudged=TITAN_2412_MEMORY),
+              titan_8b(8, True, float8=True), 8532, 76.8),
     Published("Llama 3.1 8B, 128 H100, FSDP, sel-op AC, compile, float8",
-              TITAN_2412 + " Table 3", titan_8b(128, True, float8=True), 8380, 61.8,
-              memory_unjudged=TITAN_2412_MEMORY),
+              TITAN_2412 + " Table 3", titan_8b(128, True, float8=True), 8380, 61.8),
     Published("Llama 3.1 70B, 256 H100, FSDP 32 x TP 8, full AC, compile, float8",
               TITAN_2412 + " Table 4 (2D)",
               cmd("--model llama3-70b --gpus 256 --seq 8192 --micro-batch 16 --global-batch 512 "
                   "--strategy fsdp-full --set parallel.tp=8 --ac full --set train.compile=true",
-                  TITAN_H100, COMPOSITE, FLOAT8), 829, 71.9,
-              memory_unjudged="the same line in bf16 plans the same 49.4 GiB: TP 8 with full "
-              "AC at local batch 16 is short outside float8's pricing"),
+                  TITAN_H100, COMPOSITE, FLOAT8, TITAN_LOSS_2024), 829, 71.9),
     Published("Llama 3.1 405B, 128 H100, FSDP 16 x TP 8, full AC, compile, float8", TITAN_405B,
               cmd("--model llama3-405b --gpus 128 --seq 8192 --micro-batch 2 --global-batch 32 "
                   "--strategy fsdp-full --set parallel.tp=8 --ac full --set train.compile=true",
-                  TITAN_405B_H100, COMPOSITE, FLOAT8), 177),
+                  TITAN_405B_H100, COMPOSITE, FLOAT8, TITAN_LOSS_2024), 177),
     *(Published(f"Llama 3.1 8B, {gpus} H200, FSDP, sel-op AC, compile, float8", TRAINY,
                 cmd(f"--model llama3-8b --gpus {gpus} --gpu H200 --seq 8192 --micro-batch 2 "
                     f"--global-batch {2 * gpus} --strategy fsdp-full --set parallel.tp=1 "
-                    "--ac selective-op --set train.compile=true", FLOAT8),
+                    "--ac selective-op --set train.compile=true", FLOAT8, TITAN_LOSS_COMPILED),
                 tokens, memory)
       for gpus, tokens, memory in ((32, 10938, 47.96), (64, 10753, 46.97))),
 ]
@@ -429,9 +449,13 @@ class Planned:
 
     @property
     def memory_error(self) -> float | None:
+        """The plan against the published memory: the caching allocator's peak reserved
+        bytes (torchtitan logs `reserved_bytes.all.peak` of torch.cuda.memory_stats as
+        "memory": torchtitan/metrics.py at 9dec370, components/metrics.py at e7c0cae), so
+        the plan's estimate without the CUDA context (MemoryEstimate.reserved)."""
         if self.run.memory_gib is None:
             return None
-        return self.plan.memory.total / GIB / self.run.memory_gib - 1
+        return self.plan.memory.reserved / GIB / self.run.memory_gib - 1
 
 
 def plan_line(run: Published) -> Planned:
@@ -470,7 +494,8 @@ def row(p: Planned) -> str:
     verdict = "fits" if p.fits else "does NOT fit"
     text += f"; {verdict}: {p.plan.memory.total / GIB:.1f} of {p.plan.budget_bytes / GIB:.1f} GiB"
     if p.memory_error is not None:
-        text += f" (published {run.memory_gib:.1f}: {p.memory_error:+.1%})"
+        text += (f" (reserved {p.plan.memory.reserved / GIB:.1f}, published "
+                 f"{run.memory_gib:.1f}: {p.memory_error:+.1%})")
     if run.memory_unjudged:
         text += f" [memory not judged: {run.memory_unjudged}]"
     if not p.fits and "headroom" in p.why:
@@ -486,7 +511,7 @@ def compact(p: Planned) -> str:
     error = f"{p.error:+7.1%}" if p.error is not None else f"{'-':>7}"
     memory = f"{p.plan.memory.total / GIB:5.1f} of {p.plan.budget_bytes / GIB:5.1f}"
     if p.memory_error is not None:
-        memory += f" (published {p.run.memory_gib:.1f})"
+        memory += f" (reserved {p.plan.memory.reserved / GIB:.1f}, published {p.run.memory_gib:.1f})"
     shown = f"{published:>8,.0f}" if published else f"{'OOM':>8}"
     return (f"{p.run.name:52} {shown} {p.tokens:>8,.0f} {error}  "
             f"{'yes' if p.fits else 'NO ':3}  {memory}")

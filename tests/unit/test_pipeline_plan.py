@@ -123,8 +123,8 @@ def test_stage_parameters_by_hand():
 
 def test_stage_activations_by_hand():
     # fp32, per token and block (memory.activation_bytes_per_token): attention 8h (norm) +
-    # 12h (q, k, v) + 4h (SDPA's output) + 4a (log-sum-exp) + 4h (out projection's input),
-    # MLP 8h (norm) + 8f: 36 x 64 + 4 x 4 + 8 x 256 = 4,368 bytes. Working set of a block's
+    # 12h (q, k, v) + 4h (SDPA's output, which the out projection reads as a view) + 4a
+    # (log-sum-exp), MLP 8h (norm) + 8f: 32 x 64 + 4 x 4 + 8 x 256 = 4,112 bytes. Working set of a block's
     # backward: 2 x 4f + 4h = 2,304. Head: 8h + 3 x 4 x vocab = 12,512.
     w = Workload(SHAPE.num_params(), SHAPE, 32, 1)
     dims, tokens = ParallelDims(pp=2), 32
@@ -132,16 +132,16 @@ def test_stage_activations_by_hand():
     last = stage_workload(w, rank_stage(w, dims, "1F1B", 1, 4, 1))
     # The first stage: 2 micro-batches of its 2 blocks, no head.
     prof = activation_profile(first, True, "cpu")
-    assert prof.head == tokens * 2 * 2 * 4368
-    assert prof.block == tokens * (2 * 2 * 4368 + 2304)
+    assert prof.head == tokens * 2 * 2 * 4112
+    assert prof.block == tokens * (2 * 2 * 4112 + 2304)
     # The last stage: one micro-batch, with the head and its loss.
     prof = activation_profile(last, True, "cpu")
-    assert prof.head == tokens * (2 * 4368 + 12512)
+    assert prof.head == tokens * (2 * 4112 + 12512)
     # GPipe's last stage keeps all 4 micro-batches: three more of the blocks and of the
     # head's saved norm input and output and log-softmax (8h + 4 x vocab).
     gpipe = stage_workload(w, rank_stage(w, dims, "GPipe", 1, 4, 1))
-    extra = 3 * (2 * 4368 + 8 * 64 + 4 * 1000)
-    assert activation_profile(gpipe, True, "cpu").head == tokens * (2 * 4368 + 12512 + extra)
+    extra = 3 * (2 * 4112 + 8 * 64 + 4 * 1000)
+    assert activation_profile(gpipe, True, "cpu").head == tokens * (2 * 4112 + 12512 + extra)
 
 
 def _torch_interleaved_ops(p: int, v: int, m: int, rank: int) -> list:

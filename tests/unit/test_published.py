@@ -67,7 +67,9 @@ def test_memory_is_within_10_percent_where_published_and_judged(planned):
 
 
 def test_the_planned_tokens_per_second_are_within_10_percent_on_average(planned):
-    errors = [abs(planned[r.name].error) for r in TABLE]
+    # Over the runs the bench's "published runs" line averages (the check); the
+    # held-out runs judge the model, printed apart, as for the fit above.
+    errors = [abs(planned[r.name].error) for r in TABLE if not r.held_out]
     assert len(errors) >= 25
     assert statistics.mean(errors) <= 0.10, [f"{e:.1%}" for e in errors]
 

@@ -719,12 +719,15 @@ class PlanConfig(Section):
     data_samples_per_s: float | None = Field(
         None, gt=0.0, description="Samples/s one GPU's loader delivers; default: unlimited."
     )
-    loss_kernel: Literal["standard", "fused"] = Field(
+    loss_kernel: Literal["standard", "fp32", "fused"] = Field(
         "standard",
-        description="The cross-entropy kernel of the run planned: 'standard' (F.cross_entropy, "
-        "what trainwise runs: an fp32 log-softmax over the vocabulary kept for backward) or "
-        "'fused' (one kernel that writes the gradient into the logits, as flash-attn's "
-        "cross_entropy that llm-foundry runs). A planner key: trainwise trains 'standard'.",
+        description="The cross-entropy of the run planned: 'standard' (F.cross_entropy on the "
+        "logits as they come, what trainwise runs: a log-softmax over the vocabulary kept for "
+        "backward, fp32 under autocast, 16-bit under FSDP), 'fp32' (the same on logits upcast "
+        "to fp32, eager, as torchtitan ran it in 2024) or 'fused' (one kernel each way that "
+        "keeps the 16-bit logits and writes their gradient: flash-attn's cross_entropy that "
+        "llm-foundry runs, or torch.compile's, as torchtitan compiles its loss). A planner "
+        "key: trainwise trains 'standard'.",
     )
     attention_kernel: Literal["sdpa", "fused"] = Field(
         "sdpa",

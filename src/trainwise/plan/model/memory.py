@@ -32,7 +32,8 @@ trainwise's GPT block (activation_bytes_per_token below), in the manner of Korth
 al., 2022 ("Reducing Activation Recomputation in Large Transformer Models", section 4.1),
 whose 34·s·b·h + 5·a·s²·b assumes dropout and unfused attention. trainwise's block runs
 SDPA, which saves its output and a log-sum-exp instead of the a·s² score matrices, and no
-dropout by default.
+dropout by default: a GPT-2 block keeps 32·s·b·h (the 34 less the two dropout masks), its
+attention's output being the out projection's input.
 """
 
 from __future__ import annotations
@@ -90,9 +91,10 @@ class Workload:
     # FSDP units of a model without a shape (a bare parameter count): an assumption the
     # planner states; None means the whole model is one unit. A profiled model: its blocks.
     units: int | None = None
-    # The cross-entropy kernel: "standard" (F.cross_entropy, trainwise's: keeps the fp32
-    # log-softmax over the vocabulary) or "fused" (a fused kernel, e.g. flash-attn's
-    # cross_entropy, as llm-foundry uses: writes the gradient into the logits in place).
+    # The cross-entropy (plan.loss_kernel; LOSS_TENSORS below): "standard" (trainwise's
+    # F.cross_entropy on the logits as they come), "fp32" (on the logits upcast to fp32,
+    # eager: torchtitan's of 2024) or "fused" (one kernel each way that keeps the 16-bit
+    # logits: flash-attn's cross_entropy as llm-foundry runs it, or torch.compile's).
     loss: str = "standard"
     # The norm's kernels (model.norm_impl): "fused", one kernel each way (torch's
     # F.layer_norm; F.rms_norm since torch 2.9, which trainwise requires), or "composite",
@@ -157,6 +159,14 @@ class MemoryEstimate:
     overhead: float = 0.0  # CUDA context and allocator fragmentation (an assumption)
     host: float = 0.0  # host memory this worker needs (cpu offload)
     states: float = 0.0
+    context: float = 0.0  # the CUDA context, within `overhead`
+
+    @property
+    def reserved(self) -> float:
+        """What the caching allocator holds at the peak: the total less the CUDA context,
+        which the driver allocates outside it (torch.cuda.memory_stats'
+        "reserved_bytes.all.peak", what torchtitan logs as memory, counts no context)."""
+        return self.total - self.context
 
     @property
     def model_states(self) -> float:
@@ -170,6 +180,32 @@ class MemoryEstimate:
     @property
     def total(self) -> float:
         return self.peak + self.overhead
+
+
+# The loss's vocabulary-sized tensors a token holds at the head's backward, by kernel
+# (plan.loss_kernel), each of loss_bytes; one of them is kept from the forward.
+# - standard, fp32: F.cross_entropy keeps its log-softmax, and its backward holds it with
+#   the NLL's gradient and the log-softmax's: 3 (measured: autograd's tensors at
+#   _log_softmax_backward_data, tests/unit/test_plan.py). torchtitan upcast the logits
+#   (`pred.flatten(0, 1).float()` in train.py's loss_fn at 9dec370, the model's
+#   `self.output(h).float()` before e10cb94) and did not compile the loss in December 2024
+#   (e8977b0: "turning off compile on loss function"), so its three are fp32.
+# - fused: the 16-bit logits kept, and a new gradient written by one backward kernel: 2.
+#   flash-attn's CrossEntropyLoss (losses/cross_entropy.py, v1.0.9 and v2.4.2) saves the
+#   logits and the log-sum-exp and keeps `inplace_backward=False` unless asked, and
+#   llm-foundry builds it with `ignore_index` only (modeling_mpt.py at 5e85bd62d);
+#   torch.compile of F.cross_entropy(logits.float()) saves the 16-bit logits and two
+#   values a row, and its backward allocates only the 16-bit gradient (inductor's code,
+#   torch 2.13), as torchtitan runs it with training.compile (components/loss.py at e7c0cae).
+LOSS_TENSORS = {"standard": 3, "fp32": 3, "fused": 2}
+
+
+def loss_bytes(kernel: str, precision: str, autocast: bool) -> int:
+    """Bytes of one of the loss's vocabulary-sized tensors a token (LOSS_TENSORS):
+    fp32 when the loss upcasts (`kernel` "fp32"), under autocast (which runs the loss in
+    fp32) or in fp32 training; else the 16-bit logits' dtype (FSDP mixed precision)."""
+    low = precision != "fp32"
+    return MASTER_BYTES if (kernel == "fp32" or autocast or not low) else BYTES[precision]
 
 
 def composite_norm(shape: GPTShape, device: str, norm_kernel: str = "fused") -> bool:
@@ -213,26 +249,23 @@ def activation_bytes_per_token(
     casts = {k: len(v) if autocast and low else 1 for k, v in norm_readers(shape).items()}
     norm = own + e * h  # the final norm's (the head reads it)
     # What SDPA keeps of q, k, v: rope multiplies by constant tables and GQA's repeat saves
-    # nothing, so SDPA's own inputs are what stays: the projection outputs when neither
-    # applies, the rotated q and k (and v's projection) with rope, q and the repeated k, v
-    # with GQA. Then SDPA's output and log-sum-exp (fp32 per head) and the out projection's
-    # input (a contiguous copy).
-    if shape.n_kv_head != shape.n_head:
-        qkv = 3 * q
-    elif shape.pos == "rope":
-        qkv = q + 3 * kv
-    else:
-        qkv = q + 2 * kv
-    attn = own + casts["attn"] * e * h + e * qkv + e * q + 4 * shape.n_head + e * q
+    # nothing, so SDPA's own inputs are what stays: q, k and v (the projection outputs, or
+    # the rotated q and k), the repeated k and v with GQA. Then SDPA's output and
+    # log-sum-exp (fp32 per head). The out projection reads the output as [B, T, H·D]: SDPA
+    # writes it in q's memory order (the flash and CPU kernels allocate it like the
+    # transposed q; the efficient kernel always as [B, T, H, D]), so it is a view of a
+    # projection's q, and a copy only where rope's concatenation made q [B, H, T, D]
+    # (models.gpt.Rotary). Measured: tests/unit/test_plan.py, autograd's saved tensors.
+    qkv = 3 * q if shape.n_kv_head != shape.n_head else q + 2 * kv
+    copy = e * q if shape.pos == "rope" else 0
+    attn = own + casts["attn"] * e * h + e * qkv + e * q + 4 * shape.n_head + copy
     # MLP: gelu keeps its input and output (the down projection's input); swiglu keeps the
     # gate output, its silu, the up output and their product.
     mlp = own + casts["mlp"] * e * h + e * f * (4 if shape.mlp == "swiglu" else 2)
-    # Head: the final norm; the loss (fp32 under autocast, the parameter dtype under FSDP
-    # mixed precision) keeps its log-softmax, and backward starts with two more v-sized
-    # gradients; the logits themselves are freed after the loss.
-    loss_bytes = MASTER_BYTES if (autocast or not low) else e
-    # A fused loss keeps only the 16-bit logits, which become their own gradient.
-    head = norm + (e * v if loss == "fused" else 3 * loss_bytes * v)
+    # Head: the final norm and the loss's tensors at its backward (LOSS_TENSORS); the
+    # logits themselves are freed after a loss that does not keep them.
+    one_loss = loss_bytes(loss, precision, autocast) * v
+    head = norm + LOSS_TENSORS[loss] * one_loss
     # The gradients of a block's intermediates while it runs backward.
     working = e * f * (3 if shape.mlp == "swiglu" else 2) + res * h
     # What tensor parallelism splits otherwise (plan.tensor_parallel): the norm regions and
@@ -242,7 +275,7 @@ def activation_bytes_per_token(
         "layer": attn + mlp, "block_input": res * h, "head": head, "working_set": working,
         "norms": 2 * own + (casts["attn"] + casts["mlp"]) * e * h, "head_norm": norm,
         "norm_own": own, "residual": res * h, "gathered": e * h,
-        "loss": loss_bytes * v,
+        "loss": one_loss,
     }
 
 
@@ -353,7 +386,7 @@ def activation_profile(
     # A pipeline stage's other micro-batches in flight hold what they saved meanwhile: the
     # blocks', and on the head's rank the final norm's and the loss's (not the two
     # vocabulary-sized gradients its backward adds).
-    saved_head = head - (2 * per["loss"] if w.loss != "fused" and w.head else 0.0)
+    saved_head = head - ((LOSS_TENSORS[w.loss] - 1) * per["loss"] if w.head else 0.0)
     heads = w.in_flight if w.head_in_flight is None else w.head_in_flight
     others = (w.in_flight - 1.0) * sum(kept) + (heads - 1.0) * saved_head
     others += _kept_for_w(w, autocast, device, tp, sequence_parallel)
@@ -600,5 +633,7 @@ def _at_peak(phases: dict[str, tuple], device: str, states: float) -> MemoryEsti
     if device == "cuda":
         buffers += CUBLAS_WORKSPACE_BYTES
     peak = size((p, g, o, act, buffers))
-    overhead = CUDA_CONTEXT_BYTES + FRAGMENTATION * peak if device == "cuda" else 0.0
-    return MemoryEstimate(p, g, o, act, buffers, phase, overhead, states=states)
+    context = CUDA_CONTEXT_BYTES if device == "cuda" else 0.0
+    overhead = context + FRAGMENTATION * peak if device == "cuda" else 0.0
+    return MemoryEstimate(p, g, o, act, buffers, phase, overhead, states=states,
+                          context=context)

@@ -44,12 +44,14 @@ from trainwise.models.moe.cost import (
 )
 from trainwise.models.moe.shapes import MoEShape
 from trainwise.plan.model.memory import (
+    LOSS_TENSORS,
     ActivationProfile,
     MemoryEstimate,
     Workload,
     _at_peak,
     _step_temp,
     checkpointed_blocks,
+    loss_bytes,
 )
 from trainwise.plan.model.precision import BYTES, MASTER_BYTES, OPTIMIZER_STATE_BYTES
 from trainwise.plan.model.selective_op import SELECTIVE_OP, kept
@@ -252,8 +254,8 @@ def _around(w: Workload, autocast: bool, device: str, tp: int = 1,
             split: int = 1) -> dict[str, float]:
     """What the planner adds around the layers, per token, as for the dense GPT
     (memory.activation_bytes_per_token): a checkpointed block's input, the head (the final
-    norm, its output, the loss's fp32 log-softmax and the two vocabulary-sized gradients
-    its backward starts with, `loss_grads`; on a vocabulary shard of `tp`, the
+    norm, its output, the loss's tensors at its backward (memory.LOSS_TENSORS), those its
+    backward adds being `loss_grads`; on a vocabulary shard of `tp`, the
     vocabulary-parallel loss's LOSS_PARALLEL_TENSORS), and a block's working set in
     backward (the gradients of its widest intermediates: the busiest rank's routed
     copies, a shared or dense FFN); `split`: sequence parallelism's, of the residual
@@ -263,14 +265,15 @@ def _around(w: Workload, autocast: bool, device: str, tp: int = 1,
     e, low = BYTES[w.precision], w.precision != "fp32"
     r = MASTER_BYTES if autocast and low else e
     h, m = shape.d_model, shape.moe
-    loss = MASTER_BYTES if (autocast or not low) else e
+    loss = loss_bytes(w.loss, w.precision, autocast)
     norm_row = _norm_row(r, device, low and not autocast, h, split)
     routed = m.top_k * w.imbalance * e * (3 * m.d_expert + h) if shape.moe_layers else 0.0
-    tensors = LOSS_PARALLEL_TENSORS if tp > 1 else 3
+    whole = LOSS_TENSORS[w.loss]
+    tensors = LOSS_PARALLEL_TENSORS - 3 + whole if tp > 1 else whole
     return {
         "block_input": r * h / split,
         "head": norm_row(h) + e * h + tensors * loss * shape.vocab_size,
-        "loss_grads": 2 * loss * shape.vocab_size,
+        "loss_grads": (whole - 1) * loss * shape.vocab_size,
         "working": routed + 3 * e * max(m.shared_width, m.d_dense) + r * h,
     }
 
