@@ -3,7 +3,9 @@ wakes every 10 ms (gloo's event loop), taking a core from the training step for 
 run; `destroy_process_group` alone stops it only once nothing references the group.
 
 Checked in a fresh interpreter, as a worker starts: in the test process, what earlier tests
-left (their groups, objects that reference them) would decide the count instead."""
+left (their groups, objects that reference them) would decide the count instead. Every
+thread the check leaves alive is counted, whatever its name: counted by gloo's thread name,
+2 of 8 concurrent runs on a loaded machine missed a loop that had not yet named itself."""
 
 from __future__ import annotations
 
@@ -22,25 +24,18 @@ from trainwise.config import load_config
 from trainwise.run.engine.worker import check_versions
 from trainwise.run.job.distributed import free_port
 
-def gloo_loops():
-    # The ids of the live threads of gloo's event loops (one per gloo group).
-    found = set()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as comm:
-                if comm.read().strip() == "gloo_tcp_loop":
-                    found.add(tid)
-        except OSError:
-            continue
-    return found
+def threads():
+    # Every live thread's id. Not by name: a thread names itself ("gloo_tcp_loop") once it
+    # runs, so under load a just-started one still bears the process's name.
+    return set(os.listdir("/proc/self/task"))
 
 store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
 dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-before = gloo_loops()
+before = threads()
 check_versions(load_config(None), local_rank=0)
-left = len(gloo_loops() - before)
+left = len(threads() - before)
 kept = dist.new_group(backend="gloo")  # the count sees a group that stays
-seen = len(gloo_loops() - before)
+seen = len(threads() - before)
 dist.destroy_process_group(kept)
 dist.destroy_process_group()
 print(json.dumps({"left": left, "seen": seen}))
@@ -53,4 +48,4 @@ def test_the_version_check_leaves_no_gloo_thread_running():
                           timeout=hang_limit(launches=1, procs=1))
     assert done.returncode == 0, done.stderr[-2000:]
     counts = json.loads(done.stdout.strip().splitlines()[-1])
-    assert counts == {"left": 0, "seen": 1}, counts
+    assert counts["left"] == 0 and counts["seen"] >= 1, counts
