@@ -215,3 +215,21 @@ def test_the_foreach_adamw_step_streams_92_bytes_a_parameter():
     params = block * w.shape.n_layer + root
     step = _per_step(job.hardware, w, 1, None, 1.0)
     assert step.device_s == pytest.approx(params * 92 / (4.8e12 * 0.8))
+
+
+def test_fsdp_copies_once_a_step_under_pipeline_stages():
+    """Without stages FSDP gathers and reduces for every micro-batch; a pipeline stage
+    keeps its parameters gathered and its gradients unreduced until the last backward
+    (torch.distributed.pipelining), so 16 micro-batches copy what one does."""
+    from trainwise.config.parallel_dims import ParallelDims
+    from trainwise.plan.model.compute import _per_step, fsdp_rounds
+
+    job = h200_job("llama-1b", 1, "none")
+    flat = ParallelDims(1, 4, fsdp=True)
+    staged = ParallelDims(1, 4, pp=2, fsdp=True, reshard_after_forward=False)
+    assert (fsdp_rounds(flat, 16), fsdp_rounds(staged, 16)) == (16, 1)
+    one, many = (_per_step(job.hardware, job.workload, 1, flat, m) for m in (1.0, 16.0))
+    optimizer = _per_step(job.hardware, job.workload, 1, None, 1.0).device_s / 4
+    assert many.device_s - optimizer == pytest.approx(16 * (one.device_s - optimizer))
+    assert _per_step(job.hardware, job.workload, 1, staged, 16.0) == _per_step(
+        job.hardware, job.workload, 1, staged, 1.0)

@@ -575,11 +575,21 @@ def _adapters(
     return Work(gemms, ops)
 
 
+def fsdp_rounds(dims: ParallelDims, micro_batches: float) -> float:
+    """How many times a step's FSDP gathers and reduces a rank's parameters: every
+    micro-batch, or once under pipeline stages, whose stage keeps its parameters gathered
+    and its gradients unreduced until the step's last backward (torch.distributed.
+    pipelining's backward_maybe_with_nosync: set_reshard_after_backward and
+    set_requires_gradient_sync False but for the last; plan.estimate's dp_accum rule)."""
+    return 1.0 if dims.pp > 1 else micro_batches
+
+
 def _per_step(
     hw: Hardware, w: Workload, tp: int, dims: ParallelDims | None, micro_batches: float
 ) -> Work:
     """The optimizer step on this rank's parameters (on the host with cpu offload: priced
-    by the caller), and FSDP's copies and per-parameter work for every micro-batch."""
+    by the caller), and FSDP's copies and per-parameter work for each of its rounds
+    (fsdp_rounds)."""
     frozen, trained = rank_split(w.params, w.shape, w.lora, tp)
     rank_params = frozen + trained
     shard = dims.dp_shard if dims is not None and dims.fsdp else 1
@@ -601,9 +611,9 @@ def _per_step(
         # the float8 Linears' weights gathered in float8 are copied out in 1 byte
         f8 = gathered_float8_params(w.shape, tp, w.float8, w.float8_all_gather)
         moved -= f8 * gathers * 2 * (e - FLOAT8_BYTES)
+        rounds = fsdp_rounds(dims, micro_batches)
         work += Work(
-            micro_batches * moved / (hw.hbm_bps * MEMORY_SHARE),
-            micro_batches * FSDP_OPS_PER_PARAM * tensors,
+            rounds * moved / (hw.hbm_bps * MEMORY_SHARE), rounds * FSDP_OPS_PER_PARAM * tensors
         )
     return work
 

@@ -48,6 +48,7 @@ from trainwise.plan.model.compute import (
     Work,
     _gemm,
     _head,
+    fsdp_rounds,
     norm_bytes,
 )
 from trainwise.plan.model.gemm import (
@@ -313,7 +314,8 @@ def moe_per_step(hw: Hardware, w: Workload, dims: ParallelDims | None,
                  micro_batches: float) -> Work:
     """The optimizer step on the rank's shards and, under FSDP, the copies of every
     gather (the fp32 shard cast to 16 bits, the gathered buffer copied out) and reduction
-    for every micro-batch, dense parameters and the rank's experts alike."""
+    for each of its rounds (plan.model.compute.fsdp_rounds: every micro-batch, once a step
+    under pipeline stages), dense parameters and the rank's experts alike."""
     shape = w.moe
     assert shape is not None
     dims = dims or ParallelDims()
@@ -328,5 +330,6 @@ def moe_per_step(hw: Hardware, w: Workload, dims: ParallelDims | None,
     for params, shard in ((p.dense, dims.dp_shard), (p.experts, experts.shard)):
         moved += params * (gathers * (MASTER_BYTES / shard + 2 * e) + e + MASTER_BYTES)
     tensors = MOE_LAYER_TENSORS * shape.n_layer + 3
-    return work + Work(micro_batches * moved / (hw.hbm_bps * MEMORY_SHARE),
-                       micro_batches * FSDP_OPS_PER_PARAM * tensors)
+    rounds = fsdp_rounds(dims, micro_batches)
+    return work + Work(rounds * moved / (hw.hbm_bps * MEMORY_SHARE),
+                       rounds * FSDP_OPS_PER_PARAM * tensors)
