@@ -49,6 +49,7 @@ from trainwise.plan.model.compute import (
     _gemm,
     _head,
     fsdp_rounds,
+    gqa_repeat_bytes,
     norm_bytes,
 )
 from trainwise.plan.model.gemm import (
@@ -234,8 +235,7 @@ def _layer_bytes(shape: MoEShape, moe: bool, imbalance: float, precision: str,
     casts = (r + e) * h if autocast else 0
     norms = 2 * (norm_bytes(r, e, norm_kernel) * h + casts) + 2 * 3 * r * h  # and residuals
     attention = ROTARY_PASSES * e * (q + kv) + 2 * e * q
-    if shape.n_kv_head != shape.n_head:
-        attention += 2 * 2 * e * q  # k and v repeated for grouped-query attention
+    attention += gqa_repeat_bytes(e, q, shape.n_kv_head != shape.n_head, kernels.attention)
     if shape.qk_norm:
         attention += norm_bytes(e, e, norm_kernel) * (q + kv)
     if not moe:
