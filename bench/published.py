@@ -107,7 +107,11 @@ The runs, each with its source:
   torchtitan/models/qwen3/train_configs/qwen3_30b_a3b_with_deepep.toml (a8560ae35),
   assumed to be the run: local batch 8 (the weak-scaling table's LBS 8 row on 16 nodes is
   the strong-scaling 16-node row, 13,856), seq 4096, FSDP over the 8, EP 8, full AC,
-  compile on, the gate forced balanced (moe.imbalance = 1), AdamW, reduced in fp32.
+  compile on, the gate forced balanced (moe.imbalance = 1), AdamW, reduced in fp32. The
+  published memory says otherwise: the weak-scaling table adds 13.7 GiB a sequence (LBS
+  8 -> 10), where full AC holds 4.3 GiB a sequence in the plan (per-op selective AC
+  15.7), while the strong-scaling differences are the experts' states halving as planned:
+  what ran is not known, and the row cannot be judged until it is.
   Megatron-Core's MoE benchmarks, yanring/Megatron-MoE-ModelZoo
   best_practice/Qwen3/readme.md (c1ad0b5c8), "Intra-node EP strategy": Qwen3-235B-A22B on
   256 H100 (InfiniBand 8 x 50 GB/s a node), BF16, DeepEP (plan.routing_kernel = fused),
