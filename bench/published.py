@@ -104,11 +104,16 @@ The runs, each with its source:
   what it does not need; trainwise's runtime keeps more a token and block, so the row
   checkpoints every other block (selective).
 - Mixture of Experts (their mean printed apart): NVIDIA-NeMo/Automodel,
-  docs/performance-summary.mdx (DGX-H100, BF16; examples/llm_benchmark/qwen/
-  qwen3_moe_30b_te_deepep.yaml): Qwen3-30B-A3B on 8 H100, FSDP2 over the 8 with experts
+  docs/performance-summary.mdx (DGX-H100, BF16; the 12,040 first published at 8d9bfb90e,
+  with examples/benchmark/configs/qwen3_moe_30b_te_deepep.yaml, later moved to
+  examples/llm_benchmark/qwen/): Qwen3-30B-A3B on 8 H100, FSDP2 over the 8 with experts
   split 8 ways, local batch 4 x 16 accumulated, seq 4096, full AC, reduced in fp32,
-  gradients kept unsharded between micro-batches, a balanced gate (moe.imbalance = 1),
-  Transformer Engine's attention and DeepEP's dispatch (plan.attention_kernel and
+  gradients kept unsharded between micro-batches (enable_fsdp_optimization: no reshard
+  after backward nor reduction until the last micro-batch, moe/fsdp_mixin.py), FSDP
+  without resharding after forward (parallel.shard = grad_op: components/moe/
+  parallelizer.py parallelize_model's reshard_after_forward=False, which the config does
+  not set), a balanced gate (moe.imbalance = 1), Transformer Engine's attention (its
+  grouped k/v heads read natively) and DeepEP's dispatch (plan.attention_kernel and
   plan.routing_kernel = fused): 12,040 tokens/s/GPU. Its optimizer keeps bf16 states, the
   planner fp32: the fit verdict is not judged (no memory is published).
   pytorch/torchtitan, torchtitan/distributed/deepep/README.md at 022f885f3, "Strong
@@ -119,7 +124,11 @@ The runs, each with its source:
   torchtitan/models/qwen3/train_configs/qwen3_30b_a3b_with_deepep.toml (a8560ae35),
   assumed to be the run: local batch 8 (the weak-scaling table's LBS 8 row on 16 nodes is
   the strong-scaling 16-node row, 13,856), seq 4096, FSDP over the 8, EP 8, full AC,
-  compile on, the gate forced balanced (moe.imbalance = 1), AdamW, reduced in fp32.
+  compile on, the gate forced balanced (moe.imbalance = 1), AdamW, reduced in fp32. The
+  published memory says otherwise: the weak-scaling table adds 13.7 GiB a sequence (LBS
+  8 -> 10), where full AC holds 4.3 GiB a sequence in the plan (per-op selective AC
+  15.7), while the strong-scaling differences are the experts' states halving as planned:
+  what ran is not known, and the row cannot be judged until it is.
   Megatron-Core's MoE benchmarks, yanring/Megatron-MoE-ModelZoo
   best_practice/Qwen3/readme.md (c1ad0b5c8), "Intra-node EP strategy": Qwen3-235B-A22B on
   256 H100 (InfiniBand 8 x 50 GB/s a node), BF16, DeepEP (plan.routing_kernel = fused),
@@ -129,10 +138,21 @@ The runs, each with its source:
   (1,862 tokens/s/GPU); TP 4 x PP 8 (VPP 4: Interleaved1F1B, 4 stages a rank), EP 8, DP 8,
   MBS 1 (256 micro-batches), no recompute, 29.0 s (1,130). Megatron's distributed
   optimizer (ZeRO-1) beside pipeline stages is written as FSDP without resharding
-  (parallel.shard = grad_op), as the Llama 3 405B row. The table does not say whether the
-  gate was forced balanced: moe.imbalance is left at its default. Megatron-Core folds tp
-  into the expert group and splits the tokens over it, and so does trainwise's runtime
-  (models.moe.parallel, priced by plan.moe.parallel).
+  (parallel.shard = grad_op), as the Llama 3 405B row. The model config
+  (model_configs/benchmarking/Qwen3-235B-A22B.yaml at c1ad0b5c8) fuses the cross-entropy
+  (--cross-entropy-loss-fusion, --cross-entropy-fusion-impl te: plan.loss_kernel = fused)
+  and routes with the auxiliary loss from the pretrained checkpoint (PRETRAIN=0 loads
+  it): the table does not say the gate was forced balanced, so moe.imbalance is left at
+  its default. Megatron-Core folds tp into the expert group and splits the tokens over
+  it, and so does trainwise's runtime (models.moe.parallel, priced by plan.moe.parallel).
+  The FSDP row's flags are not published (its sharding strategy, the gradients' reduce
+  dtype): with Megatron-Core's documented custom FSDP at its commit 1e057005
+  (optim_grads_params, docs/source/api-guide/custom_fsdp.md; gradients reduced in fp32
+  under bf16 unless --grad-reduce-in-bf16, training/arguments.py; a reduce-scatter every
+  micro-batch, custom_fsdp grad_reduce_every_bprop), a rank's experts (28.4B parameters
+  over 32 ranks, one a node) move 880 GB a step through its NIC: 17.6 s at the 50 GB/s
+  line rate, the whole published step. The run moved less than that; the row is planned
+  with the documented defaults and cannot be judged until the flags are known.
 
 Left out, and why: torchtitan's context-parallel rows (Tables 2 and 6 of the December 2024
 benchmarks: not modelled), its rows with async TP (Table 4's "2D + AsyncTP", 876; Table 5,
@@ -403,8 +423,8 @@ AUTOMODEL = ("NVIDIA-NeMo/Automodel docs/performance-summary.mdx, DGX-H100 BF16 
 MOE_RUNS = [
     Published("Qwen3-30B-A3B, 8 H100, FSDP 8 x EP 8, full AC", AUTOMODEL,
               cmd("--model qwen3-30b-a3b --gpus 8 --seq 4096 --micro-batch 4 --global-batch 512 "
-                  "--ac full --strategy fsdp-full --set parallel.tp=1 --set parallel.ep=8 "
-                  "--set moe.imbalance=1 "
+                  "--ac full --strategy fsdp --set parallel.shard=grad_op --set parallel.tp=1 "
+                  "--set parallel.ep=8 --set moe.imbalance=1 "
                   "--set parallel.accumulate=unsharded --set plan.attention_kernel=fused "
                   "--set plan.routing_kernel=fused"), 12040),
     Published("Qwen3-30B-A3B, 8 B200, FSDP 8 x EP 8, full AC, compile",
@@ -419,14 +439,15 @@ MOE_RUNS = [
               cmd("--model qwen3-235b-a22b --gpus 256 --seq 4096 --micro-batch 4 "
                   "--global-batch 2048 --ac full --strategy fsdp-full --set parallel.tp=2 "
                   "--set parallel.ep=8 --set plan.attention_kernel=fused "
-                  "--set plan.routing_kernel=fused"), 1862),
+                  "--set plan.routing_kernel=fused --set plan.loss_kernel=fused"), 1862),
     Published("Qwen3-235B-A22B, 256 H100, TP 4 x PP 8 (VPP 4) x EP 8, no AC", MOE_ZOO,
               cmd("--model qwen3-235b-a22b --gpus 256 --seq 4096 --micro-batch 1 "
                   "--global-batch 2048 --ac none --strategy fsdp --set parallel.shard=grad_op "
                   "--set parallel.tp=4 --set parallel.pp=8 "
                   "--set parallel.pp_schedule=Interleaved1F1B --set parallel.pp_virtual=4 "
                   "--set parallel.pp_microbatches=256 --set parallel.ep=8 "
-                  "--set plan.attention_kernel=fused --set plan.routing_kernel=fused"), 1130),
+                  "--set plan.attention_kernel=fused --set plan.routing_kernel=fused "
+                  "--set plan.loss_kernel=fused"), 1130),
 ]
 
 

@@ -215,3 +215,38 @@ def test_the_foreach_adamw_step_streams_92_bytes_a_parameter():
     params = block * w.shape.n_layer + root
     step = _per_step(job.hardware, w, 1, None, 1.0)
     assert step.device_s == pytest.approx(params * 92 / (4.8e12 * 0.8))
+
+
+def test_fsdp_copies_once_a_step_under_pipeline_stages():
+    """Without stages FSDP gathers and reduces for every micro-batch; a pipeline stage
+    keeps its parameters gathered and its gradients unreduced until the last backward
+    (torch.distributed.pipelining), so 16 micro-batches copy what one does."""
+    from trainwise.config.parallel_dims import ParallelDims
+    from trainwise.plan.model.compute import _per_step, fsdp_rounds
+
+    job = h200_job("llama-1b", 1, "none")
+    flat = ParallelDims(1, 4, fsdp=True)
+    staged = ParallelDims(1, 4, pp=2, fsdp=True, reshard_after_forward=False)
+    assert (fsdp_rounds(flat, 16), fsdp_rounds(staged, 16)) == (16, 1)
+    one, many = (_per_step(job.hardware, job.workload, 1, flat, m) for m in (1.0, 16.0))
+    optimizer = _per_step(job.hardware, job.workload, 1, None, 1.0).device_s / 4
+    assert many.device_s - optimizer == pytest.approx(16 * (one.device_s - optimizer))
+    assert _per_step(job.hardware, job.workload, 1, staged, 16.0) == _per_step(
+        job.hardware, job.workload, 1, staged, 1.0)
+
+
+def test_a_fused_attention_kernel_reads_grouped_kv_heads_without_a_repeat():
+    """SDPA's path repeats k and v to every query head (read and write each: 4 bytes a
+    query element in bf16); FlashAttention-3 / cuDNN read the grouped heads as they are."""
+    from trainwise.models.shapes import PRESETS
+    from trainwise.plan.model.compute import _elementwise_bytes, gqa_repeat_bytes
+
+    gqa = PRESETS["llama3-8b"]  # 32 query heads over 8 key/value heads
+    q = gqa.n_head * gqa.head_dim
+    sdpa, fused = (_elementwise_bytes(gqa, 1, "bf16", False, "fused", kernel)
+                   for kernel in ("sdpa", "fused"))
+    assert sdpa - fused == gqa_repeat_bytes(2, q, True, "sdpa") == 2 * 2 * 2 * q
+    mha = PRESETS["llama-7b"]
+    assert mha.n_kv_head == mha.n_head
+    assert _elementwise_bytes(mha, 1, "bf16", False, "fused", "sdpa") == _elementwise_bytes(
+        mha, 1, "bf16", False, "fused", "fused")

@@ -130,7 +130,7 @@ def _emitted(flags: dict):
 def test_the_12_gpu_job_runs_its_global_batch_on_12_workers():
     # llama-7b on 12 GPUs emitted 16 workers and 86 x 12 = 1,032 for 1,024
     plan, choice, job, text = _emitted({"model.name": "llama-7b", "plan.gpus": 12})
-    dp = 12 // job.parallel.tp
+    dp = 12 // (job.parallel.tp * job.parallel.pp)  # the data-parallel ranks
     assert job.cluster.nproc * job.cluster.nodes == 12
     assert job.cluster.nproc <= 8  # the machines' GPUs
     assert job.data.micro_batch * job.data.grad_accum * dp == job.data.global_batch

@@ -245,3 +245,31 @@ def test_the_search_borrows_ep_from_tensor_parallel_ranks_as_the_runtime_does():
     assert offered == [1, 4]
     with pytest.raises(ConfigError):  # the runtime refuses the one left out
         replace(tp_only, ep=2)
+
+
+def test_fsdp_copies_of_a_moe_stage_once_a_step():
+    """moe_per_step follows plan.model.compute.fsdp_rounds: every micro-batch without
+    stages, once a step with them (the stage's experts and dense parameters stay gathered)."""
+    from trainwise.plan.moe.compute import moe_per_step
+
+    job = plan_inputs(**{"model.name": "moe-tiny", "plan.gpus": 8,
+                         "cluster.gpu": "H100-SXM", "precision.dtype": "bf16"})
+    w, hw = job.workload, job.hardware
+    flat = ParallelDims(1, 8, ep=2, fsdp=True)
+    staged = ParallelDims(1, 4, pp=2, ep=2, fsdp=True, reshard_after_forward=False)
+    one, two, many = (moe_per_step(hw, w, flat, m) for m in (1, 2, 16))
+    assert many.host_ops - one.host_ops == 15 * (two.host_ops - one.host_ops) > 0
+    assert many.device_s - one.device_s == pytest.approx(15 * (two.device_s - one.device_s))
+    assert moe_per_step(hw, w, staged, 16) == moe_per_step(hw, w, staged, 1)
+
+
+def test_a_fused_attention_kernel_prices_no_gqa_repeat_in_a_moe_layer():
+    """Qwen3-30B-A3B (32 query heads over 4): the fused kernel's layer moves 2 x 2 x 2
+    bytes a query element less a token than SDPA's, which repeats k and v."""
+    from trainwise.plan.moe.compute import Kernels, _layer_bytes
+
+    shape = MOE_PRESETS["qwen3-30b-a3b"]
+    q = shape.n_head * shape.head_dim
+    sdpa, fused = (_layer_bytes(shape, True, 1.0, "bf16", False, Kernels(attention=a))
+                   for a in ("sdpa", "fused"))
+    assert sdpa - fused == 8 * q

@@ -75,3 +75,29 @@ def test_an_efficiency_override_already_holds_the_slowdown():
     without = evaluate(replace(fixed, hardware=replace(fixed.hardware, nccl_channels=0)),
                        "fsdp-full")
     assert with_channels.step.compute == without.step.compute
+
+
+def test_compute_lost_to_collectives_that_outlast_it_runs_while_the_step_waits():
+    """Compute W = 10 s beside collectives C: compute-bound (C = 4 s) the step is
+    W + 4 x 32/132; communication-bound (C = 12 s) the compute runs at 100/132 of its rate
+    the whole 12 s, which covers its 10 s when 12 x 100/132 >= 10, and else only the rest
+    adds; never the slowdown of a window the step already waits out."""
+    from trainwise.plan.model.comm import Collective, outlasting_seconds
+
+    sms, share = 132, 32 / 132
+
+    def gather(seconds: float) -> list[Collective]:
+        return [Collective("all-gather", seconds * 1e9, 1e9, per_micro_batch=True)]
+
+    compute = 10.0
+    assert outlasting_seconds(gather(4.0), compute) == 0.0
+    assert contention_seconds(4.0, 32, sms, 0.0) == pytest.approx(4 * share)
+    for comm in (12.0, 14.0):
+        waits = outlasting_seconds(gather(comm), compute)
+        assert waits == pytest.approx(comm - compute)
+        hidden = comm - waits  # the window the compute overlaps
+        step = compute + contention_seconds(hidden, 32, sms, waits) + waits
+        assert step == pytest.approx(max(comm, comm + compute - (1 - share) * comm))
+    # the reductions a step issues once wait past the last backward's window
+    once = [Collective("reduce-scatter", 4e9, 1e9)]
+    assert outlasting_seconds(once, compute, grad_accum=4) == pytest.approx(4 - 10 / 4 * 2 / 3)

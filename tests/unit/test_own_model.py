@@ -62,7 +62,8 @@ def test_a_module_shaped_like_a_preset_is_planned_as_the_preset(factory, preset,
         assert close(s.memory.total, rows[s.name].memory.total), s.name
         assert close(s.step.total, rows[s.name].step.total), s.name
     chosen, preset_choice = mine.recommendation.choice, theirs.recommendation.choice
-    if preset_choice.dims.tp == 1:  # the user's module has no tensor-parallel plan
+    # the user's module has no tensor-parallel plan and no stage split of its own
+    if preset_choice.dims.tp == preset_choice.dims.pp == 1:
         assert close(chosen.plan.memory.total, preset_choice.plan.memory.total)
         assert close(chosen.plan.step.total, preset_choice.plan.step.total)
     assert chosen.dims.tp == chosen.dims.pp == 1

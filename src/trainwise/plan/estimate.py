@@ -22,6 +22,7 @@ from trainwise.plan.model.comm import (
     contention_seconds,
     exposed_seconds,
     layout_collectives,
+    outlasting_seconds,
 )
 from trainwise.plan.model.compute import ComputeTime
 from trainwise.plan.model.cost import CheckpointPlan, Cost, checkpoint_plan, job_cost
@@ -431,5 +432,6 @@ def _communication(
     # doctor's calibration, a bare parameter count's published MFU) comes from whole steps
     # whose compute already ran beside the collectives.
     modelled = inputs.efficiency is None and (w.shape is not None or w.profile is not None)
-    slowed = contention_seconds(on_sms, hw.nccl_channels, sms) if modelled else 0.0
+    outlasting = outlasting_seconds(nccl, busy, dp_accum)
+    slowed = contention_seconds(on_sms, hw.nccl_channels, sms, outlasting) if modelled else 0.0
     return everything, host_s + slowed, exposed

@@ -195,8 +195,7 @@ def exposed_seconds(
     total = t_gather + t_reduce
     if total == 0:
         return 0.0
-    last_backward = compute_s / grad_accum * 2 / 3
-    waits = max(total - compute_s, t_reduce - last_backward, 0.0)
+    waits = outlasting_seconds(collectives, compute_s, grad_accum)
     if not dims.fsdp:
         c = reductions[0]
         first = min(c.seconds, allreduce_factor(dims.dp_size) * DDP_BUCKET_BYTES / c.bytes_per_s)
@@ -206,7 +205,22 @@ def exposed_seconds(
     return min(total, waits + first)
 
 
-def contention_seconds(hidden_s: float, channels: int, sms: int) -> float:
+def outlasting_seconds(
+    collectives: list[Collective], compute_s: float, grad_accum: int = 1
+) -> float:
+    """Seconds the data-parallel collectives run past the compute window they hide behind
+    (exposed_seconds's rule, without the pieces nothing hides): the gathers and every
+    micro-batch's reductions behind the step's compute, the step's reductions behind the
+    last micro-batch's backward."""
+    t_gather = sum(c.seconds for c in collectives if c.per_micro_batch)
+    t_reduce = sum(c.seconds for c in collectives if not c.per_micro_batch)
+    last_backward = compute_s / grad_accum * 2 / 3
+    return max(t_gather + t_reduce - compute_s, t_reduce - last_backward, 0.0)
+
+
+def contention_seconds(
+    hidden_s: float, channels: int, sms: int, outlasting_s: float = 0.0
+) -> float:
     """Seconds the compute loses to the `hidden_s` seconds of NCCL collectives that run
     beside it. NCCL runs each channel as one thread block that holds an SM for the whole
     collective and shares it with no compute kernel (S. Jeaugey, NVIDIA/nccl issues #689
@@ -215,7 +229,11 @@ def contention_seconds(hidden_s: float, channels: int, sms: int) -> float:
     after it. Lee et al., 2025 ("Characterizing Compute-Communication Overlap in
     GPU-Accelerated Distributed Deep Learning", arXiv 2507.03114) measure overlapped
     compute 18.9 % slower on average (up to 40 %) on A100 and H100; 32 of the H100's 132
-    SMs is 24 %. The HBM bandwidth the collective moves its bytes with is left out."""
+    SMs is 24 %. The HBM bandwidth the collective moves its bytes with is left out.
+    Where the collectives outlast the compute (`outlasting_s`, outlasting_seconds: the step
+    waits for them), the lost compute runs in that wait, beside them on the same
+    sms - channels SMs: only what is left when they end adds to the step."""
     if hidden_s <= 0 or channels <= 0 or sms <= 0:
         return 0.0
-    return hidden_s * min(channels, sms) / sms
+    share = min(channels, sms) / sms
+    return max(0.0, hidden_s * share - outlasting_s * (1 - share))

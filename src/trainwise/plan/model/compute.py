@@ -298,18 +298,20 @@ def _micro_batch(
     norm = "fused" if compiled else norm_kernel
     share = FUSED_ATTENTION_SHARE.get(hw.generation) if attention == "fused" else None
     forward = _block_forward(
-        shape, tokens, seq, tp, hw, precision, autocast, compiled, table, norm, share, float8
+        shape, tokens, seq, tp, hw, precision, autocast, compiled, table, norm, share, float8,
+        attention,
     )
     backward = _block_backward(
         shape, tokens, seq, tp, hw, precision, autocast, compiled, table, norm,
         weight_grads=lora is None, attention_share=share, float8=float8,
+        attention_kernel=attention,
     )
     recomputed = len(checkpointed_blocks(ac, shape.n_layer))
     blocks = (forward + backward).times(shape.n_layer)
     if ac == SELECTIVE_OP:  # every block runs its elementwise work and half its matmuls again
         blocks = blocks + sum(
             (_block_recompute(shape, tokens, tp, hw, precision, autocast, compiled, table,
-                              norm, lora, i, float8) for i in range(shape.n_layer)),
+                              norm, lora, i, float8, attention) for i in range(shape.n_layer)),
             Work(),
         )
         recomputed = 0  # the adapters' recomputed matmuls are counted among the block's
@@ -407,12 +409,22 @@ def norm_bytes(residual: int, element: int, kernel: str) -> int:
     return upcast + 2 * f + f + 2 * f + (f + element) + 2 * element
 
 
+def gqa_repeat_bytes(element: int, q: int, grouped: bool, attention: str) -> int:
+    """Bytes per token of k and v repeated to every query head of grouped-query attention
+    (`q`: the query width): SDPA's path repeats them (read and write, each); a fused kernel
+    reads the grouped heads as they are (FlashAttention's flash_attn_func: "Supports
+    multi-query and grouped-query attention (MQA/GQA) by passing in KV with fewer heads than
+    Q"; Transformer Engine's DotProductAttention takes num_gqa_groups): none."""
+    return 2 * 2 * element * q if grouped and attention == "sdpa" else 0
+
+
 def _elementwise_bytes(
-    shape: GPTShape, tp: int, precision: str, autocast: bool, norm_kernel: str = "fused"
+    shape: GPTShape, tp: int, precision: str, autocast: bool, norm_kernel: str = "fused",
+    attention: str = "sdpa",
 ) -> float:
     """Bytes per token a block's forward reads and writes outside its GEMMs and attention:
     two norms (and autocast's casts of their outputs), two residual adds, rotary, GQA's
-    repeat, the attention output's copy, the MLP's activation."""
+    repeat (gqa_repeat_bytes), the attention output's copy, the MLP's activation."""
     e = BYTES[precision]
     r = MASTER_BYTES if autocast else e  # the residual stream under autocast stays fp32
     h, f = shape.d_model, shape.d_ff // tp
@@ -421,13 +433,15 @@ def _elementwise_bytes(
     norms = 2 * (norm_bytes(r, e, norm_kernel) * h + casts)
     residual = 2 * 3 * r * h
     rotary = ROTARY_PASSES * e * (q + kv) if shape.pos == "rope" else 0
-    repeat = 2 * 2 * e * q if shape.n_kv_head != shape.n_head else 0
+    repeat = gqa_repeat_bytes(e, q, shape.n_kv_head != shape.n_head, attention)
     copy = 2 * e * q
     act = e * f * (5 if shape.mlp == "swiglu" else 2)
     return norms + residual + rotary + repeat + copy + act
 
 
-def _forward_ops(shape: GPTShape, autocast: bool, norm_kernel: str = "fused") -> int:
+def _forward_ops(
+    shape: GPTShape, autocast: bool, norm_kernel: str = "fused", attention: str = "sdpa"
+) -> int:
     """Operations eager PyTorch dispatches in one block's forward (models.gpt.Block)."""
     linears = len(_gemms(shape, 1))
     ops = 2 + linears + 6 + 1 + 2 + 2 + 2 + (2 if shape.mlp == "swiglu" else 1)
@@ -437,7 +451,7 @@ def _forward_ops(shape: GPTShape, autocast: bool, norm_kernel: str = "fused") ->
     # dropouts, residual adds, activation
     if shape.pos == "rope":
         ops += 2 * 12  # per q and k: two table slices and casts, chunk, 4 mul, 2 add, cat
-    if shape.n_kv_head != shape.n_head:
+    if shape.n_kv_head != shape.n_head and attention == "sdpa":
         ops += 2  # repeat_interleave of k and v
     if autocast:
         ops += linears * (2 if shape.bias else 1)  # weight (and bias) casts
@@ -449,6 +463,7 @@ def _block_forward(
     shape: GPTShape, tokens: int, seq: int, tp: int, hw: Hardware, precision: str,
     autocast: bool, compiled: bool, table: GemmTable | None, norm_kernel: str = "fused",
     attention_share: float | None = None, float8: Float8 | None = None,
+    attention_kernel: str = "sdpa",
 ) -> Work:
     gemms = sum(_linear_gemm(tokens, o, i, hw, precision, table, f8)
                 for o, i, f8 in _linears(shape, tp, float8))
@@ -456,7 +471,8 @@ def _block_forward(
     attention = attention_seconds(
         2.0 * tokens * seq * q, hw.clocked_flops, GENERATIONS[hw.generation], attention_share
     )
-    moved = tokens * _elementwise_bytes(shape, tp, precision, autocast, norm_kernel)
+    moved = tokens * _elementwise_bytes(shape, tp, precision, autocast, norm_kernel,
+                                        attention_kernel)
     if autocast:  # each weight cast to 16 bits for its matmul (read fp32, write 16-bit)
         moved += sum(o * i for o, i in _gemms(shape, tp)) * (MASTER_BYTES + BYTES[precision])
     if float8 is not None:
@@ -465,7 +481,7 @@ def _block_forward(
         moved *= COMPILED_MEMORY_SHARE
     memory = moved / (hw.hbm_bps * MEMORY_SHARE)
     ops = len(_gemms(shape, 1)) + 1 + FUSED_KERNELS_PER_BLOCK if compiled else _forward_ops(
-        shape, autocast, norm_kernel
+        shape, autocast, norm_kernel, attention_kernel
     ) + (cast_ops(shape)[0] if float8 is not None else 0)
     return Work(gemms + attention + memory, ops)
 
@@ -473,7 +489,7 @@ def _block_forward(
 def _block_recompute(
     shape: GPTShape, tokens: int, tp: int, hw: Hardware, precision: str, autocast: bool,
     compiled: bool, table: GemmTable | None, norm_kernel: str, lora: LoraPlan | None,
-    index: int, float8: Float8 | None = None,
+    index: int, float8: Float8 | None = None, attention: str = "sdpa",
 ) -> Work:
     """What block `index`'s backward runs again under selective-op (plan.model.selective_op):
     the matmuls whose outputs were not kept, priced by shape as the forward's, and its
@@ -485,7 +501,7 @@ def _block_recompute(
     again = recomputed_matmuls(shape, tp, lora, index)
     f8 = {(o, i) for o, i, f in _linears(shape, tp, float8) if f}
     gemms = sum(_linear_gemm(tokens, o, i, hw, precision, table, (o, i) in f8) for o, i in again)
-    moved = tokens * _elementwise_bytes(shape, tp, precision, autocast, norm_kernel)
+    moved = tokens * _elementwise_bytes(shape, tp, precision, autocast, norm_kernel, attention)
     if autocast:
         moved += sum(o * i for o, i in _gemms(shape, tp)) * (MASTER_BYTES + BYTES[precision])
     if float8 is not None and f8:  # the recomputed float8 matmuls' forward casts, pro rata
@@ -495,7 +511,7 @@ def _block_recompute(
         moved *= COMPILED_MEMORY_SHARE
         ops = FUSED_KERNELS_PER_BLOCK + len(recomputed_matmuls(shape, 1, lora, index))
     else:
-        ops = _forward_ops(shape, autocast, norm_kernel) * (1 + 2 * SAC_MODE_OPS)
+        ops = _forward_ops(shape, autocast, norm_kernel, attention) * (1 + 2 * SAC_MODE_OPS)
     return Work(gemms + moved / (hw.hbm_bps * MEMORY_SHARE), ops)
 
 
@@ -504,7 +520,7 @@ def _block_backward(
     shape: GPTShape, tokens: int, seq: int, tp: int, hw: Hardware, precision: str,
     autocast: bool, compiled: bool, table: GemmTable | None, norm_kernel: str = "fused",
     weight_grads: bool = True, attention_share: float | None = None,
-    float8: Float8 | None = None,
+    float8: Float8 | None = None, attention_kernel: str = "sdpa",
 ) -> Work:
     """Input and weight gradients of every projection (LoRA's frozen ones: input gradients
     only), attention's backward (2.5 times its forward), the elementwise work twice (each
@@ -518,7 +534,8 @@ def _block_backward(
     attention = attention_seconds(
         5.0 * tokens * seq * q, hw.clocked_flops, GENERATIONS[hw.generation], attention_share
     )
-    moved = 2 * tokens * _elementwise_bytes(shape, tp, precision, autocast, norm_kernel)
+    moved = 2 * tokens * _elementwise_bytes(shape, tp, precision, autocast, norm_kernel,
+                                            attention_kernel)
     if float8 is not None:
         moved += cast_bytes(shape, tp, tokens, precision, float8.gathered)[1]
     if compiled:
@@ -526,7 +543,7 @@ def _block_backward(
     memory = moved / (hw.hbm_bps * MEMORY_SHARE)
     forward_ops = (
         len(_gemms(shape, 1)) + 1 + FUSED_KERNELS_PER_BLOCK if compiled
-        else _forward_ops(shape, autocast, norm_kernel)
+        else _forward_ops(shape, autocast, norm_kernel, attention_kernel)
     )
     casts = cast_ops(shape)[1] if float8 is not None and not compiled else 0
     return Work(gemms + attention + memory, BACKWARD_OPS_PER_FORWARD_OP * forward_ops + casts)
@@ -575,11 +592,21 @@ def _adapters(
     return Work(gemms, ops)
 
 
+def fsdp_rounds(dims: ParallelDims, micro_batches: float) -> float:
+    """How many times a step's FSDP gathers and reduces a rank's parameters: every
+    micro-batch, or once under pipeline stages, whose stage keeps its parameters gathered
+    and its gradients unreduced until the step's last backward (torch.distributed.
+    pipelining's backward_maybe_with_nosync: set_reshard_after_backward and
+    set_requires_gradient_sync False but for the last; plan.estimate's dp_accum rule)."""
+    return 1.0 if dims.pp > 1 else micro_batches
+
+
 def _per_step(
     hw: Hardware, w: Workload, tp: int, dims: ParallelDims | None, micro_batches: float
 ) -> Work:
     """The optimizer step on this rank's parameters (on the host with cpu offload: priced
-    by the caller), and FSDP's copies and per-parameter work for every micro-batch."""
+    by the caller), and FSDP's copies and per-parameter work for each of its rounds
+    (fsdp_rounds)."""
     frozen, trained = rank_split(w.params, w.shape, w.lora, tp)
     rank_params = frozen + trained
     shard = dims.dp_shard if dims is not None and dims.fsdp else 1
@@ -601,9 +628,9 @@ def _per_step(
         # the float8 Linears' weights gathered in float8 are copied out in 1 byte
         f8 = gathered_float8_params(w.shape, tp, w.float8, w.float8_all_gather)
         moved -= f8 * gathers * 2 * (e - FLOAT8_BYTES)
+        rounds = fsdp_rounds(dims, micro_batches)
         work += Work(
-            micro_batches * moved / (hw.hbm_bps * MEMORY_SHARE),
-            micro_batches * FSDP_OPS_PER_PARAM * tensors,
+            rounds * moved / (hw.hbm_bps * MEMORY_SHARE), rounds * FSDP_OPS_PER_PARAM * tensors
         )
     return work
 

@@ -44,6 +44,7 @@ from trainwise.plan.model.comm import (
     contention_seconds,
     exposed_seconds,
     layout_collectives,
+    outlasting_seconds,
 )
 from trainwise.plan.model.flops import recompute_factor
 from trainwise.plan.model.gemm import GENERATIONS
@@ -145,6 +146,7 @@ def moe_communication(
     params += expert_collectives(dims, p.experts, stage_layout, w.precision, w.reduce_dtype,
                                  dp_accum, setup.accumulate, shape.moe_layers)
     waited = exposed_seconds(params, compute, dims, p.block / (p.dense + p.experts), dp_accum)
+    outlasting = outlasting_seconds(params, compute, dp_accum)
     a2a = all_to_all_collective(w, dims, stage_layout, accum)
     tp_comm = moe_tp_collectives(w, dims.tp, _tp_recomputed(w), accum, stage_layout,
                                  setup.sequence_parallel)
@@ -161,7 +163,8 @@ def moe_communication(
     hidden += max(0.0, sum(c.seconds for c in tp_comm) - tp_waited)
     slowed = 0.0
     if inputs.efficiency is None:  # a measured efficiency already ran beside them
-        slowed = contention_seconds(hidden, hw.nccl_channels, GENERATIONS[hw.generation].sms)
+        slowed = contention_seconds(hidden, hw.nccl_channels, GENERATIONS[hw.generation].sms,
+                                    outlasting)
     return everything, slowed, exposed
 
 

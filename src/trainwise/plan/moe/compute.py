@@ -48,6 +48,8 @@ from trainwise.plan.model.compute import (
     Work,
     _gemm,
     _head,
+    fsdp_rounds,
+    gqa_repeat_bytes,
     norm_bytes,
 )
 from trainwise.plan.model.gemm import (
@@ -233,8 +235,7 @@ def _layer_bytes(shape: MoEShape, moe: bool, imbalance: float, precision: str,
     casts = (r + e) * h if autocast else 0
     norms = 2 * (norm_bytes(r, e, norm_kernel) * h + casts) + 2 * 3 * r * h  # and residuals
     attention = ROTARY_PASSES * e * (q + kv) + 2 * e * q
-    if shape.n_kv_head != shape.n_head:
-        attention += 2 * 2 * e * q  # k and v repeated for grouped-query attention
+    attention += gqa_repeat_bytes(e, q, shape.n_kv_head != shape.n_head, kernels.attention)
     if shape.qk_norm:
         attention += norm_bytes(e, e, norm_kernel) * (q + kv)
     if not moe:
@@ -313,7 +314,8 @@ def moe_per_step(hw: Hardware, w: Workload, dims: ParallelDims | None,
                  micro_batches: float) -> Work:
     """The optimizer step on the rank's shards and, under FSDP, the copies of every
     gather (the fp32 shard cast to 16 bits, the gathered buffer copied out) and reduction
-    for every micro-batch, dense parameters and the rank's experts alike."""
+    for each of its rounds (plan.model.compute.fsdp_rounds: every micro-batch, once a step
+    under pipeline stages), dense parameters and the rank's experts alike."""
     shape = w.moe
     assert shape is not None
     dims = dims or ParallelDims()
@@ -328,5 +330,6 @@ def moe_per_step(hw: Hardware, w: Workload, dims: ParallelDims | None,
     for params, shard in ((p.dense, dims.dp_shard), (p.experts, experts.shard)):
         moved += params * (gathers * (MASTER_BYTES / shard + 2 * e) + e + MASTER_BYTES)
     tensors = MOE_LAYER_TENSORS * shape.n_layer + 3
-    return work + Work(micro_batches * moved / (hw.hbm_bps * MEMORY_SHARE),
-                       micro_batches * FSDP_OPS_PER_PARAM * tensors)
+    rounds = fsdp_rounds(dims, micro_batches)
+    return work + Work(rounds * moved / (hw.hbm_bps * MEMORY_SHARE),
+                       rounds * FSDP_OPS_PER_PARAM * tensors)
