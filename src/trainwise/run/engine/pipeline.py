@@ -103,7 +103,6 @@ class PipelineStep(DataParallelStep):
             get_schedule_class(schedule), self.stages, microbatches, self._loss
         )
         self._eval_schedule: Any = None
-        self._denominators = torch.ones(self.grad_accum, dtype=torch.long)  # set per step
         # Parameters the first and last stage share (a tied head): {last's name: first's}.
         info = stage_info(parts[0])
         self.ties = info.ties if info is not None else {}
@@ -152,14 +151,16 @@ class PipelineStep(DataParallelStep):
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """A pipeline micro-batch's part of the step's loss; `target` carries each
-        sample's loader micro-batch beside its targets (_targets)."""
-        y, loader_batch = target[..., 0], target.reshape(-1, 2)[0, 1]
+        sample's denominator beside its targets (_targets). Read as a tensor, not an
+        index: indexing by a 0-d tensor reads it on the host (a GPU synchronisation per
+        micro-batch, inside the schedule)."""
+        y, denominator = target[..., 0], target.reshape(-1, 2)[0, 1]
         counted = (y != IGNORE).sum()
         # A micro-batch of ignored targets only adds 0, with a graph: one target counted.
         first = torch.zeros_like(y, dtype=torch.bool)
         first.view(-1)[0] = True
         y = torch.where(first & (counted == 0), 0, y)
-        weight = counted / self._denominators[loader_batch]
+        weight = counted / denominator
         loss = self.loss_fn(output, y) * weight
         loss = loss * float("nan") if self.poison else loss  # a fault injected by a test
         aux = last_aux(self.loss_fn)
@@ -169,14 +170,13 @@ class PipelineStep(DataParallelStep):
         return loss
 
     def _targets(self, y: torch.Tensor) -> torch.Tensor:
-        """The targets with each sample's loader micro-batch beside them ([B, T, 2] for
-        tokens, [B, 2] for a class a sample: any target shape), and the denominators of
-        _loss: each loader micro-batch's counted targets x grad_accum."""
+        """The targets with each sample's denominator in _loss beside them ([B, T, 2] for
+        tokens, [B, 2] for a class a sample: any target shape): its loader micro-batch's
+        counted targets x grad_accum."""
         accum = self.grad_accum
         counted = (y != IGNORE).reshape(accum, -1).sum(1)
-        self._denominators = counted * accum
-        loader_batch = torch.arange(accum, device=y.device).repeat_interleave(len(y) // accum)
-        per_sample = loader_batch.view(-1, *[1] * (y.dim() - 1)).expand_as(y)
+        denominators = (counted * accum).repeat_interleave(len(y) // accum)
+        per_sample = denominators.view(-1, *[1] * (y.dim() - 1)).expand_as(y)
         return torch.stack([y, per_sample], dim=-1)
 
     def step(
@@ -322,9 +322,13 @@ def eval_schedule(schedule: str, stages: list[PipelineStage], loss_fn: Callable)
 def tie_group(mesh: JobMesh) -> dist.ProcessGroup | None:
     """The group of this rank's first- and last-stage ranks (pp coordinates 0 and pp - 1,
     the same data- and tensor-parallel coordinates), which both hold the tied embedding;
-    None where this rank is in none. Every rank creates every such group, in one order."""
+    None where this rank is in none. Every rank creates every such group, in one order.
+    With two stages' ranks (pp 2) the pair is the rank's pp group itself: no new group
+    (each gloo group keeps a thread that wakes every 10 ms beside the step)."""
     ranks = mesh.device_mesh.mesh
     pairs = ranks.reshape(ranks.shape[0], -1)
+    if pairs.shape[0] == 2:
+        return mesh.pp_group()
     mine = None
     for j in range(pairs.shape[1]):
         group = dist.new_group([int(pairs[0, j]), int(pairs[-1, j])])
