@@ -150,17 +150,12 @@ class PipelineStep(DataParallelStep):
         return timed
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """A pipeline micro-batch's part of the step's loss; `target` carries each
-        sample's denominator beside its targets (_targets). Read as a tensor, not an
-        index: indexing by a 0-d tensor reads it on the host (a GPU synchronisation per
-        micro-batch, inside the schedule)."""
-        y, denominator = target[..., 0], target.reshape(-1, 2)[0, 1]
-        counted = (y != IGNORE).sum()
-        # A micro-batch of ignored targets only adds 0, with a graph: one target counted.
-        first = torch.zeros_like(y, dtype=torch.bool)
-        first.view(-1)[0] = True
-        y = torch.where(first & (counted == 0), 0, y)
-        weight = counted / denominator
+        """A pipeline micro-batch's part of the step's loss: its mean weighted by its
+        counted targets over its denominator, both carried beside each sample's targets
+        (_targets, made once a step). Read as tensors, not as an index: indexing by a 0-d
+        tensor reads it on the host (a GPU synchronisation per micro-batch)."""
+        y, figures = target[..., 0], target.reshape(-1, 3)[0]
+        weight = figures[1] / figures[2]
         loss = self.loss_fn(output, y) * weight
         loss = loss * float("nan") if self.poison else loss  # a fault injected by a test
         aux = last_aux(self.loss_fn)
@@ -170,14 +165,24 @@ class PipelineStep(DataParallelStep):
         return loss
 
     def _targets(self, y: torch.Tensor) -> torch.Tensor:
-        """The targets with each sample's denominator in _loss beside them ([B, T, 2] for
-        tokens, [B, 2] for a class a sample: any target shape): its loader micro-batch's
-        counted targets x grad_accum."""
-        accum = self.grad_accum
-        counted = (y != IGNORE).reshape(accum, -1).sum(1)
-        denominators = (counted * accum).repeat_interleave(len(y) // accum)
-        per_sample = denominators.view(-1, *[1] * (y.dim() - 1)).expand_as(y)
-        return torch.stack([y, per_sample], dim=-1)
+        """The targets with two figures of _loss beside each sample's ([B, T, 3] for
+        tokens, [B, 3] for a class a sample: any target shape): its pipeline micro-batch's
+        counted targets, and its loader micro-batch's counted targets x grad_accum. A
+        pipeline micro-batch of ignored targets only adds 0 (its weight), with a graph:
+        its first target is made a counted one."""
+        accum, micro = self.grad_accum, self.microbatches
+        kept = y != IGNORE
+        denominators = kept.reshape(accum, -1).sum(1) * accum
+        counted = kept.reshape(micro, -1).sum(1)
+        y = y.clone()
+        firsts = y.view(micro, -1)[:, 0]
+        firsts.copy_(torch.where(counted == 0, 0, firsts))
+        shape = (-1, *[1] * (y.dim() - 1))
+        per_sample = [
+            figure.repeat_interleave(len(y) // n).view(shape).expand_as(y)
+            for figure, n in ((counted, micro), (denominators, accum))
+        ]
+        return torch.stack([y, *per_sample], dim=-1)
 
     def step(
         self, parts: list[torch.nn.Module], batches: Iterator[Batch], probe: bool
@@ -348,11 +353,13 @@ def sync_tied_grads(copies: list[Copies], group: dist.ProcessGroup | None) -> No
         grads = [_local(p.grad) for p in pair if p is not None and p.grad is not None]
         if not grads or group is None and len(grads) == 1:
             continue
-        total = torch.stack(grads).sum(0)
+        # One copy here (the other on the group's other rank): summed in place.
+        total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
         if group is not None:
             dist.all_reduce(total, group=group)
-        for grad in grads:
-            grad.copy_(total)
+        if len(grads) > 1:
+            for grad in grads:
+                grad.copy_(total)
 
 
 @torch.no_grad()
