@@ -10,7 +10,8 @@ torch.profiler, per step:
 - the sizes gloo ran them at (`gloo:*`, element counts);
 - the waits on a collective's Work, by where they were made;
 - the host reads of a tensor's value (`aten::_local_scalar_dense`: .item(), bool(),
-  float(), indexing by a 0-d tensor): on a GPU each is a synchronisation.
+  float(), indexing by a 0-d tensor): on a GPU each is a synchronisation;
+- the aten operations run, nested ones included (bench/step_threads.py --ops names them).
 
 "Where" is the innermost Python frame that is not torch's plumbing (torch/distributed's
 c10d wrappers, Tensor's methods): a trainwise or bench function, or torch's FSDP, optimizer
@@ -115,6 +116,8 @@ def count(events) -> Counter:
             rows[f"wait | Work.wait | {site(e)}"] += 1
         elif name == "aten::_local_scalar_dense":
             rows[f"host read | {name} | {site(e)}"] += 1
+        if name.startswith("aten::"):
+            rows["ops | aten ops, nested ones included | "] += 1
     return rows
 
 
