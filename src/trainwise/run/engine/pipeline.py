@@ -103,6 +103,7 @@ class PipelineStep(DataParallelStep):
             get_schedule_class(schedule), self.stages, microbatches, self._loss
         )
         self._eval_schedule: Any = None
+        self._share: float | None = None  # each micro-batch's loss weight, if one for all
         # Parameters the first and last stage share (a tied head): {last's name: first's}.
         info = stage_info(parts[0])
         self.ties = info.ties if info is not None else {}
@@ -150,12 +151,16 @@ class PipelineStep(DataParallelStep):
         return timed
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """A pipeline micro-batch's part of the step's loss: its mean weighted by its
-        counted targets over its denominator, both carried beside each sample's targets
-        (_targets, made once a step). Read as tensors, not as an index: indexing by a 0-d
-        tensor reads it on the host (a GPU synchronisation per micro-batch)."""
-        y, figures = target[..., 0], target.reshape(-1, 3)[0]
-        weight = figures[1] / figures[2]
+        """A pipeline micro-batch's part of the step's loss: its mean weighted by its share
+        of its loader micro-batch's counted targets (_targets, made once a step: the same
+        share for every micro-batch when no target is ignored, else two figures carried
+        beside each sample's targets, read as tensors: an index by a 0-d tensor would
+        read it on the host, a GPU synchronisation per micro-batch)."""
+        if self._share is not None:
+            y, weight = target, self._share
+        else:
+            y, figures = target[..., 0], target.reshape(-1, 3)[0]
+            weight = figures[1] / figures[2]
         loss = self.loss_fn(output, y) * weight
         loss = loss * float("nan") if self.poison else loss  # a fault injected by a test
         aux = last_aux(self.loss_fn)
@@ -165,13 +170,20 @@ class PipelineStep(DataParallelStep):
         return loss
 
     def _targets(self, y: torch.Tensor) -> torch.Tensor:
-        """The targets with two figures of _loss beside each sample's ([B, T, 3] for
-        tokens, [B, 3] for a class a sample: any target shape): its pipeline micro-batch's
-        counted targets, and its loader micro-batch's counted targets x grad_accum. A
-        pipeline micro-batch of ignored targets only adds 0 (its weight), with a graph:
-        its first target is made a counted one."""
+        """The step's targets as _loss takes them, from the loader's (on the host): as they
+        are where no target is ignored (each pipeline micro-batch's weight is then 1 /
+        microbatches) and on a rank without the last stage (its schedule reads none);
+        else with two figures beside each sample's ([B, T, 3] for tokens, [B, 3] for a
+        class a sample: any target shape): its pipeline micro-batch's counted targets,
+        and its loader micro-batch's counted targets x grad_accum. A pipeline micro-batch
+        of ignored targets only adds 0 (its weight), with a graph: its first target is
+        made a counted one."""
         accum, micro = self.grad_accum, self.microbatches
         kept = y != IGNORE
+        uniform = not self.last or bool(kept.all())  # a host tensor: no synchronisation
+        self._share = 1.0 / micro if uniform else None
+        if uniform:
+            return y
         denominators = kept.reshape(accum, -1).sum(1) * accum
         counted = kept.reshape(micro, -1).sum(1)
         y = y.clone()
@@ -192,12 +204,14 @@ class PipelineStep(DataParallelStep):
         self.begin_a2a()
         self.stage = "data loading"
         x, y, *rest = self._batch(batches)
+        y = self._targets(y).to(self.device)
+        x, *rest = (t.to(self.device) for t in (x, *rest))
         clock.mark("data")
         self.stage = f"the pipeline schedule ({self.name}, {self.microbatches} micro-batches)"
         wall = Spans(self.device)
         started = wall.mark()
         losses: list[torch.Tensor] = []
-        run(self.schedule, self.first, x, self._targets(y), rest, losses, self.autocast)
+        run(self.schedule, self.first, x, y, rest, losses, self.autocast)
         wall.add(started, wall.mark())
         clock.mark("last")
         self.stage = "the pipeline's tied gradients"
@@ -214,9 +228,10 @@ class PipelineStep(DataParallelStep):
         )
 
     def _batch(self, batches: Iterator[Batch]) -> list[torch.Tensor]:
-        """The step's grad_accum loader batches as one: the schedule cuts it."""
+        """The step's grad_accum loader batches as one, where the loader left them (the
+        host): the schedule cuts it."""
         micro = [next(batches) for _ in range(self.grad_accum)]
-        return [torch.cat(tensors).to(self.device) for tensors in zip(*micro, strict=True)]
+        return [t[0] if len(t) == 1 else torch.cat(t) for t in zip(*micro, strict=True)]
 
     def _loss_part(
         self, losses: list[torch.Tensor]
