@@ -33,11 +33,13 @@ def recorder(
     )
 
 
-def result(loss: float) -> StepResult:
+def result(loss: float, grad_norm: float = 1.0) -> StepResult:
     t = time.perf_counter()
     marks = [("start", t), ("data", t + 0.01), ("compute", t + 0.02), ("last", t + 0.03),
              ("optim", t + 0.04)]
-    return StepResult(torch.tensor(loss), torch.tensor(1.0), marks, probe=False, end=t + 0.04)
+    return StepResult(
+        torch.tensor(loss), torch.tensor(grad_norm), marks, probe=False, end=t + 0.04
+    )
 
 
 def train(run_dir: Path, first: int, last: int, attempt: int = 0) -> dict:
@@ -76,6 +78,19 @@ def test_every_step_has_a_record_of_its_own_loss_however_they_are_batched(tmp_pa
             assert written(rec) == {s: losses[s] for s in range(1, 9)}
     rec.finish()
     assert written(rec, closed=True) == losses
+
+
+def test_every_record_keeps_its_own_steps_gradient_norm(tmp_path: Path):
+    """The norms are read once per flush, beside the losses' reduction: each record still
+    holds its own step's, in order."""
+    norms = {s: 0.25 * s for s in range(1, STEPS + 1)}
+    rec = recorder(tmp_path, 0, flush_every=4)
+    for step in range(1, STEPS + 1):
+        rec.add(step, result(LOSSES[step], norms[step]), lr=1e-3)
+    rec.finish()
+    rows = [json.loads(line) for line in rec.writer.path.read_text().splitlines()]
+    assert {r["step"]: r["grad_norm"] for r in rows} == norms
+    assert {r["step"]: r["loss"] for r in rows} == LOSSES
 
 
 def test_flush_every_one_writes_each_record_at_its_step(tmp_path: Path):

@@ -184,8 +184,9 @@ class Control:
             work, flags, issued = self._pending
             self._pending = None
             work.wait()
-            agreed = (bool(flags[STOP]), bool(flags[SAVE]))
-            self.cadence.agreed(issued, -int(flags[GAP]))
+            values = flags.tolist()  # one read, not one per flag
+            agreed = (bool(values[STOP]), bool(values[SAVE]))
+            self.cadence.agreed(issued, -values[GAP])
         if self.cadence.due(step):
             flags = self._local.clone()
             self._local[SAVE] = 0

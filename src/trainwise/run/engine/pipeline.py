@@ -103,7 +103,7 @@ class PipelineStep(DataParallelStep):
             get_schedule_class(schedule), self.stages, microbatches, self._loss
         )
         self._eval_schedule: Any = None
-        self._denominators = torch.ones(self.grad_accum, dtype=torch.long)  # set per step
+        self._share: float | None = None  # each micro-batch's loss weight, if one for all
         # Parameters the first and last stage share (a tied head): {last's name: first's}.
         info = stage_info(parts[0])
         self.ties = info.ties if info is not None else {}
@@ -151,15 +151,16 @@ class PipelineStep(DataParallelStep):
         return timed
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """A pipeline micro-batch's part of the step's loss; `target` carries each
-        sample's loader micro-batch beside its targets (_targets)."""
-        y, loader_batch = target[..., 0], target.reshape(-1, 2)[0, 1]
-        counted = (y != IGNORE).sum()
-        # A micro-batch of ignored targets only adds 0, with a graph: one target counted.
-        first = torch.zeros_like(y, dtype=torch.bool)
-        first.view(-1)[0] = True
-        y = torch.where(first & (counted == 0), 0, y)
-        weight = counted / self._denominators[loader_batch]
+        """A pipeline micro-batch's part of the step's loss: its mean weighted by its share
+        of its loader micro-batch's counted targets (_targets, made once a step: the same
+        share for every micro-batch when no target is ignored, else two figures carried
+        beside each sample's targets, read as tensors: an index by a 0-d tensor would
+        read it on the host, a GPU synchronisation per micro-batch)."""
+        if self._share is not None:
+            y, weight = target, self._share
+        else:
+            y, figures = target[..., 0], target.reshape(-1, 3)[0]
+            weight = figures[1] / figures[2]
         loss = self.loss_fn(output, y) * weight
         loss = loss * float("nan") if self.poison else loss  # a fault injected by a test
         aux = last_aux(self.loss_fn)
@@ -169,15 +170,31 @@ class PipelineStep(DataParallelStep):
         return loss
 
     def _targets(self, y: torch.Tensor) -> torch.Tensor:
-        """The targets with each sample's loader micro-batch beside them ([B, T, 2] for
-        tokens, [B, 2] for a class a sample: any target shape), and the denominators of
-        _loss: each loader micro-batch's counted targets x grad_accum."""
-        accum = self.grad_accum
-        counted = (y != IGNORE).reshape(accum, -1).sum(1)
-        self._denominators = counted * accum
-        loader_batch = torch.arange(accum, device=y.device).repeat_interleave(len(y) // accum)
-        per_sample = loader_batch.view(-1, *[1] * (y.dim() - 1)).expand_as(y)
-        return torch.stack([y, per_sample], dim=-1)
+        """The step's targets as _loss takes them, from the loader's (on the host): as they
+        are where no target is ignored (each pipeline micro-batch's weight is then 1 /
+        microbatches) and on a rank without the last stage (its schedule reads none);
+        else with two figures beside each sample's ([B, T, 3] for tokens, [B, 3] for a
+        class a sample: any target shape): its pipeline micro-batch's counted targets,
+        and its loader micro-batch's counted targets x grad_accum. A pipeline micro-batch
+        of ignored targets only adds 0 (its weight), with a graph: its first target is
+        made a counted one."""
+        accum, micro = self.grad_accum, self.microbatches
+        kept = y != IGNORE
+        uniform = not self.last or bool(kept.all())  # a host tensor: no synchronisation
+        self._share = 1.0 / micro if uniform else None
+        if uniform:
+            return y
+        denominators = kept.reshape(accum, -1).sum(1) * accum
+        counted = kept.reshape(micro, -1).sum(1)
+        y = y.clone()
+        firsts = y.view(micro, -1)[:, 0]
+        firsts.copy_(torch.where(counted == 0, 0, firsts))
+        shape = (-1, *[1] * (y.dim() - 1))
+        per_sample = [
+            figure.repeat_interleave(len(y) // n).view(shape).expand_as(y)
+            for figure, n in ((counted, micro), (denominators, accum))
+        ]
+        return torch.stack([y, *per_sample], dim=-1)
 
     def step(
         self, parts: list[torch.nn.Module], batches: Iterator[Batch], probe: bool
@@ -187,12 +204,14 @@ class PipelineStep(DataParallelStep):
         self.begin_a2a()
         self.stage = "data loading"
         x, y, *rest = self._batch(batches)
+        y = self._targets(y).to(self.device)
+        x, *rest = (t.to(self.device) for t in (x, *rest))
         clock.mark("data")
         self.stage = f"the pipeline schedule ({self.name}, {self.microbatches} micro-batches)"
         wall = Spans(self.device)
         started = wall.mark()
         losses: list[torch.Tensor] = []
-        run(self.schedule, self.first, x, self._targets(y), rest, losses, self.autocast)
+        run(self.schedule, self.first, x, y, rest, losses, self.autocast)
         wall.add(started, wall.mark())
         clock.mark("last")
         self.stage = "the pipeline's tied gradients"
@@ -209,9 +228,10 @@ class PipelineStep(DataParallelStep):
         )
 
     def _batch(self, batches: Iterator[Batch]) -> list[torch.Tensor]:
-        """The step's grad_accum loader batches as one: the schedule cuts it."""
+        """The step's grad_accum loader batches as one, where the loader left them (the
+        host): the schedule cuts it."""
         micro = [next(batches) for _ in range(self.grad_accum)]
-        return [torch.cat(tensors).to(self.device) for tensors in zip(*micro, strict=True)]
+        return [t[0] if len(t) == 1 else torch.cat(t) for t in zip(*micro, strict=True)]
 
     def _loss_part(
         self, losses: list[torch.Tensor]
@@ -322,9 +342,13 @@ def eval_schedule(schedule: str, stages: list[PipelineStage], loss_fn: Callable)
 def tie_group(mesh: JobMesh) -> dist.ProcessGroup | None:
     """The group of this rank's first- and last-stage ranks (pp coordinates 0 and pp - 1,
     the same data- and tensor-parallel coordinates), which both hold the tied embedding;
-    None where this rank is in none. Every rank creates every such group, in one order."""
+    None where this rank is in none. Every rank creates every such group, in one order.
+    With two stages' ranks (pp 2) the pair is the rank's pp group itself: no new group
+    (each gloo group keeps a thread that wakes every 10 ms beside the step)."""
     ranks = mesh.device_mesh.mesh
     pairs = ranks.reshape(ranks.shape[0], -1)
+    if pairs.shape[0] == 2:
+        return mesh.pp_group()
     mine = None
     for j in range(pairs.shape[1]):
         group = dist.new_group([int(pairs[0, j]), int(pairs[-1, j])])
@@ -344,11 +368,13 @@ def sync_tied_grads(copies: list[Copies], group: dist.ProcessGroup | None) -> No
         grads = [_local(p.grad) for p in pair if p is not None and p.grad is not None]
         if not grads or group is None and len(grads) == 1:
             continue
-        total = torch.stack(grads).sum(0)
+        # One copy here (the other on the group's other rank): summed in place.
+        total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
         if group is not None:
             dist.all_reduce(total, group=group)
-        for grad in grads:
-            grad.copy_(total)
+        if len(grads) > 1:
+            for grad in grads:
+                grad.copy_(total)
 
 
 @torch.no_grad()

@@ -158,9 +158,9 @@ class Recorder:
         self._reducing = None
         losses, auxes, tokens = reduction.result()
         records = [
-            self._record(step, res, loss, lr, eval_loss, ckpt_s, memory, aux, counts)
-            for (step, res, lr, eval_loss, ckpt_s), loss, aux, counts in zip(
-                pending, losses, auxes, tokens, strict=True)
+            self._record(step, res, loss, norm, lr, eval_loss, ckpt_s, memory, aux, counts)
+            for (step, res, lr, eval_loss, ckpt_s), loss, norm, aux, counts in zip(
+                pending, losses, reduction.grad_norms(), auxes, tokens, strict=True)
         ]
         if self.is_main:
             self.writer.write(*records)
@@ -173,6 +173,7 @@ class Recorder:
         step: int,
         res: StepResult,
         loss: float,
+        grad_norm: float,
         lr: float,
         eval_loss: float | None,
         ckpt_s: float,
@@ -228,7 +229,7 @@ class Recorder:
         tps = self.tokens_per_step / step_s if step_s > 0 else 0.0
         use_mfu = self.peak and self.flops_per_token
         return StepRecord(
-            step=step, loss=loss, eval_loss=eval_loss, lr=lr, grad_norm=float(res.grad_norm),
+            step=step, loss=loss, eval_loss=eval_loss, lr=lr, grad_norm=grad_norm,
             step_s=step_s, data_s=data_s, compute_s=compute, sync_s=sync, optim_s=optim_s,
             ckpt_s=ckpt_s, tp_s=tp_part, bubble_s=bubble,
             tokens=step * self.tokens_per_step, tokens_per_s=tps,
@@ -307,9 +308,12 @@ def reduce_steps(
 
 class Reduction:
     """reduce_steps' collective (a RankMean), issued at construction without waiting;
-    `result` waits for it and reads the values."""
+    `result` waits for it and reads the values. The steps' gradient norms (global already,
+    the same on every rank) are read beside it in one host read (`grad_norms`), not one
+    per step (on a GPU each read is a synchronisation)."""
 
     def __init__(self, results: list[StepResult]):
+        self.norms = torch.stack([r.grad_norm.detach().float().reshape(()) for r in results])
         pieces = [torch.stack([r.loss.float() for r in results])]
         self.has_aux = [r.aux_loss is not None for r in results]
         pieces += [r.aux_loss.float().reshape(1) for r in results if r.aux_loss is not None]
@@ -321,6 +325,10 @@ class Reduction:
         ]
         self.n = len(results)
         self.mean = RankMean(torch.cat(pieces))
+
+    def grad_norms(self) -> list[float]:
+        """The steps' gradient norms, in order."""
+        return self.norms.tolist()
 
     def result(self) -> tuple[list[float], list[float | None], list[list[list[float]] | None]]:
         means, world = self.mean.result(), self.mean.world
