@@ -77,7 +77,9 @@ def run_main(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subpro
     output captured: for a command that starts no worker (export, report, plan, data
     prepare, checkpoints, a refusal), where a process of its own would prove nothing more
     and cost a start-up (torch's imports) under load. run_cli when the process matters (a
-    launch, the exit status the shell sees: test_cli, test_reshard, test_trust)."""
+    launch, the exit status the shell sees: test_cli, test_reshard, test_trust). It changes
+    the process's folder, environment and sys.stdout / sys.stderr while it runs: never from
+    a fixture's threads (run_cli there)."""
     from trainwise.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
