@@ -57,7 +57,9 @@ def test_a_full_disk_at_launch_is_one_line(tmp_path: Path):
         (earlier / "events.jsonl").write_text('{"time": 1.0, "kind": "start"}\n')
         fill_disk(disk)
         for run_dir in (disk / "new", earlier):
-            done = run_cli("train", "--steps", "2", "--run-dir", str(run_dir), *QUIET, cwd=tmp_path)
+            # Through the CLI's main in this process: refused before any worker.
+            done = run_main("train", "--steps", "2", "--run-dir", str(run_dir), *QUIET,
+                            cwd=tmp_path)
             assert done.returncode == 2, done.stderr
             lines = done.stderr.strip().splitlines()
             assert len(lines) == 1, done.stderr
