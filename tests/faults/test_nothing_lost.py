@@ -16,7 +16,15 @@ import pytest
 from faulty import STEPS, References, fault_limit, finish, start, wait_for_pid
 from faulty import job_args as fault_job_args
 
-from helpers import cli_env, communicate, hang_limit, read_records, run_cli, wait_until
+from helpers import (
+    cli_env,
+    communicate,
+    hang_limit,
+    read_records,
+    run_cli,
+    run_main,
+    wait_until,
+)
 
 # Each test's limit: its runs and the references it may wait for.
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit())]
@@ -144,7 +152,7 @@ def test_resume_refuses_another_runs_checkpoint_and_takes_its_weights_when_asked
     before = (run_dir / "events.jsonl").read_text()
 
     other = fault_job_args(run_dir, 2, "ddp", "--set", "optim.lr=1e-3", steps=16)
-    refused = run_cli(*other, cwd=workdir)
+    refused = run_main(*other, cwd=workdir)  # refused before any worker: main, no process
     assert refused.returncode == 2, refused.stderr
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1, refused.stderr
@@ -172,7 +180,8 @@ def test_a_second_launch_is_refused_and_workers_never_reread_the_config(
     proc = start(job_args(run_dir, 2, "ddp"), workdir, faults="pause@step=6,rank=1")
     paused = wait_for_pid(proc, run_dir / "faults" / "pause-step-6.pid")
 
-    second = run_cli(*job_args(run_dir, 2, "ddp", "--set", "optim.lr=1e-3"), cwd=workdir)
+    # Through the CLI's main in this process: refused before any worker.
+    second = run_main(*job_args(run_dir, 2, "ddp", "--set", "optim.lr=1e-3"), cwd=workdir)
     assert second.returncode == 2, second.stderr
     assert f"pid {proc.pid} on host" in second.stderr and "in use by another" in second.stderr
     assert len(second.stderr.strip().splitlines()) == 1
