@@ -24,6 +24,10 @@ def pytest_configure(config: pytest.Config) -> None:
         folder = Path(tempfile.mkdtemp(prefix="trainwise-tests-"))
         os.environ[SHARED_DIR_ENV] = str(folder)
         config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    # One intra-op thread in the tests' own processes, as cli_env gives the ones they start:
+    # three pytest workers share 2 cores, and an op split over two threads waits for the one
+    # that lost its core (unit files beside two busy loops: 43-45 -> 39 s of CPU).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

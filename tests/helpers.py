@@ -3,6 +3,8 @@ hang limits of limits.py, re-exported here), and the small models and corpora of
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -68,6 +70,36 @@ def run_cli(
         cwd=cwd,
         env={**cli_env(), **(env or {})},
     )
+
+
+def run_main(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`trainwise ARGS` through the CLI's main in this process, in `cwd` with `env` added, its
+    output captured: for a command that starts no worker (export, report, plan, data
+    prepare, checkpoints, a refusal), where a process of its own would prove nothing more
+    and cost a start-up (torch's imports) under load. run_cli when the process matters (a
+    launch, the exit status the shell sees: test_cli, test_reshard, test_trust). It changes
+    the process's folder, environment and sys.stdout / sys.stderr while it runs: never from
+    a fixture's threads (run_cli there)."""
+    from trainwise.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    here, before = Path.cwd(), {name: os.environ.get(name) for name in env or {}}
+    try:
+        os.chdir(cwd)
+        os.environ.update(env or {})
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = main(list(args))
+            except SystemExit as stop:  # argparse's errors and --help
+                status = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    finally:
+        os.chdir(here)
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return subprocess.CompletedProcess(["trainwise", *args], status, out.getvalue(), err.getvalue())
 
 
 def read_records(run_dir: Path) -> list[dict]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from helpers import QUIET, communicate, hang_limit, run_cli
+from helpers import QUIET, communicate, hang_limit, run_cli, run_main
 from trainwise.config.schema import CHECK_NAMES
 from trainwise.doctor.bandwidth import bus_factor
 
@@ -148,7 +148,7 @@ def test_plan_calibrates_on_the_doctors_bandwidth_and_loader(runs):
     root, _ = runs
     busbw = _record(root, "full")["bandwidth"]["intra_node_busbw_bytes_per_s"]
     assert busbw and busbw > 0
-    res = run_cli("plan", "--gpus", "2", "--calibrate", "full", "--json", cwd=root)
+    res = run_main("plan", "--gpus", "2", "--calibrate", "full", "--json", cwd=root)
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)
     assert plan["inputs"]["intra_node_bytes_per_s"] == pytest.approx(busbw)
@@ -173,10 +173,10 @@ def test_the_doctor_writes_the_machine_calibration_that_plan_then_uses(runs):
     assert machine["launch_s"] > 0 and cal["gemm"] is None  # no GEMM table on CPU
     # A plan for this machine kind picks it up and says so; for another kind it does not.
     env = {"TRAINWISE_CALIBRATION_DIR": str(folder), "COLUMNS": "200"}
-    cpu = run_cli("plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "2", cwd=root, env=env)
+    cpu = run_main("plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "2", cwd=root, env=env)
     assert cpu.returncode == 0, cpu.stderr
     assert f"figures: calibrated from {path}, measured {cal['measured']}" in cpu.stdout
-    h100 = run_cli("plan", "--model", "tiny", "--gpus", "2", cwd=root, env=env)
+    h100 = run_main("plan", "--model", "tiny", "--gpus", "2", cwd=root, env=env)
     assert "figures: uncalibrated defaults" in h100.stdout
 
 
@@ -276,7 +276,7 @@ def test_training_warns_once_when_it_waits_for_data(runs):
 
 
 def test_env_prints_the_versions_a_bug_report_needs(tmp_path: Path):
-    r = run_cli("env", cwd=tmp_path)
+    r = run_main("env", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     import torch
 

@@ -33,6 +33,7 @@ from helpers import (
     params_marking_slow,
     read_records,
     run_cli,
+    run_main,
     runnable,
     tiny_llama,
 )
@@ -165,8 +166,8 @@ def test_export_hf_gives_bf16_weights_transformers_loads_with_the_trained_logits
     from trainwise.models import ModelSpec, build_model
 
     root = runs["root"]
-    done = run_cli("export", str(runs["fsdp_tp"]), "--format", "hf", "--dtype", "bf16",
-                   "-o", "hf", cwd=root, timeout=hang_limit())
+    done = run_main("export", str(runs["fsdp_tp"]), "--format", "hf", "--dtype", "bf16",
+                    "-o", "hf", cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((root / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     exported, info = transformers.AutoModelForCausalLM.from_pretrained(

@@ -21,7 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import QUIET, cli_env, communicate, hang_limit, read_records, run_cli, wait_until
+from helpers import (
+    QUIET,
+    cli_env,
+    communicate,
+    hang_limit,
+    read_records,
+    run_cli,
+    run_main,
+    wait_until,
+)
 from trainwise.run.job.distributed import free_port
 from trainwise.run.observe.events import read_events
 
@@ -246,7 +255,7 @@ def test_losing_a_node_of_an_elastic_job_the_other_resumes_alone(tmp_path: Path,
     ],
 )
 def test_several_machines_need_their_rendezvous_in_one_line(tmp_path: Path, args, words):
-    res = run_cli("train", *args, *QUIET, cwd=tmp_path)
+    res = run_main("train", *args, *QUIET, cwd=tmp_path)  # refused before any worker
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and all(w in lines[0] for w in words), res.stderr

@@ -68,9 +68,10 @@ LAYOUTS = {
     "pp": Layout(2, "ddp", 16, "pp 2", ("parallel.pp=2",)),
 }
 DATASETS = {"hf": "user_job:hf_data", "stream": "user_job:hf_stream"}
-# The stream under fsdp reads its share as under ddp (the sampler does not see the layout):
-# a slow check (bench/slow_checks.sh), out of make test.
-SLOW_RUNS = {("stream", "fsdp")}
+# Slow checks (bench/slow_checks.sh), out of make test: the stream under fsdp reads its
+# share as under ddp (the sampler does not see the layout); under pp 2 each stage reads it at
+# data-parallel size 1, as stream-single does, and hf-pp trains the user's module in stages.
+SLOW_RUNS = {("stream", "fsdp"), ("stream", "pp")}
 RUNS = runnable([(data, layout) for data in DATASETS for layout in LAYOUTS], SLOW_RUNS)
 # The fixture's launches, two at a time, then this module's own: kills, exports, counts.
 pytestmark = [

@@ -22,6 +22,7 @@ from helpers import (
     params_marking_slow,
     run_cli,
     run_limited,
+    run_main,
     runnable,
     tiny_llama,
     worker_failure,
@@ -135,10 +136,11 @@ DOCS = [f"Document {i}: the quick brown fox jumps over the lazy dog {i} times." 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """prepare -> train (from hf:DIR) -> export --format hf, for every layout of TRAINED."""
+    """prepare -> train (from hf:DIR) -> export --format hf, for every layout of TRAINED
+(prepare and export through the CLI's main in this process: they start no worker)."""
     root = tmp_path_factory.mktemp("finetune")
     (root / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
-    res = run_cli(
+    res = run_main(
         "data", "prepare", "corpus.jsonl", "--out", "corpus", "--tokenizer", "bytes", cwd=root
     )
     assert res.returncode == 0, res.stderr
@@ -154,7 +156,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "--set", "data.micro_batch=4", "--set", "optim.lr=0.01", *QUIET, cwd=root,
         )
         assert res.returncode == 0, res.stderr[-3000:]
-        res = run_cli(
+        res = run_main(
             "export", name, "--format", "hf", "-o", f"{name}-hf", "--shard-size", "40KB", cwd=root
         )
         assert res.returncode == 0, res.stderr[-3000:]
@@ -210,7 +212,7 @@ def test_export_hf_of_a_gpt2_style_model_is_one_line(tmp_path):
         "data.seq_len=16", "--set", "data.micro_batch=2", *QUIET, cwd=tmp_path,
     )
     assert res.returncode == 0, res.stderr[-2000:]
-    res = run_cli("export", "run", "--format", "hf", "-o", "out", cwd=tmp_path)
+    res = run_main("export", "run", "--format", "hf", "-o", "out", cwd=tmp_path)
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "only Llama-style GPTs" in lines[0], res.stderr

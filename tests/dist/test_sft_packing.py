@@ -11,7 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import QUIET, SFT_SEQ, hang_limit, read_records, run_cli, sft_corpus, tiny_llama
+from helpers import (
+    QUIET,
+    SFT_SEQ,
+    hang_limit,
+    read_records,
+    run_cli,
+    run_main,
+    sft_corpus,
+    tiny_llama,
+)
 from trainwise.data.prepare import load_tokenizer, prepare
 
 # A test's runs: two launches, or one and two refused before any worker.
@@ -49,8 +58,8 @@ def test_packed_corpus_trains_under_fsdp_and_bad_settings_are_one_line(corpus: P
     ]
     prepare([corpus.parent / "sft.jsonl"], tmp_path / "text", load_tokenizer("bytes"),
             field="prompt")
-    for extra, message in bad:
-        proc = run_cli("train", *QUIET, "--steps", "1", *common, *extra, cwd=tmp_path)
+    for extra, message in bad:  # through the CLI's main here: refused before any worker
+        proc = run_main("train", *QUIET, "--steps", "1", *common, *extra, cwd=tmp_path)
         assert proc.returncode == 2, proc.stderr
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert any(message in line for line in lines), proc.stderr

@@ -23,6 +23,7 @@ from helpers import (
     params_marking_slow,
     read_records,
     run_cli,
+    run_main,
     runnable,
 )
 
@@ -137,7 +138,8 @@ def test_the_loss_falls(losses):
 
 
 def test_heads_that_tp_does_not_divide_stop_before_any_worker(tmp_path: Path):
-    res = run_cli("train", "--nproc", "3", "--set", "parallel.tp=3", *QUIET, cwd=tmp_path)
+    # Through the CLI's main in this process: the refusal comes before any worker.
+    res = run_main("train", "--nproc", "3", "--set", "parallel.tp=3", *QUIET, cwd=tmp_path)
     assert res.returncode == 2, res.stderr
     assert "parallel.tp = 3 does not divide the model heads (n_head) = 4" in res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "runs").exists()

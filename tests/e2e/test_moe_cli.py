@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import QUIET, hang_limit, read_records, run_cli, tiny_moe
+from helpers import QUIET, hang_limit, read_records, run_cli, run_main, tiny_moe
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.e2e
@@ -30,7 +30,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         "--set", "moe.aux_loss_coef=0.01", *QUIET, cwd=root, timeout=LIMIT,
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    res = run_cli("export", "run", "--format", "hf", "-o", "out", cwd=root, timeout=LIMIT)
+    res = run_main("export", "run", "--format", "hf", "-o", "out", cwd=root)
     assert res.returncode == 0, res.stderr[-3000:]
     return source, root
 
@@ -66,8 +66,9 @@ def test_the_loss_logs_its_balancing_part(exported):
 
 def _refused(root: Path, *sets: str, nproc: str = "1") -> str:
     args = [a for kv in sets for a in ("--set", kv)]
-    res = run_cli("train", "--nproc", nproc, "--steps", "1", "--run-dir", "run", *QUIET, *args,
-                  cwd=root, timeout=LIMIT)
+    # Through the CLI's main in this process: the refusal comes before any worker.
+    res = run_main("train", "--nproc", nproc, "--steps", "1", "--run-dir", "run", *QUIET, *args,
+                   cwd=root)
     assert res.returncode == 2, res.stderr[-2000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1, res.stderr

@@ -13,6 +13,7 @@ import own_models
 import trainwise
 import user_job
 from helpers import QUIET, hang_limit, run_cli
+from trainwise.cli.main import main
 from trainwise.errors import DataError, ModelError
 
 pytestmark = pytest.mark.e2e
@@ -36,16 +37,26 @@ pytestmark = pytest.mark.e2e
     ids=["wrong-type", "collate-without-tensors", "shorter-than-a-global-batch", "raises"],
 )
 @pytest.mark.timeout(hang_limit())
-def test_bad_data_stops_before_any_worker_in_one_line(tmp_path: Path, keys, words):
+def test_bad_data_stops_before_any_worker_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, keys, words
+):
+    """"raises" as a user types it, in a process of its own (the user's module imported by
+    the path its environment gives); the others through trainwise train's main in this
+    process: the refusal comes before any worker, a process would prove no more."""
     sets = [a for k in ("model.name=user_job:build", "data.micro_batch=8", *keys)
             for a in ("--set", k)]
-    proc = run_cli(
-        "train", "--nproc", "2", "--strategy", "ddp", "--steps", "2", "--run-dir", "run",
-        *QUIET, *sets, cwd=tmp_path, env=user_job.user_env(tmp_path), timeout=hang_limit(),
-    )
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("trainwise: error: "), proc.stderr
+    args = ["train", "--nproc", "2", "--strategy", "ddp", "--steps", "2", "--run-dir",
+            str(tmp_path / "run"), *QUIET, *sets]
+    if "data.dataset=user_job:raises" in keys:
+        proc = run_cli(*args, cwd=tmp_path, env=user_job.user_env(tmp_path), timeout=hang_limit())
+        rc, err = proc.returncode, proc.stderr
+    else:
+        for name, value in user_job.user_env(tmp_path).items():
+            monkeypatch.setenv(name, value)
+        rc, err = main(args), capsys.readouterr().err
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trainwise: error: "), err
     assert words in lines[0]
     assert not (tmp_path / "run").exists()  # no run files, no event: nothing started
 

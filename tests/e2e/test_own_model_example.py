@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cli_env, hang_limit, read_records, run_cli
+from helpers import cli_env, hang_limit, read_records, run_main
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "own_model"
 STEPS, NOTEBOOK_STEPS = 40, 30  # run.py's default (half, then all); the notebook's
@@ -120,15 +120,15 @@ def test_the_export_loads_into_the_users_module_and_evaluates_as_the_run_did(ran
 
 def test_export_of_your_own_module_torch_format_and_one_line_for_hf(ran, tmp_path: Path):
     run_dir = ran["script"].out / "run"
-    done = run_cli("export", str(run_dir), "-o", str(tmp_path / "w.pt"), cwd=tmp_path,
-                   timeout=hang_limit())
+    # Through the CLI's main in this process: an export starts no worker.
+    done = run_main("export", str(run_dir), "-o", str(tmp_path / "w.pt"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     saved = torch.load(tmp_path / "w.pt", weights_only=True)
     theirs = _exported(ran["script"].out / "tinylm.safetensors")
     assert saved.keys() == theirs.keys()
     assert all(torch.equal(saved[k], theirs[k]) for k in saved)
-    hf = run_cli("export", str(run_dir), "--format", "hf", "-o", str(tmp_path / "hf"),
-                 cwd=tmp_path, timeout=hang_limit())
+    hf = run_main("export", str(run_dir), "--format", "hf", "-o", str(tmp_path / "hf"),
+                  cwd=tmp_path)
     assert hf.returncode == 2
     (line,) = hf.stderr.strip().splitlines()
     assert "model.name = 'my_model:TinyLM' is a module of your own" in line

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import QUIET, hang_limit, read_records, run_cli
+from helpers import QUIET, hang_limit, read_records, run_cli, run_main
 
 # The fixture's run compiles (about a launch's work), which the first test carries.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(hang_limit(launches=3, steps=6))]
@@ -60,7 +60,7 @@ def test_every_step_records_its_bubble(run):
 
 def test_the_report_shows_the_bubble(run):
     folder, _ = run
-    res = run_cli("report", str(folder), cwd=folder.parent)
+    res = run_main("report", str(folder), cwd=folder.parent)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "  strategy   pp 2 on 2 x cpu" in res.stdout
     row = next(line for line in res.stdout.splitlines() if "pipeline bubble" in line)
@@ -76,7 +76,8 @@ def test_the_report_shows_the_bubble(run):
 ])
 def test_bad_pipeline_input_stops_before_any_worker(tmp_path: Path, sets, line):
     args = [a for kv in sets for a in ("--set", kv)]
-    res = run_cli("train", "--nproc", "2", "--strategy", "ddp", *QUIET, *args, cwd=tmp_path)
+    # Through the CLI's main in this process: the refusal comes before any worker.
+    res = run_main("train", "--nproc", "2", "--strategy", "ddp", *QUIET, *args, cwd=tmp_path)
     assert res.returncode == 2, res.stderr
     assert line in res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "runs").exists()

@@ -4,16 +4,15 @@ tests/unit/test_user_stages.py."""
 
 from __future__ import annotations
 
-import os
+import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import QUIET, hang_limit, run_cli
+from helpers import QUIET, hang_limit, run_main
 
 pytestmark = pytest.mark.e2e
 
-TESTS = Path(__file__).parents[1]  # user_lm.py, user_job.py
 NO_BLOCKS = """
 from torch import nn
 
@@ -36,13 +35,17 @@ CASES = {
 
 @pytest.mark.timeout(hang_limit())
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_module_that_cannot_be_cut_is_one_line_exit_2_and_no_worker(workdir: Path, case):
+def test_a_module_that_cannot_be_cut_is_one_line_exit_2_and_no_worker(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, case
+):
+    """Through the CLI's main in this process (the refusal comes before any worker), with
+    the folder of flat.py importable as `trainwise` run there would have it."""
     (workdir / "flat.py").write_text(NO_BLOCKS)
+    monkeypatch.syspath_prepend(str(workdir))
+    monkeypatch.delitem(sys.modules, "flat", raising=False)  # another test's folder's
     args, said = CASES[case]
-    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
-    res = run_cli("train", "--nproc", "2", "--strategy", "ddp", "--set", "parallel.pp=2",
-                  "--set", "data.seq_len=16",
-                  *args, *QUIET, cwd=workdir, timeout=hang_limit(), env={"PYTHONPATH": path})
+    res = run_main("train", "--nproc", "2", "--strategy", "ddp", "--set", "parallel.pp=2",
+                   "--set", "data.seq_len=16", *args, *QUIET, cwd=workdir)
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1, res.stderr

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import QUIET, hang_limit, run_cli
+from helpers import QUIET, hang_limit, run_cli, run_main
 from trainwise.hardware import GB
 from trainwise.report.analysis import PLAN_ERROR_FLAG, analyse
 from trainwise.report.rundir import load_run
@@ -78,7 +78,9 @@ def test_an_uncalibrated_demo_compares_like_with_like(runs: Path):
 
 
 def test_a_calibration_that_is_not_a_run_is_one_line(tmp_path: Path):
-    res = run_cli(*DEMO, "--set", "plan.calibration='nowhere'", cwd=tmp_path)
+    # Through the CLI's main in this process: refused before any worker (this serial pass
+    # is wall time alone, a process start is a few seconds of it).
+    res = run_main(*DEMO, "--set", "plan.calibration='nowhere'", cwd=tmp_path)
     assert res.returncode == 2
     assert "plan.calibration = 'nowhere'" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_cli
+from helpers import run_cli, run_main
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
@@ -69,7 +69,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "report     run/report.html" in res.stdout
-    made = run_cli("report", "run", "--format", "json", cwd=root)
+    made = run_main("report", "run", "--format", "json", cwd=root)
     assert made.returncode == 0, made.stderr
     return root / "run", json.loads(made.stdout)["runs"][0], res.stdout
 

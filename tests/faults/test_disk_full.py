@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from faulty import fault_limit, job_args, tmpfs
 
-from helpers import run_cli
+from helpers import run_cli, run_main
 from trainwise.config import load_config
 from trainwise.hardware import detect_device
 from trainwise.run.job.resolve import prepare_job
@@ -51,7 +51,7 @@ def test_disk_full_stops_cleanly_and_keeps_the_last_checkpoint(workdir: Path, sm
     assert "fatal" in kinds and "finish" not in kinds and "failure" not in kinds
     assert [e["step"] for e in log if e["kind"] == "checkpoint"] == [4]
 
-    listing = run_cli("checkpoints", str(run_dir), "--verify", "full", "--json", cwd=workdir)
+    listing = run_main("checkpoints", str(run_dir), "--verify", "full", "--json", cwd=workdir)
     assert listing.returncode == 0, listing.stderr
     found = json.loads(listing.stdout)
     assert [(c["step"], c["valid"]) for c in found] == [(4, True), (8, False)], found

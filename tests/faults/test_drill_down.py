@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from faulty import fault_limit, finish, job_args, kill, start, wait_for_pid
 
-from helpers import hang_limit, run_cli, run_limited, wait_until
+from helpers import hang_limit, run_limited, run_main, wait_until
 
 # Each test's limit: its runs and the references it may wait for, and for the first, the module fixture's runs.
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit(launches=3))]
@@ -173,7 +173,7 @@ def test_the_profiler_traces_matmuls_and_the_all_reduce(tracked):
 
 def test_the_report_shows_where_to_look_next(tracked):
     run_dir, _, _ = tracked
-    made = run_cli("report", str(run_dir), "--format", "json", cwd=run_dir.parent)
+    made = run_main("report", str(run_dir), "--format", "json", cwd=run_dir.parent)
     assert made.returncode == 0, made.stderr
     run = json.loads(made.stdout)["runs"][0]
     drill = run["drill"]

@@ -21,7 +21,7 @@ from faulty import (
     start,
 )
 
-from helpers import hang_limit, run_cli
+from helpers import hang_limit, run_main
 from trainwise.run.observe.hang import REARM_SHARE
 
 # Each test's limit: its runs and the references it may wait for.
@@ -70,11 +70,11 @@ def test_a_hung_rank_is_named_and_the_group_restarts(workdir: Path, reference: R
     assert taken is not None, stuck
     assert round((1 - REARM_SHARE) * TIMEOUT_S) <= int(taken[1]) <= TIMEOUT_S
     assert "in _wait" in taken[2] and "in before_step" in taken[2]
-    made = run_cli("report", str(run_dir), "--format", "json", cwd=workdir)
+    made = run_main("report", str(run_dir), "--format", "json", cwd=workdir)
     assert made.returncode == 0, made.stderr
     drill = json.loads(made.stdout)["runs"][0]["drill"]
     hang = next(h for h in drill["hangs"] if h["step"] == 6)
     assert hang["absent"] == [1] and 0 in hang["seen_by"]
     assert "rank 1 did not respond" in drill["dumps"]["0"] and "in _wait" in drill["dumps"]["1"]
-    page = run_cli("report", str(run_dir), "--format", "md", cwd=workdir).stdout
+    page = run_main("report", str(run_dir), "--format", "md", cwd=workdir).stdout
     assert "did not arrive" in page and "stacks of rank 0: hang/rank-0.txt" in page

@@ -21,7 +21,7 @@ from faulty import (
     wait_for_pid,
 )
 
-from helpers import run_cli
+from helpers import run_main
 
 # Each test's limit: its runs and the references it may wait for.
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit())]
@@ -53,7 +53,7 @@ def test_sigkill_restart_resumes_exactly(workdir: Path, reference: References, s
 
     assert_identical(reference.weights(2, strategy), final_weights(broken))
     if strategy == "ddp":  # the report prices the same events: downtime plus recomputation
-        made = run_cli("report", str(broken), "--format", "json", cwd=workdir)
+        made = run_main("report", str(broken), "--format", "json", cwd=workdir)
         assert made.returncode == 0, made.stderr
         terms = {t["name"]: t for t in json.loads(made.stdout)["runs"][0]["cost"]["terms"]}
         retry_h = (cost["downtime_s"] + cost["recomputed_s"]) * 2 / 3600
@@ -76,6 +76,6 @@ def test_kill_during_save_keeps_the_previous_checkpoint(workdir: Path):
     assert "removed an interrupted save" in err and "step-00000008.tmp" in err
     steps = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert steps == ["step-00000004", "step-00000008", "step-00000012"]  # keep_last = 3
-    listing = run_cli("checkpoints", str(run_dir), "--verify", "full", "--json", cwd=workdir)
+    listing = run_main("checkpoints", str(run_dir), "--verify", "full", "--json", cwd=workdir)
     assert listing.returncode == 0, listing.stderr
     assert all(c["valid"] for c in json.loads(listing.stdout))

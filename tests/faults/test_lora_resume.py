@@ -14,7 +14,7 @@ import torch
 from faulty import fault_limit, finish, job_args, kill, start, wait_for_pid
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from helpers import read_records, run_cli, tiny_llama
+from helpers import read_records, run_cli, run_main, tiny_llama
 
 pytest.importorskip("transformers")
 # Each test's limit: its runs and the references it may wait for, and for the first, the module fixture's runs.
@@ -91,7 +91,7 @@ def test_resume_onto_changed_base_weights_is_refused_unless_asked(runs, workdir:
     tiny_llama(runs["own_model"], vocab=98, seed=1)  # same names and shapes, other values
     args = lora_args(runs["single"], runs["own_model"], 1, "single")
     args[args.index("--steps") + 1] = str(STEPS + 4)
-    done = run_cli(*args, cwd=workdir)
+    done = run_main(*args, cwd=workdir)  # refused before any worker: no process needed
     assert done.returncode == 2, done.stderr
     lines = [ln for ln in done.stderr.splitlines() if "lora.base_weights" in ln]
     assert len(lines) == 1 and "other training settings" in lines[0], done.stderr

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from faulty import assert_identical, final_weights, finish, job_args, kill, start, wait_for_pid
 
-from helpers import hang_limit, read_records, run_cli
+from helpers import hang_limit, read_records, run_cli, run_main
 
 pytestmark = pytest.mark.dist
 
@@ -88,7 +88,7 @@ def test_the_run_records_its_experts(workdir: Path, ep_run: Path):
     assert all(r["expert_imbalance"] >= r["ep_imbalance"] >= 1.0 for r in records)
     summary = json.loads((ep_run / "summary.json").read_text())
     assert 0 < summary["a2a_share"] < 1 and summary["ep_imbalance"] >= 1.0
-    made = run_cli("report", str(ep_run), "--format", "json", cwd=workdir, timeout=LIMIT)
+    made = run_main("report", str(ep_run), "--format", "json", cwd=workdir)
     assert made.returncode == 0, made.stderr
     checks = {c["name"]: c for c in json.loads(made.stdout)["runs"][0]["plan_vs_actual"]}
     assert checks["expert load imbalance"]["actual"] == pytest.approx(summary["ep_imbalance"])
@@ -106,8 +106,8 @@ def test_a_calibration_takes_the_runs_expert_imbalance(workdir: Path, ep_run: Pa
     """`trainwise plan --calibrate RUN` of this MoE run: its measured ep_imbalance becomes
     the plan's moe.imbalance (the plan says where it came from)."""
     summary = json.loads((ep_run / "summary.json").read_text())
-    made = run_cli("plan", "--config", str(ep_run / "config.toml"), "--calibrate", str(ep_run),
-                   "--json", cwd=workdir, timeout=LIMIT)
+    made = run_main("plan", "--config", str(ep_run / "config.toml"), "--calibrate", str(ep_run),
+                    "--json", cwd=workdir)
     assert made.returncode == 0, made.stderr
     plan = json.loads(made.stdout)
     assert plan["inputs"]["moe"]["imbalance"] == pytest.approx(summary["ep_imbalance"])

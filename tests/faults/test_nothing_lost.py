@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,15 @@ import pytest
 from faulty import STEPS, References, fault_limit, finish, start, wait_for_pid
 from faulty import job_args as fault_job_args
 
-from helpers import cli_env, communicate, hang_limit, read_records, run_cli, wait_until
+from helpers import (
+    cli_env,
+    communicate,
+    hang_limit,
+    read_records,
+    run_cli,
+    run_main,
+    wait_until,
+)
 
 # Each test's limit: its runs and the references it may wait for.
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit())]
@@ -128,28 +137,34 @@ def test_a_new_lineage_keeps_its_checkpoints_and_resumes_within_itself(
 # 2. Lineage ------------------------------------------------------------------------------
 
 
-def test_resume_refuses_another_runs_checkpoint_and_takes_its_weights_when_asked(
-    workdir: Path,
-):
+def finished_reference(workdir: Path, reference: References) -> Path:
+    """A copy of the session's finished 2 x ddp reference (12 steps, checkpoints 4, 8, 12),
+    to continue or refuse: the fault tests' uninterrupted run, not a launch of its own."""
     run_dir = workdir / "run"
-    first = run_cli(*job_args(run_dir, 2, "ddp", steps=8), cwd=workdir)
-    assert first.returncode == 0, first.stderr
+    shutil.copytree(reference.run(2, "ddp"), run_dir)
+    return run_dir
+
+
+def test_resume_refuses_another_runs_checkpoint_and_takes_its_weights_when_asked(
+    workdir: Path, reference: References
+):
+    run_dir = finished_reference(workdir, reference)
     before = (run_dir / "events.jsonl").read_text()
 
-    other = job_args(run_dir, 2, "ddp", "--set", "optim.lr=1e-3", steps=12)
-    refused = run_cli(*other, cwd=workdir)
+    other = fault_job_args(run_dir, 2, "ddp", "--set", "optim.lr=1e-3", steps=16)
+    refused = run_main(*other, cwd=workdir)  # refused before any worker: main, no process
     assert refused.returncode == 2, refused.stderr
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1, refused.stderr
-    assert "step-00000008" in lines[0] and "optim.lr = 0.003 there, 0.001 here" in lines[0]
+    assert "step-00000012" in lines[0] and "optim.lr = 0.003 there, 0.001 here" in lines[0]
     assert "checkpoint.resume_from_other" in lines[0]
     assert (run_dir / "events.jsonl").read_text() == before  # no worker started
 
     taken = run_cli(*other, "--set", "checkpoint.resume_from_other=weights", cwd=workdir)
     assert taken.returncode == 0, taken.stderr
-    assert "resuming from step 8" in taken.stderr and "another lineage" in taken.stderr
-    lrs = [r["lr"] for r in read_records(run_dir) if r["step"] > 8]
-    assert len(lrs) == 4 and max(lrs) <= 1e-3  # this run's peak rate, from step 9 on
+    assert "resuming from step 12" in taken.stderr and "another lineage" in taken.stderr
+    lrs = [r["lr"] for r in read_records(run_dir) if r["step"] > 12]
+    assert len(lrs) == 4 and max(lrs) <= 1e-3  # this run's peak rate, from step 13 on
 
 
 # 3. One live job per run directory ------------------------------------------------------
@@ -165,7 +180,8 @@ def test_a_second_launch_is_refused_and_workers_never_reread_the_config(
     proc = start(job_args(run_dir, 2, "ddp"), workdir, faults="pause@step=6,rank=1")
     paused = wait_for_pid(proc, run_dir / "faults" / "pause-step-6.pid")
 
-    second = run_cli(*job_args(run_dir, 2, "ddp", "--set", "optim.lr=1e-3"), cwd=workdir)
+    # Through the CLI's main in this process: refused before any worker.
+    second = run_main(*job_args(run_dir, 2, "ddp", "--set", "optim.lr=1e-3"), cwd=workdir)
     assert second.returncode == 2, second.stderr
     assert f"pid {proc.pid} on host" in second.stderr and "in use by another" in second.stderr
     assert len(second.stderr.strip().splitlines()) == 1
@@ -297,23 +313,24 @@ def test_when_restarts_run_out_the_last_line_names_the_checkpoint(workdir: Path)
 # 7. Reruns -------------------------------------------------------------------------------
 
 
-def test_rerunning_a_finished_run_touches_nothing_and_more_steps_continue_it(workdir: Path):
-    run_dir = workdir / "run"
-    args = job_args(run_dir, 2, "ddp", steps=8)
-    done = run_cli(*args, "--set", "logging.report=true", cwd=workdir)
-    assert done.returncode == 0, done.stderr
+def test_rerunning_a_finished_run_touches_nothing_and_more_steps_continue_it(
+    workdir: Path, reference: References
+):
+    run_dir = finished_reference(workdir, reference)
+    args = fault_job_args(run_dir, 2, "ddp")  # the reference's own command
     kept = {name: (run_dir / name).read_bytes()
-            for name in ("summary.json", "metrics.jsonl", "events.jsonl", "report.html")}
+            for name in ("summary.json", "metrics.jsonl", "events.jsonl")}
 
     again = run_cli(*args, "--set", "logging.report=true", cwd=workdir)
     assert again.returncode == 0, again.stderr
     assert again.stderr.strip().splitlines() == [
-        f"trainwise: {run_dir} finished at step 8 (train.steps = 8); its summary, metrics and "
+        f"trainwise: {run_dir} finished at step 12 (train.steps = 12); its summary, metrics and "
         "report are kept: raise --steps to continue it, or choose another --run-dir"
     ]
     assert {name: (run_dir / name).read_bytes() for name in kept} == kept
+    assert not (run_dir / "report.html").exists()  # not even the report asked for
 
-    more = run_cli(*job_args(run_dir, 2, "ddp", steps=12), cwd=workdir)
+    more = run_cli(*fault_job_args(run_dir, 2, "ddp", steps=16), cwd=workdir)
     assert more.returncode == 0, more.stderr
-    assert "resuming from step 8" in more.stderr
-    assert sorted(losses(run_dir)) == list(range(1, 13))
+    assert "resuming from step 12" in more.stderr
+    assert sorted(losses(run_dir)) == list(range(1, 17))

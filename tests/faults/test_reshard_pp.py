@@ -26,7 +26,7 @@ import pytest
 import torch
 from faulty import fault_limit, finish, job_args, kill, start, wait_for_pid
 
-from helpers import read_records, run_cli, tiny_llama
+from helpers import read_records, run_cli, run_main, tiny_llama
 
 # Each test's limit: its runs and the references it may wait for, and for the first, the module fixture's runs.
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit(launches=5))]
@@ -141,7 +141,7 @@ def test_export_hf_of_the_pp_run_gives_the_trained_logits(runs):
     from trainwise.models import ModelSpec, build_model
 
     root, pp = runs["root"], runs["pp"]
-    done = run_cli("export", str(pp), "--format", "hf", "-o", str(root / "pp-hf"), cwd=root)
+    done = run_main("export", str(pp), "--format", "hf", "-o", str(root / "pp-hf"), cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((root / "pp-hf" / "config.json").read_text())["num_hidden_layers"] == LAYERS
     exported = transformers.AutoModelForCausalLM.from_pretrained(root / "pp-hf").eval()

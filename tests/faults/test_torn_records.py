@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from faulty import fault_limit, fill_disk, finish, job_args, start, tmpfs, wait_for_pid
 
-from helpers import QUIET, run_cli
+from helpers import QUIET, run_cli, run_main
 
 # Each test's limit: its runs and the references it may wait for.
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit())]
@@ -45,7 +45,7 @@ def test_full_run_dir_tears_no_record_and_the_rerun_continues(tmp_path: Path):
         assert again.returncode == 0, again.stderr
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert sorted({r["step"] for r in records}) == list(range(1, STEPS + 1))
-        report = run_cli("report", str(run_dir), "-o", str(tmp_path / "r.html"), cwd=tmp_path)
+        report = run_main("report", str(run_dir), "-o", str(tmp_path / "r.html"), cwd=tmp_path)
         assert report.returncode == 0, report.stderr
 
 
@@ -57,7 +57,9 @@ def test_a_full_disk_at_launch_is_one_line(tmp_path: Path):
         (earlier / "events.jsonl").write_text('{"time": 1.0, "kind": "start"}\n')
         fill_disk(disk)
         for run_dir in (disk / "new", earlier):
-            done = run_cli("train", "--steps", "2", "--run-dir", str(run_dir), *QUIET, cwd=tmp_path)
+            # Through the CLI's main in this process: refused before any worker.
+            done = run_main("train", "--steps", "2", "--run-dir", str(run_dir), *QUIET,
+                            cwd=tmp_path)
             assert done.returncode == 2, done.stderr
             lines = done.stderr.strip().splitlines()
             assert len(lines) == 1, done.stderr

@@ -24,7 +24,7 @@ from faulty import (
     tmpfs,
 )
 
-from helpers import run_cli
+from helpers import run_cli, run_main
 
 # Each test's limit: its runs and the references it may wait for, and for the first, the module fixture's runs.
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(fault_limit(launches=1))]
@@ -106,7 +106,7 @@ def test_weights_of_another_model_are_refused_before_any_worker(
         run_dir, 2, "ddp", "--set", "model.name=small",
         "--set", "checkpoint.resume_from_other=weights", "--set", "checkpoint.max_restarts=3",
     )
-    done = run_cli(*args, cwd=workdir)
+    done = run_main(*args, cwd=workdir)  # a refusal: no process of its own needed
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
@@ -146,8 +146,9 @@ def test_an_export_onto_a_full_disk_is_one_line(
 
 
 def test_an_hf_export_has_one_mode_and_replaces_only_with_force(workdir: Path, llama_run: Path):
+    """Through the CLI's main in this process (the export as a process: the full-disk tests)."""
     out = workdir / "hf"
-    first = run_cli("export", str(llama_run), "--format", "hf", "-o", str(out), cwd=workdir)
+    first = run_main("export", str(llama_run), "--format", "hf", "-o", str(out), cwd=workdir)
     assert first.returncode == 0, first.stderr
     umask = os.umask(0)
     os.umask(umask)
@@ -155,11 +156,11 @@ def test_an_hf_export_has_one_mode_and_replaces_only_with_force(workdir: Path, l
     assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
 
     (out / "mine.txt").write_text("kept unless --force")
-    again = run_cli("export", str(llama_run), "--format", "hf", "-o", str(out), cwd=workdir)
+    again = run_main("export", str(llama_run), "--format", "hf", "-o", str(out), cwd=workdir)
     assert again.returncode == 2 and "--force" in again.stderr, again.stderr
     assert len(again.stderr.strip().splitlines()) == 1 and (out / "mine.txt").is_file()
-    forced = run_cli("export", str(llama_run), "--format", "hf", "-o", str(out), "--force",
-                     cwd=workdir)
+    forced = run_main("export", str(llama_run), "--format", "hf", "-o", str(out), "--force",
+                      cwd=workdir)
     assert forced.returncode == 0, forced.stderr
     assert not (out / "mine.txt").exists() and (out / "model.safetensors").is_file()
     assert [p.name for p in workdir.iterdir() if p.name.startswith("hf")] == ["hf"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_cli
+from helpers import run_main
 from trainwise.config import load_config
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.errors import ConfigError
@@ -134,19 +134,19 @@ PLAN = ["plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "2", "--micro-batch
 
 def test_plan_picks_up_the_machine_kinds_default_file(tmp_path: Path, calibration_dir: Path):
     env = {"TRAINWISE_CALIBRATION_DIR": str(calibration_dir), "COLUMNS": "200"}
-    plain = run_cli(*PLAN, cwd=tmp_path, env=env)
+    plain = run_main(*PLAN, cwd=tmp_path, env=env)
     assert plain.returncode == 0, plain.stderr
     assert "figures: uncalibrated defaults" in plain.stdout
     write_calibration(MEASURED, calibration_path("cpu"))
-    res = run_cli(*PLAN, cwd=tmp_path, env=env)
+    res = run_main(*PLAN, cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stderr
     assert f"calibrated from {calibration_path('cpu')}, measured 2026-01-02" in res.stdout
     assert "5.0% of peak" in res.stdout  # the measured efficiency, said
-    record = json.loads(run_cli(*PLAN, "--json", cwd=tmp_path, env=env).stdout)
+    record = json.loads(run_main(*PLAN, "--json", cwd=tmp_path, env=env).stdout)
     assert record["inputs"]["efficiency"] == pytest.approx(0.05)
     # Another kind's file given by hand: exit 2, one line.
     h100 = tmp_path / "h100.json"
     write_calibration(replace(MEASURED, kind="H100-SXM"), h100)
-    bad = run_cli(*PLAN, "--calibrate", str(h100), cwd=tmp_path, env=env)
+    bad = run_main(*PLAN, "--calibrate", str(h100), cwd=tmp_path, env=env)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     assert "H100-SXM" in bad.stderr

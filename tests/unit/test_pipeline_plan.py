@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from helpers import hang_limit, run_cli
+from helpers import run_main
 from trainwise.config import load_config
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import GPTShape
@@ -530,7 +530,7 @@ def test_bad_pipeline_input_is_one_line_and_exit_2(tmp_path, sets, words):
         args += ["--set", s]
     if "parallel.pp=64" in sets:
         args[4] = "64"  # 64 GPUs, so that 64 stages divide them
-    res = run_cli(*args, cwd=tmp_path, timeout=hang_limit(procs=0))
+    res = run_main(*args, cwd=tmp_path)
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], res.stderr

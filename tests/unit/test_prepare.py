@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import QUIET, read_records, run_cli
+from helpers import QUIET, read_records, run_cli, run_main
 from trainwise.data import TokenShards, build_datasets
 from trainwise.data.prepare import load_tokenizer, prepare
 from trainwise.errors import DataError
@@ -144,7 +144,7 @@ def test_failed_prepare_leaves_nothing_complete(tmp_path: Path):
 def test_bad_inputs_one_line_exit_2(tmp_path: Path, files, args, message):
     for name, text in files.items():
         (tmp_path / name).write_text(text)
-    proc = run_cli("data", "prepare", "a.jsonl", "--out", "out", *args, cwd=tmp_path)
+    proc = run_main("data", "prepare", "a.jsonl", "--out", "out", *args, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr

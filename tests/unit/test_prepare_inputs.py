@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from test_prepare import DOCS, _bpe_tokenizer, _documents, _jsonl
 
-from helpers import cli_env, communicate, hang_limit, run_cli, run_limited, wait_until
+from helpers import cli_env, communicate, hang_limit, run_limited, run_main, wait_until
 from trainwise.data import build_datasets
 from trainwise.data.prepare import BATCH, COMMIT_BATCHES, load_tokenizer, prepare
 from trainwise.data.progress_line import ProgressLine
@@ -142,8 +142,8 @@ def test_a_killed_prepare_resumes_to_the_same_bytes(tmp_path: Path):
 def test_another_command_over_a_partial_output_starts_over(tmp_path: Path):
     src = _jsonl(tmp_path / "many.jsonl", MANY)
     _killed_after_first_commit(src, tmp_path / "out", "--field", "text")
-    other = run_cli("data", "prepare", str(src), "--out", "out", "--tokenizer", "bytes",
-                    "--shard-tokens", "30000", "--quiet", cwd=tmp_path)
+    other = run_main("data", "prepare", str(src), "--out", "out", "--tokenizer", "bytes",
+                     "--shard-tokens", "30000", "--quiet", cwd=tmp_path)
     assert other.returncode == 0, other.stderr
     assert "removing another command's partial output" in other.stderr
     tok = load_tokenizer("bytes")
@@ -167,8 +167,8 @@ def test_another_command_over_a_partial_output_starts_over(tmp_path: Path):
 )
 def test_bad_inputs_are_one_line(tmp_path: Path, make, args, message):
     make(tmp_path)
-    proc = run_cli("data", "prepare", "a.parquet", "--out", "out", "--tokenizer", "bytes",
-                   *args, cwd=tmp_path)
+    proc = run_main("data", "prepare", "a.parquet", "--out", "out", "--tokenizer", "bytes",
+                    *args, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
@@ -235,8 +235,8 @@ def test_chat_messages_count_the_assistant_turns_only(tmp_path: Path):
 def test_chat_without_a_template_is_one_line(tmp_path: Path):
     model = _chat_model_dir(tmp_path / "model", None)
     (tmp_path / "c.jsonl").write_text(json.dumps({"messages": CHATS[1]}) + "\n")
-    proc = run_cli("data", "prepare", "c.jsonl", "--out", "out", "--tokenizer", f"hf:{model}",
-                   "--messages-field", "messages", cwd=tmp_path)
+    proc = run_main("data", "prepare", "c.jsonl", "--out", "out", "--tokenizer", f"hf:{model}",
+                    "--messages-field", "messages", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "has no chat template" in lines[0], proc.stderr

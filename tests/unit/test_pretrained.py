@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import QUIET, run_cli, tiny_llama
+from helpers import QUIET, tiny_llama
+from trainwise.cli.main import main
 from trainwise.errors import ModelError
 from trainwise.models import ModelSpec, build_model, count_parameters
 from trainwise.models.llama import gpt_to_hf
@@ -154,17 +155,22 @@ def broken(models, tmp_path_factory) -> dict[str, Path]:
         ("untied", ["data.vocab_size=200"], "token ids up to 199 but the model's vocab_size is 97"),
     ],
 )
-def test_cli_bad_model_one_line_exit_2(models, broken, tmp_path, which, sets, message):
+def test_cli_bad_model_one_line_exit_2(models, broken, tmp_path, capsys, which, sets, message):
+    """`trainwise train`'s main in this process (the refusal comes before any worker, so a
+    process of its own would prove no more): one line, status 2, no run directory."""
     folder = {**models, **broken}[which]
     extra = [a for kv in sets for a in ("--set", kv)]
-    proc = run_cli(
+    run_dir = tmp_path / "run"
+    rc = main([
         "train", *QUIET, "--set", f"model.name='hf:{folder}'", "--set", "train.steps=1",
         "--set", "parallel.strategy=single", "--set", "data.seq_len=16",
-        "--set", f"data.vocab_size={VOCAB}", *extra, cwd=tmp_path,
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+        "--set", f"data.vocab_size={VOCAB}", "--run-dir", str(run_dir), *extra,
+    ])
+    err = capsys.readouterr().err
+    assert rc == 2, err[-2000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err[-2000:]
+    assert not run_dir.exists()
 
 
 def _stage(folder: Path, stage: int) -> torch.nn.Module:
