@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -167,6 +168,11 @@ class PipelineLoop:
 def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo")
+    # RAW_LOOP_SIDE_GROUPS=N holds N idle gloo groups, as trainwise holds its checkpoint,
+    # control and diagnosis groups: each keeps a thread that wakes every 10 ms
+    # (docs/development.md measures what three cost this loop).
+    for _ in range(int(os.environ.get("RAW_LOOP_SIDE_GROUPS", "0"))):
+        dist.new_group(backend="gloo")  # kept by torch's registry of groups
     rank, world = dist.get_rank(), dist.get_world_size()
     data_parallel = args.layout in ("ddp", "fsdp")
     dp_rank, dp_size = (rank, world) if data_parallel else (0, 1)
