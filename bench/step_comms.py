@@ -35,7 +35,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from step_profile import TRAINWISE_FLAGS, launch, run_in_window
+from step_profile import launch, run_in_window, window_args, window_parser
 
 HERE = Path(__file__).resolve()
 # Frames that only pass a call on: the site is the first frame above them.
@@ -48,22 +48,8 @@ FRAME = re.compile(r"^(.*\.py)\((\d+)\): (.*)$")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layouts", default="fsdp,pp", help="comma-separated: ddp, fsdp, tp, pp")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--micro-batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=40, help="steps of each run")
-    p.add_argument("--window", default="11:31", help="START:END batches counted (END excluded)")
-    args = p.parse_args(argv)
-    args.layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
-    bad = [s for s in args.layouts if s not in TRAINWISE_FLAGS]
-    if bad:
-        p.error(f"--layouts: unknown {', '.join(bad)}; choose among {', '.join(TRAINWISE_FLAGS)}")
-    start, _, end = args.window.partition(":")
-    args.start, args.end = int(start), int(end)
-    if not 1 <= args.start < args.end <= args.steps:
-        p.error(f"--window {args.window}: 1 <= START < END <= --steps {args.steps}")
-    return args
+    p = window_parser(__doc__, "fsdp,pp", 40, "11:31", "counted")
+    return window_args(p, argv)
 
 
 # -- in the workers -------------------------------------------------------------------

@@ -58,14 +58,23 @@ COUNTED = (
 )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layouts", default="ddp,fsdp,tp,pp", help="comma-separated: ddp, fsdp, tp, pp")
+def window_parser(doc: str, layouts: str, steps: int, window: str, what: str
+                  ) -> argparse.ArgumentParser:
+    """The options every step bench takes (this one, step_threads, step_comms): the
+    layouts, the model and micro-batch, each run's steps and the window of batches `what`
+    (profiled, read, counted); window_args checks them."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--layouts", default=layouts, help="comma-separated: ddp, fsdp, tp, pp")
     p.add_argument("--model", default="tiny")
     p.add_argument("--micro-batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=90, help="steps of each run")
-    p.add_argument("--window", default="11:81", help="START:END batches profiled (END excluded)")
-    p.add_argument("--top", type=int, default=25, help="functions listed by calls per step")
+    p.add_argument("--steps", type=int, default=steps, help="steps of each run")
+    p.add_argument("--window", default=window, help=f"START:END batches {what} (END excluded)")
+    return p
+
+
+def window_args(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """window_parser's options parsed: the layouts as a list of known ones, the window as
+    args.start and args.end within the run's steps."""
     args = p.parse_args(argv)
     args.layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
     bad = [s for s in args.layouts if s not in TRAINWISE_FLAGS]
@@ -76,6 +85,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 1 <= args.start < args.end <= args.steps:
         p.error(f"--window {args.window}: 1 <= START < END <= --steps {args.steps}")
     return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = window_parser(__doc__, "ddp,fsdp,tp,pp", 90, "11:81", "profiled")
+    p.add_argument("--top", type=int, default=25, help="functions listed by calls per step")
+    return window_args(p, argv)
 
 
 # -- in the workers -------------------------------------------------------------------

@@ -29,29 +29,15 @@ import threading
 import time
 from pathlib import Path
 
-from step_profile import TRAINWISE_FLAGS, launch, run_in_window
+from step_profile import launch, run_in_window, window_args, window_parser
 
 HERE = Path(__file__).resolve()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layouts", default="ddp", help="comma-separated: ddp, fsdp, tp, pp")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--micro-batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=150, help="steps of each run")
-    p.add_argument("--window", default="11:141", help="START:END batches read (END excluded)")
+    p = window_parser(__doc__, "ddp", 150, "11:141", "read")
     p.add_argument("--ops", action="store_true", help="also count rank 0's aten ops per step")
-    args = p.parse_args(argv)
-    args.layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
-    bad = [s for s in args.layouts if s not in TRAINWISE_FLAGS]
-    if bad:
-        p.error(f"--layouts: unknown {', '.join(bad)}; choose among {', '.join(TRAINWISE_FLAGS)}")
-    start, _, end = args.window.partition(":")
-    args.start, args.end = int(start), int(end)
-    if not 1 <= args.start < args.end <= args.steps:
-        p.error(f"--window {args.window}: 1 <= START < END <= --steps {args.steps}")
-    return args
+    return window_args(p, argv)
 
 
 # -- in the workers -------------------------------------------------------------------
