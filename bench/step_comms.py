@@ -35,7 +35,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from step_profile import launch, run_in_window, window_args, window_parser
+from step_profile import launch_ranks, run_in_window, window_args, window_parser
 
 HERE = Path(__file__).resolve()
 # Frames that only pass a call on: the site is the first frame above them.
@@ -130,9 +130,7 @@ def worker(out: str, start: int, end: int, kind: str, rest: list[str]) -> None:
 
 
 def run(kind: str, layout: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
-    out = tmp / f"{kind}-{layout}"
-    launch(HERE, kind, layout, args, tmp, [str(out), str(args.start), str(args.end)])
-    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    return launch_ranks(HERE, kind, layout, args, tmp)
 
 
 def table(found: dict[str, list[dict]], steps: int) -> list[str]:

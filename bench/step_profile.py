@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import os
 import pstats
 import runpy
@@ -173,6 +174,15 @@ def launch(script: Path, kind: str, layout: str, args: argparse.Namespace, tmp: 
                           capture_output=True, text=True, timeout=600 + 10 * args.steps)
     if done.returncode != 0:
         sys.exit(f"{kind} {layout} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+
+
+def launch_ranks(script: Path, kind: str, layout: str, args: argparse.Namespace, tmp: Path,
+                 *extra: str) -> list[dict]:
+    """launch's run of a worker that writes its rank's JSON to OUT.RANK (step_threads,
+    step_comms: worker args OUT START END EXTRA...): the two ranks' records."""
+    out = tmp / f"{kind}-{layout}"
+    launch(script, kind, layout, args, tmp, [str(out), str(args.start), str(args.end), *extra])
+    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
 
 
 def profile(kind: str, layout: str, args: argparse.Namespace, tmp: Path) -> pstats.Stats:

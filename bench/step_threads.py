@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from step_profile import launch, run_in_window, window_args, window_parser
+from step_profile import launch_ranks, run_in_window, window_args, window_parser
 
 HERE = Path(__file__).resolve()
 
@@ -90,10 +90,7 @@ def worker(out: str, start: int, end: int, ops: bool, kind: str, rest: list[str]
 
 
 def run(kind: str, layout: str, args: argparse.Namespace, tmp: Path) -> list[dict]:
-    out = tmp / f"{kind}-{layout}"
-    launch(HERE, kind, layout, args, tmp,
-           [str(out), str(args.start), str(args.end), str(int(args.ops))])
-    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in (0, 1)]
+    return launch_ranks(HERE, kind, layout, args, tmp, str(int(args.ops)))
 
 
 def report(name: str, ranks: list[dict], steps: int) -> None:
