@@ -47,6 +47,9 @@ from trainwise.plan.model.precision import BYTES
 # NLL as decomposed ops on the vocabulary shards, and at the head's backward holds this many
 # shard-sized tensors a token (the fused kernel on a whole vocabulary: 3).
 LOSS_PARALLEL_TENSORS = 5
+# What the vocabulary-parallel loss holds beyond the whole-vocabulary loss's tensors
+# (memory.LOSS_TENSORS: 3 for the standard loss, which the measurement above compares).
+LOSS_PARALLEL_EXTRA = LOSS_PARALLEL_TENSORS - 3
 TP_FORWARD = "tp forward all-reduce (or all-gather + reduce-scatter)"
 TP_BACKWARD = "tp backward all-reduce (or all-gather + reduce-scatter)"
 
@@ -81,9 +84,9 @@ def activation_split(per: dict, tp: int, sequence_parallel: bool) -> dict:
     """memory.activation_bytes_per_token's figures on one of `tp` ranks (see above)."""
     if tp == 1:
         return per
-    # The loss on vocabulary shards: LOSS_PARALLEL_TENSORS of 1/t each where the head's
-    # figure has 3 (which the split below divides by t).
-    loss = (LOSS_PARALLEL_TENSORS - 3) * per["loss"] / tp
+    # The loss on vocabulary shards: LOSS_PARALLEL_EXTRA more of 1/t each than the head's
+    # figure holds (which the split below divides by t).
+    loss = LOSS_PARALLEL_EXTRA * per["loss"] / tp
     if sequence_parallel:
         # Each norm's output is all-gathered before its linears, which save it whole.
         gathered = per["gathered"] * (1 - 1 / tp)

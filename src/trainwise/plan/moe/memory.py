@@ -56,7 +56,7 @@ from trainwise.plan.model.memory import (
 from trainwise.plan.model.precision import BYTES, MASTER_BYTES, OPTIMIZER_STATE_BYTES
 from trainwise.plan.model.selective_op import SELECTIVE_OP, kept
 from trainwise.plan.model.setup import Setup
-from trainwise.plan.model.tensor_parallel import LOSS_PARALLEL_TENSORS
+from trainwise.plan.model.tensor_parallel import LOSS_PARALLEL_EXTRA
 from trainwise.plan.moe.parallel import layers_params, rank_shape
 
 
@@ -256,7 +256,7 @@ def _around(w: Workload, autocast: bool, device: str, tp: int = 1,
     (memory.activation_bytes_per_token): a checkpointed block's input, the head (the final
     norm, its output, the loss's tensors at its backward (memory.LOSS_TENSORS), those its
     backward adds being `loss_grads`; on a vocabulary shard of `tp`, the
-    vocabulary-parallel loss's LOSS_PARALLEL_TENSORS), and a block's working set in
+    vocabulary-parallel loss's LOSS_PARALLEL_EXTRA more), and a block's working set in
     backward (the gradients of its widest intermediates: the busiest rank's routed
     copies, a shared or dense FFN); `split`: sequence parallelism's, of the residual
     stream."""
@@ -269,7 +269,7 @@ def _around(w: Workload, autocast: bool, device: str, tp: int = 1,
     norm_row = _norm_row(r, device, low and not autocast, h, split)
     routed = m.top_k * w.imbalance * e * (3 * m.d_expert + h) if shape.moe_layers else 0.0
     whole = LOSS_TENSORS[w.loss]
-    tensors = LOSS_PARALLEL_TENSORS - 3 + whole if tp > 1 else whole
+    tensors = whole + LOSS_PARALLEL_EXTRA if tp > 1 else whole
     return {
         "block_input": r * h / split,
         "head": norm_row(h) + e * h + tensors * loss * shape.vocab_size,
