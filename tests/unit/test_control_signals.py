@@ -38,7 +38,7 @@ def test_outside_slurm_every_signal_counts(monkeypatch: pytest.MonkeyPatch):
 DOUBLE_DELIVERY = """
 import os, signal
 from trainwise.run.engine.control import Control
-control = Control(distributed=False, announce_second=False)
+control = Control(None, announce_second=False)
 control.install()
 os.kill(os.getpid(), signal.SIGUSR1)
 os.kill(os.getpid(), signal.SIGUSR1)

@@ -67,7 +67,7 @@ def roundtrip(ctx: Context, trainer: Trainer, batch: list) -> tuple[list[str], f
     folder = ctx.run_dir / SMOKE_DIR
     ckpt = build_checkpointer(
         ctx.cfg, ctx.job, ctx.env, ctx.device, folder, trainer,
-        logging.getLogger("trainwise.doctor"), root=folder / "checkpoints",
+        logging.getLogger("trainwise.doctor"), ctx.host, root=folder / "checkpoints",
     )
     step = ctx.cfg.doctor.smoke_steps
     before = snapshot(trainer)

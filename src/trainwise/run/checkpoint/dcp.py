@@ -200,6 +200,7 @@ class Checkpointer:
         schedule: SaveSchedule,
         log: logging.Logger,
         *,
+        group: dist.ProcessGroup | None = None,
         timeout_s: float = 600.0,
         attempt: int = 0,
     ):
@@ -216,9 +217,12 @@ class Checkpointer:
         self.other = False  # the checkpoint found is of another lineage
         self.lineage_started = False  # resume = 'never' moved earlier checkpoints aside
         self.log = log
-        # DCP's own group: an async save's collectives run in a thread and must not share
-        # a group with training collectives (gloo matches operations by order).
-        self.group = side_group(timeout_s) if dist.is_initialized() else None
+        # Saves and loads run on `group`, the job's host group (run.job.distributed.
+        # host_group; None: one process), in order with the main thread's collectives. An
+        # async save's collectives run in a thread, and gloo matches operations by order:
+        # with async saves the checkpointer takes a gloo group of its own.
+        self.own_group = side_group(timeout_s) if cfg.async_save and group is not None else None
+        self.group = self.own_group or group
         self.inflight: _InFlight | None = None
         # One stager for the whole run: it keeps its host buffers between saves (a fresh
         # one per save would allocate, and page-fault through, the whole state each time).
@@ -671,9 +675,10 @@ class Checkpointer:
     def close(self) -> None:
         self.wait()
         self.stager.close()
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
+        if self.own_group is not None:
+            dist.destroy_process_group(self.own_group)
+            self.own_group = None
+        self.group = None
 
 
 def _continue_schedule(scheduler: Any, saved: dict[str, Any]) -> None:

@@ -6,9 +6,10 @@ step, save and exit 128 + the signal (stop_status); a second one exits at once (
 Slurm job step, the same signal again within seconds is the first one delivered twice:
 see SLURM_REPEAT_S).
 A signal reaches the ranks at slightly different moments, and time-based save decisions
-are taken on rank 0's clock, so the flags are agreed with a MAX all-reduce on a gloo group
-of their own: issued after a step, waited for after the next one, so it overlaps a whole
-step and adds no synchronisation to the loop. Every rank acts on the same step. The
+are taken on rank 0's clock, so the flags are agreed with a MAX all-reduce on the job's
+host group (run.job.distributed.host_group: the job's own group under gloo, a gloo side
+group under NCCL): issued after a step, waited for after the next one, so it overlaps a
+whole step and adds no synchronisation to the loop. Every rank acts on the same step. The
 exchange is not made after every step, only at steps every rank knows (`Cadence`): after
 every logging.flush_every steps, and in between about once a second of training, at
 every step when steps are slower than that. A stop or save request waits for the next
@@ -25,7 +26,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from trainwise.run.job.distributed import side_group
 from trainwise.run.job.lifeline import LAUNCHER_GONE
 
 # Every way a run is asked to stop saves first: the scheduler's SIGTERM / SIGUSR1, Ctrl-C
@@ -120,12 +120,14 @@ class Cadence:
 
 
 class Control:
+    """The run's stop and save flags, agreed over `group` (None: a process alone, whose
+    own flags apply at once). The group is the job's: Control does not destroy it."""
+
     def __init__(
-        self, distributed: bool, timeout_s: float = 600.0, announce_second: bool = True,
-        every: int = 1,
+        self, group: dist.ProcessGroup | None, announce_second: bool = True, every: int = 1,
     ):
         self.announce_second = announce_second
-        self.group = side_group(timeout_s) if distributed else None
+        self.group = group
         self.cadence = Cadence(every)
         self.signal: int | None = None
         self._first: tuple[int, float] | None = None  # the first signal and when it came
@@ -204,6 +206,4 @@ class Control:
     def close(self) -> None:
         self.drain()
         self.uninstall()
-        if self.group is not None:
-            dist.destroy_process_group(self.group)
-            self.group = None
+        self.group = None

@@ -217,10 +217,12 @@ def build_checkpointer(
     run_dir: Path,
     trainer: Trainer,
     log: logging.Logger,
+    group: dist.ProcessGroup | None,
     root: Path | None = None,
 ) -> Checkpointer:
-    """The job's Checkpointer over the trainer's state; `root` defaults to the run's
-    checkpoint folder (the doctor gives its own)."""
+    """The job's Checkpointer over the trainer's state, its collectives on `group` (the
+    job's host group; None: one process); `root` defaults to the run's checkpoint folder
+    (the doctor gives its own)."""
     c = cfg
     place = Place(root or root_for(run_dir, c.checkpoint.dir), run_dir, env.rank, env.world, device)
     return Checkpointer(
@@ -237,6 +239,7 @@ def build_checkpointer(
         },
         schedule=SaveSchedule(c.train.steps, c.cluster.mtbf_hours, c.cluster.nodes),
         log=log,
+        group=group,
         timeout_s=c.parallel.timeout_s,
         attempt=env.attempt,
     )

@@ -29,7 +29,7 @@ from trainwise.run.engine.control import Control
 from trainwise.run.engine.recorder import Recorder
 from trainwise.run.engine.step import StepResult
 from trainwise.run.engine.trainer import build_checkpointer, build_trainer
-from trainwise.run.job.distributed import DistEnv, network_line, side_group
+from trainwise.run.job.distributed import DistEnv, host_group, network_line, side_group
 from trainwise.run.job.lifeline import this_launch
 from trainwise.run.job.resolve import Job
 from trainwise.run.observe.events import append_event, read_events, resumptions, retry_cost
@@ -60,17 +60,22 @@ class Training:
         mark_memory_baseline()  # what the job adds over it is compared with the plan
         self.trainer = build_trainer(cfg, job, device, faults=self.faults)
         self.train_ds = self.faults.data(job.datasets[0])
-        self.ckpt = build_checkpointer(cfg, job, env, device, run_dir, self.trainer, log)
-        self.ckpt.before_commit = self.faults.in_save
         self.distributed = dist.is_initialized()
+        timeout = cfg.parallel.timeout_s
+        # The control flags and the checkpoint's collectives (main thread, program order);
+        # a process alone (a group of one) agrees with nobody.
+        peers = self.distributed and env.world > 1
+        host = host_group(timeout) if peers else None
+        self.ckpt = build_checkpointer(cfg, job, env, device, run_dir, self.trainer, log, host)
+        self.ckpt.before_commit = self.faults.in_save
         # Under a launcher, the launcher says what a second signal did (once, not per rank).
         self.control = Control(
-            self.distributed, cfg.parallel.timeout_s, announce_second=this_launch() is None,
-            every=cfg.logging.flush_every,
+            host, announce_second=this_launch() is None, every=cfg.logging.flush_every
         )
         # Kept idle for diagnosis: after a failed collective the survivors meet here to
-        # find which ranks are missing (the default group may be wedged by then).
-        self.health = side_group(cfg.parallel.timeout_s) if self.distributed else None
+        # find which ranks are missing. A group of its own: the others may be wedged by
+        # then, and a gloo operation that timed out closes its group's connections.
+        self.health = side_group(timeout) if peers else None
         self.watchdog = StepWatchdog(cfg.parallel.timeout_s) if self.distributed else None
         self.data_state = {"global_batch": job.global_batch, "seed": cfg.train.seed}
         self.step = 0

@@ -123,6 +123,19 @@ def init_process_group(
     )
 
 
+def host_group(timeout_s: float) -> dist.ProcessGroup:
+    """The group for the host-side collectives a worker issues from its main thread, in
+    the same order on every rank (the control flags, a synchronous checkpoint's I/O).
+    The job's own group when it is gloo: a gloo group runs operations in the order they
+    are issued, which these already keep with training's, and every extra gloo group
+    holds an event loop that wakes every 10 ms on every rank (three idle ones cost a
+    2-worker FSDP loop 12 % of its tokens/s: docs/development.md). Under NCCL a gloo side
+    group, as these exchange CPU tensors."""
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    return side_group(timeout_s)
+
+
 def side_group(timeout_s: float) -> dist.ProcessGroup:
     """A gloo group of all ranks beside the training group (checkpoint I/O, control flags,
     diagnosis): gloo matches operations by order, so background work needs its own group.
