@@ -21,7 +21,12 @@ from trainwise.plan.estimate import Setup, price
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
 from trainwise.plan.model.compute import compute_time
 from trainwise.plan.model.memory import Workload
-from trainwise.plan.model.pipeline import bubble_fraction, pipeline_stages, stage_workload
+from trainwise.plan.model.pipeline import (
+    bubble_fraction,
+    pipeline_stages,
+    rank_chunks,
+    stage_workload,
+)
 from trainwise.plan.model.tensor_parallel import TP_FORWARD, tp_collectives
 from trainwise.plan.moe.compute import _plain_gemms, _routed_gemms, moe_micro_batch
 from trainwise.plan.moe.memory import moe_activations, moe_params
@@ -133,7 +138,8 @@ def test_the_bubble_is_the_dense_formula_over_the_slowest_moe_stage():
         plan = price(inputs, setup)
         w = replace(inputs.workload, micro_batch=1, ac="full")
         stages = pipeline_stages(w, dims, schedule, v, 8)
-        slowest = max(compute_time(inputs, stage_workload(w, s), 8, 2, dims).seconds
+        chunks = rank_chunks(2, v, schedule)  # each runs its forward's syncs apart
+        slowest = max(compute_time(inputs, stage_workload(w, s), 8, 2, dims, True, chunks).seconds
                       for s in stages)
         share = bubble_fraction(schedule, 2, v, 8, zb_passes(w.moe, 4096))
         assert plan.step.bubble == pytest.approx(share * slowest)

@@ -47,6 +47,7 @@ from trainwise.plan.model.pipeline import (
     bubble_fraction,
     p2p_collective,
     p2p_exposed_seconds,
+    rank_chunks,
     stage_part,
     stage_parts,
     zb_passes,
@@ -281,7 +282,8 @@ def rank_compute(
     assert shape is not None
     stages = stage_parts(shape.n_layer, dims.pp, setup.virtual, setup.schedule)
     parts = (stage_part(w, *stage) for stage in stages)
-    timed = [(model.compute(inputs, sw, per_rank, dims.tp, dims, reference=False), sw)
+    chunks = rank_chunks(dims.pp, setup.virtual, setup.schedule)
+    timed = [(model.compute(inputs, sw, per_rank, dims.tp, dims, False, chunks), sw)
              for sw in parts]
     slowest, paced = max(timed, key=lambda t: t[0].seconds)
     one = math.nan  # the scaling's reference: the whole model on one GPU

@@ -15,7 +15,9 @@ A per-operation model of trainwise's GPT (models.gpt), one micro-batch of T toke
 - the host: every operation the eager runtime dispatches costs EAGER_OP_S of CPU time;
   under `train.compile` a block runs as a few fused kernels. The GPU runs asynchronously
   behind the host, so a step takes the longer of the two (on a CPU device, which computes
-  on the same cores, their sum).
+  on the same cores, their sum), unless the host waits for the device: work that ends in
+  a host sync (Work.synced: expert parallelism's, plan.moe.compute) is priced stretch by
+  stretch (work_seconds).
 Activation checkpointing adds the forward of each checkpointed block again (full: every
 block; selective: every other one, as models.checkpointing wraps them); selective-op adds
 every block's elementwise work and the matmuls its policy did not keep
@@ -155,17 +157,57 @@ class ComputeTime:
 
 
 @dataclass(frozen=True)
+class Synced:
+    """`count` runs of a unit of work, each of `device_s` seconds and `host_ops`
+    operations, that end in a host sync (the host waits until the device has run all it
+    queued): runs one after another form chains (work_seconds)."""
+
+    device_s: float
+    host_ops: float
+    count: float
+
+
+@dataclass(frozen=True)
 class Work:
-    """Seconds on the device and operations the host dispatches."""
+    """Seconds on the device and operations the host dispatches; `synced`: the stretches
+    of them that end in a host sync (work_seconds prices them)."""
 
     device_s: float = 0.0
     host_ops: float = 0.0
+    synced: tuple[Synced, ...] = ()
 
     def __add__(self, other: Work) -> Work:
-        return Work(self.device_s + other.device_s, self.host_ops + other.host_ops)
+        return Work(self.device_s + other.device_s, self.host_ops + other.host_ops,
+                    self.synced + other.synced)
 
     def times(self, k: float) -> Work:
-        return Work(self.device_s * k, self.host_ops * k)
+        synced = tuple(Synced(s.device_s, s.host_ops, s.count * k) for s in self.synced)
+        return Work(self.device_s * k, self.host_ops * k, synced)
+
+
+def synced_chain(unit: Work, syncs: float) -> Work:
+    """`syncs` runs of `unit` one after another, each ending in a host sync."""
+    assert not unit.synced, "a run's unit has no sync of its own"
+    return Work(unit.device_s * syncs, unit.host_ops * syncs,
+                (Synced(unit.device_s, unit.host_ops, syncs),))
+
+
+def work_seconds(work: Work, op_s: float, pace: float, chains: float = 1.0) -> float:
+    """Seconds of `work` on a GPU whose host dispatches an operation in `op_s` and whose
+    device runs at `pace` of its clock. The host runs ahead of the device, queuing
+    kernels, so work takes the longer of the two, but a host sync drains the queue: the
+    work between two syncs takes the longer of its own two, and such stretches add.
+    Each of work.synced's runs falls into `chains` chains (a step's micro-batches, or
+    the pipeline chunks of each): in a chain the work between two syncs is one run's,
+    and its last run joins the work that follows the chain (the host runs ahead of the
+    device again until the next chain's first sync)."""
+    if not work.synced:
+        return max(work.device_s / pace, work.host_ops * op_s)
+    closed = [(max(0.0, s.count - chains), s) for s in work.synced]
+    closed_s = sum(n * max(s.device_s / pace, s.host_ops * op_s) for n, s in closed)
+    device = work.device_s - sum(n * s.device_s for n, s in closed)
+    host = work.host_ops - sum(n * s.host_ops for n, s in closed)
+    return closed_s + max(device / pace, host * op_s)
 
 
 def compute_time(
@@ -175,13 +217,15 @@ def compute_time(
     tp: int,
     dims: ParallelDims | None = None,
     reference: bool = True,
+    chunks: int = 1,
 ) -> ComputeTime:
     """Compute of `samples` sequences of workload `w` (at its micro-batch and ac) on one of
     `tp` tensor-parallel ranks, in layout `dims` (None: one GPU alone); `reference`: with
-    what one GPU alone achieves (else nan: a caller that needs only the seconds)."""
+    what one GPU alone achieves (else nan: a caller that needs only the seconds);
+    `chunks`: the pipeline stages a stage's blocks form (each runs its forward apart)."""
     if inputs.efficiency is not None or (w.shape is None and w.profile is None and w.moe is None):
         return _flat(inputs, w, samples, tp)
-    step = _step_seconds(inputs, w, samples, tp, dims)
+    step = _step_seconds(inputs, w, samples, tp, dims, chunks)
     if not reference:
         return ComputeTime(step, math.nan)
     one = step if tp == 1 and dims is None else _step_seconds(inputs, w, samples, 1, None)
@@ -220,15 +264,23 @@ def _flat(inputs: PlanInputs, w: Workload, samples: float, tp: int) -> ComputeTi
 
 
 def _step_seconds(
-    inputs: PlanInputs, w: Workload, samples: float, tp: int, dims: ParallelDims | None
+    inputs: PlanInputs, w: Workload, samples: float, tp: int, dims: ParallelDims | None,
+    chunks: int = 1,
 ) -> float:
-    return _cached_step(
+    """The step's seconds; `chunks`: the pipeline stages the rank's blocks form."""
+    work, op_s = _step_work(
         inputs.hardware, inputs.compile, inputs.gemm_table, w, samples, tp, dims
     )
+    hw = inputs.hardware
+    if hw.device == "cpu":  # the same cores dispatch and compute
+        return work.device_s + work.host_ops * op_s
+    # The GPUs of a layout wait for each other: the step runs at the slowest one's clock.
+    pace = slowest_pace(GENERATIONS[hw.generation], dims.world if dims is not None else 1)
+    return work_seconds(work, op_s, pace, chunks * samples / w.micro_batch)
 
 
 @lru_cache(maxsize=65536)
-def _cached_step(
+def _step_work(
     hw: Hardware,
     compiled: bool,
     table: GemmTable | None,
@@ -236,15 +288,21 @@ def _cached_step(
     samples: float,
     tp: int,
     dims: ParallelDims | None,
-) -> float:
-    """The step's seconds (cached: the planner's search prices the same setups often)."""
+) -> tuple[Work, float]:
+    """The step's Work and the seconds the host takes an operation (cached: the
+    planner's search prices the same setups often)."""
     fsdp = dims is not None and dims.fsdp
     autocast = not fsdp and w.precision != "fp32"  # FSDP's mixed precision casts once
     micro_batches = samples / w.micro_batch
     if w.moe is not None:
-        from trainwise.plan.moe.compute import moe_micro_batch, moe_per_step  # (builds on this)
+        from trainwise.plan.moe.compute import (  # (builds on this)
+            fsdp_layer_ops,
+            moe_micro_batch,
+            moe_per_step,
+        )
 
-        micro = moe_micro_batch(w, dims.ep if dims is not None else 1, tp, hw, autocast, table)
+        micro = moe_micro_batch(w, dims.ep if dims is not None else 1, tp, hw, autocast, table,
+                                fsdp_layer_ops(dims))
         per_step = moe_per_step(hw, w, dims, micro_batches)
     elif w.shape is None:
         assert w.profile is not None
@@ -259,13 +317,7 @@ def _cached_step(
             float8_of(w.float8, w.float8_all_gather, fsdp),
         )
         per_step = _per_step(hw, w, tp, dims, micro_batches)
-    work = micro.times(micro_batches) + per_step
-    host = work.host_ops * (COMPILED_OP_S if compiled else EAGER_OP_S)
-    if hw.device == "cpu":  # the same cores dispatch and compute
-        return work.device_s + host
-    # The GPUs of a layout wait for each other: the step runs at the slowest one's clock.
-    pace = slowest_pace(GENERATIONS[hw.generation], dims.world if dims is not None else 1)
-    return max(work.device_s / pace, host)
+    return micro.times(micro_batches) + per_step, COMPILED_OP_S if compiled else EAGER_OP_S
 
 
 @lru_cache(maxsize=16384)
@@ -598,7 +650,13 @@ def fsdp_rounds(dims: ParallelDims, micro_batches: float) -> float:
     and its gradients unreduced until the step's last backward (torch.distributed.
     pipelining's backward_maybe_with_nosync: set_reshard_after_backward and
     set_requires_gradient_sync False but for the last; plan.estimate's dp_accum rule)."""
-    return 1.0 if dims.pp > 1 else micro_batches
+    return micro_batches if fsdp_every_micro_batch(dims) else 1.0
+
+
+def fsdp_every_micro_batch(dims: ParallelDims) -> bool:
+    """Whether FSDP gathers and reduces every micro-batch (fsdp_rounds), in the hooks of
+    each one's passes; else once a step."""
+    return dims.pp == 1
 
 
 def _per_step(

@@ -37,7 +37,7 @@ class PerformanceModel(Protocol):
 
     def compute(
         self, inputs: PlanInputs, w: Workload, samples: float, tp: int,
-        dims: ParallelDims | None = None, reference: bool = True,
+        dims: ParallelDims | None = None, reference: bool = True, chunks: int = 1,
     ) -> ComputeTime: ...
 
     def communication(
@@ -61,9 +61,9 @@ class AnalyticModel:
 
     def compute(
         self, inputs: PlanInputs, w: Workload, samples: float, tp: int,
-        dims: ParallelDims | None = None, reference: bool = True,
+        dims: ParallelDims | None = None, reference: bool = True, chunks: int = 1,
     ) -> ComputeTime:
-        return compute_time(inputs, w, samples, tp, dims, reference)
+        return compute_time(inputs, w, samples, tp, dims, reference, chunks)
 
     def communication(
         self, inputs: PlanInputs, setup: Setup, w: Workload, compute: float

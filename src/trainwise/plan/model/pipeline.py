@@ -339,6 +339,12 @@ def _parts(w: Workload) -> tuple[float, float, float]:
     return block, embeddings, head + tied
 
 
+def rank_chunks(p: int, v: int, schedule: str) -> int:
+    """The stages each rank of a `p`-stage pipeline holds (rank_stages: `v`, two on a V),
+    each run forward apart from the others."""
+    return len(rank_stages(0, p, v, schedule))
+
+
 @lru_cache(maxsize=4096)
 def stage_parts(n_layer: int, p: int, v: int, schedule: str) -> tuple[tuple[int, bool, bool], ...]:
     """(blocks, the embeddings, the head) of pipeline_stages' ranks, the first and the

@@ -14,9 +14,24 @@ One micro-batch of T tokens on a rank of an `ep`-way expert group:
   the router's softmax and top-k, the gathers that sort the tokens by expert and return
   them, the experts' SwiGLU activation, the combine's fp32 scaling and scatter-add;
 - the host's operations (torchtitan's MoE dispatches about MOE_FORWARD_OPS a layer) and,
-  with ep > 1, the device-to-host sync the all-to-all's split sizes need (torchtitan's
-  token dispatcher reads them with .tolist()): the device then waits for the host to
-  dispatch the next SYNC_IDLE_OPS operations.
+  with ep > 1, the host sync in every MoE layer's forward: the host reads how many rows
+  it receives before it can dispatch the exchange. torchtitan's token dispatcher copies
+  the output splits with .to("cpu", non_blocking=False) and .tolist()s them
+  (torchtitan/distributed/expert_parallel.py at 022f885f3, "this would incur a
+  device-to-host sync"; models/common/token_dispatcher.py _sync_token_count_exchange
+  today); Megatron-Core's alltoall dispatcher copies the counts on a side stream and
+  synchronizes with it (megatron/core/transformer/moe/token_dispatcher.py
+  _maybe_dtoh_and_synchronize, at 1e057005, the published rows' commit, as today), its
+  DeepEP path, as torchtitan's, has the CPU spin until the received counts arrive
+  (moe/fused_a2a.py FusedDispatch: "the CPU will wait for GPU's signal to arrive";
+  deepseek-ai/DeepEP csrc/deep_ep.cpp
+  intranode_dispatch at 92fe2de, the "Synchronize total received tokens" loop unless
+  num_worst_tokens is given; README: "an implicit CPU wait for GPU received count
+  signal"). The backward reuses the forward's splits or DeepEP's handle (cached mode:
+  no wait); a layer recomputed whole runs its forward, and its sync, again. A sync
+  drains what the host had queued, so the host banks no time across it
+  (plan.model.compute.work_seconds prices the stretches; _passes lays them out), and
+  after it the device waits for the host to dispatch the next SYNC_IDLE_OPS operations.
 On one of `tp` tensor-parallel ranks, the MoE model of its share (plan.moe.parallel.
 rank_shape): attention's heads, the dense and shared FFNs and the head's vocabulary
 split, the router and the routed experts whole, on the rank's 1 / tp of the tokens (the
@@ -48,9 +63,11 @@ from trainwise.plan.model.compute import (
     Work,
     _gemm,
     _head,
+    fsdp_every_micro_batch,
     fsdp_rounds,
     gqa_repeat_bytes,
     norm_bytes,
+    synced_chain,
 )
 from trainwise.plan.model.gemm import (
     FUSED_ATTENTION_SHARE,
@@ -82,18 +99,21 @@ SYNC_IDLE_OPS = 5
 # Parameter tensors of a MoE layer FSDP handles (norms, q/k norms, four projections,
 # the router, the shared expert's three, the experts' three 3-D weights).
 MOE_LAYER_TENSORS = 15
+ROOT_TENSORS = 3  # the embedding, the final norm, the head
 
 
 def moe_micro_batch(w: Workload, ep: int, tp: int, hw: Hardware, autocast: bool,
-                    table: GemmTable | None) -> Work:
+                    table: GemmTable | None, hook_ops: float = 0.0) -> Work:
     """One micro-batch of `w` (a MoE workload) on a rank of an ep-way expert group and
     of a tp-way tensor-parallel one (its share: plan.moe.parallel.rank_shape): every
-    layer forward and backward, the checkpointed ones' forward again, the head."""
+    layer forward and backward, the checkpointed ones' forward again, the head.
+    `hook_ops`: the operations FSDP's hooks dispatch in a layer a micro-batch
+    (fsdp_layer_ops), half in its forward, half in its backward (an assumption)."""
     assert w.moe is not None
     shape = rank_shape(w.moe, tp)
     kernels = Kernels(w.norm_kernel, w.attention, w.routing)
     return _micro_batch(shape, w.seq_len, w.micro_batch, ep, w.imbalance, hw, w.precision,
-                        autocast, w.ac, table, w.loss, kernels, w.head, tp)
+                        autocast, w.ac, table, w.loss, kernels, w.head, tp, hook_ops)
 
 
 @dataclass(frozen=True)
@@ -115,11 +135,12 @@ class Kernels:
 def _micro_batch(
     shape: MoEShape, seq: int, micro_batch: int, ep: int, imbalance: float, hw: Hardware,
     precision: str, autocast: bool, ac: str, table: GemmTable | None, loss: str,
-    kernels: Kernels, head: bool, tp: int = 1,
+    kernels: Kernels, head: bool, tp: int = 1, hook_ops: float = 0.0,
 ) -> Work:
     tokens = seq * micro_batch
     recomputed = checkpointed_blocks(ac, shape.n_layer)
     one = _one_layer(shape)
+    hooks = Work(0.0, hook_ops / 2)  # a pass's share of a layer's FSDP hooks
     work = Work()
     for moe in (False, True):  # the layers of a kind are alike: priced once, counted
         layers = [i for i in range(shape.n_layer) if shape.is_moe_layer(i) == moe]
@@ -130,14 +151,33 @@ def _micro_batch(
         backward = _layer_backward(one, moe, tokens, seq, ep, imbalance, hw, precision,
                                    autocast, table, kernels, tp)
         again = sum(1 for i in layers if i in recomputed)
-        work = work + (forward + backward).times(len(layers))
+        whole = 0 if ac == SELECTIVE_OP else again  # the layers recomputed whole
+        work = work + _passes(forward, backward, hooks, len(layers), whole, moe and ep > 1)
         if ac == SELECTIVE_OP:  # what the policy did not keep runs again, in every layer
             forward = _layer_recompute(shape, moe, layers[0], forward, tokens, seq, ep,
                                        imbalance, hw, precision, table, kernels, tp)
-        work = work + forward.times(again)
+            work = work + forward.times(again)  # the split sizes' copy kept: no sync
     if head:
         work = work + _head(shape, tokens, 1, hw, precision, table, loss)  # type: ignore[arg-type]
     return work
+
+
+def _passes(forward: Work, backward: Work, hooks: Work, layers: int, again: int,
+            syncs: bool) -> Work:
+    """`layers` alike layers forward and backward, each pass with its FSDP `hooks`,
+    `again` of them recomputed whole (their forward run again in the backward, without
+    FSDP's hooks). `syncs`: each forward reads the all-to-all's split sizes on the host
+    (see the module's docstring), so the forward is a run of syncs one layer apart
+    (plan.model.compute.synced_chain, work_seconds), and so is the backward where
+    recomputed layers sync again, each sync `layers / again` layers' backward apart;
+    the backward's own all-to-alls reuse the forward's splits and do not sync."""
+    forward_pass, backward_pass = forward + hooks, backward + hooks
+    if not syncs:
+        return (forward_pass + backward_pass).times(layers) + forward.times(again)
+    work = synced_chain(forward_pass, layers)
+    if not again:
+        return work + backward_pass.times(layers)
+    return work + synced_chain(forward + backward_pass.times(layers / again), again)
 
 
 @lru_cache(maxsize=1024)
@@ -329,7 +369,19 @@ def moe_per_step(hw: Hardware, w: Workload, dims: ParallelDims | None,
     moved = 0.0
     for params, shard in ((p.dense, dims.dp_shard), (p.experts, experts.shard)):
         moved += params * (gathers * (MASTER_BYTES / shard + 2 * e) + e + MASTER_BYTES)
-    tensors = MOE_LAYER_TENSORS * shape.n_layer + 3
     rounds = fsdp_rounds(dims, micro_batches)
+    tensors = ROOT_TENSORS  # the layers' own where not in their passes (fsdp_layer_ops)
+    if not fsdp_layer_ops(dims):
+        tensors += MOE_LAYER_TENSORS * shape.n_layer
     return work + Work(rounds * moved / (hw.hbm_bps * MEMORY_SHARE),
                        rounds * FSDP_OPS_PER_PARAM * tensors)
+
+
+def fsdp_layer_ops(dims: ParallelDims | None) -> float:
+    """The operations FSDP's hooks dispatch in one layer a micro-batch where they run
+    every micro-batch (fsdp_rounds): inside the layer's forward and backward, between
+    its syncs. Once a step (pipeline stages) they are priced beside the step, as the
+    optimizer is: one micro-batch of the step's runs them."""
+    if dims is None or not dims.fsdp or not fsdp_every_micro_batch(dims):
+        return 0.0
+    return FSDP_OPS_PER_PARAM * MOE_LAYER_TENSORS
