@@ -250,7 +250,7 @@ class ParallelDims:
         if shard != "full" or not self.stages_gathered or self.dp_shard == 1:
             return ""
         return (
-            "parallel.shard = 'full' under pipeline stages keeps each stage's parameters "
+            "Under pipeline stages parallel.shard = 'full' keeps each stage's parameters "
             "gathered from its first forward to its last backward (torchtitan's default "
             "with pp): priced and run as grad_op"
         )

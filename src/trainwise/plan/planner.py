@@ -124,7 +124,7 @@ def make_plan(
     # What the planner assumed of a model read from its module comes first.
     # parallel.shard = 'full' asked of a layout with stages runs as grad_op: say so.
     shard_note = _dims(best).shard_note("full") if allowed.reshard_after_forward else ""
-    notes = [batch_note, shard_note]
+    notes = [batch_note, shard_note and f"{shard_note}."]
     warnings = [*inputs.notes, *(n for n in notes if n)] + _warnings(
         inputs, best, single, strategies, knees
     )

@@ -796,7 +796,7 @@ def decide(
     reason = (
         f"{set_by(strategy, offload, dims)}: {fmt_bytes(est.total)} per worker "
         f"({describe(est)}); one replica would need {fmt_bytes(replica.total)}."
-        + (f" {note[0].upper()}{note[1:]}." if note else "")
+        + (f" {note}." if note else "")
     )
     return Decision(
         strategy, offload, est, replica, device_bytes * (1 - c.parallel.headroom), reason,
