@@ -114,9 +114,22 @@ def case_losses(case: tuple, root: Path, pipeline: bool) -> dict:
         "eval": trainer.evaluate(evaluation),
         "spans": spans, "sync": sync, "layout": job.dims.describe(),
         "dp_rank": trainer.dp_rank, "parts": len(trainer.parts),
+        "kept_gathered": kept_gathered(trainer.parts),
         # The loss as the recorder reads it: reduced over the ranks (the last stage's).
         "guard": [poisoned.finite, math.isnan(mean_over_ranks(poisoned.loss)[0])],
     }
+
+
+def kept_gathered(parts: list) -> list[bool]:
+    """For each FSDP unit of the rank's stages, whether FSDP keeps it gathered after
+    forward (no post-forward reshard), as torch holds it (empty without FSDP)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = [
+        m._get_fsdp_state()._fsdp_param_group
+        for part in parts for m in part.modules() if isinstance(m, FSDPModule)
+    ]
+    return [not g._reshard_after_forward for g in groups if g is not None]
 
 
 def main(root: str, which: str) -> None:

@@ -123,6 +123,10 @@ def test_pipeline_times_fsdp_trains_one_processs_losses(four, root):
     assert ranks[0]["layout"] == "pp 2 x dp_replicate 1 x dp_shard 2 x tp 1"
     # Ranks of different stages read the same samples: the data-parallel rank skips pp.
     assert [r["dp_rank"] for r in ranks] == [0, 1, 0, 1]
+    # parallel.shard is 'full' (the default), yet under 1F1B every block of every stage
+    # stays gathered from its forward to the step's last backward, as the plan prices it
+    # (ParallelDims' rule under pp, torchtitan's default): no gather per micro-batch.
+    assert all(r["kept_gathered"] and all(r["kept_gathered"]) for r in ranks)
     assert_matches(ranks[0], reference(root, pp_worker.CASES_4[name]))
 
 

@@ -269,6 +269,34 @@ def test_a_pipeline_stage_within_5_percent_of_the_formula():
     assert abs(row["gap"]) <= 0.10
 
 
+def test_a_pipeline_stage_sharded_by_fsdp_within_5_percent_of_the_formula():
+    # pp 2 x fsdp 2 at parallel.shard 'full' (the default): under stages FSDP keeps the
+    # blocks gathered through the step (ParallelDims' rule, torchtitan's default), which the
+    # formula prices (every block gathered, the unsharded gradients held to the last
+    # backward) and the simulation runs: the stage sharded over 2 fake ranks, backwards
+    # without sync or reshard but the last (pipelining's backward_maybe_with_nosync).
+    shape = PRESETS["small"]
+    w = Workload(shape.num_params(), shape, SEQ["small"], 2)
+    setup = Setup(ParallelDims.from_strategy("fsdp", 4, shard="full", pp=2), "none", 2, 4)
+    stage, est = worst_stage(w, setup, "cpu")
+    sim = simulate_stage(shape, setup, stage, "fp32", SEQ["small"])
+    assert est.total == pytest.approx(sim.peak_bytes, rel=0.05)
+    assert est.params == pytest.approx(sim.parts["params"], rel=0.02)  # half the stage's
+    # The gathered blocks and unsharded gradients FSDP holds (its buffers): the stage's
+    # parameters twice over, as the formula's buffers and held gradients.
+    assert est.buffers + est.grads == pytest.approx(sim.parts["buffers"], rel=0.02)
+    # `trainwise plan --simulate` measures such a row the same way.
+    flags = {"model.name": "tiny", "data.seq_len": 128, "plan.gpus": 4, "cluster.nproc": 4,
+             "precision.dtype": "fp32", "data.global_batch": 16, "parallel.pp": 2,
+             "parallel.strategy": "fsdp"}
+    inputs = resolve_inputs(load_config(None, flags, base=PLAN_DEFAULTS))
+    given = {"parallel.pp": "--set", "parallel.strategy": "--set"}  # and so shard 'full'
+    choice = recommend(inputs, user_allowed(load_config(None, flags), given))
+    (row,) = simulate_plan(SimpleNamespace(inputs=inputs), rows=[choice.plan])
+    assert row["strategy"] == "pp2 + fsdp-grad-op"
+    assert abs(row["gap"]) <= 0.05
+
+
 def test_a_lora_pipeline_stage_is_simulated_with_its_adapters():
     # A LoRA pipeline stage: the simulation cuts it from the converted model, as the
     # runtime does, so only the adapters have gradients and optimizer state, as priced.

@@ -82,6 +82,25 @@ def test_config_keys_run_the_layout():
     assert ParallelDims.from_strategy("hsdp", 8, replicate=2).config_keys()["parallel.replicate"] == 2
 
 
+def test_fsdp_keeps_pipeline_stages_gathered_whatever_parallel_shard_says():
+    # torchtitan's default with pp (reshard_after_forward False "to avoid per-microbatch
+    # all-gathers"): full under stages is grad_op, and its names say so.
+    full = ParallelDims.from_strategy("fsdp", 8, shard="full", pp=2)
+    grad_op = ParallelDims.from_strategy("fsdp", 8, shard="grad_op", pp=2)
+    assert full == grad_op
+    assert (full.reshard_after_forward, full.shard, full.plan_name) == (
+        False, "grad_op", "fsdp-grad-op",
+    )
+    assert ParallelDims(1, 4, pp=2, fsdp=True) == grad_op  # built directly, the same rule
+    assert full.shard_note("full").endswith("run as grad_op")
+    assert full.shard_note("grad_op") == ""
+    # Without stages full is ZeRO-3, as asked; replicas of stages hold no shard to keep.
+    flat = ParallelDims.from_strategy("fsdp", 8, shard="full")
+    assert flat.reshard_after_forward and flat.shard_note("full") == ""
+    replicas = ParallelDims.from_strategy("ddp", 8, pp=2)
+    assert replicas.fsdp and replicas.shard_note("full") == ""
+
+
 # --- LayoutRequest: parallel.* before the world size is known ------------------------------
 
 

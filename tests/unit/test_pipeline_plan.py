@@ -41,6 +41,7 @@ from trainwise.plan.model.pipeline import (
 )
 from trainwise.plan.model.setup import Setup
 from trainwise.plan.pipeline_search import slots
+from trainwise.plan.planner import make_plan
 from trainwise.plan.search import Goal, recommend, score, search
 from trainwise.plan.space import layouts
 
@@ -541,3 +542,43 @@ def test_check_allowed_refuses_stages_without_a_shape():
     cfg = load_config(None, {"plan.params": 10**9, "parallel.pp": 2}, base=PLAN_DEFAULTS)
     with pytest.raises(Exception, match="pipeline stages need a model shape"):
         check_allowed(inputs, user_allowed(cfg, {"parallel.pp": "--set"}))
+
+
+# --- FSDP inside a stage --------------------------------------------------------------------
+
+
+def test_fsdp_stages_are_priced_gathered_once_a_step():
+    # ParallelDims' rule under pp (torchtitan's default): a stage's blocks stay gathered
+    # from its first forward to its last backward, so a step gathers and reduces them once,
+    # however many micro-batches the schedule runs, and holds every block gathered.
+    inputs = plan_inputs(**{"model.name": "llama-7b", "plan.gpus": 16})
+    dims = ParallelDims.from_strategy("fsdp", 16, shard="full", pp=2)
+
+    def gathered(micro_batches: int) -> float:
+        plan = price(inputs, Setup(dims, "full", 1, micro_batches))
+        return next(c.wire_bytes for c in plan.collectives if c.name == "all-gather params")
+
+    assert gathered(8) == gathered(1) > 0
+    flat = ParallelDims.from_strategy("fsdp", 16, shard="full")
+    plan = price(inputs, Setup(flat, "full", 1, 1))
+    assert not dims.reshard_after_forward and flat.reshard_after_forward
+    blocks = price(inputs, Setup(dims, "full", 1, 1)).memory.buffers
+    assert blocks > plan.memory.buffers  # every block of the stage, not two in flight
+
+
+def test_a_job_with_stages_and_shard_full_is_planned_as_it_runs():
+    # parallel.shard = 'full' (the default) with parallel.pp = 2: `train` runs the stages
+    # with FSDP's blocks kept gathered; the search offers that layout, named grad_op, and
+    # the plan says what full means there.
+    flags = {"model.name": "llama-7b", "parallel.strategy": "fsdp", "parallel.pp": 2}
+    inputs = plan_inputs(**{"model.name": "llama-7b", "plan.gpus": 16})
+    allowed = user_allowed(load_config(None, flags))
+    assert allowed.reshard_after_forward is True  # the job's full, fixed
+    sharded = [d for d in layouts(inputs, allowed) if d.dp_shard > 1]
+    assert sharded and all(d.pp == 2 and d.plan_name == "fsdp-grad-op" for d in sharded)
+    plan = make_plan(inputs, allowed=allowed)
+    assert plan.best.setup.dims.pp == 2
+    assert any("Under pipeline stages parallel.shard = 'full'" in w for w in plan.warnings)
+    # Without stages fixed, full keeps the search to ZeRO-3 without them.
+    free = replace(allowed, pp_degree=None, max_pp=None)
+    assert all(d.pp == 1 for d in layouts(inputs, free) if d.dp_shard > 1)

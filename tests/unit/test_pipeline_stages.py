@@ -180,6 +180,10 @@ def test_a_pipeline_job_resolves_its_layout():
     )
     assert (job.record().layout_name, job.strategy) == ("pp 2 x fsdp 2 x tp 2", "fsdp")
     assert job.global_batch == config.data.micro_batch * config.data.grad_accum * 2
+    # parallel.shard = 'full' (the default) under stages: the stages' parameters stay
+    # gathered through the step (torchtitan's default), and the run's reason says so.
+    assert not job.dims.reshard_after_forward
+    assert job.decision.reason.endswith("priced and run as grad_op.")
 
 
 def test_compile_with_a_zero_bubble_schedule_is_refused():

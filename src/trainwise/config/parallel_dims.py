@@ -99,7 +99,17 @@ class ParallelDims:
     different tokens (`expert_ranks`) and ep is borrowed from them all, tp innermost
     (Megatron's expert group over tp x dp; torchtitan's "ETP 1"): the rule is that ep
     divides dp_size x tp, and an ep that crosses shard groups or replicas is run with the
-    experts replicated beside it (`expert_dims`: the one statement of that split)."""
+    experts replicated beside it (`expert_dims`: the one statement of that split).
+
+    Under pipeline stages (pp > 1) FSDP keeps each stage's parameters gathered through the
+    step, whatever `reshard_after_forward` asked (`__post_init__` sets it False: the one
+    place this rule lives), as torchtitan's default reshard_after_forward_policy does with
+    pp ("to avoid per-microbatch all-gathers"): every schedule runs a stage's micro-batches
+    one after another, and pipelining's backward_maybe_with_nosync keeps the parameters
+    gathered after each backward but the last, so resharding after forward would gather
+    once more per micro-batch; torch's zero-bubble weight pass, moreover, finds the
+    weights in the autograd graph and misses resharded ones' gradients. The run, the
+    planner's comm, compute and memory and the layout's names all read this one value."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -112,6 +122,8 @@ class ParallelDims:
     cpu_offload: bool = False
 
     def __post_init__(self) -> None:
+        if self.stages_gathered and self.reshard_after_forward:
+            object.__setattr__(self, "reshard_after_forward", False)
         problems = [
             f"parallel.{name} = {value}: a degree is a whole number >= 1"
             for name, value in self.degrees().items()
@@ -224,6 +236,24 @@ class ParallelDims:
         if self.ep > 1:
             parts.append(f"ep {self.ep}")
         return " x ".join(parts)
+
+    @property
+    def stages_gathered(self) -> bool:
+        """Whether FSDP keeps pipeline stages' parameters gathered through the step
+        (pp > 1 under FSDP: the class's rule), so that parallel.shard = 'full' runs as
+        'grad_op'."""
+        return isinstance(self.pp, int) and self.pp > 1 and self.fsdp
+
+    def shard_note(self, shard: str) -> str:
+        """What parallel.shard = `shard` means in this layout, when it is not what it says
+        (full under pipeline stages); empty otherwise."""
+        if shard != "full" or not self.stages_gathered or self.dp_shard == 1:
+            return ""
+        return (
+            "Under pipeline stages parallel.shard = 'full' keeps each stage's parameters "
+            "gathered from its first forward to its last backward (torchtitan's default "
+            "with pp): priced and run as grad_op"
+        )
 
     @property
     def shard(self) -> str:

@@ -252,7 +252,9 @@ class ParallelConfig(Section):
     shard: Literal["full", "grad_op"] = Field(
         "full",
         description="fsdp: full = reshard parameters after forward (ZeRO-3); "
-        "grad_op = keep them until backward ends (ZeRO-2).",
+        "grad_op = keep them until backward ends (ZeRO-2). With pipeline stages (pp > 1) "
+        "FSDP keeps each stage's parameters gathered through the step either way "
+        "(torchtitan's default): full runs as grad_op.",
     )
     cpu_offload: bool = Field(False, description="fsdp: keep sharded state in CPU memory.")
     replicate: int | None = Field(

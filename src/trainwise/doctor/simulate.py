@@ -205,17 +205,21 @@ def simulate_stage(
     shape: GPTShape, setup: Setup, stage: Stage, precision: str = "fp32",
     seq_len: int | None = None, optimizer: str = "adamw", lora: LoraPlan | None = None,
 ) -> Simulation:
-    """The peak of pipeline rank `stage` of `setup` (a stage of one rank: dp 1, tp 1) over
-    a step as its schedule orders it on that rank: stage.in_flight forwards ahead, then a
-    backward and a forward in turn, the last backwards, the optimizer. The stage is the one
-    the runtime trains (models.pipeline.split_gpt of the meta model); the loss on the last
-    stage, and a stage that is not the last gets its output's gradient as the next stage
-    would send it; with `lora`, cut from the model the LoRA converter turned, as the
-    runtime converts before it splits."""
+    """The peak of pipeline rank `stage` of `setup` (a stage of one rank, or sharded by FSDP
+    over dp_shard fake ranks: no replicas, tp 1) over a step as its schedule orders it on
+    that rank: stage.in_flight forwards ahead, then a backward and a forward in turn, the
+    last backwards, the optimizer. The stage is the one the runtime trains
+    (models.pipeline.split_gpt of the meta model), under FSDP with the runtime's rule for
+    stages (kept gathered: ParallelDims) and pipelining's for its backwards (no
+    gradient sync nor reshard but at the last, backward_maybe_with_nosync); the loss on
+    the last stage, and a stage that is not the last gets its output's gradient as the
+    next stage would send it; with `lora`, cut from the model the LoRA converter turned,
+    as the runtime converts before it splits."""
     import torch
     import torch.distributed as dist
     from torch import nn
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -235,16 +239,23 @@ def simulate_stage(
     convert(gpt, _converters(lora, precision))
     (index,) = rank_stages(stage.rank, pp, setup.virtual, setup.schedule)  # one a rank
     model = split_gpt(gpt, index, pp * setup.virtual)
-    with _fake_world(dist, FakeStore, 1):
-        model = parallelize(model, model.layers(), ParallelDims(), device=device,
+    sharded = setup.dims.fsdp and setup.dims.dp_shard > 1
+    # The stage's own data parallelism, as parts.py applies it on the mesh's other dims.
+    inside = replace(setup.dims, pp=1) if sharded else ParallelDims()
+    with _fake_world(dist, FakeStore, inside.world):
+        model = parallelize(model, model.layers(), inside, device=device,
                             precision=precision, ac=setup.ac)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=device)
             y = torch.randint(0, shape.vocab_size, (b, seq))
             opt = build_optimizer([model], OptimConfig(name=optimizer))
-            tracker = global_peak_only(MemTracker())
-            tracker.track_external(model, opt, y)
-            _skip_frozen(tracker, model)
+            if sharded:
+                tracker = global_peak_only(FSDPMemTracker(model, opt))
+                tracker.track_inputs((y,))
+            else:
+                tracker = global_peak_only(MemTracker())
+                tracker.track_external(model, opt, y)
+                _skip_frozen(tracker, model)
 
             class MicroBatch(nn.Module):
                 """A fresh top module per micro-batch: the tracker refuses one top module
@@ -269,8 +280,11 @@ def simulate_stage(
                 out = top(x)
                 return top, cross_entropy_loss(out, y) / m if stage.head else out
 
-            def backward(pair):
+            def backward(pair, last: bool):
                 _, out = pair  # the top module lives until its backward (the tracker's hooks)
+                if sharded:  # pipelining's backward_maybe_with_nosync
+                    model.set_requires_gradient_sync(last, recurse=True)
+                    model.set_reshard_after_backward(last, recurse=True)
                 out.backward() if stage.head else out.backward(torch.ones_like(out))
 
             # One autocast region a step (its cache keeps one 16-bit copy of each weight
@@ -278,13 +292,15 @@ def simulate_stage(
             with tracker, autocast_context(False, precision, device):
                 for _ in range(STEPS):
                     _reset_peak(tracker)
-                    pending = []
+                    pending, done = [], 0
                     for _ in range(m):
                         pending.append(forward())
                         if len(pending) >= stage.in_flight:
-                            backward(pending.pop(0))
+                            done += 1
+                            backward(pending.pop(0), done == m)
                     while pending:
-                        backward(pending.pop(0))
+                        done += 1
+                        backward(pending.pop(0), done == m)
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     snapshot = tracker.get_tracker_snapshot("peak").get(device, {})
@@ -489,9 +505,11 @@ def simulated(dims: ParallelDims, virtual: int = 1) -> bool:
     ddp, FSDP, with tensor parallelism or without, with the experts split over ep or not
     (not hsdp, nor ddp with ep, which runs as FSDP2's replication: that fails on the fake
     process group; not cpu offload: host memory is not tracked); pipeline stages of one
-    rank each (no data or tensor parallelism inside a stage), one stage per rank."""
+    rank each or sharded by FSDP (no replicas, no tensor parallelism inside a stage), one
+    stage per rank."""
     if dims.pp > 1:
-        return dims.dp_size == 1 and dims.tp == 1 and virtual == 1
+        alone = dims.dp_size == 1 or (dims.fsdp and dims.dp_replicate == 1)
+        return alone and dims.tp == 1 and not dims.cpu_offload and virtual == 1
     runs = dims.runnable()
     return not runs.hybrid and not runs.cpu_offload
 

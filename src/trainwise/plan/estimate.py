@@ -24,7 +24,7 @@ from trainwise.plan.model.comm import (
     layout_collectives,
     outlasting_seconds,
 )
-from trainwise.plan.model.compute import ComputeTime
+from trainwise.plan.model.compute import ComputeTime, fsdp_rounds
 from trainwise.plan.model.cost import CheckpointPlan, Cost, checkpoint_plan, job_cost
 from trainwise.plan.model.float8 import gathered_float8_params
 from trainwise.plan.model.flops import (
@@ -381,9 +381,9 @@ def _communication(
     )
     # A pipeline stage's data-parallel group lies within its world/pp ranks; its FSDP
     # parameters stay gathered and its gradients unreduced until the step's last backward
-    # (torch.distributed.pipelining's stage runs FSDP so): one gather and one reduction.
+    # (ParallelDims' rule and pipelining's no-sync backwards): one gather and one reduction.
     stage_layout = replace(layout, gpus=inputs.gpus // dims.pp)
-    dp_accum = 1 if dims.pp > 1 else accum
+    dp_accum = int(fsdp_rounds(dims, accum))
     frozen, trained = rank_split(w.params, w.shape, w.lora, tp)
     rank_params = frozen + trained
     units = fsdp_units(w)

@@ -122,7 +122,10 @@ def make_plan(
         for name in {r.strategy for r in rows}:
             knees[name] = knee([r for r in rows if r.strategy == name])
     # What the planner assumed of a model read from its module comes first.
-    warnings = [*inputs.notes, *([batch_note] if batch_note else [])] + _warnings(
+    # parallel.shard = 'full' asked of a layout with stages runs as grad_op: say so.
+    shard_note = _dims(best).shard_note("full") if allowed.reshard_after_forward else ""
+    notes = [batch_note, shard_note and f"{shard_note}."]
+    warnings = [*inputs.notes, *(n for n in notes if n)] + _warnings(
         inputs, best, single, strategies, knees
     )
     questions = [

@@ -237,15 +237,17 @@ def layouts(inputs: PlanInputs, allowed: Allowed) -> list[ParallelDims]:
 
 def pipeline_layouts(dp: int, tp: int, pp: int, allowed: Allowed) -> list[ParallelDims]:
     """The data-parallel layouts of `pp` stages of `tp` ranks: DDP, or FSDP over the whole
-    data-parallel group without resharding after forward (torchtitan's choice with
-    pipeline stages: each micro-batch would gather again), the shard group the job set."""
+    data-parallel group (the shard group the job set), which keeps each stage's parameters
+    gathered through the step whatever parallel.shard says (ParallelDims' rule under pp:
+    each micro-batch would gather again). A job that fixes parallel.shard = 'full' gets
+    such stages only when it fixes the stages too (then they are what it runs, and the
+    plan says what full means there); else the search keeps its ZeRO-3 without stages."""
     shard = allowed.shard_group or dp
     out = [ParallelDims(dp_replicate=dp, tp=tp, pp=pp).runnable()]
     if shard > 1 and dp % shard == 0:
-        out.append(ParallelDims(dp // shard, shard, tp, pp, fsdp=True, reshard_after_forward=False))
-    # Replicas of stages run as FSDP2's replication (ParallelDims.runnable): no shard to
-    # keep or free, whatever parallel.shard says.
-    return [d for d in out if allowed.reshard_after_forward is not True or d.dp_shard == 1]
+        out.append(ParallelDims(dp // shard, shard, tp, pp, fsdp=True))
+    full_asked = allowed.reshard_after_forward is True and allowed.pp_degree != pp
+    return [d for d in out if not full_asked or d.dp_shard == 1]
 
 
 def replica_batch(inputs: PlanInputs, dims: ParallelDims) -> int:

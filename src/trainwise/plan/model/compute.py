@@ -647,7 +647,8 @@ def _adapters(
 def fsdp_rounds(dims: ParallelDims, micro_batches: float) -> float:
     """How many times a step's FSDP gathers and reduces a rank's parameters: every
     micro-batch, or once under pipeline stages, whose stage keeps its parameters gathered
-    and its gradients unreduced until the step's last backward (torch.distributed.
+    (ParallelDims' rule under pp: no resharding after forward, whatever parallel.shard
+    says) and its gradients unreduced until the step's last backward (torch.distributed.
     pipelining's backward_maybe_with_nosync: set_reshard_after_backward and
     set_requires_gradient_sync False but for the last; plan.estimate's dp_accum rule)."""
     return micro_batches if fsdp_every_micro_batch(dims) else 1.0

@@ -46,6 +46,7 @@ from trainwise.plan.model.comm import (
     layout_collectives,
     outlasting_seconds,
 )
+from trainwise.plan.model.compute import fsdp_rounds
 from trainwise.plan.model.flops import recompute_factor
 from trainwise.plan.model.gemm import GENERATIONS
 from trainwise.plan.model.memory import Workload, checkpointed_blocks
@@ -139,7 +140,7 @@ def moe_communication(
     # A pipeline stage's ranks, and its FSDP parameters gathered and gradients unreduced
     # until the step's last backward (estimate._communication's rule for the GPT).
     stage_layout = replace(layout, gpus=inputs.gpus // dims.pp)
-    dp_accum = 1 if dims.pp > 1 else accum
+    dp_accum = int(fsdp_rounds(dims, accum))
     p = moe_params(w, dims.ep, dims.tp)
     params = layout_collectives(dims, p.dense, stage_layout, w.precision, w.reduce_dtype,
                                 dp_accum, setup.accumulate, shape.n_layer + 1)

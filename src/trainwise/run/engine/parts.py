@@ -11,7 +11,6 @@ the optimizer, evaluation, clipping, the export) takes the list.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from fnmatch import fnmatch
 
 import torch
@@ -23,7 +22,7 @@ from trainwise.models import ModelBundle
 from trainwise.models.converters import ModelConverter, adapt_tp_plan, place
 from trainwise.models.gpt import GPT
 from trainwise.models.gpt_parallel import gpt_tp_plan
-from trainwise.models.pipeline import ZERO_BUBBLE, rank_stages, split_stage, stage_layers
+from trainwise.models.pipeline import rank_stages, split_stage, stage_layers
 from trainwise.run.engine.materialize import (
     build_unparallelized,
     convert_built,
@@ -55,14 +54,9 @@ def build_parts(
     place(converters, job.dims, device.type)
     init, added = convert_built(bundle, converters, seed)
     parts = split(bundle, cfg.parallel, mesh)
+    # Under pp, FSDP keeps each stage's parameters gathered through the step, for every
+    # schedule (ParallelDims' rule: the zero-bubble weight pass needs them in the graph).
     dims = job.dims
-    if dims.pp > 1 and cfg.parallel.pp_schedule in ZERO_BUBBLE:
-        # torch's zero-bubble schedules find a stage's weights in the autograd graph by the
-        # module's parameters before FSDP's pre-backward gathers them again: resharded after
-        # forward, the weight pass misses their gradients (a pp 2 x dp 2 step's gradient
-        # norm fell to 0.76 of one process's). Kept gathered, as torchtitan keeps every
-        # pipeline stage's.
-        dims = replace(dims, reshard_after_forward=False)
     # DDP keeps a whole replica per rank and checks it at wrapping: materialise first.
     whole = not dims.fsdp and dims.tp == 1
     if bundle.init_parameter is not None and whole:

@@ -792,9 +792,11 @@ def decide(
             f"({describe(est)}) but a device has {fmt_bytes(device_bytes)}: use 'auto', "
             "'fsdp', parallel.cpu_offload = true, or a smaller data.micro_batch"
         )
+    note = dims.shard_note(c.parallel.shard)
     reason = (
         f"{set_by(strategy, offload, dims)}: {fmt_bytes(est.total)} per worker "
         f"({describe(est)}); one replica would need {fmt_bytes(replica.total)}."
+        + (f" {note}." if note else "")
     )
     return Decision(
         strategy, offload, est, replica, device_bytes * (1 - c.parallel.headroom), reason,
