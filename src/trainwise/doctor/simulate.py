@@ -219,8 +219,6 @@ def simulate_stage(
     import torch.distributed as dist
     from torch import nn
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from trainwise.config.schema import OptimConfig
@@ -228,7 +226,6 @@ def simulate_stage(
     from trainwise.models.gpt import GPT
     from trainwise.models.pipeline import rank_stages, split_gpt
     from trainwise.models.registry import cross_entropy_loss
-    from trainwise.run.engine.optim import build_optimizer
     from trainwise.run.engine.parallelize import parallelize
     from trainwise.run.engine.precision import autocast_context
 
@@ -248,14 +245,7 @@ def simulate_stage(
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=device)
             y = torch.randint(0, shape.vocab_size, (b, seq))
-            opt = build_optimizer([model], OptimConfig(name=optimizer))
-            if sharded:
-                tracker = global_peak_only(FSDPMemTracker(model, opt))
-                tracker.track_inputs((y,))
-            else:
-                tracker = global_peak_only(MemTracker())
-                tracker.track_external(model, opt, y)
-                _skip_frozen(tracker, model)
+            tracker, opt = _tracker_for(model, inside, True, OptimConfig(name=optimizer), y)
 
             class MicroBatch(nn.Module):
                 """A fresh top module per micro-batch: the tracker refuses one top module
@@ -290,26 +280,36 @@ def simulate_stage(
             # One autocast region a step (its cache keeps one 16-bit copy of each weight
             # for all the micro-batches in flight).
             with tracker, autocast_context(False, precision, device):
-                for _ in range(STEPS):
-                    _reset_peak(tracker)
-                    pending, done = [], 0
-                    for _ in range(m):
-                        pending.append(forward())
-                        if len(pending) >= stage.in_flight:
-                            done += 1
-                            backward(pending.pop(0), done == m)
-                    while pending:
-                        done += 1
-                        backward(pending.pop(0), done == m)
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    snapshot = tracker.get_tracker_snapshot("peak").get(device, {})
-                    tracker.reset_mod_stats()
+                snapshot = _stage_steps(tracker, opt, forward, backward, m, stage.in_flight,
+                                        device)
     peak, parts = _peak_by_part(snapshot)
     return Simulation(layout_name(setup.dims), setup.dims.world, peak, parts)
 
 
-def _tracker_for(model, dims: ParallelDims, dtensors: bool, optim_cfg, x, y):
+def _stage_steps(tracker, opt, forward, backward, micro_batches: int, in_flight: int,
+                 device) -> dict:
+    """STEPS steps of a pipeline rank as its schedule orders them (`in_flight` forwards
+    ahead, then a backward and a forward in turn, the last backwards, the optimizer);
+    the last step's peak snapshot on `device`."""
+    for _ in range(STEPS):
+        _reset_peak(tracker)
+        pending, done = [], 0
+        for _ in range(micro_batches):
+            pending.append(forward())
+            if len(pending) >= in_flight:
+                done += 1
+                backward(pending.pop(0), done == micro_batches)
+        while pending:
+            done += 1
+            backward(pending.pop(0), done == micro_batches)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        snapshot = tracker.get_tracker_snapshot("peak").get(device, {})
+        tracker.reset_mod_stats()
+    return snapshot
+
+
+def _tracker_for(model, dims: ParallelDims, dtensors: bool, optim_cfg, *inputs):
     """The step's memory tracker, and the optimizer where it is built before the step (a
     DTensor model's: FSDPMemTracker needs it); None for DDP's, built inside the tracker so
     that its buckets are seen."""
@@ -320,15 +320,15 @@ def _tracker_for(model, dims: ParallelDims, dtensors: bool, optim_cfg, x, y):
 
     if not dtensors:
         tracker = global_peak_only(MemTracker())
-        tracker.track_external(model, x, y)
+        tracker.track_external(model, *inputs)
         _skip_frozen(tracker, model)
         return tracker, None
     opt = build_optimizer([model], optim_cfg)
     tracker = global_peak_only(FSDPMemTracker(model, opt) if dims.fsdp else MemTracker())
     if dims.fsdp:
-        tracker.track_inputs((x, y))
+        tracker.track_inputs(inputs)
     else:
-        tracker.track_external(model, opt, x, y)
+        tracker.track_external(model, opt, *inputs)
         _skip_frozen(tracker, model)
     return tracker, opt
 
