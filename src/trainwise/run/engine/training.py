@@ -76,7 +76,7 @@ class Training:
         # find which ranks are missing. A group of its own: the others may be wedged by
         # then, and a gloo operation that timed out closes its group's connections.
         self.health = side_group(timeout) if peers else None
-        self.watchdog = StepWatchdog(cfg.parallel.timeout_s) if self.distributed else None
+        self.watchdog = StepWatchdog(timeout) if self.distributed else None
         self.data_state = {"global_batch": job.global_batch, "seed": cfg.train.seed}
         self.step = 0
         self.stage = "start-up"  # where a failed collective was: named in its message
