@@ -6,12 +6,18 @@ machine falls on both alike):
 
 - `trainwise train` with its defaults (telemetry every step, the loss averaged over
   ranks every logging.flush_every steps, probe steps, TensorBoard, progress lines, the
-  stop/save agreement, the hang watchdog, the non-finite guard) except evaluation and
-  mid-run checkpoints, which are off because the raw loop has neither (the final save
-  comes after the timed window);
+  stop/save agreement, the hang watchdog, the non-finite guard, AdamW's fused step) except
+  evaluation and mid-run checkpoints, which are off because the raw loop has neither (the
+  final save comes after the timed window);
 - `bench/raw_loop.py` under `python -m torch.distributed.run`: the same model, data,
-  optimizer, schedule, clipping and DDP / FSDP2 / DTensor TP / pipelining stages, with
-  nothing else in the loop.
+  optimizer hyperparameters, schedule, clipping and DDP / FSDP2 / DTensor TP / pipelining
+  stages, with nothing else in the loop, and AdamW as a user writes it,
+  `torch.optim.AdamW(params, lr=...)`: torch's default step (its per-tensor loop on CPU,
+  foreach on CUDA).
+
+The same math computed another way ends at the same loss within the check below. To time
+the framework's own cost with the raw loop's very optimizer step, run trainwise's step
+as the raw loop's: `--set optim.implementation=for-loop`.
 
 Both get the same number of workers, micro batch, steps, fp32, and OMP_NUM_THREADS=1.
 Throughput is steady state: the tokens of the steps after the warm-up step W, over the

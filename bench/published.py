@@ -1,7 +1,7 @@
 """The planner against published training runs, each run a `trainwise plan` command line a
 user can type: its model, GPUs, layout, micro-batch, accumulation (as the global batch),
 sequence, activation checkpointing and precision as published, and the kernels and
-hardware figures the run names as job keys (model.norm_impl, optim.foreach,
+hardware figures the run names as job keys (model.norm_impl, optim.implementation,
 plan.loss_kernel, cluster.hbm_gbps, cluster.gpu_tflops, ...). Each line is parsed by the
 CLI's own parser and planned by trainwise.api.plan_job in this process, at the default
 headroom; the configuration it recommends (everything pinned, so the published one: the
@@ -34,7 +34,9 @@ The runs, each with its source:
   --gpu-mem-gb 96, cluster.hbm_gbps = 2400. train_configs/llama3_8b.toml at 9dec370:
   norm_type "rmsnorm" (torchtitan/models/norms.py: the composite fp32 chain,
   model.norm_impl = composite), activation_checkpoint mode "selective" with
-  selective_ac_option "op" (per-operation: `--ac selective-op`), AdamW foreach,
+  selective_ac_option "op" (per-operation: `--ac selective-op`), AdamW foreach (torch's
+  CUDA default: `--optimizer.fused` was off unless typed until torchtitan's 6e4988550,
+  2025-02-24, "use Fused AdamW as default": optim.implementation = foreach),
   mixed_precision_reduce float32. Its loss (train.py at 9dec370): F.cross_entropy on the
   logits upcast to fp32, `pred.flatten(0, 1).float()`, eager: e8977b0 (2024-12-18,
   "turning off compile on loss function") had commented its compile out, so even the
@@ -75,8 +77,9 @@ The runs, each with its source:
   is not modelled), train_configs/llama3_8b.toml at e7c0cae: seq 8192, selective op AC:
   10,938 tokens/s/GPU and 47.96 GiB on 32, 10,753 and 46.97 on 64. At e7c0cae the loss is
   compiled with training.compile (torchtitan/components/loss.py, build_cross_entropy_loss):
-  the 16-bit logits kept and one gradient written, plan.loss_kernel = fused; the memory is
-  max_reserved_gib as above (components/metrics.py).
+  the 16-bit logits kept and one gradient written, plan.loss_kernel = fused; AdamW is
+  fused (the default since 6e4988550, as trainwise's); the memory is max_reserved_gib as
+  above (components/metrics.py).
 - mosaicml/llm-foundry, scripts/train/benchmarking/README.md at 5e85bd62d (Composer,
   FSDP FULL_SHARD; each row's table named in its source): MPT (the presets mpt-*: their
   counts are the tables' NumParams to the parameter), flash-attn's fused cross-entropy
@@ -85,7 +88,7 @@ The runs, each with its source:
   = fused; its Triton attention, attn_impl "triton" in mpt-*.yaml and submit_benchmarks.py,
   writes its output [B, T, H, D], which the out projection reads as a view), Composer's
   DecoupledAdamW (composer/optim/decoupled_weight_decay.py: a per-parameter loop:
-  optim.foreach = false), LayerNorm as one kernel (low_precision_layernorm). Composer
+  optim.implementation = for-loop), LayerNorm as one kernel (low_precision_layernorm). Composer
   syncs every micro-batch of a model that is not DDP (composer/trainer/trainer.py), so FSDP
   reduce-scatters each micro-batch (parallel.accumulate = sharded). H100 80GB BF16 and A100
   80GB tables: amp_bf16, FSDP mixed precision DEFAULT (gradients reduced in fp32); A100
@@ -115,7 +118,9 @@ The runs, each with its source:
   not set), a balanced gate (moe.imbalance = 1), Transformer Engine's attention (its
   grouped k/v heads read natively) and DeepEP's dispatch (plan.attention_kernel and
   plan.routing_kernel = fused): 12,040 tokens/s/GPU. Its optimizer keeps bf16 states, the
-  planner fp32: the fit verdict is not judged (no memory is published).
+  planner fp32: the fit verdict is not judged (no memory is published). The config's
+  torch.optim.Adam sets neither foreach nor fused: torch's foreach step on CUDA
+  (optim.implementation = foreach).
   pytorch/torchtitan, torchtitan/distributed/deepep/README.md at 022f885f3, "Strong
   Scaling", 1 node: Qwen3-30B-A3B on 8 B200 (its 167.93 GiB are "94.15%" of 178.4: the
   B200), DeepEP (plan.routing_kernel = fused), 14,796 tokens/s/GPU and 167.93 GiB. The
@@ -124,7 +129,8 @@ The runs, each with its source:
   torchtitan/models/qwen3/train_configs/qwen3_30b_a3b_with_deepep.toml (a8560ae35),
   assumed to be the run: local batch 8 (the weak-scaling table's LBS 8 row on 16 nodes is
   the strong-scaling 16-node row, 13,856), seq 4096, FSDP over the 8, EP 8, full AC,
-  compile on, the gate forced balanced (moe.imbalance = 1), AdamW, reduced in fp32. The
+  compile on, the gate forced balanced (moe.imbalance = 1), AdamW (fused, torchtitan's
+  default since 6e4988550, as trainwise's), reduced in fp32. The
   published memory says otherwise: the weak-scaling table adds 13.7 GiB a sequence (LBS
   8 -> 10), where full AC holds 4.3 GiB a sequence in the plan (per-op selective AC
   15.7), while the strong-scaling differences are the experts' states halving as planned:
@@ -140,7 +146,9 @@ The runs, each with its source:
   optimizer (ZeRO-1) beside pipeline stages is written as FSDP without resharding
   (parallel.shard = grad_op), as the Llama 3 405B row. The model config
   (model_configs/benchmarking/Qwen3-235B-A22B.yaml at c1ad0b5c8) fuses the cross-entropy
-  (--cross-entropy-loss-fusion, --cross-entropy-fusion-impl te: plan.loss_kernel = fused)
+  (--cross-entropy-loss-fusion, --cross-entropy-fusion-impl te: plan.loss_kernel = fused),
+  steps with Transformer Engine's FusedAdam (megatron/core/optimizer/__init__.py at
+  1e057005: trainwise's default optim.implementation, fused)
   and routes with the auxiliary loss from the pretrained checkpoint (PRETRAIN=0 loads
   it): the table does not say the gate was forced balanced, so moe.imbalance is left at
   its default. Megatron-Core folds tp into the expert group and splits the tokens over
@@ -254,13 +262,16 @@ TITAN_LOSS_2024 = "--set plan.loss_kernel=fp32"
 # torchtitan's loss at e7c0cae (June 2025): the same, compiled with training.compile
 # (torchtitan/components/loss.py, build_cross_entropy_loss): the 16-bit logits kept.
 TITAN_LOSS_COMPILED = "--set plan.loss_kernel=fused"
+# torchtitan's AdamW until 6e4988550 (2025-02-24): torch's foreach step (`--optimizer.fused`
+# off unless typed, config_manager.py at 3faaa1a0d and 9dec370); fused since, as trainwise.
+TITAN_ADAMW_2024 = "--set optim.implementation=foreach"
 TITAN_2412 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 TITAN_DOCS = "pytorch/torchtitan docs/performance.md @157a12c56"
 TITAN_405B = "pytorch/torchtitan docs/performance.md @3faaa1a0d"
 FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md @5e85bd62d"
 # Composer's runs (see above): the kernels and accumulation it runs.
 COMPOSER = ("--strategy fsdp-full --set parallel.tp=1 --set parallel.accumulate=sharded "
-            "--set plan.loss_kernel=fused --set optim.foreach=false")
+            "--set plan.loss_kernel=fused --set optim.implementation=for-loop")
 A100_40_NET = "--inter-node-gbps 25 --set precision.reduce_dtype=bf16"
 
 
@@ -269,13 +280,13 @@ def titan_8b(gpus: int, compile_: bool, float8: bool = False) -> str:
                f"--global-batch {2 * gpus} --strategy fsdp-full --set parallel.tp=1 "
                "--ac selective-op",
                TITAN_H100, COMPOSITE, "--set train.compile=true" if compile_ else "",
-               FLOAT8 if float8 else "", TITAN_LOSS_2024)
+               FLOAT8 if float8 else "", TITAN_LOSS_2024, TITAN_ADAMW_2024)
 
 
 def titan_a100(model: str, seq: int, micro: int, ac: str, composite: bool = False) -> str:
     return cmd(f"--model {model} --gpus 64 --gpu A100-80GB --seq {seq} --micro-batch {micro} "
                f"--global-batch {64 * micro} --strategy fsdp-full --set parallel.tp=1 --ac {ac}",
-               COMPOSITE if composite else "", TITAN_LOSS_2024)
+               COMPOSITE if composite else "", TITAN_LOSS_2024, TITAN_ADAMW_2024)
 
 
 def mpt(size: str, gpu: str, gpus: int, seq: int, micro: int, accum: int, ac: bool,
@@ -315,7 +326,7 @@ RUNS = [
     Published("Llama 3.1 405B, 128 H100, FSDP 16 x TP 8, full AC", TITAN_405B,
               cmd("--model llama3-405b --gpus 128 --seq 8192 --micro-batch 2 --global-batch 32 "
                   "--strategy fsdp-full --set parallel.tp=8 --ac full --set train.compile=true",
-                  TITAN_405B_H100, COMPOSITE, TITAN_LOSS_2024), 109),
+                  TITAN_405B_H100, COMPOSITE, TITAN_LOSS_2024, TITAN_ADAMW_2024), 109),
     Published("MPT-7B, 8 H100, no AC, mb 6", FOUNDRY + H100_T,
               mpt("7b", "H100-SXM", 8, 2048, 6, 1, False), 10643),
     Published("MPT-13B, 64 H100, no AC, mb 2", FOUNDRY + H100_T,
@@ -393,11 +404,12 @@ FLOAT8_RUNS: list[Published] = [
               TITAN_2412 + " Table 4 (2D)",
               cmd("--model llama3-70b --gpus 256 --seq 8192 --micro-batch 16 --global-batch 512 "
                   "--strategy fsdp-full --set parallel.tp=8 --ac full --set train.compile=true",
-                  TITAN_H100, COMPOSITE, FLOAT8, TITAN_LOSS_2024), 829, 71.9),
+                  TITAN_H100, COMPOSITE, FLOAT8, TITAN_LOSS_2024, TITAN_ADAMW_2024), 829, 71.9),
     Published("Llama 3.1 405B, 128 H100, FSDP 16 x TP 8, full AC, compile, float8", TITAN_405B,
               cmd("--model llama3-405b --gpus 128 --seq 8192 --micro-batch 2 --global-batch 32 "
                   "--strategy fsdp-full --set parallel.tp=8 --ac full --set train.compile=true",
-                  TITAN_405B_H100, COMPOSITE, FLOAT8, TITAN_LOSS_2024), 177),
+                  TITAN_405B_H100, COMPOSITE, FLOAT8, TITAN_LOSS_2024, TITAN_ADAMW_2024),
+              177),
     *(Published(f"Llama 3.1 8B, {gpus} H200, FSDP, sel-op AC, compile, float8", TRAINY,
                 cmd(f"--model llama3-8b --gpus {gpus} --gpu H200 --seq 8192 --micro-batch 2 "
                     f"--global-batch {2 * gpus} --strategy fsdp-full --set parallel.tp=1 "
@@ -426,7 +438,7 @@ MOE_RUNS = [
                   "--ac full --strategy fsdp --set parallel.shard=grad_op --set parallel.tp=1 "
                   "--set parallel.ep=8 --set moe.imbalance=1 "
                   "--set parallel.accumulate=unsharded --set plan.attention_kernel=fused "
-                  "--set plan.routing_kernel=fused"), 12040),
+                  "--set plan.routing_kernel=fused --set optim.implementation=foreach"), 12040),
     Published("Qwen3-30B-A3B, 8 B200, FSDP 8 x EP 8, full AC, compile",
               "pytorch/torchtitan torchtitan/distributed/deepep/README.md @022f885f3, Strong "
               "Scaling, 1 node (train_configs/qwen3_30b_a3b_with_deepep.toml @a8560ae35)",

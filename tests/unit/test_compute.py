@@ -40,11 +40,13 @@ def inputs_for(**keys):
 
 def h200_job(preset: str, micro: int, ac: str):
     """The bench/gpu_validate.py job on one H200: bf16, seq 1024, the synthetic data's
-    256-token vocabulary."""
+    256-token vocabulary, AdamW's foreach step (torch's CUDA default, what trainwise ran
+    when these were measured)."""
     return inputs_for(**{
         "model.name": preset, "model.vocab_size": 256, "cluster.gpu": "H200",
         "plan.gpus": 1, "data.seq_len": 1024, "data.micro_batch": micro,
         "data.global_batch": micro, "parallel.ac": ac, "precision.dtype": "bf16",
+        "optim.implementation": "foreach",
     })
 
 
@@ -203,18 +205,33 @@ def test_a_synchronous_step_runs_at_the_slowest_gpus_clock():
     assert slowest_pace(GENERATIONS["ampere"], 8) == 1.0  # no spread published
 
 
-def test_the_foreach_adamw_step_streams_92_bytes_a_parameter():
-    # Eight fp32 passes of torch's foreach AdamW: 8 + 12 + 8 + 12 + 8 + 8 + 8 + 16 = 80
-    # bytes a parameter; clipping's norm and scale: 4 + 8. At 80 % of the H200's 4.8 TB/s.
+@pytest.mark.parametrize("implementation, step_bytes", [
+    ("foreach", 80), ("for-loop", 80), ("fused", 28),
+])
+def test_the_adamw_step_streams_its_bytes_a_parameter(implementation: str, step_bytes: int):
+    # Eight fp32 passes of torch's foreach AdamW (or its per-tensor loop): 8 + 12 + 8 +
+    # 12 + 8 + 8 + 8 + 16 = 80 bytes a parameter; the fused kernel reads the parameter,
+    # gradient and both moments and writes three: 28. Clipping's norm and scale: 4 + 8.
+    # At 80 % of the H200's 4.8 TB/s.
+    from dataclasses import replace
+
     from trainwise.plan.model.compute import _per_step
     from trainwise.plan.model.memory import block_params
 
     job = h200_job("llama-1b", 8, "none")
-    w = job.workload
+    w = replace(job.workload, implementation=implementation)
     block, root = block_params(w, 1)
     params = block * w.shape.n_layer + root
     step = _per_step(job.hardware, w, 1, None, 1.0)
-    assert step.device_s == pytest.approx(params * 92 / (4.8e12 * 0.8))
+    assert step.device_s == pytest.approx(params * (step_bytes + 12) / (4.8e12 * 0.8))
+
+
+def test_the_default_step_is_fused_adamw_and_torchs_choice_for_sgd():
+    adamw = inputs_for(**{"model.name": "llama-1b", "cluster.gpu": "H200", "plan.gpus": 1})
+    assert adamw.workload.step_implementation("cuda") == "fused"
+    sgd = inputs_for(**{"model.name": "llama-1b", "optim.name": "sgd", "plan.gpus": 1})
+    assert sgd.workload.step_implementation("cuda") == "foreach"
+    assert sgd.workload.step_implementation("cpu") == "for-loop"
 
 
 def test_fsdp_copies_once_a_step_under_pipeline_stages():

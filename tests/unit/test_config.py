@@ -140,7 +140,7 @@ def test_unknown_key_in_file_names_key_source_and_allowed_keys(tmp_path):
         "betas",
         "eps",
         "momentum",
-        "foreach",
+        "implementation",
     }
 
 

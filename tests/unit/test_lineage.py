@@ -17,7 +17,7 @@ def lineage(*overrides: str, global_batch: int = 32) -> dict:
     "change",
     ["parallel.strategy='fsdp'", "cluster.nproc=4", "train.steps=999", "model.init='random'",
      "checkpoint.interval=7", "data.micro_batch=4", "model.norm_impl='composite'",
-     "optim.foreach=false"],
+     "optim.foreach=false", "optim.implementation='foreach'"],
 )
 def test_what_a_resume_may_change_keeps_the_lineage(change: str):
     assert lineage_hash(lineage(change)) == lineage_hash(lineage())

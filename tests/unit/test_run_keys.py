@@ -1,5 +1,5 @@
 """The runtime options a published run names, as job keys: the RMSNorm's kernels
-(model.norm_impl) and the optimizer's step (optim.foreach) run as asked and are priced;
+(model.norm_impl) and the optimizer's step (optim.implementation) run as asked and are\npriced;
 the planner's keys for a run's other kernels and hardware (plan.loss_kernel,
 plan.attention_kernel, cluster.hbm_gbps, cluster.sustained_clock_mhz) change what they
 say; when the headroom alone decides, the plan says which headroom admits the run."""
@@ -91,28 +91,65 @@ def test_the_planner_refuses_the_composite_chain_where_the_runtime_does():
         inputs(**{"plan.params": 7_000_000_000, "model.norm_impl": "composite"})
 
 
-# -- optim.foreach ---------------------------------------------------------------------
+# -- optim.implementation ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("foreach", [None, False, True])
-def test_the_optimizer_runs_the_step_asked(foreach: bool | None):
+@pytest.mark.parametrize("implementation, fused, foreach", [
+    (None, True, None), ("fused", True, None), ("foreach", False, True),
+    ("for-loop", False, False),
+])
+def test_the_optimizer_runs_the_step_asked(implementation, fused, foreach):
+    # AdamW's unset step resolves to fused (torchtitan's default); SGD's stays torch's.
     model = nn.Linear(4, 4)
-    for name in ("adamw", "sgd"):
-        opt = build_optimizer([model], OptimConfig(name=name, foreach=foreach))
-        assert opt.defaults["foreach"] is foreach
+    adamw = build_optimizer([model], OptimConfig(implementation=implementation))
+    assert bool(adamw.defaults["fused"]) is fused
+    assert adamw.defaults["foreach"] is foreach
+    if implementation != "fused":
+        sgd = build_optimizer([model], OptimConfig(name="sgd", implementation=implementation))
+        assert not sgd.defaults["fused"]
+        assert sgd.defaults["foreach"] is foreach
 
 
-def test_the_per_tensor_step_has_no_temporary_of_every_parameter():
+def test_fused_sgd_is_refused_and_the_old_foreach_key_still_loads():
+    with pytest.raises(ValueError, match="runs AdamW only"):
+        OptimConfig(name="sgd", implementation="fused")
+    assert OptimConfig(foreach=False).implementation == "for-loop"
+    assert OptimConfig(foreach=True).implementation == "foreach"
+    assert OptimConfig(foreach=None).implementation == "fused"
+    assert OptimConfig(name="sgd").implementation is None  # torch's choice by device
+
+
+def test_fused_adamw_matches_the_per_tensor_loop():
+    # The same math in one kernel: 20 steps of a small model agree to float rounding.
+    torch.manual_seed(0)
+    nets = [nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)) for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    opts = [build_optimizer([net], OptimConfig(implementation=kind, weight_decay=0.1))
+            for net, kind in zip(nets, ("fused", "for-loop"))]
+    x = torch.randn(32, 8)
+    for _ in range(20):
+        for net, opt in zip(nets, opts):
+            net(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for a, b in zip(nets[0].parameters(), nets[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_only_the_foreach_step_has_a_temporary_of_every_parameter():
     # MPT-30B on 8 GPUs with full checkpointing: its states peak at the optimizer step,
-    # where foreach AdamW adds an fp32 temporary of every parameter on the rank.
+    # where foreach AdamW adds an fp32 temporary of every parameter on the rank; the
+    # per-tensor loop and the fused kernel do not.
     keys = {"model.name": "mpt-30b", "data.seq_len": 2048, "parallel.ac": "full",
             "data.global_batch": 8}
-    foreach, loop = fsdp_row(**keys), fsdp_row(**keys, **{"optim.foreach": False})
+    foreach = fsdp_row(**keys, **{"optim.implementation": "foreach"})
     per_rank = inputs(**keys).workload.params / 8
     assert foreach.memory.phase == "optimizer step"
     assert foreach.memory.buffers == pytest.approx(4 * per_rank, rel=0.01)
-    assert loop.memory.phase != "optimizer step"
-    assert foreach.memory.total - loop.memory.total > 4 * per_rank / 3
+    for kind in ("for-loop", "fused"):
+        other = fsdp_row(**keys, **{"optim.implementation": kind})
+        assert other.memory.phase != "optimizer step"
+        assert foreach.memory.total - other.memory.total > 4 * per_rank / 3
 
 
 # -- planner keys of a run's kernels and hardware ---------------------------------------

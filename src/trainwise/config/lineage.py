@@ -21,7 +21,7 @@ from trainwise.config.schema import JobConfig
 # run starts (a resume does not start: model.init is moot once a checkpoint exists) and
 # the kernels that compute the same values (to rounding) another way.
 LINEAGE_SECTIONS = ("model", "optim", "schedule")
-NOT_LINEAGE = ("model.init", "model.norm_impl", "optim.foreach")
+NOT_LINEAGE = ("model.init", "model.norm_impl", "optim.implementation")
 # Keys that joined the lineage later: recorded only when set, so that the checkpoints of
 # runs before them keep their lineage.
 WHEN_SET = ("model.loss", "data.collate")

@@ -24,7 +24,7 @@ from trainwise.plan.model.comm import (
     layout_collectives,
     outlasting_seconds,
 )
-from trainwise.plan.model.compute import ComputeTime, fsdp_rounds
+from trainwise.plan.model.compute import ADAMW_STEP, ComputeTime, fsdp_rounds
 from trainwise.plan.model.cost import CheckpointPlan, Cost, checkpoint_plan, job_cost
 from trainwise.plan.model.float8 import gathered_float8_params
 from trainwise.plan.model.flops import (
@@ -64,14 +64,24 @@ from trainwise.plan.moe.comm import moe_communication
 if TYPE_CHECKING:
     from trainwise.plan.model.performance import PerformanceModel
 
-# Assumption: a GPU's share of the host cores applies AdamW to 0.5 G parameters/s (PyTorch's
-# foreach CPU AdamW is memory-bound: ~32 bytes read and written per parameter).
-CPU_OPTIMIZER_PARAMS_PER_S = 5e8
+# Assumption: a GPU's share of the host cores applies foreach AdamW to 0.5 G parameters/s.
+# The step is memory-bound, so the other implementations scale by their bytes a parameter
+# (plan.model.compute.ADAMW_STEP: fused moves 28 against foreach's 80; on this project's
+# CPU, one thread, fused ran 2.9x foreach's rate).
+CPU_FOREACH_ADAMW_PARAMS_PER_S = 5e8
 
 # How the planner and the run-time `auto` rank strategies: within this share of the best,
 # the simpler wins (fewer moving parts to debug); simplest first (the planner's rows).
 SIMPLER_WITHIN = 0.01
 SIMPLICITY = PLAN_NAMES
+
+
+def cpu_optimizer_params_per_s(w: Workload) -> float:
+    """Parameters a second the host's optimizer step takes (cpu offload)."""
+    step = ADAMW_STEP[w.step_implementation("cpu")]
+    return CPU_FOREACH_ADAMW_PARAMS_PER_S * ADAMW_STEP["foreach"].bytes_per_param / (
+        step.bytes_per_param
+    )
 
 
 def config_keys(name: str) -> str:
@@ -407,7 +417,7 @@ def _communication(
                 "device->host gradients (offload)", trained_shard * MASTER_BYTES, hw.host_bps
             ),
         ]
-        host_s = trained_shard / CPU_OPTIMIZER_PARAMS_PER_S  # the optimizer runs on the host
+        host_s = trained_shard / cpu_optimizer_params_per_s(w)  # the step runs on the host
     block, _ = block_params(w, tp)
     busy = compute + host_s
     exposed = exposed_seconds(collectives, busy, dims, block / rank_params, dp_accum)

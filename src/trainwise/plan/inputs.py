@@ -244,7 +244,7 @@ def config_workload(
         imbalance=cfg.moe.imbalance if moe is not None else 1.0,
         loss=cfg.plan.loss_kernel,
         norm_kernel=cfg.model.norm_impl,
-        foreach=cfg.optim.foreach,
+        implementation=cfg.optim.implementation,
         attention=cfg.plan.attention_kernel,
         routing=cfg.plan.routing_kernel,
         float8=cfg.precision.float8,

@@ -103,9 +103,9 @@ class Workload:
     # torchtitan's own RMSNorm of 2024): plan.compute prices its bytes and dispatches, and
     # its saved fp32 intermediates count as a CPU's composite RMSNorm's do.
     norm_kernel: str = "fused"
-    # The optimizer step (optim.foreach): torch's foreach kernels, with a temporary the size
-    # of every parameter, or its per-tensor loop; None: torch's default, foreach on CUDA.
-    foreach: bool | None = None
+    # The optimizer step (optim.implementation): "fused", "foreach" (a temporary the size
+    # of every parameter) or "for-loop"; None: torch's choice (step_implementation).
+    implementation: str | None = None
     # LoRA (plan.model.lora): the base frozen in the compute dtype, adapters train; None:
     # every parameter trains. `params` counts the base model, without the adapters.
     lora: LoraPlan | None = None
@@ -141,6 +141,13 @@ class Workload:
     # "rowwise", and whether FSDP gathers the float8 Linears' weights in float8 (tensorwise).
     float8: str = "none"
     float8_all_gather: bool = False
+
+    def step_implementation(self, device: str) -> str:
+        """The optimizer step this worker runs on `device` (torch's choice when unset:
+        foreach on CUDA, its per-tensor loop elsewhere)."""
+        if self.implementation is not None:
+            return self.implementation
+        return "foreach" if device == "cuda" else "for-loop"
 
 
 @dataclass(frozen=True)
@@ -503,7 +510,7 @@ def estimate_memory(
     - end of a block's backward (FSDP): its unsharded gradients and their reduce-scatter
       copy, the sharded gradients, and the activations still held below it;
     - optimizer step: parameters, gradients, optimizer state, DDP's buckets, and foreach
-      AdamW's temporaries (one fp32 value per parameter: `_foreach_sqrt`; the CUDA default).
+      AdamW's temporaries (one fp32 value per parameter: `_foreach_sqrt`).
     """
     if (w.micro_batch, w.ac) != (setup.micro_batch, setup.ac):
         w = replace(w, micro_batch=setup.micro_batch, ac=setup.ac)
@@ -561,9 +568,10 @@ def _autocast_copies(w: Workload, trained: float, tp: int) -> float:
 
 def _step_temp(w: Workload, device: str) -> float:
     """Bytes per parameter foreach AdamW allocates in its step (`_foreach_sqrt` of every
-    second moment: CUDA's default, optim.foreach). The per-tensor loop's one temporary (a
+    second moment: optim.implementation = 'foreach'; the fused kernel keeps its values in
+    registers). The per-tensor loop's one temporary (a
     tensor's square root, the largest weight's at most) is not counted."""
-    foreach = w.foreach if w.foreach is not None else device == "cuda"
+    foreach = w.step_implementation(device) == "foreach"
     return MASTER_BYTES if w.optimizer == "adamw" and foreach else 0.0
 
 

@@ -56,10 +56,8 @@ from trainwise.plan.model.compute import (
     EAGER_OP_S,
     FSDP_OPS_PER_PARAM,
     MEMORY_SHARE,
-    OPTIMIZER_BYTES_PER_PARAM,
     ROTARY_PASSES,
     SAC_MODE_OPS,
-    STEP_OPS,
     Work,
     _gemm,
     _head,
@@ -67,6 +65,7 @@ from trainwise.plan.model.compute import (
     fsdp_rounds,
     gqa_repeat_bytes,
     norm_bytes,
+    optimizer_step_work,
     synced_chain,
 )
 from trainwise.plan.model.gemm import (
@@ -360,7 +359,7 @@ def moe_per_step(hw: Hardware, w: Workload, dims: ParallelDims | None,
     assert shape is not None
     dims = dims or ParallelDims()
     held = held_params(w, dims)
-    work = Work(held * OPTIMIZER_BYTES_PER_PARAM / (hw.hbm_bps * MEMORY_SHARE), STEP_OPS)
+    work = optimizer_step_work(hw, w, held, ROOT_TENSORS + MOE_LAYER_TENSORS * shape.n_layer)
     if not dims.fsdp:
         return work
     p, experts = moe_params(w, dims.ep, dims.tp), expert_layout(dims)

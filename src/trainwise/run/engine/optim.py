@@ -11,16 +11,19 @@ from trainwise.config.schema import OptimConfig, ScheduleConfig
 
 def build_optimizer(parts: list[torch.nn.Module], cfg: OptimConfig) -> torch.optim.Optimizer:
     """One optimizer over the trainable parameters of every model part (a converter may
-    freeze some: LoRA trains only its adapters)."""
+    freeze some: LoRA trains only its adapters), run as optim.implementation says."""
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
+    kind = cfg.implementation  # None: torch's choice (SGD's default)
+    how = {"fused": True} if kind == "fused" else {
+        "foreach": None if kind is None else kind == "foreach"
+    }
     if cfg.name == "sgd":
         return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-            foreach=cfg.foreach,
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **how
         )
     return torch.optim.AdamW(
         params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
-        foreach=cfg.foreach,
+        **how,
     )
 
 
