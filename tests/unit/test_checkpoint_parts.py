@@ -262,3 +262,30 @@ def test_a_checkpoint_of_the_earlier_optimizer_format_still_resumes(tmp_path: Pa
     split.nested = True
     with pytest.raises(ValueError, match="without parallel.pp"):
         split.state_dict()
+
+
+@pytest.mark.parametrize("saved, resumed", [("for-loop", "fused"), ("fused", "foreach")])
+def test_the_resumed_step_runs_as_the_job_says_not_as_the_checkpoint_ran(
+    tmp_path: Path, saved: str, resumed: str
+):
+    """optim.implementation is not part of the lineage: a checkpoint of one step resumes
+    under another (its group settings are the job's), and trains on as the first would."""
+    from trainwise.config.schema import OptimConfig
+    from trainwise.run.engine.optim import build_optimizer
+
+    torch.manual_seed(0)
+    ref, model = Three(), Three()
+    model.load_state_dict(ref.state_dict())
+    ref_opt = build_optimizer([ref], OptimConfig(implementation=saved))
+    _train([ref], ref_opt, range(4))
+    first = build_optimizer([model], OptimConfig(implementation=saved))
+    _train([model], first, range(2))
+    _save([model], first, tmp_path / "ckpt")
+    second = build_optimizer([model], OptimConfig(implementation=resumed))
+    _load([model], second, tmp_path / "ckpt")
+    group = second.param_groups[0]
+    assert bool(group["fused"]) is (resumed == "fused")
+    assert group["foreach"] is (True if resumed == "foreach" else None)
+    _train([model], second, range(2, 4))
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

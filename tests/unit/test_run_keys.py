@@ -125,14 +125,14 @@ def test_fused_adamw_matches_the_per_tensor_loop():
     nets = [nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)) for _ in range(2)]
     nets[1].load_state_dict(nets[0].state_dict())
     opts = [build_optimizer([net], OptimConfig(implementation=kind, weight_decay=0.1))
-            for net, kind in zip(nets, ("fused", "for-loop"))]
+            for net, kind in zip(nets, ("fused", "for-loop"), strict=True)]
     x = torch.randn(32, 8)
     for _ in range(20):
-        for net, opt in zip(nets, opts):
+        for net, opt in zip(nets, opts, strict=True):
             net(x).pow(2).mean().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    for a, b in zip(nets[0].parameters(), nets[1].parameters()):
+    for a, b in zip(nets[0].parameters(), nets[1].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 

@@ -114,7 +114,7 @@ class OptimizerState(Stateful):
         for part in self.parts:
             view = _PartView(self.optimizer, part)
             names = {whole: own for own, whole in _copy_names(part).items()}
-            state = {**state_dict, **_renamed(state_dict, names)}
+            state = _job_step(self.optimizer, {**state_dict, **_renamed(state_dict, names)})
             set_optimizer_state_dict(part, view.optimizer, state, options=options)
             view.write_back()
         _unshare(self.optimizer)
@@ -169,6 +169,27 @@ def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
         kind, _, rest = key.partition(".")
         old = next((n for n in names if rest.startswith(n + ".")), None)
         out[f"{kind}.{names[old]}{rest[len(old):]}" if old else key] = value
+    return out
+
+
+# The group settings that say how the step runs (optim.implementation): the job's, not
+# the checkpoint's. Set before torch places the loaded state (the fused step keeps its
+# step counts on the parameters' device, the others on the host).
+STEP_SETTINGS = ("fused", "foreach")
+
+
+def _job_step(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """`state` (flat: "param_groups.<name>.fused"; or nested: a list of groups) with the
+    step settings of `optimizer`, whose groups all run the same step."""
+    ours = {k: v for k, v in optimizer.param_groups[0].items() if k in STEP_SETTINGS}
+    out = {}
+    for key, value in state.items():
+        setting = key.rpartition(".")[2]
+        if key.startswith("param_groups.") and setting in ours:
+            value = ours[setting]
+        elif key == "param_groups" and isinstance(value, list):
+            value = [{**group, **ours} for group in value]
+        out[key] = value
     return out
 
 

@@ -5,26 +5,42 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from trainwise.config.schema import OptimConfig, ScheduleConfig
 
 
 def build_optimizer(parts: list[torch.nn.Module], cfg: OptimConfig) -> torch.optim.Optimizer:
     """One optimizer over the trainable parameters of every model part (a converter may
-    freeze some: LoRA trains only its adapters), run as optim.implementation says."""
+    freeze some: LoRA trains only its adapters), run as optim.implementation says, with a
+    parameter group per device mesh (by_mesh): the fused and foreach kernels take a group's
+    tensors in one call, and DTensor's ops take one mesh and no plain tensors beside it.
+    The checkpoint keys its state by parameter, so any grouping loads any other."""
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
+    groups = [{"params": group} for group in by_mesh(params)]
     kind = cfg.implementation  # None: torch's choice (SGD's default)
     how = {"fused": True} if kind == "fused" else {
         "foreach": None if kind is None else kind == "foreach"
     }
     if cfg.name == "sgd":
         return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **how
+            groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **how
         )
     return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
+        groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
         **how,
     )
+
+
+def by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Parameters grouped by where they live: one group per device mesh (FSDP's dp mesh,
+    the 2-D dp x tp mesh), plain tensors in their own. DTensor's ops take one mesh at a
+    time: a norm left off the tensor-parallel plan lives on the dp mesh alone."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        key = p.device_mesh if isinstance(p, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
 
 
 def lr_factor(step: int, total: int, cfg: ScheduleConfig) -> float:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from trainwise.models.moe.balance import LoadCounter, moe_shape
+from trainwise.run.engine.optim import by_mesh
 from trainwise.run.engine.parallelize import set_gradient_sync
 from trainwise.run.observe.comm_timer import CollectiveTimer
 from trainwise.run.observe.telemetry import Marks, Spans, StageClock, resolve_spans
@@ -337,17 +338,6 @@ def _paused(spans: Spans) -> Iterator[None]:
         yield
     finally:
         spans.paused = False
-
-
-def by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Parameters grouped by where they live: one group per device mesh (FSDP's dp mesh,
-    the 2-D dp x tp mesh), plain tensors in their own. DTensor's ops take one mesh at a
-    time: a norm left off the tensor-parallel plan lives on the dp mesh alone."""
-    groups: dict[object, list[torch.Tensor]] = {}
-    for p in params:
-        key = p.device_mesh if isinstance(p, DTensor) else None
-        groups.setdefault(key, []).append(p)
-    return list(groups.values())
 
 
 def total_grad_norm(groups: list[list[torch.Tensor]]) -> torch.Tensor:
