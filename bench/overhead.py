@@ -149,13 +149,14 @@ def child_env() -> dict[str, str]:
 def run_child(cmd: list[str], timeout: float, attempts: int = 2) -> float:
     """Run one job to completion and return its wall seconds. A failed or hung job is
     retried once (a rendezvous port taken by another process between being picked and
-    bound fails a start now and then); a second failure exits with the job's output."""
+    bound fails a start now and then; gloo's group destructor deadlocks on the GIL at
+    exit now and then); a second failure exits with the job's output."""
     for attempt in range(1, attempts + 1):
         t0 = time.perf_counter()
-        # A session of its own, so that a hung job is killed with all its workers.
+        mark = f"{os.getpid()}-{attempt}-{time.monotonic_ns()}"
         proc = subprocess.Popen(
             cmd,
-            env=child_env(),
+            env={**child_env(), JOB_MARK: mark},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -165,7 +166,7 @@ def run_child(cmd: list[str], timeout: float, attempts: int = 2) -> float:
             output, _ = proc.communicate(timeout=timeout)
             why = f"exit {proc.returncode}"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_job(mark)
             output, _ = proc.communicate()
             why = f"timed out after {timeout:.0f} s"
         if proc.returncode == 0:
@@ -174,6 +175,25 @@ def run_child(cmd: list[str], timeout: float, attempts: int = 2) -> float:
         if attempt < attempts:
             print(f"  retrying, {message}", flush=True)
     sys.exit(f"failed, {message}\n{output[-4000:]}")
+
+
+# In each job's environment, so that a hung job's processes are found wherever they are:
+# torchrun's workers run in sessions of their own (torch 2.13's elastic agent starts them
+# so), which a kill of the agent's process group misses, and they hold the output pipe.
+JOB_MARK = "TRAINWISE_OVERHEAD_JOB"
+
+
+def kill_job(mark: str) -> None:
+    """SIGKILL every process whose environment carries `mark` (the agent, its workers)."""
+    wanted = f"{JOB_MARK}={mark}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if wanted in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
 
 
 def window(ends: list[float], warmup: int) -> tuple[float, int]:

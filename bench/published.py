@@ -191,7 +191,19 @@ DeepSeek-V3 and GPT-OSS as above); torchtitan's torchtitan/distributed/deepep/RE
 (its rows on 2 to 16 nodes, strong and weak scaling: the network between their nodes is
 not stated); torchtitan's DeepSeek-V3 16B and 671B (multi-head latent attention);
 DeepSeek-V3's report (multi-head latent attention, FP8 training) and DeepSeekMoE 16B (no
-training throughput with its layout found).
+training throughput with its layout found). Read in December 2026 (the notes of that
+search are summarised here): NVIDIA-NeMo/Megatron-Bridge's H100 Qwen3 MoE rows of
+releases 26.04 to 26.06 are FP8 (per-tensor current scaling, presets
+*_H100_FP8_CS_* at v0.4.0 to v0.5.0), and trainwise runs float8 on its GPT only (a MoE's
+grouped expert GEMMs have no float8 path: refused), so neither runtime nor planner prices
+them; of them only Qwen3-30B-A3B on 16 H100 (EP 16, MBS 1, GBS 1024, no recompute, 8,901 /
+8,960 / 8,826 tokens/s/GPU) has its inputs complete, the Qwen3-235B-A22B rows overlap the
+all-to-all with another micro-batch (moe_a2a_overlap), and 26.02.01's 30B row prints a
+layout its preset does not have. yanring/Megatron-MoE-ModelZoo
+best_practice/mixtral/run_mixtral_8x22B.sh (e8650517d): Mixtral-8x22B on 128 H100, TP 2 x
+PP 8 (VPP 7) x EP 8, "around 465 TFLOPS" forced balanced in BF16: an approximate figure,
+with Transformer Engine's TP communication overlap on (--tp-comm-overlap, not modelled, as
+async TP), and blockwise FP8 beside it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,92 @@
+"""AdamW's three step implementations (optim.implementation) side by side on this machine:
+the per-tensor loop (torch's default off CUDA, what bench/raw_loop.py runs on a CPU),
+the foreach step (torch's CUDA default) and the fused kernel (trainwise's default), over
+the parameters of trainwise's models, with gradients set. Prints each one's time a step,
+its rate against foreach, and the rate the planner's bytes a parameter predict
+(plan.model.compute.ADAMW_STEP: a memory-bound step runs at bytes / bandwidth), so that the
+pricing's ratio meets a measured one.
+
+    .venv/bin/python bench/optimizer_step.py                  # tiny and small, 1 thread
+    .venv/bin/python bench/optimizer_step.py --models small,gpt2-124m --threads 2
+
+Steps alternate between the implementations, round after round, so that the machine's
+drift falls on all three alike; the median of the rounds is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from trainwise.config.schema import OptimConfig  # noqa: E402
+from trainwise.models import ModelSpec, build_model  # noqa: E402
+from trainwise.plan.model.compute import ADAMW_STEP  # noqa: E402
+from trainwise.run.engine.optim import build_optimizer  # noqa: E402
+
+KINDS = ("for-loop", "foreach", "fused")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="tiny,small", help="comma-separated presets")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--rounds", type=int, default=7, help="alternating rounds")
+    p.add_argument("--steps", type=int, default=20, help="timed steps a round")
+    return p.parse_args()
+
+
+def optimizers(preset: str) -> dict[str, torch.optim.Optimizer]:
+    """One copy of the model's parameters, with gradients, per implementation."""
+    out = {}
+    for kind in KINDS:
+        torch.manual_seed(0)
+        model = build_model(ModelSpec(name=preset, vocab_size=256, seq_len=64)).module
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt = build_optimizer([model], OptimConfig(implementation=kind))
+        for _ in range(3):  # the state exists and the kernels are warm
+            opt.step()
+        out[kind] = opt
+    return out
+
+
+def seconds_a_step(opt: torch.optim.Optimizer, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    return (time.perf_counter() - start) / steps
+
+
+def main() -> int:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"AdamW step, {args.threads} thread(s), median of {args.rounds} alternating rounds "
+          f"of {args.steps} steps")
+    print(f"{'model':<12}{'params':>11}{'tensors':>9}  " + "".join(f"{k:>11}" for k in KINDS)
+          + "   fused / foreach: measured, by bytes")
+    for preset in [m.strip() for m in args.models.split(",") if m.strip()]:
+        opts = optimizers(preset)
+        times: dict[str, list[float]] = {k: [] for k in KINDS}
+        for _ in range(args.rounds):
+            for kind in KINDS:
+                times[kind].append(seconds_a_step(opts[kind], args.steps))
+        median = {k: statistics.median(v) for k, v in times.items()}
+        params = [p for g in opts["fused"].param_groups for p in g["params"]]
+        count = sum(p.numel() for p in params)
+        measured = median["foreach"] / median["fused"]
+        by_bytes = ADAMW_STEP["foreach"].bytes_per_param / ADAMW_STEP["fused"].bytes_per_param
+        cells = "".join(f"{median[k] * 1e3:>9.3f}ms" for k in KINDS)
+        print(f"{preset:<12}{count:>11,}{len(params):>9}  {cells}   "
+              f"{measured:.2f}x, {by_bytes:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
