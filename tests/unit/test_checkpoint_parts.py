@@ -235,7 +235,8 @@ def test_a_checkpoint_of_the_earlier_optimizer_format_still_resumes(tmp_path: Pa
 
     torch.manual_seed(0)
     whole = Three()
-    optimizer = _optimizer([whole])
+    optimizer = torch.optim.AdamW(whole.parameters(), lr=0.01)  # one group, as written then
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # as the trainer's
     _train([whole], optimizer, range(2))
     old = {MODEL: ModelState([whole]), OPTIMIZER: _NestedOptimizerState(whole, optimizer)}
     with warnings.catch_warnings():
@@ -289,3 +290,31 @@ def test_the_resumed_step_runs_as_the_job_says_not_as_the_checkpoint_ran(
     _train([model], second, range(2, 4))
     for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_an_earlier_format_checkpoint_of_one_group_resumes_into_several(tmp_path: Path):
+    """trainwise wrote one parameter group before it made one a device mesh: each of the
+    job's groups takes the saved group's settings and the job's step, and its state."""
+    torch.manual_seed(0)
+    whole = Three()
+    one = torch.optim.AdamW(whole.parameters(), lr=0.01, weight_decay=0.1)
+    _train([whole], one, range(2))
+    old = {MODEL: ModelState([whole]), OPTIMIZER: _NestedOptimizerState(whole, one)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(old, checkpoint_id=tmp_path / "old", no_dist=True)
+
+    again = Three()
+    params = list(again.parameters())
+    two = torch.optim.AdamW(
+        [{"params": params[:-2]}, {"params": params[-2:]}], lr=0.5, weight_decay=0.0, fused=True
+    )
+    state = {MODEL: ModelState([again]), OPTIMIZER: OptimizerState([again], two)}
+    state[OPTIMIZER].nested = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=tmp_path / "old", no_dist=True)
+    for group in two.param_groups:
+        assert (group["lr"], group["weight_decay"], group["fused"]) == (0.01, 0.1, True)
+    for mine, theirs in zip(params, whole.parameters(), strict=True):
+        torch.testing.assert_close(two.state[mine]["exp_avg"], one.state[theirs]["exp_avg"])

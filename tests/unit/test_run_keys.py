@@ -1,6 +1,6 @@
 """The runtime options a published run names, as job keys: the RMSNorm's kernels
-(model.norm_impl) and the optimizer's step (optim.implementation) run as asked and are\npriced;
-the planner's keys for a run's other kernels and hardware (plan.loss_kernel,
+(model.norm_impl) and the optimizer's step (optim.implementation) run as asked and are
+priced; the planner's keys for a run's other kernels and hardware (plan.loss_kernel,
 plan.attention_kernel, cluster.hbm_gbps, cluster.sustained_clock_mhz) change what they
 say; when the headroom alone decides, the plan says which headroom admits the run."""
 
@@ -98,7 +98,9 @@ def test_the_planner_refuses_the_composite_chain_where_the_runtime_does():
     (None, True, None), ("fused", True, None), ("foreach", False, True),
     ("for-loop", False, False),
 ])
-def test_the_optimizer_runs_the_step_asked(implementation, fused, foreach):
+def test_the_optimizer_runs_the_step_asked(
+    implementation: str | None, fused: bool, foreach: bool | None
+):
     # AdamW's unset step resolves to fused (torchtitan's default); SGD's stays torch's.
     model = nn.Linear(4, 4)
     adamw = build_optimizer([model], OptimConfig(implementation=implementation))
@@ -117,6 +119,8 @@ def test_fused_sgd_is_refused_and_the_old_foreach_key_still_loads():
     assert OptimConfig(foreach=True).implementation == "foreach"
     assert OptimConfig(foreach=None).implementation == "fused"
     assert OptimConfig(name="sgd").implementation is None  # torch's choice by device
+    with pytest.raises(ValueError, match="both set"):
+        OptimConfig(foreach=True, implementation="fused")
 
 
 def test_fused_adamw_matches_the_per_tensor_loop():

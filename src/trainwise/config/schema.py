@@ -64,6 +64,10 @@ def _takes_int(annotation: object) -> bool:
     return annotation is int or int in get_args(annotation)
 
 
+# optim.implementation's values (torch.optim's three ways to run a step).
+OptimizerStep = Literal["fused", "foreach", "for-loop"]
+
+
 class Section(BaseModel):
     # No inf or nan anywhere: every figure of a job is a finite number.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -224,7 +228,7 @@ class OptimConfig(Section):
     betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
     eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum.")
-    implementation: Literal["fused", "foreach", "for-loop"] | None = Field(
+    implementation: OptimizerStep | None = Field(
         None,
         description="How torch.optim runs the step: 'fused' (one kernel per parameter group "
         "reading each tensor once: torchtitan's default since 2025), 'foreach' (a kernel per "
@@ -238,17 +242,23 @@ class OptimConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _foreach_renamed(cls, data: object) -> object:
-        # optim.foreach (true / false / null) before optim.implementation: saved configs
-        # and old job files keep loading as they ran.
-        if isinstance(data, dict) and "foreach" in data and "implementation" not in data:
-            data = dict(data)
-            foreach = data.pop("foreach")
-            if foreach is not None:
-                data["implementation"] = "foreach" if foreach else "for-loop"
+        # optim.foreach before optim.implementation: true and false load as 'foreach' and
+        # 'for-loop'; unset (torch's choice then) takes today's default.
+        if not isinstance(data, dict) or "foreach" not in data:
+            return data
+        if "implementation" in data:
+            raise ValueError(
+                "optim.foreach and optim.implementation both set: foreach is the old name; "
+                "keep optim.implementation ('fused', 'foreach' or 'for-loop') alone"
+            )
+        data = dict(data)
+        foreach = data.pop("foreach")
+        if foreach is not None:
+            data["implementation"] = "foreach" if foreach else "for-loop"
         return data
 
     @model_validator(mode="after")
-    def _fused_runs_adamw(self) -> OptimConfig:
+    def _resolve_implementation(self) -> OptimConfig:
         """AdamW's default is resolved to 'fused' (so the resolved config says what runs);
         SGD's stays torch's choice, which depends on the device."""
         if self.name == "adamw" and self.implementation is None:
@@ -259,12 +269,6 @@ class OptimConfig(Section):
                 "DTensor rule): use 'foreach' or 'for-loop' with optim.name = 'sgd'"
             )
         return self
-
-    def step_kind(self, device: str) -> str:
-        """The implementation the step runs on `device` ("cuda", "cpu", ...)."""
-        if self.implementation is not None:
-            return self.implementation
-        return "foreach" if device == "cuda" else "for-loop"  # torch's choice
 
 
 class ScheduleConfig(Section):

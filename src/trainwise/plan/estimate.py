@@ -66,9 +66,7 @@ if TYPE_CHECKING:
 
 # Assumption: a GPU's share of the host cores applies foreach AdamW to 0.5 G parameters/s.
 # The step is memory-bound, so the other implementations scale by their bytes a parameter
-# (plan.model.compute.ADAMW_STEP: fused moves 28 against foreach's 80, 2.9x; measured by
-# bench/optimizer_step.py on one core, fused ran 5.4-5.9x foreach's rate on 6M and 85M
-# parameters: the scaling is conservative).
+# (plan.model.compute.ADAMW_STEP, where the CPU's measured rates are compared with them).
 CPU_FOREACH_ADAMW_PARAMS_PER_S = 5e8
 
 # How the planner and the run-time `auto` rank strategies: within this share of the best,

@@ -124,7 +124,7 @@ ROTARY_PASSES = 8
 # pytorch/pytorch #153666 benchmark: the fused kernel ~9x faster than the chain).
 COMPOSITE_NORM_OPS = 6
 @dataclass(frozen=True)
-class OptimizerStep:
+class StepCost:
     """What one implementation of torch.optim.AdamW's step (optim.implementation) costs:
     fp32 bytes read and written a parameter, host operations a step and a tensor."""
 
@@ -142,7 +142,7 @@ class OptimizerStep:
 # - for-loop (_single_tensor_adam): the same passes dispatched per parameter tensor: the
 #   step count, weight decay, lerp_, mul_ and addcmul_, sqrt, div and add_ of eps, addcdiv_:
 #   9 operations a tensor, the same bytes.
-# - fused (_fused_adamw: torch._fused_adamw_, one multi-tensor kernel): reads the
+# - fused (_fused_adam, calling torch._fused_adamw_: one multi-tensor kernel): reads the
 #   parameter, gradient and both moments once and writes the parameter and the moments:
 #   28 bytes; the step counts' foreach add and the kernel: 2 operations.
 # bench/optimizer_step.py times the three on a CPU: fused ran 3.0-3.2x foreach's rate on
@@ -150,9 +150,9 @@ class OptimizerStep:
 # say 80 / 28 = 2.9x (CPU foreach pays for its temporaries beyond their bytes). No GPU
 # figure is measured here: a GPU's step is priced by its bytes alone.
 ADAMW_STEP = {
-    "foreach": OptimizerStep(80, 15),
-    "for-loop": OptimizerStep(80, 0, 9),
-    "fused": OptimizerStep(28, 2),
+    "foreach": StepCost(80, 15),
+    "for-loop": StepCost(80, 0, 9),
+    "fused": StepCost(28, 2),
 }
 # Clipping (a foreach norm, then scale) reads the gradient once and scales it in place.
 CLIP_BYTES_PER_PARAM = 12
@@ -681,10 +681,13 @@ def fsdp_every_micro_batch(dims: ParallelDims) -> bool:
     return dims.pp == 1
 
 
-def optimizer_step_work(hw: Hardware, w: Workload, params: float, tensors: int) -> Work:
+def optimizer_step_work(
+    hw: Hardware, w: Workload, params: float, tensors: int, device: str | None = None
+) -> Work:
     """The optimizer step and clipping over `params` parameters in `tensors` tensors on
-    this rank (in the device's memory)."""
-    step = ADAMW_STEP[w.step_implementation(hw.device)]
+    this rank (in the device's memory), the step run as on `device` (default the GPU's;
+    "cpu" for a step on the host's copies: its operations, no device bytes)."""
+    step = ADAMW_STEP[w.step_implementation(device or hw.device)]
     moved = params * (step.bytes_per_param + CLIP_BYTES_PER_PARAM)
     ops = STEP_OPS + step.ops + step.ops_per_tensor * tensors
     return Work(moved / (hw.hbm_bps * MEMORY_SHARE), ops)
@@ -704,7 +707,8 @@ def _per_step(
         else w.profile.param_tensors if w.profile is not None else 1
     )
     offload = dims is not None and dims.cpu_offload  # the step runs on the host
-    work = optimizer_step_work(hw, w, 0.0 if offload else trained / shard, tensors)
+    work = (optimizer_step_work(hw, w, 0.0, tensors, "cpu") if offload
+            else optimizer_step_work(hw, w, trained / shard, tensors))
     if dims is not None and dims.fsdp:
         e = BYTES[w.precision]
         gathers = 1 if dims.shard == "grad_op" else 2  # forward, and again for backward

@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from trainwise.config.parallel_dims import ParallelDims
+from trainwise.config.schema import OptimizerStep
 from trainwise.models.moe.shapes import MoEShape
 from trainwise.models.shapes import GPTShape, ModelProfile
 from trainwise.plan.model.float8 import gathered_bytes_per_param, gathered_float8_params
@@ -105,7 +106,7 @@ class Workload:
     norm_kernel: str = "fused"
     # The optimizer step (optim.implementation): "fused", "foreach" (a temporary the size
     # of every parameter) or "for-loop"; None: torch's choice (step_implementation).
-    implementation: str | None = None
+    implementation: OptimizerStep | None = None
     # LoRA (plan.model.lora): the base frozen in the compute dtype, adapters train; None:
     # every parameter trains. `params` counts the base model, without the adapters.
     lora: LoraPlan | None = None
@@ -142,7 +143,7 @@ class Workload:
     float8: str = "none"
     float8_all_gather: bool = False
 
-    def step_implementation(self, device: str) -> str:
+    def step_implementation(self, device: str) -> OptimizerStep:
         """The optimizer step this worker runs on `device` (torch's choice when unset:
         foreach on CUDA, its per-tensor loop elsewhere)."""
         if self.implementation is not None:

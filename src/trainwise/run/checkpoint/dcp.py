@@ -644,9 +644,10 @@ class Checkpointer:
         scheduler, scaler = self.progress["scheduler"], self.progress.get("scaler")
         if self.other:
             optimizer.set_hyperparameters(ours)  # type: ignore[attr-defined]
-            _continue_schedule(scheduler, trainer["scheduler"])
-        else:
-            scheduler.load_state_dict(trainer["scheduler"])
+        # This run's schedule at the saved step: its own peak rates (the same as the
+        # checkpoint's in one lineage), one a parameter group, however many the layout
+        # makes (run/engine/optim.py: one a device mesh) and the checkpoint had.
+        _continue_schedule(scheduler, trainer["scheduler"])
         if scaler is not None and trainer.get("scaler"):
             scaler.load_state_dict(trainer["scaler"])
         rng = "restored" if same_world else "kept (written by another world size)"
@@ -682,8 +683,8 @@ class Checkpointer:
 
 
 def _continue_schedule(scheduler: Any, saved: dict[str, Any]) -> None:
-    """Take another run's position in the schedule (its step) but this run's peak rates,
-    and set the optimizer's rates to where this schedule is at that step."""
+    """Take a saved position in the schedule (its step) but this run's peak rates, and set
+    the optimizer's rates to where this schedule is at that step."""
     scheduler.load_state_dict({**saved, "base_lrs": list(scheduler.base_lrs)})
     rates = [
         base * factor(scheduler.last_epoch)

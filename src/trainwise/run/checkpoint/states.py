@@ -105,6 +105,8 @@ class OptimizerState(Stateful):
         for part in self.parts:
             view = _PartView(self.optimizer, part)
             state = get_optimizer_state_dict(part, view.optimizer, options=options)
+            if self.nested:  # what the earlier format holds, to be read into it
+                state = _one_group(state)
             out.update(_renamed({k: plain(v) for k, v in state.items()}, _copy_names(part)))
             view.write_back()  # a first save initialises the state: keep it
         return out
@@ -114,7 +116,11 @@ class OptimizerState(Stateful):
         for part in self.parts:
             view = _PartView(self.optimizer, part)
             names = {whole: own for own, whole in _copy_names(part).items()}
-            state = _job_step(self.optimizer, {**state_dict, **_renamed(state_dict, names)})
+            state = {**state_dict, **_renamed(state_dict, names)}
+            if self.nested:  # its groups, by index, as this optimizer's
+                current = get_optimizer_state_dict(part, view.optimizer, options=options)
+                state = _regrouped(state, current["param_groups"])
+            state = _with_job_step(self.optimizer, state)
             set_optimizer_state_dict(part, view.optimizer, state, options=options)
             view.write_back()
         _unshare(self.optimizer)
@@ -178,19 +184,40 @@ def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
 STEP_SETTINGS = ("fused", "foreach")
 
 
-def _job_step(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+def _with_job_step(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
     """`state` (flat: "param_groups.<name>.fused"; or nested: a list of groups) with the
     step settings of `optimizer`, whose groups all run the same step."""
-    ours = {k: v for k, v in optimizer.param_groups[0].items() if k in STEP_SETTINGS}
+    job = {k: v for k, v in optimizer.param_groups[0].items() if k in STEP_SETTINGS}
     out = {}
     for key, value in state.items():
         setting = key.rpartition(".")[2]
-        if key.startswith("param_groups.") and setting in ours:
-            value = ours[setting]
+        if key.startswith("param_groups.") and setting in job:
+            value = job[setting]
         elif key == "param_groups" and isinstance(value, list):
-            value = [{**group, **ours} for group in value]
+            value = [{**group, **job} for group in value]
         out[key] = value
     return out
+
+
+def _one_group(state: dict[str, Any]) -> dict[str, Any]:
+    """The nested `state` with its groups as one (the first's settings, every parameter):
+    the shape of the earlier format, which trainwise wrote with one group."""
+    groups = state["param_groups"]
+    merged = {**groups[0], "params": [name for g in groups for name in g["params"]]}
+    return {**state, "param_groups": [merged]}
+
+
+def _regrouped(state: dict[str, Any], groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """The nested `state` with one group per group of `groups` (the optimizer's own, by
+    parameter name), each with the settings of the saved group that held its first
+    parameter: trainwise wrote one group before it made one a device mesh, and torch maps
+    a saved group onto one current group only."""
+    saved = state["param_groups"]
+    regrouped = []
+    for group in groups:
+        source = next(g for g in saved if group["params"][0] in g["params"])
+        regrouped.append({**source, "params": group["params"]})
+    return {**state, "param_groups": regrouped}
 
 
 def _unshare(optimizer: torch.optim.Optimizer) -> None:

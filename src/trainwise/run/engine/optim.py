@@ -18,17 +18,18 @@ def build_optimizer(parts: list[torch.nn.Module], cfg: OptimConfig) -> torch.opt
     The checkpoint keys its state by parameter, so any grouping loads any other."""
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
     groups = [{"params": group} for group in by_mesh(params)]
-    kind = cfg.implementation  # None: torch's choice (SGD's default)
-    how = {"fused": True} if kind == "fused" else {
-        "foreach": None if kind is None else kind == "foreach"
+    step = cfg.implementation  # None: torch's choice (SGD's default)
+    step_kwargs = {"fused": True} if step == "fused" else {
+        "foreach": None if step is None else step == "foreach"
     }
     if cfg.name == "sgd":
         return torch.optim.SGD(
-            groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, **how
+            groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+            **step_kwargs,
         )
     return torch.optim.AdamW(
         groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
-        **how,
+        **step_kwargs,
     )
 
 
