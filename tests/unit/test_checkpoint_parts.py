@@ -228,6 +228,25 @@ class _NestedOptimizerState:
         raise AssertionError("only written")
 
 
+def _save_nested(model: Three, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """A checkpoint in the earlier format, as trainwise wrote it."""
+    old = {MODEL: ModelState([model]), OPTIMIZER: _NestedOptimizerState(model, optimizer)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(old, checkpoint_id=path, no_dist=True)
+
+
+def _load_nested(model: Three, optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """An earlier-format checkpoint loaded as the checkpointer loads it (nested set by
+    written_nested, cleared after)."""
+    state = {MODEL: ModelState([model]), OPTIMIZER: OptimizerState([model], optimizer)}
+    state[OPTIMIZER].nested = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    state[OPTIMIZER].nested = False
+
+
 def test_a_checkpoint_of_the_earlier_optimizer_format_still_resumes(tmp_path: Path):
     """A checkpoint written before pipeline stages (nested optimizer state) is recognised
     from its metadata and loads into one part; into several, it is refused."""
@@ -238,21 +257,13 @@ def test_a_checkpoint_of_the_earlier_optimizer_format_still_resumes(tmp_path: Pa
     optimizer = torch.optim.AdamW(whole.parameters(), lr=0.01)  # one group, as written then
     torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # as the trainer's
     _train([whole], optimizer, range(2))
-    old = {MODEL: ModelState([whole]), OPTIMIZER: _NestedOptimizerState(whole, optimizer)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(old, checkpoint_id=tmp_path / "old", no_dist=True)
+    _save_nested(whole, optimizer, tmp_path / "old")
     _save([whole], optimizer, tmp_path / "new")
     assert written_nested(tmp_path / "old") and not written_nested(tmp_path / "new")
 
     again = Three()
     again_opt = _optimizer([again])
-    state = {MODEL: ModelState([again]), OPTIMIZER: OptimizerState([again], again_opt)}
-    state[OPTIMIZER].nested = True
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(state, checkpoint_id=tmp_path / "old", no_dist=True)
-    state[OPTIMIZER].nested = False
+    _load_nested(again, again_opt, tmp_path / "old")
     mine = OptimizerState([again], again_opt).state_dict()
     theirs = OptimizerState([whole], optimizer).state_dict()
     assert mine.keys() == theirs.keys()
@@ -299,21 +310,14 @@ def test_an_earlier_format_checkpoint_of_one_group_resumes_into_several(tmp_path
     whole = Three()
     one = torch.optim.AdamW(whole.parameters(), lr=0.01, weight_decay=0.1)
     _train([whole], one, range(2))
-    old = {MODEL: ModelState([whole]), OPTIMIZER: _NestedOptimizerState(whole, one)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(old, checkpoint_id=tmp_path / "old", no_dist=True)
+    _save_nested(whole, one, tmp_path / "old")
 
     again = Three()
     params = list(again.parameters())
     two = torch.optim.AdamW(
         [{"params": params[:-2]}, {"params": params[-2:]}], lr=0.5, weight_decay=0.0, fused=True
     )
-    state = {MODEL: ModelState([again]), OPTIMIZER: OptimizerState([again], two)}
-    state[OPTIMIZER].nested = True
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(state, checkpoint_id=tmp_path / "old", no_dist=True)
+    _load_nested(again, two, tmp_path / "old")
     for group in two.param_groups:
         assert (group["lr"], group["weight_decay"], group["fused"]) == (0.01, 0.1, True)
     for mine, theirs in zip(params, whole.parameters(), strict=True):
