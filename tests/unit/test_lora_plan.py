@@ -172,15 +172,16 @@ def test_tp_splits_adapters_like_their_base():
 
 
 def test_fsdp_gathers_everything_and_reduces_only_the_adapters():
-    # FSDP over 2 (bf16, fp32 reduction): all-gather (1864 + 576) x 2 bytes, forward and
-    # backward, x 1/2; reduce-scatter 576 x 4 x 1/2. DDP: all-reduce 2 x 1/2 x 576 x 4.
+    # FSDP over 2 (bf16, fp32 reduction), in 4 equal units: all-gather (1864 + 576) x 2
+    # bytes in forward and 3/4 of it again in backward (the last unit stays gathered), x
+    # 1/2; reduce-scatter 576 x 4 x 1/2. DDP: all-reduce 2 x 1/2 x 576 x 4.
     layout = Layout(gpus=2, gpus_per_node=2, intra_bps=1.0, inter_bps=1.0)
     frozen, trained = rank_split(BASE, TOY, R2)
     fsdp = ParallelDims(dp_shard=2, fsdp=True)
     gather, scatter = layout_collectives(
-        fsdp, frozen + trained, layout, "bf16", "fp32", 1, trained=trained
+        fsdp, frozen + trained, layout, "bf16", "fp32", 1, units=4, trained=trained
     )
-    assert gather.wire_bytes == 2 * 2440 * 2 / 2
+    assert gather.wire_bytes == pytest.approx((1 + 3 / 4) * 2440 * 2 / 2)
     assert scatter.wire_bytes == 576 * 4 / 2
     (reduce,) = layout_collectives(
         ParallelDims(dp_replicate=2), frozen + trained, layout, "bf16", "fp32", 1, trained=trained

@@ -3,6 +3,7 @@ block replacement it does; the hsdp mesh's layout, on PyTorch's in-process fake 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -10,7 +11,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models import ModelSpec, build_model
 from trainwise.run.engine.mesh import build_mesh
-from trainwise.run.engine.parallelize import apply_ac
+from trainwise.run.engine.parallelize import apply_ac, parallelize
 
 
 def grads_after_one_step(ac: str, dropout: float) -> list[torch.Tensor]:
@@ -53,5 +54,47 @@ def test_hsdp_mesh_shards_within_a_machine_and_replicates_across():
         assert mesh.mesh.tolist() == [list(range(8)), list(range(8, 16))]
         assert mesh["dp_shard"].mesh.tolist() == list(range(8, 16))
         assert mesh["dp_replicate"].mesh.tolist() == [1, 9]
+    finally:
+        dist.destroy_process_group()
+
+
+def kept_after_forward(model: torch.nn.Module) -> dict[str, bool]:
+    """Each FSDP unit of `model` by name ("" the root): whether torch keeps its parameters
+    gathered after forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return {
+        name: not m._get_fsdp_state()._fsdp_param_group._reshard_after_forward
+        for name, m in model.named_modules() if isinstance(m, FSDPModule)
+    }
+
+
+@pytest.mark.parametrize(("model", "ac", "ep"), [
+    ("small", "none", 1), ("small", "full", 1), ("moe-tiny", "none", 2),
+])
+def test_fsdp_full_keeps_the_last_block_and_the_root_gathered(model, ac, ep):
+    # torchtitan's default policy: backward starts with the last block, which FSDP would
+    # gather again at once; the planner counts the same (ParallelDims.regathered_blocks).
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        for shard, gathered in (("full", True), ("grad_op", None)):
+            dims = ParallelDims.from_strategy("fsdp", 2, shard=shard, ep=ep)
+            torch.manual_seed(0)
+            bundle = build_model(ModelSpec(model, vocab_size=64, seq_len=16))
+            plan = bundle.ep_plan(bundle.module, None) if ep > 1 else None
+            parallelize(bundle.module, list(bundle.blocks), dims, device=torch.device("cpu"),
+                        ac=ac, ep_plan=plan)
+            kept = kept_after_forward(bundle.module)
+            last = len(bundle.blocks) - 1
+            units = {name.replace("._checkpoint_wrapped_module", "") for name in kept}
+            assert {f"blocks.{i}" for i in range(last + 1)} <= units
+            if gathered is None:  # grad_op: every unit stays gathered
+                assert all(kept.values())
+                continue
+            in_last = {n for n, k in kept.items() if n.startswith(f"blocks.{last}")}
+            assert {n for n, k in kept.items() if k} == in_last | {""}
+            assert dims.regathered_blocks(last + 1) == last
+            if ep > 1:  # the last block's experts too, as a unit of their own
+                assert len(in_last) == 2
     finally:
         dist.destroy_process_group()

@@ -16,7 +16,7 @@ from trainwise.models.shapes import PRESETS
 from trainwise.plan import choose_accumulation, decide_auto, runtime_allowed
 from trainwise.plan.estimate import SIMPLER_WITHIN, evaluate
 from trainwise.plan.inputs import PLAN_DEFAULTS, resolve_inputs
-from trainwise.plan.model.comm import Layout, exposed_seconds, step_collectives
+from trainwise.plan.model.comm import Layout, exposed_seconds, layout_collectives, step_collectives
 from trainwise.plan.model.cost import checkpoint_plan, job_cost
 from trainwise.plan.model.flops import model_flops_per_token, recompute_factor
 from trainwise.plan.model.memory import Workload
@@ -55,32 +55,40 @@ def test_ddp_all_reduce_volume_by_hand():
 
 def test_fsdp_volumes_by_hand():
     # bf16 all-gathers 1000 x 2 = 2000 bytes, fp32 reduce-scatter 4000, factor 3/4.
-    # full: gathered for forward and again for backward, on each of 2 micro-batches:
-    # 2 x 2 x 0.75 x 2000 = 6000; reduce-scatter once: 3000.
-    gather, scatter = step_collectives("fsdp-full", 1000, NODE, "bf16", "fp32", grad_accum=2)
-    assert (gather.wire_bytes, scatter.wire_bytes) == (6000, 3000)
+    # full, in 5 equal units: gathered for forward, and all but the last unit again for
+    # backward, on each of 2 micro-batches: 2 x (1 + 4/5) x 0.75 x 2000 = 5400;
+    # reduce-scatter once: 3000.
+    gather, scatter = step_collectives("fsdp-full", 1000, NODE, "bf16", "fp32", 2, units=5)
+    assert (gather.wire_bytes, scatter.wire_bytes) == (pytest.approx(5400), 3000)
     # grad_op keeps the parameters from forward to backward: one gather per micro-batch.
-    gather, scatter = step_collectives("fsdp-grad-op", 1000, NODE, "bf16", "fp32", grad_accum=2)
+    gather, scatter = step_collectives("fsdp-grad-op", 1000, NODE, "bf16", "fp32", 2, units=5)
     assert (gather.wire_bytes, scatter.wire_bytes) == (3000, 3000)
+    # A root unit (200 of the 1000) is gathered once, as the last block: the 3 other
+    # blocks' 800 x 3/4 again, 2 x (1000 + 600) x 2 x 0.75 = 4800.
+    gather, _ = layout_collectives(FSDP4, 1000, NODE, "bf16", "fp32", 2, units=5, root=200)
+    assert gather.wire_bytes == pytest.approx(4800)
 
 
 def test_zero_paper_volume_ratios():
     # Rajbhandari et al. 2020, section 7.2: ZeRO-2 moves the same volume as data parallelism
-    # (2 psi), ZeRO-3 1.5x (3 psi) -- with every collective in one dtype.
+    # (2 psi), ZeRO-3 1.5x (3 psi) -- with every collective in one dtype; here 1.5x less
+    # the last of 80 blocks, not gathered again for backward.
     layout = Layout(64, 8, 1.0, 1.0)
-    ddp = sum(c.wire_bytes for c in step_collectives("ddp", 1e9, layout, "fp32", "fp32", 1))
-    op = sum(c.wire_bytes for c in step_collectives("fsdp-grad-op", 1e9, layout, "fp32", "fp32", 1))
-    full = sum(c.wire_bytes for c in step_collectives("fsdp-full", 1e9, layout, "fp32", "fp32", 1))
-    assert op / ddp == pytest.approx(1.0)
-    assert full / ddp == pytest.approx(1.5)
+
+    def volume(name: str) -> float:
+        return sum(c.wire_bytes for c in step_collectives(name, 1e9, layout, "fp32", "fp32", 1,
+                                                          units=80))
+
+    assert volume("fsdp-grad-op") / volume("ddp") == pytest.approx(1.0)
+    assert volume("fsdp-full") / volume("ddp") == pytest.approx(1.5 - 0.5 / 80)
 
 
 def test_hsdp_shards_within_nodes_and_all_reduces_across():
     # 16 GPUs, 8 per node: FSDP over 8 (factor 7/8) on NVLink, then an all-reduce of the
     # gradient shards (4000 / 8 = 500 bytes) over 2 replicas: 2 x 1/2 x 500 = 500 on the network.
     layout = Layout(16, 8, intra_bps=100.0, inter_bps=10.0)
-    gather, scatter, across = step_collectives("hsdp", 1000, layout, "bf16", "fp32", 1)
-    assert gather.wire_bytes == 2 * 7 / 8 * 2000 and gather.bytes_per_s == 100.0
+    gather, scatter, across = step_collectives("hsdp", 1000, layout, "bf16", "fp32", 1, units=2)
+    assert gather.wire_bytes == 1.5 * 7 / 8 * 2000 and gather.bytes_per_s == 100.0
     assert scatter.wire_bytes == 7 / 8 * 4000
     assert across.wire_bytes == 500 and across.bytes_per_s == 10.0
 
@@ -114,15 +122,15 @@ def test_exposed_communication_by_hand():
 
 
 def test_exposed_fsdp_communication_by_hand():
-    # bf16, 4 ranks, 2 micro-batches: gathers 6000 B (60 s at 100 B/s), reduce-scatter
-    # 3000 B (30 s); compute 60 s. The link needs 30 s more than the compute; the
-    # reduce-scatter overruns the last micro-batch's backward (2/3 x 30 = 20 s) by 10 s.
-    # Exposed: max(30, 10) = 30, plus one unit (10 %) of one micro-batch's gathers (30 s)
-    # and of the reduce-scatter (30 s): 6 s -> 36 s.
-    fsdp = step_collectives("fsdp-full", 1000, NODE, "bf16", "fp32", 2)
-    assert exposed_seconds(fsdp, 60.0, FSDP4, 0.1, grad_accum=2) == pytest.approx(36.0)
+    # bf16, 4 ranks, 2 micro-batches, 2 units: gathers 2 x 1.5 x 0.75 x 2000 = 4500 B (45 s
+    # at 100 B/s), reduce-scatter 3000 B (30 s); compute 45 s. The link needs 30 s more
+    # than the compute; the reduce-scatter overruns the last micro-batch's backward
+    # (2/3 x 22.5 = 15 s) by 15 s. Exposed: max(30, 15) = 30, plus one unit (10 %) of one
+    # micro-batch's gathers (22.5 s) and of the reduce-scatter (30 s): 5.25 s -> 35.25 s.
+    fsdp = step_collectives("fsdp-full", 1000, NODE, "bf16", "fp32", 2, units=2)
+    assert exposed_seconds(fsdp, 45.0, FSDP4, 0.1, grad_accum=2) == pytest.approx(35.25)
     # Never more than the communication itself.
-    assert exposed_seconds(fsdp, 0.0, FSDP4, 0.5, grad_accum=2) == pytest.approx(90.0)
+    assert exposed_seconds(fsdp, 0.0, FSDP4, 0.5, grad_accum=2) == pytest.approx(75.0)
 
 
 # --- compute ---------------------------------------------------------------------------------

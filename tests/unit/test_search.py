@@ -147,18 +147,19 @@ TP_LINK = Layout(8, 8, intra_bps=100.0, inter_bps=10.0)  # no latency figures: b
 
 def test_hybrid_collectives_by_hand():
     # 16 GPUs, 8 a node: dp_replicate 2 x dp_shard 4 x tp 2. A shard group spans 4 x 2 = 8
-    # ranks (one node: intra); the replicas span 16 (inter). 1000 parameters a rank, bf16
-    # gathers (2000 bytes), fp32 reductions (4000): gathers 2 x 3/4 x 2000 = 3000,
-    # reduce-scatter 3/4 x 4000 = 3000, across 2(2-1)/2 x 4000 / 4 = 1000.
+    # ranks (one node: intra); the replicas span 16 (inter). 1000 parameters a rank in 2
+    # units, bf16 gathers (2000 bytes), fp32 reductions (4000): gathers (1 + 1/2) x 3/4 x
+    # 2000 = 2250 (the last unit is not gathered again for backward), reduce-scatter 3/4 x
+    # 4000 = 3000, across 2(2-1)/2 x 4000 / 4 = 1000.
     dims = ParallelDims(2, 4, 2, fsdp=True)
     layout = Layout(16, 8, intra_bps=100.0, inter_bps=10.0)
-    out = layout_collectives(dims, 1000, layout, "bf16", "fp32", 1)
+    out = layout_collectives(dims, 1000, layout, "bf16", "fp32", 1, units=2)
     assert [(c.wire_bytes, c.bytes_per_s) for c in out] == [
-        (3000, 100.0), (3000, 100.0), (1000, 10.0),
+        (2250, 100.0), (3000, 100.0), (1000, 10.0),
     ]
     # Sharded accumulation over 3 micro-batches: every reduction on each of them.
-    out = layout_collectives(dims, 1000, layout, "bf16", "fp32", 3, "sharded")
-    assert [c.wire_bytes for c in out] == [9000, 9000, 3000]
+    out = layout_collectives(dims, 1000, layout, "bf16", "fp32", 3, "sharded", units=2)
+    assert [c.wire_bytes for c in out] == [6750, 9000, 3000]
     assert all(c.per_micro_batch for c in out)
 
 

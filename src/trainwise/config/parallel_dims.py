@@ -294,6 +294,16 @@ class ParallelDims:
             sizes.append(self.tp)
         return tuple(names), tuple(sizes)
 
+    def regathered_blocks(self, blocks: int) -> int:
+        """How many of a model's `blocks` FSDP block units free their gathered parameters
+        after forward and gather them again for backward: all but the last under
+        reshard_after_forward, none without it (grad_op, pipeline stages). Backward begins
+        with the last block, which FSDP would gather again at once, so it stays gathered
+        (torchtitan's default reshard_after_forward_policy); the root unit never reshards
+        after forward either. The run (run.engine.parallelize) and the planner's comm and
+        memory read this one rule."""
+        return max(0, blocks - 1) if self.reshard_after_forward else 0
+
     def accumulates_sharded(self, accumulate: str, grad_accum: int) -> bool:
         """Whether gradients are reduce-scattered after every micro-batch (FSDP keeps only
         sharded gradients) rather than once per step (full gradients kept in between).

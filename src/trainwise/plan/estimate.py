@@ -21,6 +21,7 @@ from trainwise.plan.model.comm import (
     Layout,
     contention_seconds,
     exposed_seconds,
+    fsdp_blocks,
     layout_collectives,
     outlasting_seconds,
 )
@@ -396,20 +397,23 @@ def _communication(
     frozen, trained = rank_split(w.params, w.shape, w.lora, tp)
     rank_params = frozen + trained
     units = fsdp_units(w)
+    block, root = block_params(w, tp)
     collectives = layout_collectives(
         dims, rank_params, stage_layout, w.precision, w.reduce_dtype, dp_accum,
         setup.accumulate, units, trained,
-        gathered_float8_params(w.shape, tp, w.float8, w.float8_all_gather),
+        gathered_float8_params(w.shape, tp, w.float8, w.float8_all_gather), root,
     )
     nccl = list(collectives)  # the host copies below run on copy engines, not SMs
     host_s = 0.0
     if dims.cpu_offload:
         shard_params = rank_params / dims.dp_shard
         trained_shard = trained / dims.dp_shard  # LoRA: only the adapters have gradients
-        passes = 2 * accum  # the shard goes to the device for each forward and backward gather
-        shard_bytes = shard_params * MASTER_BYTES
+        # The shard goes to the device for each gather: every unit's in forward, the
+        # regathered blocks' again in backward.
+        regathered = dims.regathered_blocks(fsdp_blocks(units, root)) * block / dims.dp_shard
+        copied = accum * (shard_params + regathered) * MASTER_BYTES
         collectives += [
-            Collective("host->device copies (offload)", passes * shard_bytes, hw.host_bps, True),
+            Collective("host->device copies (offload)", copied, hw.host_bps, True),
             # The reduced gradient shard goes to the host once a step, after the
             # reduce-scatter, like a reduction.
             Collective(
@@ -417,7 +421,6 @@ def _communication(
             ),
         ]
         host_s = trained_shard / cpu_optimizer_params_per_s(w)  # the step runs on the host
-    block, _ = block_params(w, tp)
     busy = compute + host_s
     exposed = exposed_seconds(collectives, busy, dims, block / rank_params, dp_accum)
     if dims.pp > 1:

@@ -110,6 +110,12 @@ def step_collectives(
     )
 
 
+def fsdp_blocks(units: int, root: float) -> int:
+    """The block units among a model's `units` FSDP units: all but the root unit, when it
+    holds parameters (`root`)."""
+    return units - 1 if root else units
+
+
 def layout_collectives(
     dims: ParallelDims,
     params: float,
@@ -121,6 +127,7 @@ def layout_collectives(
     units: int = 1,
     trained: float | None = None,
     float8_params: float = 0.0,
+    root: float = 0.0,
 ) -> list[Collective]:
     """The data-parallel collectives of one optimizer step, per GPU, for the layout `dims`
     (`params`: what one tensor-parallel rank holds, in `units` FSDP units, each its own
@@ -130,7 +137,10 @@ def layout_collectives(
     micro-batch instead of once per step. `trained`: the parameters of those that have
     gradients (LoRA: the adapters; None: all): only theirs are reduced, while FSDP gathers
     every parameter, frozen or not, forward and backward. `float8_params`: those gathered in
-float8 (1 byte each)."""
+float8 (1 byte each). `root`: the parameters of the root unit (embeddings, final norm,
+head), when it is one of the `units`: gathered once per micro-batch, as are the blocks kept
+gathered from forward to backward (ParallelDims.regathered_blocks gathers the others
+again for backward)."""
     if dims.dp_size == 1:
         return []
     trained = params if trained is None else trained
@@ -145,12 +155,16 @@ float8 (1 byte each)."""
     reduce = trained * BYTES[reduce_dtype]
     d = dims.dp_shard
     every = grad_accum if accumulate == "sharded" else 1
-    passes = 2 if dims.reshard_after_forward else 1  # full gathers again for backward
+    blocks = fsdp_blocks(units, root)
+    regathered = dims.regathered_blocks(blocks)
+    # The root is not float8 (torchtitan's converters leave the head out): the blocks'
+    # gathered bytes are the rest.
+    block_gather = (gather - root * BYTES[precision]) / max(1, blocks)
     shard = (d, dims.tp)
     out = [
         layout.collective(
-            "all-gather params", "all_gather", passes * grad_accum * gather, shard,
-            passes * grad_accum * units, per_micro_batch=True,
+            "all-gather params", "all_gather", grad_accum * (gather + regathered * block_gather),
+            shard, grad_accum * (units + regathered), per_micro_batch=True,
         ),
         # The reduce-scatter `every` times a step: once, or on every micro-batch with
         # sharded accumulation (then beside each backward).

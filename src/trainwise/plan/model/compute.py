@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import GPTShape, LinearShape, ModelProfile
 from trainwise.plan.inputs import Hardware, PlanInputs
+from trainwise.plan.model.comm import fsdp_blocks
 from trainwise.plan.model.float8 import (
     Float8,
     cast_bytes,
@@ -75,7 +76,7 @@ from trainwise.plan.model.lora import (
     targeted,
     trained_matmul_params,
 )
-from trainwise.plan.model.memory import Workload, checkpointed_blocks
+from trainwise.plan.model.memory import Workload, block_params, checkpointed_blocks, fsdp_units
 from trainwise.plan.model.precision import BYTES, FLOAT8_BYTES, MASTER_BYTES
 from trainwise.plan.model.selective_op import SELECTIVE_OP, kept, recomputed_matmuls
 
@@ -711,13 +712,18 @@ def _per_step(
             else optimizer_step_work(hw, w, trained / shard, tensors))
     if dims is not None and dims.fsdp:
         e = BYTES[w.precision]
-        gathers = 1 if dims.shard == "grad_op" else 2  # forward, and again for backward
+        # Every unit is gathered for forward, and the blocks resharded after it again for
+        # backward (ParallelDims.regathered_blocks): `again` of the blocks' parameters.
+        _, root = block_params(w, tp)
+        blocks = fsdp_blocks(fsdp_units(w), root)
+        again = dims.regathered_blocks(blocks) / blocks
+        gathered = rank_params + again * (rank_params - root)
         # Each gather casts the fp32 shard to 16 bits and copies the gathered buffer out
         # into the parameters; the reduction copies the gradients in (upcast to fp32).
-        moved = rank_params * (gathers * (MASTER_BYTES / shard + 2 * e) + e + MASTER_BYTES)
-        # the float8 Linears' weights gathered in float8 are copied out in 1 byte
+        moved = gathered * (MASTER_BYTES / shard + 2 * e) + rank_params * (e + MASTER_BYTES)
+        # the float8 Linears' weights (the blocks') gathered in float8 are copied out in 1 byte
         f8 = gathered_float8_params(w.shape, tp, w.float8, w.float8_all_gather)
-        moved -= f8 * gathers * 2 * (e - FLOAT8_BYTES)
+        moved -= f8 * (1 + again) * 2 * (e - FLOAT8_BYTES)
         rounds = fsdp_rounds(dims, micro_batches)
         work += Work(
             rounds * moved / (hw.hbm_bps * MEMORY_SHARE), rounds * FSDP_OPS_PER_PARAM * tensors

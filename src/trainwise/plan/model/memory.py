@@ -14,7 +14,8 @@ Transient buffers, per strategy:
   the saved memory size will be equal to the total gradients size", DDP docs).
 - fsdp full (reshard_after_forward=True): the unsharded `param_dtype` parameters of the block
   in use and of the one prefetched, plus its unsharded gradient and the `reduce_dtype` copy
-  that is reduce-scattered; fsdp grad_op keeps every block's unsharded parameters from
+  that is reduce-scattered; the last block's stay gathered from its forward to its backward
+  (ParallelDims.regathered_blocks), beside the head's backward; fsdp grad_op keeps every block's unsharded parameters from
   forward to backward, as FSDP under pipeline stages does whatever parallel.shard says
   (ParallelDims: reshard_after_forward is False there). The root unit (embeddings, final norm, head) stays unsharded for the
   whole step (run.parallelize shards it with reshard_after_forward=False).
@@ -604,7 +605,8 @@ def _sharded(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
         params_in_flight = (n - root) * cg  # every block stays gathered until its backward
     else:
         params_in_flight = min(2, units) * block * cg  # the block in use and the prefetched one
-    at_head = (n - root) * cg if not dims.reshard_after_forward else 0.0  # blocks still gathered
+    # At the head's backward: the blocks kept gathered since their forward (all, or the last).
+    at_head = (n - root) * cg * (units - dims.regathered_blocks(units)) / units
     p, g, o = (frozen * c + t * MASTER_BYTES) / d, t * MASTER_BYTES / d, t * opt / d
     states = p + g + o
     temp = t / d * step_temp

@@ -66,7 +66,8 @@ def expert_collectives(
     grad_accum: int, accumulate: str, units: int,
 ) -> list[Collective]:
     """The collectives of the rank's `experts` parameters (its slice, unsharded) in one
-    step, `units` calls each (one a MoE layer)."""
+    step, `units` calls each (one a MoE layer; the last lies in the model's last block,
+    which stays gathered from forward to backward: ParallelDims.regathered_blocks)."""
     ex = expert_layout(dims)  # ep innermost over dp x tp: its groups consecutive ranks
     if not dims.fsdp:
         if ex.replicas == 1:
@@ -79,12 +80,12 @@ def expert_collectives(
     every = grad_accum if accumulate == "sharded" else 1
     reduce = experts * BYTES[reduce_dtype]
     if ex.shard > 1:
-        passes = 2 if dims.reshard_after_forward else 1
+        again = dims.regathered_blocks(units)
         out += [
             layout.collective(
                 "all-gather expert params", "all_gather",
-                passes * grad_accum * experts * BYTES[precision], (ex.shard, ex.ep),
-                passes * grad_accum * units, per_micro_batch=True,
+                grad_accum * (1 + again / max(1, units)) * experts * BYTES[precision],
+                (ex.shard, ex.ep), grad_accum * (units + again), per_micro_batch=True,
             ),
             layout.collective(
                 "reduce-scatter expert grads", "reduce_scatter", every * reduce,
@@ -143,7 +144,7 @@ def moe_communication(
     dp_accum = int(fsdp_rounds(dims, accum))
     p = moe_params(w, dims.ep, dims.tp)
     params = layout_collectives(dims, p.dense, stage_layout, w.precision, w.reduce_dtype,
-                                dp_accum, setup.accumulate, shape.n_layer + 1)
+                                dp_accum, setup.accumulate, shape.n_layer + 1, root=p.root)
     params += expert_collectives(dims, p.experts, stage_layout, w.precision, w.reduce_dtype,
                                  dp_accum, setup.accumulate, shape.moe_layers)
     waited = exposed_seconds(params, compute, dims, p.block / (p.dense + p.experts), dp_accum)

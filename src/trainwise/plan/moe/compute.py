@@ -364,10 +364,16 @@ def moe_per_step(hw: Hardware, w: Workload, dims: ParallelDims | None,
         return work
     p, experts = moe_params(w, dims.ep, dims.tp), expert_layout(dims)
     e = BYTES[w.precision]
-    gathers = 1 if dims.shard == "grad_op" else 2
+    # Gathered for forward, and (ParallelDims.regathered_blocks) the resharded blocks' part
+    # again for backward: the dense layers' (not the root's) and the experts'.
+    layers = max(1, shape.moe_layers)
+    dense_again = (p.dense - p.root) * dims.regathered_blocks(shape.n_layer) / shape.n_layer
     moved = 0.0
-    for params, shard in ((p.dense, dims.dp_shard), (p.experts, experts.shard)):
-        moved += params * (gathers * (MASTER_BYTES / shard + 2 * e) + e + MASTER_BYTES)
+    for params, again, shard in (
+        (p.dense, dense_again, dims.dp_shard),
+        (p.experts, p.experts * dims.regathered_blocks(layers) / layers, experts.shard),
+    ):
+        moved += (params + again) * (MASTER_BYTES / shard + 2 * e) + params * (e + MASTER_BYTES)
     rounds = fsdp_rounds(dims, micro_batches)
     tensors = ROOT_TENSORS  # the layers' own where not in their passes (fsdp_layer_ops)
     if not fsdp_layer_ops(dims):

@@ -79,7 +79,7 @@ def apply_fsdp(
     model: nn.Module,
     blocks: list[nn.Module],
     mesh: DeviceMesh,
-    reshard_after_forward: bool,
+    regathered: int,
     param_dtype: str,
     reduce_dtype: str,
     cpu_offload: bool,
@@ -90,18 +90,22 @@ def apply_fsdp(
     """FSDP2: one `fully_shard` per block (its own all-gather / reduce-scatter unit, so
     communication overlaps the neighbouring block's compute), then one on the root for the
     rest (embeddings, final norm, head). Expert-parallel modules (`experts`) first, each
-    a unit of its own over `expert_mesh` (the experts' data parallelism beside ep)."""
+    a unit of its own over `expert_mesh` (the experts' data parallelism beside ep). The
+    first `regathered` blocks, and the experts within them, free their gathered
+    parameters after forward (ParallelDims.regathered_blocks); the rest keep them until
+    their backward."""
     mp = MixedPrecisionPolicy(
         param_dtype=TORCH_DTYPES[param_dtype], reduce_dtype=TORCH_DTYPES[reduce_dtype]
     )
     kwargs = {"mesh": mesh, "mp_policy": mp}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    resharded = {id(m) for block in blocks[:regathered] for m in block.modules()}
     for module in experts or []:
         # Their own unit on their own mesh; their gradients are summed over it (the tokens
         # of the ep group reached them by all-to-all already) and divided by every
         # data-parallel rank, as the dense parameters' are averaged (torchtitan's way).
-        fully_shard(module, reshard_after_forward=reshard_after_forward,
+        fully_shard(module, reshard_after_forward=id(module) in resharded,
                     **{**kwargs, "mesh": expert_mesh},
                     shard_placement_fn=partial(_expert_placement, shards=expert_mesh.size(-1)))
         module.set_gradient_divide_factor(float(dp_size))
@@ -109,8 +113,8 @@ def apply_fsdp(
             # gloo has no PREMUL_SUM: a plain sum, then the division. (Not without a
             # reduce-scatter: torch 2.13 would then divide twice.)
             module.set_force_sum_reduction_for_comms(True)
-    for block in blocks:
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    for i, block in enumerate(blocks):
+        fully_shard(block, reshard_after_forward=i < regathered, **kwargs)
     # The root's parameters are needed again first in backward: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
@@ -160,7 +164,7 @@ def parallelize(
         model,
         blocks,
         mesh.dp_mesh(),
-        reshard_after_forward=dims.reshard_after_forward,
+        regathered=dims.regathered_blocks(len(blocks)),
         param_dtype=precision,
         reduce_dtype=reduce_dtype,
         cpu_offload=dims.cpu_offload,
