@@ -15,16 +15,22 @@ machine falls on both alike):
   `torch.optim.AdamW(params, lr=...)`: torch's default step (its per-tensor loop on CPU,
   foreach on CUDA).
 
-The same math computed another way ends at the same loss within the check below. To time
-the framework's own cost with the raw loop's very optimizer step, run trainwise's step
-as the raw loop's: `--set optim.implementation=for-loop`.
+Where trainwise chooses better than the plain loop, it keeps its choice, as a user gets it:
+AdamW's fused step, the last block kept gathered from forward to backward under FSDP
+(torchtitan's default), and glibc's malloc thresholds fixed in a CPU job's workers
+(run/engine/host_allocator.py). The same math computed another way ends at the same loss
+within the check below. To time the framework's own cost alone, give the raw loop the same
+allocator (`--same-allocator`: both get host_allocator's thresholds by environment) and
+trainwise the raw loop's optimizer step (`--set optim.implementation=for-loop`).
 
 Both get the same number of workers, micro batch, steps, fp32, and OMP_NUM_THREADS=1.
 Throughput is steady state: the tokens of the steps after the warm-up step W, over the
 wall time from the end of step W to the end of the last step (trainwise: `elapsed_s` of
 metrics.jsonl, which includes everything its loop does between steps; raw: rank 0's
 perf_counter at the end of each step). Process start-up, data building and wrapping are
-outside the window for both. It prints the median tokens/s of each, their min-max, and
+outside the window for both. trainwise's probe passes (one more forward and backward every
+logging.probe_every steps) are charged at a long run's rate, the median pass once per
+probe_every steps, in place of the one or none that fall in the window. It prints the median tokens/s of each, their min-max, and
 the ratio trainwise / raw per model and layout against its target (1.0 for ddp and
 fsdp, 0.97 for tp and pp).
 
@@ -63,9 +69,9 @@ LAYOUT_FLAGS = {
     "tp": ("--set", "parallel.tp=2"),
     "pp": ("--set", "parallel.pp=2"),
 }
-# Per model: (micro batch, steps). A window of 100+ steps holds one steady probe (step 100,
-# logging.probe_every) as a long run holds one per 100 steps; small's micro batch keeps its
-# step near half a second on 2 cores.
+# Per model: (micro batch, steps); small's micro batch keeps its step near a quarter of a
+# second on 2 cores. Whatever probe passes fall in the window, trainwise is charged a long
+# run's share of them (run_trainwise).
 MODELS = {"tiny": (16, 150), "small": (4, 110)}
 
 
@@ -76,7 +82,7 @@ class Run:
     layout: str
     round: int
     tokens_per_s: float
-    ms_per_step: float  # steady-state wall time per step
+    ms_per_step: float  # steady-state wall time per step (trainwise: probes charged, below)
     final_loss: float
     wall_s: float  # the whole subprocess, start-up included
     # trainwise only: what its own step clock saw (DataParallelStep.step) vs the wall per step; the
@@ -84,6 +90,10 @@ class Run:
     step_clock_ms: float | None = None
     probe_ms: float | None = None  # the probes' extra passes, spread over the window's steps
     probe_steps: list[int] = field(default_factory=list)
+    # A long run's share of the probes per step (one pass per logging.probe_every steps),
+    # charged in place of probe_ms; measured_ms_per_step is the window's own wall.
+    probe_charged_ms: float | None = None
+    measured_ms_per_step: float | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="extra trainwise override, e.g. logging.tensorboard=false, to attribute overhead",
     )
+    p.add_argument("--same-allocator", action="store_true",
+                   help="give both loops trainwise's glibc malloc thresholds (by environment)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
     args.steps = args.steps or (40 if args.quick else None)
@@ -139,14 +151,19 @@ def micro_of(args: argparse.Namespace, model: str) -> int:
     return args.micro_batch or MODELS[model][0]
 
 
-def child_env() -> dict[str, str]:
+def child_env(same_allocator: bool = False) -> dict[str, str]:
     env = dict(os.environ)
     # Explicit for both: trainwise would otherwise pick cores // nproc, torchrun 1.
     env["OMP_NUM_THREADS"] = "1"
+    if same_allocator:  # trainwise keeps a threshold set by the environment
+        from trainwise.run.engine.host_allocator import MMAP_THRESHOLD, TRIM_THRESHOLD
+
+        env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
+        env["MALLOC_TRIM_THRESHOLD_"] = str(TRIM_THRESHOLD)
     return env
 
 
-def run_child(cmd: list[str], timeout: float, attempts: int = 2) -> float:
+def run_child(cmd: list[str], timeout: float, same_allocator: bool, attempts: int = 2) -> float:
     """Run one job to completion and return its wall seconds. A failed or hung job is
     retried once (a rendezvous port taken by another process between being picked and
     bound fails a start now and then; gloo's group destructor deadlocks on the GIL at
@@ -156,7 +173,7 @@ def run_child(cmd: list[str], timeout: float, attempts: int = 2) -> float:
         mark = f"{os.getpid()}-{attempt}-{time.monotonic_ns()}"
         proc = subprocess.Popen(
             cmd,
-            env={**child_env(), JOB_MARK: mark},
+            env={**child_env(same_allocator), JOB_MARK: mark},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -232,7 +249,7 @@ def run_trainwise(model: str, layout: str, rnd: int, args: argparse.Namespace, t
     ]
     for kv in args.overrides:
         cmd += ["--set", kv]
-    wall = run_child(cmd, timeout=child_timeout(model, steps))
+    wall = run_child(cmd, timeout=child_timeout(model, steps), same_allocator=args.same_allocator)
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r for r in recs}
     if sorted(by_step) != list(range(1, steps + 1)):
@@ -242,21 +259,28 @@ def run_trainwise(model: str, layout: str, rnd: int, args: argparse.Namespace, t
     tokens = by_step[steps]["tokens"] - by_step[args.warmup]["tokens"]
     timed = [by_step[s] for s in range(args.warmup + 1, steps + 1)]
     every = probe_every(run_dir) if layout != "pp" else 0  # the pipeline step never probes
-    probes = [r["step"] for r in timed if is_probe_step(r["step"], every)]
+    # A probe step's step_s leaves out one of its two forward+backward passes, the one
+    # without gradient sync, which is its compute_s.
+    passes = {s: by_step[s]["compute_s"] for s in range(1, steps + 1) if is_probe_step(s, every)}
+    in_window = sum(v for s, v in passes.items() if s > args.warmup)
+    # As many probes as a long run has (one pass per `every` steps), not as many as fall in
+    # this window (one or none): the median pass, steps 3-5's included, per `every` steps.
+    charged = timed_steps * statistics.median(passes.values()) / every if passes else 0.0
+    charged_seconds = seconds - in_window + charged
     return Run(
         system="trainwise",
         model=model,
         layout=layout,
         round=rnd,
-        tokens_per_s=tokens / seconds,
-        ms_per_step=1000 * seconds / timed_steps,
+        tokens_per_s=tokens / charged_seconds,
+        ms_per_step=1000 * charged_seconds / timed_steps,
         final_loss=by_step[steps]["loss"],
         wall_s=wall,
         step_clock_ms=1000 * sum(r["step_s"] for r in timed) / timed_steps,
-        # A probe step's step_s leaves out one of its two forward+backward passes, the one
-        # without gradient sync, which is its compute_s.
-        probe_ms=1000 * sum(by_step[s]["compute_s"] for s in probes) / timed_steps,
-        probe_steps=probes,
+        probe_ms=1000 * in_window / timed_steps,
+        probe_steps=[s for s in passes if s > args.warmup],
+        probe_charged_ms=1000 * charged / timed_steps,
+        measured_ms_per_step=1000 * seconds / timed_steps,
     )
 
 
@@ -274,7 +298,7 @@ def run_raw(model: str, layout: str, rnd: int, args: argparse.Namespace, tmp: Pa
         "--micro-batch", str(micro_of(args, model)),
         "--out", str(out),
     ]
-    wall = run_child(cmd, timeout=child_timeout(model, steps))
+    wall = run_child(cmd, timeout=child_timeout(model, steps), same_allocator=args.same_allocator)
     rec = json.loads(out.read_text())
     seconds, timed_steps = window(rec["step_end_s"], args.warmup)
     return Run(
@@ -325,6 +349,8 @@ def summarize(model: str, layout: str, runs: list[Run]) -> dict:
         "trainwise_step_clock_ms": statistics.median(r.step_clock_ms or 0.0 for r in tw),
         "trainwise_probe_ms": statistics.median(r.probe_ms or 0.0 for r in tw),
         "trainwise_probe_steps": tw[-1].probe_steps,
+        "trainwise_probe_charged_ms": statistics.median(r.probe_charged_ms or 0.0 for r in tw),
+        "trainwise_measured_ms_per_step": statistics.median(r.measured_ms_per_step or 0.0 for r in tw),
         "final_loss": {s: mine[s][-1].final_loss for s in SYSTEMS},
     }
 

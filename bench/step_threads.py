@@ -51,10 +51,17 @@ def threads() -> dict[str, tuple[float, float, int]]:
         try:
             ran, waited, slices = map(int, Path(f"/proc/self/task/{tid}/schedstat").read_text().split())
             comm = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:  # ended meanwhile
             continue
-        found[f"{names.get(int(tid), comm)}/{tid}"] = (ran / 1e9, waited / 1e9, slices)
+        found[f"{names.get(int(tid), comm)}/{tid}"] = (ran / 1e9, waited / 1e9, slices, int(stat[7]))
     return found
+
+
+def faults() -> tuple[int, int]:
+    """This process's (minor, major) page faults so far (/proc/self/stat)."""
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[7]), int(fields[9])
 
 
 def worker(out: str, start: int, end: int, ops: bool, kind: str, rest: list[str]) -> None:
@@ -67,20 +74,27 @@ def worker(out: str, start: int, end: int, ops: bool, kind: str, rest: list[str]
 
     def begin() -> None:
         if ops and rank == "0":
-            state["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            state["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
             state["prof"].__enter__()
         state["t0"] = (time.perf_counter(), threads())
+        state["faults0"] = faults()
 
     def finish() -> None:
         w0, t0 = state["t0"]
         wall, t1 = time.perf_counter() - w0, threads()
         main = f"MainThread/{threading.get_native_id()}"
-        record = {"wall": wall, "main": main, "threads": {
-            k: [b - a for a, b in zip(t0.get(k, (0, 0, 0)), v, strict=True)]
+        record = {"wall": wall, "main": main,
+                  "faults": [b - a for a, b in zip(state["faults0"], faults(), strict=True)],
+                  "threads": {
+            k: [b - a for a, b in zip(t0.get(k, (0, 0, 0, 0)), v, strict=True)]
             for k, v in t1.items()}}
         if "prof" in state:
             state["prof"].__exit__(None, None, None)
             record["ops"] = {e.key: e.count for e in state["prof"].key_averages()}
+            record["op_us"] = {e.key: e.self_cpu_time_total for e in state["prof"].key_averages()}
+            record["mm"] = {f"{e.key} {e.input_shapes}": [e.count, e.self_cpu_time_total]
+                            for e in state["prof"].key_averages(group_by_input_shape=True)
+                            if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::copy_", "aten::cat")}
         Path(f"{out}.{rank}").write_text(json.dumps(record))
 
     run_in_window(kind, rest, start, end, begin, finish)
@@ -95,18 +109,21 @@ def run(kind: str, layout: str, args: argparse.Namespace, tmp: Path) -> list[dic
 
 def report(name: str, ranks: list[dict], steps: int) -> None:
     for rank, rec in enumerate(ranks):
-        ms = {k: [1000 * v[0] / steps, 1000 * v[1] / steps, v[2] / steps]
+        ms = {k: [1000 * v[0] / steps, 1000 * v[1] / steps, v[2] / steps, v[3] / steps]
               for k, v in rec["threads"].items()}
-        cpu, runq, _ = ms.pop(rec["main"])
+        cpu, runq, _, main_faults = ms.pop(rec["main"])
         wall = 1000 * rec["wall"] / steps
         others = sum(v[2] for v in ms.values())
         print(f"  {name:9s} rank {rank}: wall {wall:6.2f} ms/step = main thread's CPU "
               f"{cpu:6.2f} + wait for a core {runq:5.2f} + asleep {wall - cpu - runq:5.2f}; "
-              f"other threads ran {others:5.1f} times/step, CPU {sum(v[0] for v in ms.values()):.2f} ms/step")
+              f"other threads ran {others:5.1f} times/step, CPU {sum(v[0] for v in ms.values()):.2f} ms/step; "
+              f"page faults {rec['faults'][0] / steps:.1f} minor, {rec['faults'][1] / steps:.1f} major a step")
         if rank == 0:
-            for key, (t_cpu, _, runs) in sorted(ms.items(), key=lambda kv: -kv[1][2]):
+            print(f"      main thread's page faults {main_faults:.1f} a step")
+            for key, (t_cpu, _, runs, flt) in sorted(ms.items(), key=lambda kv: -kv[1][2]):
                 if runs >= 0.05:
-                    print(f"      {key:34s} ran {runs:5.2f} times/step, CPU {t_cpu:.3f} ms/step")
+                    print(f"      {key:34s} ran {runs:5.2f} times/step, CPU {t_cpu:.3f} ms/step, "
+                          f"{flt:.1f} page faults")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,6 +149,17 @@ def main(argv: list[str] | None = None) -> int:
                     diff = (mine.get(key, 0) - theirs.get(key, 0)) / steps
                     if abs(diff) >= 0.5:
                         print(f"    {diff:+7.2f}  {key}")
+                us_mine, us_theirs = found["tw"][0]["op_us"], found["raw"][0]["op_us"]
+                print(f"  self CPU ms per step (rank 0): trainwise {sum(us_mine.values()) / 1000 / steps:.2f}, "
+                      f"raw {sum(us_theirs.values()) / 1000 / steps:.2f}; largest differences:")
+                diffs = {k: (us_mine.get(k, 0) - us_theirs.get(k, 0)) / 1000 / steps
+                         for k in set(us_mine) | set(us_theirs)}
+                mm_mine, mm_theirs = found["tw"][0]["mm"], found["raw"][0]["mm"]
+                for key in sorted(set(mm_mine) | set(mm_theirs)):
+                    a, b = mm_mine.get(key, [0, 0]), mm_theirs.get(key, [0, 0])
+                    print(f"    {key}: tw {a[0] / steps:.1f} x {a[1] / max(a[0], 1):.0f} us, raw {b[0] / steps:.1f} x {b[1] / max(b[0], 1):.0f} us")
+                for key in sorted(diffs, key=lambda k: -abs(diffs[k]))[:25]:
+                    print(f"    {diffs[key]:+8.3f} ms  {key}  (tw {us_mine.get(key, 0) / 1000 / steps:.3f}, raw {us_theirs.get(key, 0) / 1000 / steps:.3f})")
     return 0
 
 

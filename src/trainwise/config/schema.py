@@ -881,10 +881,11 @@ class LoggingConfig(Section):
         "steps so far; 0: never.",
     )
     probe_every: int = Field(
-        100,
+        500,
         ge=0,
-        description="Every N steps, time one extra forward+backward without communication "
-        "to split exposed gradient sync from compute; 0: never.",
+        description="Every N steps (and on steps 3-5), time one extra forward+backward of the "
+        "last micro-batch without communication to split exposed gradient sync from compute: "
+        "it costs 1 / (N x micro-batches) of the compute; 0: never.",
     )
     profile_steps: list[int] = Field(
         default_factory=list,

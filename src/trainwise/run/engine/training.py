@@ -26,6 +26,7 @@ from trainwise.run.checkpoint import store as store
 from trainwise.run.checkpoint.dcp import Resumed
 from trainwise.run.checkpoint.store import CheckpointError
 from trainwise.run.engine.control import Control
+from trainwise.run.engine.host_allocator import keep_freed_host_memory
 from trainwise.run.engine.recorder import Recorder
 from trainwise.run.engine.step import StepResult
 from trainwise.run.engine.trainer import build_checkpointer, build_trainer
@@ -57,6 +58,7 @@ class Training:
         self.cfg, self.job, self.env, self.device = cfg, job, env, device
         self.run_dir, self.log = run_dir, log
         self.faults = Faults.from_env(env.rank, run_dir, env.attempt)
+        keep_freed_host_memory(device.type)  # a CPU step's buffers: no page faults a step
         mark_memory_baseline()  # what the job adds over it is compared with the plan
         self.trainer = build_trainer(cfg, job, device, faults=self.faults)
         self.train_ds = self.faults.data(job.datasets[0])
