@@ -19,9 +19,10 @@ Where trainwise chooses better than the plain loop, it keeps its choice, as a us
 AdamW's fused step, the last block kept gathered from forward to backward under FSDP
 (torchtitan's default), and glibc's malloc thresholds fixed in a CPU job's workers
 (run/engine/host_allocator.py). The same math computed another way ends at the same loss
-within the check below. To time the framework's own cost alone, give the raw loop the same
-allocator (`--same-allocator`: both get host_allocator's thresholds by environment) and
-trainwise the raw loop's optimizer step (`--set optim.implementation=for-loop`).
+within the check below. To time the framework's own cost alone, give the raw loop
+trainwise's choices (`--same-choices`: its fused AdamW and last block kept gathered,
+bench/raw_loop.py --as-trainwise, and host_allocator's thresholds by environment, which
+trainwise then keeps).
 
 Both get the same number of workers, micro batch, steps, fp32, and OMP_NUM_THREADS=1.
 Throughput is steady state: the tokens of the steps after the warm-up step W, over the
@@ -30,9 +31,9 @@ metrics.jsonl, which includes everything its loop does between steps; raw: rank 
 perf_counter at the end of each step). Process start-up, data building and wrapping are
 outside the window for both. trainwise's probe passes (one more forward and backward every
 logging.probe_every steps) are charged at a long run's rate, the median pass once per
-probe_every steps, in place of the one or none that fall in the window. It prints the median tokens/s of each, their min-max, and
-the ratio trainwise / raw per model and layout against its target (1.0 for ddp and
-fsdp, 0.97 for tp and pp).
+probe_every steps, in place of the one or none that fall in the window. It prints the
+median tokens/s of each, their min-max, and the ratio trainwise / raw per model and
+layout against its target (1.0 for ddp and fsdp, 0.97 for tp and pp).
 
     .venv/bin/python bench/overhead.py            # 3 rounds, both models, all layouts
     .venv/bin/python bench/overhead.py --quick    # 40 steps, 1 round: a smoke run
@@ -119,8 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="extra trainwise override, e.g. logging.tensorboard=false, to attribute overhead",
     )
-    p.add_argument("--same-allocator", action="store_true",
-                   help="give both loops trainwise's glibc malloc thresholds (by environment)")
+    p.add_argument("--same-choices", action="store_true",
+                   help="give the raw loop trainwise's choices (fused AdamW, FSDP's last block "
+                   "kept gathered, glibc's malloc thresholds): the framework's own cost")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
     args.steps = args.steps or (40 if args.quick else None)
@@ -151,11 +153,11 @@ def micro_of(args: argparse.Namespace, model: str) -> int:
     return args.micro_batch or MODELS[model][0]
 
 
-def child_env(same_allocator: bool = False) -> dict[str, str]:
+def child_env(same_choices: bool = False) -> dict[str, str]:
     env = dict(os.environ)
     # Explicit for both: trainwise would otherwise pick cores // nproc, torchrun 1.
     env["OMP_NUM_THREADS"] = "1"
-    if same_allocator:  # trainwise keeps a threshold set by the environment
+    if same_choices:  # trainwise keeps a threshold set by the environment
         from trainwise.run.engine.host_allocator import MMAP_THRESHOLD, TRIM_THRESHOLD
 
         env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
@@ -163,7 +165,7 @@ def child_env(same_allocator: bool = False) -> dict[str, str]:
     return env
 
 
-def run_child(cmd: list[str], timeout: float, same_allocator: bool, attempts: int = 2) -> float:
+def run_child(cmd: list[str], timeout: float, same_choices: bool, attempts: int = 2) -> float:
     """Run one job to completion and return its wall seconds. A failed or hung job is
     retried once (a rendezvous port taken by another process between being picked and
     bound fails a start now and then; gloo's group destructor deadlocks on the GIL at
@@ -173,7 +175,7 @@ def run_child(cmd: list[str], timeout: float, same_allocator: bool, attempts: in
         mark = f"{os.getpid()}-{attempt}-{time.monotonic_ns()}"
         proc = subprocess.Popen(
             cmd,
-            env={**child_env(same_allocator), JOB_MARK: mark},
+            env={**child_env(same_choices), JOB_MARK: mark},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -249,7 +251,7 @@ def run_trainwise(model: str, layout: str, rnd: int, args: argparse.Namespace, t
     ]
     for kv in args.overrides:
         cmd += ["--set", kv]
-    wall = run_child(cmd, timeout=child_timeout(model, steps), same_allocator=args.same_allocator)
+    wall = run_child(cmd, timeout=child_timeout(model, steps), same_choices=args.same_choices)
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r for r in recs}
     if sorted(by_step) != list(range(1, steps + 1)):
@@ -260,7 +262,8 @@ def run_trainwise(model: str, layout: str, rnd: int, args: argparse.Namespace, t
     timed = [by_step[s] for s in range(args.warmup + 1, steps + 1)]
     every = probe_every(run_dir) if layout != "pp" else 0  # the pipeline step never probes
     # A probe step's step_s leaves out one of its two forward+backward passes, the one
-    # without gradient sync, which is its compute_s.
+    # without gradient sync, which is its compute_s (with one micro-batch a step, as this
+    # bench runs; under tp its collectives are not in compute_s and stay uncharged).
     passes = {s: by_step[s]["compute_s"] for s in range(1, steps + 1) if is_probe_step(s, every)}
     in_window = sum(v for s, v in passes.items() if s > args.warmup)
     # As many probes as a long run has (one pass per `every` steps), not as many as fall in
@@ -297,8 +300,9 @@ def run_raw(model: str, layout: str, rnd: int, args: argparse.Namespace, tmp: Pa
         "--steps", str(steps),
         "--micro-batch", str(micro_of(args, model)),
         "--out", str(out),
+        *(["--as-trainwise"] if args.same_choices else []),
     ]
-    wall = run_child(cmd, timeout=child_timeout(model, steps), same_allocator=args.same_allocator)
+    wall = run_child(cmd, timeout=child_timeout(model, steps), same_choices=args.same_choices)
     rec = json.loads(out.read_text())
     seconds, timed_steps = window(rec["step_end_s"], args.warmup)
     return Run(

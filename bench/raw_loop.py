@@ -64,6 +64,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--model", default="tiny")
     p.add_argument("--out", type=Path, required=True, help="JSON written by rank 0")
+    p.add_argument("--as-trainwise", action="store_true",
+                   help="trainwise's choices where a plain loop's differ: AdamW fused (a "
+                   "group per tensor kind) and, under fsdp, the last block kept gathered")
     return p.parse_args()
 
 
@@ -79,15 +82,17 @@ def build_ddp(spec: ModelSpec):
     return DistributedDataParallel(bundle.module), bundle
 
 
-def build_fsdp(spec: ModelSpec, world: int):
-    """As trainwise.run.engine.parallelize.apply_fsdp with shard = "full", fp32; the
-    weights filled shard by shard afterwards."""
+def build_fsdp(spec: ModelSpec, world: int, keep_last: bool = False):
+    """fully_shard per block and on the root, fp32, as a user writes it (`keep_last`: the
+    last block not resharded after forward either, as trainwise's apply_fsdp); the weights
+    filled shard by shard afterwards."""
     bundle = meta_model(spec)
     model = bundle.module
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    for block in bundle.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    last = len(bundle.blocks) - 1
+    for i, block in enumerate(bundle.blocks):
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < last or not keep_last)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     materialize(model, bundle.init_parameter, SEED, torch.device("cpu"))
     return model, bundle
@@ -189,7 +194,7 @@ def main() -> None:
     if args.layout == "ddp":
         model, bundle = build_ddp(spec)
     elif args.layout == "fsdp":
-        model, bundle = build_fsdp(spec, world)
+        model, bundle = build_fsdp(spec, world, keep_last=args.as_trainwise)
     elif args.layout == "tp":
         model, bundle = build_tp(spec, world)
     else:
@@ -201,7 +206,13 @@ def main() -> None:
     ) else None
 
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    groups: list = params
+    if args.as_trainwise:  # a fused kernel takes no mix of DTensors and plain tensors
+        kinds = ([p for p in params if isinstance(p, DTensor)],
+                 [p for p in params if not isinstance(p, DTensor)])
+        groups = [{"params": kind} for kind in kinds if kind]
+    optimizer = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                                  fused=True if args.as_trainwise else None)
     scheduler = build_scheduler(optimizer, args.steps, ScheduleConfig())
     loader = build_loader(
         train_ds,

@@ -8,8 +8,11 @@ each rank reads from Linux's /proc/<pid>/task/<tid>/schedstat, per step:
   in a collective, or for a lock);
 - every other thread of the process: the times it ran (each wake-up takes a core from
   the step on a machine the workers fill) and its CPU time;
+- the process's page faults, and each thread's: a page the kernel maps and zeroes each
+  time glibc's malloc gave a freed buffer back (run/engine/host_allocator.py);
 - with --ops, rank 0's aten operations per step (torch.profiler): any operation one loop
-  runs and the other does not is different work, whatever the clock says.
+  runs and the other does not is different work, whatever the clock says; and the
+  operations whose CPU time differs most.
 
     .venv/bin/python bench/step_threads.py                    # tiny, ddp
     .venv/bin/python bench/step_threads.py --layouts ddp,fsdp --ops
@@ -43,8 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # -- in the workers -------------------------------------------------------------------
 
 
-def threads() -> dict[str, tuple[float, float, int]]:
-    """Per live thread ("name/tid"): (CPU seconds, seconds waiting for a core, times run)."""
+def threads() -> dict[str, tuple[float, float, int, int]]:
+    """Per live thread ("name/tid"): (CPU seconds, seconds waiting for a core, times run,
+    minor page faults)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     found = {}
     for tid in os.listdir("/proc/self/task"):
@@ -54,6 +58,7 @@ def threads() -> dict[str, tuple[float, float, int]]:
             stat = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:  # ended meanwhile
             continue
+        # stat's 10th field: the thread's minor page faults
         found[f"{names.get(int(tid), comm)}/{tid}"] = (ran / 1e9, waited / 1e9, slices, int(stat[7]))
     return found
 
@@ -74,7 +79,7 @@ def worker(out: str, start: int, end: int, ops: bool, kind: str, rest: list[str]
 
     def begin() -> None:
         if ops and rank == "0":
-            state["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True)
+            state["prof"] = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             state["prof"].__enter__()
         state["t0"] = (time.perf_counter(), threads())
         state["faults0"] = faults()
@@ -83,18 +88,17 @@ def worker(out: str, start: int, end: int, ops: bool, kind: str, rest: list[str]
         w0, t0 = state["t0"]
         wall, t1 = time.perf_counter() - w0, threads()
         main = f"MainThread/{threading.get_native_id()}"
-        record = {"wall": wall, "main": main,
-                  "faults": [b - a for a, b in zip(state["faults0"], faults(), strict=True)],
-                  "threads": {
-            k: [b - a for a, b in zip(t0.get(k, (0, 0, 0, 0)), v, strict=True)]
-            for k, v in t1.items()}}
+        record = {
+            "wall": wall, "main": main,
+            "faults": [b - a for a, b in zip(state["faults0"], faults(), strict=True)],
+            "threads": {k: [b - a for a, b in zip(t0.get(k, (0, 0, 0, 0)), v, strict=True)]
+                        for k, v in t1.items()},
+        }
         if "prof" in state:
             state["prof"].__exit__(None, None, None)
-            record["ops"] = {e.key: e.count for e in state["prof"].key_averages()}
-            record["op_us"] = {e.key: e.self_cpu_time_total for e in state["prof"].key_averages()}
-            record["mm"] = {f"{e.key} {e.input_shapes}": [e.count, e.self_cpu_time_total]
-                            for e in state["prof"].key_averages(group_by_input_shape=True)
-                            if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::copy_", "aten::cat")}
+            averages = state["prof"].key_averages()
+            record["ops"] = {e.key: e.count for e in averages}
+            record["op_us"] = {e.key: e.self_cpu_time_total for e in averages}
         Path(f"{out}.{rank}").write_text(json.dumps(record))
 
     run_in_window(kind, rest, start, end, begin, finish)
@@ -116,14 +120,26 @@ def report(name: str, ranks: list[dict], steps: int) -> None:
         others = sum(v[2] for v in ms.values())
         print(f"  {name:9s} rank {rank}: wall {wall:6.2f} ms/step = main thread's CPU "
               f"{cpu:6.2f} + wait for a core {runq:5.2f} + asleep {wall - cpu - runq:5.2f}; "
-              f"other threads ran {others:5.1f} times/step, CPU {sum(v[0] for v in ms.values()):.2f} ms/step; "
-              f"page faults {rec['faults'][0] / steps:.1f} minor, {rec['faults'][1] / steps:.1f} major a step")
+              f"other threads ran {others:5.1f} times/step, CPU "
+              f"{sum(v[0] for v in ms.values()):.2f} ms/step; page faults "
+              f"{rec['faults'][0] / steps:.1f} minor, {rec['faults'][1] / steps:.1f} major a step")
         if rank == 0:
             print(f"      main thread's page faults {main_faults:.1f} a step")
             for key, (t_cpu, _, runs, flt) in sorted(ms.items(), key=lambda kv: -kv[1][2]):
                 if runs >= 0.05:
                     print(f"      {key:34s} ran {runs:5.2f} times/step, CPU {t_cpu:.3f} ms/step, "
                           f"{flt:.1f} page faults")
+
+
+def print_op_times(mine: dict[str, float], theirs: dict[str, float], steps: int,
+                   top: int = 15) -> None:
+    """Rank 0's self CPU time per step of each operation (torch.profiler, which adds its
+    own cost to each alike): the `top` largest differences."""
+    per_step = {k: (mine.get(k, 0) - theirs.get(k, 0)) / 1000 / steps for k in mine | theirs}
+    print(f"  self CPU ms per step (rank 0): trainwise {sum(mine.values()) / 1000 / steps:.2f}, "
+          f"raw {sum(theirs.values()) / 1000 / steps:.2f}; the largest differences:")
+    for key in sorted(per_step, key=lambda k: -abs(per_step[k]))[:top]:
+        print(f"    {per_step[key]:+8.3f}  {key}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,17 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                     diff = (mine.get(key, 0) - theirs.get(key, 0)) / steps
                     if abs(diff) >= 0.5:
                         print(f"    {diff:+7.2f}  {key}")
-                us_mine, us_theirs = found["tw"][0]["op_us"], found["raw"][0]["op_us"]
-                print(f"  self CPU ms per step (rank 0): trainwise {sum(us_mine.values()) / 1000 / steps:.2f}, "
-                      f"raw {sum(us_theirs.values()) / 1000 / steps:.2f}; largest differences:")
-                diffs = {k: (us_mine.get(k, 0) - us_theirs.get(k, 0)) / 1000 / steps
-                         for k in set(us_mine) | set(us_theirs)}
-                mm_mine, mm_theirs = found["tw"][0]["mm"], found["raw"][0]["mm"]
-                for key in sorted(set(mm_mine) | set(mm_theirs)):
-                    a, b = mm_mine.get(key, [0, 0]), mm_theirs.get(key, [0, 0])
-                    print(f"    {key}: tw {a[0] / steps:.1f} x {a[1] / max(a[0], 1):.0f} us, raw {b[0] / steps:.1f} x {b[1] / max(b[0], 1):.0f} us")
-                for key in sorted(diffs, key=lambda k: -abs(diffs[k]))[:25]:
-                    print(f"    {diffs[key]:+8.3f} ms  {key}  (tw {us_mine.get(key, 0) / 1000 / steps:.3f}, raw {us_theirs.get(key, 0) / 1000 / steps:.3f})")
+                print_op_times(found["tw"][0]["op_us"], found["raw"][0]["op_us"], steps)
     return 0
 
 

@@ -10,7 +10,12 @@ import sys
 import pytest
 
 from limits import hang_limit
-from trainwise.run.engine.host_allocator import USER_KEYS, _glibc, keep_freed_host_memory
+from trainwise.run.engine.host_allocator import (
+    USER_KEYS,
+    WORKER_KEY,
+    glibc,
+    keep_freed_host_memory,
+)
 
 # A step's worth of buffers (8 x 4 MiB, freed together), eight times: glibc, left to
 # itself, gives the top of its heap back each time and faults the pages in again.
@@ -29,8 +34,10 @@ print(fixed, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 8)
 """
 
 
-def faults_a_step(device_type: str) -> tuple[bool, float]:
-    env = {k: v for k, v in os.environ.items() if k not in USER_KEYS}
+def faults_a_step(device_type: str, worker: bool = True) -> tuple[bool, float]:
+    env = {k: v for k, v in os.environ.items() if k not in (*USER_KEYS, WORKER_KEY)}
+    if worker:  # as the elastic agent starts a worker
+        env[WORKER_KEY] = "job"
     done = subprocess.run([sys.executable, "-c", STEPS, device_type], env=env,
                           capture_output=True, text=True, check=True,
                           timeout=hang_limit())
@@ -38,15 +45,20 @@ def faults_a_step(device_type: str) -> tuple[bool, float]:
     return fixed == "True", float(faults)
 
 
-@pytest.mark.skipif(not _glibc(), reason="glibc's malloc only")
+@pytest.mark.skipif(not glibc(), reason="glibc's malloc only")
 def test_a_cpu_job_reuses_its_freed_buffers_without_page_faults():
     fixed, faults = faults_a_step("cpu")
     # 32 MiB a step is 8,192 pages: a few dozen faults are the interpreter's own.
     assert fixed and faults < 100
-    # A GPU job's process is left as glibc sets it.
+    # A GPU job's process, and the user's own (no launcher), are left as glibc sets them.
     assert faults_a_step("cuda")[0] is False
+    assert faults_a_step("cpu", worker=False)[0] is False
 
 
-def test_a_threshold_the_user_set_is_kept(monkeypatch):
-    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+@pytest.mark.parametrize(("key", "value"), [
+    ("MALLOC_TRIM_THRESHOLD_", "0"), ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0"),
+])
+def test_a_threshold_the_user_set_is_kept(monkeypatch, key, value):
+    monkeypatch.setenv(WORKER_KEY, "job")
+    monkeypatch.setenv(key, value)
     assert keep_freed_host_memory("cpu") is False

@@ -409,9 +409,11 @@ def _communication(
         shard_params = rank_params / dims.dp_shard
         trained_shard = trained / dims.dp_shard  # LoRA: only the adapters have gradients
         # The shard goes to the device for each gather: every unit's in forward, the
-        # regathered blocks' again in backward.
-        regathered = dims.regathered_blocks(fsdp_blocks(units, root)) * block / dims.dp_shard
-        copied = accum * (shard_params + regathered) * MASTER_BYTES
+        # blocks' resharded after it (adapters included) again in backward.
+        blocks = fsdp_blocks(units, root)
+        share = dims.regathered_blocks(blocks) / max(1, blocks)
+        again = share * (shard_params - root / dims.dp_shard)
+        copied = accum * (shard_params + again) * MASTER_BYTES
         collectives += [
             Collective("host->device copies (offload)", copied, hw.host_bps, True),
             # The reduced gradient shard goes to the host once a step, after the

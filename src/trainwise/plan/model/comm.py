@@ -7,9 +7,10 @@ ranks an all-reduce of S bytes moves 2(n-1)/n x S, an all-gather or a reduce-sca
 across nodes, and a latency per algorithm step) is plan/model/network.py's. Volumes per
 strategy follow ZeRO (Rajbhandari et al., 2020, section 7): DDP
 all-reduces the gradients once per step (no_sync between micro-batches); FSDP all-gathers
-the parameters for forward (and again for backward when `full` reshards after forward) on
-every micro-batch and reduce-scatters the gradients once per step; HSDP does FSDP inside a
-node and all-reduces the gradient shards across nodes.
+the parameters for forward (and, when `full` reshards after forward, every block's but the
+last again for backward: ParallelDims.regathered_blocks) on every micro-batch and
+reduce-scatters the gradients once per step; HSDP does FSDP inside a node and all-reduces
+the gradient shards across nodes.
 """
 
 from __future__ import annotations

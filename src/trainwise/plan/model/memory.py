@@ -14,11 +14,12 @@ Transient buffers, per strategy:
   the saved memory size will be equal to the total gradients size", DDP docs).
 - fsdp full (reshard_after_forward=True): the unsharded `param_dtype` parameters of the block
   in use and of the one prefetched, plus its unsharded gradient and the `reduce_dtype` copy
-  that is reduce-scattered; the last block's stay gathered from its forward to its backward
-  (ParallelDims.regathered_blocks), beside the head's backward; fsdp grad_op keeps every block's unsharded parameters from
-  forward to backward, as FSDP under pipeline stages does whatever parallel.shard says
-  (ParallelDims: reshard_after_forward is False there). The root unit (embeddings, final norm, head) stays unsharded for the
-  whole step (run.parallelize shards it with reshard_after_forward=False).
+  that is reduce-scattered; the last block's stay gathered from its forward to its
+  backward (ParallelDims.regathered_blocks), beside the head's backward; fsdp grad_op keeps
+  every block's unsharded parameters from forward to backward, as FSDP under pipeline
+  stages does whatever parallel.shard says (ParallelDims: reshard_after_forward is False
+  there). The root unit (embeddings, final norm, head) stays unsharded for the whole step
+  (run.parallelize shards it with reshard_after_forward=False).
 - cpu offload (FSDP2 CPUOffloadPolicy): sharded parameters, gradients and optimizer state
   live in host memory; the device keeps only the unsharded blocks in flight.
 

@@ -308,8 +308,10 @@ def moe_memory(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
     reduce_copy = MASTER_BYTES if w.reduce_dtype == "fp32" and c != MASTER_BYTES else 0
     blocks = whole - p.root
     in_flight = min(2, shape.n_layer) * p.block if dims.reshard_after_forward else blocks
-    # The blocks kept gathered since their forward (ParallelDims.regathered_blocks).
-    at_head = blocks * c * (1 - dims.regathered_blocks(shape.n_layer) / shape.n_layer)
+    # The blocks kept gathered since their forward (ParallelDims.regathered_blocks): all,
+    # or the last, a MoE layer.
+    kept = shape.n_layer - dims.regathered_blocks(shape.n_layer)
+    at_head = (blocks if kept == shape.n_layer else kept * p.block) * c
     params, grads, states = held * MASTER_BYTES, held * MASTER_BYTES, held * opt
     g_bwd = whole * BYTES[w.reduce_dtype] if accumulating else 0.0  # unsharded, kept
     if accumulating and setup.accumulate == "sharded":

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel
@@ -182,6 +182,15 @@ def _expert_placement(param: nn.Parameter, shards: int) -> Shard:
     if local % shards and param.shape[1] % shards == 0:
         return Shard(1)
     return Shard(0)
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Free every FSDP unit's gathered parameters: after a forward without backward (an
+    evaluation), the units kept gathered after forward (the root, the last block) would
+    hold them until the next training step's backward."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> object:

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from trainwise.models.moe.balance import LoadCounter, moe_shape
 from trainwise.run.engine.optim import by_mesh
-from trainwise.run.engine.parallelize import set_gradient_sync
+from trainwise.run.engine.parallelize import reshard_all, set_gradient_sync
 from trainwise.run.observe.comm_timer import CollectiveTimer
 from trainwise.run.observe.telemetry import Marks, Spans, StageClock, resolve_spans
 
@@ -402,4 +402,5 @@ def evaluate(
             total += loss_fn(model(x, *rest), y).float()
         n += 1
     model.train()
+    reshard_all(model)
     return mean_over_ranks(total / max(n, 1))[0]

@@ -58,7 +58,8 @@ class Training:
         self.cfg, self.job, self.env, self.device = cfg, job, env, device
         self.run_dir, self.log = run_dir, log
         self.faults = Faults.from_env(env.rank, run_dir, env.attempt)
-        keep_freed_host_memory(device.type)  # a CPU step's buffers: no page faults a step
+        if keep_freed_host_memory(device.type):  # a CPU step's buffers: no page faults a step
+            log.debug("glibc's malloc keeps freed memory (run/engine/host_allocator.py)")
         mark_memory_baseline()  # what the job adds over it is compared with the plan
         self.trainer = build_trainer(cfg, job, device, faults=self.faults)
         self.train_ds = self.faults.data(job.datasets[0])
