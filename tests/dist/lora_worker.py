@@ -25,6 +25,7 @@ from trainwise.checksum import new_hasher
 from trainwise.config import load_config
 from trainwise.models.hf_weights import _file_digest
 from trainwise.run.engine.materialize import fill
+from trainwise.run.engine.parallelize import reshard_all
 from trainwise.run.engine.trainer import build_trainer
 from trainwise.run.engine.worker import join_job
 from trainwise.run.job.distributed import destroy_process_group
@@ -68,6 +69,10 @@ def run(folder: Path, world: int, tp: int, timeout_s: str | None = None) -> dict
         logits = model(torch.load(folder / "idx.pt"))
         if isinstance(logits, DTensor):  # TP: sharded by vocabulary
             logits = logits.full_tensor()
+    # A forward without backward leaves the units FSDP keeps gathered after forward (the
+    # root, the last block) gathered: the fill below writes the shards, as a run's
+    # evaluation frees them first.
+    reshard_all(model)
     # A trained-looking B (the same values whatever the layout), so that A's gradient is
     # not zero at the first step and both adapters' gradients are compared.
     fill(model, lambda _, t, g: torch.nn.init.normal_(t, std=0.02, generator=g), 1,

@@ -98,3 +98,29 @@ def test_fsdp_full_keeps_the_last_block_and_the_root_gathered(model, ac, ep):
                 assert len(in_last) == 2
     finally:
         dist.destroy_process_group()
+
+
+def test_a_forward_without_backward_is_resharded_after_it():
+    # Evaluation runs forward only: the units kept gathered after forward (the root, the
+    # last block) would hold stale copies while the optimizer updates their shards.
+    from torch.distributed.fsdp import FSDPModule
+
+    from trainwise.run.engine.parallelize import reshard_all
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        bundle = build_model(ModelSpec("small", vocab_size=64, seq_len=16))
+        model = parallelize(bundle.module, list(bundle.blocks),
+                            ParallelDims.from_strategy("fsdp", 2), device=torch.device("cpu"))
+
+        def gathered() -> set[str]:
+            return {name for name, m in model.named_modules() if isinstance(m, FSDPModule)
+                    and m._get_fsdp_state()._fsdp_param_group.is_unsharded}
+
+        with torch.no_grad():
+            model(torch.randint(0, 64, (2, 16)))
+        assert gathered() == {"", f"blocks.{len(bundle.blocks) - 1}"}
+        reshard_all(model)
+        assert gathered() == set()
+    finally:
+        dist.destroy_process_group()
