@@ -716,7 +716,7 @@ def _per_step(
         # backward (ParallelDims.regathered_blocks): `again` of the blocks' parameters.
         _, root = block_params(w, tp)
         blocks = fsdp_blocks(fsdp_units(w), root)
-        again = dims.regathered_blocks(blocks) / blocks
+        again = dims.regathered_blocks(blocks) / max(1, blocks)
         gathered = rank_params + again * (rank_params - root)
         # Each gather casts the fp32 shard to 16 bits and copies the gathered buffer out
         # into the parameters; the reduction copies the gradients in (upcast to fp32).

@@ -6,8 +6,8 @@ above its mmap threshold fresh on each allocation, and gives the top of its heap
 the kernel once more than its trim threshold lies free there; both thresholds move with
 what the process freed before. Either way the next step touches new pages: a page fault
 and a page zeroed by the kernel for each 4 KiB. On the small model under fsdp 2 that was
-800 to 8,800 faults a step of the main thread against the hand-written loop's 400 to
-1,100, whose heap happened to keep its buffers (bench/step_threads.py counts them).
+1,800 to 8,800 faults a step of a worker against the hand-written loop's 520 to 1,500,
+whose heap happened to keep more of its buffers (bench/step_threads.py counts them).
 Fixed thresholds keep the step's buffers in the heap (as the CUDA caching allocator keeps
 a GPU's) and stop glibc from moving them. Only in a worker a launcher started for the job
 (torchrun's elastic agent, which trainwise's launcher runs too): a run in the user's own
