@@ -21,9 +21,9 @@ from trainwise.plan.model.comm import (
     Layout,
     contention_seconds,
     exposed_seconds,
-    fsdp_blocks,
     layout_collectives,
     outlasting_seconds,
+    regathered_share,
 )
 from trainwise.plan.model.compute import ADAMW_STEP, ComputeTime, fsdp_rounds
 from trainwise.plan.model.cost import CheckpointPlan, Cost, checkpoint_plan, job_cost
@@ -410,9 +410,7 @@ def _communication(
         trained_shard = trained / dims.dp_shard  # LoRA: only the adapters have gradients
         # The shard goes to the device for each gather: every unit's in forward, the
         # blocks' resharded after it (adapters included) again in backward.
-        blocks = fsdp_blocks(units, root)
-        share = dims.regathered_blocks(blocks) / max(1, blocks)
-        again = share * (shard_params - root / dims.dp_shard)
+        again = regathered_share(dims, units, root) * (shard_params - root / dims.dp_shard)
         copied = accum * (shard_params + again) * MASTER_BYTES
         collectives += [
             Collective("host->device copies (offload)", copied, hw.host_bps, True),

@@ -117,6 +117,13 @@ def fsdp_blocks(units: int, root: float) -> int:
     return units - 1 if root else units
 
 
+def regathered_share(dims: ParallelDims, units: int, root: float) -> float:
+    """The share of a model's block parameters (in `units` FSDP units, the root unit's
+    `root` apart) that backward gathers again (ParallelDims.regathered_blocks)."""
+    blocks = fsdp_blocks(units, root)
+    return dims.regathered_blocks(blocks) / max(1, blocks)
+
+
 def layout_collectives(
     dims: ParallelDims,
     params: float,

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 from trainwise.config.parallel_dims import ParallelDims
 from trainwise.models.shapes import GPTShape, LinearShape, ModelProfile
 from trainwise.plan.inputs import Hardware, PlanInputs
-from trainwise.plan.model.comm import fsdp_blocks
+from trainwise.plan.model.comm import regathered_share
 from trainwise.plan.model.float8 import (
     Float8,
     cast_bytes,
@@ -715,8 +715,7 @@ def _per_step(
         # Every unit is gathered for forward, and the blocks resharded after it again for
         # backward (ParallelDims.regathered_blocks): `again` of the blocks' parameters.
         _, root = block_params(w, tp)
-        blocks = fsdp_blocks(fsdp_units(w), root)
-        again = dims.regathered_blocks(blocks) / max(1, blocks)
+        again = regathered_share(dims, fsdp_units(w), root)
         gathered = rank_params + again * (rank_params - root)
         # Each gather casts the fp32 shard to 16 bits and copies the gathered buffer out
         # into the parameters; the reduction copies the gradients in (upcast to fp32).
