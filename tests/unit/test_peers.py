@@ -4,7 +4,10 @@ save: what counts and what does not."""
 from __future__ import annotations
 
 import errno
+import threading
 from pathlib import Path
+
+import torch.distributed as dist
 
 from trainwise.run.checkpoint.dcp import disk_full
 from trainwise.run.observe.peers import (
@@ -74,8 +77,33 @@ def test_line_names_stage_and_ranks():
     assert "could not tell which rank is missing" in unknown
 
 
-def test_absent_ranks_without_a_group_is_unknown():
-    assert absent_ranks(None) is None
+def test_absent_ranks_without_a_store_is_unknown():
+    assert absent_ranks(None, 0, 2, "0/1") is None
+
+
+def _check_in(ranks: list[int], world: int, key: str) -> dict[int, list[int] | None]:
+    """Each of `ranks` asks absent_ranks at `key` from a thread of its own, on its own
+    client of one real TCPStore (the job's rendezvous store), as the survivors of a
+    timed-out collective do; the ranks of `world` not in `ranks` never come."""
+    server = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    found: dict[int, list[int] | None] = {}
+
+    def ask(rank: int) -> None:
+        client = dist.TCPStore("127.0.0.1", server.port, world, is_master=False)
+        found[rank] = absent_ranks(client, rank, world, key, seconds=1.0)
+
+    threads = [threading.Thread(target=ask, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return found
+
+
+def test_absent_ranks_names_the_ranks_that_never_check_in_on_rank_0():
+    found = _check_in([0, 2], world=4, key="0/6")
+    assert found == {0: [1, 3], 2: None}  # rank 2 only learns that someone is missing
+    assert _check_in([0, 1], world=2, key="0/7") == {0: [], 1: []}  # all there: none absent
 
 
 def test_disk_full_needs_the_errno_or_a_short_write_on_a_full_disk(tmp_path: Path):

@@ -56,7 +56,7 @@ class Hang:
     step: int
     stage: str
     cause: str  # "timeout" | "lost"
-    absent: list[int]  # ranks that did not reach the monitored barrier
+    absent: list[int]  # ranks that did not check in on the job's store (peers.absent_ranks)
     seen_by: list[int]  # ranks that reported it
     message: str
 
@@ -150,7 +150,7 @@ def memory_line(run: RunFiles) -> str:
 
 def hangs(events: list[dict[str, Any]]) -> list[Hang]:
     """One per (attempt's) failed collective, from the ranks' peer_failure events: the
-    absent ranks as rank 0's monitored barrier named them."""
+    absent ranks as rank 0's check-in named them."""
     by_step: dict[int, list[dict[str, Any]]] = {}
     for e in events:
         if e.get("kind") == "peer_failure" and isinstance(e.get("step"), int):

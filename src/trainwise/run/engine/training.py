@@ -30,7 +30,7 @@ from trainwise.run.engine.host_allocator import keep_freed_host_memory
 from trainwise.run.engine.recorder import Recorder
 from trainwise.run.engine.step import StepResult
 from trainwise.run.engine.trainer import build_checkpointer, build_trainer
-from trainwise.run.job.distributed import DistEnv, host_group, network_line, side_group
+from trainwise.run.job.distributed import DistEnv, host_group, job_store, network_line
 from trainwise.run.job.lifeline import this_launch
 from trainwise.run.job.resolve import Job
 from trainwise.run.observe.events import append_event, read_events, resumptions, retry_cost
@@ -75,10 +75,9 @@ class Training:
         self.control = Control(
             host, announce_second=this_launch() is None, every=cfg.logging.flush_every
         )
-        # Kept idle for diagnosis: after a failed collective the survivors meet here to
-        # find which ranks are missing. A group of its own: the others may be wedged by
-        # then, and a gloo operation that timed out closes its group's connections.
-        self.health = side_group(timeout) if peers else None
+        # For diagnosis: after a timed-out collective the survivors meet on the job's
+        # rendezvous store to find which ranks are missing (peers.absent_ranks).
+        self.store = job_store() if peers else None
         self.watchdog = StepWatchdog(timeout) if self.distributed else None
         self.data_state = {"global_batch": job.global_batch, "seed": cfg.train.seed}
         self.step = 0
@@ -268,7 +267,11 @@ class Training:
         timeout = self.cfg.parallel.timeout_s
         # A hang needs the diagnosis; a lost peer exited, and the agent reports which (no
         # need to hold up the restart by a barrier).
-        absent = absent_ranks(self.health, min(BARRIER_S, timeout)) if kind == "timeout" else None
+        absent = None
+        if kind == "timeout":
+            key = f"{self.env.attempt}/{self.step}"
+            absent = absent_ranks(self.store, self.env.rank, self.env.world, key,
+                                  min(BARRIER_S, timeout))
         failure = PeerFailure(self.step, where, self.env.rank, kind, absent, last_line(err))
         line = failure.line(timeout)
         self.log.error("trainwise: %s", line)

@@ -136,6 +136,13 @@ def host_group(timeout_s: float) -> dist.ProcessGroup:
     return side_group(timeout_s)
 
 
+def job_store() -> dist.Store:
+    """The store the job's process group met on (torchrun's agent store, or rank 0's),
+    for host-side agreements that need no process group: it outlives a failed collective.
+    torch exposes it only under a private name (2.13)."""
+    return dist.distributed_c10d._get_default_store()
+
+
 def side_group(timeout_s: float) -> dist.ProcessGroup:
     """A gloo group of all ranks beside the training group (checkpoint I/O, control flags,
     diagnosis): gloo matches operations by order, so background work needs its own group.

@@ -4,19 +4,23 @@ answer), in one line, instead of a C++ traceback from inside gloo.
 A rank that hangs (a stuck kernel, a dead NIC, a deadlocked data worker) makes its peers
 wait in their next collective until `parallel.timeout_s` passes; gloo then raises "Timed
 out waiting ...". A rank that died makes its peers fail at once ("Connection reset by
-peer"). Either way the peers ask who is still there with `monitored_barrier` (gloo's own
-diagnosis: rank 0 reports every rank that did not reach it) on a group kept for this, then
-exit with status 1 so that torchrun's elastic agent restarts the group from the last
-checkpoint."""
+peer"). After a timeout the peers ask who is still there with torch elastic's store
+barrier, whose missing-rank trace names on rank 0 every rank that did not check in; it
+runs on the job's rendezvous store, so no process group (and no gloo event-loop thread
+waking every 10 ms for the whole run) is kept for a diagnosis that may never come, and a
+training group whose timed-out operation closed its connections does not matter. Then
+they exit with status 1 so that torchrun's elastic agent restarts the group from the
+last checkpoint."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch.distributed as dist
+from torch.distributed import DistStoreError
+from torch.distributed.elastic.utils.store import barrier as store_barrier
 
 # The backends' own wording (gloo; NCCL's watchdog), matched on RuntimeErrors only: a path
 # or a DataLoader message that merely contains "timeout" is not a peer failure.
@@ -107,20 +111,25 @@ def find_peer_error(err: BaseException) -> PeerError | None:
     return None
 
 
-def absent_ranks(group: dist.ProcessGroup | None, seconds: float = BARRIER_S) -> list[int] | None:
-    """The ranks that do not reach a monitored barrier within `seconds` (gloo only). Rank 0
-    learns the full list; another rank learns nothing (None) when anyone is missing."""
-    if group is None:
+def absent_ranks(
+    store: dist.Store | None, rank: int, world: int, key: str, seconds: float = BARRIER_S
+) -> list[int] | None:
+    """The ranks that do not check in at `key` (one name per diagnosis: the attempt and
+    step) within `seconds`, by torch elastic's store barrier. Rank 0 learns the list (its
+    trace waits up to `seconds` more for the first absent rank's check-in); another rank
+    learns nothing (None) when anyone is missing, and so does every rank when the store
+    itself is gone."""
+    if store is None:
         return None
     try:
-        dist.monitored_barrier(group, timeout=timedelta(seconds=seconds), wait_all_ranks=True)
-    except RuntimeError as err:
-        text = str(err)
-        found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
-        if found:
-            return [int(r) for r in found.group(1).replace(" ", "").split(",") if r]
-        # Another rank than 0 only learns that rank 0 gave up (perhaps because a third rank
-        # is missing): rank 0's own line names them.
+        store_barrier(store, world, f"trainwise/absent/{key}", barrier_timeout=seconds,
+                      rank=rank, trace_timeout=seconds)
+    except DistStoreError as err:
+        found = re.search(r"missing_ranks=\[([\d, ]+)\]", str(err))
+        if found is None:  # another rank than 0 (rank 0's own line names them)
+            return None
+        return sorted(int(r) for r in found.group(1).replace(" ", "").split(",") if r)
+    except (RuntimeError, OSError):  # the store's host went away too
         return None
     return []  # everyone answered: the failed collective's peer has recovered or restarted
 
