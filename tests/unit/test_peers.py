@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from helpers import hang_limit
 from trainwise.run.checkpoint.dcp import disk_full
 from trainwise.run.observe.peers import (
     PeerError,
@@ -96,7 +97,7 @@ def _check_in(ranks: list[int], world: int, key: str) -> dict[int, list[int] | N
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=30)
+        t.join(timeout=hang_limit())
     return found
 
 
