@@ -144,8 +144,10 @@ def job_store() -> dist.Store:
 
 
 def side_group(timeout_s: float) -> dist.ProcessGroup:
-    """A gloo group of all ranks beside the training group (checkpoint I/O, control flags,
-    diagnosis): gloo matches operations by order, so background work needs its own group.
+    """A gloo group of all ranks beside the training group (an async save's collectives,
+    the host-side ones under NCCL, the version check, the doctor's): gloo matches
+    operations by order, so background work needs its own group. (A failed collective's
+    diagnosis needs none: peers.absent_ranks checks in on job_store.)
     It takes the run's collective timeout; new_group's default would be 30 minutes."""
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
