@@ -150,8 +150,10 @@ The runs, each with its source:
   steps with Transformer Engine's FusedAdam (megatron/core/optimizer/__init__.py at
   1e057005: trainwise's default optim.implementation, fused)
   and routes with the auxiliary loss from the pretrained checkpoint (PRETRAIN=0 loads
-  it): the table does not say the gate was forced balanced, so moe.imbalance is left at
-  its default. Megatron-Core folds tp into the expert group and splits the tokens over
+  it): the table does not say the gate was forced balanced, and its long-context section's
+  command is dropless (forced balance is the flag it adds to test it), so routing is
+  dropless: the FSDP row keeps the default moe.imbalance, the TP 4 x PP 8 row takes what
+  the same table's long-context pair on its layout measures (DROPLESS_PAIR). Megatron-Core folds tp into the expert group and splits the tokens over
   it, and so does trainwise's runtime (models.moe.parallel, priced by plan.moe.parallel).
   The FSDP row's flags are not published (its sharding strategy, the gradients' reduce
   dtype): with Megatron-Core's documented custom FSDP at its commit 1e057005
@@ -440,6 +442,29 @@ LLAMA3_405B = Published(
 )
 LLAMA3_405B_TFLOPS_PER_GPU = 400.0  # arXiv 2407.21783, Table 4, 16,384 GPUs
 
+# What dropless routing costs, from a published pair of runs that differ in nothing else:
+# Megatron-MoE-ModelZoo's long-context table (best_practice/qwen3/readme.md @020b8136b,
+# "Long Context"; MBS 1 and SlimPajama from runtime_configs/benchmarking/runtime.conf, the
+# pretrained router loaded): Qwen3-235B-A22B on 32 nodes of 8 H100, TP 4 x PP 8 (VPP 4) x
+# EP 8, CP 1, seq 16384, global batch 256, DeepEP, BF16, the norms and MoE layers
+# recomputed: 295 TFLOPS a GPU with the gate forced balanced, 237 dropless. Same layout,
+# same FLOPs: the dropless step is 295 / 237 times the balanced one, whatever FLOPs count
+# the figures use. dropless_imbalance() solves the planner's moe.imbalance for that ratio;
+# the recompute the pair ran (norms and MoE layers) is not expressible, so ac none and full
+# bracket it. The 4096-token row on this layout (MOE_RUNS) uses the pair's figure: the same
+# model, data, router and dispatch group (2 sequences an ep group: dp 2 within it x tp 4),
+# with a quarter of the tokens to average over.
+DROPLESS_PAIR = ("yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md @020b8136b, "
+                 "Long Context, H100, seq 16384, TP 4, CP 1")
+DROPLESS_PAIR_TFLOPS = (295.0, 237.0)  # forced balance, dropless
+DROPLESS_PAIR_LINE = cmd(
+    "--model qwen3-235b-a22b --gpus 256 --seq 16384 --micro-batch 1 --global-batch 256 "
+    "--strategy fsdp --set parallel.shard=grad_op --set parallel.tp=4 --set parallel.pp=8 "
+    "--set parallel.pp_schedule=Interleaved1F1B --set parallel.pp_virtual=4 "
+    "--set parallel.pp_microbatches=32 --set parallel.ep=8 --set plan.attention_kernel=fused "
+    "--set plan.routing_kernel=fused --set plan.loss_kernel=fused")
+QWEN3_235B_DROPLESS = 1.8  # dropless_imbalance()'s bracket, 1.75 (ac full) to 1.81 (none)
+
 MOE_ZOO = ("yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md @c1ad0b5c8, "
            "Intra-node EP strategy")
 AUTOMODEL = ("NVIDIA-NeMo/Automodel docs/performance-summary.mdx, DGX-H100 BF16 "
@@ -470,6 +495,7 @@ MOE_RUNS = [
                   "--set parallel.tp=4 --set parallel.pp=8 "
                   "--set parallel.pp_schedule=Interleaved1F1B --set parallel.pp_virtual=4 "
                   "--set parallel.pp_microbatches=256 --set parallel.ep=8 "
+                  f"--set moe.imbalance={QWEN3_235B_DROPLESS} "
                   "--set plan.attention_kernel=fused --set plan.routing_kernel=fused "
                   "--set plan.loss_kernel=fused"), 1130),
 ]
@@ -625,6 +651,39 @@ def llama3_405b() -> None:
           + ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts) + " GiB")
 
 
+def pair_step(ac: str, imbalance: float) -> float:
+    """The planned step, in seconds, of the dropless pair's layout at `ac` and `imbalance`."""
+    line = f"{DROPLESS_PAIR_LINE} --ac {ac} --set moe.imbalance={imbalance:.4f}"
+    return plan_line(Published("dropless pair", DROPLESS_PAIR, line, None)).plan.step.total
+
+
+def dropless_imbalance(ac: str, tolerance: float = 0.005) -> float:
+    """The moe.imbalance at which the pair's planned step at `ac` is the published
+    forced / dropless ratio longer than at 1 (bisection: the step grows with it)."""
+    forced, dropless = DROPLESS_PAIR_TFLOPS
+    target = forced / dropless * pair_step(ac, 1.0)
+    low, high = 1.0, 4.0
+    while high - low > tolerance:
+        mid = (low + high) / 2
+        low, high = (mid, high) if pair_step(ac, mid) < target else (low, mid)
+    return (low + high) / 2
+
+
+def dropless_pair() -> None:
+    """The published cost of dropless routing against the planner's at its default."""
+    forced, dropless = DROPLESS_PAIR_TFLOPS
+    default = JobConfig().moe.imbalance
+    planned = pair_step("none", default) / pair_step("none", 1.0)
+    solved = {ac: dropless_imbalance(ac) for ac in ("none", "full")}
+    inside = min(solved.values()) - 0.05 <= QWEN3_235B_DROPLESS <= max(solved.values()) + 0.05
+    print(f"\n== Dropless against forced balance  [{DROPLESS_PAIR}]\n"
+          f"  published step ratio {forced / dropless:.3f} ({forced:.0f} / {dropless:.0f} "
+          f"TFLOPS); planned at the default moe.imbalance {default}: {planned:.3f}\n"
+          f"  the imbalance that plans the published ratio: {solved['full']:.2f} (ac full) to "
+          f"{solved['none']:.2f} (ac none); the 4096-token row uses {QWEN3_235B_DROPLESS}"
+          + ("" if inside else "  STALE: outside the bracket, update QWEN3_235B_DROPLESS"))
+
+
 def main(argv: list[str]) -> int:
     tuning = "--tuning" in argv
     runs = [r for r in RUNS if not r.held_out]
@@ -649,6 +708,7 @@ def main(argv: list[str]) -> int:
         print(f"  {p.run.name}: the all-to-all, exposed, is {a2a / p.plan.step.total:.0%} "
               "of the step")
     summary("Mixture-of-Experts runs", moe)
+    dropless_pair()
     return 0
 
 

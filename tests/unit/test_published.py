@@ -88,3 +88,12 @@ def test_each_moe_row_is_planned_on_its_published_layout(run):
     pinned = dict(w.split("=") for w in shlex.split(run.line) if w.startswith("parallel."))
     dims = p.plan.setup.dims
     assert (dims.tp, dims.ep) == (int(pinned["parallel.tp"]), int(pinned["parallel.ep"]))
+
+
+def test_the_pinned_dropless_imbalance_is_what_the_published_pair_gives():
+    # The 4096-token Qwen3-235B row pins moe.imbalance to what the long-context pair
+    # (forced balance against dropless, one layout) solves for; a planner change that
+    # moves the solution must move the pin too.
+    solved = [bench.dropless_imbalance(ac, tolerance=0.02) for ac in ("none", "full")]
+    assert min(solved) - 0.05 <= bench.QWEN3_235B_DROPLESS <= max(solved) + 0.05, solved
+    assert all(s > 1.1 for s in solved)  # the pair's dropless step is slower: not balanced
