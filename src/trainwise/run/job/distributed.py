@@ -18,6 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+_STORE: dist.Store | None = None  # the job's rendezvous store (init_process_group)
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -114,12 +116,16 @@ def init_process_group(
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ.setdefault("MASTER_PORT", "29500")
     kwargs = {"device_id": device} if device.type == "cuda" else {}
+    timeout = timedelta(seconds=timeout_s)
+    # The rendezvous init_process_group would do itself (env://: torchrun's agent store, or
+    # rank 0's), done here so that the job keeps the store: torch exposes the default
+    # group's store only under a private name. Prefixed as torch prefixes its own.
+    store, rank, world = next(dist.rendezvous("env://", env.rank, env.world, timeout=timeout))
+    store.set_timeout(timeout)
+    global _STORE
+    _STORE = dist.PrefixStore("default_pg", store)
     dist.init_process_group(
-        backend=backend,
-        rank=env.rank,
-        world_size=env.world,
-        timeout=timedelta(seconds=timeout_s),
-        **kwargs,
+        backend=backend, store=_STORE, rank=rank, world_size=world, timeout=timeout, **kwargs
     )
 
 
@@ -136,11 +142,11 @@ def host_group(timeout_s: float) -> dist.ProcessGroup:
     return side_group(timeout_s)
 
 
-def job_store() -> dist.Store:
+def job_store() -> dist.Store | None:
     """The store the job's process group met on (torchrun's agent store, or rank 0's),
     for host-side agreements that need no process group: it outlives a failed collective.
-    torch exposes it only under a private name (2.13)."""
-    return dist.distributed_c10d._get_default_store()
+    None where init_process_group above did not make the group."""
+    return _STORE
 
 
 def side_group(timeout_s: float) -> dist.ProcessGroup:
