@@ -153,8 +153,9 @@ The runs, each with its source:
   it): the table does not say the gate was forced balanced, and its long-context section's
   command is dropless (forced balance is the flag it adds to test it), so routing is
   dropless: the FSDP row keeps the default moe.imbalance, the TP 4 x PP 8 row takes what
-  the same table's long-context pair on its layout measures (DROPLESS_PAIR). Megatron-Core folds tp into the expert group and splits the tokens over
-  it, and so does trainwise's runtime (models.moe.parallel, priced by plan.moe.parallel).
+  the same table's long-context pair on its layout measures (DROPLESS_PAIR).
+  Megatron-Core folds tp into the expert group and splits the tokens over it, and so does
+  trainwise's runtime (models.moe.parallel, priced by plan.moe.parallel).
   The FSDP row's flags are not published (its sharding strategy, the gradients' reduce
   dtype): with Megatron-Core's documented custom FSDP at its commit 1e057005
   (optim_grads_params, docs/source/api-guide/custom_fsdp.md; gradients reduced in fp32
