@@ -37,6 +37,12 @@ layout against its target (1.0 for ddp and fsdp, 0.97 for tp and pp).
 
     .venv/bin/python bench/overhead.py            # 3 rounds, both models, all layouts
     .venv/bin/python bench/overhead.py --quick    # 40 steps, 1 round: a smoke run
+    .venv/bin/python bench/overhead.py --cpu      # and the CPU time a step of each job
+
+`--cpu` runs every job a second time, 30 steps long, and prints the CPU time (user and
+system, every process of the job: launcher and workers) of the steps between: what the
+loop itself costs. On a shared 2-core machine the wall time of the same loop moves by 20 %
+within minutes and the ratio above with it; the CPU a step moves far less.
 
 Not part of `make test`: it takes about 20 minutes on a quiet 2-core machine and its
 figures depend on the machine. It exits 1 when a pair of loops ends at different losses
@@ -49,12 +55,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -70,6 +78,9 @@ LAYOUT_FLAGS = {
     "tp": ("--set", "parallel.tp=2"),
     "pp": ("--set", "parallel.pp=2"),
 }
+# --cpu: the short run whose CPU time is taken from each long run's (start-up, data and
+# model building, the final save), leaving the steps between.
+CPU_SHORT_STEPS = 30
 # Per model: (micro batch, steps); small's micro batch keeps its step near a quarter of a
 # second on 2 cores. Whatever probe passes fall in the window, trainwise is charged a long
 # run's share of them (run_trainwise).
@@ -86,6 +97,7 @@ class Run:
     ms_per_step: float  # steady-state wall time per step (trainwise: probes charged, below)
     final_loss: float
     wall_s: float  # the whole subprocess, start-up included
+    cpu_s: float = 0.0  # CPU seconds of every process of the job, start-up included
     # trainwise only: what its own step clock saw (DataParallelStep.step) vs the wall per step; the
     # difference is spent outside the step (logging, loss all-reduce, probe pass, ...).
     step_clock_ms: float | None = None
@@ -123,6 +135,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--same-choices", action="store_true",
                    help="give the raw loop trainwise's choices (fused AdamW, FSDP's last block "
                    "kept gathered, glibc's malloc thresholds): the framework's own cost")
+    p.add_argument("--cpu", action="store_true",
+                   help="also run each job at CPU_SHORT_STEPS steps and print the CPU time a "
+                   "step of all its processes (the long run's CPU less the short one's, over "
+                   "the steps between): what the loop costs, whatever other work slows the wall")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
     args.steps = args.steps or (40 if args.quick else None)
@@ -166,12 +182,14 @@ def child_env(same_choices: bool = False) -> dict[str, str]:
 
 
 def run_child(cmd: list[str], timeout: float, same_choices: bool, attempts: int = 2) -> float:
-    """Run one job to completion and return its wall seconds. A failed or hung job is
-    retried once (a rendezvous port taken by another process between being picked and
-    bound fails a start now and then; gloo's group destructor deadlocks on the GIL at
-    exit now and then); a second failure exits with the job's output."""
+    """Run one job to completion and return its wall seconds (its processes' CPU seconds
+    go to LAST_CPU_S). A failed or hung job is retried once (a rendezvous port taken by
+    another process between being picked and bound fails a start now and then; gloo's
+    group destructor deadlocks on the GIL at exit now and then); a second failure exits
+    with the job's output."""
     for attempt in range(1, attempts + 1):
         t0 = time.perf_counter()
+        cpu0 = children_cpu_s()
         mark = f"{os.getpid()}-{attempt}-{time.monotonic_ns()}"
         proc = subprocess.Popen(
             cmd,
@@ -189,11 +207,22 @@ def run_child(cmd: list[str], timeout: float, same_choices: bool, attempts: int 
             output, _ = proc.communicate()
             why = f"timed out after {timeout:.0f} s"
         if proc.returncode == 0:
+            LAST_CPU_S[0] = children_cpu_s() - cpu0
             return time.perf_counter() - t0
         message = f"{why}: {' '.join(cmd)}"
         if attempt < attempts:
             print(f"  retrying, {message}", flush=True)
     sys.exit(f"failed, {message}\n{output[-4000:]}")
+
+
+LAST_CPU_S = [0.0]  # the CPU seconds of run_child's last job, every process of it
+
+
+def children_cpu_s() -> float:
+    """User and system seconds of this process's waited-for children and theirs: a job's
+    launcher and its workers (the agent waits for its workers, run_child for the agent)."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 # In each job's environment, so that a hung job's processes are found wherever they are:
@@ -279,6 +308,7 @@ def run_trainwise(model: str, layout: str, rnd: int, args: argparse.Namespace, t
         ms_per_step=1000 * charged_seconds / timed_steps,
         final_loss=by_step[steps]["loss"],
         wall_s=wall,
+        cpu_s=LAST_CPU_S[0],
         step_clock_ms=1000 * sum(r["step_s"] for r in timed) / timed_steps,
         probe_ms=1000 * in_window / timed_steps,
         probe_steps=[s for s in passes if s > args.warmup],
@@ -314,6 +344,7 @@ def run_raw(model: str, layout: str, rnd: int, args: argparse.Namespace, tmp: Pa
         ms_per_step=1000 * seconds / timed_steps,
         final_loss=rec["final_loss"],
         wall_s=wall,
+        cpu_s=LAST_CPU_S[0],
     )
 
 
@@ -410,6 +441,32 @@ def print_notes(rows: list[dict]) -> None:
         )
 
 
+def step_cpu_ms(runner: Callable[..., Run], run: Run, args: argparse.Namespace,
+                tmp: Path) -> float:
+    """The CPU milliseconds a step of `run`'s job, every process of it: `run`'s CPU less that
+    of the same job at CPU_SHORT_STEPS steps (run apart, right after), over the steps
+    between. CPU time is what the loop costs; other work on the cores slows the wall, and
+    the ratios above with it, but barely moves it."""
+    short_dir = tmp / "short"
+    short_dir.mkdir(exist_ok=True)
+    short_args = argparse.Namespace(**{**vars(args), "steps": CPU_SHORT_STEPS})
+    short = runner(run.model, run.layout, run.round, short_args, short_dir)
+    steps = steps_of(args, run.model) - CPU_SHORT_STEPS
+    return 1000 * (run.cpu_s - short.cpu_s) / steps
+
+
+def print_cpu(cases: list[tuple[str, str]],
+              cpu_ms: dict[tuple[str, str, str], list[float]]) -> None:
+    print(f"\nCPU a step, every process of the job (--cpu: each run less a {CPU_SHORT_STEPS}-step"
+          " run of the same job), median with the per-round range:")
+    for model, layout in cases:
+        tw, raw = cpu_ms[(model, layout, "trainwise")], cpu_ms[(model, layout, "raw")]
+        tw_ms, raw_ms = statistics.median(tw), statistics.median(raw)
+        print(f"  {model} {layout}: trainwise {tw_ms:.1f} ms ({min(tw):.1f}-{max(tw):.1f}), raw "
+              f"{raw_ms:.1f} ms ({min(raw):.1f}-{max(raw):.1f}): trainwise / raw "
+              f"{tw_ms / raw_ms:.3f} (below 1: trainwise's step costs less)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sizes = ", ".join(
@@ -425,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     runners = {"trainwise": run_trainwise, "raw": run_raw}
     runs: list[Run] = []
     cases = [(m, lay) for m in args.models for lay in args.layouts]
+    cpu_ms: dict[tuple[str, str, str], list[float]] = {
+        (m, lay, s): [] for m, lay in cases for s in SYSTEMS}
     with tempfile.TemporaryDirectory(prefix="trainwise-overhead-") as tmp:
         for rnd in range(args.rounds):
             for model, layout in cases:
@@ -439,10 +498,15 @@ def main(argv: list[str] | None = None) -> int:
                         f"(process {run.wall_s:.1f} s)",
                         flush=True,
                     )
+                    if args.cpu:
+                        cpu_ms[(model, layout, system)].append(
+                            step_cpu_ms(runners[system], run, args, Path(tmp)))
     rows = [summarize(m, lay, runs) for m, lay in cases]
     print()
     print_table(rows)
     print_notes(rows)
+    if args.cpu:
+        print_cpu(cases, cpu_ms)
     load_after = os.getloadavg()[0]
     print(
         f"load average (1 min) {load_before:.2f} before, {load_after:.2f} after, on "
