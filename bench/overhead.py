@@ -41,8 +41,9 @@ layout against its target (1.0 for ddp and fsdp, 0.97 for tp and pp).
 
 `--cpu` runs every job a second time, 30 steps long, and prints the CPU time (user and
 system, every process of the job: launcher and workers) of the steps between: what the
-loop itself costs. On a shared 2-core machine the wall time of the same loop moves by 20 %
-within minutes and the ratio above with it; the CPU a step moves far less.
+loop costs the machine, a second view beside the wall time, which on a shared 2-core
+machine moves by 20 % within minutes. Load moves the CPU figure too (gloo's event loops
+and the agent's polling spend more CPU the longer a step waits), less directly.
 
 Not part of `make test`: it takes about 20 minutes on a quiet 2-core machine and its
 figures depend on the machine. It exits 1 when a pair of loops ends at different losses
@@ -136,9 +137,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="give the raw loop trainwise's choices (fused AdamW, FSDP's last block "
                    "kept gathered, glibc's malloc thresholds): the framework's own cost")
     p.add_argument("--cpu", action="store_true",
-                   help="also run each job at CPU_SHORT_STEPS steps and print the CPU time a "
-                   "step of all its processes (the long run's CPU less the short one's, over "
-                   "the steps between): what the loop costs, whatever other work slows the wall")
+                   help=f"also run each job {CPU_SHORT_STEPS} steps long and print the CPU time "
+                   "a step of all its processes (the long run's CPU less the short one's, over "
+                   "the steps between; about half again the bench's time)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
     args.steps = args.steps or (40 if args.quick else None)
@@ -150,6 +151,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     shortest = min(steps_of(args, m) for m in args.models)
     if not 1 <= args.warmup < shortest - 1:
         p.error(f"--warmup {args.warmup} must be >= 1 and leave steps to time (--steps)")
+    if args.cpu and not args.warmup < CPU_SHORT_STEPS - 1 < shortest - 2:
+        p.error(f"--cpu runs each job {CPU_SHORT_STEPS} steps long too: --steps must exceed "
+                f"{CPU_SHORT_STEPS + 1} and --warmup stay under {CPU_SHORT_STEPS - 1}")
     return args
 
 
@@ -181,9 +185,10 @@ def child_env(same_choices: bool = False) -> dict[str, str]:
     return env
 
 
-def run_child(cmd: list[str], timeout: float, same_choices: bool, attempts: int = 2) -> float:
-    """Run one job to completion and return its wall seconds (its processes' CPU seconds
-    go to LAST_CPU_S). A failed or hung job is retried once (a rendezvous port taken by
+def run_child(cmd: list[str], timeout: float, same_choices: bool,
+              attempts: int = 2) -> tuple[float, float]:
+    """Run one job to completion and return its wall seconds and the CPU seconds of all
+    its processes. A failed or hung job is retried once (a rendezvous port taken by
     another process between being picked and bound fails a start now and then; gloo's
     group destructor deadlocks on the GIL at exit now and then); a second failure exits
     with the job's output."""
@@ -207,15 +212,11 @@ def run_child(cmd: list[str], timeout: float, same_choices: bool, attempts: int 
             output, _ = proc.communicate()
             why = f"timed out after {timeout:.0f} s"
         if proc.returncode == 0:
-            LAST_CPU_S[0] = children_cpu_s() - cpu0
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, children_cpu_s() - cpu0
         message = f"{why}: {' '.join(cmd)}"
         if attempt < attempts:
             print(f"  retrying, {message}", flush=True)
     sys.exit(f"failed, {message}\n{output[-4000:]}")
-
-
-LAST_CPU_S = [0.0]  # the CPU seconds of run_child's last job, every process of it
 
 
 def children_cpu_s() -> float:
@@ -280,7 +281,7 @@ def run_trainwise(model: str, layout: str, rnd: int, args: argparse.Namespace, t
     ]
     for kv in args.overrides:
         cmd += ["--set", kv]
-    wall = run_child(cmd, timeout=child_timeout(model, steps), same_choices=args.same_choices)
+    wall, cpu = run_child(cmd, child_timeout(model, steps), args.same_choices)
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     by_step = {r["step"]: r for r in recs}
     if sorted(by_step) != list(range(1, steps + 1)):
@@ -308,7 +309,7 @@ def run_trainwise(model: str, layout: str, rnd: int, args: argparse.Namespace, t
         ms_per_step=1000 * charged_seconds / timed_steps,
         final_loss=by_step[steps]["loss"],
         wall_s=wall,
-        cpu_s=LAST_CPU_S[0],
+        cpu_s=cpu,
         step_clock_ms=1000 * sum(r["step_s"] for r in timed) / timed_steps,
         probe_ms=1000 * in_window / timed_steps,
         probe_steps=[s for s in passes if s > args.warmup],
@@ -332,7 +333,7 @@ def run_raw(model: str, layout: str, rnd: int, args: argparse.Namespace, tmp: Pa
         "--out", str(out),
         *(["--as-trainwise"] if args.same_choices else []),
     ]
-    wall = run_child(cmd, timeout=child_timeout(model, steps), same_choices=args.same_choices)
+    wall, cpu = run_child(cmd, child_timeout(model, steps), args.same_choices)
     rec = json.loads(out.read_text())
     seconds, timed_steps = window(rec["step_end_s"], args.warmup)
     return Run(
@@ -344,7 +345,7 @@ def run_raw(model: str, layout: str, rnd: int, args: argparse.Namespace, tmp: Pa
         ms_per_step=1000 * seconds / timed_steps,
         final_loss=rec["final_loss"],
         wall_s=wall,
-        cpu_s=LAST_CPU_S[0],
+        cpu_s=cpu,
     )
 
 
@@ -445,8 +446,7 @@ def step_cpu_ms(runner: Callable[..., Run], run: Run, args: argparse.Namespace,
                 tmp: Path) -> float:
     """The CPU milliseconds a step of `run`'s job, every process of it: `run`'s CPU less that
     of the same job at CPU_SHORT_STEPS steps (run apart, right after), over the steps
-    between. CPU time is what the loop costs; other work on the cores slows the wall, and
-    the ratios above with it, but barely moves it."""
+    between: start-up, building and the final save cancel out."""
     short_dir = tmp / "short"
     short_dir.mkdir(exist_ok=True)
     short_args = argparse.Namespace(**{**vars(args), "steps": CPU_SHORT_STEPS})
@@ -519,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             "settings": settings,
             "load_average": [load_before, load_after],
             "results": rows,
+            "cpu_ms_per_step": {" ".join(k): v for k, v in cpu_ms.items() if v},
             "runs": [asdict(r) for r in runs],
         }
         args.json.write_text(json.dumps(payload, indent=2) + "\n")

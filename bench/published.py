@@ -444,8 +444,8 @@ LLAMA3_405B = Published(
 LLAMA3_405B_TFLOPS_PER_GPU = 400.0  # arXiv 2407.21783, Table 4, 16,384 GPUs
 
 # What dropless routing costs, from a published pair of runs that differ in nothing else:
-# Megatron-MoE-ModelZoo's long-context table (best_practice/qwen3/readme.md @020b8136b,
-# "Long Context"; MBS 1 and SlimPajama from runtime_configs/benchmarking/runtime.conf, the
+# Megatron-MoE-ModelZoo's long-context table (best_practice/Qwen3/readme.md @c1ad0b5c8,
+# "Long Context", the intra-node rows' file; MBS 1 and SlimPajama from runtime_configs/benchmarking/runtime.conf, the
 # pretrained router loaded): Qwen3-235B-A22B on 32 nodes of 8 H100, TP 4 x PP 8 (VPP 4) x
 # EP 8, CP 1, seq 16384, global batch 256, DeepEP, BF16, the norms and MoE layers
 # recomputed: 295 TFLOPS a GPU with the gate forced balanced, 237 dropless. Same layout,
@@ -455,7 +455,7 @@ LLAMA3_405B_TFLOPS_PER_GPU = 400.0  # arXiv 2407.21783, Table 4, 16,384 GPUs
 # bracket it. The 4096-token row on this layout (MOE_RUNS) uses the pair's figure: the same
 # model, data, router and dispatch group (2 sequences an ep group: dp 2 within it x tp 4),
 # with a quarter of the tokens to average over.
-DROPLESS_PAIR = ("yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md @020b8136b, "
+DROPLESS_PAIR = ("yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md @c1ad0b5c8, "
                  "Long Context, H100, seq 16384, TP 4, CP 1")
 DROPLESS_PAIR_TFLOPS = (295.0, 237.0)  # forced balance, dropless
 DROPLESS_PAIR_LINE = cmd(
@@ -464,7 +464,7 @@ DROPLESS_PAIR_LINE = cmd(
     "--set parallel.pp_schedule=Interleaved1F1B --set parallel.pp_virtual=4 "
     "--set parallel.pp_microbatches=32 --set parallel.ep=8 --set plan.attention_kernel=fused "
     "--set plan.routing_kernel=fused --set plan.loss_kernel=fused")
-QWEN3_235B_DROPLESS = 1.8  # dropless_imbalance()'s bracket, 1.75 (ac full) to 1.81 (none)
+QWEN3_235B_DROPLESS = 1.8  # within dropless_imbalance()'s bracket (pin_holds)
 
 MOE_ZOO = ("yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md @c1ad0b5c8, "
            "Intra-node EP strategy")
@@ -664,10 +664,18 @@ def dropless_imbalance(ac: str, tolerance: float = 0.005) -> float:
     forced, dropless = DROPLESS_PAIR_TFLOPS
     target = forced / dropless * pair_step(ac, 1.0)
     low, high = 1.0, 4.0
+    if pair_step(ac, high) < target:
+        raise ValueError(f"no moe.imbalance up to {high} plans the pair's ratio at ac {ac}")
     while high - low > tolerance:
         mid = (low + high) / 2
         low, high = (mid, high) if pair_step(ac, mid) < target else (low, mid)
     return (low + high) / 2
+
+
+def pin_holds(solved: list[float], slack: float = 0.05) -> bool:
+    """Whether QWEN3_235B_DROPLESS lies in the bracket the pair solves (one per ac mode),
+    give or take `slack` (the bisection's tolerance and a rounded pin)."""
+    return min(solved) - slack <= QWEN3_235B_DROPLESS <= max(solved) + slack
 
 
 def dropless_pair() -> None:
@@ -676,7 +684,7 @@ def dropless_pair() -> None:
     default = JobConfig().moe.imbalance
     planned = pair_step("none", default) / pair_step("none", 1.0)
     solved = {ac: dropless_imbalance(ac) for ac in ("none", "full")}
-    inside = min(solved.values()) - 0.05 <= QWEN3_235B_DROPLESS <= max(solved.values()) + 0.05
+    inside = pin_holds(list(solved.values()))
     print(f"\n== Dropless against forced balance  [{DROPLESS_PAIR}]\n"
           f"  published step ratio {forced / dropless:.3f} ({forced:.0f} / {dropless:.0f} "
           f"TFLOPS); planned at the default moe.imbalance {default}: {planned:.3f}\n"

@@ -122,11 +122,12 @@ def init_process_group(
     # group's store only under a private name. Prefixed as torch prefixes its own.
     store, rank, world = next(dist.rendezvous("env://", env.rank, env.world, timeout=timeout))
     store.set_timeout(timeout)
-    global _STORE
-    _STORE = dist.PrefixStore("default_pg", store)
+    store = dist.PrefixStore("default_pg", store)
     dist.init_process_group(
-        backend=backend, store=_STORE, rank=rank, world_size=world, timeout=timeout, **kwargs
+        backend=backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs
     )
+    global _STORE
+    _STORE = store
 
 
 def host_group(timeout_s: float) -> dist.ProcessGroup:
@@ -145,7 +146,8 @@ def host_group(timeout_s: float) -> dist.ProcessGroup:
 def job_store() -> dist.Store | None:
     """The store the job's process group met on (torchrun's agent store, or rank 0's),
     for host-side agreements that need no process group: it outlives a failed collective.
-    None where init_process_group above did not make the group."""
+    None where init_process_group above did not make the group (the caller's own group, or
+    none): peers.absent_ranks then answers "unknown"."""
     return _STORE
 
 
@@ -166,6 +168,8 @@ def destroy_process_group() -> None:
         gc.collect()
         dist.barrier()
         dist.destroy_process_group()
+    global _STORE
+    _STORE = None  # its group is gone; rank 0's store server goes with the last reference
 
 
 def get_logger(env: DistEnv) -> logging.Logger:
