@@ -215,6 +215,7 @@ import shlex
 import statistics
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -445,8 +446,8 @@ LLAMA3_405B_TFLOPS_PER_GPU = 400.0  # arXiv 2407.21783, Table 4, 16,384 GPUs
 
 # What dropless routing costs, from a published pair of runs that differ in nothing else:
 # Megatron-MoE-ModelZoo's long-context table (best_practice/Qwen3/readme.md @c1ad0b5c8,
-# "Long Context", the intra-node rows' file; MBS 1 and SlimPajama from runtime_configs/benchmarking/runtime.conf, the
-# pretrained router loaded): Qwen3-235B-A22B on 32 nodes of 8 H100, TP 4 x PP 8 (VPP 4) x
+# "Long Context", the intra-node rows' file; MBS 1 and SlimPajama from
+# runtime_configs/benchmarking/runtime.conf, the pretrained router loaded): Qwen3-235B-A22B on 32 nodes of 8 H100, TP 4 x PP 8 (VPP 4) x
 # EP 8, CP 1, seq 16384, global batch 256, DeepEP, BF16, the norms and MoE layers
 # recomputed: 295 TFLOPS a GPU with the gate forced balanced, 237 dropless. Same layout,
 # same FLOPs: the dropless step is 295 / 237 times the balanced one, whatever FLOPs count
@@ -458,12 +459,16 @@ LLAMA3_405B_TFLOPS_PER_GPU = 400.0  # arXiv 2407.21783, Table 4, 16,384 GPUs
 DROPLESS_PAIR = ("yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md @c1ad0b5c8, "
                  "Long Context, H100, seq 16384, TP 4, CP 1")
 DROPLESS_PAIR_TFLOPS = (295.0, 237.0)  # forced balance, dropless
-DROPLESS_PAIR_LINE = cmd(
-    "--model qwen3-235b-a22b --gpus 256 --seq 16384 --micro-batch 1 --global-batch 256 "
+# The layout and kernels of the pair and of the 4096-token row that takes its imbalance
+# (Megatron's distributed optimizer beside pipeline stages written as parallel.shard=grad_op).
+QWEN3_235B_TP4_PP8 = (
     "--strategy fsdp --set parallel.shard=grad_op --set parallel.tp=4 --set parallel.pp=8 "
     "--set parallel.pp_schedule=Interleaved1F1B --set parallel.pp_virtual=4 "
-    "--set parallel.pp_microbatches=32 --set parallel.ep=8 --set plan.attention_kernel=fused "
-    "--set plan.routing_kernel=fused --set plan.loss_kernel=fused")
+    "--set parallel.ep=8 --set plan.attention_kernel=fused --set plan.routing_kernel=fused "
+    "--set plan.loss_kernel=fused")
+DROPLESS_PAIR_LINE = cmd(
+    "--model qwen3-235b-a22b --gpus 256 --seq 16384 --micro-batch 1 --global-batch 256",
+    QWEN3_235B_TP4_PP8, "--set parallel.pp_microbatches=32")
 QWEN3_235B_DROPLESS = 1.8  # within dropless_imbalance()'s bracket (pin_holds)
 
 MOE_ZOO = ("yanring/Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md @c1ad0b5c8, "
@@ -492,13 +497,9 @@ MOE_RUNS = [
                   "--set plan.routing_kernel=fused --set plan.loss_kernel=fused"), 1862),
     Published("Qwen3-235B-A22B, 256 H100, TP 4 x PP 8 (VPP 4) x EP 8, no AC", MOE_ZOO,
               cmd("--model qwen3-235b-a22b --gpus 256 --seq 4096 --micro-batch 1 "
-                  "--global-batch 2048 --ac none --strategy fsdp --set parallel.shard=grad_op "
-                  "--set parallel.tp=4 --set parallel.pp=8 "
-                  "--set parallel.pp_schedule=Interleaved1F1B --set parallel.pp_virtual=4 "
-                  "--set parallel.pp_microbatches=256 --set parallel.ep=8 "
-                  f"--set moe.imbalance={QWEN3_235B_DROPLESS} "
-                  "--set plan.attention_kernel=fused --set plan.routing_kernel=fused "
-                  "--set plan.loss_kernel=fused"), 1130),
+                  "--global-batch 2048 --ac none", QWEN3_235B_TP4_PP8,
+                  "--set parallel.pp_microbatches=256",
+                  f"--set moe.imbalance={QWEN3_235B_DROPLESS}"), 1130),
 ]
 
 
@@ -652,6 +653,7 @@ def llama3_405b() -> None:
           + ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts) + " GiB")
 
 
+@lru_cache(maxsize=256)  # the balanced step is asked for by each bisection and the ratio
 def pair_step(ac: str, imbalance: float) -> float:
     """The planned step, in seconds, of the dropless pair's layout at `ac` and `imbalance`."""
     line = f"{DROPLESS_PAIR_LINE} --ac {ac} --set moe.imbalance={imbalance:.4f}"
