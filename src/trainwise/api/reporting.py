@@ -26,7 +26,7 @@ def write_report(reports: RunReport | Sequence[RunReport], path: str | Path) -> 
     all (a reader never sees half a page); its path."""
     from trainwise.report.analysis import RunReport
     from trainwise.report.run_html import render_html
-    from trainwise.run.job.run_files import write_whole
+    from trainwise.whole_file import write_whole
 
     page = Path(path)
     text = render_html([reports] if isinstance(reports, RunReport) else list(reports))

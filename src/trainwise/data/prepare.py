@@ -45,6 +45,7 @@ from trainwise.data.sources import (
 from trainwise.data.tokenizer import BYTES, Tokenizer, chat_renderer, load_tokenizer
 from trainwise.errors import DataError
 from trainwise.faults import Faults
+from trainwise.whole_file import write_whole
 
 __all__ = ["BYTES", "Options", "Tokenizer", "load_tokenizer", "prepare"]
 
@@ -226,9 +227,7 @@ def _commit(partial: Path, key: str, items: int, outputs: tuple[Output, Output |
     train, val = outputs
     state = {"key": key, "items": items, "train": train.state(),
              "val": val.state() if val else None}
-    tmp = partial / (PROGRESS + ".tmp")
-    tmp.write_text(json.dumps(state))
-    os.replace(tmp, partial / PROGRESS)
+    write_whole(partial / PROGRESS, json.dumps(state))
 
 
 def _held_out(position: int, fraction: float) -> bool:

@@ -23,6 +23,7 @@ import numpy as np
 
 from trainwise.checksum import CHECKSUM, new_hasher
 from trainwise.errors import DataError
+from trainwise.whole_file import write_whole
 
 INDEX = "index.json"
 FORMAT = "trainwise-tokens"
@@ -167,9 +168,7 @@ def _verify_shard(file: Path, shard: dict[str, Any], dtype: np.dtype, vocab: int
 
 def write_index(out: Path, index: dict[str, Any]) -> None:
     """index.json, written to a temporary name and renamed: it marks the directory done."""
-    tmp = out / (INDEX + ".tmp")
-    tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, out / INDEX)
+    write_whole(out / INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 IGNORE = -100  # the target id cross entropy skips (torch's default ignore_index)

@@ -27,8 +27,8 @@ from trainwise.run.job.distributed import (
     destroy_process_group,
     side_group,
 )
-from trainwise.run.job.run_files import write_whole
 from trainwise.run.observe.telemetry import mark_memory_baseline
+from trainwise.whole_file import write_whole
 
 RECORD_FILE = "doctor.json"
 

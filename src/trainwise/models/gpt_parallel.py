@@ -31,20 +31,6 @@ from torch.distributed.tensor.parallel import (
 )
 
 from trainwise.models.gpt import GPT
-from trainwise.models.shapes import GPTShape, indivisible_by_tp
-
-
-def tp_problems(s: GPTShape, tp: int, seq_len: int, sequence_parallel: bool) -> list[str]:
-    """What keeps a GPT shape from splitting `tp` ways, one line each (empty: it splits)."""
-    sizes = {
-        "model heads (n_head)": s.n_head,
-        "key/value heads (n_kv_head)": s.n_kv_head,
-        "FFN width (d_ff)": s.d_ff,
-        "vocabulary (vocab_size)": s.vocab_size,
-    }
-    if sequence_parallel:
-        sizes["sequence length (data.seq_len)"] = seq_len
-    return indivisible_by_tp(sizes, tp)
 
 
 def gpt_tp_plan(model: GPT, sequence_parallel: bool) -> list[dict[str, ParallelStyle]]:

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint import HuggingFaceStorageReader
 
 from trainwise.checksum import digest_file, new_hasher
 from trainwise.errors import ModelError
@@ -204,7 +203,7 @@ def load_weights(
     state = get_model_state_dict(model)
     named = _named_for_checkpoint(state, rename, stored)
     check_present({k: tuple(t.shape) for k, t in named.items()}, stored, where)
-    reader = _CountingReader(str(folder))
+    reader = counting_reader(folder)
     alone = not (dist.is_available() and dist.is_initialized())
     with warnings.catch_warnings():  # DCP warns that one process loads alone: intended
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
@@ -215,18 +214,29 @@ def load_weights(
             "tensors_read": len(reader.tensors_read)}
 
 
-class _CountingReader(HuggingFaceStorageReader):
-    """DCP's Hugging Face reader, counting the bytes of the slices this rank asks for and
-    the tensors they come from."""
+def counting_reader(path: str | Path) -> Any:
+    """DCP's Hugging Face reader of `path`, counting the bytes of the slices this rank asks
+    for (`bytes_read`) and the tensors they come from (`tensors_read`)."""
+    return _counting_reader_class()(str(path))
 
-    def __init__(self, path: str):
-        super().__init__(path)
-        self.bytes_read = 0
-        self.tensors_read: set[str] = set()
 
-    def read_data(self, plan: Any, planner: Any) -> Any:
-        for item in plan.items:
-            info = self.storage_data[item.storage_index]
-            self.bytes_read += math.prod(item.lengths) * info.dtype.itemsize
-            self.tensors_read.add(item.storage_index.fqn)
-        return super().read_data(plan, planner)
+@functools.cache
+def _counting_reader_class() -> type:
+    """The reader's class, made on first use: DCP's imports (FSDP's, DTensor's) cost the
+    launcher, which checks weights without reading them, a second of CPU."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    class CountingReader(HuggingFaceStorageReader):
+        def __init__(self, path: str):
+            super().__init__(path)
+            self.bytes_read = 0
+            self.tensors_read: set[str] = set()
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            for item in plan.items:
+                info = self.storage_data[item.storage_index]
+                self.bytes_read += math.prod(item.lengths) * info.dtype.itemsize
+                self.tensors_read.add(item.storage_index.fqn)
+            return super().read_data(plan, planner)
+
+    return CountingReader

@@ -21,13 +21,12 @@ base (`adapt_tp_plan`).
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from trainwise.config.schema import LORA_DEFAULT_TARGETS, lora_target_matches
 from trainwise.dtypes import TORCH_DTYPES
@@ -202,31 +201,6 @@ class LoRAConverter:
         return adapt_tp_plan(model, plans)
 
 
-class _LoRAColwise(ColwiseParallel):
-    """Colwise for a LoRALinear: base and lora_B split by output rows, lora_A replicated
-    (each rank computes the whole r-dim projection, then its slice of the update)."""
-
-    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
-        if isinstance(module, LoRALinear):
-            src = self.src_data_rank
-            _distribute(module, device_mesh, {"weight": Shard(0), "bias": Shard(0)}, src)
-            _distribute(module.lora_A, device_mesh, {"weight": Replicate()}, src)
-            _distribute(module.lora_B, device_mesh, {"weight": Shard(0)}, src)
-
-
-class _LoRARowwise(RowwiseParallel):
-    """Rowwise for a LoRALinear: base and lora_A split by input columns (their outputs are
-    partial sums), lora_B replicated; the update's partial sum is reduced with the base's
-    by the style's output redistribution."""
-
-    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
-        if isinstance(module, LoRALinear):
-            src = self.src_data_rank
-            _distribute(module, device_mesh, {"weight": Shard(1), "bias": Replicate()}, src)
-            _distribute(module.lora_A, device_mesh, {"weight": Shard(1)}, src)
-            _distribute(module.lora_B, device_mesh, {"weight": Replicate()}, src)
-
-
 def _kept_trainable(model: nn.Module, embeddings: bool, head: bool) -> list[nn.Module]:
     """The token embedding (the first nn.Embedding) and the output head (`lm_head`, or
     `head` as the mlp classifier names it; the embedding when the head is tied to it and
@@ -239,7 +213,38 @@ def _kept_trainable(model: nn.Module, embeddings: bool, head: bool) -> list[nn.M
     return kept
 
 
-_LORA_STYLES: dict[type, type] = {ColwiseParallel: _LoRAColwise, RowwiseParallel: _LoRARowwise}
+@functools.cache
+def _lora_styles() -> dict[type, type]:
+    """torch's Colwise / Rowwise styles -> their LoRALinear versions, made on first use:
+    DTensor's imports cost a launcher, which builds LoRA models without splitting them, a
+    second of CPU."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    class LoRAColwise(ColwiseParallel):
+        """Colwise for a LoRALinear: base and lora_B split by output rows, lora_A replicated
+        (each rank computes the whole r-dim projection, then its slice of the update)."""
+
+        def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+            if isinstance(module, LoRALinear):
+                src = self.src_data_rank
+                _distribute(module, device_mesh, {"weight": Shard(0), "bias": Shard(0)}, src)
+                _distribute(module.lora_A, device_mesh, {"weight": Replicate()}, src)
+                _distribute(module.lora_B, device_mesh, {"weight": Shard(0)}, src)
+
+    class LoRARowwise(RowwiseParallel):
+        """Rowwise for a LoRALinear: base and lora_A split by input columns (their outputs
+        are partial sums), lora_B replicated; the update's partial sum is reduced with the
+        base's by the style's output redistribution."""
+
+        def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+            if isinstance(module, LoRALinear):
+                src = self.src_data_rank
+                _distribute(module, device_mesh, {"weight": Shard(1), "bias": Replicate()}, src)
+                _distribute(module.lora_A, device_mesh, {"weight": Shard(1)}, src)
+                _distribute(module.lora_B, device_mesh, {"weight": Replicate()}, src)
+
+    return {ColwiseParallel: LoRAColwise, RowwiseParallel: LoRARowwise}
 
 
 def _distribute(
@@ -247,6 +252,8 @@ def _distribute(
 ) -> None:
     """`module`'s parameters as DTensors placed as given (as the styles' own do: the
     source rank's values, or each rank's own with None), frozen or not as they were."""
+    from torch.distributed.tensor import distribute_tensor
+
     for pname, placement in placements.items():
         param = getattr(module, pname, None)
         if param is None:
@@ -263,9 +270,9 @@ def adapt_tp_plan(model: nn.Module, plans: list[dict[str, Any]]) -> list[dict[st
     for plan in plans:
         new = {}
         for name, style in plan.items():
-            if name in layers and type(style) in _LORA_STYLES:
+            if name in layers and type(style) in _lora_styles():
                 style = copy.copy(style)
-                style.__class__ = _LORA_STYLES[type(style)]
+                style.__class__ = _lora_styles()[type(style)]
             new[name] = style
         out.append(new)
     return out

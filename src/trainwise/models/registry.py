@@ -16,11 +16,10 @@ from trainwise.errors import ModelError
 from trainwise.models.blocks import find_blocks
 from trainwise.models.custom import build_custom
 from trainwise.models.gpt import GPT
-from trainwise.models.gpt_parallel import gpt_tp_plan, tp_problems
 from trainwise.models.hf import build_from_dir, hf_shape, hf_takes_example_ids
 from trainwise.models.mlp import MLPClassifier
 from trainwise.models.moe.shapes import MOE_PRESETS, MoEShape, moe_job_shape
-from trainwise.models.shapes import PRESETS, GPTShape, job_shape
+from trainwise.models.shapes import PRESETS, GPTShape, job_shape, tp_problems
 from trainwise.objects import load_callable
 
 
@@ -65,6 +64,14 @@ class ModelBundle:
     # Expert parallelism: ep_plan(part, timer) -> plan for parallelize_module on the ep mesh
     # (`timer`: where the all-to-alls' spans go); None: no experts to split (ep must be 1).
     ep_plan: Callable[[nn.Module, Any], dict[str, Any]] | None = None
+
+
+def _gpt_tp_plan(gpt: GPT, sequence_parallel: bool) -> list[dict[str, Any]]:
+    """models.gpt_parallel's plan of `gpt`, imported when a worker parallelises it: the
+    launcher resolves the job without DTensor's imports (a second of CPU a launch)."""
+    from trainwise.models.gpt_parallel import gpt_tp_plan
+
+    return gpt_tp_plan(gpt, sequence_parallel)
 
 
 def cross_entropy_loss(output: Tensor, target: Tensor) -> Tensor:
@@ -161,7 +168,7 @@ def _build_model(spec: ModelSpec) -> ModelBundle:
         gpt = GPT(shape, dropout=spec.dropout, norm_impl=spec.norm_impl)
         return ModelBundle(
             gpt, cross_entropy_loss, list(gpt.blocks), shape,
-            tp_plan=partial(gpt_tp_plan, gpt), init_parameter=gpt.init_parameter,
+            tp_plan=partial(_gpt_tp_plan, gpt), init_parameter=gpt.init_parameter,
         )
     if kind == "moe":
         from trainwise.models.moe.build import moe_bundle
@@ -188,7 +195,7 @@ def _build_model(spec: ModelSpec) -> ModelBundle:
         )
         bundle = ModelBundle(hf.module, cross_entropy_loss, hf.blocks, hf.shape, hf.load_weights)
         if isinstance(hf.module, GPT):  # model.impl = 'trainwise': the GPT's own hooks
-            bundle.tp_plan = partial(gpt_tp_plan, hf.module)
+            bundle.tp_plan = partial(_gpt_tp_plan, hf.module)
             bundle.init_parameter = hf.module.init_parameter
         return bundle
     module, loss_fn = build_custom(spec.name, spec.kwargs)
@@ -226,6 +233,13 @@ def tp_model_problems(spec: ModelSpec, tp: int, seq_len: int, sequence_parallel:
     meta: nothing is allocated)."""
     if tp == 1:
         return []
+    kind = model_kind(spec.name)
+    if kind == "preset":  # the shape says it all; a model built on meta imports dynamo
+        return tp_problems(resolve_shape(spec), tp, seq_len, sequence_parallel)
+    if kind == "moe":
+        from trainwise.models.moe.shapes import moe_tp_problems
+
+        return moe_tp_problems(resolve_moe_shape(spec), tp, seq_len, sequence_parallel)
     with torch.device("meta"):
         bundle = build_model(spec)
     if bundle.tp_plan is None:

@@ -324,9 +324,22 @@ class ModelProfile:
 
 def indivisible_by_tp(sizes: dict[str, int], tp: int) -> list[str]:
     """One line for each of `sizes` (what, its size) that `tp` does not divide: what keeps
-    a model from splitting `tp` ways (models.gpt_parallel.tp_problems, the MoE family's)."""
+    a model from splitting `tp` ways (tp_problems, the MoE family's)."""
     return [
         f"parallel.tp = {tp} does not divide the {what} = {n}: choose a tp that divides it"
         for what, n in sizes.items()
         if n % tp
     ]
+
+
+def tp_problems(s: GPTShape, tp: int, seq_len: int, sequence_parallel: bool) -> list[str]:
+    """What keeps a GPT shape from splitting `tp` ways, one line each (empty: it splits)."""
+    sizes = {
+        "model heads (n_head)": s.n_head,
+        "key/value heads (n_kv_head)": s.n_kv_head,
+        "FFN width (d_ff)": s.d_ff,
+        "vocabulary (vocab_size)": s.vocab_size,
+    }
+    if sequence_parallel:
+        sizes["sequence length (data.seq_len)"] = seq_len
+    return indivisible_by_tp(sizes, tp)

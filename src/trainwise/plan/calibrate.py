@@ -39,6 +39,7 @@ from trainwise.plan.inputs import PlanInputs
 from trainwise.plan.model.gemm import GemmTable
 from trainwise.plan.model.network import Fabric, nic_bps_from_rail_busbw
 from trainwise.records import JobRecord, RunPlanFigures
+from trainwise.whole_file import write_whole
 
 WARMUP_STEPS = 2  # the first steps pay for allocation and autotuning; not steady state
 
@@ -115,9 +116,7 @@ def calibration_path(kind: str) -> Path:
 def write_calibration(cal: Calibration, path: Path) -> None:
     """The file whole or not at all (a reader never sees half of it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(cal.to_dict(), indent=1) + "\n")
-    os.replace(tmp, path)
+    write_whole(path, json.dumps(cal.to_dict(), indent=1) + "\n")
 
 
 def read_calibration(run_dir: str | Path, where: str = "") -> Calibration:

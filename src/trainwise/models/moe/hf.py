@@ -237,8 +237,8 @@ def load_moe_weights(model: nn.Module, folder: Path, family: str, experts: int,
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from trainwise.models.hf_weights import (
-        _CountingReader,
         check_present,
+        counting_reader,
         stored_shapes,
         weight_files,
     )
@@ -247,7 +247,7 @@ def load_moe_weights(model: nn.Module, folder: Path, family: str, experts: int,
     state = get_model_state_dict(model)
     named = named_for_files(state, family, experts)
     check_present({k: tuple(t.shape) for k, t in named.items()}, stored_shapes(files), where)
-    reader = _CountingReader(str(folder))
+    reader = counting_reader(folder)
     alone = not (dist.is_available() and dist.is_initialized())
     with warnings.catch_warnings():  # DCP warns that one process loads alone: intended
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainwise.whole_file import write_whole
+
 LAUNCH_ENV = "TRAINWISE_LAUNCH"
 CONFIG_ENV = "TRAINWISE_CONFIG"
 FATAL_FILE = "fatal.json"
@@ -49,9 +51,8 @@ class Launch:
         path = self.scratch / FATAL_FILE
         if path.exists():
             return
-        part = self.scratch / f".{FATAL_FILE}.{os.getpid()}"
-        part.write_text(json.dumps({"message": message, "exit_status": exit_status, "rank": rank}))
-        os.replace(part, path)
+        write_whole(path, json.dumps({"message": message, "exit_status": exit_status,
+                                      "rank": rank}))
 
     def fatal(self) -> dict[str, Any] | None:
         try:

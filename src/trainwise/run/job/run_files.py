@@ -5,13 +5,13 @@ them without importing what the workers need (DCP and DTensor cost seconds to im
 from __future__ import annotations
 
 import json
-import os
 from datetime import datetime
 from pathlib import Path
 
 from trainwise.config import JobConfig, dump_toml
 from trainwise.errors import ConfigError
 from trainwise.run.job.resolve import Job, job_plan
+from trainwise.whole_file import write_whole
 
 
 def default_run_dir(cfg: JobConfig, label: str) -> Path:
@@ -20,20 +20,6 @@ def default_run_dir(cfg: JobConfig, label: str) -> Path:
     model = cfg.model.name.replace(":", "-").replace("/", "-").replace(".", "-")[-40:]
     label = label.replace(" x ", "-").replace(" ", "")
     return Path("runs") / f"{stamp}-{model}-{label}"
-
-
-def write_whole(path: Path, text: str) -> None:
-    """`text` into `path` whole or not at all: written beside it, then renamed over it, so a
-    reader (another process, another machine) never sees half a file. The temporary name
-    carries the pid: several writers of the same file do not collide. A failed write (a
-    full disk) removes its temporary file: nothing half-written is left behind."""
-    part = path.with_name(f".{path.name}.{os.getpid()}.part")
-    try:
-        part.write_text(text)
-        os.replace(part, path)
-    except BaseException:
-        part.unlink(missing_ok=True)
-        raise
 
 
 def write_run_files(run_dir: Path, cfg: JobConfig, job: Job) -> None:
