@@ -15,7 +15,9 @@ published, and whether a run that ran fits (and one that ran out of memory does 
 Needs nothing but the repository (no GPU, no network). Every line ends in `--calibrate
 none`: the formulas, not a calibration this machine may hold. Prints each command with
 its result, the mean absolute error of tokens/s over the runs, the largest memory error
-where published, and the runs that ran but would not fit.
+where published, and the runs that ran but would not fit. Exits 1 when a judged check
+fails: a run the source reports out of memory planned to fit, or a pinned figure that the
+published pair it comes from no longer gives (QWEN3_235B_DROPLESS, printed STALE).
 
 HELD-OUT rows (`held_out=True`) judge the model: they were chosen before the model changed
 and not looked at while it did (`--tuning` leaves them out); their error is printed apart.
@@ -680,8 +682,9 @@ def pin_holds(solved: list[float], slack: float = 0.05) -> bool:
     return min(solved) - slack <= QWEN3_235B_DROPLESS <= max(solved) + slack
 
 
-def dropless_pair() -> None:
-    """The published cost of dropless routing against the planner's at its default."""
+def dropless_pair() -> bool:
+    """The published cost of dropless routing against the planner's at its default;
+    whether the pinned imbalance still lies in the bracket the pair solves."""
     forced, dropless = DROPLESS_PAIR_TFLOPS
     default = JobConfig().moe.imbalance
     planned = pair_step("none", default) / pair_step("none", 1.0)
@@ -693,6 +696,7 @@ def dropless_pair() -> None:
           f"  the imbalance that plans the published ratio: {solved['full']:.2f} (ac full) to "
           f"{solved['none']:.2f} (ac none); the 4096-token row uses {QWEN3_235B_DROPLESS}"
           + ("" if inside else "  STALE: outside the bracket, update QWEN3_235B_DROPLESS"))
+    return inside
 
 
 def main(argv: list[str]) -> int:
@@ -719,8 +723,8 @@ def main(argv: list[str]) -> int:
         print(f"  {p.run.name}: the all-to-all, exposed, is {a2a / p.plan.step.total:.0%} "
               "of the step")
     summary("Mixture-of-Experts runs", moe)
-    dropless_pair()
-    return 0
+    pinned = dropless_pair()
+    return 0 if pinned and not wrong else 1
 
 
 if __name__ == "__main__":

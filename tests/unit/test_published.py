@@ -97,3 +97,10 @@ def test_the_pinned_dropless_imbalance_is_what_the_published_pair_gives():
     solved = [bench.dropless_imbalance(ac, tolerance=0.02) for ac in ("none", "full")]
     assert bench.pin_holds(solved), solved
     assert all(s > 1.1 for s in solved)  # the pair's dropless step is slower: not balanced
+
+
+def test_a_stale_pin_is_printed_and_fails_the_bench(monkeypatch, capsys):
+    # The bench exits 1 on it (main), so a run of the bench cannot read as all well.
+    monkeypatch.setattr(bench, "QWEN3_235B_DROPLESS", 3.0)  # far above the solved bracket
+    assert bench.dropless_pair() is False
+    assert "STALE" in capsys.readouterr().out
