@@ -239,3 +239,24 @@ def test_a_pinned_batch_that_no_larger_count_runs_is_no_crash():
                      "--global-batch 8 --set data.grad_accum=1 --strategy fsdp-full "
                      "--set parallel.tp=1 --ac none")
     assert not plan.planned.recommendation.choice.fits
+
+
+@pytest.mark.parametrize(("model", "tp", "refused"), [
+    ("tiny", 1, "is RMSNorm's fp32 chain"),  # LayerNorm
+    ("tiny", 2, "is RMSNorm's fp32 chain"),
+    ("moe-tiny", 2, "runs its own norms"),
+    ("small", 1, None),  # RMSNorm: the composite chain builds
+])
+def test_the_launcher_refuses_what_the_build_would_before_any_worker(model, tp, refused):
+    # models.registry.norm_impl_problems reads the name and the shape (nothing built): the
+    # refusal comes from prepare_job, in the launcher, at any tp.
+    from trainwise.hardware import detect_device
+    from trainwise.run.job.resolve import prepare_job
+
+    cfg = load_config(overrides=[f"model.name='{model}'", f"parallel.tp={tp}",
+                                 "model.norm_impl='composite'"])
+    if refused is None:
+        assert prepare_job(cfg, 2, detect_device("cpu"), 2).dims.tp == tp
+        return
+    with pytest.raises(ConfigError, match=refused):
+        prepare_job(cfg, 2, detect_device("cpu"), 2)

@@ -32,6 +32,7 @@ _LAZY = {
     "lora_model_problems": "registry",
     "float8_model_problems": "float8.convert",
     "model_kind": "registry",
+    "norm_impl_problems": "registry",
     "preset_names": "registry",
     "resolve_shape": "registry",
     "resolve_moe_shape": "registry",

@@ -19,7 +19,7 @@ from trainwise.models.gpt import GPT
 from trainwise.models.hf import build_from_dir, hf_shape, hf_takes_example_ids
 from trainwise.models.mlp import MLPClassifier
 from trainwise.models.moe.shapes import MOE_PRESETS, MoEShape, moe_job_shape
-from trainwise.models.shapes import PRESETS, GPTShape, job_shape, tp_problems
+from trainwise.models.shapes import PRESETS, GPTShape, job_shape, norm_impl_problem, tp_problems
 from trainwise.objects import load_callable
 
 
@@ -143,6 +143,32 @@ def load_loss(path: str) -> Callable[[Tensor, Tensor], Tensor]:
     )
 
 
+def _gpt_family(spec: ModelSpec) -> bool:
+    """Whether the model is trainwise's dense GPT (a preset, or an hf: directory built by
+    trainwise), whose norms model.norm_impl chooses."""
+    kind = model_kind(spec.name)
+    gpt = kind == "preset" or (kind == "hf" and spec.impl == "trainwise")
+    return gpt and resolve_moe_shape(spec) is None
+
+
+def _own_norms(spec: ModelSpec) -> str:
+    return (f"model.norm_impl = {spec.norm_impl!r} applies to trainwise's GPT (a preset, or "
+            f"hf: with model.impl = 'trainwise'); model {spec.name!r} runs its own norms: "
+            "use model.norm_impl = 'fused'")
+
+
+def norm_impl_problems(spec: ModelSpec) -> list[str]:
+    """Why model.norm_impl cannot apply to the model, one line each, from its name and
+    shape (nothing built): the launcher's check of what building it would refuse."""
+    if spec.norm_impl == "fused":
+        return []
+    if not _gpt_family(spec):
+        return [_own_norms(spec)]
+    shape = resolve_shape(spec)
+    problem = norm_impl_problem(shape, spec.norm_impl) if shape is not None else None
+    return [problem] if problem else []
+
+
 def build_model(spec: ModelSpec) -> ModelBundle:
     """Build on the current default device; the caller seeds the RNG. The loss is
     model.loss where set, else the factory's, else cross entropy."""
@@ -156,13 +182,8 @@ def _build_model(spec: ModelSpec) -> ModelBundle:
     kind = model_kind(spec.name)
     if not 0.0 <= spec.dropout < 1.0:
         raise ModelError(f"model.dropout = {spec.dropout!r}: must be in [0, 1)")
-    gpt_family = kind == "preset" or (kind == "hf" and spec.impl == "trainwise")
-    if spec.norm_impl != "fused" and (not gpt_family or resolve_moe_shape(spec) is not None):
-        raise ModelError(
-            f"model.norm_impl = {spec.norm_impl!r} applies to trainwise's GPT (a preset, or "
-            f"hf: with model.impl = 'trainwise'); model {spec.name!r} runs its own norms: "
-            "use model.norm_impl = 'fused'"
-        )
+    if spec.norm_impl != "fused" and not _gpt_family(spec):
+        raise ModelError(_own_norms(spec))
     if kind == "preset":
         shape = resolve_shape(spec)
         gpt = GPT(shape, dropout=spec.dropout, norm_impl=spec.norm_impl)

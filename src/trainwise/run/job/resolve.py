@@ -30,6 +30,7 @@ from trainwise.models import (
     float8_model_problems,
     lora_model_problems,
     model_kind,
+    norm_impl_problems,
     resolve_moe_shape,
     resolve_shape,
     takes_example_ids,
@@ -289,6 +290,7 @@ def prepare_job(
         )
     data = data_and_model(c, problems)
     problems += expert_problems(c, data.moe)
+    problems += norm_impl_problems(data.spec)
     problems += tp_model_problems(data.spec, c.parallel.tp, c.data.seq_len, sequence_parallel(c))
     problems += lora_model_problems(data.spec, c.lora)
     problems += float8_model_problems(c, data.spec)
