@@ -18,7 +18,7 @@ from trainwise.models.custom import build_custom
 from trainwise.models.gpt import GPT
 from trainwise.models.hf import build_from_dir, hf_shape, hf_takes_example_ids
 from trainwise.models.mlp import MLPClassifier
-from trainwise.models.moe.shapes import MOE_PRESETS, MoEShape, moe_job_shape
+from trainwise.models.moe.shapes import MOE_PRESETS, MoEShape, moe_job_shape, moe_tp_problems
 from trainwise.models.shapes import PRESETS, GPTShape, job_shape, norm_impl_problem, tp_problems
 from trainwise.objects import load_callable
 
@@ -258,8 +258,6 @@ def tp_model_problems(spec: ModelSpec, tp: int, seq_len: int, sequence_parallel:
     if kind == "preset":  # the shape says it all; a model built on meta imports dynamo
         return tp_problems(resolve_shape(spec), tp, seq_len, sequence_parallel)
     if kind == "moe":
-        from trainwise.models.moe.shapes import moe_tp_problems
-
         return moe_tp_problems(resolve_moe_shape(spec), tp, seq_len, sequence_parallel)
     with torch.device("meta"):
         bundle = build_model(spec)
@@ -270,8 +268,6 @@ def tp_model_problems(spec: ModelSpec, tp: int, seq_len: int, sequence_parallel:
             "use parallel.tp = 1"
         ]
     if bundle.moe is not None:
-        from trainwise.models.moe.shapes import moe_tp_problems
-
         return moe_tp_problems(bundle.moe, tp, seq_len, sequence_parallel)
     shape = bundle.shape
     return tp_problems(shape, tp, seq_len, sequence_parallel) if shape is not None else []
