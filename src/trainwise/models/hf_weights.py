@@ -195,13 +195,23 @@ def load_weights(
     this rank's, "bytes_total": the files', "tensors_read": how many tensors it opened}.
     The weights' keys the model lacks are refused by check_weights on the whole model,
     before any worker starts."""
+    return read_into(model, folder, lambda state, stored: _named_for_checkpoint(
+        state, rename, stored), where)
+
+
+def read_into(model: nn.Module, folder: str | Path,
+              names: Callable[[dict[str, Any], dict[str, tuple[int, ...]]], dict[str, Any]],
+              where: str) -> dict[str, int]:
+    """Every family's loader: `names(state, stored)` gives the files' name for each tensor
+    of the model's state dict (`stored`: the files' shapes), DCP reads them in, and the
+    model is set from that state. Returns the counts load_weights documents."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     files = weight_files(folder)
     stored = stored_shapes(files)
     state = get_model_state_dict(model)
-    named = _named_for_checkpoint(state, rename, stored)
+    named = names(state, stored)
     check_present({k: tuple(t.shape) for k, t in named.items()}, stored, where)
     reader = counting_reader(folder)
     alone = not (dist.is_available() and dist.is_initialized())

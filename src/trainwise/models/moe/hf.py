@@ -230,31 +230,10 @@ def load_moe_weights(model: nn.Module, folder: Path, family: str, experts: int,
                      where: str) -> dict[str, int]:
     """Fill `model` (wrapped or sharded as it runs; every rank calls this) from the files:
     each rank reads only the slices, and the experts, it holds (hf_weights' reader)."""
-    import warnings
+    from trainwise.models.hf_weights import read_into
 
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-    from trainwise.models.hf_weights import (
-        check_present,
-        counting_reader,
-        stored_shapes,
-        weight_files,
-    )
-
-    files = weight_files(folder)
-    state = get_model_state_dict(model)
-    named = named_for_files(state, family, experts)
-    check_present({k: tuple(t.shape) for k, t in named.items()}, stored_shapes(files), where)
-    reader = counting_reader(folder)
-    alone = not (dist.is_available() and dist.is_initialized())
-    with warnings.catch_warnings():  # DCP warns that one process loads alone: intended
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(named, storage_reader=reader, no_dist=alone)
-    set_model_state_dict(model, state)
-    return {"bytes_read": reader.bytes_read, "bytes_total": sum(f.stat().st_size for f in files),
-            "tensors_read": len(reader.tensors_read)}
+    return read_into(model, folder, lambda state, _stored: named_for_files(
+        state, family, experts), where)
 
 
 def build_moe_dir(spec: ModelSpec, shape: MoEShape) -> ModelBundle:
