@@ -28,9 +28,12 @@ finetune: $(STAMP)
 # Most test time is waiting on launched processes (start-up, rendezvous, kills, restarts):
 # TEST_JOBS test files run at once (each file on one pytest worker, so a module's shared
 # launch runs once); the tests that compare timings (marked serial) run alone afterwards.
+# Bytecode first: where PYTHONDONTWRITEBYTECODE is set (CI images often set it) no process
+# writes it, and every launcher and worker would compile trainwise's sources again.
 TEST_JOBS ?= 3
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
+	$(BIN)/python -m compileall -q -j 0 src tests > /dev/null
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile -m "not serial and not slow_check" --durations=15 tests
 	$(BIN)/python -m pytest -q -m "serial and not slow_check" tests
 
