@@ -190,7 +190,13 @@ def data_position(run_dir: Path, step: int) -> dict:
     return json.loads(trainer.read_text())["data"]
 
 
-@pytest.mark.parametrize("data", list(DATASETS))
+# Slow checks (bench/slow_checks.sh), out of make test: map-style data's kill and its
+# 2 -> 1 continuation. Its position is the step, through the sampler every map-style
+# dataset shares (ShardedBatchSampler): test_kill resumes the built-in data bit for bit,
+# test_reshard's fsdp 2 -> single continues it on one rank, and the sampler's unit tests
+# (test_data) check the resumed and re-split index streams. The stream keeps its own state:
+# both of its cases stay.
+@pytest.mark.parametrize("data", params_marking_slow(DATASETS, {"hf"}))
 def test_a_kill_mid_run_resumes_bit_identical_data_position_included(
     runs, data_dir: Path, tmp_path: Path, data: str
 ):
@@ -232,7 +238,8 @@ def expected_map_ids(steps: int) -> list[int]:
     return [i for s in range(steps) for i in sampler.indices(s, 0)]
 
 
-@pytest.mark.parametrize("dataset", ["user_job:map_counted", "user_job:hf_stream_counted"])
+@pytest.mark.parametrize("dataset", params_marking_slow(
+    ["user_job:map_counted", "user_job:hf_stream_counted"], {"user_job:map_counted"}))
 def test_one_worker_after_two_trains_on_every_sample_once(tmp_path: Path, dataset: str):
     folder = user_job.write_jsonl(tmp_path / "data")
     run_dir = tmp_path / "run"

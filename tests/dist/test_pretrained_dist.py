@@ -174,9 +174,11 @@ TRAINED = {
 }
 
 
-# A slow check (bench/slow_checks.sh), out of make test: 2-way TP alone (fsdp_tp trains
-# and exports through the same TP plan).
-SLOW_TRAINED = {"tp"}
+# Slow checks (bench/slow_checks.sh), out of make test: 2-way TP alone (fsdp_tp trains
+# and exports through the same TP plan) and trainwise's implementation under FSDP alone
+# (fsdp_tp exports the same implementation, tied weights and all, from FSDP's shards; the
+# `loaded` runs load it under FSDP).
+SLOW_TRAINED = {"tp", "trainwise"}
 
 
 def _llama(name: str) -> str:

@@ -1,9 +1,10 @@
 """Resharding across tensor-parallel layouts: a checkpoint written by 2-way FSDP x 2-way TP
 (DTensors on a 2-D mesh) resumes on one process and under 4-way FSDP, one written by one
 process resumes under 2-way TP, one written by 4-way FSDP under 2 x 2, and each continues
-with the losses of the uninterrupted run; `trainwise export`
-writes the whole model from the TP checkpoint; a worker killed under TP resumes bit-exact. Like test_reshard, on the shared
-job_args (12 steps, a checkpoint every 4, global batch 16)."""
+with the losses of the uninterrupted run; `trainwise export` writes the whole model from
+the TP checkpoint; a worker killed under TP resumes bit-exact. Like test_reshard, on the
+shared job_args (12 steps, a checkpoint every 4, global batch 16). Three of these are slow
+checks (below): their proofs are made elsewhere."""
 
 from __future__ import annotations
 
@@ -79,12 +80,22 @@ def test_single_checkpoint_resumes_under_tp(workdir: Path, reference: References
     assert_continues(written, resume(workdir, written, nproc, strategy, *extra))
 
 
+# Slow checks (bench/slow_checks.sh), out of make test, each a proof another test makes on
+# the same load path (CheckpointManager.load: dcp.load into the model's own state dict, the
+# layout not a branch of it): an unsharded-by-tp checkpoint into dp_shard 2 x tp 2 is
+# test_reshard_pp's third leg (fsdp 2 -> dp_shard 2 x tp 2) and, from one process, the test
+# above; a tp checkpoint into another layout is test_tp_checkpoint_resumes_on_one_process
+# (and test_reshard_pp's tp -> pp leg); the agent's restart after a SIGKILL does not depend
+# on the layout (test_kill), and a dp_shard 2 x tp 2 run resumed from its own checkpoint
+# bit for bit is test_float8's.
+@pytest.mark.slow_check
 def test_fsdp_checkpoint_resumes_under_fsdp_and_tp(workdir: Path, reference: References):
     written = reference.run(4, "fsdp")  # dp 4: every parameter sharded 4 ways, no TP
     nproc, strategy, extra = TP_LAYOUTS["fsdp2_tp2"]
     assert_continues(written, resume(workdir, written, nproc, strategy, *extra))
 
 
+@pytest.mark.slow_check
 def test_tp_checkpoint_resumes_under_fsdp_alone(workdir: Path, tp_run: Path):
     assert_continues(tp_run, resume(workdir, tp_run, 4, "fsdp"))
 
@@ -100,6 +111,7 @@ def test_export_of_a_tp_checkpoint_is_the_whole_model(
         torch.testing.assert_close(tp[name], single[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow_check
 def test_sigkill_under_tp_resumes_exactly(workdir: Path, tp_run: Path):
     nproc, strategy, extra = TP_LAYOUTS["fsdp2_tp2"]
     broken = workdir / "broken"
