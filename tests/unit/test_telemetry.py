@@ -155,15 +155,27 @@ def test_a_failed_write_leaves_no_part_of_it(tmp_path, monkeypatch):
 
 
 def test_tensorboard_events_are_written(tmp_path):
-    trackers = build_trackers(["tensorboard"], tmp_path, {}, mlflow_uri=None, tensorboard_every=1)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trackers = build_trackers(["tensorboard"], tmp_path, {}, mlflow_uri=None, tensorboard_every=2)
     writer = MetricsWriter(tmp_path, trackers)
-    writer.write(record(1))
+    writer.write(record(1), record(2, loss=1.25), record(3, eval_loss=2.5))
+    writer.write(record(4, loss=1.0, grad_norm=0.5))
     writer.close()
     trackers.finish([], finished=True)
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 1
-    assert events[0].stat().st_size > 0
-    assert len(read_metrics(tmp_path)) == 1
+    assert len(read_metrics(tmp_path)) == 4
+    # What TensorBoard itself reads back: the training scalars every 2 steps, each step's
+    # in one event, and the evaluation at its step.
+    board = EventAccumulator(str(events[0])).Reload()
+    tags = board.Tags()["scalars"]
+    assert {"train/loss", "train/grad_norm", "train/tokens", "eval/loss"} <= set(tags)
+    assert "train/time" not in tags and "train/sync_s" not in tags  # the clock; None
+    points = {tag: [(e.step, e.value) for e in board.Scalars(tag)] for tag in tags}
+    assert points["train/loss"] == [(2, 1.25), (4, 1.0)]
+    assert points["train/grad_norm"] == [(2, 0.25), (4, 0.5)]
+    assert points["eval/loss"] == [(3, 2.5)]
 
 
 # --- StageClock ------------------------------------------------------------------------------

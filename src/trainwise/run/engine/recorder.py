@@ -163,10 +163,12 @@ class Recorder:
                 pending, losses, reduction.grad_norms(), auxes, tokens, strict=True)
         ]
         if self.is_main:
-            self.writer.write(*records)
+            # The lines first: the write wakes the writer thread, which would then hold the
+            # GIL that the print takes back after its system call.
             if self.progress:
                 for rec in records:
                     self.progress.update(rec)
+            self.writer.write(*records)
 
     def _record(
         self,

@@ -63,7 +63,7 @@ def event_counts(events: list[dict[str, Any]]) -> dict[str, str]:
 
 class TensorBoard:
     """TensorBoard events: every `every` steps (metrics.jsonl has every step) and at
-    evaluations. A record costs about a millisecond of protobuf work, so it is thinned."""
+    evaluations, each step's scalars in one event."""
 
     name = "tensorboard"
 
@@ -79,13 +79,24 @@ class TensorBoard:
     def records(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:
             step = row["step"]
+            points = {}
             if row.get("eval_loss") is not None:
-                self.writer.add_scalar("eval/loss", row["eval_loss"], step)
-            if step % self.every:
-                continue
-            for key, value in numeric(row).items():
-                if key not in ("time", "eval_loss"):
-                    self.writer.add_scalar(f"train/{key}", value, step)
+                points["eval/loss"] = row["eval_loss"]
+            if step % self.every == 0:
+                points.update((f"train/{key}", value) for key, value in numeric(row).items()
+                              if key not in ("time", "eval_loss"))
+            if points:
+                self._write(points, step)
+
+    def _write(self, points: dict[str, float], step: int) -> None:
+        """The scalars as one event (a Summary of several values, as TensorFlow's merged
+        summaries): add_scalar makes an event of each, and every event is a hand-off to
+        TensorBoard's writer thread, whose queue of 10 fills at once. Those hand-offs cost
+        the loop's thread the GIL (bench/overhead.py; docs/development.md)."""
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=tag, simple_value=x) for tag, x in points.items()]
+        self.writer.file_writer.add_summary(Summary(value=values), step)
 
     def events(self, events: list[dict[str, Any]]) -> None:
         lines = [f"{e.get('kind')}: {json.dumps(e, default=str)}" for e in events]
