@@ -18,7 +18,7 @@ import resource
 import sys
 import threading
 import time
-from dataclasses import asdict, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -206,7 +206,9 @@ class MetricsWriter:
             self.trackers.open()  # guarded: a tracker that fails is dropped with a warning
         while (batch := self._queue.get()) is not None:
             try:
-                rows = [asdict(rec) for rec in batch]
+                # Its fields as they are (JSON types all): asdict's deep copy cost 40 us a
+                # record, with the GIL the loop's thread takes back after each operation.
+                rows = [{name: getattr(rec, name) for name in RECORD_FIELDS} for rec in batch]
                 # On disk batch by batch: a crash loses only the queue.
                 append_whole(self._fd, "".join(json.dumps(row) + "\n" for row in rows))
                 if self.trackers is not None:
