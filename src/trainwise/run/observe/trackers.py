@@ -92,7 +92,7 @@ class TensorBoard:
         """The scalars as one event (a Summary of several values, as TensorFlow's merged
         summaries): add_scalar makes an event of each, and every event is a hand-off to
         TensorBoard's writer thread, whose queue of 10 fills at once. Those hand-offs cost
-        the loop's thread the GIL (bench/overhead.py; docs/development.md)."""
+        the loop's thread the GIL (bench/tracker_cost.py; docs/development.md)."""
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         values = [Summary.Value(tag=tag, simple_value=x) for tag, x in points.items()]
