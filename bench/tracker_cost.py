@@ -25,14 +25,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from trainwise.models import ModelSpec, build_model
 from trainwise.records import StepRecord
 from trainwise.run.observe.telemetry import MetricsWriter
-from trainwise.run.observe.trackers import TensorBoard, Trackers, numeric
+from trainwise.run.observe.trackers import TensorBoard, Trackers
 
 VARIANTS = ("none", "tensorboard", "add_scalar")
 FLUSH_EVERY = 10  # logging.flush_every's and logging.tensorboard_every's defaults
@@ -41,14 +40,11 @@ SEQ, VOCAB, MICRO = 64, 256, 16
 
 
 class PerScalar(TensorBoard):
-    """TensorBoard points written one event per scalar."""
+    """The same TensorBoard points, written one event per scalar."""
 
-    def records(self, rows: list[dict[str, Any]]) -> None:
-        for row in rows:
-            if row["step"] % self.every == 0:
-                for key, value in numeric(row).items():
-                    if key not in ("time", "eval_loss"):
-                        self.writer.add_scalar(f"train/{key}", value, row["step"])
+    def _write(self, points: dict[str, float], step: int) -> None:
+        for tag, value in points.items():
+            self.writer.add_scalar(tag, value, step)
 
 
 def step_record(step: int, loss: float, elapsed: float) -> StepRecord:

@@ -78,15 +78,19 @@ class TensorBoard:
 
     def records(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:
-            step = row["step"]
-            points = {}
-            if row.get("eval_loss") is not None:
-                points["eval/loss"] = row["eval_loss"]
-            if step % self.every == 0:
-                points.update((f"train/{key}", value) for key, value in numeric(row).items()
-                              if key not in ("time", "eval_loss"))
-            if points:
-                self._write(points, step)
+            if points := self.points(row):
+                self._write(points, row["step"])
+
+    def points(self, row: dict[str, Any]) -> dict[str, float]:
+        """A record's scalars by tag: its held-out loss when it has one, and every figure
+        on every `every`-th step."""
+        points = {}
+        if row.get("eval_loss") is not None:
+            points["eval/loss"] = row["eval_loss"]
+        if row["step"] % self.every == 0:
+            points.update((f"train/{key}", value) for key, value in numeric(row).items()
+                          if key not in ("time", "eval_loss"))
+        return points
 
     def _write(self, points: dict[str, float], step: int) -> None:
         """The scalars as one event (a Summary of several values, as TensorFlow's merged
