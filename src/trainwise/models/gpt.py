@@ -15,11 +15,19 @@ from trainwise.models.shapes import GPTShape, norm_impl_problem
 INIT_STD = 0.02  # GPT-2's
 
 
-def _bare(cls: type[nn.Module], *args: object, **kwargs: object) -> nn.Module:
-    """Build a layer without its default init: GPT.init_weights initialises every tensor once,
-    so a model built here and one built on meta + to_empty + init_weights draw the same
-    random numbers (and big meta builds skip wasted work)."""
+def bare(cls: type[nn.Module], *args: object, **kwargs: object) -> nn.Module:
+    """`cls(*args, **kwargs)` on the default device without its default init: trainwise's
+    models initialise every tensor once, by name (`init_parameter`), so a model built whole
+    and one built on meta + to_empty + filled draw the same random numbers, and big meta
+    builds skip wasted work."""
     return cls(*args, device="meta", **kwargs).to_empty(device=torch.get_default_device())
+
+
+def bare_embedding(rows: int, width: int) -> nn.Embedding:
+    """bare's embedding, given its storage: nn.Embedding's own init draws with normal_,
+    whose meta kernel imports torch._dynamo (about 1 s of a launcher's start-up on 2 cores)."""
+    weight = torch.empty(rows, width, device=torch.get_default_device())
+    return nn.Embedding(rows, width, _weight=weight)
 
 
 class CompositeRMSNorm(nn.RMSNorm):
@@ -39,8 +47,8 @@ class CompositeRMSNorm(nn.RMSNorm):
 def _norm(shape: GPTShape, impl: str = "fused") -> nn.Module:
     if shape.norm == "rmsnorm":
         cls = CompositeRMSNorm if impl == "composite" else nn.RMSNorm
-        return _bare(cls, shape.d_model, eps=shape.norm_eps)
-    return _bare(nn.LayerNorm, shape.d_model, eps=shape.norm_eps, bias=shape.bias)
+        return bare(cls, shape.d_model, eps=shape.norm_eps)
+    return bare(nn.LayerNorm, shape.d_model, eps=shape.norm_eps, bias=shape.bias)
 
 
 class Rotary(nn.Module):
@@ -87,10 +95,10 @@ class Attention(nn.Module):
         q_dim, kv_dim = shape.n_head * self.head_dim, shape.n_kv_head * self.head_dim
         # Separate projections, as Hugging Face Llama names them: a checkpoint maps one to
         # one (models.llama), and each shards on its own output dim.
-        self.q_proj = _bare(nn.Linear, shape.d_model, q_dim, bias=shape.bias)
-        self.k_proj = _bare(nn.Linear, shape.d_model, kv_dim, bias=shape.bias)
-        self.v_proj = _bare(nn.Linear, shape.d_model, kv_dim, bias=shape.bias)
-        self.out_proj = _bare(nn.Linear, q_dim, shape.d_model, bias=shape.bias)
+        self.q_proj = bare(nn.Linear, shape.d_model, q_dim, bias=shape.bias)
+        self.k_proj = bare(nn.Linear, shape.d_model, kv_dim, bias=shape.bias)
+        self.v_proj = bare(nn.Linear, shape.d_model, kv_dim, bias=shape.bias)
+        self.out_proj = bare(nn.Linear, q_dim, shape.d_model, bias=shape.bias)
         self.rotary = (
             Rotary(self.head_dim, shape.max_seq_len, shape.rope_theta)
             if shape.pos == "rope"
@@ -132,9 +140,9 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = shape.mlp == "swiglu"
         d, f, bias = shape.d_model, shape.d_ff, shape.bias
-        self.up = _bare(nn.Linear, d, f, bias=bias)
-        self.gate = _bare(nn.Linear, d, f, bias=bias) if self.swiglu else None
-        self.down = _bare(nn.Linear, f, d, bias=bias)
+        self.up = bare(nn.Linear, d, f, bias=bias)
+        self.gate = bare(nn.Linear, d, f, bias=bias) if self.swiglu else None
+        self.down = bare(nn.Linear, f, d, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate is not None:
@@ -189,9 +197,9 @@ class GPT(nn.Module):
         if (problem := norm_impl_problem(shape, norm_impl)) is not None:
             raise ModelError(problem)
         self.shape = shape
-        self.tok_emb = _bare(nn.Embedding, shape.vocab_size, shape.d_model)
+        self.tok_emb = bare_embedding(shape.vocab_size, shape.d_model)
         self.pos_emb = (
-            _bare(nn.Embedding, shape.max_seq_len, shape.d_model)
+            bare_embedding(shape.max_seq_len, shape.d_model)
             if shape.pos == "learned"
             else None
         )
@@ -208,7 +216,7 @@ class GPT(nn.Module):
         self.lm_head = (
             None
             if shape.tie_embeddings
-            else _bare(nn.Linear, shape.d_model, shape.vocab_size, bias=False)
+            else bare(nn.Linear, shape.d_model, shape.vocab_size, bias=False)
         )
         self.init_weights()
 
@@ -217,7 +225,8 @@ class GPT(nn.Module):
         """GPT-2 style init of every parameter (init_parameter, from the global RNG) and a
         rebuild of the rope tables; safe on meta and after `to_empty`."""
         for name, param in self.named_parameters():
-            self.init_parameter(name, param)
+            if not param.is_meta:  # nothing to draw (normal_'s meta kernel imports dynamo)
+                self.init_parameter(name, param)
         for module in self.modules():
             if isinstance(module, Rotary):
                 module.reset_buffers()

@@ -30,15 +30,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Partial
 
+from trainwise.models.gpt import bare
 from trainwise.models.moe.shapes import MoEShape
 
 KERNELS = ("auto", "grouped", "loop")
-
-
-def bare(cls: type[nn.Module], *args: object, **kwargs: object) -> nn.Module:
-    """A layer without its default init (the model initialises every tensor once, by name),
-    as models.gpt builds its own."""
-    return cls(*args, device="meta", **kwargs).to_empty(device=torch.get_default_device())
 
 
 def in_backward() -> bool:

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainwise.errors import ModelError
-from trainwise.models.gpt import Rotary, packed_layout
-from trainwise.models.moe.layers import MoE, SwiGLU, bare
+from trainwise.models.gpt import Rotary, bare, bare_embedding, packed_layout
+from trainwise.models.moe.layers import MoE, SwiGLU
 from trainwise.models.moe.shapes import MoEShape
 
 INIT_STD = 0.02  # the GPT's, and Hugging Face's initializer_range for these families
@@ -127,7 +127,7 @@ class MoEModel(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ModelError(f"model.dropout = {dropout!r}: must be in [0, 1)")
         self.shape = shape
-        self.tok_emb = bare(nn.Embedding, shape.vocab_size, shape.d_model)
+        self.tok_emb = bare_embedding(shape.vocab_size, shape.d_model)
         self.drop = nn.Dropout(dropout)
         self.blocks: nn.ModuleList | nn.ModuleDict = nn.ModuleList(
             MoEBlock(shape, i, dropout, capacity_factor, aux_loss) for i in range(shape.n_layer)
@@ -144,7 +144,8 @@ class MoEModel(nn.Module):
         """Every parameter by init_parameter (from the global RNG) and the computed
         buffers (rope tables, balancing biases); safe on meta and after `to_empty`."""
         for name, param in self.named_parameters():
-            self.init_parameter(name, param)
+            if not param.is_meta:  # nothing to draw (normal_'s meta kernel imports dynamo)
+                self.init_parameter(name, param)
         for module in self.modules():
             if module is not self and callable(getattr(module, "reset_buffers", None)):
                 module.reset_buffers()
