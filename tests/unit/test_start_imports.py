@@ -1,5 +1,5 @@
 """What the processes that only check, launch or read import: the launcher resolves a job
-(its shape, its tensor-parallel check, the plan) without DTensor's, DCP's, FSDP's or
+(its shape, its tensor-parallel check, a LoRA base's identity, the plan) without DTensor's, DCP's, FSDP's or
 dynamo's modules, which only the workers need (about a second of CPU a launch);
 `trainwise report` reads and draws a run without torch at all. Each check runs in a fresh
 interpreter: this one has imported everything already."""
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+
+import pytest
 
 from helpers import cli_env, hang_limit
 
@@ -24,15 +26,18 @@ def _imported(code: str, watched: tuple[str, ...]) -> list[str]:
     return done.stdout.split()
 
 
-def test_the_launcher_resolves_a_tp_job_without_the_workers_imports():
+# A tp job checks its degree against the model's shape; a LoRA job builds its model on the
+# meta device for the frozen base's identity (torch's meta normal_ would import dynamo).
+@pytest.mark.parametrize("override", ["parallel.tp=2", "lora.rank=4"])
+def test_the_launcher_resolves_a_job_without_the_workers_imports(override: str):
     code = (
         "from trainwise.config import load_config\n"
         "from trainwise.hardware import detect_device\n"
         "from trainwise.run.job.resolve import prepare_job\n"
         "import trainwise.run.launch.start, trainwise.run.launch.torchrun\n"
-        "cfg = load_config(overrides=[\"model.name='tiny'\", 'parallel.tp=2'])\n"
+        f"cfg = load_config(overrides=[\"model.name='tiny'\", {override!r}])\n"
         "job = prepare_job(cfg, 2, detect_device('cpu'), 2)\n"
-        "assert job.dims.tp == 2, job.dims\n"
+        "assert job.world == 2, job\n"
     )
     assert _imported(code, ("torch", *WORKER_ONLY)) == ["torch"]  # torch: the elastic agent's
 
