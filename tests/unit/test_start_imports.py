@@ -1,8 +1,8 @@
 """What the processes that only check, launch or read import: the launcher resolves a job
-(its shape, its tensor-parallel check, a LoRA base's identity, the plan) without DTensor's, DCP's, FSDP's or
-dynamo's modules, which only the workers need (about a second of CPU a launch);
-`trainwise report` reads and draws a run without torch at all. Each check runs in a fresh
-interpreter: this one has imported everything already."""
+(its shape, its tensor-parallel check, a LoRA base's identity, the plan) without DTensor's,
+DCP's, FSDP's or dynamo's modules, which only the workers need (about a second of CPU a
+launch); `trainwise report` reads and draws a run without torch at all. Each check runs in
+a fresh interpreter: this one has imported everything already."""
 
 from __future__ import annotations
 
