@@ -28,8 +28,11 @@ def _imported(code: str, watched: tuple[str, ...]) -> list[str]:
 
 # A tp job checks its degree against the model's shape; a LoRA job builds its model on the
 # meta device for the frozen base's identity (torch's meta normal_ would import dynamo).
-@pytest.mark.parametrize("override", ["parallel.tp=2", "lora.rank=4"])
-def test_the_launcher_resolves_a_job_without_the_workers_imports(override: str):
+@pytest.mark.parametrize(("override", "resolved"), [
+    ("parallel.tp=2", "job.dims.tp == 2"),
+    ("lora.rank=4", "job.base_weights is not None"),
+])
+def test_the_launcher_resolves_a_job_without_the_workers_imports(override: str, resolved: str):
     code = (
         "from trainwise.config import load_config\n"
         "from trainwise.hardware import detect_device\n"
@@ -37,7 +40,7 @@ def test_the_launcher_resolves_a_job_without_the_workers_imports(override: str):
         "import trainwise.run.launch.start, trainwise.run.launch.torchrun\n"
         f"cfg = load_config(overrides=[\"model.name='tiny'\", {override!r}])\n"
         "job = prepare_job(cfg, 2, detect_device('cpu'), 2)\n"
-        "assert job.world == 2, job\n"
+        f"assert {resolved}, job\n"
     )
     assert _imported(code, ("torch", *WORKER_ONLY)) == ["torch"]  # torch: the elastic agent's
 
