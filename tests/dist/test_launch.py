@@ -4,6 +4,7 @@ worker's traceback reaches the user's terminal. Real processes on gloo."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -150,3 +151,40 @@ def test_one_process_auto_is_single(workdir: Path):
     job = json.loads((workdir / "run" / "job.json").read_text())
     assert job["strategy"] == "single" and job["world"] == 1
     assert "single: one replica needs" in res.stdout
+
+
+# A worker module that only writes, as JSON, the variables of the launch it sees.
+ENV_WORKER = """
+import json, os, sys
+from pathlib import Path
+names = ("OMP_NUM_THREADS", "TRAINWISE_LAUNCH", "TRAINWISE_TEST_GIVEN")
+seen = {name: os.environ.get(name) for name in names}
+Path(sys.argv[1], "env-" + os.environ["RANK"] + ".json").write_text(json.dumps(seen))
+"""
+
+
+def test_two_jobs_from_one_process_each_start_from_its_environment(tmp_path: Path, monkeypatch):
+    """A notebook's two trainwise.train calls: the second launch's workers get their own
+    share of the cores, not the first launch's left behind as if the user had set it, and
+    after each launch the process's environment is what it was (start_job)."""
+    from trainwise.config.load import load_config
+    from trainwise.run.launch.start import start_job
+
+    (tmp_path / "env_worker.py").write_text(ENV_WORKER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # where the workers find env_worker
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # no share set by the user
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    before = dict(os.environ)
+    seen = {}
+    for nproc in (2, 4):
+        cfg = load_config(overrides=[
+            f"cluster.nproc={nproc}", "cluster.oversubscribe=true", "train.steps=1",
+            f"logging.run_dir='{tmp_path / f'run{nproc}'}'"])
+        run_dir = start_job(cfg, lambda *_: None, "env_worker",
+                            environment={"TRAINWISE_TEST_GIVEN": str(nproc)})
+        seen[nproc] = [json.loads((run_dir / f"env-{r}.json").read_text()) for r in range(nproc)]
+        assert dict(os.environ) == before
+    for nproc, workers in seen.items():
+        assert {w["OMP_NUM_THREADS"] for w in workers} == {str(8 // nproc)}
+        assert {w["TRAINWISE_TEST_GIVEN"] for w in workers} == {str(nproc)}
+        assert all(w["TRAINWISE_LAUNCH"] for w in workers)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,8 +77,10 @@ def doctor_job(spec: JobSpec) -> DoctorResult:
     if is_worker(cfg):  # started by torchrun or srun: one of the workers
         record = run_doctor(cfg)
         return DoctorResult(None, record)
-    os.environ.setdefault(LAUNCH_ENV, str(time.time()))  # the workers time their start
-    run_dir = start_job(cfg, run_doctor, "trainwise.doctor.runner", label="doctor")
+    run_dir = start_job(
+        cfg, run_doctor, "trainwise.doctor.runner", label="doctor",
+        environment={LAUNCH_ENV: str(time.time())},  # the workers time their start from it
+    )
     if not (run_dir / "doctor.json").is_file():  # rank 0 is on another machine
         return DoctorResult(
             run_dir, message=f"this machine's checks finished; rank 0's machine has {run_dir}"

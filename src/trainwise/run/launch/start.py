@@ -5,9 +5,10 @@ one worker, else under torchrun's elastic agent. Shared by `trainwise train` and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ def start_job(
     label: str | None = None,
     max_restarts: int = 0,
     on_start: Callable[[Path], object] | None = None,
+    environment: Mapping[str, str] | None = None,
 ) -> Path:
     """Check the job against this machine (every check before any worker starts), write
     its run files, then run it: `target(cfg, run_dir)` in this process for one worker on
@@ -42,7 +44,39 @@ def start_job(
     directory's default name ends with `label` (default: the layout's name); it is returned.
     `on_start(run_dir)` is called once the run files are written, before the workers start
     (trainwise.train's progress follows the run from there). A stop or a failure
-    (Preempted, LaunchError) carries the run directory as `run_dir`."""
+    (Preempted, LaunchError) carries the run directory as `run_dir`. `environment`: more
+    variables for the workers. Whatever the job sets in this process's environment (those,
+    the workers' share of the cores, the launch record, a process group's address) is
+    undone when it returns: a second job from the same process (a notebook calling
+    trainwise.train twice) starts from the environment the first one found."""
+    with kept_environment():
+        os.environ.update(environment or {})
+        return _start_job(cfg, target, module, label, max_restarts, on_start)
+
+
+@contextlib.contextmanager
+def kept_environment() -> Iterator[None]:
+    """os.environ after the block as it was before it: the variables added are removed,
+    those changed or removed get their values back."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for name in set(os.environ) - set(before):
+            del os.environ[name]
+        for name, value in before.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
+
+
+def _start_job(
+    cfg: JobConfig,
+    target: Callable[[JobConfig, Path], object],
+    module: str,
+    label: str | None,
+    max_restarts: int,
+    on_start: Callable[[Path], object] | None,
+) -> Path:
     from trainwise.hardware import detect_device
     from trainwise.hardware.detect import usable_cores
     from trainwise.jsonl import cut_torn_files
