@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from trainwise.models import ModelSpec, build_model
 from trainwise.models.moe import MOE_PRESETS, MoESpec
 from trainwise.models.moe.balance import update_biases
-from trainwise.models.moe.layers import MoE, Router, not_counted
+from trainwise.models.moe.layers import GroupedExperts, MoE, Router, not_counted
 from trainwise.models.moe.model import MoEModel
 
 TINY = MOE_PRESETS["moe-tiny"]
@@ -60,6 +60,27 @@ def test_grouped_gemm_and_per_expert_loop_agree():
         runs[kernel] = (m(x).detach(), m.blocks[1].moe.experts.gate_proj.grad.clone())
     torch.testing.assert_close(runs["grouped"][0], runs["loop"][0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(runs["grouped"][1], runs["loop"][1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["loop", "grouped"])
+def test_experts_that_got_no_rows_stay_in_backward(kernel: str):
+    """Under expert parallelism a rank's experts can get no token at all (every token it
+    routed went to another rank's experts, none came back): its experts' output must still
+    depend on the rows and the weights, or autograd skips the combine's all-to-all in
+    that rank's backward while its peers wait in theirs (a hang, found in torch's pipeline
+    metadata inference), and its weights get no gradient where FSDP reduce-scatters one."""
+    if kernel == "grouped" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 16, 8)
+    experts.kernel = kernel
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    rows = torch.randn(0, 16, requires_grad=True)
+    out = experts(rows, torch.zeros(4, dtype=torch.long))
+    assert out.shape == (0, 16) and out.requires_grad
+    out.sum().backward()
+    assert all(p.grad is not None and not p.grad.any() for p in experts.parameters())
 
 
 def test_runs_on_the_meta_device():

@@ -166,7 +166,9 @@ class GroupedExperts(nn.Module):
         kernel = self.kernel if self.kernel != "auto" else _kernel(rows, weights[0])
         if is_fake(rows) or rows.device.type == "meta":
             return _padded(rows, *weights)  # no counts to read: the same work in even runs
-        if kernel == "grouped":
+        # No rows at all: the loop, whose empty GEMMs cost nothing (torch._grouped_mm's
+        # backward fails on zero rows, on the CPU at least).
+        if kernel == "grouped" and rows.shape[0]:
             return _grouped(rows, num_tokens_per_expert, *weights)
         return _loop(rows, num_tokens_per_expert, *weights)
 
@@ -211,12 +213,16 @@ def _grouped(rows, counts, gate, up, down) -> torch.Tensor:
 
 
 def _loop(rows, counts, gate, up, down) -> torch.Tensor:
-    """One expert at a time on its run of rows (the counts read on the host)."""
-    outs = []
-    for e, x in enumerate(rows.split(counts.tolist())):
-        if x.shape[0]:
-            outs.append(F.linear(F.silu(F.linear(x, gate[e])) * F.linear(x, up[e]), down[e]))
-    return torch.cat(outs) if outs else rows.new_zeros(0, down.shape[1])
+    """One expert at a time on its run of rows (the counts read on the host). An expert
+    without rows runs too, on none: the output stays a function of the rows and the
+    weights whatever the routing. Under expert parallelism a rank whose experts got no
+    token still joins the combine's all-to-all in backward (autograd skips a node whose
+    input needs no gradient, and its peers would wait for it for ever), and its weights
+    get a zero gradient, not none (FSDP reduce-scatters the same tensors on every rank)."""
+    return torch.cat([
+        F.linear(F.silu(F.linear(x, gate[e])) * F.linear(x, up[e]), down[e])
+        for e, x in enumerate(rows.split(counts.tolist()))
+    ])
 
 
 def _padded(rows, gate, up, down) -> torch.Tensor:

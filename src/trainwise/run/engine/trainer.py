@@ -35,10 +35,6 @@ from trainwise.run.checkpoint.store import root_for
 from trainwise.run.engine.mesh import JobMesh, job_mesh
 from trainwise.run.engine.optim import build_optimizer, build_scheduler
 from trainwise.run.engine.parts import build_parts
-
-# Imported with this module, not when a pipeline step is built: imported there (after the
-# model's FSDP and expert all-to-alls exist), tests/dist/test_moe_ep.py's pp x fsdp x ep
-# case hung under load in 4 runs of 5 (2026-12-07; not understood).
 from trainwise.run.engine.pipeline import PipelineStep
 from trainwise.run.engine.precision import autocast_context, build_grad_scaler
 from trainwise.run.engine.step import Batch, DataParallelStep, StepResult, TrainStep
