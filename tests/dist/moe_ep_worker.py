@@ -44,7 +44,10 @@ CASES = {
     "fsdp2-tp2-ep2": (4, 2, 1, 2, ["parallel.strategy='fsdp'", "parallel.tp=2"]),
     # ep = tp with no data-parallel wrapper: the tp pair's tokens split, its experts too.
     "tp2-ep2": (2, 2, 1, 1, ["parallel.strategy='ddp'", "parallel.tp=2"]),
+    # Every token routed to rank 1's experts (starve): rank 0's get no row in any step.
+    "fsdp2-ep2-starved": (2, 2, 1, 2, ["parallel.strategy='fsdp'"]),
 }
+STARVED = "fsdp2-ep2-starved"
 
 
 def overrides(mb: int, accum: int, layout: list[str], ep: int) -> list[str]:
@@ -66,6 +69,8 @@ def case_run(name: str, pipeline: bool) -> dict:
     world = dist.get_world_size() if pipeline else 1
     job = prepare_job(cfg, world, detect_device("cpu"), world)
     trainer = build_trainer(cfg, job, torch.device("cpu"))
+    if name == STARVED:
+        starve(trainer.parts)
     batches = iter(build_loader(
         job.datasets[0], micro_batch=cfg.data.micro_batch, grad_accum=job.grad_accum,
         dp_rank=trainer.dp_rank, dp_size=trainer.dp_size, seed=cfg.train.seed,
@@ -93,6 +98,15 @@ def case_run(name: str, pipeline: bool) -> dict:
         "layout": job.dims.describe(),
         "experts": held_experts(trainer.parts),
     }
+
+
+def starve(parts: list[torch.nn.Module]) -> None:
+    """Raise the balancing bias of experts 4-7 far above the rest: every token's top-k are
+    among them (the bias picks), so experts 0-3, rank 0's under ep 2, get no token, for
+    more steps than a case runs (the update moves a bias by the rate a step)."""
+    for router in routers(parts).values():
+        with torch.no_grad():
+            router.expert_bias[4:] += 100.0
 
 
 def held_experts(parts: list[torch.nn.Module]) -> dict[str, list[int]]:

@@ -1,8 +1,8 @@
 """Expert parallelism trains one process's Mixture-of-Experts model: two torchrun launches
 of moe_ep_worker.py (2 and 4 gloo workers), the tiny MoE's 8 experts split over ep = 2
 ranks under DDP's replicas (probed on every step, accumulating), FSDP over 4 (each slice
-sharded over 2), HSDP 2 x 2 (every block checkpointed), 2 pipeline stages x FSDP 2 and
-FSDP 2 x TP 2, each with the
+sharded over 2), HSDP 2 x 2 (every block checkpointed), 2 pipeline stages x FSDP 2,
+FSDP 2 x TP 2, and FSDP 2 with every token routed to rank 1's experts, each with the
 load-balancing loss and the bias update on, compared with one process (trained here,
 without a process group): the losses and their balancing part, the gradient norms, the
 held-out loss, every router's bias and the tokens each expert got in each step.
@@ -37,6 +37,7 @@ LAYOUTS = {
     "pp2-fsdp2-ep2": "pp 2 x dp_replicate 1 x dp_shard 2 x tp 1 x ep 2",
     "fsdp2-tp2-ep2": "dp_replicate 1 x dp_shard 2 x tp 2 x ep 2",
     "tp2-ep2": "dp_replicate 1 x dp_shard 1 x tp 2 x ep 2",
+    moe_ep_worker.STARVED: "dp_replicate 1 x dp_shard 2 x tp 1 x ep 2",
 }
 # What a rank holds of each [8, ...] experts weight: 4 experts (ep 2), sharded by FSDP
 # over the efsdp ranks beside ep (fsdp 4: 2 of them; fsdp 2 x tp 2: ep borrows the tp
@@ -123,3 +124,14 @@ def test_every_all_to_all_of_the_step_is_timed(ranks):
     for rank in ranks["ddp2-ep2"]:
         assert rank["a2a_spans"] == [16] * STEPS
         assert all(s > 0 for s in rank["a2a_s"])
+
+
+def test_a_rank_whose_experts_get_no_token_trains_with_its_peers(ranks):
+    """The starved case: rank 0's experts (0-3) get no row in any layer of any step, so its
+    combine all-to-all has nothing of its own to send back, forward and backward. It still
+    joins every exchange of backward (a rank that skipped one hung its peers) and its
+    expert weights get a gradient for FSDP's reduce-scatter: the case trains one
+    process's model (test_layout_trains_one_processs_model)."""
+    for step in ranks[moe_ep_worker.STARVED][0]["tokens"]:
+        for layer in step:
+            assert layer[:4] == [0, 0, 0, 0] and sum(layer[4:]) > 0
