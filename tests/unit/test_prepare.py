@@ -242,6 +242,33 @@ def test_sft_corpus_trains(sft_corpus: Path, tmp_path: Path):
     assert steps and all(np.isfinite(r["loss"]) for r in steps)
 
 
+def test_examples_whose_prompt_fills_the_sequence_record_no_nan(tmp_path: Path):
+    """Every third prompt is longer than the sequence: its sample has no counted target,
+    whose cross entropy is NaN with a gradient of 0. One sample a step: such a step
+    records the 0 its gradient optimised (not NaN), and the held-out mean leaves such
+    batches out; the other steps train as before (their gradients are untouched)."""
+    long = [{"prompt": f"Q{i} " * (30 if i % 3 == 0 else 1), "response": f" {i}."}
+            for i in range(60)]
+    src = tmp_path / "long.jsonl"
+    src.write_text("".join(json.dumps(e) + "\n" for e in long))
+    prepare([src], tmp_path / "long", load_tokenizer("bytes"), field="prompt",
+            response_field="response")
+    proc = run_cli(
+        "train", *QUIET, "--set", "data.dataset=tokens", "--set", f"data.path={tmp_path / 'long'}",
+        "--set", "parallel.strategy=single", "--set", "train.steps=8", "--set", "data.seq_len=32",
+        "--set", "data.micro_batch=1", "--set", "data.packing=false", "--set",
+        "data.val_fraction=0.2", "--set", "train.eval_every=8", "--set", "logging.run_dir=run",
+        "--set", "checkpoint.enabled=false", cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    steps = read_records(tmp_path / "run")
+    assert len(steps) == 8 and all(np.isfinite(r["loss"]) for r in steps)
+    empty = [r for r in steps if r["grad_norm"] == 0.0]
+    assert empty and all(r["loss"] == 0.0 for r in empty)  # a step of a prompt only ran
+    assert all(r["loss"] > 0 for r in steps if r["grad_norm"] > 0)
+    assert np.isfinite(steps[-1]["eval_loss"]) and steps[-1]["eval_loss"] > 0
+
+
 def test_hf_model_dir_tokenizer_and_its_eos(tmp_path: Path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 

@@ -16,8 +16,10 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
+from trainwise.data.shards import IGNORE
 from trainwise.models.moe.balance import LoadCounter, moe_shape
 from trainwise.run.engine.optim import by_mesh
 from trainwise.run.engine.parallelize import reshard_all, set_gradient_sync
@@ -318,7 +320,8 @@ class DataParallelStep:
         batch: Batch = ()
         for a in range(self.grad_accum):
             self.stage = "data loading"
-            batch = tuple(t.to(self.device, non_blocking=True) for t in next(batches))
+            host = next(batches)
+            batch = tuple(t.to(self.device, non_blocking=True) for t in host)
             self.clock.mark("data")
             last = a == self.grad_accum - 1
             sync = (last and not probe) or (self.sharded_accumulation and not last)
@@ -326,6 +329,8 @@ class DataParallelStep:
                 " (gradient sync)" if sync else ""
             )
             loss = self._forward_backward(model, batch, sync, 1.0 / self.grad_accum)
+            if no_counted_target(host):  # counted as its gradient counts it: 0, not NaN
+                loss = torch.zeros_like(loss)
             total = loss.float() if total is None else total + loss
             self.clock.mark("last" if last else "compute")
         return total, batch
@@ -385,6 +390,17 @@ def mean_over_ranks(values: torch.Tensor) -> list[float]:
 
 
 @torch.no_grad()
+def no_counted_target(batch: Batch) -> bool:
+    """Whether a micro-batch, as the loader gives it (on the host), has targets and every
+    one of them IGNORE: prompt/response examples whose prompts fill the sequence. Cross
+    entropy's mean over no target is NaN, its gradient 0. Read on the host only: no
+    device synchronisation (and not at all on the doctor's fake tensors)."""
+    y = batch[1] if len(batch) > 1 else None
+    if y is None or y.device.type != "cpu" or is_fake(y) or y.is_floating_point():
+        return False
+    return y.numel() > 0 and not bool((y != IGNORE).any())
+
+
 def evaluate(
     model: torch.nn.Module,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -392,15 +408,20 @@ def evaluate(
     autocast: Callable[[], AbstractContextManager],
     device: torch.device,
 ) -> float:
-    """Mean held-out loss over this rank's batches, averaged over ranks."""
+    """Mean held-out loss over the batches of every rank. A batch without a counted target
+    has no loss to average: it runs (its forward's collectives pair with the other
+    ranks') but is left out; NaN when no batch anywhere has one."""
     model.eval()
     total = torch.zeros((), device=device)
     n = 0
     for batch in batches:
         x, y, *rest = (t.to(device) for t in batch)
         with autocast():
-            total += loss_fn(model(x, *rest), y).float()
-        n += 1
+            loss = loss_fn(model(x, *rest), y).float()
+        if not no_counted_target(batch):
+            total += loss
+            n += 1
     model.train()
     reshard_all(model)
-    return mean_over_ranks(total / max(n, 1))[0]
+    summed, batches_seen = mean_over_ranks(torch.stack([total, torch.tensor(float(n), device=device)]))
+    return summed / batches_seen if batches_seen else math.nan
