@@ -6,16 +6,20 @@ failing."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from trainwise.config.schema import LoggingConfig
+from trainwise.data.shards import IGNORE
 from trainwise.report.summary import MISSING, render_summary
 from trainwise.run.engine.recorder import Recorder
-from trainwise.run.engine.step import StepResult
+from trainwise.run.engine.step import StepResult, evaluate
 
 STEPS = 6
 LOSSES = {1: 5.0, 2: 4.0, 3: 3.0, 4: 2.5, 5: 2.0, 6: 1.5}
@@ -154,3 +158,27 @@ def test_an_attempt_that_timed_nothing_reports_no_speed_not_zero(tmp_path: Path)
     text = render_summary({**again, "world": 1})
     assert f"speed      {MISSING}" in text and f"step time  {MISSING}" in text
     assert f"loss       {LOSSES[1]:.4f} -> {LOSSES[STEPS]:.4f}" in text
+
+
+def test_the_held_out_pass_keeps_no_graph_and_leaves_out_batches_without_a_target():
+    """evaluate runs the model without autograd (no activations kept for a backward that
+    never comes), and a batch whose targets are all ignored runs but adds nothing to the
+    mean (cross entropy's mean over no target is NaN)."""
+    grad_modes = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            grad_modes.append(torch.is_grad_enabled())
+            return self.lin(x)
+
+    model, x = Probe(), torch.randn(2, 4)
+    counted, ignored = torch.tensor([0, 2]), torch.full((2,), IGNORE)
+    got = evaluate(model, F.cross_entropy, [(x, counted), (x, ignored)],
+                   contextlib.nullcontext, torch.device("cpu"))
+    assert grad_modes == [False, False]
+    with torch.no_grad():
+        assert got == pytest.approx(float(F.cross_entropy(model.lin(x), counted)))

@@ -389,7 +389,6 @@ def mean_over_ranks(values: torch.Tensor) -> list[float]:
     return RankMean(values).result()
 
 
-@torch.no_grad()
 def no_counted_target(batch: Batch) -> bool:
     """Whether a micro-batch, as the loader gives it (on the host), has targets and every
     one of them IGNORE: prompt/response examples whose prompts fill the sequence. Cross
@@ -401,6 +400,7 @@ def no_counted_target(batch: Batch) -> bool:
     return y.numel() > 0 and not bool((y != IGNORE).any())
 
 
+@torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -423,5 +423,6 @@ def evaluate(
             n += 1
     model.train()
     reshard_all(model)
-    summed, batches_seen = mean_over_ranks(torch.stack([total, torch.tensor(float(n), device=device)]))
+    counted = torch.tensor(float(n), device=device)
+    summed, batches_seen = mean_over_ranks(torch.stack([total, counted]))
     return summed / batches_seen if batches_seen else math.nan
