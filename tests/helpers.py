@@ -193,6 +193,26 @@ def sft_corpus(root: Path) -> Path:
     return root / "sft"
 
 
+def cut_prompt_corpus(root: Path) -> Path:
+    """60 prompt / response examples prepared with the byte tokenizer into root/cut, every
+    third prompt over 60 bytes: cut to a sequence of 32 inside its prompt, its sample has
+    no counted target."""
+    from trainwise.data.prepare import load_tokenizer, prepare
+
+    examples = [{"prompt": f"Q{i} " * (30 if i % 3 == 0 else 1), "response": f" {i}."}
+                for i in range(60)]
+    src = root / "cut.jsonl"
+    src.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    prepare([src], root / "cut", load_tokenizer("bytes"), field="prompt", response_field="response")
+    return root / "cut"
+
+
+# What trains on cut_prompt_corpus one example a step (seq_len 32, no packing).
+CUT_PROMPT_JOB = ["--set", "data.dataset=tokens", "--set", "data.seq_len=32", "--set",
+                  "data.micro_batch=1", "--set", "data.packing=false", "--set",
+                  "data.val_fraction=0.2", "--set", "checkpoint.enabled=false"]
+
+
 def memory_of(
     w, strategy: str, world: int, *, shard: str = "full", cpu_offload: bool = False,
     shard_degree: int | None = None, device: str = "cpu", grad_accum: int = 1, tp: int = 1,

@@ -4,7 +4,7 @@ and an HF Llama config read into trainwise's GPT, with gradient accumulation in 
 cases, one on packed SFT data with ignored prompt targets; 4 workers: pp 2 x dp_shard 2,
 pp 2 x 2 replicas and pp 2 x tp 2), each case's losses, gradient norms and held-out loss
 compared with one process (trained here, without a process group), and a step with a NaN
-loss skipped on every stage.
+loss skipped on every stage; apart, a launch whose examples are cut inside their prompt.
 
 fp32, 1e-5: measured on a 2-core CPU, the largest relative difference over every case was
 4.3e-7 (pp 2 x dp_shard 2's gradient norm; the sums run in another order across stages and
@@ -17,9 +17,21 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from helpers import hang_limit, max_rel_diff, run_limited, sft_corpus, worker_failure
+from helpers import (
+    CUT_PROMPT_JOB,
+    QUIET,
+    cut_prompt_corpus,
+    hang_limit,
+    max_rel_diff,
+    read_records,
+    run_cli,
+    run_limited,
+    sft_corpus,
+    worker_failure,
+)
 
 WORKER = Path(__file__).with_name("pp_worker.py")
 _spec = importlib.util.spec_from_file_location("pp_worker", WORKER)
@@ -144,3 +156,21 @@ def test_pipeline_times_tensor_parallel_trains_one_processs_losses(four, root):
     assert ranks[0]["layout"] == "pp 2 x dp_replicate 1 x dp_shard 1 x tp 2"
     assert [r["dp_rank"] for r in ranks] == [0, 0, 0, 0]
     assert_matches(ranks[0], reference(root, pp_worker.CASES_4[name]))
+
+
+def test_examples_cut_inside_their_prompt_are_no_failed_step(tmp_path: Path):
+    """Two stages, one example a step, every third cut inside its prompt (no counted
+    target): such a step weighs 0 instead of 0 / 0 (a NaN gradient the guard skipped as a
+    failure), records 0, and the held-out mean leaves such batches out."""
+    proc = run_cli(
+        "train", *QUIET, *CUT_PROMPT_JOB, "--set", f"data.path={cut_prompt_corpus(tmp_path)}",
+        "--nproc", "2", "--set", "parallel.strategy=ddp", "--set", "parallel.pp=2", "--set",
+        "parallel.pp_schedule=GPipe", "--set", "train.steps=6", "--set", "train.eval_every=6",
+        "--set", "logging.run_dir=run", cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "non-finite" not in proc.stderr
+    steps = read_records(tmp_path / "run")
+    assert len(steps) == 6 and all(np.isfinite([r["loss"], r["grad_norm"]]).all() for r in steps)
+    assert any(r["grad_norm"] == 0.0 and r["loss"] == 0.0 for r in steps)
+    assert np.isfinite(steps[-1]["eval_loss"]) and steps[-1]["eval_loss"] > 0

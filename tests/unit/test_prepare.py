@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import QUIET, read_records, run_cli, run_main
+from helpers import CUT_PROMPT_JOB, QUIET, cut_prompt_corpus, read_records, run_cli, run_main
 from trainwise.data import TokenShards, build_datasets
 from trainwise.data.prepare import load_tokenizer, prepare
 from trainwise.errors import DataError
@@ -247,18 +247,10 @@ def test_examples_whose_prompt_fills_the_sequence_record_no_nan(tmp_path: Path):
     whose cross entropy is NaN with a gradient of 0. One sample a step: such a step
     records the 0 its gradient optimised (not NaN), and the held-out mean leaves such
     batches out; the other steps train as before (their gradients are untouched)."""
-    long = [{"prompt": f"Q{i} " * (30 if i % 3 == 0 else 1), "response": f" {i}."}
-            for i in range(60)]
-    src = tmp_path / "long.jsonl"
-    src.write_text("".join(json.dumps(e) + "\n" for e in long))
-    prepare([src], tmp_path / "long", load_tokenizer("bytes"), field="prompt",
-            response_field="response")
     proc = run_cli(
-        "train", *QUIET, "--set", "data.dataset=tokens", "--set", f"data.path={tmp_path / 'long'}",
-        "--set", "parallel.strategy=single", "--set", "train.steps=8", "--set", "data.seq_len=32",
-        "--set", "data.micro_batch=1", "--set", "data.packing=false", "--set",
-        "data.val_fraction=0.2", "--set", "train.eval_every=8", "--set", "logging.run_dir=run",
-        "--set", "checkpoint.enabled=false", cwd=tmp_path,
+        "train", *QUIET, *CUT_PROMPT_JOB, "--set", f"data.path={cut_prompt_corpus(tmp_path)}",
+        "--set", "parallel.strategy=single", "--set", "train.steps=8", "--set",
+        "train.eval_every=8", "--set", "logging.run_dir=run", cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     steps = read_records(tmp_path / "run")

@@ -58,7 +58,8 @@ from trainwise.run.engine.step import (
     StepResult,
     aux_source,
     last_aux,
-    mean_over_ranks,
+    no_counted_target,
+    pooled_mean,
     total_grad_norm,
 )
 from trainwise.run.observe.telemetry import Spans
@@ -160,7 +161,9 @@ class PipelineStep(DataParallelStep):
             y, weight = target, self._share
         else:
             y, figures = target[..., 0], target.reshape(-1, 3)[0]
-            weight = figures[1] / figures[2]
+            # A loader micro-batch without a counted target (prompts that fill the
+            # sequence) weighs 0, not 0 / 0: no gradient, as without stages.
+            weight = figures[1] / figures[2].clamp(min=1)
         loss = self.loss_fn(output, y) * weight
         loss = loss * float("nan") if self.poison else loss  # a fault injected by a test
         aux = last_aux(self.loss_fn)
@@ -287,11 +290,13 @@ class PipelineStep(DataParallelStep):
                 x, y, *rest = (t.to(self.device) for t in batch)
                 losses: list[torch.Tensor] = []
                 run(self._eval_schedule, self.first, x, y, rest, losses, self.autocast, eval=True)
-                total += self._last_stage_sum(losses)  # one micro-batch: its mean
-                n += 1
+                loss = self._last_stage_sum(losses)  # one micro-batch: its mean
+                if not no_counted_target(batch):  # run all the same: its collectives pair
+                    total += loss
+                    n += 1
         for part in parts:
             part.train()
-        return mean_over_ranks(total / max(n, 1))[0]
+        return pooled_mean(total, n)
 
 
 def run(

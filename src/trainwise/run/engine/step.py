@@ -423,6 +423,11 @@ def evaluate(
             n += 1
     model.train()
     reshard_all(model)
-    counted = torch.tensor(float(n), device=device)
-    summed, batches_seen = mean_over_ranks(torch.stack([total, counted]))
-    return summed / batches_seen if batches_seen else math.nan
+    return pooled_mean(total, n)
+
+
+def pooled_mean(total: torch.Tensor, n: int) -> float:
+    """sum(total) / sum(n) over all ranks (one collective): a mean over every rank's
+    batches; NaN when no rank had one."""
+    summed, count = mean_over_ranks(torch.stack([total, torch.full_like(total, n)]))
+    return summed / count if count else math.nan
