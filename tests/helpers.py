@@ -183,28 +183,28 @@ SFT_EXAMPLES = [
 SFT_SEQ = 128
 
 
-def sft_corpus(root: Path) -> Path:
-    """SFT_EXAMPLES prepared with the byte tokenizer into root/sft (prompt / response)."""
+def prompt_response_corpus(root: Path, name: str, examples: list[dict]) -> Path:
+    """`examples` ({"prompt": ..., "response": ...}) written to root/NAME.jsonl and
+    prepared with the byte tokenizer into root/NAME (prompt / response)."""
     from trainwise.data.prepare import load_tokenizer, prepare
 
-    src = root / "sft.jsonl"
-    src.write_text("".join(json.dumps(e) + "\n" for e in SFT_EXAMPLES))
-    prepare([src], root / "sft", load_tokenizer("bytes"), field="prompt", response_field="response")
-    return root / "sft"
+    src = root / f"{name}.jsonl"
+    src.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    prepare([src], root / name, load_tokenizer("bytes"), field="prompt", response_field="response")
+    return root / name
+
+
+def sft_corpus(root: Path) -> Path:
+    """SFT_EXAMPLES prepared into root/sft."""
+    return prompt_response_corpus(root, "sft", SFT_EXAMPLES)
 
 
 def cut_prompt_corpus(root: Path) -> Path:
-    """60 prompt / response examples prepared with the byte tokenizer into root/cut, every
-    third prompt over 60 bytes: cut to a sequence of 32 inside its prompt, its sample has
-    no counted target."""
-    from trainwise.data.prepare import load_tokenizer, prepare
-
+    """60 examples prepared into root/cut, every third prompt over 60 bytes: cut to a
+    sequence of 32 inside its prompt, its sample has no counted target."""
     examples = [{"prompt": f"Q{i} " * (30 if i % 3 == 0 else 1), "response": f" {i}."}
                 for i in range(60)]
-    src = root / "cut.jsonl"
-    src.write_text("".join(json.dumps(e) + "\n" for e in examples))
-    prepare([src], root / "cut", load_tokenizer("bytes"), field="prompt", response_field="response")
-    return root / "cut"
+    return prompt_response_corpus(root, "cut", examples)
 
 
 # What trains on cut_prompt_corpus one example a step (seq_len 32, no packing).
