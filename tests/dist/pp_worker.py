@@ -116,7 +116,7 @@ def case_losses(case: tuple, root: Path, pipeline: bool) -> dict:
         "dp_rank": trainer.dp_rank, "parts": len(trainer.parts),
         "kept_gathered": kept_gathered(trainer.parts),
         # The loss as the recorder reads it: reduced over the ranks (the last stage's).
-        "guard": [poisoned.finite, math.isnan(mean_over_ranks(poisoned.loss)[0])],
+        "guard": [bool(poisoned.finite), math.isnan(mean_over_ranks(poisoned.loss)[0])],
     }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from faulty import (
     finish,
     job_args,
     start,
+    wait_for_pid,
 )
 
 from helpers import read_records
@@ -115,8 +117,12 @@ def test_two_ranks_share_the_hashing_and_a_mismatch_found_by_rank_1_is_reported(
     assert_identical(reference.weights(2, "ddp"), final_weights(run_dir))
 
 
-def test_nonfinite_skip_skips_one_update(workdir: Path):
-    rc, _, err = run(workdir / "run", workdir, "--set", "train.nonfinite=skip", faults="nan@step=6")
+# fused: the update skips itself on the device and the host reads the verdict a step later;
+# foreach: the host reads the norm and skips the update at its step (run/engine/guard.py).
+@pytest.mark.parametrize("implementation", ["fused", "foreach"])
+def test_nonfinite_skip_skips_one_update(workdir: Path, implementation: str):
+    rc, _, err = run(workdir / "run", workdir, "--set", "train.nonfinite=skip",
+                     "--set", f"optim.implementation={implementation}", faults="nan@step=6")
     assert rc == 0, err
     assert "step 6: non-finite loss or gradient norm (skip)" in err
     assert [e["step"] for e in events(workdir / "run", "nonfinite")] == [6]
@@ -137,6 +143,27 @@ def test_nonfinite_rollback_reloads_the_last_checkpoint(workdir: Path, reference
     assert_identical(reference.weights(1, "single"), final_weights(run_dir))
 
 
+def test_a_stop_that_meets_a_rollback_ends_at_the_checkpoint(
+    workdir: Path, reference: References
+):
+    """SIGTERM while step 6's NaN is unjudged: the next step rolls back to step 4 and
+    stops there, saving nothing; the same command again finishes as the run that never saw
+    the fault."""
+    run_dir = workdir / "run"
+    args = job_args(run_dir, 1, "single", "--set", "train.nonfinite=rollback")
+    proc = start(args, workdir, faults="nan@step=6;pause@step=6")
+    wait_for_pid(proc, run_dir / "faults" / "pause-step-6.pid")
+    proc.send_signal(signal.SIGTERM)
+    rc, _, err = finish(proc)
+    assert rc == 128 + signal.SIGTERM, err
+    assert "step 6: rolled back to step 4" in err
+    assert [e["step"] for e in events(run_dir, "preempted")] == [4]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000004"]
+    rc, _, err = finish(start(job_args(run_dir, 1, "single"), workdir))
+    assert rc == 0, err
+    assert_identical(reference.weights(1, "single"), final_weights(run_dir))
+
+
 def test_nonfinite_rollback_gives_up_when_the_fault_repeats(workdir: Path):
     run_dir = workdir / "run"
     extra = ("--set", "train.nonfinite=rollback")
@@ -154,3 +181,17 @@ def test_nonfinite_stop_keeps_the_last_checkpoint(workdir: Path):
     assert "Traceback" not in err
     saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert saved == ["step-00000004"]
+
+
+@pytest.mark.parametrize(("step", "kept"), [(8, [4]), (STEPS, [4, 8])])
+def test_a_nonfinite_step_is_judged_before_its_save_and_at_the_end(
+    workdir: Path, step: int, kept: list[int]
+):
+    """The verdict that comes a step late is read at once where the step saves (no
+    checkpoint after an unjudged step) and at the last step (no run ends unjudged)."""
+    run_dir = workdir / "run"
+    rc, _, err = run(run_dir, workdir, "--set", "train.nonfinite=stop", faults=f"nan@step={step}")
+    assert rc == 1, err
+    assert f"step {step}: non-finite loss or gradient norm (train.nonfinite = 'stop')" in err
+    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert saved == [f"step-{s:08d}" for s in kept]

@@ -223,10 +223,9 @@ class PipelineStep(DataParallelStep):
         clock.mark("sync")
         norm, finite = self.update(parts)
         clock.mark("optim")
-        # Resolved after the update, whose guard waited for the device anyway.
-        bubble = max(0.0, wall.seconds() - self.compute.seconds())
         return StepResult(
-            loss, norm, clock.take(), False, time.perf_counter(), finite, bubble=bubble,
+            loss, norm, clock.take(), False, time.perf_counter(), finite,
+            bubble=(wall, self.compute.take()),
             aux_loss=aux, **self.moe_results(),
         )
 

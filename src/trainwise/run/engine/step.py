@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from trainwise.data.shards import IGNORE
 from trainwise.models.moe.balance import LoadCounter, moe_shape
+from trainwise.run.engine.guard import skip_if_nonfinite, skips_on_device
 from trainwise.run.engine.optim import by_mesh
 from trainwise.run.engine.parallelize import reshard_all, set_gradient_sync
 from trainwise.run.observe.comm_timer import CollectiveTimer
@@ -41,11 +42,14 @@ class StepResult:
     marks: Marks  # stage marks: data, compute, last (the syncing micro-batch), probe, optim
     probe: bool  # the step ran the probe pass
     end: float  # perf_counter when the step returned (host time)
-    finite: bool = True  # False: non-finite gradient norm, the update was skipped
+    # False: a non-finite gradient norm, the update skipped; a device flag not read yet
+    # where the optimizer skipped it on the device (run/engine/guard.py).
+    finite: bool | torch.Tensor = True
     tp_comm: CollectiveTimer | None = None  # a probe step's tensor-parallel collectives
-    # A pipeline step's wait on the other stages inside its compute span ("bubble"); its
-    # communication after the schedule is marked "sync", measured on every step.
-    bubble: float | None = None
+    # A pipeline step's schedule and its stages' own passes (wall, compute): the wait on
+    # the other stages inside its compute span is their difference ("bubble"), resolved
+    # with the records; its communication after the schedule is marked "sync".
+    bubble: tuple[Spans, Spans] | None = None
     # Of `loss`, the auxiliary part its loss function added (a MoE model's balancing
     # loss: last_aux), summed as the loss; None when the loss function adds none.
     aux_loss: torch.Tensor | None = None
@@ -66,7 +70,8 @@ class StepResult:
             probe_sync = max(0.0, spans.pop("probe") - spans["last"])
         spans["compute"] = spans.get("compute", 0.0) + spans.pop("last")
         if self.bubble is not None:
-            bubble = min(self.bubble, spans["compute"])
+            wall, compute = self.bubble
+            bubble = min(max(0.0, wall.seconds() - compute.seconds()), spans["compute"])
             spans["compute"] -= bubble
             spans["bubble"] = bubble
         if self.a2a is not None:  # communication inside forward and backward, as TP's
@@ -250,9 +255,10 @@ class DataParallelStep:
         return {"a2a": self.a2a.take() if self.a2a is not None else None,
                 "expert_tokens": self.tokens}
 
-    def update(self, parts: list[torch.nn.Module]) -> tuple[torch.Tensor, bool]:
+    def update(self, parts: list[torch.nn.Module]) -> tuple[torch.Tensor, bool | torch.Tensor]:
         """Clip and apply the gradients of every part (or skip a non-finite update), move
-        the schedule, run the converters' hooks: (the global gradient norm, finite)."""
+        the schedule, run the converters' hooks: (the global gradient norm, finite: a bool,
+        or a device flag not read yet where the update skips itself on the device)."""
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         # torchtitan's way: one all-reduce for the norm of sharded gradients, then clip with
@@ -261,16 +267,23 @@ class DataParallelStep:
         clipped, counted = self._params(parts)
         norm = self.grad_norm(counted)
         # The guard: the norm is global (identical on every rank), so every rank skips the
-        # same update. Reading it costs one host sync per step; fp16's scaler does its own.
-        finite = self.scaler is not None or not self.guard or bool(torch.isfinite(norm))
+        # same update: on the device where the optimizer can (run/engine/guard.py), else by
+        # reading the norm here (one host sync a step); fp16's scaler does its own.
         self.stage = "the optimizer step"
+        finite: bool | torch.Tensor = True
         if self.scaler:
             clip_grads(clipped, self.grad_clip, norm)
             self.scaler.step(self.optimizer)
             self.scaler.update()
-        elif finite:
+        elif self.guard and skips_on_device(self.optimizer):
+            finite = skip_if_nonfinite(self.optimizer, norm)
             clip_grads(clipped, self.grad_clip, norm)
             self.optimizer.step()
+        elif not self.guard or bool(torch.isfinite(norm)):
+            clip_grads(clipped, self.grad_clip, norm)
+            self.optimizer.step()
+        else:
+            finite = False
         self.tokens = self.read_loads(parts)
         for hook in self.after_optimizer:  # the bias update reads the same count
             hook(parts)

@@ -1,7 +1,7 @@
-"""One worker's training, as named steps: resume, a training step, maybe evaluate, maybe
-save, on a non-finite loss, on a peer failure, finish. `Training.run` only sequences them
-(torchtitan's `Trainer.train` calls `train_step` and `checkpointer.save` the same way);
-the components are built once in `Training.__init__`."""
+"""One worker's training, as named steps: resume, a training step, agree on stop and save,
+judge the non-finite verdicts, maybe evaluate, save, on a peer failure, finish.
+`Training.run` only sequences them (torchtitan's `Trainer.train` calls `train_step` and
+`checkpointer.save` the same way); the components are built once in `Training.__init__`."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from trainwise.run.checkpoint import store as store
 from trainwise.run.checkpoint.dcp import Resumed
 from trainwise.run.checkpoint.store import CheckpointError
 from trainwise.run.engine.control import Control
+from trainwise.run.engine.guard import Verdicts
 from trainwise.run.engine.host_allocator import keep_freed_host_memory
 from trainwise.run.engine.recorder import Recorder
 from trainwise.run.engine.step import StepResult
@@ -84,6 +85,7 @@ class Training:
         self.stage = "start-up"  # where a failed collective was: named in its message
         self.skips_in_a_row = 0
         self.rollbacks = 0
+        self.verdicts = Verdicts()  # the non-finite guard's, read without waiting on the device
         self.preempted: str | None = None
         self.resumed = Resumed()
         self.profiler = Profiler(cfg.logging.profile_steps, run_dir, env.rank, device)
@@ -106,10 +108,16 @@ class Training:
             while self.step < self.cfg.train.steps:
                 self.step += 1
                 result = self.train_step()
-                if not result.finite and self.on_nonfinite():
+                stop, save = self.agree()
+                # The guard acts on the verdicts in: a step's is in one step later where its
+                # update skipped itself on the device; at once before a save and at the end.
+                if self.judge(now=save or self.step == self.cfg.train.steps):
+                    if stop:  # the run is at its checkpoint already: nothing to save
+                        self.preempted = self.control.signal_name or "signal"
+                        break
                     continue  # rolled back: self.step is the checkpoint's
                 eval_loss = self.maybe_evaluate()
-                stop, stall = self.maybe_save()
+                stall = self.save(stop) if save else 0.0
                 self.stage = "the metrics reduction"
                 self.recorder.add(self.step, result, self.lr(), eval_loss, ckpt_s=stall)
                 self.profiler.after_step(self.step)
@@ -201,14 +209,25 @@ class Training:
         self.trainer.step.poison = self.faults.poisons(self.step)
         result = self.trainer.train_step(self.batches, probe=self.recorder.probe_now(self.step))
         self.profiler.end_step()
-        if result.finite:
-            self.skips_in_a_row = 0
+        self.verdicts.add(self.step, result.finite)
         return result
 
-    def on_nonfinite(self) -> bool:
-        """The guard, by train.nonfinite: skip the update (False), roll back to the last
-        checkpoint (True: the loop goes on from there), or stop with a GuardError."""
-        policy, step = self.cfg.train.nonfinite, self.step
+    def judge(self, now: bool) -> bool:
+        """The guard on the verdicts in (`now`: every one, waiting for the device):
+        True where a non-finite step rolled the run back."""
+        for step, finite in self.verdicts.take(now):
+            if finite:
+                self.skips_in_a_row = 0
+            elif self.on_nonfinite(step):
+                self.verdicts.clear()  # the steps after it are undone
+                return True
+        return False
+
+    def on_nonfinite(self, step: int) -> bool:
+        """The guard, by train.nonfinite, for a step whose gradient norm was not finite
+        (its update skipped): go on (False), roll back to the last checkpoint (True: the
+        loop goes on from there), or stop with a GuardError."""
+        policy = self.cfg.train.nonfinite
         self.skips_in_a_row += 1
         if self.env.is_main:
             append_event(self.run_dir, "nonfinite", step=step, policy=policy)
@@ -223,7 +242,7 @@ class Training:
         if policy != "rollback":
             return False
         self.stage = "the rollback"
-        resumed = self._rollback()
+        resumed = self._rollback(step)
         self.step = resumed.step
         self.rollbacks += 1
         self.batches = self.batches_from(self.step, self._saved_data(resumed))
@@ -240,21 +259,24 @@ class Training:
         self.stage = "evaluation"
         return self.trainer.evaluate(self.eval_batches())
 
-    def maybe_save(self) -> tuple[bool, float]:
-        """Agree on stop / save-now with every rank, then save when due; returns (stop,
-        the loop's stall in seconds). A stop always saves, synchronously."""
+    def agree(self) -> tuple[bool, bool]:
+        """Agree on stop / save-now with every rank: (stop, save at this step). A stop
+        always saves."""
         ckpt, step = self.ckpt, self.step
         if self.env.is_main and ckpt.wanted(step):
             self.control.request_save()
         self.stage = "the exchange of control flags"
         stop, save_now = self.control.exchange(step)
-        if not (stop or save_now or ckpt.due(step)) or not (ckpt.cfg.enabled or stop):
-            return stop, 0.0
+        return stop, (stop or save_now or ckpt.due(step)) and (ckpt.cfg.enabled or stop)
+
+    def save(self, stop: bool) -> float:
+        """Save this step (synchronously for a stop); returns the loop's stall in seconds."""
         self.stage = "the metrics reduction"
         self.recorder.make_durable()  # no checkpoint past steps whose records are lost
         self.stage = "the checkpoint save"
+        step = self.step
         tokens = step * self.job.tokens_per_step
-        return stop, ckpt.save(step, tokens, time.time(), self.data_position(), sync=stop)
+        return self.ckpt.save(step, tokens, time.time(), self.data_position(), sync=stop)
 
     def on_peer_failure(self, err: RuntimeError) -> None:
         """A collective failed because of another rank: one line and an event, then exit
@@ -384,10 +406,9 @@ class Training:
             tensorboard_every=c.tensorboard_every, wrap=self.faults.tracker,
         )
 
-    def _rollback(self) -> Resumed:
-        """Reload the newest valid checkpoint in place; returns it (its step: where the run
-        continues)."""
-        step = self.step
+    def _rollback(self, step: int) -> Resumed:
+        """Reload the newest valid checkpoint in place after non-finite `step`; returns it
+        (its step: where the run continues)."""
         if self.rollbacks >= MAX_ROLLBACKS:
             raise GuardError(
                 f"step {step}: still non-finite after {self.rollbacks} rollbacks: the fault "
