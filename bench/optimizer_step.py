@@ -4,7 +4,11 @@ the foreach step (torch's CUDA default) and the fused kernel (trainwise's defaul
 the parameters of trainwise's models, with gradients set. Prints each one's time a step,
 its rate against foreach, and the rate the planner's bytes a parameter predict
 (plan.model.compute.ADAMW_STEP: a memory-bound step runs at bytes / bandwidth), so that the
-pricing's ratio meets a measured one.
+pricing's ratio meets a measured one. Then the fused step as the non-finite guard runs it:
+with the host's read of whether the gradient norm is finite before it (`host read`, what
+foreach and for-loop still do; on a GPU a wait for the step) and armed to skip itself on
+the device instead (`on device`: `found_inf`, run/engine/guard.py, what trainwise runs),
+with its cost over the read.
 
     .venv/bin/python bench/optimizer_step.py                  # tiny and small, 1 thread
     .venv/bin/python bench/optimizer_step.py --models small,gpt2-124m --threads 2
@@ -28,9 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from trainwise.config.schema import OptimConfig  # noqa: E402
 from trainwise.models import ModelSpec, build_model  # noqa: E402
 from trainwise.plan.model.compute import ADAMW_STEP  # noqa: E402
+from trainwise.run.engine.guard import skip_if_nonfinite  # noqa: E402
 from trainwise.run.engine.optim import build_optimizer  # noqa: E402
 
 KINDS = ("for-loop", "foreach", "fused")
+GUARDS = ("host read", "on device")
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,10 +63,17 @@ def optimizers(preset: str) -> dict[str, torch.optim.Optimizer]:
     return out
 
 
-def seconds_a_step(opt: torch.optim.Optimizer, steps: int) -> float:
+def seconds_a_step(opt: torch.optim.Optimizer, steps: int, guard: str | None = None) -> float:
+    """The step's mean time; `guard`: with the non-finite guard's work before it."""
+    norm = torch.linalg.vector_norm(
+        torch.stack([p.grad.norm() for g in opt.param_groups for p in g["params"]]))
     start = time.perf_counter()
     for _ in range(steps):
-        opt.step()
+        if guard == "on device":
+            skip_if_nonfinite(opt, norm)
+            opt.step()
+        elif guard is None or bool(torch.isfinite(norm)):
+            opt.step()
     return (time.perf_counter() - start) / steps
 
 
@@ -71,12 +84,16 @@ def main() -> int:
           f"of {args.steps} steps")
     print(f"{'model':<12}{'params':>11}{'tensors':>9}  " + "".join(f"{k:>11}" for k in KINDS)
           + "   fused / foreach: measured, by bytes")
+    guarded: dict[str, dict[str, float]] = {}
     for preset in [m.strip() for m in args.models.split(",") if m.strip()]:
         opts = optimizers(preset)
-        times: dict[str, list[float]] = {k: [] for k in KINDS}
+        times: dict[str, list[float]] = {k: [] for k in (*KINDS, *GUARDS)}
         for _ in range(args.rounds):
             for kind in KINDS:
                 times[kind].append(seconds_a_step(opts[kind], args.steps))
+            for guard in GUARDS:
+                times[guard].append(seconds_a_step(opts["fused"], args.steps, guard))
+            opts["fused"].__dict__.pop("found_inf", None)  # the plain fused step's rounds
         median = {k: statistics.median(v) for k, v in times.items()}
         params = [p for g in opts["fused"].param_groups for p in g["params"]]
         count = sum(p.numel() for p in params)
@@ -85,6 +102,12 @@ def main() -> int:
         cells = "".join(f"{median[k] * 1e3:>9.3f}ms" for k in KINDS)
         print(f"{preset:<12}{count:>11,}{len(params):>9}  {cells}   "
               f"{measured:.2f}x, {by_bytes:.2f}x")
+        guarded[preset] = median
+    print("\nThe fused step with the non-finite guard: " + ", ".join(GUARDS))
+    for preset, median in guarded.items():
+        host, device = (median[g] for g in GUARDS)
+        print(f"{preset:<12}{host * 1e3:>9.3f}ms{device * 1e3:>9.3f}ms   on device - host read: "
+              f"{(device - host) * 1e6:+.0f} us a step")
     return 0
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from trainwise.config import load_config
 from trainwise.data import build_eval_loader, build_loader
@@ -100,9 +101,13 @@ def case_losses(case: tuple, root: Path, pipeline: bool) -> dict:
         num_steps=STEPS + 1,
     ))
     results = [trainer.train_step(batches) for _ in range(STEPS)]
+    before = optimized_state(trainer)
     trainer.step.poison = True  # a NaN loss: every rank must skip the same update
     poisoned = trainer.train_step(batches)
     trainer.step.poison = False
+    # Skipped on the device (the fused AdamW's found_inf): this rank's shards of the
+    # parameters, both moments and the step count as they were.
+    kept = all(torch.equal(a, b) for a, b in zip(before, optimized_state(trainer), strict=True))
     evaluation = build_eval_loader(
         job.datasets[1], micro_batch=cfg.data.micro_batch, max_batches=2,
         dp_rank=trainer.dp_rank, dp_size=trainer.dp_size, seed=cfg.train.seed,
@@ -116,8 +121,18 @@ def case_losses(case: tuple, root: Path, pipeline: bool) -> dict:
         "dp_rank": trainer.dp_rank, "parts": len(trainer.parts),
         "kept_gathered": kept_gathered(trainer.parts),
         # The loss as the recorder reads it: reduced over the ranks (the last stage's).
-        "guard": [bool(poisoned.finite), math.isnan(mean_over_ranks(poisoned.loss)[0])],
+        "guard": [bool(poisoned.finite), math.isnan(mean_over_ranks(poisoned.loss)[0]), kept],
     }
+
+
+def optimized_state(trainer: object) -> list[torch.Tensor]:
+    """Copies of this rank's parameters (its shards) and their optimizer state."""
+    opt = trainer.optimizer
+    out = []
+    for p in (p for group in opt.param_groups for p in group["params"]):
+        for t in (p, *(opt.state[p][k] for k in ("exp_avg", "exp_avg_sq", "step"))):
+            out.append((t.to_local() if isinstance(t, DTensor) else t).detach().clone())
+    return out
 
 
 def kept_gathered(parts: list) -> list[bool]:

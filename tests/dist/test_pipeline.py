@@ -117,8 +117,9 @@ def test_two_stages_train_one_processs_losses(two, root, name):
     virtual = pp_worker.CASES[name][3]
     assert [r["parts"] for r in ranks] == [virtual, virtual]
     # A NaN loss on the last stage: every stage saw the non-finite norm and skipped the
-    # update (the held-out loss above is still one process's, which skipped it too).
-    assert [r["guard"] for r in ranks] == [[False, True]] * 2
+    # update, its shards and optimizer state untouched (the held-out loss above is still
+    # one process's, which skipped it too).
+    assert [r["guard"] for r in ranks] == [[False, True, True]] * 2
 
 
 def test_the_step_is_split_into_compute_bubble_and_communication(two):

@@ -157,6 +157,7 @@ def test_a_stop_that_meets_a_rollback_ends_at_the_checkpoint(
     rc, _, err = finish(proc)
     assert rc == 128 + signal.SIGTERM, err
     assert "step 6: rolled back to step 4" in err
+    assert "after step 4; rolled back to its checkpoint, nothing saved" in err
     assert [e["step"] for e in events(run_dir, "preempted")] == [4]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000004"]
     rc, _, err = finish(start(job_args(run_dir, 1, "single"), workdir))

@@ -41,7 +41,7 @@ class Verdicts:
             host = torch.empty((), dtype=torch.bool, pin_memory=True)
             host.copy_(finite, non_blocking=True)
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(finite.device))
             finite = host
         self._pending.append((step, finite, ready))
 

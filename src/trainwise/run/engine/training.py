@@ -87,6 +87,7 @@ class Training:
         self.rollbacks = 0
         self.verdicts = Verdicts()  # the non-finite guard's, read without waiting on the device
         self.preempted: str | None = None
+        self.stopped_unsaved = False  # a stop met a rollback: the run is at that checkpoint
         self.resumed = Resumed()
         self.profiler = Profiler(cfg.logging.profile_steps, run_dir, env.rank, device)
         self.recorder: Recorder | None = None
@@ -108,15 +109,16 @@ class Training:
             while self.step < self.cfg.train.steps:
                 self.step += 1
                 result = self.train_step()
+                eval_loss = self.maybe_evaluate()
                 stop, save = self.agree()
                 # The guard acts on the verdicts in: a step's is in one step later where its
                 # update skipped itself on the device; at once before a save and at the end.
                 if self.judge(now=save or self.step == self.cfg.train.steps):
                     if stop:  # the run is at its checkpoint already: nothing to save
                         self.preempted = self.control.signal_name or "signal"
+                        self.stopped_unsaved = True
                         break
                     continue  # rolled back: self.step is the checkpoint's
-                eval_loss = self.maybe_evaluate()
                 stall = self.save(stop) if save else 0.0
                 self.stage = "the metrics reduction"
                 self.recorder.add(self.step, result, self.lr(), eval_loss, ckpt_s=stall)
@@ -215,6 +217,7 @@ class Training:
     def judge(self, now: bool) -> bool:
         """The guard on the verdicts in (`now`: every one, waiting for the device):
         True where a non-finite step rolled the run back."""
+        self.stage = "the non-finite guard's read"  # a device error of the step shows here
         for step, finite in self.verdicts.take(now):
             if finite:
                 self.skips_in_a_row = 0
@@ -314,7 +317,9 @@ class Training:
         env, step = self.env, self.step
         if self.preempted:
             self.log.info(
-                "trainwise: preempted (%s) after step %d; checkpoint saved", self.preempted, step
+                "trainwise: preempted (%s) after step %d; %s", self.preempted, step,
+                "rolled back to its checkpoint, nothing saved" if self.stopped_unsaved
+                else "checkpoint saved",
             )
             if env.is_main:
                 saved = store.final_dir(self.ckpt.root, self.ckpt.last_save_step)
