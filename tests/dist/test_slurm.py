@@ -238,7 +238,9 @@ class Cluster:
             return wait_until(lambda: (job := self.job(job_id))["JobState"] in ENDED and job,
                               limit=limit, what=f"the end of job {job_id}")
         except Hung as hung:
-            outputs = "\n".join(path.read_text() for path in workdir.glob("*.out"))
+            # The job's output, and the run's events: which worker ended how, when.
+            found = [*workdir.glob("*.out"), *workdir.glob("runs/*/events.jsonl")]
+            outputs = "\n".join(f"--- {p.name}\n{p.read_text()}" for p in found)
             raise Hung(f"{hung}: {self.job(job_id)}\n{outputs}\n{self.logs()}") from None
 
 
