@@ -1,5 +1,5 @@
-"""One worker's training, as named steps: resume, a training step, agree on stop and save,
-judge the non-finite verdicts, maybe evaluate, save, on a peer failure, finish.
+"""One worker's training, as named steps: resume, a training step, maybe evaluate, agree on
+stop and save, judge the non-finite verdicts, save, on a peer failure, finish.
 `Training.run` only sequences them (torchtitan's `Trainer.train` calls `train_step` and
 `checkpointer.save` the same way); the components are built once in `Training.__init__`."""
 
