@@ -48,10 +48,10 @@ class Verdicts:
     def take(self, now: bool = False) -> list[tuple[int, bool]]:
         """The verdicts in, oldest first: every one the host knew, every earlier step's
         flag, and the latest step's flag too when `now` (on a GPU, a wait for that step)."""
-        held = self._pending[-1:]
-        if now or not held or isinstance(held[0][1], bool):
-            held = []
-        ready, self._pending = self._pending[: len(self._pending) - len(held)], held
+        cut = len(self._pending)
+        if cut and not now and isinstance(self._pending[-1][1], torch.Tensor):
+            cut -= 1  # the latest step's flag: the device may not be done with it
+        ready, self._pending = self._pending[:cut], self._pending[cut:]
         verdicts = []
         for step, finite, event in ready:
             if event is not None:

@@ -271,19 +271,16 @@ class DataParallelStep:
         # reading the norm here (one host sync a step); fp16's scaler does its own.
         self.stage = "the optimizer step"
         finite: bool | torch.Tensor = True
-        if self.scaler:
+        if self.guard and not self.scaler:
+            finite = (skip_if_nonfinite(self.optimizer, norm) if skips_on_device(self.optimizer)
+                      else bool(torch.isfinite(norm)))
+        if finite is not False:  # a device flag: the step below skips itself if it must
             clip_grads(clipped, self.grad_clip, norm)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        elif self.guard and skips_on_device(self.optimizer):
-            finite = skip_if_nonfinite(self.optimizer, norm)
-            clip_grads(clipped, self.grad_clip, norm)
-            self.optimizer.step()
-        elif not self.guard or bool(torch.isfinite(norm)):
-            clip_grads(clipped, self.grad_clip, norm)
-            self.optimizer.step()
-        else:
-            finite = False
+            if self.scaler:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
         self.tokens = self.read_loads(parts)
         for hook in self.after_optimizer:  # the bias update reads the same count
             hook(parts)
