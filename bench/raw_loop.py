@@ -66,7 +66,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="JSON written by rank 0")
     p.add_argument("--as-trainwise", action="store_true",
                    help="trainwise's choices where a plain loop's differ: AdamW fused (a "
-                   "group per tensor kind) and, under fsdp, the last block kept gathered")
+                   "group per tensor kind), under ddp the gradients as views of its "
+                   "buckets, and under fsdp the last block kept gathered")
     return p.parse_args()
 
 
@@ -75,11 +76,12 @@ def meta_model(spec: ModelSpec):
         return build_model(spec)
 
 
-def build_ddp(spec: ModelSpec):
-    """Whole weights first (DDP checks the replicas at wrapping), then DDP."""
+def build_ddp(spec: ModelSpec, bucket_view: bool = False):
+    """Whole weights first (DDP checks the replicas at wrapping), then DDP (`bucket_view`:
+    the gradients as views of its buckets, as trainwise's apply_ddp)."""
     bundle = meta_model(spec)
     materialize(bundle.module, bundle.init_parameter, SEED, torch.device("cpu"))
-    return DistributedDataParallel(bundle.module), bundle
+    return DistributedDataParallel(bundle.module, gradient_as_bucket_view=bucket_view), bundle
 
 
 def build_fsdp(spec: ModelSpec, world: int, keep_last: bool = False):
@@ -192,7 +194,7 @@ def main() -> None:
     )
     spec = ModelSpec(name=args.model, vocab_size=info.vocab_size, seq_len=SEQ_LEN)
     if args.layout == "ddp":
-        model, bundle = build_ddp(spec)
+        model, bundle = build_ddp(spec, bucket_view=args.as_trainwise)
     elif args.layout == "fsdp":
         model, bundle = build_fsdp(spec, world, keep_last=args.as_trainwise)
     elif args.layout == "tp":

@@ -55,6 +55,9 @@ LORA_CASES = [
     ("lora", "small", "dp_shard2 x tp2", "fp32", 0.1),
     ("lora", "tiny", "fsdp-grad-op", "fp32", 0.0),
 ]
+# DDP where the model states set the peak (full checkpointing, one sample): its buckets
+# are the gradients (gradient_as_bucket_view), one copy of them, not two.
+DDP_STATES = ("ddp-states", "small", 2)
 # Selective-op checkpointing (issue 35: within 5 %): (preset, layout, world, precision).
 # fp32 FSDP (the kept matmul outputs and SDPA's); bf16 autocast (the 16-bit weight copies
 # a block casts again when recomputed, freed with its backward); dp_shard 2 x tp 2 (the
@@ -71,7 +74,7 @@ SLOW_CASES = {SELECTIVE_OP_CASES[2]}
 # The module fixture simulates every case, two processes at a time: each case about a
 # launch's work (a spawned process's imports, or a model of the small preset on 8 fake ranks).
 pytestmark = pytest.mark.timeout(hang_limit(
-    launches=len(CASES) + len(TP_CASES) + len(LORA_CASES) + len(SELECTIVE_OP_CASES) + 1
+    launches=len(CASES) + len(TP_CASES) + len(LORA_CASES) + len(SELECTIVE_OP_CASES) + 2
 ))
 
 
@@ -107,7 +110,14 @@ def tp_formula(preset: str, layout: str):
     return estimate_memory(workload(preset), Setup(TP_LAYOUTS[layout], "none", 4, 1), "cpu")
 
 
+def ddp_states_workload() -> Workload:
+    return replace(workload(DDP_STATES[1], "fp32", 1), ac="full")
+
+
 def _simulate(case: tuple) -> object:
+    if case == DDP_STATES:
+        dims = named_dims("ddp", DDP_STATES[2])
+        return simulate_layout(PRESETS[case[1]], dims, "fp32", 1, SEQ[case[1]], ac="full")
     if case[0] == "selective-op":
         _, preset, layout, world, precision = case
         dims = named_dims(layout, world)
@@ -130,7 +140,8 @@ def simulations() -> dict:
     up its own fake process group)."""
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
-        cases = [*LORA_CASES, *SELECTIVE_OP_CASES, BF16, *TP_CASES, *CASES]  # the slowest first
+        cases = [*LORA_CASES, *SELECTIVE_OP_CASES, BF16, *TP_CASES, *CASES, DDP_STATES]
+        # (the slowest first)
         cases = runnable(cases, SLOW_CASES)
         return dict(zip(cases, pool.map(_simulate, cases), strict=True))
 
@@ -187,6 +198,15 @@ def test_selective_op_formula_within_5_percent_of_the_simulated_peak(simulations
     est = estimate_memory(w, Setup.of(dims, w), "cpu")
     assert est.total == pytest.approx(sim.peak_bytes, rel=0.05)
     assert est.activations == pytest.approx(sim.parts["activations"], rel=0.05)
+
+
+def test_ddp_holds_its_gradients_once_where_the_model_states_set_the_peak(simulations):
+    sim = simulations[DDP_STATES]
+    w = ddp_states_workload()
+    est = estimate_memory(w, Setup.of(named_dims("ddp", DDP_STATES[2]), w), "cpu")
+    # the gradients and DDP's buckets together: one fp32 copy of the parameters
+    assert sim.parts["grads"] + sim.parts["buffers"] == pytest.approx(est.params, rel=0.02)
+    assert est.total == pytest.approx(sim.peak_bytes, rel=0.03)
 
 
 def test_bf16_mixed_precision_within_10_percent(simulations):

@@ -125,13 +125,14 @@ def test_lora_memory_parts_by_hand():
     assert one.params == 6032
     # Full fine-tune: 1864 x (4 + 4 + 8) = 29,824 of states.
     assert toy_memory(ParallelDims(), lora=None).states == 29_824
-    # FSDP over 2: every part halved (states 6472); DDP over 2 adds fp32 buckets for the
-    # adapters' gradients only (576 x 4 = 2304; a full fine-tune's: 1864 x 4).
+    # FSDP over 2: every part halved (states 6472); DDP over 2 holds fp32 buckets for the
+    # adapters' gradients only, the gradients themselves, in every phase (576 x 4 = 2304;
+    # a full fine-tune's: 1864 x 4).
     fsdp = toy_memory(ParallelDims(dp_shard=2, fsdp=True))
     assert fsdp.states == (6032 + 2304 + 4608) / 2
     ddp = toy_memory(ParallelDims(dp_replicate=2), precision="fp32")
-    assert ddp.buffers == 2304  # every phase (a CPU device: no cuBLAS workspace)
-    assert toy_memory(ParallelDims(dp_replicate=2), "fp32", lora=None).buffers == 1864 * 4
+    assert (ddp.grads, ddp.buffers) == (2304, 0)  # (a CPU device: no cuBLAS workspace)
+    assert toy_memory(ParallelDims(dp_replicate=2), "fp32", lora=None).grads == 1864 * 4
     # fp32: the frozen base stays 4 bytes: 1864 x 4 + 576 x 4 = 9760.
     assert toy_memory(ParallelDims(), precision="fp32").params == 9760
 

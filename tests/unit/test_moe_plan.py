@@ -46,10 +46,10 @@ def test_model_states_of_three_layouts_by_hand():
     single = memory(ParallelDims())
     assert single.states == 16 * (DENSE + EXPERTS)
     # DDP over 4 with the experts split 2 ways: each rank holds the dense parameters and
-    # half of the experts, and DDP's buckets hold their gradients again.
+    # half of the experts, and DDP's buckets hold their gradients (as views) in every phase.
     ddp = memory(ParallelDims(dp_replicate=4, ep=2))
     assert ddp.states == 16 * (DENSE + EXPERTS / 2)
-    assert ddp.buffers == 4 * (DENSE + EXPERTS / 2)
+    assert (ddp.grads, ddp.buffers) == (4 * (DENSE + EXPERTS / 2), 0)
     # FSDP over 4, ep 2: the dense ones sharded 4 ways, each half of the experts over the
     # 4 / 2 = 2 ranks of its efsdp group; at the head's backward the root (embeddings,
     # final norm, head: 32,832) is gathered, and the last of the 2 blocks, kept gathered

@@ -81,15 +81,20 @@ def test_single():
     assert (est.total, est.phase) == (16000, "optimizer step")
 
 
-def test_ddp_adds_gradient_buckets():
-    # As single, plus DDP's buckets: a second fp32 copy of the gradients, 1000x4 (DDP docs,
-    # gradient_as_bucket_view: "the saved memory size will be equal to the total gradients
-    # size"); they live through the whole step.
+def test_ddp_keeps_its_gradients_in_its_buckets():
+    # DDP's buckets, a fp32 copy of the gradients (1000x4), exist from wrapping on, and
+    # the gradients are views of them (gradient_as_bucket_view): one copy, held from
+    # backward through the optimizer step. 16000, as one process at its step.
     est = memory_of(W, "ddp", 2)
-    assert parts(est) == (4000, 4000, 8000, None, 4000)
+    assert parts(est) == (4000, 4000, 8000, None, 0)
+    assert est.total == memory_of(W, "single", 1).total == 16000
+    # Accumulating under no_sync writes fresh gradients beside the buckets: 4000 more.
+    est = memory_of(W, "ddp", 2, grad_accum=2)
+    assert parts(est) == (4000, 8000, 8000, None, 0)
     assert est.total == 20000
-    # A world of one all-reduces nothing.
-    assert memory_of(W, "ddp", 1).buffers == 0
+    # A world of one all-reduces nothing: no buckets, and no gradients in backward.
+    assert memory_of(W, "ddp", 1) == memory_of(W, "single", 1)
+    assert parts(memory_of(W, "single", 1)) == (4000, 4000, 8000, None, 0)  # at its step
 
 
 def test_fsdp_full_on_world_4():
@@ -419,21 +424,21 @@ def test_world_1_that_fits_is_single():
 
 
 def test_world_2_that_fits_is_ddp():
-    # Replica with buckets 20000 bytes <= budget 80000; fsdp fits too but is not simpler.
+    # Replica with its buckets 16000 bytes <= budget 80000; fsdp fits too but is not simpler.
     d = _auto(W, 2, 100_000, 0.2)
     assert (d.strategy, d.cpu_offload) == ("ddp", False)
-    assert d.estimate.total == 20000
-    assert "20.0 KB" in d.reason  # fmt_bytes(20000)
+    assert d.estimate.total == 16000
+    assert "16.0 KB" in d.reason  # fmt_bytes(16000)
     assert "80.0 KB" in d.reason and "100.0 KB" in d.reason
 
 
 def test_replica_too_big_but_sharded_fits_is_fsdp():
-    # World 4: replica 20000 > budget 15000 >= fsdp full 12000 (over 2: 16000, no).
+    # World 4: replica 16000 > budget 15000 >= fsdp full 12000 (over 2: 16000, no).
     d = _auto(W, 4, 15_000, 0.0)
     assert (d.strategy, d.cpu_offload, d.replicate) == ("fsdp", False, 1)
     assert d.estimate.total == 12000
-    assert d.replica.total == 20000
-    assert fmt_bytes(20000) in d.reason and fmt_bytes(12000) in d.reason
+    assert d.replica.total == 16000
+    assert fmt_bytes(16000) in d.reason and fmt_bytes(12000) in d.reason
 
 
 def test_shard_mode_is_passed_through():

@@ -10,8 +10,11 @@ the shard degree where the strategy shards them.
 Transient buffers, per strategy:
 - single / ddp under bf16 or fp16 autocast: the 16-bit copy of every weight a matmul used
   in forward, saved for backward (autocast's cast cache).
-- ddp: its gradient buckets, a second copy of every gradient ("gradient_as_bucket_view ...
-  the saved memory size will be equal to the total gradients size", DDP docs).
+- ddp: its gradient buckets, allocated when DDP wraps the model and held for the whole
+  run, counted as gradients: trainwise's DDP keeps the gradients as views of them
+  (`gradient_as_bucket_view`), so a replica holds one copy of its gradients through the
+  step, and a second only while micro-batches accumulate under `no_sync`, which writes
+  fresh gradients beside the buckets.
 - fsdp full (reshard_after_forward=True): the unsharded `param_dtype` parameters of the block
   in use and of the one prefetched, plus its unsharded gradient and the `reduce_dtype` copy
   that is reduce-scattered; the last block's stay gathered from its forward to its
@@ -165,7 +168,7 @@ class MemoryEstimate:
     grads: float
     optimizer: float
     activations: float | None
-    buffers: float  # autocast copies, DDP buckets, gathered FSDP units, optimizer temporaries
+    buffers: float  # autocast copies, gathered FSDP units, optimizer temporaries
     phase: str = ""  # "head backward", "block backward", "end of a block's backward", ...
     overhead: float = 0.0  # CUDA context and allocator fragmentation (an assumption)
     host: float = 0.0  # host memory this worker needs (cpu offload)
@@ -497,8 +500,8 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Peak bytes on one device for `setup` (`w` at its micro-batch and checkpointing),
     plus the runtime's own `runtime_bytes` per worker (measured by a calibration) in its
-    overhead. Without FSDP every rank holds a replica (DDP adds its buckets over
-    dp_replicate > 1 ranks); FSDP shards over the dp_shard ranks of a group (HSDP
+    overhead. Without FSDP every rank holds a replica (DDP's buckets over dp_replicate > 1
+    ranks hold its gradients from backward on); FSDP shards over the dp_shard ranks of a group (HSDP
     replicates the groups, which costs no memory). With tp > 1 the device holds one
     tensor-parallel rank's share (plan.tensor_parallel). `setup.accumulate` (FSDP with
     grad_accum > 1): "unsharded" keeps full gradients between micro-batches, "sharded"
@@ -512,8 +515,8 @@ def estimate_memory(
       block and the prefetched next one gathered;
     - end of a block's backward (FSDP): its unsharded gradients and their reduce-scatter
       copy, the sharded gradients, and the activations still held below it;
-    - optimizer step: parameters, gradients, optimizer state, DDP's buckets, and foreach
-      AdamW's temporaries (one fp32 value per parameter: `_foreach_sqrt`).
+    - optimizer step: parameters, gradients, optimizer state, and foreach AdamW's
+      temporaries (one fp32 value per parameter: `_foreach_sqrt`).
     """
     if (w.micro_batch, w.ac) != (setup.micro_batch, setup.ac):
         w = replace(w, micro_batch=setup.micro_batch, ac=setup.ac)
@@ -544,14 +547,16 @@ def _replicated(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
     # a profiled model's sample run counted them among its activations)
     measured = w.shape is None and w.profile is not None and w.profile.run is not None
     copies = _autocast_copies(w, n, dims.tp) if w.precision != "fp32" and not measured else 0.0
-    buckets = n * MASTER_BYTES if dims.dp_replicate > 1 else 0.0
     p, g = frozen * c + n * MASTER_BYTES, n * MASTER_BYTES
     o = n * OPTIMIZER_STATE_BYTES[w.optimizer]
-    g_bwd = g * w.grads_held if setup.grad_accum > 1 else 0.0
+    # DDP's buckets hold the gradients (their views) through the whole step, beside the
+    # gradients no_sync's micro-batches accumulate
+    buckets = g if dims.dp_replicate > 1 else 0.0
+    g_bwd = (g * w.grads_held if setup.grad_accum > 1 else 0.0) + buckets
     phases = {
-        "head backward": (p, g_bwd, o, prof and prof.head, buckets + copies),
-        "block backward": (p, g_bwd, o, prof and prof.block, buckets + copies),
-        "optimizer step": (p, g, o, prof and 0.0, buckets + n * _step_temp(w, device)),
+        "head backward": (p, g_bwd, o, prof and prof.head, copies),
+        "block backward": (p, g_bwd, o, prof and prof.block, copies),
+        "optimizer step": (p, g, o, prof and 0.0, n * _step_temp(w, device)),
     }
     return _at_peak(phases, device, states=p + g + o)
 

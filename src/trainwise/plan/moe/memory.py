@@ -294,14 +294,13 @@ def moe_memory(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
         # block's being recomputed (plan.model.memory._autocast_copies)
         held_copies = p.root + p.block if w.ac == SELECTIVE_OP else whole
         copies = held_copies * c if w.precision != "fp32" else 0.0
-        buckets = whole * MASTER_BYTES if dims.dp_size > 1 else 0.0
         params, grads, states = whole * MASTER_BYTES, whole * MASTER_BYTES, whole * opt
-        g_bwd = grads * w.grads_held if accumulating else 0.0
+        buckets = grads if dims.dp_size > 1 else 0.0  # DDP's: the gradients (plan.model.memory)
+        g_bwd = (grads * w.grads_held if accumulating else 0.0) + buckets
         phases = {
-            "head backward": (params, g_bwd, states, prof.head, buckets + copies),
-            "block backward": (params, g_bwd, states, prof.block, buckets + copies),
-            "optimizer step": (params, grads, states, 0.0,
-                               buckets + whole * _step_temp(w, device)),
+            "head backward": (params, g_bwd, states, prof.head, copies),
+            "block backward": (params, g_bwd, states, prof.block, copies),
+            "optimizer step": (params, grads, states, 0.0, whole * _step_temp(w, device)),
         }
         return _at_peak(phases, device, states=params + grads + states)
     prof = moe_activations(w, False, device, dims.tp, setup.sequence_parallel)

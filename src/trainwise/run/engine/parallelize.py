@@ -71,8 +71,13 @@ def apply_compile(blocks: list[nn.Module]) -> None:
 def apply_ddp(
     model: nn.Module, device: torch.device, group: dist.ProcessGroup | None = None
 ) -> nn.Module:
+    """DDP with the gradients as views of its all-reduce buckets (Accelerate's and
+    Lightning's `gradient_as_bucket_view`): no copy of every gradient into its bucket and
+    back each step, and no second copy of them held (plan.model.memory counts it so)."""
     ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, process_group=group)
+    return DistributedDataParallel(
+        model, device_ids=ids, process_group=group, gradient_as_bucket_view=True
+    )
 
 
 def apply_fsdp(
