@@ -17,12 +17,14 @@ machine falls on both alike):
 
 Where trainwise chooses better than the plain loop, it keeps its choice, as a user gets it:
 AdamW's fused step, DDP's gradients as views of its all-reduce buckets
-(`gradient_as_bucket_view`, Accelerate's and Lightning's option), the last block kept
+(`gradient_as_bucket_view`, Accelerate's and Lightning's option) and no broadcast before
+each forward of buffers the state dict does not save (the small model's rotary tables:
+`broadcast_buffers`, now `forward_sync_buffers`, a collective a step), the last block kept
 gathered from forward to backward under FSDP (torchtitan's default), and glibc's malloc
 thresholds fixed in a CPU job's workers (run/engine/host_allocator.py). The same math
 computed another way ends at the same loss within the check below. To time the
 framework's own cost alone, give the raw loop trainwise's choices (`--same-choices`: its
-fused AdamW, bucket views and last block kept gathered, bench/raw_loop.py --as-trainwise,
+fused AdamW, DDP's options and last block kept gathered, bench/raw_loop.py --as-trainwise,
 and host_allocator's thresholds by environment, which trainwise then keeps).
 
 Both get the same number of workers, micro batch, steps, fp32, and OMP_NUM_THREADS=1.

@@ -44,6 +44,7 @@ from trainwise.models import ModelSpec, build_model
 from trainwise.models.pipeline import split_gpt
 from trainwise.run.engine.materialize import materialize
 from trainwise.run.engine.optim import build_scheduler
+from trainwise.run.engine.parallelize import has_persistent_buffers
 
 # trainwise's defaults (config/schema.py), spelled out so that the loop stands alone.
 SEQ_LEN = 64
@@ -67,7 +68,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--as-trainwise", action="store_true",
                    help="trainwise's choices where a plain loop's differ: AdamW fused (a "
                    "group per tensor kind), under ddp the gradients as views of its "
-                   "buckets, and under fsdp the last block kept gathered")
+                   "buckets and no broadcast of buffers that are not saved, and under "
+                   "fsdp the last block kept gathered")
     return p.parse_args()
 
 
@@ -76,12 +78,18 @@ def meta_model(spec: ModelSpec):
         return build_model(spec)
 
 
-def build_ddp(spec: ModelSpec, bucket_view: bool = False):
-    """Whole weights first (DDP checks the replicas at wrapping), then DDP (`bucket_view`:
-    the gradients as views of its buckets, as trainwise's apply_ddp)."""
+def build_ddp(spec: ModelSpec, as_trainwise: bool = False):
+    """Whole weights first (DDP checks the replicas at wrapping), then DDP (`as_trainwise`:
+    the gradients as views of its buckets, and the buffers broadcast before each forward
+    only where one is persistent, as trainwise's apply_ddp)."""
     bundle = meta_model(spec)
-    materialize(bundle.module, bundle.init_parameter, SEED, torch.device("cpu"))
-    return DistributedDataParallel(bundle.module, gradient_as_bucket_view=bucket_view), bundle
+    module = bundle.module
+    materialize(module, bundle.init_parameter, SEED, torch.device("cpu"))
+    if not as_trainwise:
+        return DistributedDataParallel(module), bundle
+    return DistributedDataParallel(
+        module, gradient_as_bucket_view=True, forward_sync_buffers=has_persistent_buffers(module)
+    ), bundle
 
 
 def build_fsdp(spec: ModelSpec, world: int, keep_last: bool = False):
@@ -194,7 +202,7 @@ def main() -> None:
     )
     spec = ModelSpec(name=args.model, vocab_size=info.vocab_size, seq_len=SEQ_LEN)
     if args.layout == "ddp":
-        model, bundle = build_ddp(spec, bucket_view=args.as_trainwise)
+        model, bundle = build_ddp(spec, as_trainwise=args.as_trainwise)
     elif args.layout == "fsdp":
         model, bundle = build_fsdp(spec, world, keep_last=args.as_trainwise)
     elif args.layout == "tp":

@@ -124,3 +124,31 @@ def test_a_forward_without_backward_is_resharded_after_it():
         assert gathered() == set()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def one_rank_gloo(tmp_path):
+    """A real gloo group of one rank, in this process."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("model", "broadcasts"), [("small", False), ("moe-tiny", True)])
+def test_ddp_broadcasts_only_persistent_buffers_and_keeps_gradients_in_its_buckets(
+    one_rank_gloo, model, broadcasts
+):
+    # small: rotary tables, left out of the state dict; moe-tiny: the routers' bias, saved.
+    from trainwise.run.engine.parallelize import apply_ddp, has_persistent_buffers
+
+    bundle = build_model(ModelSpec(model, vocab_size=64, seq_len=16))
+    assert list(bundle.module.buffers())
+    assert has_persistent_buffers(bundle.module) is broadcasts
+    ddp = apply_ddp(bundle.module, torch.device("cpu"))
+    assert ddp.forward_sync_buffers is broadcasts
+    x = torch.randint(0, 64, (2, 16))
+    bundle.loss_fn(ddp(x), x).backward()
+    grads = [p.grad for p in ddp.parameters() if p.grad is not None]
+    # views of a few flat buckets, not a tensor each
+    assert len({g.untyped_storage().data_ptr() for g in grads}) < len(grads) / 4

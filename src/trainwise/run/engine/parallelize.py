@@ -73,11 +73,24 @@ def apply_ddp(
 ) -> nn.Module:
     """DDP with the gradients as views of its all-reduce buckets (Accelerate's and
     Lightning's `gradient_as_bucket_view`): no copy of every gradient into its bucket and
-    back each step, and no second copy of them held (plan.model.memory counts it so)."""
+    back each step, and no second copy of them held (plan.model.memory counts it so).
+    Its broadcast of the buffers before every forward only where one is persistent (at
+    wrapping it syncs them all)."""
     ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(
-        model, device_ids=ids, process_group=group, gradient_as_bucket_view=True
+        model, device_ids=ids, process_group=group, gradient_as_bucket_view=True,
+        forward_sync_buffers=has_persistent_buffers(model),
     )
+
+
+def has_persistent_buffers(model: nn.Module) -> bool:
+    """Whether `model` has a buffer its state dict saves (BatchNorm's running statistics,
+    a MoE router's bias): state that training changes, which DDP keeps equal on every
+    rank by broadcasting rank 0's before each forward. Buffers left out of the state dict
+    (a rotary table) are computed from the configuration, alike on every rank: that
+    broadcast would be a collective a step for nothing."""
+    saved = model.state_dict(keep_vars=True).keys()
+    return any(name in saved for name, _ in model.named_buffers())
 
 
 def apply_fsdp(
