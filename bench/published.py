@@ -208,7 +208,20 @@ layout its preset does not have. yanring/Megatron-MoE-ModelZoo
 best_practice/mixtral/run_mixtral_8x22B.sh (e8650517d): Mixtral-8x22B on 128 H100, TP 2 x
 PP 8 (VPP 7) x EP 8, "around 465 TFLOPS" forced balanced in BF16: an approximate figure,
 with Transformer Engine's TP communication overlap on (--tp-comm-overlap, not modelled, as
-async TP), and blockwise FP8 beside it.
+async TP), and blockwise FP8 beside it. Read later in December 2026: the BF16 twin of that
+30B row, Megatron-Bridge's model-verification card
+(examples/model_verification_cards/qwen3-30b-a3b/card.yaml, `pretrain` on H100, run at
+5b9d9cf5: 16 H100 on 2 nodes, EP 16, MBS 1, GBS 1024, no recompute, ZeRO-1, HybridEP, no
+all-to-all overlap, 8,654.602 tokens/s/GPU): its network between the nodes is not stated
+(EP 16 spans them), its routing is natural on real data over steps 91-100 of a run from
+scratch (the card calls its functional figures sanity checks), and it needs what the
+planner does not price: HybridEP's hierarchical dispatch (a token crosses the network once
+per remote node, then NVLink) and a distributed optimizer without FSDP's per-micro-batch
+work (the nearest trainwise layout, FSDP grad_op with ep 16, plans 4,569, host-bound on
+FSDP2's hooks). Its `pretrain_performance` item (13,011) overlaps the all-to-all. The
+MoE Parallel Folding paper (arXiv 2504.14960: Mixtral-8x22B and Qwen2-57B-A14B on 64 to
+1024 H100) states no micro-batch, virtual stages or recompute, and trains with token
+dropping at capacity factor 1.
 """
 
 from __future__ import annotations
