@@ -135,14 +135,18 @@ def one_rank_gloo(tmp_path):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("model", "broadcasts"), [("small", False), ("moe-tiny", True)])
+@pytest.mark.parametrize(("model", "ac", "broadcasts"), [
+    ("small", "none", False), ("moe-tiny", "none", True), ("moe-tiny", "full", True),
+])
 def test_ddp_broadcasts_only_persistent_buffers_and_keeps_gradients_in_its_buckets(
-    one_rank_gloo, model, broadcasts
+    one_rank_gloo, model, ac, broadcasts
 ):
-    # small: rotary tables, left out of the state dict; moe-tiny: the routers' bias, saved.
+    # small: rotary tables, left out of the state dict; moe-tiny: the routers' bias, saved,
+    # also where checkpointing's wrapper renames it in the state dict.
     from trainwise.run.engine.parallelize import apply_ddp, has_persistent_buffers
 
     bundle = build_model(ModelSpec(model, vocab_size=64, seq_len=16))
+    apply_ac(bundle.module, list(bundle.blocks), ac)
     assert list(bundle.module.buffers())
     assert has_persistent_buffers(bundle.module) is broadcasts
     ddp = apply_ddp(bundle.module, torch.device("cpu"))

@@ -88,9 +88,12 @@ def has_persistent_buffers(model: nn.Module) -> bool:
     a MoE router's bias): state that training changes, which DDP keeps equal on every
     rank by broadcasting rank 0's before each forward. Buffers left out of the state dict
     (a rotary table) are computed from the configuration, alike on every rank: that
-    broadcast would be a collective a step for nothing."""
-    saved = model.state_dict(keep_vars=True).keys()
-    return any(name in saved for name, _ in model.named_buffers())
+    broadcast would be a collective a step for nothing. Asked of each module, not by name:
+    a wrapper (checkpointing's, compile's) renames a buffer in its state dict."""
+    return any(
+        buffer is not None and name not in module._non_persistent_buffers_set
+        for module in model.modules() for name, buffer in module._buffers.items()
+    )
 
 
 def apply_fsdp(
