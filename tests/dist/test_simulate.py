@@ -140,8 +140,8 @@ def simulations() -> dict:
     up its own fake process group)."""
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
+        # the slowest first
         cases = [*LORA_CASES, *SELECTIVE_OP_CASES, BF16, *TP_CASES, *CASES, DDP_STATES]
-        # (the slowest first)
         cases = runnable(cases, SLOW_CASES)
         return dict(zip(cases, pool.map(_simulate, cases), strict=True))
 

@@ -500,9 +500,9 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Peak bytes on one device for `setup` (`w` at its micro-batch and checkpointing),
     plus the runtime's own `runtime_bytes` per worker (measured by a calibration) in its
-    overhead. Without FSDP every rank holds a replica (DDP's buckets over dp_replicate > 1
-    ranks hold its gradients from backward on); FSDP shards over the dp_shard ranks of a group (HSDP
-    replicates the groups, which costs no memory). With tp > 1 the device holds one
+    overhead. Without FSDP every rank holds a replica (DDP's buckets over dp_replicate >
+    1 ranks hold its gradients from backward on); FSDP shards over the dp_shard ranks of a
+    group (HSDP replicates the groups, which costs no memory). With tp > 1 the device holds one
     tensor-parallel rank's share (plan.tensor_parallel). `setup.accumulate` (FSDP with
     grad_accum > 1): "unsharded" keeps full gradients between micro-batches, "sharded"
     reduce-scatters every micro-batch and keeps only the shard.
@@ -549,16 +549,22 @@ def _replicated(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
     copies = _autocast_copies(w, n, dims.tp) if w.precision != "fp32" and not measured else 0.0
     p, g = frozen * c + n * MASTER_BYTES, n * MASTER_BYTES
     o = n * OPTIMIZER_STATE_BYTES[w.optimizer]
-    # DDP's buckets hold the gradients (their views) through the whole step, beside the
-    # gradients no_sync's micro-batches accumulate
-    buckets = g if dims.dp_replicate > 1 else 0.0
-    g_bwd = (g * w.grads_held if setup.grad_accum > 1 else 0.0) + buckets
+    g_bwd = replica_backward_grads(g, dims.dp_replicate > 1, setup.grad_accum > 1, w.grads_held)
     phases = {
         "head backward": (p, g_bwd, o, prof and prof.head, copies),
         "block backward": (p, g_bwd, o, prof and prof.block, copies),
         "optimizer step": (p, g, o, prof and 0.0, n * _step_temp(w, device)),
     }
     return _at_peak(phases, device, states=p + g + o)
+
+
+def replica_backward_grads(
+    grads: float, replicated: bool, accumulating: bool, held: float = 1.0
+) -> float:
+    """Gradient bytes a replica holds in backward: DDP's buckets where it is `replicated`
+    (the gradients themselves, as their views, through the whole step), and beside them
+    the `held` share of the gradients no_sync's micro-batches accumulate."""
+    return (grads * held if accumulating else 0.0) + (grads if replicated else 0.0)
 
 
 def _autocast_copies(w: Workload, trained: float, tp: int) -> float:

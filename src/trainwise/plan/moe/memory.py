@@ -52,6 +52,7 @@ from trainwise.plan.model.memory import (
     _step_temp,
     checkpointed_blocks,
     loss_bytes,
+    replica_backward_grads,
 )
 from trainwise.plan.model.precision import BYTES, MASTER_BYTES, OPTIMIZER_STATE_BYTES
 from trainwise.plan.model.selective_op import SELECTIVE_OP, kept
@@ -295,8 +296,7 @@ def moe_memory(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
         held_copies = p.root + p.block if w.ac == SELECTIVE_OP else whole
         copies = held_copies * c if w.precision != "fp32" else 0.0
         params, grads, states = whole * MASTER_BYTES, whole * MASTER_BYTES, whole * opt
-        buckets = grads if dims.dp_size > 1 else 0.0  # DDP's: the gradients (plan.model.memory)
-        g_bwd = (grads * w.grads_held if accumulating else 0.0) + buckets
+        g_bwd = replica_backward_grads(grads, dims.dp_size > 1, accumulating, w.grads_held)
         phases = {
             "head backward": (params, g_bwd, states, prof.head, copies),
             "block backward": (params, g_bwd, states, prof.block, copies),
