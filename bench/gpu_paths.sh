@@ -1,8 +1,11 @@
 #!/bin/bash
 # The CUDA paths bench/gpu_validate.py does not take, one after the other, each with the
 # end of its output unfiltered: checkpoints (sync, then async with pinned staging),
-# continued to more steps; the fine-tune example on one GPU (Hugging Face load, packing,
-# export); the doctor's smoke and memory checks. About 2 minutes on one H200.
+# continued to more steps; the non-finite guard's CUDA path (a NaN at step 6 skipped on the
+# device, its verdict copied to pinned memory and read a step later: run/engine/guard.py)
+# and what that saves against a host read (bench/optimizer_step.py --device cuda); the
+# fine-tune example on one GPU (Hugging Face load, packing, export); the doctor's smoke and
+# memory checks. About 3 minutes on one H200.
 #   bash bench/gpu_paths.sh            (from the repository root, trainwise importable)
 # Known open finding (first run, torch 2.11, one H200): the async run committed its
 # saves of steps 5 and 10 and then ended without its summary; cause not yet seen.
@@ -27,6 +30,18 @@ for mode in false true; do
     --run-dir "ck-$mode" 2>&1 | tail -6; echo "  exit ${PIPESTATUS[0]}"
   saves "ck-$mode"
 done
+echo "== the non-finite guard on CUDA: NaN at step 6, train.nonfinite=skip, 10 steps"
+TRAINWISE_FAULTS="nan@step=6" timeout 200 python3 -m trainwise train --steps 10 "${G[@]}" \
+  --set 'train.nonfinite="skip"' --run-dir guard 2>&1 | tail -4; echo "  exit ${PIPESTATUS[0]}"
+python3 -c "import json, math, sys
+run = sys.argv[1]
+skipped = [e['step'] for e in map(json.loads, open(run + '/events.jsonl')) if e['kind'] == 'nonfinite']
+loss = {r['step']: r['loss'] for r in map(json.loads, open(run + '/metrics.jsonl')) if 'loss' in r}
+bad = sorted(s for s, v in loss.items() if not math.isfinite(v))
+ok = skipped == [6] and bad == [6] and sorted(loss) == list(range(1, 11))
+print('  guard', 'OK' if ok else 'WRONG', {'skipped': skipped, 'non-finite losses': bad, 'steps': len(loss)})" guard
+echo "== AdamW's step and the guard's two ways on CUDA (bench/optimizer_step.py)"
+timeout 200 python3 "$ROOT/bench/optimizer_step.py" --device cuda --models small,gpt2-124m --rounds 5 2>&1 | tail -9
 echo "== the fine-tune example on one GPU (60 steps)"
 timeout 240 python3 "$ROOT/examples/finetune/run.py" --out "$WORK/ft" --nproc 1 --steps 60 2>&1 | tail -5
 echo "== doctor: smoke and memory"
