@@ -549,11 +549,32 @@ def _replicated(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
     copies = _autocast_copies(w, n, dims.tp) if w.precision != "fp32" and not measured else 0.0
     p, g = frozen * c + n * MASTER_BYTES, n * MASTER_BYTES
     o = n * OPTIMIZER_STATE_BYTES[w.optimizer]
-    g_bwd = replica_backward_grads(g, dims.dp_replicate > 1, setup.grad_accum > 1, w.grads_held)
+    return replica_peak(
+        (p, g, o), prof, copies, n * _step_temp(w, device), w, device,
+        replicated=dims.dp_replicate > 1, accumulating=setup.grad_accum > 1,
+    )
+
+
+def replica_peak(
+    states: tuple[float, float, float],
+    prof: ActivationProfile | None,
+    copies: float,
+    step_temp: float,
+    w: Workload,
+    device: str,
+    *,
+    replicated: bool,
+    accumulating: bool,
+) -> MemoryEstimate:
+    """The peak of a replica (one process, or DDP; a dense model's or a MoE's) from its
+    parameter, gradient and optimizer-state bytes (`states`), its activations, autocast's
+    weight `copies` (held through backward) and the optimizer step's temporaries."""
+    p, g, o = states
+    g_bwd = replica_backward_grads(g, replicated, accumulating, w.grads_held)
     phases = {
         "head backward": (p, g_bwd, o, prof and prof.head, copies),
         "block backward": (p, g_bwd, o, prof and prof.block, copies),
-        "optimizer step": (p, g, o, prof and 0.0, n * _step_temp(w, device)),
+        "optimizer step": (p, g, o, prof and 0.0, step_temp),
     }
     return _at_peak(phases, device, states=p + g + o)
 

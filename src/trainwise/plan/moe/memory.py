@@ -52,7 +52,7 @@ from trainwise.plan.model.memory import (
     _step_temp,
     checkpointed_blocks,
     loss_bytes,
-    replica_backward_grads,
+    replica_peak,
 )
 from trainwise.plan.model.precision import BYTES, MASTER_BYTES, OPTIMIZER_STATE_BYTES
 from trainwise.plan.model.selective_op import SELECTIVE_OP, kept
@@ -295,14 +295,11 @@ def moe_memory(w: Workload, setup: Setup, device: str) -> MemoryEstimate:
         # block's being recomputed (plan.model.memory._autocast_copies)
         held_copies = p.root + p.block if w.ac == SELECTIVE_OP else whole
         copies = held_copies * c if w.precision != "fp32" else 0.0
-        params, grads, states = whole * MASTER_BYTES, whole * MASTER_BYTES, whole * opt
-        g_bwd = replica_backward_grads(grads, dims.dp_size > 1, accumulating, w.grads_held)
-        phases = {
-            "head backward": (params, g_bwd, states, prof.head, copies),
-            "block backward": (params, g_bwd, states, prof.block, copies),
-            "optimizer step": (params, grads, states, 0.0, whole * _step_temp(w, device)),
-        }
-        return _at_peak(phases, device, states=params + grads + states)
+        return replica_peak(
+            (whole * MASTER_BYTES, whole * MASTER_BYTES, whole * opt), prof, copies,
+            whole * _step_temp(w, device), w, device,
+            replicated=dims.dp_size > 1, accumulating=accumulating,
+        )
     prof = moe_activations(w, False, device, dims.tp, setup.sequence_parallel)
     reduce_copy = MASTER_BYTES if w.reduce_dtype == "fp32" and c != MASTER_BYTES else 0
     blocks = whole - p.root
