@@ -40,9 +40,7 @@ def gpt_tp_plan(model: GPT, sequence_parallel: bool) -> list[dict[str, ParallelS
     # Between blocks the residual stream is a slice of the sequence (sp) or a replica.
     stream = Shard(1) if sp else Replicate()
     learned_pos = model.pos_emb is not None
-    names = list(model.blocks.keys()) if isinstance(model.blocks, nn.ModuleDict) else [
-        str(i) for i in range(len(model.blocks))
-    ]
+    names = block_names(model)
     plan: dict[str, ParallelStyle] = {}
     if model.tok_emb is not None:  # the embedding, or a last stage's copy of a tied head
         # Position embeddings are added to the whole sequence, so with them the token
@@ -72,20 +70,34 @@ def gpt_tp_plan(model: GPT, sequence_parallel: bool) -> list[dict[str, ParallelS
         if sp:
             plan[f"{b}.norm1"] = SequenceParallel()
             plan[f"{b}.norm2"] = SequenceParallel()
-    if model.norm is None:  # a pipeline stage before the last: no head
+    return with_head(model, plan, sp, stream)
+
+
+def block_names(model: nn.Module) -> list[str]:
+    """The names of `model.blocks` (a pipeline stage's ModuleDict keeps the whole model's)."""
+    if isinstance(model.blocks, nn.ModuleDict):
+        return list(model.blocks.keys())
+    return [str(i) for i in range(len(model.blocks))]
+
+
+def with_head(
+    model: nn.Module, plan: dict[str, ParallelStyle], sp: bool, stream: Shard | Replicate
+) -> list[dict[str, ParallelStyle]]:
+    """A blocks model's plan (the GPT's, the MoE family's) completed with its final norm
+    and output layer, whose logits stay sharded by vocabulary (a DTensor, for
+    loss_parallel); a pipeline stage before the last holds neither."""
+    if model.norm is None:
         return [plan]
     if sp:
         plan["norm"] = SequenceParallel()
-    # Logits sharded by vocabulary (a DTensor) for loss_parallel.
-    head: dict[str, ParallelStyle] = {}
     if model.lm_head is not None:
         plan["lm_head"] = ColwiseParallel(
             input_layouts=stream, output_layouts=Shard(-1), use_local_output=False
         )
-    else:
-        # Tied: the head is F.linear with the row-split embedding, which DTensor computes
-        # column-parallel once the final norm hands it a replicated DTensor.
-        head["norm"] = PrepareModuleOutput(
-            output_layouts=stream, desired_output_layouts=Replicate(), use_local_output=False
-        )
-    return [plan, head] if head else [plan]
+        return [plan]
+    # Tied: the head is F.linear with the row-split embedding, which DTensor computes
+    # column-parallel once the final norm hands it a replicated DTensor.
+    head = {"norm": PrepareModuleOutput(
+        output_layouts=stream, desired_output_layouts=Replicate(), use_local_output=False
+    )}
+    return [plan, head]

@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -55,9 +55,11 @@ from trainwise.objects import first_line
 __all__ = [
     "SINGLE_STAGE", "V_SHAPED", "ZERO_BUBBLE", "ModuleCut", "StageInfo", "default_microbatches",
     "module_cut", "module_problems", "placement", "rank_stages", "schedule_problems",
-    "split_gpt", "split_module", "split_stage", "stage_info", "stage_layers", "stage_range",
+    "split_blocks", "split_gpt", "split_module", "split_stage", "stage_info", "stage_layers",
+    "stage_range",
 ]
 
+M = TypeVar("M", bound=nn.Module)
 _STAGE = "_trainwise_stage"  # the attribute of a stage that holds its StageInfo
 _FIX = '(docs/parallelism.md, "Your own model in stages"), or use parallel.pp = 1'
 
@@ -159,10 +161,19 @@ def schedule_problems(
 
 
 def split_gpt(model: GPT, stage: int, stages: int) -> GPT:
-    """Stage `stage` of `stages` of `model` (built on the meta device): a GPT that shares
-    the blocks of its range with `model` and holds the whole model's parameter names."""
+    """Stage `stage` of `stages` of `model` (built on the meta device): split_blocks, the
+    learned position embedding (if any) on the first stage with the token embedding."""
+    return split_blocks(model, stage, stages, first_only=("pos_emb",))
+
+
+def split_blocks(model: M, stage: int, stages: int, first_only: tuple[str, ...] = ()) -> M:
+    """Stage `stage` of `stages` of a blocks model (the GPT, the MoE family's; built on
+    the meta device): a model of its class that shares the blocks of its range with
+    `model` and holds the whole model's parameter names; the token embedding (and the
+    modules named in `first_only`) on the first stage, the final norm and the head on the
+    last, where a tied head is a copy of the embedding."""
     first, last = stage == 0, stage == stages - 1
-    part = GPT.__new__(GPT)
+    part = type(model).__new__(type(model))
     nn.Module.__init__(part)
     # Its plain attributes (shape, training, the parts a shape lacks as None), then its
     # modules: the same objects, so the blocks are the bundle's (FSDP and AC units).
@@ -173,7 +184,8 @@ def split_gpt(model: GPT, stage: int, stages: int) -> GPT:
     )
     part.embeds = first
     if not first:
-        part.pos_emb = None
+        for name in first_only:
+            setattr(part, name, None)
         tied_head = last and model.lm_head is None
         part.tok_emb = copy.deepcopy(model.tok_emb) if tied_head else None
     if not last:

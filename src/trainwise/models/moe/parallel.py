@@ -28,8 +28,6 @@ returns (activations, the balancing loss so far), which the next takes.
 
 from __future__ import annotations
 
-import copy
-
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -38,15 +36,14 @@ from torch.distributed.tensor.parallel import (
     ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
-    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
 )
 
+from trainwise.models.gpt_parallel import block_names, with_head
 from trainwise.models.moe.expert_parallel import ExpertParallel
 from trainwise.models.moe.layers import GroupedExperts
 from trainwise.models.moe.model import MoEModel
-from trainwise.models.stage_split import stage_range
 
 
 def _feed_forward(prefix: str, output: object) -> dict[str, ParallelStyle]:
@@ -96,9 +93,7 @@ def moe_tp_plan(model: MoEModel, sequence_parallel: bool) -> list[dict[str, Para
     plan: dict[str, ParallelStyle] = {}
     if model.tok_emb is not None:
         plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
-    names = list(model.blocks.keys()) if isinstance(model.blocks, nn.ModuleDict) else [
-        str(i) for i in range(len(model.blocks))
-    ]
+    names = block_names(model)
     gather = dict(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
     for block, i in zip(model.layers(), names, strict=True):
         b = f"blocks.{i}"
@@ -124,20 +119,7 @@ def moe_tp_plan(model: MoEModel, sequence_parallel: bool) -> list[dict[str, Para
         if sp:
             plan[f"{b}.norm1"] = SequenceParallel()
             plan[f"{b}.norm2"] = SequenceParallel()
-    if model.norm is None:  # a pipeline stage before the last: no head
-        return [plan]
-    if sp:
-        plan["norm"] = SequenceParallel()
-    head: dict[str, ParallelStyle] = {}
-    if model.lm_head is not None:
-        plan["lm_head"] = ColwiseParallel(
-            input_layouts=stream, output_layouts=Shard(-1), use_local_output=False
-        )
-    else:  # tied: F.linear with the row-split embedding, as the GPT's
-        head["norm"] = PrepareModuleOutput(
-            output_layouts=stream, desired_output_layouts=Replicate(), use_local_output=False
-        )
-    return [plan, head] if head else [plan]
+    return with_head(model, plan, sp, stream)  # as the GPT's
 
 
 def moe_ep_plan(model: nn.Module, timer: object = None) -> dict[str, ParallelStyle]:
@@ -149,27 +131,8 @@ def moe_ep_plan(model: nn.Module, timer: object = None) -> dict[str, ParallelSty
 
 
 def split_moe(model: MoEModel, stage: int, stages: int) -> MoEModel:
-    """Stage `stage` of `stages` of `model` (built on the meta device): a MoEModel sharing
-    the blocks of its range (and the AuxBox) with `model`, under the whole model's names;
-    the embedding on the first stage, the final norm and head on the last, a tied head a
-    copy of the embedding there."""
-    from trainwise.models.pipeline import _STAGE, StageInfo
+    """Stage `stage` of `stages` of `model` (built on the meta device), split as the
+    GPT's (models.pipeline.split_blocks), sharing its blocks and its AuxBox."""
+    from trainwise.models.pipeline import split_blocks
 
-    first, last = stage == 0, stage == stages - 1
-    part = MoEModel.__new__(MoEModel)
-    nn.Module.__init__(part)
-    part.__dict__.update({k: v for k, v in vars(model).items() if not k.startswith("_")})
-    part._modules.update(model._modules)
-    part.blocks = nn.ModuleDict(
-        {str(i): model.blocks[i] for i in stage_range(len(model.blocks), stages, stage)}
-    )
-    part.embeds = first
-    if not first:
-        tied_head = last and model.lm_head is None
-        part.tok_emb = copy.deepcopy(model.tok_emb) if tied_head else None
-    if not last:
-        part.norm = None
-        part.lm_head = None
-    ties = {"tok_emb.weight": "tok_emb.weight"} if model.lm_head is None else {}
-    part.__dict__[_STAGE] = StageInfo("blocks", ties)
-    return part
+    return split_blocks(model, stage, stages)
