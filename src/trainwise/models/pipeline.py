@@ -4,9 +4,9 @@ torchtitan's `pipeline_module_split` cuts its models. Every parameter of a stage
 whole model's name (so a checkpoint is the same whatever the split), and every stage
 carries a `StageInfo` (stage_info) that tells the engine what it holds.
 
-The built-in GPT (split_gpt): the blocks of its range in a ModuleDict keyed by their
-index, the embeddings on the first stage only, the final norm and head on the last only;
-its forward skips what a stage lacks. A tied head (tie_embeddings) becomes a copy of the
+The built-in GPT and the MoE family (split_blocks; split_gpt): the blocks of its range in
+a ModuleDict keyed by their index, the embeddings on the first stage only, the final norm
+and head on the last only; its forward skips what a stage lacks. A tied head (tie_embeddings) becomes a copy of the
 token embedding on the last stage, under the same name.
 
 Your own module (split_module; docs/parallelism.md, "Your own model in stages"), cut by
@@ -86,17 +86,15 @@ def stage_layers(part: nn.Module) -> list[nn.Module]:
 
 
 def split_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
-    """Stage `stage` of `stages` of `model` (built on the meta device): the GPT's split, the
-    MoE model's (models.moe.parallel: the same), or your own module's by the convention (the job's checks refused one that does not
-    follow it)."""
+    """Stage `stage` of `stages` of `model` (built on the meta device): the GPT's split,
+    the MoE model's (the same: split_blocks), or your own module's by the convention (the
+    job's checks refused one that does not follow it)."""
     if isinstance(model, GPT):
         return split_gpt(model, stage, stages)
     from trainwise.models.moe.model import MoEModel
 
     if isinstance(model, MoEModel):
-        from trainwise.models.moe.parallel import split_moe
-
-        return split_moe(model, stage, stages)
+        return split_blocks(model, stage, stages)
     return split_module(model, stage, stages, module_cut(model, "the model"))
 
 

@@ -20,7 +20,6 @@ _LAZY = {
     "Router": "layers",
     "GroupedExperts": "layers",
     "moe_tp_plan": "parallel",
-    "split_moe": "parallel",
     "moe_ep_plan": "parallel",
     "ExpertParallel": "expert_parallel",
     "step_load": "load",

@@ -21,8 +21,8 @@ Expert parallelism (parallel.ep) shards the routed experts: an ExpertParallel st
 tensor-parallel ranks together (ParallelDims.expert_dims): the tokens of a tp group's
 ranks are different tokens, as those of data-parallel ranks.
 
-Pipeline stages: the GPT's split (models.stage_split: the embeddings and the head weigh a
-layer each), each stage keeping the whole model's parameter names; a stage before the last
+Pipeline stages: the GPT's split (models.pipeline.split_blocks; models.stage_split: the
+embeddings and the head weigh a layer each), each stage keeping the whole model's parameter names; a stage before the last
 returns (activations, the balancing loss so far), which the next takes.
 """
 
@@ -128,11 +128,3 @@ def moe_ep_plan(model: nn.Module, timer: object = None) -> dict[str, ParallelSty
     all-to-alls' spans go)."""
     style = ExpertParallel(timer)
     return {name: style for name, m in model.named_modules() if isinstance(m, GroupedExperts)}
-
-
-def split_moe(model: MoEModel, stage: int, stages: int) -> MoEModel:
-    """Stage `stage` of `stages` of `model` (built on the meta device), split as the
-    GPT's (models.pipeline.split_blocks), sharing its blocks and its AuxBox."""
-    from trainwise.models.pipeline import split_blocks
-
-    return split_blocks(model, stage, stages)

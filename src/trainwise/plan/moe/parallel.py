@@ -102,7 +102,7 @@ def stage_shape(shape: MoEShape, blocks: int, first: bool) -> MoEShape:
 def outer_parts(shape: MoEShape) -> tuple[float, float]:
     """Parameters of (the embeddings' stage's extra: the token embedding, the head's
     stage's extra: the final norm and the head, or a tied head's copy of the embedding,
-    which the runtime's last stage holds: models.moe.parallel.split_moe)."""
+    which the runtime's last stage holds: models.pipeline.split_blocks)."""
     v, d = shape.vocab_size, shape.d_model
     return float(v * d), float(d + v * d)
 
