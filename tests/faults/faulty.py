@@ -75,6 +75,13 @@ def kill(pid: int, sig: int = signal.SIGKILL) -> None:
     os.kill(pid, sig)
 
 
+def thread_names(pid: int) -> list[str]:
+    """The names of a live process's threads (Linux /proc). A paused worker's threads all
+    started long before, so each bears the name it gave itself."""
+    tasks = Path(f"/proc/{pid}/task")
+    return sorted((t / "comm").read_text().strip() for t in tasks.iterdir())
+
+
 def finish(proc: subprocess.Popen, limit: float | None = None) -> tuple[int, str, str]:
     """The run's exit status and output. `limit`: hang_limit's for what is left of it
     (default: two launches of STEPS steps: a fault's restart is a second launch)."""

@@ -1,7 +1,8 @@
 """A worker SIGKILLed mid-run: torchrun's elastic agent restarts the group, the workers
 resume from the last checkpoint, and the run ends with weights bit-identical to the same
 run left alone. A kill while a checkpoint is being written leaves a partial directory
-that the next start removes; the previous checkpoint is used."""
+that the next start removes; the previous checkpoint is used. The killed worker (ddp,
+fsdp) held one gloo group, the job's: no side group beside the step."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from faulty import (
     job_args,
     kill,
     start,
+    thread_names,
     wait_for_pid,
 )
 
@@ -36,6 +38,10 @@ def test_sigkill_restart_resumes_exactly(workdir: Path, reference: References, s
     broken = workdir / "broken"
     proc = start(job_args(broken, 2, strategy), workdir, faults="pause@step=10,rank=1")
     pid = wait_for_pid(proc, broken / "faults" / "pause-step-10.pid")
+    # A training worker holds one gloo group, the job's: each more one is an event loop
+    # waking every 10 ms beside the step (docs/development.md), one thread it names so.
+    threads = thread_names(pid)
+    assert threads.count("gloo_tcp_loop") == 1, threads
     kill(pid)  # after step 10; the last checkpoint is step 8
     rc, out, err = finish(proc)
     assert rc == 0, err

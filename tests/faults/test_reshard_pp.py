@@ -12,6 +12,7 @@ that visits each layout and crosses pp both ways (pp -> fsdp -> fsdp x tp -> pp)
    parts) resumes that run's step-8 checkpoint.
 
 Each continues the losses of the pp run; the restart after the kill repeats them exactly;
+the killed worker held one gloo group, the job's;
 the first step's loss is transformers' on the first batch (each stage loaded its own
 tensors); `export --format hf` of the pp run gives the trained model's logits. The
 unit tests of the states over several parts are tests/unit/test_checkpoint_parts.py."""
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from faulty import fault_limit, finish, job_args, kill, start, wait_for_pid
+from faulty import fault_limit, finish, job_args, kill, start, thread_names, wait_for_pid
 
 from helpers import read_records, run_cli, run_main, tiny_llama
 
@@ -68,7 +69,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     tiny_llama(root / "llama", vocab=VOCAB, layers=LAYERS)
     pp = root / "pp"
     proc = start(_args(root, "pp", "pp2"), root, faults="pause@step=11,rank=1")
-    kill(wait_for_pid(proc, pp / "faults" / "pause-step-11.pid"))
+    pid = wait_for_pid(proc, pp / "faults" / "pause-step-11.pid")
+    threads = thread_names(pid)  # of the last stage's worker, paused after step 11
+    kill(pid)
     rc, _, err = finish(proc)
     assert rc == 0, err[-3000:]
     assert "resuming from step 8" in err
@@ -77,7 +80,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
                    "--set", "checkpoint.interval=2", "--set", "checkpoint.keep_last=4")
     tp = _resume(root, "tp", "fsdp2_tp2", fsdp, 6)
     back = _resume(root, "pp-again", "pp2_interleaved", tp, 8)
-    return {"root": root, "pp": pp, "fsdp": fsdp, "tp": tp, "pp_again": back}
+    return {"root": root, "pp": pp, "fsdp": fsdp, "tp": tp, "pp_again": back,
+            "threads": threads}
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -97,6 +101,13 @@ def test_a_worker_killed_under_pp_resumes_bit_exact(runs):
     assert repeated and min(repeated) == 9, sorted(repeated)  # the restart began at step 9
     for step, (first, again) in repeated.items():
         assert (first["loss"], first.get("grad_norm")) == (again["loss"], again.get("grad_norm")), step
+
+
+def test_a_pipeline_worker_holds_one_gloo_group(runs):
+    """The stages' sends, the tied head's gradients and the norm run on the job's own
+    group (pp 2 over 2 ranks): no other group, each of which would keep an event loop
+    waking every 10 ms beside the step (one thread of that name a group)."""
+    assert runs["threads"].count("gloo_tcp_loop") == 1, runs["threads"]
 
 
 def test_resumes_across_layouts_continue_the_pp_runs_losses(runs):
