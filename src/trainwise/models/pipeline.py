@@ -6,8 +6,9 @@ carries a `StageInfo` (stage_info) that tells the engine what it holds.
 
 The built-in GPT and the MoE family (split_blocks; split_gpt): the blocks of its range in
 a ModuleDict keyed by their index, the embeddings on the first stage only, the final norm
-and head on the last only; its forward skips what a stage lacks. A tied head (tie_embeddings) becomes a copy of the
-token embedding on the last stage, under the same name.
+and head on the last only; its forward skips what a stage lacks. A tied head
+(tie_embeddings) becomes a copy of the token embedding on the last stage, under the same
+name.
 
 Your own module (split_module; docs/parallelism.md, "Your own model in stages"), cut by
 torchtitan's convention: its repeated blocks in one ModuleList, ModuleDict or Sequential

@@ -22,8 +22,9 @@ tensor-parallel ranks together (ParallelDims.expert_dims): the tokens of a tp gr
 ranks are different tokens, as those of data-parallel ranks.
 
 Pipeline stages: the GPT's split (models.pipeline.split_blocks; models.stage_split: the
-embeddings and the head weigh a layer each), each stage keeping the whole model's parameter names; a stage before the last
-returns (activations, the balancing loss so far), which the next takes.
+embeddings and the head weigh a layer each), each stage keeping the whole model's
+parameter names; a stage before the last returns (activations, the balancing loss so
+far), which the next takes.
 """
 
 from __future__ import annotations
