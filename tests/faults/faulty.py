@@ -78,8 +78,11 @@ def kill(pid: int, sig: int = signal.SIGKILL) -> None:
 def thread_names(pid: int) -> list[str]:
     """The names of a live process's threads (Linux /proc). A paused worker's threads all
     started long before, so each bears the name it gave itself."""
-    tasks = Path(f"/proc/{pid}/task")
-    return sorted((t / "comm").read_text().strip() for t in tasks.iterdir())
+    names = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+            names.append((task / "comm").read_text().strip())
+    return sorted(names)
 
 
 def finish(proc: subprocess.Popen, limit: float | None = None) -> tuple[int, str, str]:
