@@ -500,12 +500,13 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Peak bytes on one device for `setup` (`w` at its micro-batch and checkpointing),
     plus the runtime's own `runtime_bytes` per worker (measured by a calibration) in its
-    overhead. Without FSDP every rank holds a replica (DDP's buckets over dp_replicate >
-    1 ranks hold its gradients from backward on); FSDP shards over the dp_shard ranks of a
-    group (HSDP replicates the groups, which costs no memory). With tp > 1 the device holds one
-    tensor-parallel rank's share (plan.tensor_parallel). `setup.accumulate` (FSDP with
-    grad_accum > 1): "unsharded" keeps full gradients between micro-batches, "sharded"
-    reduce-scatters every micro-batch and keeps only the shard.
+    overhead. Without FSDP every rank holds a replica (DDP's buckets over
+    dp_replicate > 1 ranks hold its gradients from backward on); FSDP shards over the
+    dp_shard ranks of a group (HSDP replicates the groups, which costs no memory). With
+    tp > 1 the device holds one tensor-parallel rank's share (plan.tensor_parallel).
+    `setup.accumulate` (FSDP with grad_accum > 1): "unsharded" keeps full gradients
+    between micro-batches, "sharded" reduce-scatters every micro-batch and keeps only the
+    shard.
 
     The phases whose largest is the peak (gradients join the first two when micro-batches
     accumulate into them):
@@ -570,22 +571,16 @@ def replica_peak(
     parameter, gradient and optimizer-state bytes (`states`), its activations, autocast's
     weight `copies` (held through backward) and the optimizer step's temporaries."""
     p, g, o = states
-    g_bwd = replica_backward_grads(g, replicated, accumulating, w.grads_held)
+    # In backward: DDP's buckets where `replicated` (the gradients themselves, as their
+    # views, through the whole step), beside the `grads_held` share of the gradients
+    # no_sync's micro-batches accumulate.
+    g_bwd = (g * w.grads_held if accumulating else 0.0) + (g if replicated else 0.0)
     phases = {
         "head backward": (p, g_bwd, o, prof and prof.head, copies),
         "block backward": (p, g_bwd, o, prof and prof.block, copies),
         "optimizer step": (p, g, o, prof and 0.0, step_temp),
     }
     return _at_peak(phases, device, states=p + g + o)
-
-
-def replica_backward_grads(
-    grads: float, replicated: bool, accumulating: bool, held: float = 1.0
-) -> float:
-    """Gradient bytes a replica holds in backward: DDP's buckets where it is `replicated`
-    (the gradients themselves, as their views, through the whole step), and beside them
-    the `held` share of the gradients no_sync's micro-batches accumulate."""
-    return (grads * held if accumulating else 0.0) + (grads if replicated else 0.0)
 
 
 def _autocast_copies(w: Workload, trained: float, tp: int) -> float:
